@@ -1,0 +1,318 @@
+"""Typed configuration for every part of megatron_smp.
+
+These dataclasses are the single source of truth; `training/arguments.py` maps
+Megatron's command-line flags onto them and `smp.init` maps the SMP v2 JSON keys
+onto them. This module imports nothing of ours.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message names the flag and what would work."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of every parallelism. World size = tp * cp * dp * pp (ep divides dp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    # None: derived from the world size at init.
+    data_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    # SMP v2 sharded data parallelism: shard params/grads/optimizer state within groups of
+    # this many ranks (0 = off, i.e. plain data parallelism).
+    hybrid_shard_degree: int = 0
+
+    def validate(self, world_size: int) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and value >= 1,
+                f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
+            )
+        model_parallel = (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+        _require(
+            world_size % model_parallel == 0,
+            f"world size {world_size} is not divisible by tensor-model-parallel-size "
+            f"({self.tensor_model_parallel_size}) x context-parallel-size "
+            f"({self.context_parallel_size}) x pipeline-model-parallel-size "
+            f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
+            f"{model_parallel} processes or change the degrees",
+        )
+        data_parallel = world_size // model_parallel
+        if self.data_parallel_size is not None:
+            _require(
+                self.data_parallel_size == data_parallel,
+                f"world size {world_size} is not tp x cp x pp x dp: with tp="
+                f"{self.tensor_model_parallel_size}, cp={self.context_parallel_size}, pp="
+                f"{self.pipeline_model_parallel_size} the data-parallel size must be "
+                f"{data_parallel}, not {self.data_parallel_size}",
+            )
+        _require(
+            data_parallel % self.expert_model_parallel_size == 0,
+            f"--expert-model-parallel-size ({self.expert_model_parallel_size}) must divide "
+            f"the data-parallel size ({data_parallel})",
+        )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron silently disables it; we do the same, it is harmless.
+            self.sequence_parallel = False
+        if self.virtual_pipeline_model_parallel_size is not None:
+            _require(
+                self.pipeline_model_parallel_size > 1,
+                "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1",
+            )
+        _require(
+            self.hybrid_shard_degree >= 0 and (
+                self.hybrid_shard_degree == 0 or data_parallel % self.hybrid_shard_degree == 0
+            ),
+            f"hybrid_shard_degree ({self.hybrid_shard_degree}) must be 0 or divide the "
+            f"data-parallel size ({data_parallel})",
+        )
+
+
+@dataclass
+class TransformerConfig:
+    """Shape and numerics of a decoder-only transformer (GPT, Llama, Mistral, Mixtral).
+
+    `vocab_size` is the tokenizer's true vocabulary; the embedding is padded to a multiple of
+    `make_vocab_size_divisible_by * tensor_model_parallel_size` and the padded rows never
+    take part in the loss or in returned logits.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    ffn_hidden_size: Optional[int] = None
+    num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    make_vocab_size_divisible_by: int = 128
+
+    normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"  # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU)
+    gated_linear_unit: bool = False
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute"|"rope"|"alibi"|"none"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    # GPT-NeoX: attention and MLP read the same input and add into one residual.
+    parallel_residual: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    # Megatron scales the init of output projections by 1/sqrt(2 * num_layers).
+    use_scaled_init_method: bool = True
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = True
+
+    params_dtype: torch.dtype = torch.float32
+    fp16: bool = False
+    bf16: bool = False
+    sequence_parallel: bool = False
+
+    # Mixture of experts (0 = dense).
+    num_moe_experts: int = 0
+    moe_router_topk: int = 2
+
+    # Memory.
+    recompute_granularity: Optional[str] = None  # None | "full" | "selective"
+    recompute_method: Optional[str] = None  # "uniform" | "block"
+    recompute_num_layers: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None) -> None:
+        tp = parallel.tensor_model_parallel_size
+        _require(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
+        _require(
+            self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
+            f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+            f"({self.num_attention_heads}), or set --kv-channels",
+        )
+        _require(
+            self.num_attention_heads % tp == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+            f"--num-query-groups ({self.num_query_groups})",
+        )
+        _require(
+            self.num_query_groups % tp == 0,
+            f"--num-query-groups ({self.num_query_groups}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            self.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            self.normalization in ("LayerNorm", "RMSNorm"),
+            f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}",
+        )
+        _require(
+            self.position_embedding_type in ("learned_absolute", "rope", "alibi", "none"),
+            "--position-embedding-type must be one of learned_absolute, rope, alibi, none; got "
+            f"{self.position_embedding_type!r}",
+        )
+        _require(
+            not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
+        )
+        if seq_length is not None:
+            _require(
+                self.position_embedding_type != "learned_absolute"
+                or seq_length <= self.max_position_embeddings,
+                f"--seq-length ({seq_length}) must not exceed --max-position-embeddings "
+                f"({self.max_position_embeddings})",
+            )
+        if parallel.sequence_parallel and seq_length is not None:
+            _require(
+                seq_length % (tp * parallel.context_parallel_size) == 0,
+                f"--seq-length ({seq_length}) must be divisible by tensor-model-parallel-size"
+                f" x context-parallel-size ({tp * parallel.context_parallel_size}) with "
+                "--sequence-parallel",
+            )
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"  # "adam" | "sgd"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    lr_decay_style: str = "linear"  # "constant" | "linear" | "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    fp16: bool = False
+    bf16: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # fp16 loss scaling: None = dynamic.
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    ddp_bucket_size: Optional[int] = None
+    ddp_average_in_collective: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = True
+
+    def validate(self) -> None:
+        _require(
+            self.optimizer in ("adam", "sgd"),
+            f"--optimizer must be adam or sgd, got {self.optimizer!r}",
+        )
+        _require(
+            self.lr_decay_style in ("constant", "linear", "cosine"),
+            f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}",
+        )
+        _require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        _require(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer",
+        )
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # None: micro_batch_size * data-parallel size
+    seq_length: int = 1024
+    train_iters: int = 100
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    tensorboard_dir: Optional[str] = None
+    pipeline_schedule: str = "interleaved"  # SMP: "simple" | "interleaved"
+    exit_interval: Optional[int] = None
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size
+        per_step = self.micro_batch_size * data_parallel_size
+        _require(
+            global_batch % per_step == 0,
+            f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
+            f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}",
+        )
+        return global_batch // per_step
+
+
+@dataclass
+class DataConfig:
+    data_path: list = field(default_factory=list)  # Megatron's "[weight] prefix ..." list
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str = "NullTokenizer"
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+    data_cache_path: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    ckpt_format: str = "torch_dist"  # "torch_dist" | "torch"
+    async_save: bool = False

@@ -1,0 +1,365 @@
+"""Process groups and ranks for every parallelism, built once and passed explicitly.
+
+Ranks are laid out in Megatron's order tp-cp-ep-dp-pp (tp varies fastest):
+
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+
+Expert parallelism splits the data-parallel dimension: dp_rank = ep_rank + EP * expert_dp_rank,
+so the ranks of one expert-parallel group are consecutive data-parallel replicas.
+
+Nothing in the library reads a global group: a module that needs a group takes the
+`ParallelState` (or the group itself) in its constructor.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, ParallelConfig
+
+# Dimension order, fastest-varying first. "ep" is not a separate axis (it splits dp).
+_ORDER = ("tp", "cp", "dp", "pp")
+
+
+def _env_int(*names: str) -> Optional[int]:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value != "":
+            return int(value)
+    return None
+
+
+def launcher_world_size() -> int:
+    """World size announced by torchrun or SLURM, or 1 for a plain `python script.py`."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", "SLURM_NTASKS") or 1
+
+
+def launcher_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", "SLURM_PROCID") or 0
+
+
+def launcher_local_rank() -> int:
+    return _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+
+
+def default_device() -> torch.device:
+    """The accelerator of this process when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", launcher_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    backend: Optional[str] = None, timeout: Optional[datetime.timedelta] = None
+) -> None:
+    """Initialise torch.distributed from the launcher's environment, if not done already.
+
+    Works under torchrun (env://), under SLURM srun (SLURM_PROCID/SLURM_NTASKS with
+    MASTER_ADDR/MASTER_PORT exported by the batch script) and in a plain single process
+    (an in-memory store, so collectives are legal no-ops and nothing listens on a port).
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    world_size = launcher_world_size()
+    rank = launcher_rank()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(default_device())
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(
+        backend, init_method="env://", rank=rank, world_size=world_size, **kwargs
+    )
+
+
+def _rank_of(coords: Dict[str, int], sizes: Dict[str, int]) -> int:
+    rank, stride = 0, 1
+    for dim in _ORDER:
+        rank += coords[dim] * stride
+        stride *= sizes[dim]
+    return rank
+
+
+def rank_groups(sizes: Dict[str, int], dims: Sequence[str]) -> List[List[int]]:
+    """All groups of global ranks that differ only along `dims` (in grid order).
+
+    >>> rank_groups({"tp": 2, "cp": 1, "dp": 2, "pp": 1}, ["dp"])
+    [[0, 2], [1, 3]]
+    """
+    other = [d for d in _ORDER if d not in dims]
+    groups = []
+    for fixed in itertools.product(*(range(sizes[d]) for d in reversed(other))):
+        fixed_coords = dict(zip(reversed(other), fixed))
+        members = []
+        # Enumerate the varying dims with the first of _ORDER fastest.
+        varying = [d for d in _ORDER if d in dims]
+        for values in itertools.product(*(range(sizes[d]) for d in reversed(varying))):
+            coords = dict(fixed_coords)
+            coords.update(zip(reversed(varying), values))
+            members.append(_rank_of(coords, sizes))
+        groups.append(sorted(members))
+    groups.sort()
+    return groups
+
+
+@dataclass
+class ParallelState:
+    """Ranks and process groups of one training job.
+
+    `*_group` are torch.distributed process groups; `*_ranks` the global ranks they hold.
+    Groups of size one are real (single-member) groups, so collectives on them are no-ops.
+    """
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    sizes: Dict[str, int]
+    coords: Dict[str, int]
+    groups: Dict[str, dist.ProcessGroup] = field(repr=False)
+    group_ranks: Dict[str, List[int]]
+    expert_model_parallel_size: int = 1
+    expert_model_parallel_rank: int = 0
+
+    # Convenience views --------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.groups["pp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.groups["dp"]
+
+    @property
+    def cp_size(self) -> int:
+        return self.sizes["cp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.groups["cp"]
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same (non-expert) parameters: grads are reduced over this group."""
+        return self.groups["dp_cp"]
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.sizes["dp"] * self.sizes["cp"]
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.group_ranks["dp_cp"].index(self.rank)
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_model_parallel_rank
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.groups["ep"]
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same experts: expert grads are reduced over this group."""
+        return self.groups["expert_dp"]
+
+    @property
+    def model_parallel_group(self) -> dist.ProcessGroup:
+        """tp x pp: the ranks that together hold one copy of the model (for grad norms)."""
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self) -> Optional[dist.ProcessGroup]:
+        """First and last pipeline stage of this tp/cp/dp position (tied embeddings)."""
+        return self.groups.get("embedding")
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_prev_rank(self) -> int:
+        ranks = self.group_ranks["pp"]
+        return ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def pp_next_rank(self) -> int:
+        ranks = self.group_ranks["pp"]
+        return ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def is_in_embedding_group(self) -> bool:
+        return self.rank in self.group_ranks.get("embedding", [])
+
+    def __repr__(self) -> str:  # keep logs short
+        dims = ", ".join(f"{d}={self.coords[d]}/{self.sizes[d]}" for d in _ORDER)
+        return f"ParallelState(rank={self.rank}/{self.world_size}, {dims}, ep={self.ep_rank}/{self.ep_size})"
+
+
+def build_parallel_state(
+    config: Optional[ParallelConfig] = None,
+    *,
+    backend: Optional[str] = None,
+    timeout: Optional[datetime.timedelta] = None,
+) -> ParallelState:
+    """Validate `config` against the world size, then create every process group.
+
+    The configuration is checked on every rank before the first collective, so a layout
+    that cannot work raises `ConfigError` everywhere instead of hanging.
+    """
+    config = config or ParallelConfig()
+    config.validate(launcher_world_size())
+    init_process_group(backend, timeout)
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    config.validate(world_size)
+
+    tp = config.tensor_model_parallel_size
+    cp = config.context_parallel_size
+    pp = config.pipeline_model_parallel_size
+    dp = world_size // (tp * cp * pp)
+    config.data_parallel_size = dp
+    ep = config.expert_model_parallel_size
+    if dp % ep != 0:
+        raise ConfigError(
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp})"
+        )
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    remainder = rank
+    coords = {}
+    for dim in _ORDER:
+        coords[dim] = remainder % sizes[dim]
+        remainder //= sizes[dim]
+
+    groups: Dict[str, dist.ProcessGroup] = {}
+    group_ranks: Dict[str, List[int]] = {}
+
+    def create(name: str, all_groups: List[List[int]]) -> None:
+        # Every rank must call new_group for every group, in the same order.
+        for members in all_groups:
+            group = dist.new_group(members)
+            if rank in members:
+                groups[name] = group
+                group_ranks[name] = members
+
+    create("tp", rank_groups(sizes, ["tp"]))
+    create("cp", rank_groups(sizes, ["cp"]))
+    create("dp", rank_groups(sizes, ["dp"]))
+    create("pp", rank_groups(sizes, ["pp"]))
+    create("dp_cp", rank_groups(sizes, ["cp", "dp"]))
+    create("mp", rank_groups(sizes, ["tp", "pp"]))
+    create("tp_cp", rank_groups(sizes, ["tp", "cp"]))
+
+    # Expert parallelism: consecutive data-parallel replicas form one ep group; replicas with
+    # the same ep rank hold the same experts.
+    dp_groups = rank_groups(sizes, ["dp"])
+    ep_groups, expert_dp_groups = [], []
+    for members in dp_groups:
+        for start in range(0, dp, ep):
+            ep_groups.append(members[start : start + ep])
+        for offset in range(ep):
+            expert_dp_groups.append(members[offset::ep])
+    create("ep", sorted(ep_groups))
+    create("expert_dp", sorted(expert_dp_groups))
+
+    # Embedding group: first and last pipeline stage, for tied input/output embeddings.
+    embedding_groups = []
+    for members in rank_groups(sizes, ["pp"]):
+        embedding_groups.append(sorted({members[0], members[-1]}))
+    create("embedding", embedding_groups)
+
+    ep_rank = group_ranks["ep"].index(rank)
+    return ParallelState(
+        config=config,
+        rank=rank,
+        world_size=world_size,
+        device=default_device(),
+        sizes=sizes,
+        coords=coords,
+        groups=groups,
+        group_ranks=group_ranks,
+        expert_model_parallel_size=ep,
+        expert_model_parallel_rank=ep_rank,
+    )
+
+
+def destroy_parallel_state() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_zero_print(state: Optional[ParallelState], *args, **kwargs) -> None:
+    rank = state.rank if state is not None else launcher_rank()
+    if rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+__all__ = [
+    "ParallelState",
+    "build_parallel_state",
+    "destroy_parallel_state",
+    "init_process_group",
+    "rank_groups",
+    "default_device",
+    "launcher_world_size",
+    "launcher_rank",
+    "rank_zero_print",
+]

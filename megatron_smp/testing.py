@@ -1,0 +1,177 @@
+"""Run a function on several gloo processes on one machine, never hanging.
+
+Used by the tests and the CPU benchmarks:
+
+    def body(rank, world_size, scale):          # module-level, so children can import it
+        state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=2))
+        return some_tensor * scale               # any picklable value
+
+    results = run_distributed(body, world_size=2, args=(3.0,))   # list, index = rank
+
+Children are forked from a forkserver that has imported torch once (fast start, and no
+thread pool inherited), run with one thread each, join a per-call file store (no port
+races), and get a collective timeout. The parent waits at most `timeout` seconds, then
+kills every child and raises.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CONTEXT
+
+
+def _child(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    init_file: str,
+    collective_timeout: float,
+    args: Sequence[Any],
+    kwargs: Dict[str, Any],
+    env: Dict[str, str],
+    results,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including SystemExit from argparse
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class DistributedTestError(RuntimeError):
+    pass
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    timeout: float = 180.0,
+    collective_timeout: float = 60.0,
+    env: Optional[Dict[str, str]] = None,
+    allow_errors: bool = False,
+) -> List[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` processes.
+
+    Returns the per-rank return values. If a rank raises, raises DistributedTestError
+    with that rank's traceback (or, with `allow_errors`, returns the traceback strings in
+    place of values, for tests that expect every rank to fail cleanly).
+    """
+    ctx = _context()
+    tmpdir = tempfile.mkdtemp(prefix="msmp_dist_")
+    init_file = os.path.join(tmpdir, "init")
+    results = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        proc = ctx.Process(
+            target=_child,
+            args=(
+                fn,
+                rank,
+                world_size,
+                init_file,
+                collective_timeout,
+                tuple(args),
+                dict(kwargs or {}),
+                dict(env or {}),
+                results,
+            ),
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+
+    outcome: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise DistributedTestError(
+                    f"ranks {missing} did not finish within {timeout:.0f} s; killed"
+                    + _format_errors(outcome)
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                outcome[rank] = (status, value)
+            except queue_module.Empty:
+                dead = [
+                    r for r, p in enumerate(procs)
+                    if r not in outcome and p.exitcode is not None
+                ]
+                if dead:
+                    # Give the queue a moment: the value may still be in flight.
+                    time.sleep(0.5)
+                    while True:
+                        try:
+                            rank, status, value = results.get_nowait()
+                            outcome[rank] = (status, value)
+                        except queue_module.Empty:
+                            break
+                    dead = [r for r in dead if r not in outcome]
+                    for r in dead:
+                        outcome[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if errors and not allow_errors:
+        raise DistributedTestError(_format_errors(outcome))
+    return [outcome[r][1] for r in range(world_size)]
+
+
+def _format_errors(outcome: Dict[int, Any]) -> str:
+    parts = [
+        f"\n--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"
+    ]
+    return "".join(parts)
+
+
+__all__ = ["run_distributed", "DistributedTestError"]

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_smp",
+    version="0.1.0",
+    description="Megatron-style training of GPT, Llama and MoE models with tensor, pipeline, "
+    "data, sharded-data, context and expert parallelism, with the SageMaker model-parallel API.",
+    packages=find_packages(include=["megatron_smp", "megatron_smp.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately a range: scripts/setup_env.sh pins the CPU build before this
+    # runs, and a GPU machine keeps whatever CUDA build it already has.
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "transformers>=4.45",
+        "sentencepiece",
+        "tensorboard",
+        "safetensors",
+        "tokenizers",
+    ],
+    extras_require={"test": ["pytest"]},
+)
