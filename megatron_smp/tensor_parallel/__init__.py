@@ -1,0 +1,42 @@
+"""Tensor parallelism: communication mappings, parallel layers, vocab-parallel loss, RNG."""
+from megatron_smp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megatron_smp.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron_smp.tensor_parallel.utils import (
+    divide,
+    init_method_normal,
+    param_is_not_tensor_parallel_duplicate,
+    scaled_init_method_normal,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "divide",
+    "init_method_normal",
+    "param_is_not_tensor_parallel_duplicate",
+    "scaled_init_method_normal",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+]

@@ -1,0 +1,405 @@
+"""Tensor-parallel linear and embedding layers.
+
+Each layer is a thin module over the communication functions of `mappings`:
+
+* `ColumnParallelLinear`  Y = X A^T with A split along its output rows: Y is split along
+  the last dim. Input replicated ([s, b, h]) or, with sequence parallelism, this rank's
+  sequence shard ([s/tp, b, h]) which is all-gathered first.
+* `RowParallelLinear`     A split along its input columns: takes the split activations and
+  sums the partial products over ranks (all-reduce, or reduce-scatter along dim 0 with
+  sequence parallelism). The bias is added once, after the reduction.
+* `VocabParallelEmbedding` the table split along the vocabulary.
+
+Initialisation does not depend on the tensor-parallel size: every weight's full master
+tensor is drawn on the CPU from the default generator, in construction order and identically
+on every rank, and each rank keeps its slice. Gathering the slices of a TP=k model therefore
+gives the TP=1 model built from the same seed.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel.mappings import (
+    ProcessGroup,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron_smp.tensor_parallel.utils import (
+    InitMethod,
+    divide,
+    set_tensor_model_parallel_attributes,
+)
+
+
+def _is_meta(device: Optional[torch.device]) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _draw_master_slice(
+    master_shape: Tuple[int, int],
+    init_method: InitMethod,
+    partition_dim: int,
+    stride: int,
+    tp_rank: int,
+    tp_size: int,
+    padded_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Draw the full master weight on the CPU and return this rank's slice (fp32, CPU).
+
+    `stride` > 1 splits the master into stride * tp chunks along `partition_dim` and gives
+    rank r the chunks r, r + tp, ... (Megatron's `_initialize_affine_weight_cpu`): a fused
+    [gate; up] weight then gives rank r gate chunk r and up chunk r.
+
+    `padded_size` zero-pads `partition_dim` after drawing, so padding rows neither consume
+    the RNG stream nor depend on the tensor-parallel size.
+    """
+    # Always the CPU default generator and fp32, whatever the target device and dtype: the
+    # numbers then do not depend on the device, the dtype or the tensor-parallel layout.
+    master = torch.empty(master_shape, dtype=torch.float32)
+    init_method(master)
+    if padded_size is not None and padded_size > master.shape[partition_dim]:
+        pad_shape = list(master.shape)
+        pad_shape[partition_dim] = padded_size - master.shape[partition_dim]
+        master = torch.cat([master, master.new_zeros(pad_shape)], dim=partition_dim)
+    chunk = divide(master.shape[partition_dim], tp_size * stride)
+    pieces = torch.split(master, chunk, dim=partition_dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=partition_dim)
+
+
+def _mark_expert(module: torch.nn.Module, is_expert: bool) -> None:
+    # Expert parameters differ across expert-parallel ranks: the data-parallel reduction
+    # must use the expert-data-parallel group instead of the full one.
+    for param in module.parameters(recurse=False):
+        param.allreduce = not is_expert
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Linear layer whose weight [output_size, input_size] is split along the output dim.
+
+    forward(x [s, b, input_size], weight=None) -> (output, output_bias)
+      * x is [s/tp, b, input_size] with sequence parallelism (all-gathered along dim 0 here).
+      * output is [s, b, output_size/tp], or [s, b, output_size] with `gather_output`.
+      * output_bias is None, or with `skip_bias_add` this rank's bias [output_size/tp], not added.
+
+    `weight=` supplies the weight (e.g. the tied word embedding [padded_vocab/tp, h]) of a
+    layer built with `skip_weight_param_allocation=True`. `true_output_size` (< output_size)
+    draws only that many output rows and zero-pads the rest (an untied output layer over a
+    padded vocabulary), keeping the init independent of the padding.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        tp_group: ProcessGroup,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+        skip_weight_param_allocation: bool = False,
+        sequence_parallel: Optional[bool] = None,
+        is_expert: bool = False,
+        true_output_size: Optional[int] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.init_method = init_method
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.stride = stride
+        self.is_expert = is_expert
+        self.sequence_parallel = (
+            config.sequence_parallel if sequence_parallel is None else sequence_parallel
+        ) and self.tp_size > 1
+        self.true_output_size = true_output_size
+        if true_output_size is not None and stride != 1:
+            raise ValueError("ColumnParallelLinear: true_output_size needs stride == 1")
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        dtype = config.params_dtype
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = torch.nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size, dtype=dtype, device=device)
+            )
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            self.bias = torch.nn.Parameter(
+                torch.empty(self.output_size_per_partition, dtype=dtype, device=device)
+            )
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+        _mark_expert(self, is_expert)
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)draw the weight from the default CPU generator and zero the bias. Called by the
+        constructor; call it after `to_empty()` on a module built on the meta device."""
+        if self.weight is not None:
+            rows = self.true_output_size or self.output_size
+            local = _draw_master_slice(
+                (rows, self.input_size),
+                self.init_method,
+                partition_dim=0,
+                stride=self.stride,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                padded_size=self.output_size,
+            )
+            self.weight.copy_(local)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(
+        self, x: torch.Tensor, weight: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True: "
+                    "pass weight= to forward"
+                )
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"ColumnParallelLinear: weight= has shape {tuple(weight.shape)}, expected "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        if self.sequence_parallel:
+            # Backward reduce-scatters: every rank's partial input grad covers the whole sequence.
+            x = gather_from_sequence_parallel_region(x, self.tp_group, True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(x, weight, bias)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
+        output_bias = self.bias if self.skip_bias_add else None
+        return output, output_bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition})"
+            f", tp={self.tp_size}, bias={self.bias is not None}, gather_output={self.gather_output}"
+            f", sequence_parallel={self.sequence_parallel}, stride={self.stride}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Linear layer whose weight [output_size, input_size] is split along the input dim.
+
+    forward(x [s, b, input_size/tp]) -> (output, output_bias)
+      * with `input_is_parallel=False` x is [s, b, input_size] and is split here.
+      * output is [s, b, output_size] summed over ranks, or [s/tp, b, output_size] with
+        sequence parallelism (reduce-scattered along dim 0).
+      * output_bias is None, or with `skip_bias_add` the bias [output_size], not added.
+
+    The bias is replicated; with sequence parallelism its gradient comes from this rank's
+    sequence shard only, so it is marked `sequence_parallel = True` and its gradient must be
+    all-reduced over the tensor-parallel group (like the norm weights).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        tp_group: ProcessGroup,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: Optional[bool] = None,
+        stride: int = 1,
+        is_expert: bool = False,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.init_method = init_method
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.stride = stride
+        self.is_expert = is_expert
+        self.sequence_parallel = (
+            config.sequence_parallel if sequence_parallel is None else sequence_parallel
+        ) and self.tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear: sequence parallelism needs input_is_parallel=True"
+            )
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        dtype = config.params_dtype
+
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(output_size, dtype=dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+        _mark_expert(self, is_expert)
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)draw the weight from the default CPU generator and zero the bias."""
+        local = _draw_master_slice(
+            (self.output_size, self.input_size),
+            self.init_method,
+            partition_dim=1,
+            stride=self.stride,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+        self.weight.copy_(local)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            output = output + self.bias
+        output_bias = self.bias if self.skip_bias_add else None
+        return output, output_bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size} (local {self.input_size_per_partition}), "
+            f"out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table [padded_vocab, h] split along the vocabulary.
+
+    `num_embeddings` is the true vocabulary; the table is padded to
+    `config.padded_vocab_size(tp)` rows (with `make_vocab_size_divisible_by`). Padded rows
+    are zero, are not drawn from the RNG and receive no gradient from valid ids.
+
+    forward(ids [b, s] or any shape) -> [..., h], summed over ranks.
+    With `reduce_scatter_embeddings=True` the caller passes ids [s, b] and gets this rank's
+    sequence shard [s/tp, b, h] (reduce-scattered along dim 0, for sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        config: TransformerConfig,
+        tp_group: ProcessGroup,
+        init_method: InitMethod,
+        reduce_scatter_embeddings: bool = False,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.init_method = init_method
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        # Pad the vocabulary we are given (which may differ from config.vocab_size) by the
+        # config's rule, so the padded size is the same everywhere it is computed.
+        if num_embeddings == config.vocab_size:
+            self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
+        else:
+            self.padded_vocab_size = config.replace(vocab_size=num_embeddings).padded_vocab_size(
+                self.tp_size
+            )
+        self.num_embeddings_per_partition = divide(self.padded_vocab_size, self.tp_size)
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        device = torch.device("cpu") if device is None else torch.device(device)
+
+        self.weight = torch.nn.Parameter(
+            torch.empty(
+                self.num_embeddings_per_partition,
+                embedding_dim,
+                dtype=config.params_dtype,
+                device=device,
+            )
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.weight.allreduce = True
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)draw the true-vocabulary rows from the default CPU generator; padding is zero."""
+        local = _draw_master_slice(
+            (self.num_embeddings, self.embedding_dim),
+            self.init_method,
+            partition_dim=0,
+            stride=1,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            padded_size=self.padded_vocab_size,
+        )
+        self.weight.copy_(local)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            # Ids owned by another rank look up row 0 and are zeroed; the all-reduce then
+            # fills them in from their owner.
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            output = F.embedding(local_ids, self.weight)
+            output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            output = F.embedding(input_ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings} (padded {self.padded_vocab_size}, local "
+            f"{self.num_embeddings_per_partition}), {self.embedding_dim}, tp={self.tp_size}"
+        )
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]

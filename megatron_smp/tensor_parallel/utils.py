@@ -1,0 +1,77 @@
+"""Small helpers shared by the tensor-parallel layers: init methods and parameter attributes."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+# Attributes every tensor-parallel-aware consumer reads (optimizer, grad norm, checkpoints).
+_TENSOR_PARALLEL_ATTRIBUTES = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Exact integer division; a shape that does not split evenly is a configuration error."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """In-place N(0, std) initialiser: `init(tensor)` fills `tensor` and returns it."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, std / sqrt(2 * num_layers)), Megatron's init for the projections that write into
+    the residual stream (two per layer), so the residual's variance does not grow with depth."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Mark `tensor` as split over tensor-parallel ranks along `dim` (or as replicated)."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give a parameter that no layer marked the attributes of a replicated parameter."""
+    for name, value in _TENSOR_PARALLEL_ATTRIBUTES.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    for name in _TENSOR_PARALLEL_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True when `param` should be counted on this rank in a norm over the model-parallel
+    group: split parameters count on every rank, replicated ones only on tp rank 0."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+__all__ = [
+    "divide",
+    "init_method_normal",
+    "scaled_init_method_normal",
+    "set_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "param_is_not_tensor_parallel_duplicate",
+]
