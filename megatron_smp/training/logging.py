@@ -1,0 +1,140 @@
+"""Timers, Megatron's per-interval log line, validation line and TensorBoard scalars."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Dict, Optional
+
+import torch
+
+from megatron_smp.config import TransformerConfig
+
+
+def synchronize(device: torch.device) -> None:
+    """Make wall-clock timings honest on an accelerator (kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._start: Optional[float] = None
+        self.elapsed_total = 0.0
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        elapsed = time.perf_counter() - self._start
+        self.elapsed_total += elapsed
+        self._start = None
+        return elapsed
+
+    def elapsed(self, reset: bool = True) -> float:
+        value = self.elapsed_total
+        if reset:
+            self.elapsed_total = 0.0
+        return value
+
+
+def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,
+                        padded_vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3x forward), no recompute.
+
+    Per token and layer: QKV 2*h*(h + 2*kv), attention scores and values 2*2*s*h (full
+    square, as Megatron counts), output projection 2*h*h, MLP 2*h*f*(3 if gated else 2);
+    plus the logits 2*h*V.
+    """
+    h = config.hidden_size
+    kv = config.num_query_groups * config.kv_channels
+    q = config.num_attention_heads * config.kv_channels
+    f = config.ffn_hidden_size
+    per_layer = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h
+    per_layer += 2 * h * f * (3 if config.gated_linear_unit else 2)
+    per_token = config.num_layers * per_layer + 2 * h * padded_vocab_size
+    return 3.0 * per_token * seq_length * global_batch_size
+
+
+class TrainingLogger:
+    """Prints Megatron's log lines on the logging rank and writes TensorBoard scalars there."""
+
+    def __init__(self, is_logging_rank: bool, tensorboard_dir: Optional[str], train_iters: int):
+        self.is_logging_rank = is_logging_rank
+        self.train_iters = train_iters
+        self.writer = None
+        if is_logging_rank and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+
+    def print(self, text: str) -> None:
+        if self.is_logging_rank:
+            print(text, flush=True)
+
+    def training_line(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        elapsed_ms: float,
+        learning_rate: float,
+        global_batch_size: int,
+        losses: Dict[str, float],
+        loss_scale: float,
+        grad_norm: Optional[float],
+        skipped_iterations: int,
+        nan_iterations: int,
+        tokens_per_second: float,
+        tflops: float,
+    ) -> str:
+        line = f" iteration {iteration:8d}/{self.train_iters:8d} |"
+        line += f" consumed samples: {consumed_samples:12d} |"
+        line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+        line += f" throughput (tokens/s): {tokens_per_second:.1f} |"
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
+        line += f" learning rate: {learning_rate:.6E} |"
+        line += f" global batch size: {global_batch_size:5d} |"
+        for key, value in losses.items():
+            line += f" {key}: {value:.6E} |"
+        line += f" loss scale: {loss_scale:.1f} |"
+        if grad_norm is not None:
+            line += f" grad norm: {grad_norm:.3f} |"
+        line += f" number of skipped iterations: {skipped_iterations:3d} |"
+        line += f" number of nan iterations: {nan_iterations:3d} |"
+        self.print(line)
+        if self.writer is not None:
+            w = self.writer
+            w.add_scalar("learning-rate", learning_rate, iteration)
+            w.add_scalar("batch-size", global_batch_size, iteration)
+            for key, value in losses.items():
+                w.add_scalar(key, value, iteration)
+            w.add_scalar("loss-scale", loss_scale, iteration)
+            if grad_norm is not None:
+                w.add_scalar("grad-norm", grad_norm, iteration)
+            w.add_scalar("iteration-time", elapsed_ms / 1000.0, iteration)
+            w.add_scalar("throughput-tokens-per-sec", tokens_per_second, iteration)
+        return line
+
+    def validation_line(self, prefix: str, iteration: int, losses: Dict[str, float]) -> str:
+        line = f" {prefix} loss at iteration {iteration} |"
+        for key, value in losses.items():
+            ppl = math.exp(min(20.0, value))
+            line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
+            if self.writer is not None:
+                self.writer.add_scalar(f"{key} validation", value, iteration)
+                self.writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+        length = len(line) + 1
+        self.print("-" * length + "\n" + line + "\n" + "-" * length)
+        return line
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def print_error(message: str) -> None:
+    print(f"megatron_smp: error: {message}", file=sys.stderr, flush=True)

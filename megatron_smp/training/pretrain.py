@@ -1,0 +1,327 @@
+"""The training loop: `pretrain(...)` wires config, parallel state, model, optimizer, data.
+
+Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and call it:
+
+    model_provider(configs, state, pre_process=True, post_process=True, **stage) -> nn.Module
+    train_valid_test_datasets_provider(train_val_test_num_samples, configs, tokenizer)
+        -> (train_ds, valid_ds, test_ds)
+    forward_step(data_iterator, model) -> (output_tensor, loss_func)
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+from megatron_smp.parallel_state import ParallelState, build_parallel_state
+from megatron_smp.pipeline_parallel.schedules import ScheduleHooks, get_forward_backward_func
+from megatron_smp.training.arguments import Configs, parse_args
+from megatron_smp.training.logging import Timer, TrainingLogger, flops_per_iteration, print_error
+from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+@dataclass
+class TrainingResult:
+    """What a run produced: per-iteration training losses and validation losses."""
+
+    train_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    valid_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    skipped_iterations: int = 0
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    log_lines: List[str] = field(default_factory=list)
+
+
+def _reduce_reports(
+    reports: Sequence[Dict[str, torch.Tensor]], state: ParallelState
+) -> Dict[str, float]:
+    """Mean of each reported value over microbatches, then over data/context-parallel ranks."""
+    if not reports:
+        return {}
+    keys = sorted(reports[0])
+    stacked = torch.stack(
+        [torch.stack([r[k].float().reshape(()) for r in reports]).mean() for k in keys]
+    )
+    stacked = stacked.to(state.device)
+    if state.dp_cp_size > 1:
+        dist.all_reduce(stacked, group=state.dp_cp_group)
+        stacked /= state.dp_cp_size
+    return {k: float(v) for k, v in zip(keys, stacked.tolist())}
+
+
+def _cyclic(loader) -> Iterator:
+    while True:
+        for batch in loader:
+            yield batch
+
+
+class _Run:
+    """State of one training run (kept small: everything is built in `pretrain`)."""
+
+    def __init__(self, configs: Configs, state: ParallelState):
+        self.configs = configs
+        self.state = state
+        self.model: List[torch.nn.Module] = []
+        self.optimizer = None
+        self.scheduler: Optional[OptimizerParamScheduler] = None
+        self.iteration = 0
+        self.consumed_train_samples = 0
+        self.skipped_iterations = 0
+        self.nan_iterations = 0
+
+
+def build_model_chunks(
+    model_provider: Callable, configs: Configs, state: ParallelState
+) -> List[torch.nn.Module]:
+    """This rank's model chunk(s), on the device, wrapped for data parallelism."""
+    from megatron_smp.distributed import DistributedDataParallel
+
+    if state.pp_size > 1:
+        from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
+
+        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state)
+    else:
+        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True)]
+    chunks = []
+    for chunk in raw_chunks:
+        chunk.to(state.device)
+        chunks.append(DistributedDataParallel(chunk, configs.optimizer, state))
+    return chunks
+
+
+def _schedule_hooks(run: _Run) -> ScheduleHooks:
+    from megatron_smp.distributed import finalize_model_grads
+
+    optimizer = run.optimizer
+    model = run.model
+
+    def no_sync():
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for chunk in model:
+            stack.enter_context(chunk.no_sync())
+        return stack
+
+    return ScheduleHooks(
+        grad_scale_func=optimizer.scale_loss,
+        no_sync_func=no_sync,
+        finalize_model_grads_func=lambda chunks: finalize_model_grads(chunks, run.state),
+    )
+
+
+def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+    configs = run.configs
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    forward_backward = get_forward_backward_func(
+        run.state.pp_size, virtual=len(run.model) > 1, schedule=configs.training.pipeline_schedule
+    )
+    reports = forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=run.model,
+        num_microbatches=num_microbatches,
+        seq_length=configs.training.seq_length,
+        micro_batch_size=configs.training.micro_batch_size,
+        forward_only=False,
+        hooks=_schedule_hooks(run),
+    )
+    update_successful, grad_norm, _ = run.optimizer.step()
+    return reports, update_successful, grad_norm
+
+
+def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
+             num_microbatches: int) -> Dict[str, float]:
+    configs = run.configs
+    for chunk in run.model:
+        chunk.eval()
+    forward_backward = get_forward_backward_func(
+        run.state.pp_size, virtual=len(run.model) > 1, schedule=configs.training.pipeline_schedule
+    )
+    all_reports: List[Dict[str, torch.Tensor]] = []
+    for _ in range(eval_iters):
+        all_reports += forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=run.model,
+            num_microbatches=num_microbatches,
+            seq_length=configs.training.seq_length,
+            micro_batch_size=configs.training.micro_batch_size,
+            forward_only=True,
+        )
+    for chunk in run.model:
+        chunk.train()
+    return _reduce_reports(all_reports, run.state)
+
+
+def _broadcast_from_last_stage(values: Dict[str, float], keys: Sequence[str],
+                               state: ParallelState) -> Dict[str, float]:
+    """Losses live on the last pipeline stage; share them so every rank returns them."""
+    if state.pp_size == 1:
+        return values
+    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64,
+                          device=state.device)
+    dist.broadcast(tensor, src=state.group_ranks["pp"][-1], group=state.pp_group)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+    argv: Optional[Sequence[str]] = None,
+) -> TrainingResult:
+    """Parse flags, build everything, train, evaluate; returns the losses (on every rank)."""
+    from megatron_smp.data import build_pretraining_data_loader, build_tokenizer
+    from megatron_smp.optimizer import get_megatron_optimizer
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+
+    configs = parse_args(argv, extra_args_provider, args_defaults)
+    timeout = datetime.timedelta(minutes=configs.extra["distributed_timeout_minutes"])
+    state = build_parallel_state(
+        configs.parallel, backend=configs.extra["distributed_backend"], timeout=timeout
+    )
+    training = configs.training
+    tokenizer = build_tokenizer(configs.data)
+    configs.model.vocab_size = tokenizer.vocab_size
+    model_parallel_seed(training.seed, state)
+
+    run = _Run(configs, state)
+    run.model = build_model_chunks(model_provider, configs, state)
+    run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
+    run.scheduler = OptimizerParamScheduler(run.optimizer, configs.optimizer, training.train_iters)
+
+    num_microbatches = training.num_microbatches(state.dp_size)
+    global_batch_size = training.micro_batch_size * state.dp_size * num_microbatches
+
+    checkpointing = None
+    if configs.checkpoint.load or configs.checkpoint.save:
+        from megatron_smp.training import checkpointing as checkpointing_module
+
+        checkpointing = checkpointing_module
+        if configs.checkpoint.load:
+            checkpointing.load(run, tokenizer)
+
+    eval_runs = training.train_iters // training.eval_interval + 1
+    num_samples = [
+        training.train_iters * global_batch_size,
+        eval_runs * training.eval_iters * global_batch_size,
+        training.eval_iters * global_batch_size,
+    ]
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
+
+    def loader(dataset, consumed):
+        if dataset is None:
+            return None
+        return build_pretraining_data_loader(
+            dataset, consumed, training.micro_batch_size, state.dp_rank, state.dp_size,
+            configs.data.num_workers,
+        )
+
+    train_iter = iter(loader(train_ds, run.consumed_train_samples))
+    valid_loader = loader(valid_ds, 0)
+    valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
+
+    is_logging_rank = state.rank == state.world_size - 1
+    logger = TrainingLogger(is_logging_rank, training.tensorboard_dir, training.train_iters)
+    result = TrainingResult()
+    flops = flops_per_iteration(
+        configs.model, training.seq_length, global_batch_size,
+        configs.model.padded_vocab_size(state.tp_size),
+    )
+    timer = Timer(state.device)
+    interval_losses: Dict[str, float] = {}
+    interval_iters = 0
+    loss_keys = ["lm loss"]
+
+    timer.start()
+    while run.iteration < training.train_iters:
+        reports, update_successful, grad_norm = train_step(
+            run, forward_step_func, train_iter, num_microbatches
+        )
+        run.iteration += 1
+        run.consumed_train_samples += global_batch_size
+        if update_successful:
+            run.scheduler.step(1)
+        else:
+            run.skipped_iterations += 1
+        losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)
+        if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+            run.nan_iterations += 1
+        result.train_losses[run.iteration] = losses
+        for key, value in losses.items():
+            interval_losses[key] = interval_losses.get(key, 0.0) + value
+        interval_iters += 1
+
+        if run.iteration % training.log_interval == 0 or run.iteration == training.train_iters:
+            elapsed = timer.stop() / interval_iters
+            lr = run.optimizer.param_groups[0]["lr"]
+            averaged = {k: v / interval_iters for k, v in interval_losses.items()}
+            tokens_per_second = global_batch_size * training.seq_length / elapsed
+            line = logger.training_line(
+                run.iteration, run.consumed_train_samples, elapsed * 1000.0, lr,
+                global_batch_size, averaged, float(run.optimizer.get_loss_scale()),
+                grad_norm, run.skipped_iterations, run.nan_iterations,
+                tokens_per_second, flops / elapsed / 1e12 / state.world_size,
+            )
+            result.log_lines.append(line)
+            interval_losses, interval_iters = {}, 0
+            timer.start()
+
+        if valid_iter is not None and training.eval_interval and (
+            run.iteration % training.eval_interval == 0
+        ):
+            valid = evaluate(run, forward_step_func, valid_iter, training.eval_iters,
+                             num_microbatches)
+            valid = _broadcast_from_last_stage(valid, loss_keys, state)
+            result.valid_losses[run.iteration] = valid
+            result.log_lines.append(logger.validation_line("validation", run.iteration, valid))
+            timer.start()
+
+        if checkpointing is not None and configs.checkpoint.save_interval and (
+            run.iteration % configs.checkpoint.save_interval == 0
+        ):
+            checkpointing.save(run)
+            timer.start()
+        if training.exit_interval and run.iteration % training.exit_interval == 0:
+            break
+
+    if checkpointing is not None and configs.checkpoint.save and (
+        not configs.checkpoint.save_interval
+        or run.iteration % configs.checkpoint.save_interval != 0
+    ):
+        checkpointing.save(run)
+    if checkpointing is not None:
+        checkpointing.finalize(run)
+    logger.close()
+    result.skipped_iterations = run.skipped_iterations
+    result.iteration = run.iteration
+    result.consumed_train_samples = run.consumed_train_samples
+    return result
+
+
+def main(entry: Callable[[], Any]) -> None:
+    """Run an entry script's `pretrain(...)`, turning configuration errors into one clear
+    message (printed by rank 0) and a non-zero exit on every rank."""
+    try:
+        entry()
+    except ConfigError as exc:
+        from megatron_smp.parallel_state import launcher_rank
+
+        if launcher_rank() == 0:
+            print_error(str(exc))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""Pretrain a GPT model (learned positions, LayerNorm, GeLU) with Megatron's flags.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 4 --hidden-size 256 ...
+"""
+from functools import partial
+
+import torch
+
+from megatron_smp.training import main, pretrain
+
+
+def model_provider(configs, state, pre_process=True, post_process=True, **stage):
+    from megatron_smp.models.gpt import GPTModel
+
+    return GPTModel(configs.model, state, pre_process=pre_process, post_process=post_process,
+                    **stage)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, configs, tokenizer):
+    from megatron_smp.data import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(
+        configs.data, configs.training.seq_length, configs.training.seed,
+        train_val_test_num_samples, tokenizer,
+    )
+
+
+def get_batch(data_iterator, device):
+    batch = next(data_iterator)
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of the microbatch."""
+    losses = output_tensor.float().reshape(-1)
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    device = next(model.parameters()).device
+    batch = get_batch(data_iterator, device) if data_iterator is not None else None
+    output = model(
+        batch["tokens"] if batch else None,
+        position_ids=batch["position_ids"] if batch else None,
+        attention_mask=batch.get("attention_mask") if batch else None,
+        labels=batch["labels"] if batch else None,
+    )
+    return output, partial(loss_func, batch["loss_mask"] if batch else None)
+
+
+if __name__ == "__main__":
+    main(lambda: pretrain(
+        train_valid_test_datasets_provider, model_provider, forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    ))
