@@ -1,4 +1,5 @@
 """Tensor parallelism: communication mappings, parallel layers, vocab-parallel loss, RNG."""
+from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -12,6 +13,15 @@ from megatron_smp.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+)
+from megatron_smp.tensor_parallel.random import (
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_seed,
 )
 from megatron_smp.tensor_parallel.utils import (
     divide,
@@ -33,6 +43,14 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "vocab_parallel_cross_entropy",
+    "DATA_PARALLEL_RNG",
+    "EXPERT_PARALLEL_RNG",
+    "MODEL_PARALLEL_RNG",
+    "RNGStatesTracker",
+    "checkpoint",
+    "get_rng_tracker",
+    "model_parallel_seed",
     "divide",
     "init_method_normal",
     "param_is_not_tensor_parallel_duplicate",

@@ -89,7 +89,8 @@ class ColumnParallelLinear(torch.nn.Module):
     forward(x [s, b, input_size], weight=None) -> (output, output_bias)
       * x is [s/tp, b, input_size] with sequence parallelism (all-gathered along dim 0 here).
       * output is [s, b, output_size/tp], or [s, b, output_size] with `gather_output`.
-      * output_bias is None, or with `skip_bias_add` this rank's bias [output_size/tp], not added.
+      * output_bias is None, or with `skip_bias_add` the bias, not added: this rank's
+        [output_size/tp], or the whole [output_size] with `gather_output`.
 
     `weight=` supplies the weight (e.g. the tied word embedding [padded_vocab/tp, h]) of a
     layer built with `skip_weight_param_allocation=True`. `true_output_size` (< output_size)
@@ -198,6 +199,9 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         output_bias = self.bias if self.skip_bias_add else None
+        if output_bias is not None and self.gather_output:
+            # The caller adds the bias to the gathered output, so it gets the whole bias.
+            output_bias = gather_from_tensor_model_parallel_region(output_bias, self.tp_group)
         return output, output_bias
 
     def extra_repr(self) -> str:

@@ -1,0 +1,280 @@
+"""Random-number streams for tensor parallelism, on any device, and activation recompute.
+
+Two kinds of randomness in a tensor-parallel model:
+
+* outside tensor-parallel regions (hidden dropout on replicated or sequence-parallel
+  activations) every TP rank must draw the same numbers: the default generator, seeded
+  identically on the ranks of a pipeline stage;
+* inside them (dropout on attention probabilities, whose heads are split over ranks) each
+  rank must draw different numbers: run under `get_rng_tracker().fork()`, which swaps in a
+  per-TP-rank generator state for the duration.
+
+The tracker swaps the default generator state of the device that computes: the CPU
+generator on a CPU-only machine, the current accelerator's generator (e.g. CUDA) otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from megatron_smp.tensor_parallel.mappings import (
+    ProcessGroup,
+    _gather_first_dim,
+    group_rank,
+    group_size,
+)
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+
+# Offsets as in Megatron, so a seed gives the same streams there and here.
+_PIPELINE_SEED_STRIDE = 100
+_TENSOR_PARALLEL_SEED_OFFSET = 2718
+_EXPERT_PARALLEL_SEED_OFFSET = 1024
+
+
+def rng_device() -> torch.device:
+    """The device whose default generator dropout uses: the current accelerator, else CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        return torch.device(current.type, accelerator.current_device_index())
+    if torch.cuda.is_available():  # torch without the torch.accelerator API
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_device_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+def _seed_device(seed: int, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        with torch.get_device_module(device.type).device(device):
+            torch.get_device_module(device.type).manual_seed(seed)
+
+
+class RNGStatesTracker:
+    """Named generator states that `fork(name)` swaps in and out of the default generator.
+
+    States belong to one device, fixed by the first `add` (see `rng_device`).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states: Dict[str, torch.Tensor] = {}
+        self.seeds: set = set()
+        self.device: Optional[torch.device] = None
+
+    def is_initialized(self) -> bool:
+        return bool(self.states)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """A copy of every named state (for checkpoints and recompute)."""
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+        if self.device is None and states:
+            self.device = rng_device()
+
+    def add(self, name: str, seed: int) -> None:
+        """Create the stream `name` from `seed` without disturbing the default generator."""
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} is already used by another RNG state")
+        if self.device is None:
+            self.device = rng_device()
+        saved = get_device_rng_state(self.device)
+        _seed_device(seed, self.device)
+        self.states[name] = get_device_rng_state(self.device)
+        set_device_rng_state(saved, self.device)
+        self.seeds.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from stream `name` inside the block; the default stream is left untouched."""
+        if name not in self.states:
+            raise KeyError(
+                f"RNG state {name!r} was never added; call model_parallel_seed(seed, state) "
+                "after building the ParallelState"
+            )
+        saved = get_device_rng_state(self.device)
+        set_device_rng_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = get_device_rng_state(self.device)
+            set_device_rng_state(saved, self.device)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (one per process: it mirrors the process-wide generators)."""
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int, state: Any) -> None:
+    """Seed the default generators and the tracker's streams for this rank of `state`.
+
+    As in Megatron, with base = seed + 100 * pp_rank:
+      * default generator (CPU and accelerators): base, the same on every TP/DP rank of a stage;
+      * "model-parallel-rng":  base + 2718 + tp_rank, different on each TP rank;
+      * "expert-parallel-rng": base + 1024 + 100 * ep_rank + tp_rank;
+      * "data-parallel-rng":   base.
+    `state` is a ParallelState (reads pp_rank, tp_rank, ep_rank).
+    """
+    base = seed + _PIPELINE_SEED_STRIDE * state.pp_rank
+    torch.manual_seed(base)
+    tracker = get_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, base + _TENSOR_PARALLEL_SEED_OFFSET + state.tp_rank)
+    tracker.add(
+        EXPERT_PARALLEL_RNG,
+        base + _EXPERT_PARALLEL_SEED_OFFSET + _PIPELINE_SEED_STRIDE * state.ep_rank + state.tp_rank,
+    )
+    tracker.add(DATA_PARALLEL_RNG, base)
+
+
+# Activation recompute. ---------------------------------------------------------------------------
+
+
+def _all_rng_states(device: torch.device) -> tuple:
+    device_state = None if device.type == "cpu" else get_device_rng_state(device)
+    return torch.get_rng_state(), device_state, get_rng_tracker().get_states()
+
+
+def _restore_rng_states(states: tuple, device: torch.device) -> None:
+    cpu_state, device_state, tracker_states = states
+    torch.set_rng_state(cpu_state)
+    if device_state is not None:
+        set_device_rng_state(device_state, device)
+    get_rng_tracker().set_states(tracker_states)
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Run `function` without keeping its activations; rerun it in backward with the RNG
+    states (default and tracker) it saw in forward, so dropout masks are reproduced."""
+
+    @staticmethod
+    def forward(ctx, run_function, distribute_group, *args):
+        ctx.run_function = run_function
+        ctx.device = rng_device()
+        ctx.rng_states = _all_rng_states(ctx.device)
+        outputs = run_function(*args)  # autograd.Function.forward already runs without grad
+
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.requires_grad = [args[i].requires_grad for i in ctx.tensor_positions]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        tensors = [args[i] for i in ctx.tensor_positions]
+        ctx.distribute_group = None
+        if (
+            distribute_group is not None
+            and group_size(distribute_group) > 1
+            and ctx.tensor_positions[:1] == [0]
+        ):
+            # Keep only this rank's 1/tp of the first input (the hidden states, identical on
+            # every TP rank); backward all-gathers it before the recompute.
+            world = group_size(distribute_group)
+            first = args[0]
+            if first.numel() % world != 0:
+                raise ValueError(
+                    f"distribute_saved_activations: {first.numel()} elements of the first "
+                    f"input do not split over {world} tensor-parallel ranks"
+                )
+            chunk = first.numel() // world
+            flat = first.detach().contiguous().view(-1)
+            tensors[0] = flat.narrow(0, group_rank(distribute_group) * chunk, chunk).clone()
+            ctx.first_shape = first.shape
+            ctx.distribute_group = distribute_group
+        ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "checkpoint() is not compatible with torch.autograd.grad(); use .backward()"
+            )
+        tensors = list(ctx.saved_tensors)
+        if ctx.distribute_group is not None:
+            tensors[0] = _gather_first_dim(tensors[0], ctx.distribute_group).view(ctx.first_shape)
+        args = list(ctx.non_tensor_args)
+        for position, tensor, requires_grad in zip(
+            ctx.tensor_positions, tensors, ctx.requires_grad
+        ):
+            args[position] = tensor.detach().requires_grad_(requires_grad)
+
+        current = _all_rng_states(ctx.device)
+        _restore_rng_states(ctx.rng_states, ctx.device)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*args)
+        finally:
+            _restore_rng_states(current, ctx.device)
+
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if torch.is_tensor(out) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        input_grads = tuple(
+            args[i].grad if torch.is_tensor(args[i]) else None for i in range(len(args))
+        )
+        return (None, None) + input_grads
+
+
+def checkpoint(
+    function,
+    distribute_saved_activations: bool,
+    *args,
+    tp_group: ProcessGroup = None,
+):
+    """Activation recompute: `function(*args)` keeps no activations; backward reruns it
+    under the forward's RNG states (default generator and tracker streams).
+
+    At least one tensor argument must require grad (as the hidden states do), otherwise
+    autograd never calls the recompute. With `distribute_saved_activations` each rank of
+    `tp_group` keeps only 1/tp of the first argument (replicated across TP ranks) until backward.
+    """
+    if distribute_saved_activations and tp_group is None:
+        raise ValueError("checkpoint: distribute_saved_activations=True needs tp_group=")
+    group = tp_group if distribute_saved_activations else None
+    return _CheckpointFunction.apply(function, group, *args)
+
+
+__all__ = [
+    "MODEL_PARALLEL_RNG",
+    "EXPERT_PARALLEL_RNG",
+    "DATA_PARALLEL_RNG",
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "model_parallel_seed",
+    "checkpoint",
+    "rng_device",
+    "get_device_rng_state",
+    "set_device_rng_state",
+]
