@@ -247,6 +247,8 @@ class OptimizerConfig:
     ddp_bucket_size: Optional[int] = None
     ddp_average_in_collective: bool = False
     accumulate_allreduce_grads_in_fp32: bool = True
+    # Count zero grad elements each step (returned by optimizer.step()).
+    log_num_zeros_in_grad: bool = False
 
     def validate(self) -> None:
         _require(
@@ -304,6 +306,8 @@ class DataConfig:
     eod_mask_loss: bool = False
     num_workers: int = 0
     data_cache_path: Optional[str] = None
+    # SentencePieceTokenizer: T5-style <extra_id_i> tokens appended to the vocabulary.
+    vocab_extra_ids: int = 0
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""What the training loop calls between the last backward and `optimizer.step()`."""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def _grad_of(param: torch.nn.Parameter):
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` with one collective per dtype."""
+    by_dtype = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        flat = _flatten_dense_tensors(same_dtype)
+        dist.all_reduce(flat, group=group)
+        for grad, synced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+            grad.copy_(synced)
+
+
+def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], state) -> None:
+    """Sum over TP the grads of TP-replicated params used on sequence-parallel activations.
+
+    With sequence parallelism each TP rank sees a different slice of the sequence, so the
+    grads of replicated params (norm weights, marked `sequence_parallel=True`) are partial.
+    """
+    if state.tp_size == 1:
+        return
+    grads = [
+        _grad_of(param)
+        for chunk in model_chunks
+        for param in chunk.parameters()
+        if param.requires_grad and getattr(param, "sequence_parallel", False)
+        and _grad_of(param) is not None
+    ]
+    if grads:
+        _allreduce_coalesced(grads, state.tp_group)
+
+
+def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], state) -> None:
+    """Sum the grads of the tied word embedding over the first and last pipeline stage.
+
+    The copies are the params marked `shared_embedding=True` (input embedding on the first
+    stage, output layer weight on the last); with one stage they are one tensor already.
+    """
+    group = state.embedding_group
+    if state.pp_size == 1 or group is None or not state.is_in_embedding_group:
+        return
+    if dist.get_world_size(group) == 1:
+        return
+    # The first stage's copy lives in its first chunk, the last stage's in its last chunk.
+    chunk = model_chunks[0] if state.is_pipeline_first_stage else model_chunks[-1]
+    grads = [
+        _grad_of(param) for param in chunk.parameters()
+        if getattr(param, "shared_embedding", False) and _grad_of(param) is not None
+    ]
+    if len(grads) != 1:
+        raise RuntimeError(
+            f"pipeline rank {state.pp_rank} holds {len(grads)} params marked "
+            "shared_embedding=True; tied embeddings need exactly one per end stage "
+            "(or --untie-embeddings-and-output-weights)"
+        )
+    dist.all_reduce(grads[0], group=group)
+
+
+def finalize_model_grads(model_chunks: List[torch.nn.Module], state) -> None:
+    """Finish DP reductions, then the TP (sequence-parallel) and tied-embedding reductions.
+
+    The DP reduction comes first: with the distributed optimizer only this rank's shard of
+    each bucket is then valid, and the later sums keep the valid parts valid because TP
+    peers hold identically laid out buffers and the tied embedding has a bucket of its own
+    on both end stages.
+    """
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+    allreduce_sequence_parallel_grads(model_chunks, state)
+    allreduce_embedding_grads(model_chunks, state)

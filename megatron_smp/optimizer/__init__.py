@@ -1,0 +1,160 @@
+"""Optimizers: fp32, fp16/bf16 with fp32 main params, and the distributed (sharded) one."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron_smp.config import OptimizerConfig
+from megatron_smp.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron_smp.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron_smp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_smp.optimizer.optimizer import (
+    HALF_DTYPES,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+)
+
+
+def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    # Biases and norm weights/biases (all 1-D) are not decayed, as in Megatron.
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(
+    model_chunks: List[torch.nn.Module],
+    config: OptimizerConfig,
+    no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+) -> List[Dict]:
+    """Trainable params split into a decayed and a non-decayed group.
+
+    Each group carries `wd_mult` / `lr_mult` so the scheduler can set
+    `group["weight_decay"] = weight_decay * wd_mult` and `group["lr"] = lr * lr_mult`.
+    """
+    condition = no_weight_decay_cond or _default_no_weight_decay
+    decay, no_decay = [], []
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                (no_decay if condition(name, param) else decay).append(param)
+    groups = []
+    for params, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
+        if params:
+            groups.append(
+                {
+                    "params": params,
+                    "wd_mult": wd_mult,
+                    "lr_mult": 1.0,
+                    "weight_decay": config.weight_decay * wd_mult,
+                    "lr": config.lr,
+                }
+            )
+    return groups
+
+
+def _fused_supported(device: torch.device) -> bool:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return device.type in _get_fused_kernels_supported_devices()
+    except ImportError:
+        return device.type == "cuda"
+
+
+def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Callable:
+    """A factory `groups -> torch optimizer` for `config.optimizer`.
+
+    Uses apex FusedAdam on CUDA when it imports, else torch's fused kernels where the device
+    has them (CUDA, and CPU in recent torch, ~3x faster than the loop), else foreach.
+    """
+    fused = _fused_supported(device)
+
+    def factory(groups: List[Dict]) -> torch.optim.Optimizer:
+        if config.optimizer == "adam":
+            kwargs = dict(
+                lr=config.lr,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
+            if device.type == "cuda":
+                try:
+                    from apex.optimizers import FusedAdam
+
+                    return FusedAdam(groups, adam_w_mode=True, **kwargs)
+                except ImportError:
+                    pass
+            return torch.optim.AdamW(groups, **kwargs, **({"fused": True} if fused else {"foreach": True}))
+        kwargs = dict(lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
+        if fused:
+            try:
+                return torch.optim.SGD(groups, fused=True, **kwargs)
+            except (RuntimeError, ValueError):
+                pass
+        return torch.optim.SGD(groups, foreach=True, **kwargs)
+
+    return factory
+
+
+def get_grad_scaler(config: OptimizerConfig, device: torch.device):
+    """fp16 needs loss scaling: constant with --loss-scale, else dynamic. None otherwise."""
+    if not config.fp16:
+        return None
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale, device)
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+        device=device,
+    )
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: List[torch.nn.Module],
+    state,
+    no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+) -> MegatronOptimizer:
+    """Build the optimizer for `model_chunks` (DDP-wrapped chunks, or plain modules without
+    --use-distributed-optimizer).
+
+    --use-distributed-optimizer: `DistributedOptimizer`; fp16/bf16 params (or --fp16/--bf16):
+    `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`.
+    """
+    config.validate()
+    groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
+    factory = build_torch_optimizer(config, state.device)
+    grad_scaler = get_grad_scaler(config, state.device)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(factory, config, state, model_chunks, groups, grad_scaler)
+    has_half = any(p.dtype in HALF_DTYPES for g in groups for p in g["params"])
+    if config.fp16 or config.bf16 or has_half:
+        return Float16OptimizerWithFloat16Params(
+            factory, config, state, model_chunks, groups, grad_scaler
+        )
+    return FP32Optimizer(factory, config, state, model_chunks, groups)
+
+
+__all__ = [
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "build_torch_optimizer",
+    "get_grad_scaler",
+    "MegatronOptimizer",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer",
+    "Range",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "get_grad_norm_fp32",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+]

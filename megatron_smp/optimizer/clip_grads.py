@@ -1,0 +1,76 @@
+"""Gradient norm and clipping across every shard of the model.
+
+The caller passes the grads *this rank is responsible for* (each element of the model counted
+by exactly one rank: TP-replicated params only on tp rank 0, tied-embedding copies once,
+distributed-optimizer shards once) together with the groups over which the partial sums are
+added (tp x pp, and the DP group when grads are sharded over DP).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """TP-split params are distinct on every TP rank; replicated ones count on rank 0 only."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """The last stage's copy of a tied embedding is marked `shared=True` and not counted."""
+    return not getattr(param, "shared", False)
+
+
+def _reduce(value: torch.Tensor, groups: Sequence, op) -> torch.Tensor:
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+    return value
+
+
+def grad_norm_power(grads: List[torch.Tensor], norm_type: float, groups: Sequence) -> torch.Tensor:
+    """sum |g|^p over `grads` and `groups` (max |g| for p = inf), as a 1-element fp32 tensor."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = max((g.abs().max().float() for g in grads if g.numel()), default=None)
+        value = torch.zeros(1, dtype=torch.float32, device=device)
+        if local is not None:
+            value[0] = local
+        return _reduce(value, groups, dist.ReduceOp.MAX)
+    value = torch.zeros(1, dtype=torch.float32, device=device)
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        norms = torch._foreach_norm(grads, norm_type)
+        value += torch.stack(norms).float().pow(norm_type).sum()
+    return _reduce(value, groups, dist.ReduceOp.SUM)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: List[torch.Tensor], groups: Sequence, norm_type: float = 2.0
+) -> float:
+    """Norm of the whole model's gradient. grads_for_norm: this rank's share, any shapes."""
+    value = grad_norm_power(grads_for_norm, norm_type, groups)
+    if norm_type == math.inf:
+        return value.item()
+    return value.item() ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(
+    grads: List[torch.Tensor], max_norm: float, total_norm: float
+) -> None:
+    """Scale `grads` in place so the total norm is at most `max_norm` (as torch does)."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(grads: List[torch.Tensor], groups: Sequence) -> int:
+    """Number of zero grad elements over this rank's share, summed over `groups`."""
+    device = grads[0].device if grads else torch.device("cpu")
+    value = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad in grads:
+        value += grad.numel() - torch.count_nonzero(grad)
+    return int(_reduce(value, groups, dist.ReduceOp.SUM).item())
