@@ -1,0 +1,254 @@
+"""GPT pretraining samples: fixed-length windows over shuffled, concatenated documents."""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from megatron_smp.data.cache import build_or_load_cached
+from megatron_smp.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron_smp.data.indices import (
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+)
+
+# A final epoch of which fewer than this fraction is used is shuffled on its own (Megatron).
+_SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+def get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor,
+    eod_token: int,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+):
+    """Left-to-right masks for one sample `tokens [s]`.
+
+    Returns loss_mask [s] float32, position_ids [s] int64 and, only with
+    `reset_attention_mask`, attention_mask [1, s, s] bool (True = masked out: the future,
+    and with resets every token of an earlier document).
+    """
+    seq_length = tokens.numel()
+    loss_mask = torch.ones(seq_length, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.int64)
+    attention_mask = None
+    if reset_attention_mask:
+        attention_mask = torch.ones(seq_length, seq_length, dtype=torch.bool).triu_(1)
+    if reset_position_ids or reset_attention_mask:
+        # A document starts after each eod; nothing may attend across that boundary.
+        eod_positions = (tokens == eod_token).nonzero(as_tuple=True)[0].tolist()
+        previous_start = 0
+        for eod_position in eod_positions:
+            start = eod_position + 1
+            if start >= seq_length:
+                break
+            if reset_attention_mask:
+                attention_mask[start:, :start] = True
+            if reset_position_ids:
+                position_ids[start:] -= start - previous_start
+                previous_start = start
+    return loss_mask, position_ids, (
+        attention_mask.unsqueeze(0) if attention_mask is not None else None
+    )
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of `seq_length + 1` tokens drawn across document boundaries.
+
+    `indexed_dataset` is an IndexedDataset (or anything with `sizes` and `get(i, offset,
+    length)`); `sequence_ids` are the sequences of this split. Index arrays are built by
+    rank 0 and cached in `cache_dir` (keyed by a hash of everything that shapes them).
+    Each item is a dict: tokens [s] int64, labels [s] int64, loss_mask [s] float32,
+    position_ids [s] int64, and attention_mask [1, s, s] bool with reset_attention_mask.
+    """
+
+    def __init__(
+        self,
+        indexed_dataset,
+        sequence_ids: np.ndarray,
+        num_samples: Optional[int],
+        seq_length: int,
+        seed: int,
+        eod: int,
+        split_name: str = "train",
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        eod_mask_loss: bool = False,
+        cache_dir: Optional[str] = None,
+        description: Optional[Dict] = None,
+        group=None,
+    ) -> None:
+        self.indexed_dataset = indexed_dataset
+        self.sequence_ids = np.asarray(sequence_ids)
+        self.num_samples = num_samples
+        self.seq_length = int(seq_length)
+        self.seed = int(seed)
+        self.eod = int(eod)
+        self.split_name = split_name
+        self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
+        self.eod_mask_loss = eod_mask_loss
+        self.tokens_per_epoch = int(
+            np.asarray(indexed_dataset.sizes)[self.sequence_ids].astype(np.int64).sum()
+        )
+        if self.tokens_per_epoch <= self.seq_length:
+            from megatron_smp.config import ConfigError
+
+            raise ConfigError(
+                f"the {split_name} split has {self.tokens_per_epoch} tokens, fewer than one "
+                f"sample of --seq-length {self.seq_length} + 1; add data, shorten --seq-length "
+                "or change --split"
+            )
+        full_description = dict(description or {})
+        full_description.update(
+            {
+                "class": type(self).__name__,
+                "split": split_name,
+                "num_sequences": int(self.sequence_ids.size),
+                "first_sequence": int(self.sequence_ids[0]) if self.sequence_ids.size else -1,
+                "tokens_per_epoch": self.tokens_per_epoch,
+                "num_samples": num_samples,
+                "seq_length": self.seq_length,
+                "seed": self.seed,
+            }
+        )
+        arrays = build_or_load_cached(
+            cache_dir,
+            full_description,
+            ("document_index", "sample_index", "shuffle_index"),
+            self._build_indices,
+            group=group,
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def num_epochs(self) -> int:
+        if self.num_samples is None:
+            return 1
+        needed = self.num_samples * self.seq_length + 1
+        return max(1, -(-needed // self.tokens_per_epoch))
+
+    def _build_indices(self) -> Dict[str, np.ndarray]:
+        num_epochs = self.num_epochs()
+        separate_final_epoch = False
+        samples_before_final_epoch = None
+        if num_epochs > 1:
+            samples_before_final_epoch = (
+                (num_epochs - 1) * self.tokens_per_epoch - 1
+            ) // self.seq_length
+            samples_from_final_epoch = self.num_samples - samples_before_final_epoch
+            samples_per_epoch = (self.tokens_per_epoch - 1) // self.seq_length
+            separate_final_epoch = samples_from_final_epoch < int(
+                _SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch
+            )
+        rng = np.random.RandomState(self.seed)
+        document_index = build_document_index(
+            self.sequence_ids, num_epochs, rng, separate_final_epoch
+        )
+        sample_index = build_sample_index(
+            self.indexed_dataset.sizes, document_index, self.seq_length
+        )
+        total_samples = sample_index.shape[0] - 1
+        shuffle_index = build_shuffle_index(
+            samples_before_final_epoch if separate_final_epoch else total_samples,
+            total_samples,
+            rng,
+        )
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": shuffle_index,
+        }
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def sample_tokens(self, index: int) -> np.ndarray:
+        """The `seq_length + 1` token ids of sample `index` (before shuffling)."""
+        first, first_offset = (int(v) for v in self.sample_index[index])
+        last, last_offset = (int(v) for v in self.sample_index[index + 1])
+        get = self.indexed_dataset.get
+        if first == last:
+            return np.array(
+                get(int(self.document_index[first]), first_offset, last_offset - first_offset + 1),
+                dtype=np.int64,
+            )
+        parts = [get(int(self.document_index[first]), first_offset)]
+        parts.extend(get(int(self.document_index[i])) for i in range(first + 1, last))
+        parts.append(get(int(self.document_index[last]), 0, last_offset + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[index])))
+        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
+            tokens, self.eod, self.reset_position_ids, self.reset_attention_mask,
+            self.eod_mask_loss,
+        )
+        sample = {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+        }
+        if attention_mask is not None:
+            sample["attention_mask"] = attention_mask
+        return sample
+
+
+class MockIndexedDataset:
+    """Deterministic random documents standing in for an IndexedDataset (--mock-data).
+
+    Document i has 1..max_document_length random ids below the eod followed by the eod, all
+    drawn from a generator seeded by (seed, i), so any rank can recompute any document.
+    """
+
+    def __init__(
+        self, num_documents: int, vocab_size: int, eod: int, seed: int,
+        max_document_length: int = 1024,
+    ) -> None:
+        self.vocab_size = int(vocab_size)
+        self.eod = int(eod)
+        self.seed = int(seed)
+        rng = np.random.RandomState(seed)
+        self.sizes = rng.randint(2, max_document_length + 2, size=num_documents).astype(np.int32)
+
+    def __len__(self) -> int:
+        return self.sizes.size
+
+    def get(self, index: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        size = int(self.sizes[index])
+        rng = np.random.RandomState((self.seed * 1_000_003 + index) % 2**32)
+        # Ids avoid the eod so that documents end exactly where the eod says.
+        high = max(self.eod, 1) if 0 < self.eod < self.vocab_size else self.vocab_size
+        document = np.append(rng.randint(0, high, size=size - 1), self.eod)
+        if length is None:
+            length = size - offset
+        return document[offset : offset + length]
+
+
+def default_cache_dir(prefix: str, data_cache_path: Optional[str]) -> str:
+    if data_cache_path:
+        return data_cache_path
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
+
+
+def dataset_description(prefix: str) -> Dict:
+    """What identifies a dataset file in the cache key (its path and index size)."""
+    idx_path = index_file_path(prefix)
+    return {"prefix": os.path.abspath(prefix), "idx_bytes": os.path.getsize(idx_path)}
+
+
+__all__ = [
+    "GPTDataset",
+    "MockIndexedDataset",
+    "IndexedDataset",
+    "get_ltor_masks_and_position_ids",
+]

@@ -1,0 +1,66 @@
+"""Tokenizers behind one interface (`MegatronTokenizer`) and `build_tokenizer(DataConfig)`."""
+from __future__ import annotations
+
+from megatron_smp.data.tokenizers.base import MegatronTokenizer
+from megatron_smp.data.tokenizers.gpt2_bpe_tokenizer import GPT2BPETokenizer
+from megatron_smp.data.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron_smp.data.tokenizers.null_tokenizer import NullTokenizer
+from megatron_smp.data.tokenizers.sentencepiece_tokenizer import (
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
+
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+)
+
+
+def build_tokenizer(data_config) -> MegatronTokenizer:
+    """Build the tokenizer `data_config.tokenizer_type` names (a DataConfig or argparse args)."""
+    from megatron_smp.config import ConfigError
+
+    kind = data_config.tokenizer_type
+    model = getattr(data_config, "tokenizer_model", None)
+
+    def need_model() -> str:
+        if not model:
+            raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
+        return model
+
+    if kind == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(need_model(), getattr(data_config, "vocab_extra_ids", 0))
+    if kind == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(need_model())
+    if kind == "Llama2Tokenizer":
+        return Llama2Tokenizer(need_model())
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(need_model())
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
+    if kind == "NullTokenizer":
+        vocab_size = getattr(data_config, "vocab_size", None)
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 1)")
+        return NullTokenizer(int(vocab_size))
+    raise ConfigError(
+        f"--tokenizer-type {kind!r} is not supported; use one of {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+__all__ = [
+    "MegatronTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+]

@@ -1,0 +1,137 @@
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_smp.config import ConfigError, DataConfig
+from megatron_smp.data.tokenizers import build_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+SAMPLES = [
+    "In the beginning God created the heaven and the earth.",
+    "  Leading spaces,\ttabs\tand\nnew lines\n\nstay put.  ",
+    "Numbers 1234567890 and symbols: <>&%$#@!~`^*()[]{}",
+    "Unicode: naïve café, Ελληνικά, 日本語, emoji 🎉",
+]
+
+
+def corpus_lines():
+    with gzip.open(os.path.join(REPO, "data", "corpus", "kjv.jsonl.gz"), "rt") as handle:
+        for index, line in enumerate(handle):
+            if index == 150:
+                break
+            yield json.loads(line)["text"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("sp")
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_lines()))
+    return train_tokenizer.train(
+        str(corpus), str(directory / "tok"), vocab_size=600, model_type="bpe"
+    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
+)
+def test_sentencepiece_round_trip(sentencepiece_model, kind):
+    tokenizer = build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=sentencepiece_model))
+    for text in SAMPLES:
+        ids = tokenizer.tokenize(text)
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        if kind == "Llama2Tokenizer":
+            assert ids[0] == tokenizer.bos
+            ids = ids[1:]
+        assert tokenizer.detokenize(ids) == text
+
+
+def test_sentencepiece_megatron_special_ids(sentencepiece_model):
+    tokenizer = build_tokenizer(
+        DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+    )
+    # Megatron-LM appends <CLS>, <SEP>, <EOD>, <MASK> after the 600 pieces; the model has its
+    # own <pad>, <s>, </s>.
+    assert tokenizer.vocab_size == 604
+    assert tokenizer.eod == 602
+    assert tokenizer.pad == 3
+    assert tokenizer.tokenize("a<EOD>b") == tokenizer.tokenize("a") + [602] + tokenizer.tokenize("b")
+    gpt = build_tokenizer(
+        DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+    )
+    assert (gpt.vocab_size, gpt.eod) == (600, 2)
+
+
+def test_null_tokenizer():
+    tokenizer = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=100))
+    assert tokenizer.tokenize("3 14 15 92") == [3, 14, 15, 92]
+    assert tokenizer.detokenize([3, 14, 15, 92]) == "3 14 15 92"
+    assert (tokenizer.vocab_size, tokenizer.eod) == (101, 100)
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer.tokenize("7 1000")
+
+
+@pytest.fixture(scope="module")
+def byte_level_bpe(tmp_path_factory):
+    from tokenizers import ByteLevelBPETokenizer
+
+    directory = tmp_path_factory.mktemp("bpe")
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(
+        list(corpus_lines()), vocab_size=800, special_tokens=["<|endoftext|>"], show_progress=False
+    )
+    trainer.save_model(str(directory))
+    return trainer, str(directory)
+
+
+def test_gpt2_bpe_round_trip_and_ids(byte_level_bpe):
+    trainer, directory = byte_level_bpe
+    tokenizer = build_tokenizer(
+        DataConfig(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=os.path.join(directory, "vocab.json"),
+            merge_file=os.path.join(directory, "merges.txt"),
+        )
+    )
+    assert tokenizer.eod == 0 and tokenizer.vocab_size == 800
+    for text in SAMPLES:
+        ids = tokenizer.tokenize(text)
+        assert ids == trainer.encode(text).ids
+        assert tokenizer.detokenize(ids) == text
+
+
+def test_huggingface_tokenizer_from_local_directory(byte_level_bpe, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    trainer, _ = byte_level_bpe
+    PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>") \
+        .save_pretrained(str(tmp_path / "hf"))
+    tokenizer = build_tokenizer(
+        DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
+    )
+    assert tokenizer.eod == 0 and tokenizer.vocab_size == 800
+    for text in SAMPLES:
+        assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+
+
+def test_build_tokenizer_errors_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--tokenizer-type 'Nope'"):
+        build_tokenizer(DataConfig(tokenizer_type="Nope"))
+    with pytest.raises(ConfigError, match="needs --tokenizer-model"):
+        build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer"))
+    with pytest.raises(ConfigError, match="--tokenizer-model: .*missing.model not found"):
+        build_tokenizer(
+            DataConfig(tokenizer_type="SentencePieceTokenizer",
+                       tokenizer_model=str(tmp_path / "missing.model"))
+        )
+    with pytest.raises(ConfigError, match="--vocab-file"):
+        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer"))
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"))

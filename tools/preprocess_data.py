@@ -1,0 +1,216 @@
+"""Tokenise JSON lines into Megatron-LM indexed datasets ({prefix}_{key}_document.bin/.idx).
+
+    python tools/preprocess_data.py --input corpus.jsonl[.gz] --json-keys text \
+        --output-prefix data/my --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model tok.model --append-eod --workers 2
+
+A line that is not JSON, lacks a key, or holds an empty document stops the run with its
+line number (nothing half-written is left behind), or with --skip-bad-lines is reported on
+stderr, skipped, and counted in the summary. Nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_smp.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
+from megatron_smp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+# (line number, per-key token arrays or None, bytes of the line, error or None)
+EncodedLine = Tuple[int, Optional[List[np.ndarray]], int, Optional[str]]
+
+
+class BadInputError(Exception):
+    pass
+
+
+class Encoder:
+    """Turns one input line into token arrays, one per --json-keys key (runs in workers)."""
+
+    tokenizer = None
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def initializer(self) -> None:
+        Encoder.tokenizer = build_tokenizer(self.args)
+
+    def encode(self, numbered_line: Tuple[int, str]) -> EncodedLine:
+        line_number, line = numbered_line
+        size = len(line.encode("utf-8"))
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            return line_number, None, size, f"not valid JSON ({error.msg} at column {error.colno})"
+        if not isinstance(record, dict):
+            return line_number, None, size, f"expected a JSON object, got {type(record).__name__}"
+        arrays = []
+        for key in self.args.json_keys:
+            if key not in record:
+                return line_number, None, size, f"missing key {key!r} (has {sorted(record)[:5]})"
+            text = record[key]
+            if not isinstance(text, str):
+                return line_number, None, size, f"key {key!r} is {type(text).__name__}, not a string"
+            if not text.strip():
+                return line_number, None, size, f"empty document under key {key!r}"
+            try:
+                ids = Encoder.tokenizer.tokenize(text)
+            except ValueError as error:
+                return line_number, None, size, f"cannot tokenize key {key!r}: {error}"
+            if not ids:
+                return line_number, None, size, f"key {key!r} tokenizes to no tokens"
+            if self.args.append_eod:
+                ids = list(ids) + [Encoder.tokenizer.eod]
+            arrays.append(np.asarray(ids, dtype=np.int64))
+        return line_number, arrays, size, None
+
+
+def read_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(1-based line number, line) for every non-blank line; .gz is decompressed."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield line_number, line
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="JSON lines file (.gz accepted)")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract")
+    group.add_argument("--skip-bad-lines", action="store_true",
+                       help="report and skip malformed lines / missing keys / empty documents "
+                       "instead of failing")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", default=None)
+    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--merge-file", default=None)
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--append-eod", action="store_true", help="end each document with eod")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True)
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    group.add_argument("--log-interval", type=int, default=10000, help="documents between reports")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    if not os.path.isfile(args.input):
+        parser.error(f"--input {args.input} not found")
+    return args
+
+
+def output_prefix(args: argparse.Namespace, key: str) -> str:
+    return f"{args.output_prefix}_{key}_document"
+
+
+def preprocess(args: argparse.Namespace, log=None) -> Dict[str, float]:
+    """Run the conversion; returns counts and throughput. Raises BadInputError on bad input."""
+    log = log or sys.stderr
+    encoder = Encoder(args)
+    encoder.initializer()
+    tokenizer = Encoder.tokenizer
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(directory, exist_ok=True)
+    prefixes = {key: output_prefix(args, key) for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(data_file_path(p), dtype) for key, p in prefixes.items()}
+
+    pool = None
+    if args.workers > 1:
+        # Workers only tokenise; fork shares the already-imported modules.
+        pool = multiprocessing.get_context("fork").Pool(args.workers, initializer=encoder.initializer)
+        encoded = pool.imap(encoder.encode, read_lines(args.input), chunksize=32)
+    else:
+        encoded = map(encoder.encode, read_lines(args.input))
+
+    start = time.perf_counter()
+    documents = tokens = skipped = 0
+    total_bytes = 0
+    try:
+        for line_number, arrays, size, error in encoded:
+            total_bytes += size
+            if error is not None:
+                message = f"{args.input}:{line_number}: {error}"
+                if not args.skip_bad_lines:
+                    raise BadInputError(
+                        message + " (fix the line, or pass --skip-bad-lines to skip such lines)"
+                    )
+                print(f"skipped {message}", file=log)
+                skipped += 1
+                continue
+            for key, array in zip(args.json_keys, arrays):
+                builders[key].add_document(array)
+                tokens += array.size
+            documents += 1
+            if documents % args.log_interval == 0:
+                elapsed = time.perf_counter() - start
+                print(
+                    f"processed {documents} documents ({documents / elapsed:.1f} docs/s, "
+                    f"{total_bytes / elapsed / 1e6:.2f} MB/s)",
+                    file=log,
+                )
+    except BaseException:
+        for key, builder in builders.items():
+            builder.discard()
+            if os.path.exists(index_file_path(prefixes[key])):
+                os.remove(index_file_path(prefixes[key]))
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    for key, builder in builders.items():
+        builder.finalize(index_file_path(prefixes[key]))
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    summary = {
+        "documents": documents,
+        "skipped": skipped,
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "seconds": elapsed,
+        "docs_per_s": documents / elapsed,
+        "mb_per_s": total_bytes / elapsed / 1e6,
+    }
+    print(
+        f"done: {documents} documents, {tokens} tokens, {skipped} lines skipped, "
+        f"{elapsed:.2f} s ({summary['docs_per_s']:.1f} docs/s, {summary['mb_per_s']:.2f} MB/s) -> "
+        + ", ".join(prefixes[key] + ".bin/.idx" for key in args.json_keys),
+        file=log,
+    )
+    return summary
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    try:
+        preprocess(args)
+    except BadInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except ValueError as error:  # ConfigError: a missing tokenizer file and the like
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
