@@ -1,0 +1,250 @@
+"""GPTModel: one decoder-only model for every family (GPT-2, Llama, Mistral, GPT-NeoX).
+
+A family is a `TransformerConfig`: learned positions or RoPE (partial for NeoX) or ALiBi,
+LayerNorm or RMSNorm, GeLU or SwiGLU, multi-head or grouped-query attention, sequential or
+parallel residual, tied or untied output layer.
+
+Initialisation and pipeline stages. The tensor-parallel layers draw each weight's full master
+tensor from the CPU default generator, so the weights do not depend on TP. To make them
+independent of the pipeline layout too, the model first draws one base seed from the default
+generator (the same on every stage), then builds each part under its own CPU seed derived
+from it: the embedding (index 0), layer n (index n, global numbering) and the untied output
+layer (index num_layers + 1). A stage holding layers 3-4 therefore holds exactly layers 3-4
+of the single-stage model, and the last stage's copy of a tied word embedding is drawn under
+the embedding's seed, so it starts equal to the first stage's table.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.parallel_state import ParallelState
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_tensor_model_parallel_region,
+    init_method_normal,
+    scatter_to_sequence_parallel_region,
+)
+from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.transformer.attention import RotaryEmbedding
+from megatron_smp.transformer.block import TransformerBlock
+from megatron_smp.transformer.utils import derive_seed, init_rng_scope
+
+_EMBEDDING_SEED_INDEX = 0
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Word (+ learned position) embeddings and dropout.
+
+    forward(input_ids [b, s], position_ids [b, s] or None) -> [s, b, h], or this rank's
+    sequence shard [s/tp, b, h] with sequence parallelism.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state: ParallelState,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.tp_group = state.tp_group
+        self.dropout = config.hidden_dropout
+        self.add_position_embedding = config.position_embedding_type == "learned_absolute"
+        init_method = init_method_normal(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            config=config,
+            tp_group=state.tp_group,
+            init_method=init_method,
+            # Reduce-scatter straight into sequence shards unless positions must be added to
+            # the full sequence first.
+            reduce_scatter_embeddings=self.sequence_parallel and not self.add_position_embedding,
+            device=device,
+        )
+        if self.add_position_embedding:
+            table = torch.empty(config.max_position_embeddings, config.hidden_size)
+            init_method(table)  # drawn on the CPU, like the parallel layers' masters
+            self.position_embeddings = torch.nn.Embedding(
+                config.max_position_embeddings, config.hidden_size,
+                dtype=config.params_dtype, device=device,
+            )
+            if self.position_embeddings.weight.device.type != "meta":
+                with torch.no_grad():
+                    self.position_embeddings.weight.copy_(table)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids.transpose(0, 1))  # [s(/tp), b, h]
+        if self.add_position_embedding:
+            if position_ids is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                embeddings = embeddings + self.position_embeddings(positions)[:, None, :]
+            else:
+                embeddings = embeddings + self.position_embeddings(position_ids.transpose(0, 1))
+            if self.sequence_parallel:
+                embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
+        if self.training and self.dropout > 0.0:
+            if self.sequence_parallel:  # each rank holds a different shard
+                with get_rng_tracker().fork():
+                    embeddings = F.dropout(embeddings, self.dropout, training=True)
+            else:
+                embeddings = F.dropout(embeddings, self.dropout, training=True)
+        return embeddings
+
+
+class GPTModel(torch.nn.Module):
+    """Decoder-only language model, or one pipeline stage of it.
+
+    forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None)
+      * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
+      * last stage, labels [b, s] given: per-token loss [b, s] (fp32);
+      * last stage, no labels: logits [b, s, padded_vocab / tp] (this rank's vocab shard;
+        `gather_full_logits` gives [b, s, vocab]);
+      * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
+    A stage other than the first reads its input from `set_input_tensor(t)`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state: ParallelState,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_offset: int = 0,
+        num_layers: Optional[int] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        config.validate(state.config)
+        self.config = config
+        self.state = state
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.tp_group = state.tp_group
+        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor: Optional[torch.Tensor] = None
+        device = state.device if device is None else device
+
+        # The same draw on every stage and rank: see the module docstring.
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.init_base_seed = base_seed
+
+        if pre_process:
+            with init_rng_scope(derive_seed(base_seed, _EMBEDDING_SEED_INDEX)):
+                self.embedding = LanguageModelEmbedding(config, state, device=device)
+
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base, device=device
+            )
+
+        self.decoder = TransformerBlock(
+            config,
+            state.tp_group,
+            layer_offset=layer_offset,
+            num_layers=num_layers,
+            post_layer_norm=post_process,
+            init_seed=base_seed,
+            device=device,
+        )
+
+        if post_process:
+            tied_here = self.share_embeddings_and_output_weights and pre_process
+            if tied_here:
+                output_seed = None  # no weight of its own
+            elif self.share_embeddings_and_output_weights:
+                # Last stage's copy of the tied table: drawn like the word embedding (its
+                # first draw under the embedding seed), so both copies start equal.
+                output_seed = derive_seed(base_seed, _EMBEDDING_SEED_INDEX)
+            else:
+                output_seed = derive_seed(base_seed, config.num_layers + 1)
+            with init_rng_scope(output_seed):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size,
+                    config.padded_vocab_size(state.tp_size),
+                    config=config,
+                    tp_group=state.tp_group,
+                    init_method=init_method_normal(config.init_method_std),
+                    bias=False,
+                    gather_output=False,
+                    skip_weight_param_allocation=tied_here,
+                    true_output_size=config.vocab_size,
+                    device=device,
+                )
+
+        if self.share_embeddings_and_output_weights and state.pp_size > 1:
+            # Two copies of one tied table: finalize_model_grads sums their grads over
+            # state.embedding_group so they stay equal.
+            if pre_process:
+                self.embedding.word_embeddings.weight.shared_embedding = True
+            if post_process and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Input of a non-first pipeline stage: hidden states [s(/tp), b, h]."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        if self.pre_process and self.share_embeddings_and_output_weights:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def _rotary(self, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        if self.rotary_pos_emb is None:
+            return None
+        seq_length = hidden_states.shape[0] * (self.state.tp_size if self.sequence_parallel else 1)
+        return self.rotary_pos_emb(seq_length, position_ids)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError(
+                    "GPTModel without pre_process needs set_input_tensor() before forward"
+                )
+            hidden_states = self.input_tensor
+        hidden_states = self.decoder(
+            hidden_states, attention_mask, self._rotary(hidden_states, position_ids)
+        )
+        if not self.post_process:
+            return hidden_states
+
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size
+        )
+        return loss.transpose(0, 1).contiguous()
+
+
+def gather_full_logits(
+    logits_local: torch.Tensor, state: ParallelState, vocab_size: int
+) -> torch.Tensor:
+    """[b, s, padded_vocab / tp] vocab shards -> [b, s, vocab_size] (padding sliced off).
+    Differentiable (backward keeps this rank's shard of the gradient)."""
+    full = gather_from_tensor_model_parallel_region(logits_local, state.tp_group)
+    return full[..., :vocab_size]
+
+
+__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits"]

@@ -1,0 +1,77 @@
+"""Hugging Face state-dict adapters, one module per model family.
+
+    adapter = get_adapter(hf_model)          # or "llama", "GPT2LMHeadModel", an HF config
+    config = adapter.config_from_hf(hf_model.config)
+    full = adapter.from_hf(hf_model.state_dict(), config)    # TP=1 GPTModel state dict
+    shard = shard_state_dict(full, config, tp_size, tp_rank)
+
+A new family (e.g. Mixtral, with its experts) is one more module listed in `_FAMILIES`.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from megatron_smp.config import ConfigError
+from megatron_smp.models.hf import gpt2, gpt_neox, llama
+from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
+
+_FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "gpt_neox": gpt_neox}
+
+
+def _architecture_index() -> dict:
+    index = {}
+    for module in set(_FAMILIES.values()):
+        for name in module.HF_ARCHITECTURES:
+            index[name] = module
+    return index
+
+
+def get_adapter(family_or_hf_model: Any) -> ModuleType:
+    """The adapter module for a family name ("gpt2", "llama", "mistral", "gpt_neox"), an HF
+    architecture name ("LlamaForCausalLM"), an HF model or an HF config."""
+    key = family_or_hf_model
+    if isinstance(key, str):
+        if key in _FAMILIES:
+            return _FAMILIES[key]
+        if key in _architecture_index():
+            return _architecture_index()[key]
+    else:
+        class_name = type(key).__name__
+        if class_name in _architecture_index():
+            return _architecture_index()[class_name]
+        model_type = getattr(getattr(key, "config", key), "model_type", None)
+        if model_type in _FAMILIES:
+            return _FAMILIES[model_type]
+        key = class_name
+    supported = sorted(_FAMILIES) + sorted(_architecture_index())
+    raise ConfigError(f"no Hugging Face adapter for {key!r}; supported: {supported}")
+
+
+def family_of(hf_model_or_config: Any) -> str:
+    """"gpt2" | "llama" | "mistral" | "gpt_neox" of an HF model or config."""
+    config = getattr(hf_model_or_config, "config", hf_model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"unsupported Hugging Face model_type {model_type!r}")
+    return model_type
+
+
+def config_to_hf(config, family: str):
+    """The HF config of `family` for a TransformerConfig."""
+    adapter = get_adapter(family)
+    if adapter is llama:
+        return llama.config_to_hf(config, family)
+    return adapter.config_to_hf(config)
+
+
+__all__ = [
+    "get_adapter",
+    "family_of",
+    "config_to_hf",
+    "shard_state_dict",
+    "merge_state_dicts",
+    "gpt2",
+    "llama",
+    "gpt_neox",
+]

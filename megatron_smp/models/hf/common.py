@@ -1,0 +1,125 @@
+"""Pieces shared by the Hugging Face adapters: vocabulary padding, fused QKV packing,
+rope-parameter reading, and the framework's parameter names.
+
+Every adapter module (gpt2, llama, gpt_neox, ...) provides
+
+    config_from_hf(hf_config) -> TransformerConfig
+    config_to_hf(config) -> transformers config
+    from_hf(hf_state_dict, config) -> full (TP=1) framework state dict
+    to_hf(full_state_dict, config) -> HF state dict
+    HF_ARCHITECTURES (class names it serves) and MODEL_TYPES (config.model_type values)
+
+and the TP helpers `shard_state_dict` / `merge_state_dicts` (from `models.sharding`) work on
+the framework side for every family.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict  # noqa: F401
+
+StateDict = Dict[str, torch.Tensor]
+
+# Framework parameter names (GPTModel at TP=1, one pipeline stage).
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm"
+
+
+def layer_prefix(index: int) -> str:
+    return f"decoder.layers.{index}."
+
+
+def pad_vocab(table: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """[vocab, h] -> [padded_vocab_size(1), h] with zero rows (the TP=1 model's table)."""
+    if table.shape[0] != config.vocab_size:
+        raise ConfigError(
+            f"vocabulary table has {table.shape[0]} rows but the config says vocab_size="
+            f"{config.vocab_size}"
+        )
+    padded = config.padded_vocab_size(1)
+    out = table.new_zeros((padded,) + tuple(table.shape[1:]))
+    out[: config.vocab_size] = table
+    return out
+
+
+def unpad_vocab(table: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    return table[: config.vocab_size].clone()
+
+
+def pack_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: TransformerConfig
+) -> torch.Tensor:
+    """q [nh*d, ...], k/v [ng*d, ...] -> fused [ng * (q_per_group + 2) * d, ...] per group."""
+    ng, d = config.num_query_groups, config.kv_channels
+    rest = tuple(query.shape[1:])
+    q = query.reshape((ng, -1, d) + rest)
+    k = key.reshape((ng, 1, d) + rest)
+    v = value.reshape((ng, 1, d) + rest)
+    return torch.cat([q, k, v], dim=1).reshape((-1,) + rest).clone()
+
+
+def unpack_qkv(
+    qkv: torch.Tensor, config: TransformerConfig
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_qkv`."""
+    ng, d = config.num_query_groups, config.kv_channels
+    q_per_group = config.num_attention_heads // ng
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.reshape((ng, q_per_group + 2, d) + rest)
+    q, k, v = torch.split(grouped, [q_per_group, 1, 1], dim=1)
+    return (
+        q.reshape((-1,) + rest).clone(),
+        k.reshape((-1,) + rest).clone(),
+        v.reshape((-1,) + rest).clone(),
+    )
+
+
+def rope_parameters(hf_config) -> dict:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "rope_theta" not in params and hasattr(hf_config, "rope_theta"):
+        params["rope_theta"] = hf_config.rope_theta
+    legacy_scaling = getattr(hf_config, "rope_scaling", None)
+    if legacy_scaling and "rope_type" not in params:
+        params["rope_type"] = legacy_scaling.get("rope_type", legacy_scaling.get("type"))
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", 10000.0)
+    if params["rope_type"] != "default":
+        raise ConfigError(
+            f"RoPE scaling {params['rope_type']!r} is not supported; only the default RoPE "
+            "(rope_type='default') converts"
+        )
+    return params
+
+
+def require_keys(state_dict: Mapping[str, torch.Tensor], names, source: str) -> None:
+    missing = [name for name in names if name not in state_dict]
+    if missing:
+        raise ConfigError(f"{source} state dict lacks {missing[:5]} (and maybe more)")
+
+
+def true_vocab_rows(state_dict: Mapping[str, torch.Tensor], name: str) -> int:
+    return int(state_dict[name].shape[0])
+
+
+__all__ = [
+    "StateDict",
+    "WORD_EMBEDDINGS",
+    "POSITION_EMBEDDINGS",
+    "OUTPUT_LAYER",
+    "FINAL_NORM",
+    "layer_prefix",
+    "pad_vocab",
+    "unpad_vocab",
+    "pack_qkv",
+    "unpack_qkv",
+    "rope_parameters",
+    "require_keys",
+    "shard_state_dict",
+    "merge_state_dicts",
+]

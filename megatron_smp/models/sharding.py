@@ -1,0 +1,143 @@
+"""Split a full (TP=1) framework state dict over tensor-parallel ranks, and merge it back.
+
+Which tensors are split, along which dim and with which stride is what the parallel layers
+record on their parameters (`tensor_model_parallel`, `partition_dim`, `partition_stride`);
+`tensor_parallel_layout(model)` reads it from any model (at any TP size, the layout is the
+same). `default_layout(config)` states the same layout for a `GPTModel` without building one
+(a unit test checks the two agree), for tools that only have a checkpoint.
+
+The vocabulary tables (word embedding, output layer) are padded to
+`config.padded_vocab_size(tp)`, which depends on TP: shards are re-padded on the way in and
+out, so a full state dict always has `padded_vocab_size(1)` rows.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_smp.config import ConfigError, TransformerConfig
+
+Layout = Dict[str, Tuple[int, int]]  # name pattern -> (partition_dim, stride)
+
+_LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
+VOCAB_PARALLEL_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
+
+
+def _pattern(name: str) -> str:
+    return _LAYER_INDEX.sub(r"\1layers.*.", name)
+
+
+def tensor_parallel_layout(model: torch.nn.Module) -> Layout:
+    """{name pattern: (partition_dim, stride)} of the parameters split over TP in `model`."""
+    layout: Layout = {}
+    for name, param in model.named_parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            layout[_pattern(name)] = (int(param.partition_dim), int(param.partition_stride))
+    return layout
+
+
+def default_layout(config: TransformerConfig) -> Layout:
+    """The layout `GPTModel(config, ...)` has, by parameter name."""
+    fc1_stride = 2 if config.gated_linear_unit else 1
+    layout: Layout = {
+        "embedding.word_embeddings.weight": (0, 1),
+        "output_layer.weight": (0, 1),
+        "decoder.layers.*.self_attention.linear_qkv.weight": (0, 1),
+        "decoder.layers.*.self_attention.linear_qkv.bias": (0, 1),
+        "decoder.layers.*.self_attention.linear_proj.weight": (1, 1),
+        "decoder.layers.*.mlp.linear_fc1.weight": (0, fc1_stride),
+        "decoder.layers.*.mlp.linear_fc1.bias": (0, fc1_stride),
+        "decoder.layers.*.mlp.linear_fc2.weight": (1, 1),
+    }
+    return layout
+
+
+def _is_vocab_parallel(name: str) -> bool:
+    return name.endswith(VOCAB_PARALLEL_SUFFIXES)
+
+
+def _repad_rows(tensor: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
+    tensor = tensor[:vocab_size]
+    if padded > vocab_size:
+        pad = tensor.new_zeros((padded - vocab_size,) + tuple(tensor.shape[1:]))
+        tensor = torch.cat([tensor, pad], dim=0)
+    return tensor
+
+
+def split_tensor(tensor: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: int):
+    """Rank `tp_rank`'s slice: `tp_size * stride` chunks along `dim`, chunks r, r + tp, ..."""
+    if tensor.shape[dim] % (tp_size * stride) != 0:
+        raise ConfigError(
+            f"a tensor of shape {tuple(tensor.shape)} does not split into {tp_size} x {stride} "
+            f"chunks along dim {dim}; choose a tensor-parallel size that divides it"
+        )
+    pieces = torch.chunk(tensor, tp_size * stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim).clone()
+
+
+def join_tensors(shards: List[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of `split_tensor` over all ranks' slices (in rank order)."""
+    per_rank = [torch.chunk(shard, stride, dim=dim) for shard in shards]
+    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def shard_state_dict(
+    full_state_dict: Mapping[str, torch.Tensor],
+    config: TransformerConfig,
+    tp_size: int,
+    tp_rank: int,
+    layout: Optional[Layout] = None,
+) -> Dict[str, torch.Tensor]:
+    """Rank `tp_rank`'s state dict of a TP=`tp_size` model from a full (TP=1) one."""
+    layout = default_layout(config) if layout is None else layout
+    padded = config.padded_vocab_size(tp_size)
+    shards = {}
+    for name, tensor in full_state_dict.items():
+        spec = layout.get(_pattern(name))
+        if spec is None:
+            shards[name] = tensor.clone()
+            continue
+        if _is_vocab_parallel(name):
+            tensor = _repad_rows(tensor, config.vocab_size, padded)
+        shards[name] = split_tensor(tensor, spec[0], spec[1], tp_size, tp_rank)
+    return shards
+
+
+def merge_state_dicts(
+    state_dicts: List[Mapping[str, torch.Tensor]],
+    config: TransformerConfig,
+    layout: Optional[Layout] = None,
+) -> Dict[str, torch.Tensor]:
+    """The full (TP=1) state dict from every TP rank's state dict, in rank order."""
+    layout = default_layout(config) if layout is None else layout
+    names = list(state_dicts[0])
+    for rank, state_dict in enumerate(state_dicts[1:], start=1):
+        if set(state_dict) != set(names):
+            raise ConfigError(
+                f"tensor-parallel rank {rank} has different parameter names than rank 0: "
+                f"{sorted(set(state_dict) ^ set(names))[:5]}"
+            )
+    full = {}
+    for name in names:
+        spec = layout.get(_pattern(name))
+        if spec is None:
+            full[name] = state_dicts[0][name].clone()
+            continue
+        merged = join_tensors([sd[name] for sd in state_dicts], spec[0], spec[1])
+        if _is_vocab_parallel(name):
+            merged = _repad_rows(merged, config.vocab_size, config.padded_vocab_size(1))
+        full[name] = merged
+    return full
+
+
+__all__ = [
+    "Layout",
+    "tensor_parallel_layout",
+    "default_layout",
+    "split_tensor",
+    "join_tensors",
+    "shard_state_dict",
+    "merge_state_dicts",
+]

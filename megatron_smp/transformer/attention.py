@@ -1,0 +1,402 @@
+"""Self-attention: fused QKV projection, RoPE / ALiBi, SDPA core attention, output projection.
+
+The fused QKV weight is laid out per query group, `[ng, (q_per_group + 2) * head_dim]` rows:
+group g holds its q heads, then its one k head, then its one v head. A contiguous split of
+the rows over TP ranks therefore gives each rank whole groups (and their queries), so no
+communication is needed before the core attention. With multi-head attention
+(q_per_group = 1) this is exactly GPT-NeoX's per-head [q, k, v] layout.
+
+Core attention is `torch.nn.functional.scaled_dot_product_attention`, which picks the flash
+or memory-efficient kernel on GPUs and a fused CPU kernel otherwise; it sees `[b, n, s, d]`
+views, never materialises the attention probabilities itself, and uses `is_causal` when no
+explicit mask is given.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+
+RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
+
+
+# Rotary position embeddings ----------------------------------------------------------------------
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for RoPE over the first `rotary_percent` of each head's channels.
+
+    The rotated channels use the "rotate half" pairing (channel i with i + d/2), as in
+    GPT-NeoX and Hugging Face's Llama, so their q/k weights load without a permutation.
+    """
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float = 1.0,
+        rotary_base: float = 10000.0,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        dim = int(kv_channels * rotary_percent)
+        if dim < 2 or dim % 2 != 0:
+            raise ValueError(
+                f"rotary dim {dim} (kv_channels {kv_channels} x rotary_percent {rotary_percent})"
+                " must be even and >= 2"
+            )
+        self.dim = dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (rotary_base ** exponents)
+        if device is not None and torch.device(device).type != "meta":
+            inv_freq = inv_freq.to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, seq_length: int, position_ids: Optional[torch.Tensor] = None
+    ) -> RotaryEmbeddings:
+        """cos, sin of shape [s, 1, 1, dim] (default positions) or [s, b, 1, dim]
+        (position_ids [b, s]); fp32."""
+        inv_freq = self.inv_freq.float()
+        if position_ids is None:
+            positions = torch.arange(seq_length, device=inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)[:, None, None, :]
+        else:
+            positions = position_ids.to(inv_freq.device).transpose(0, 1).float()  # [s, b]
+            freqs = (positions[..., None] * inv_freq)[:, :, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, rotary: RotaryEmbeddings) -> torch.Tensor:
+    """Rotate the first `dim` channels of x [s, b, n, d] by cos/sin [s, b or 1, 1, dim]."""
+    cos, sin = rotary
+    dim = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :dim], x[..., dim:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# ALiBi -------------------------------------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Per-head ALiBi slopes (Press et al.), geometric from 2^(-8/n); non-powers of two take
+    the closest power's slopes then every other slope of the next power."""
+
+    def power_of_two_slopes(n: int) -> list:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two_slopes(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two_slopes(closest)
+        slopes += alibi_slopes(2 * closest).tolist()[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(
+    slopes: torch.Tensor, seq_length: int, causal: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive bias [1, n, s, s]: slope * (j - i), with -inf above the diagonal if causal."""
+    positions = torch.arange(seq_length, device=slopes.device, dtype=torch.float32)
+    distance = positions[None, :] - positions[:, None]  # j - i
+    bias = slopes.float()[:, None, None] * distance[None]
+    if causal:
+        bias = bias.masked_fill(distance[None] > 0, float("-inf"))
+    return bias.unsqueeze(0).to(dtype)
+
+
+# Core attention ----------------------------------------------------------------------------------
+
+
+def core_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    causal: bool = True,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """SDPA over q [b, nq, s, d], k/v [b, nkv, s, d] (nkv divides nq: grouped-query).
+
+    `attention_mask` is bool, True = masked, broadcastable to [b, nq, s, s]; `bias` an
+    additive float bias (ALiBi). Without either, `causal` uses the kernel's own causal path.
+    Returns [b, nq, s, d].
+    """
+    gqa = query.shape[1] != key.shape[1]
+    if attention_mask is None and bias is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout_p, is_causal=causal, scale=scale,
+            enable_gqa=gqa,
+        )
+    if bias is None:
+        mask = ~attention_mask  # SDPA's bool masks mean True = attend
+    elif attention_mask is None:
+        mask = bias
+    else:
+        mask = bias.masked_fill(attention_mask, float("-inf"))
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale,
+        enable_gqa=gqa,
+    )
+
+
+class SelfAttention(torch.nn.Module):
+    """Tensor-parallel self-attention over [s, b, h] (or [s/tp, b, h] with SP).
+
+    forward(hidden_states, attention_mask=None, rotary_pos_emb=None) -> [s(/tp), b, h]
+      * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
+      * rotary_pos_emb: (cos, sin) from `RotaryEmbedding`, for RoPE models.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: ProcessGroup,
+        layer_number: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.tp_group = tp_group
+        tp_size = group_size(tp_group)
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
+        self.q_per_group = divide(self.num_heads, self.num_query_groups)
+        self.num_heads_per_partition = divide(self.num_heads, tp_size)
+        self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
+        self.attention_dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
+
+        qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+        init_method = init_method_normal(config.init_method_std)
+        output_init = (
+            scaled_init_method_normal(config.init_method_std, config.num_layers)
+            if config.use_scaled_init_method
+            else init_method
+        )
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            device=device,
+        )
+        self.linear_proj = RowParallelLinear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=output_init,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            device=device,
+        )
+        self.use_alibi = config.position_embedding_type == "alibi"
+        if self.use_alibi:
+            # Slopes of the full head set, then this rank's heads (contiguous, like the qkv split).
+            start = group_rank(tp_group) * self.num_heads_per_partition
+            slopes = alibi_slopes(self.num_heads)[start : start + self.num_heads_per_partition]
+            if device is not None and torch.device(device).type != "meta":
+                slopes = slopes.to(device)
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d]."""
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + 2, self.head_dim)
+        query, key, value = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
+        query = query.reshape(s, b, self.num_heads_per_partition, self.head_dim)
+        return query, key.squeeze(3), value.squeeze(3)
+
+    def _core_attention(self, query, key, value, attention_mask):
+        """q/k/v [s, b, n, d] -> context [s, b, nh_local * d]."""
+        s, b = query.shape[:2]
+        # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        bias = None
+        if self.use_alibi:
+            bias = alibi_bias(self.alibi_slopes, s, attention_mask is None, query.dtype)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if dropout_p > 0.0:
+            # Heads are split over TP ranks: each rank drops its own heads' probabilities.
+            with get_rng_tracker().fork():
+                context = core_attention(query, key, value, attention_mask, True, dropout_p,
+                                         None, bias)
+        else:
+            context = core_attention(query, key, value, attention_mask, True, 0.0, None, bias)
+        # [b, n, s, d] -> [s, b, n * d]
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[RotaryEmbeddings] = None,
+    ) -> torch.Tensor:
+        mixed, _ = self.linear_qkv(hidden_states)
+        query, key, value = self._split_qkv(mixed)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+        if self.selective_recompute and self.training:
+            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self._core_attention(query, key, value, attention_mask)
+        output, _ = self.linear_proj(context)
+        return output
+
+
+# SMP v2 attention modules ------------------------------------------------------------------------
+
+_LAYOUTS = ("b h s d", "b s h d")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+
+
+def _to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x if layout == "b h s d" else x.transpose(1, 2)
+
+
+class FlashSelfAttention(torch.nn.Module):
+    """SMP v2's `torch.sagemaker.nn.attn.FlashSelfAttention`, on SDPA.
+
+    forward(qkv, attn_mask=None, causal=False, cast_dtype=None, layout="b h s d")
+      * qkv: one tensor [b, s, 3 * n, d] ("b s h d") or [b, 3 * n, s, d] ("b h s d"), or a
+        tuple (q, k, v) of [b, s, n, d] / [b, n, s, d] tensors.
+      * attn_mask: with `use_alibi`, the additive ALiBi mask [b or 1, n, 1 or s, s] (e.g. from
+        SMP's `generate_alibi_attn_mask`), added to the scores.
+    Returns [b, n, s, d] (the reference's documented shape, whatever the input layout).
+    """
+
+    def __init__(
+        self,
+        attention_dropout_prob: float = 0.0,
+        scale: Optional[float] = None,
+        triton_flash_attention: bool = False,
+        use_alibi: bool = False,
+    ) -> None:
+        super().__init__()
+        self.attention_dropout_prob = attention_dropout_prob
+        self.scale = scale
+        # Kept for API compatibility: SDPA picks its own kernel, with or without ALiBi.
+        self.triton_flash_attention = triton_flash_attention
+        self.use_alibi = use_alibi
+
+    def forward(
+        self,
+        qkv: Union[torch.Tensor, Sequence[torch.Tensor]],
+        attn_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        cast_dtype: Optional[torch.dtype] = None,
+        layout: str = "b h s d",
+    ) -> torch.Tensor:
+        _check_layout(layout)
+        if torch.is_tensor(qkv):
+            heads_dim = 2 if layout == "b s h d" else 1
+            q, k, v = qkv.chunk(3, dim=heads_dim)
+        else:
+            q, k, v = qkv
+        if attn_mask is not None and not self.use_alibi:
+            raise ValueError("FlashSelfAttention: attn_mask needs use_alibi=True (as in SMP v2)")
+        return _flash_forward(
+            q, k, v, attn_mask, causal, cast_dtype, layout, self.attention_dropout_prob,
+            self.scale, self.training,
+        )
+
+
+class FlashGroupedQueryAttention(torch.nn.Module):
+    """SMP v2's `torch.sagemaker.nn.attn.FlashGroupedQueryAttention`, on SDPA.
+
+    forward(q, kv, causal=False, cast_dtype=None, layout="b s h d")
+      * q: [b, s, nq, d] ("b s h d") or [b, nq, s, d] ("b h s d").
+      * kv: one tensor [b, s, 2 * nkv, d] / [b, 2 * nkv, s, d], or a tuple (k, v).
+    Returns [b, nq, s, d].
+    """
+
+    def __init__(self, attention_dropout_prob: float = 0.0, scale: Optional[float] = None) -> None:
+        super().__init__()
+        self.attention_dropout_prob = attention_dropout_prob
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: Union[torch.Tensor, Sequence[torch.Tensor]],
+        causal: bool = False,
+        cast_dtype: Optional[torch.dtype] = None,
+        layout: str = "b s h d",
+    ) -> torch.Tensor:
+        _check_layout(layout)
+        if torch.is_tensor(kv):
+            k, v = kv.chunk(2, dim=2 if layout == "b s h d" else 1)
+        else:
+            k, v = kv
+        return _flash_forward(
+            q, k, v, None, causal, cast_dtype, layout, self.attention_dropout_prob, self.scale,
+            self.training,
+        )
+
+
+def _flash_forward(q, k, v, bias, causal, cast_dtype, layout, dropout_p, scale, training):
+    if cast_dtype is not None:
+        q, k, v = q.to(cast_dtype), k.to(cast_dtype), v.to(cast_dtype)
+    q, k, v = (_to_bhsd(t, layout) for t in (q, k, v))
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+    if bias is not None:
+        s_q, s_k = q.shape[2], k.shape[2]
+        bias = bias.to(q.dtype)[..., -s_k:]
+        if causal:
+            future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+            bias = bias.masked_fill(future, float("-inf"))
+        causal = False
+    return core_attention(
+        q, k, v, None, causal, dropout_p if training else 0.0, scale, bias,
+    )
+
+
+__all__ = [
+    "RotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "alibi_slopes",
+    "alibi_bias",
+    "core_attention",
+    "SelfAttention",
+    "FlashSelfAttention",
+    "FlashGroupedQueryAttention",
+]

@@ -1,0 +1,91 @@
+"""Feed-forward block: h -> ffn (ColumnParallelLinear) -> activation -> h (RowParallelLinear).
+
+With `gated_linear_unit` (SwiGLU) the first linear is the fused [gate; up] weight
+[2 * ffn, h], split with stride 2: rank r keeps gate rows r and up rows r, so its local
+output is [gate_r, up_r] and the gating needs no communication.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron_smp.tensor_parallel.mappings import ProcessGroup
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu}
+
+
+def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ConfigError(
+            f"activation {name!r} is not supported; use one of {sorted(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[name]
+
+
+class MLP(torch.nn.Module):
+    """forward(hidden_states [s(/tp), b, h]) -> [s(/tp), b, h]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: ProcessGroup,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.gated = config.gated_linear_unit
+        self.activation = activation_function(config.activation)
+        init_method = init_method_normal(config.init_method_std)
+        output_init = (
+            scaled_init_method_normal(config.init_method_std, config.num_layers)
+            if config.use_scaled_init_method
+            else init_method
+        )
+        fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            fc1_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=init_method,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            stride=2 if self.gated else 1,
+            device=device,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=output_init,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            device=device,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        intermediate, _ = self.linear_fc1(hidden_states)
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation(gate) * up
+        else:
+            intermediate = self.activation(intermediate)
+        output, _ = self.linear_fc2(intermediate)
+        return output
+
+
+__all__ = ["MLP", "activation_function"]
