@@ -183,7 +183,7 @@ class _CheckpointFunction(torch.autograd.Function):
         outputs = run_function(*args)  # autograd.Function.forward already runs without grad
 
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
-        ctx.requires_grad = [args[i].requires_grad for i in ctx.tensor_positions]
+        ctx.inputs_require_grad = [args[i].requires_grad for i in ctx.tensor_positions]
         ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
         tensors = [args[i] for i in ctx.tensor_positions]
         ctx.distribute_group = None
@@ -220,7 +220,7 @@ class _CheckpointFunction(torch.autograd.Function):
             tensors[0] = _gather_first_dim(tensors[0], ctx.distribute_group).view(ctx.first_shape)
         args = list(ctx.non_tensor_args)
         for position, tensor, requires_grad in zip(
-            ctx.tensor_positions, tensors, ctx.requires_grad
+            ctx.tensor_positions, tensors, ctx.inputs_require_grad
         ):
             args[position] = tensor.detach().requires_grad_(requires_grad)
 
