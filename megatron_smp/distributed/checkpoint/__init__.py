@@ -1,0 +1,57 @@
+"""Distributed checkpointing engine: SMP v2's save / async_save / load on PyTorch DCP.
+
+    from megatron_smp.distributed import checkpoint as dcp
+    dcp.save(state_dict, checkpoint_id=path)                     # every rank writes its shards
+    dcp.async_save(state_dict, checkpoint_id=path)               # returns after a CPU copy
+    dcp.maybe_finalize_async_calls(blocking=False)               # once per training step
+    dcp.load(state_dict, checkpoint_id=path)                     # in place, resharding
+
+Sharded tensors are described with `ShardedTensorView` (see sharding.py for why).
+"""
+from megatron_smp.distributed.checkpoint.async_queue import (
+    DEFAULT_ASYNC_QUEUE,
+    AsyncCallsQueue,
+    AsyncRequest,
+    maybe_finalize_async_calls,
+)
+from megatron_smp.distributed.checkpoint.sharding import (
+    ShardedTensorView,
+    flat_sharded_tensor,
+    make_sharded_tensor,
+    sharded_state_dict,
+    tp_sharded_tensor,
+)
+from megatron_smp.distributed.checkpoint.state_dict_loader import (
+    check_keys_against_checkpoint,
+    load,
+    read_checkpoint_metadata,
+)
+from megatron_smp.distributed.checkpoint.state_dict_saver import async_save, save, stage_to_cpu
+from megatron_smp.distributed.checkpoint.storage import (
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+)
+
+__all__ = [
+    "save",
+    "async_save",
+    "maybe_finalize_async_calls",
+    "load",
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "DEFAULT_ASYNC_QUEUE",
+    "ShardedTensorView",
+    "make_sharded_tensor",
+    "tp_sharded_tensor",
+    "flat_sharded_tensor",
+    "sharded_state_dict",
+    "stage_to_cpu",
+    "check_keys_against_checkpoint",
+    "read_checkpoint_metadata",
+    "read_dcp_metadata",
+    "CheckpointError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+]

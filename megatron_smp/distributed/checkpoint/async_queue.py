@@ -1,0 +1,132 @@
+"""Background checkpoint writes and their collective finalisation.
+
+An `AsyncRequest` is a function that writes already-staged (CPU) data, plus finalisation
+callbacks (publish the checkpoint, log). `AsyncCallsQueue` runs the writes one after another
+on a single worker thread -- so every rank issues the writes' collectives in the same order --
+and `maybe_finalize_async_calls` runs a request's callbacks only after all ranks agree (one
+all-reduce on the caller's group, from the caller's thread) that every rank's write finished.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.distributed.checkpoint.agreement import (
+    collective_device,
+    global_ranks,
+    group_size_and_rank,
+    is_distributed,
+)
+from megatron_smp.distributed.checkpoint.storage import CheckpointError
+
+
+@dataclass
+class AsyncRequest:
+    """`async_fn` runs on the writer thread; `finalize_fns` run on the caller's thread after
+    every rank's `async_fn` has returned; `cleanup_fns` run in either case (e.g. release
+    staging buffers)."""
+
+    async_fn: Callable[[], None]
+    finalize_fns: List[Callable[[], None]] = field(default_factory=list)
+    cleanup_fns: List[Callable[[], None]] = field(default_factory=list)
+    process_group: Optional[dist.ProcessGroup] = None
+    description: str = "asynchronous checkpoint save"
+    call_idx: int = -1
+    future: Optional[concurrent.futures.Future] = None
+
+
+class AsyncCallsQueue:
+    """FIFO of in-flight asynchronous saves (one writer thread per queue)."""
+
+    def __init__(self) -> None:
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: Deque[AsyncRequest] = deque()
+        self._counter = itertools.count()
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Start `request.async_fn` in the background; returns the call index."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="megatron_smp_ckpt_writer"
+            )
+        request.call_idx = next(self._counter)
+        request.future = self._executor.submit(request.async_fn)
+        self._pending.append(request)
+        return request.call_idx
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self._pending)
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = True, process_group: Optional[dist.ProcessGroup] = None
+    ) -> List[int]:
+        """Finalise, oldest first, the requests every rank has finished; returns their indices.
+
+        Collective over `process_group` (default: each request's group) whenever a request is
+        pending: all ranks must call it the same number of times, as the training loop does
+        once per iteration. With `blocking`, waits for every pending request.
+        """
+        finalized = []
+        while self._pending:
+            request = self._pending[0]
+            if blocking:
+                concurrent.futures.wait([request.future])
+            group = process_group if process_group is not None else request.process_group
+            failed_ranks, all_done = self._agree(request, group)
+            if not all_done:
+                break
+            self._pending.popleft()
+            try:
+                if failed_ranks:
+                    error = request.future.exception()
+                    detail = f"{type(error).__name__}: {error}" if error else "see those ranks' logs"
+                    raise CheckpointError(
+                        f"{request.description} (call {request.call_idx}) failed on rank(s) "
+                        f"{failed_ranks}: {detail}; the previous checkpoint stays current"
+                    ) from error
+                for fn in request.finalize_fns:
+                    fn()
+            finally:
+                for fn in request.cleanup_fns:
+                    fn()
+            finalized.append(request.call_idx)
+        return finalized
+
+    @staticmethod
+    def _agree(request: AsyncRequest, group):
+        done = request.future.done()
+        failed = done and request.future.exception() is not None
+        if not is_distributed():
+            return ([0] if failed else []), done
+        size, rank = group_size_and_rank(group)
+        # [number of ranks still writing, failed flag per rank]
+        flags = torch.zeros(size + 1, dtype=torch.int64, device=collective_device(group))
+        flags[0] = 0 if done else 1
+        flags[1 + rank] = 1 if failed else 0
+        dist.all_reduce(flags, group=group)
+        flags = flags.cpu().tolist()
+        ranks = global_ranks(group)
+        return [ranks[i] for i in range(size) if flags[1 + i]], flags[0] == 0
+
+    def close(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        """Finalise everything (blocking, collective) and stop the writer thread."""
+        self.maybe_finalize_async_calls(blocking=True, process_group=process_group)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+DEFAULT_ASYNC_QUEUE = AsyncCallsQueue()
+
+
+def maybe_finalize_async_calls(blocking=True, process_group=None) -> List[int]:
+    """Finalise the default queue's finished asynchronous saves (see AsyncCallsQueue)."""
+    return DEFAULT_ASYNC_QUEUE.maybe_finalize_async_calls(
+        blocking=blocking, process_group=process_group
+    )

@@ -1,0 +1,255 @@
+"""SMP v2's `save` / `async_save` on top of torch.distributed.checkpoint (DCP).
+
+Both write DCP's file-system format (one data file per rank plus a `.metadata` written by the
+coordinator after every rank reported its writes). `async_save` copies every tensor to CPU
+memory before it returns, then the writes -- and the collectives DCP needs to plan them --
+run on a background thread over a dedicated gloo process group, so they can never interleave
+with the training thread's collectives.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+from megatron_smp.distributed.checkpoint.agreement import (
+    global_ranks,
+    is_distributed,
+    raise_if_any_rank_failed,
+)
+from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue, AsyncRequest
+from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView, make_sharded_tensor
+from megatron_smp.distributed.checkpoint.storage import (
+    CheckpointError,
+    HookedSavePlanner,
+    check_plain_data,
+    make_storage_writer,
+)
+
+
+def reject_s3(s3_region, s3client_config) -> None:
+    if s3_region is not None or s3client_config is not None:
+        raise NotImplementedError(
+            "S3 checkpoints (s3_region / s3client_config) are not supported by megatron_smp; "
+            "save to a file-system path (checkpoint_id=...) or pass your own storage_writer"
+        )
+
+
+def _writer_for(checkpoint_id, storage_writer):
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise CheckpointError("save needs checkpoint_id (a directory) or a storage_writer")
+        return make_storage_writer(os.fspath(checkpoint_id))
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    return storage_writer
+
+
+def _check_strategy(sharded_strategy) -> None:
+    # SMP's default strategy is DCP itself; Megatron spells it ("torch_dist", version).
+    if sharded_strategy is None:
+        return
+    if isinstance(sharded_strategy, tuple) and sharded_strategy and sharded_strategy[0] == "torch_dist":
+        return
+    raise NotImplementedError(
+        f"sharded_strategy {sharded_strategy!r} is not supported; use None or ('torch_dist', 1)"
+    )
+
+
+def check_state_dict(state_dict: Dict[str, Any], prefix: str = "") -> None:
+    """Every leaf is a tensor (plain, DTensor, ShardedTensor, ShardedTensorView) or plain data."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"a state dict must be a dict, got {type(state_dict).__name__}")
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"state dict key {prefix}{key!r} is not a string")
+        if isinstance(value, dict):
+            check_state_dict(value, f"{prefix}{key}.")
+        else:
+            check_plain_data(value, f"{prefix}{key}")
+
+
+def _run_dcp_save(state_dict, writer, planner, process_group, coordinator_rank, what) -> None:
+    try:
+        _save_state_dict(
+            state_dict,
+            storage_writer=writer,
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+            no_dist=not is_distributed(),
+            planner=planner,
+        )
+    except CheckpointException as error:
+        # DCP has already shared the failure with every rank.
+        failures = getattr(error, "failures", {}) or {}
+        first = next(iter(failures.values()), error)
+        if isinstance(first, tuple):  # DCP stores (exception, stack summary)
+            first = first[0]
+        raise CheckpointError(
+            f"{what} failed on rank(s) {sorted(failures)}: {type(first).__name__}: {first}"
+        ) from error
+
+
+def save(
+    state_dict: Dict[str, Any],
+    *,
+    checkpoint_id: Union[str, os.PathLike, None] = None,
+    storage_writer=None,
+    planner=None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: Optional[str] = None,
+    s3client_config=None,
+) -> None:
+    """Save `state_dict` synchronously into `checkpoint_id` (a directory); collective.
+
+    Each rank writes its own tensors and shards (`ShardedTensorView`, DTensor, ShardedTensor);
+    plain tensors and plain data equal on several ranks are written once.
+    `wait_error_handling`: a local problem found before writing (e.g. a non-plain value) is
+    agreed on by all ranks and raised everywhere; with False it is raised on the rank that found
+    it only. `force_check_all_plans`: this engine caches no plans, so every save gathers and
+    validates all ranks' plans whatever its value. `coordinator_rank` is a rank of
+    `process_group`; it writes `.metadata`.
+    """
+    reject_s3(s3_region, s3client_config)
+    what = f"saving checkpoint {checkpoint_id or ''}".rstrip()
+    writer = _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what)
+    _run_dcp_save(
+        state_dict, writer, planner or HookedSavePlanner(), process_group, coordinator_rank, what
+    )
+
+
+def _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what):
+    error, writer = None, None
+    try:
+        check_state_dict(state_dict)
+        writer = _writer_for(checkpoint_id, storage_writer)
+    except Exception as caught:  # shared with the other ranks below
+        error = caught
+    if wait_error_handling:
+        raise_if_any_rank_failed(error, process_group, what)
+    elif error is not None:
+        raise error
+    return writer
+
+
+# -- asynchronous save ------------------------------------------------------------------------
+
+_CHECKPOINT_GROUPS: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A gloo group with the ranks of `process_group`, used only by the writer thread.
+
+    Created on first use, which is collective over `process_group` (async_save is).
+    """
+    if not is_distributed():
+        return None
+    ranks = tuple(global_ranks(process_group))
+    if ranks not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[ranks] = dist.new_group(
+            list(ranks), backend="gloo", use_local_synchronization=True
+        )
+    return _CHECKPOINT_GROUPS[ranks]
+
+
+def _stage_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone()
+    # Pinned host memory lets the copy run asynchronously; synchronised in stage_to_cpu.
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    staged.copy_(tensor.detach(), non_blocking=True)
+    return staged
+
+
+def stage_to_cpu(value: Any) -> Any:
+    """A CPU copy of a state dict that training may modify as soon as this returns.
+
+    DTensor and torch ShardedTensor values are staged as `ShardedTensorView`s with the same
+    chunks, which DCP writes in the same format.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    needs_sync = []
+
+    def stage(obj):
+        if isinstance(obj, dict):
+            return {k: stage(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(stage(v) for v in obj)
+        if isinstance(obj, ShardedTensorView):
+            needs_sync.extend(t for t in obj.local_tensors() if t.device.type != "cpu")
+            return obj.map_chunks(_stage_tensor)
+        if isinstance(obj, DTensor):
+            chunk = obj.__create_chunk_list__()[0]
+            local = obj.to_local()
+            needs_sync.append(local)
+            return make_sharded_tensor(_stage_tensor(local), obj.shape, chunk.offsets)
+        if isinstance(obj, ShardedTensor):
+            chunks = [
+                (tuple(s.metadata.shard_offsets), _stage_tensor(s.tensor))
+                for s in obj.local_shards()
+            ]
+            needs_sync.extend(s.tensor for s in obj.local_shards())
+            return ShardedTensorView(chunks, obj.size(), obj.dtype, torch.device("cpu"))
+        if isinstance(obj, torch.Tensor):
+            needs_sync.append(obj)
+            return _stage_tensor(obj)
+        return copy.deepcopy(obj)
+
+    staged = stage(value)
+    if any(t.device.type == "cuda" for t in needs_sync):
+        torch.cuda.synchronize()
+    return staged
+
+
+def async_save(
+    state_dict: Dict[str, Any],
+    *,
+    checkpoint_id: Union[str, os.PathLike, None] = None,
+    storage_writer=None,
+    planner=None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    queue: Optional[AsyncCallsQueue] = None,
+    sharded_strategy=None,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: Optional[str] = None,
+    s3client_config=None,
+    finalize_fns: Optional[List[Callable[[], None]]] = None,
+) -> None:
+    """Like `save`, but returns once the tensors are copied to CPU memory; collective.
+
+    The write goes on in the background. `maybe_finalize_async_calls` (on the same `queue`)
+    later agrees with all ranks that the write finished and then runs `finalize_fns` (our
+    extension to the SMP signature: e.g. publish the checkpoint) in order.
+    """
+    reject_s3(s3_region, s3client_config)
+    _check_strategy(sharded_strategy)
+    queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
+    what = f"asynchronous save of checkpoint {checkpoint_id or ''}".rstrip()
+    writer = _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what)
+    staged = stage_to_cpu(state_dict)
+    writer_group = _checkpoint_group(process_group)
+    planner = planner or HookedSavePlanner()
+
+    def write() -> None:
+        _run_dcp_save(staged, writer, planner, writer_group, coordinator_rank, what)
+
+    queue.schedule_async_request(
+        AsyncRequest(
+            async_fn=write,
+            finalize_fns=list(finalize_fns or []),
+            process_group=process_group,
+            description=what,
+        )
+    )

@@ -1,0 +1,206 @@
+"""Storage reader/writer and planners on top of DCP's file system format, made safe to load.
+
+What DCP (torch 2.13) unpickles when it loads a checkpoint directory, and what we do about it:
+
+* tensor data (``*.distcp``): ``torch.load(..., weights_only=True)`` -- already safe;
+* non-tensor values (BYTE_IO items): ``DefaultLoadPlanner.load_bytes`` calls
+  ``torch.load(..., weights_only=False)`` -- arbitrary code. `SafeLoadPlanner` reloads them
+  with ``weights_only=True`` (tensors and plain data only), and `check_plain_data` refuses
+  at save time anything that could not be loaded that way;
+* ``.metadata``: ``FileSystemReader.read_metadata`` calls ``pickle.load`` -- arbitrary code.
+  `SafeFileSystemReader` unpickles it with an allow-list of DCP's own metadata classes.
+
+The reader also checks, before any byte is read, that every file the metadata names exists and
+is long enough, and names the file when torch fails to decode one.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pathlib
+import pickle
+import time
+from typing import Any, Dict
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata
+
+from megatron_smp.config import ConfigError
+
+METADATA_FILE = ".metadata"
+# Test hook: when set, every rank touches `{marker}.rank{r}` once it starts writing its data
+# file and then sleeps this many seconds per item, so a test can kill a save mid-write.
+TEST_WRITE_DELAY_ENV = "MEGATRON_SMP_CKPT_TEST_WRITE_DELAY"
+TEST_WRITE_MARKER_ENV = "MEGATRON_SMP_CKPT_TEST_WRITE_MARKER"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded or saved; the message names the file or key."""
+
+
+# Modules whose classes may appear in a DCP .metadata pickle.
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+)
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"),
+    # Maps a layout's name back to torch.strided etc.; TensorProperties pickles through it.
+    ("torch.serialization", "_get_layout"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        # dtypes, layouts and memory formats pickle as attributes of the torch module.
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
+    """Unpickle `checkpoint_dir/.metadata` allowing only DCP's metadata classes."""
+    path = os.path.join(os.fspath(checkpoint_dir), METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{path} does not exist: {checkpoint_dir} is not a complete distributed checkpoint"
+        )
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} is truncated or corrupted and cannot be read ({type(error).__name__}: "
+            f"{error}); load an earlier iteration"
+        ) from error
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def validate_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
+    """Every data file named in the metadata exists and is long enough for its items."""
+    needed: Dict[str, int] = collections.defaultdict(int)
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed[info.relative_path], end)
+    for relative_path, end in sorted(needed.items()):
+        path = os.path.join(os.fspath(checkpoint_dir), relative_path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(
+                f"{path} is truncated: {size} bytes on disk, the metadata needs {end}; "
+                "load an earlier iteration"
+            )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader that never unpickles arbitrary objects and names broken files."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("per-rank DCP metadata files are not supported")
+        metadata = read_dcp_metadata(os.fspath(self.path))
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as error:
+            names = ", ".join(os.path.join(os.fspath(self.path), f) for f in files)
+            raise CheckpointError(
+                f"cannot decode checkpoint data in {names} ({type(error).__name__}: {error}); "
+                "the file is corrupted -- load an earlier iteration"
+            ) from error
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values are loaded with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as error:
+            raise CheckpointError(
+                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts) or "
+                f"is corrupted: {type(error).__name__}: {error}"
+            ) from error
+        # Same placement as DefaultLoadPlanner.load_bytes, minus its unsafe torch.load.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class HookedSavePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner with the kill-mid-write test hook (off unless the env var is set)."""
+
+    def resolve_data(self, write_item):
+        delay = os.environ.get(TEST_WRITE_DELAY_ENV)
+        if delay:
+            marker = os.environ.get(TEST_WRITE_MARKER_ENV)
+            if marker:
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                pathlib.Path(f"{marker}.rank{rank}").touch()
+            time.sleep(float(delay))
+        return super().resolve_data(write_item)
+
+
+def make_storage_writer(checkpoint_dir: str, thread_count: int = 1) -> FileSystemWriter:
+    # sync_files: fsync every data file, so "finished" means "on disk" before we publish.
+    return FileSystemWriter(
+        os.fspath(checkpoint_dir), sync_files=True, thread_count=thread_count, overwrite=True
+    )
+
+
+_PLAIN_SCALARS = (bool, int, float, str, bytes, type(None))
+
+
+def check_plain_data(value: Any, key: str) -> None:
+    """Raise if `value` holds anything that weights_only=True loading would refuse."""
+    if isinstance(value, (torch.Tensor,) + _PLAIN_SCALARS) or isinstance(
+        value, (torch.dtype, torch.device)
+    ):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain_data(item, f"{key}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, _PLAIN_SCALARS):
+                raise CheckpointError(f"{key} has a non-plain dict key {k!r}")
+            check_plain_data(item, f"{key}.{k}")
+        return
+    raise CheckpointError(
+        f"{key} is a {type(value).__module__}.{type(value).__name__}; checkpoints hold only "
+        "tensors and plain data (numbers, strings, lists, tuples, dicts) so that they load "
+        "without unpickling code -- convert it (e.g. numpy arrays to tensors)"
+    )
