@@ -1,0 +1,7 @@
+"""megatron_smp: Megatron-style model parallelism with the SageMaker model parallelism v2 API.
+
+`import megatron_smp as smp` gives SMP v2's `init`, `is_initialized`, `state` and `transform`.
+"""
+from megatron_smp.smp import init, is_initialized, state, transform
+
+__all__ = ["init", "is_initialized", "state", "transform"]

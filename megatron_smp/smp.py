@@ -1,0 +1,365 @@
+"""The SageMaker model parallelism v2 surface: `init`, `is_initialized`, `state`, `transform`.
+
+    import megatron_smp as smp
+    smp.init({"tensor_parallel_degree": 2, "random_seed": 7})     # or a JSON file path
+    model = smp.transform(hf_model)        # GPT-2, Llama, Mistral, GPT-NeoX causal LMs
+    logits = model(input_ids)              # [b, s, vocab], equal to hf_model(input_ids).logits
+
+`init` builds the framework's `ParallelState` (torchrun/SLURM launch, or a plain single
+process); `transform` converts the HF model's config and weights through the family's
+adapter in `models.hf` and returns a tensor-parallel `GPTModel` holding the same weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, ParallelConfig, TransformerConfig
+from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
+
+# key: (type, default). SMP v2's documented keys first, then ours.
+_SMP_KEYS: Dict[str, tuple] = {
+    "hybrid_shard_degree": (int, 0),
+    "sm_activation_offloading": (bool, True),
+    "activation_loading_horizon": (int, 2),
+    "fsdp_cache_flush_warnings": (bool, True),
+    "allow_empty_shards": (bool, False),
+    "tensor_parallel_degree": (int, 1),
+    "context_parallel_degree": (int, 1),
+    "expert_parallel_degree": (int, 1),
+    "random_seed": (int, 12345),
+    "pipeline_parallel_degree": (int, 1),
+    "shard_optimizer_state": (bool, False),
+}
+
+
+class SMPState:
+    """`smp.state`: ranks and groups of the job (None/defaults until `init`)."""
+
+    def __init__(self) -> None:
+        self.parallel_state: Optional[ParallelState] = None
+        self.config: Dict[str, Any] = {}
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.tensor_parallel_degree = 1
+        self.tp_rank = 0
+        self.tp_process_group = None
+        self.rep_rank_process_group = None
+        self.hybrid_shard_degree = 0
+        self.context_parallel_degree = 1
+        self.expert_parallel_degree = 1
+        self.pipeline_parallel_degree = 1
+        self.random_seed = _SMP_KEYS["random_seed"][1]
+
+    @property
+    def tp_size(self) -> int:
+        """Alias of `tensor_parallel_degree`."""
+        return self.tensor_parallel_degree
+
+    def __repr__(self) -> str:
+        return (
+            f"SMPState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"hybrid_shard_degree={self.hybrid_shard_degree})"
+        )
+
+
+state = SMPState()
+_initialized = False
+
+
+def _read_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as handle:
+                config = json.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"smp.init: config file {str(config)!r} does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"smp.init: config file {str(config)!r} is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"smp.init: config must be a dict or a JSON file path, got {type(config)}")
+    return dict(config)
+
+
+def _validate(user: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    unknown = sorted(set(user) - set(_SMP_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"smp.init: unknown config key(s) {unknown}; known keys are {sorted(_SMP_KEYS)}"
+        )
+    values = {key: default for key, (_, default) in _SMP_KEYS.items()}
+    for key, value in user.items():
+        kind = _SMP_KEYS[key][0]
+        # bool is an int subclass: reject it for integer keys, and ints for boolean keys.
+        if kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"smp.init: {key} must be true or false, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"smp.init: {key} must be an integer, got {value!r}")
+        values[key] = value
+
+    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
+                "pipeline_parallel_degree"):
+        if not 1 <= values[key] <= world_size:
+            raise ConfigError(
+                f"smp.init: {key} must be between 1 and the world size ({world_size}), "
+                f"got {values[key]}"
+            )
+    if not 0 <= values["hybrid_shard_degree"] <= world_size:
+        raise ConfigError(
+            f"smp.init: hybrid_shard_degree must be between 0 and the world size ({world_size}),"
+            f" got {values['hybrid_shard_degree']}"
+        )
+    if values["activation_loading_horizon"] < 1:
+        raise ConfigError(
+            "smp.init: activation_loading_horizon must be a positive integer, got "
+            f"{values['activation_loading_horizon']}"
+        )
+    cp, shard = values["context_parallel_degree"], values["hybrid_shard_degree"]
+    if cp > 1 and shard > 0 and cp > shard:
+        raise ConfigError(
+            f"smp.init: context_parallel_degree ({cp}) must be <= hybrid_shard_degree ({shard})"
+        )
+    return values
+
+
+def _parallel_config(values: Dict[str, Any], world_size: int) -> ParallelConfig:
+    tp = values["tensor_parallel_degree"]
+    cp = values["context_parallel_degree"]
+    pp = values["pipeline_parallel_degree"]
+    model_parallel = tp * cp * pp
+    if world_size % model_parallel != 0:
+        raise ConfigError(
+            f"smp.init: world size {world_size} is not divisible by tensor_parallel_degree "
+            f"({tp}) x context_parallel_degree ({cp}) x pipeline_parallel_degree ({pp})"
+        )
+    data_parallel = world_size // model_parallel
+    shard = values["hybrid_shard_degree"]
+    # SMP counts the sharding group in devices of one TP rank: at most the data-parallel size.
+    if shard > data_parallel or (shard > 0 and data_parallel % shard != 0):
+        raise ConfigError(
+            f"smp.init: hybrid_shard_degree ({shard}) must be 0 or divide the data-parallel "
+            f"size {data_parallel} (= world size {world_size} / (tp x cp x pp))"
+        )
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=values["expert_parallel_degree"],
+        hybrid_shard_degree=shard,
+    )
+
+
+def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
+    """Initialise SMP from a dict or JSON file of SMP v2 keys (see `_SMP_KEYS`).
+
+    Validates everything before the first collective (ConfigError on every rank), builds the
+    ParallelState, seeds the default and tensor-parallel RNG streams from `random_seed`, and
+    fills `smp.state`. Calling it again re-initialises with the new config.
+    """
+    global _initialized
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+
+    user = _read_config(config)
+    world_size = launcher_world_size()
+    values = _validate(user, world_size)
+    parallel_config = _parallel_config(values, world_size)
+    parallel_state = build_parallel_state(parallel_config)
+    model_parallel_seed(values["random_seed"], parallel_state)
+
+    state.parallel_state = parallel_state
+    state.config = values
+    state.rank = parallel_state.rank
+    state.world_size = parallel_state.world_size
+    state.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    state.tensor_parallel_degree = parallel_state.tp_size
+    state.tp_rank = parallel_state.tp_rank
+    state.tp_process_group = parallel_state.tp_group
+    # Ranks holding the same TP shard (data- and context-parallel replicas).
+    state.rep_rank_process_group = parallel_state.dp_cp_group
+    state.hybrid_shard_degree = values["hybrid_shard_degree"]
+    state.context_parallel_degree = values["context_parallel_degree"]
+    state.expert_parallel_degree = values["expert_parallel_degree"]
+    state.pipeline_parallel_degree = values["pipeline_parallel_degree"]
+    state.random_seed = values["random_seed"]
+    for key in ("sm_activation_offloading", "activation_loading_horizon",
+                "fsdp_cache_flush_warnings", "allow_empty_shards", "shard_optimizer_state"):
+        setattr(state, key, values[key])
+    _initialized = True
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+# transform ---------------------------------------------------------------------------------------
+
+
+class TransformedModel(torch.nn.Module):
+    """What `transform` returns: the tensor-parallel `GPTModel` (`.module`) behind the HF
+    calling convention.
+
+    forward(input_ids [b, s], attention_mask=None, position_ids=None, labels=None)
+      * attention_mask: HF-style [b, s] (1 = token, 0 = padding), or our bool [b, 1, s, s]
+        (True = masked); None = causal.
+      * returns full logits [b, s, vocab] (gathered over TP, padding columns sliced off), or
+        with `labels` the per-token loss [b, s] (fp32, labels aligned with positions: pass
+        the already-shifted targets).
+    """
+
+    def __init__(self, module: torch.nn.Module, family: str,
+                 max_sequence_length: Optional[int] = None) -> None:
+        super().__init__()
+        self.module = module
+        self.family = family
+        self.config: TransformerConfig = module.config
+        self.max_sequence_length = max_sequence_length
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        from megatron_smp.models.gpt import gather_full_logits
+
+        seq_length = input_ids.shape[1]
+        if self.max_sequence_length is not None and seq_length > self.max_sequence_length:
+            raise ConfigError(
+                f"{self.family}: sequences longer than sliding_window "
+                f"({self.max_sequence_length}) need sliding-window attention, which transform "
+                "does not implement; use shorter sequences"
+            )
+        mask = _causal_mask_from_padding(attention_mask, seq_length)
+        output = self.module(input_ids, position_ids=position_ids, attention_mask=mask,
+                             labels=labels)
+        if labels is not None:
+            return output
+        return gather_full_logits(output, self.module.state, self.config.vocab_size)
+
+
+def _causal_mask_from_padding(attention_mask: Optional[torch.Tensor], seq_length: int):
+    if attention_mask is None or attention_mask.dim() == 4:
+        return attention_mask
+    keep = attention_mask.bool()
+    if bool(keep.all()):
+        return None  # plain causal: SDPA's fused causal path
+    future = torch.ones(seq_length, seq_length, dtype=torch.bool, device=keep.device).triu(1)
+    return future[None, None] | ~keep[:, None, None, :]
+
+
+def _has_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _broadcast_state_dict(full: Optional[Dict[str, torch.Tensor]], src: int, group,
+                          device: torch.device) -> Dict[str, torch.Tensor]:
+    """Broadcast a state dict from global rank `src` over `group` (metadata, then tensors)."""
+    meta = [None]
+    if dist.get_rank() == src:
+        meta = [[(name, tuple(t.shape), t.dtype) for name, t in full.items()]]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        if dist.get_rank() == src:
+            tensor = full[name].to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        out[name] = tensor.cpu()
+    return out
+
+
+def transform(
+    model: torch.nn.Module,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+    config: Optional[Dict[str, Any]] = None,
+    load_state_dict_from_rank0: bool = False,
+    cp_comm_type: str = "p2p",
+) -> TransformedModel:
+    """Convert an HF GPT2LMHeadModel / LlamaForCausalLM / MistralForCausalLM /
+    GPTNeoXForCausalLM into the framework's tensor-parallel implementation.
+
+    * The weights are the HF model's, sharded over `smp.state.tp_process_group`. With
+      `load_state_dict_from_rank0`, rank 0's weights are broadcast over rank 0's TP group
+      (other ranks' HF models may be random or on the meta device); other TP groups load
+      their own HF model's weights, or keep a fresh init when those are on the meta device.
+    * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}).
+    * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
+    """
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.models.hf import family_of, get_adapter
+    from megatron_smp.models.sharding import shard_state_dict
+
+    if cp_comm_type not in ("p2p", "all_gather"):
+        raise ConfigError(f"transform: cp_comm_type must be 'p2p' or 'all_gather', got {cp_comm_type!r}")
+    if not _initialized:
+        init()
+    parallel_state = state.parallel_state
+    if parallel_state.cp_size > 1 or parallel_state.pp_size > 1:
+        raise ConfigError(
+            "transform supports tensor (and data) parallelism; context_parallel_degree and "
+            "pipeline_parallel_degree must be 1 here"
+        )
+    adapter = get_adapter(model)
+    family = family_of(model)
+    transformer_config = adapter.config_from_hf(model.config)
+    overrides = dict(config or {})
+    unknown = sorted(k for k in overrides if not hasattr(transformer_config, k))
+    if unknown:
+        raise ConfigError(f"transform: unknown transformer config key(s) {unknown}")
+    if dtype is None:
+        source = next(model.parameters(), None)
+        dtype = source.dtype if source is not None and source.is_floating_point() else torch.float32
+    overrides.setdefault("params_dtype", dtype)
+    overrides.setdefault("bf16", dtype == torch.bfloat16)
+    overrides.setdefault("fp16", dtype == torch.float16)
+    transformer_config = transformer_config.replace(**overrides)
+    device = torch.device(device) if device is not None else parallel_state.device
+
+    module = GPTModel(transformer_config, parallel_state, device=device)
+    module.train(model.training)
+
+    full = None
+    if load_state_dict_from_rank0:
+        tp_ranks = parallel_state.group_ranks["tp"]
+        if 0 in tp_ranks:
+            if state.rank == 0:
+                if _has_meta(model):
+                    raise ConfigError(
+                        "transform(load_state_dict_from_rank0=True): rank 0's model has "
+                        "parameters on the meta device; rank 0 must hold real weights"
+                    )
+                full = adapter.from_hf(model.state_dict(), transformer_config)
+            full = _broadcast_state_dict(full, 0, parallel_state.tp_group, _comm_device(device))
+        elif not _has_meta(model):
+            full = adapter.from_hf(model.state_dict(), transformer_config)
+    elif not _has_meta(model):
+        full = adapter.from_hf(model.state_dict(), transformer_config)
+
+    if full is not None:
+        shard = shard_state_dict(
+            full, transformer_config, parallel_state.tp_size, parallel_state.tp_rank
+        )
+        module.load_state_dict(shard, strict=True)
+
+    window = getattr(model.config, "sliding_window", None) if family == "mistral" else None
+    return TransformedModel(module, family, max_sequence_length=window)
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = ["init", "is_initialized", "state", "transform", "TransformedModel", "SMPState"]
