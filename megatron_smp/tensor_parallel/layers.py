@@ -1,6 +1,8 @@
 """Tensor-parallel linear and embedding layers.
 
-Each layer is a thin module over the communication functions of `mappings`:
+Each layer is a thin module over one communication function (`mappings`, or for the column
+layer `_ColumnParallelLinearFunction`, which fuses the input's communication with the matmul
+so the sequence-parallel gather need not be kept for backward):
 
 * `ColumnParallelLinear`  Y = X A^T with A split along its output rows: Y is split along
   the last dim. Input replicated ([s, b, h]) or, with sequence parallelism, this rank's
@@ -20,13 +22,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel.mappings import (
     ProcessGroup,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
+    _all_gather_single,
+    _reduce_scatter_single,
     gather_from_tensor_model_parallel_region,
     group_rank,
     group_size,
@@ -81,6 +84,71 @@ def _mark_expert(module: torch.nn.Module, is_expert: bool) -> None:
     # must use the expert-data-parallel group instead of the full one.
     for param in module.parameters(recurse=False):
         param.allreduce = not is_expert
+
+
+class _ColumnParallelLinearFunction(torch.autograd.Function):
+    """output = x W^T + b for a column-parallel weight, with the input communication fused in.
+
+    Without sequence parallelism x [s, b, h] is replicated; backward all-reduces its grad
+    (the conjugate of a copy), overlapped with the weight-grad product.
+    With sequence parallelism x is this rank's shard [s/tp, b, h]; forward all-gathers it,
+    and only the shard is kept for backward, which re-gathers it (overlapped with the
+    input-grad product) and reduce-scatters the input grad (overlapped with the weight grad).
+    This keeps 1/tp of the gathered activation alive between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group = group
+        ctx.sequence_parallel = sequence_parallel
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        total_input = _gather_sequence(x, group)[0] if sequence_parallel else x
+        return F.linear(total_input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        gather_handle = None
+        if ctx.sequence_parallel:
+            total_input, gather_handle = _gather_sequence(x, group, async_op=True)
+        else:
+            total_input = x
+        grad_input = grad_output.matmul(weight)
+        if gather_handle is not None:
+            gather_handle.wait()
+        if ctx.sequence_parallel:
+            grad_input, reduce_handle = _reduce_scatter_sequence(grad_input, group)
+        else:
+            grad_input = grad_input.contiguous()
+            reduce_handle = dist.all_reduce(grad_input, group=group, async_op=True)
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:  # a frozen weight needs no product
+            grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output_2d.sum(dim=0)
+        reduce_handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _gather_sequence(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """All-gather dim 0 into a new [tp * s/tp, ...] tensor; returns (tensor, handle or None)."""
+    x = x.contiguous()
+    world = dist.get_world_size(group)
+    out = torch.empty((world * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    handle = _all_gather_single(out, x, group=group, async_op=async_op)
+    return out, handle
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup):
+    """Start an async reduce-scatter along dim 0; returns (this rank's shard, handle)."""
+    x = x.contiguous()
+    world = dist.get_world_size(group)
+    out = torch.empty((x.shape[0] // world,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    handle = _reduce_scatter_single(out, x, group=group, async_op=True)
+    return out, handle
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -189,13 +257,13 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"ColumnParallelLinear: weight= has shape {tuple(weight.shape)}, expected "
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
-        if self.sequence_parallel:
-            # Backward reduce-scatters: every rank's partial input grad covers the whole sequence.
-            x = gather_from_sequence_parallel_region(x, self.tp_group, True)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(x, weight, bias)
+        if self.tp_size == 1:
+            output = F.linear(x, weight, bias)
+        else:
+            output = _ColumnParallelLinearFunction.apply(
+                x, weight, bias, self.tp_group, self.sequence_parallel
+            )
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         output_bias = self.bias if self.skip_bias_add else None
