@@ -78,13 +78,13 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             dense_scale = expert_scale = 1.0 / dp_cp_size
 
-        self.buffers: List[ParamAndGradBuffer] = []
+        self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         for params_by_dtype, group, scale in (
             (dense, state.dp_cp_group, dense_scale),
             (expert, state.expert_dp_group, expert_scale),
         ):
             for (param_dtype, grad_dtype), params in params_by_dtype.items():
-                self.buffers.append(
+                self.param_and_grad_buffers.append(
                     ParamAndGradBuffer(
                         params, param_dtype, grad_dtype, group, bucket_size, scale,
                         config.ddp_average_in_collective, self.use_distributed_optimizer,
@@ -92,7 +92,7 @@ class DistributedDataParallel(torch.nn.Module):
                     )
                 )
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
 
         self._grad_hook_handles = [
@@ -148,17 +148,17 @@ class DistributedDataParallel(torch.nn.Module):
     @contextmanager
     def no_sync(self):
         """Accumulate grads locally (earlier microbatches); the reduction waits for the last."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.set_is_last_microbatch(False)
         try:
             yield
         finally:
-            for buffer in self.buffers:
+            for buffer in self.param_and_grad_buffers:
                 buffer.set_is_last_microbatch(True)
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not launched yet (async when overlapping)."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             for bucket in buffer.buckets:
                 if bucket.grad_reduce_handle is None:
                     bucket.start_grad_sync(async_op=self.overlap_grad_reduce)
@@ -168,7 +168,7 @@ class DistributedDataParallel(torch.nn.Module):
         (with the distributed optimizer: only this rank's shard of each bucket)."""
         if not self.overlap_grad_reduce:
             self.start_grad_sync()
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             for bucket in buffer.buckets:
                 bucket.finish_grad_sync()
 
@@ -177,7 +177,7 @@ class DistributedDataParallel(torch.nn.Module):
         microbatch."""
         for param in self.param_to_bucket:
             param.grad = None
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.reset()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
@@ -190,18 +190,18 @@ class DistributedDataParallel(torch.nn.Module):
         if not self.use_distributed_optimizer:
             return
         async_op = self.overlap_param_gather and not force_sync
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             for bucket in reversed(buffer.buckets):
                 bucket.start_param_sync(async_op=async_op)
 
     def finish_param_sync(self) -> None:
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             for bucket in buffer.buckets:
                 bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's params to every replica (random init per rank)."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             group = buffer.data_parallel_group
             source = dist.get_global_rank(group, 0)
             dist.broadcast(buffer.param_data, src=source, group=group)

@@ -68,8 +68,12 @@ class DistributedOptimizer(MegatronOptimizer):
                     "megatron_smp.distributed.DistributedDataParallel built with the same "
                     "OptimizerConfig (use_distributed_optimizer=True)"
                 )
-        self.buffers = [buffer for chunk in model_chunks for buffer in chunk.buffers]
-        self.model_gbuf_ranges = [self.build_model_gbuf_range_map(b) for b in self.buffers]
+        self.param_and_grad_buffers = [
+            buffer for chunk in model_chunks for buffer in chunk.param_and_grad_buffers
+        ]
+        self.model_gbuf_ranges = [
+            self.build_model_gbuf_range_map(buffer) for buffer in self.param_and_grad_buffers
+        ]
         self.model_param_gbuf_map = self.build_model_param_gbuf_map(self.model_gbuf_ranges)
         self.model_param_group_index_map, self.opt_group_ranges = self.build_optimizer_group_ranges(
             param_groups, self.model_gbuf_ranges

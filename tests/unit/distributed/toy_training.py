@@ -81,11 +81,12 @@ def reference_training(iters, batch_size, lr=1e-2, weight_decay=0.1, clip_grad=1
 
 
 def ddp_training(config: OptimizerConfig, state, iters, batch_size, dtype=torch.float32,
-                 micro_batches=2, before_step=None):
+                 micro_batches=2, before_step=None, start_iteration=0, checkpoint=None):
     """Our DDP + get_megatron_optimizer on this rank's slice of each global batch.
 
-    Returns (global losses per iteration, step results, final flat params, model, optimizer).
-    `before_step(iteration, ddp)` may tamper with grads after finalize_model_grads.
+    Returns (global losses per iteration, [(*step results, loss scale after)], final flat
+    params, ddp, optimizer). `before_step(iteration, ddp)` may tamper with grads after
+    finalize_model_grads; `checkpoint` = (model state dict, optimizer state dict) to resume.
     """
     from megatron_smp.distributed import DistributedDataParallel, finalize_model_grads
     from megatron_smp.optimizer import get_megatron_optimizer
@@ -93,10 +94,13 @@ def ddp_training(config: OptimizerConfig, state, iters, batch_size, dtype=torch.
     model = ToyModel(dtype=dtype)
     ddp = DistributedDataParallel(model, config, state)
     optimizer = get_megatron_optimizer(config, [ddp], state)
+    if checkpoint is not None:
+        ddp.load_state_dict(checkpoint[0])
+        optimizer.load_state_dict(checkpoint[1])
     per_rank = batch_size // state.dp_size
     per_micro = per_rank // micro_batches
     losses, results = [], []
-    for iteration in range(iters):
+    for iteration in range(start_iteration, start_iteration + iters):
         x, y = global_batch(iteration, batch_size)
         x = x[state.dp_rank * per_rank : (state.dp_rank + 1) * per_rank]
         y = y[state.dp_rank * per_rank : (state.dp_rank + 1) * per_rank]
@@ -112,11 +116,11 @@ def ddp_training(config: OptimizerConfig, state, iters, batch_size, dtype=torch.
         finalize_model_grads([ddp], state)
         if before_step is not None:
             before_step(iteration, ddp)
-        results.append(optimizer.step())
+        results.append((*optimizer.step(), optimizer.get_loss_scale().item()))
         dist.all_reduce(total, group=state.dp_cp_group)
         losses.append(total.item() / state.dp_size)
     ddp.finish_param_sync()
-    return losses, results, flat_params(model), model, optimizer
+    return losses, results, flat_params(model), ddp, optimizer
 
 
 def max_relative_difference(a, b) -> float:
@@ -127,8 +131,8 @@ def max_relative_difference(a, b) -> float:
 
 def memory_bytes(ddp, optimizer) -> dict:
     """Exact bytes of model params, grads, fp32 main params and optimizer state on this rank."""
-    params = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers)
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
+    params = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.param_and_grad_buffers)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.param_and_grad_buffers)
     main = sum(
         m.numel() * m.element_size() for p, m in optimizer.param_pairs if p.dtype != m.dtype
     )
@@ -140,6 +144,13 @@ def memory_bytes(ddp, optimizer) -> dict:
     )
     local = sum(m.numel() for _, m in optimizer.param_pairs)
     return {"params": params, "grads": grads, "main": main, "state": state, "local_numel": local,
-            "padded_numel": sum(b.numel for b in ddp.buffers)}
+            "padded_numel": sum(b.numel for b in ddp.param_and_grad_buffers)}
 
 
+
+
+def relative_error(a, b) -> float:
+    """||a - b|| / ||b|| over all elements (for parameter vectors)."""
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm()).item()
