@@ -115,7 +115,10 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
             total_input, gather_handle = _gather_sequence(x, group, async_op=True)
         else:
             total_input = x
-        grad_input = grad_output.matmul(weight)
+        # Under autocast forward computed in a lower precision than the saved tensors hold:
+        # do the backward products in the gradient's dtype too.
+        compute_dtype = grad_output.dtype
+        grad_input = grad_output.matmul(weight.to(compute_dtype))
         if gather_handle is not None:
             gather_handle.wait()
         if ctx.sequence_parallel:
@@ -126,11 +129,14 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:  # a frozen weight needs no product
-            grad_weight = grad_output_2d.t().matmul(total_input.reshape(-1, total_input.shape[-1]))
+            total_input_2d = total_input.reshape(-1, total_input.shape[-1]).to(compute_dtype)
+            grad_weight = grad_output_2d.t().matmul(total_input_2d).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output_2d.sum(dim=0)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
         reduce_handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input.to(x.dtype), grad_weight, grad_bias, None, None
 
 
 def _gather_sequence(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):

@@ -50,7 +50,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     # all_reduce works in place: never modify a tensor autograd may have saved.
-    x = x.contiguous().clone()
+    x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=group)
     return x
 
