@@ -1,0 +1,164 @@
+"""Hugging Face adapters and smp.transform: exact state-dict round trips, TP shard/merge round
+trips, and HF's logits from the transformed model at TP=1 and TP=2 (also loading from rank 0)."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import megatron_smp as smp
+from megatron_smp.config import ConfigError
+from megatron_smp.models.hf import config_to_hf, get_adapter
+from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
+from megatron_smp.testing import run_distributed
+from tests.unit.models.common import to_numpy, to_torch
+
+warnings.filterwarnings("ignore", message=".*")
+FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
+BATCH, SEQ = 2, 12
+
+
+def build_hf(family, seed=0, device=None):
+    """A small random HF causal LM; vocab sizes are not multiples of 128."""
+    import transformers as tf
+
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                  max_position_embeddings=32)
+    if family == "gpt2":
+        config = tf.GPT2Config(vocab_size=1003, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                               bos_token_id=0, eos_token_id=0)
+        cls = tf.GPT2LMHeadModel
+    elif family == "llama":
+        config = tf.LlamaConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "mistral":
+        config = tf.MistralConfig(vocab_size=1000, num_key_value_heads=2, intermediate_size=96,
+                                  sliding_window=16, **common)
+        cls = tf.MistralForCausalLM
+    else:
+        config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
+        cls = tf.GPTNeoXForCausalLM
+    torch.manual_seed(seed)
+    if device is not None:
+        with torch.device(device):
+            return cls(config).eval()
+    model = cls(config).eval()
+    with torch.no_grad():  # HF zero-inits biases and sets norms to one: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _ids(vocab_size):
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_round_trips_are_exact(family):
+    hf = build_hf(family)
+    adapter = get_adapter(hf)
+    config = adapter.config_from_hf(hf.config)
+    hf_sd = hf.state_dict()
+    full = adapter.from_hf(hf_sd, config)
+    back = adapter.to_hf(full, config)
+    assert back.keys() == hf_sd.keys()
+    for name in hf_sd:
+        assert torch.equal(back[name], hf_sd[name]), name
+    again = adapter.from_hf(back, config)
+    assert all(torch.equal(again[k], full[k]) for k in full)
+    for tp_size in (2, 4):
+        shards = [shard_state_dict(full, config, tp_size, r) for r in range(tp_size)]
+        padded = config.padded_vocab_size(tp_size) // tp_size
+        assert shards[0]["embedding.word_embeddings.weight"].shape[0] == padded
+        merged = merge_state_dicts(shards, config)
+        assert merged.keys() == full.keys()
+        for name in full:
+            assert torch.equal(merged[name], full[name]), (tp_size, name)
+    # Config translation round trip.
+    assert get_adapter(family).config_from_hf(config_to_hf(config, family)) == config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transform_tp1_matches_hf_logits(family):
+    smp.init({"tensor_parallel_degree": 1, "random_seed": 3})
+    hf = build_hf(family)
+    model = smp.transform(hf)
+    ids = _ids(hf.config.vocab_size)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        logits = model(ids)
+        assert logits.shape == expected.shape
+        assert (logits - expected).abs().max() < 1e-4
+        # HF-style padding mask: right padding leaves the real tokens' logits unchanged.
+        padding = torch.ones(BATCH, SEQ, dtype=torch.long)
+        padding[0, -3:] = 0
+        expected = hf(ids, attention_mask=padding).logits
+        masked = model(ids, attention_mask=padding)
+        assert (masked[0, :-3] - expected[0, :-3]).abs().max() < 1e-4
+        assert (masked[1] - expected[1]).abs().max() < 1e-4
+
+
+def _transform_worker(rank, world_size):
+    """Per family: rank-local weights, then rank 0's weights broadcast while rank 1 holds
+    other random weights, then while rank 1's model is on the meta device."""
+    smp.init({"tensor_parallel_degree": 2})
+    results = {}
+    for family in FAMILIES:
+        hf = build_hf(family)
+        ids = _ids(hf.config.vocab_size)
+        with torch.no_grad():
+            reference = hf(ids).logits
+            outputs = {"local": smp.transform(hf)(ids)}
+            for mode, other in (("random", lambda: build_hf(family, seed=100)),
+                                ("meta", lambda: build_hf(family, device="meta"))):
+                source = hf if rank == 0 else other()
+                outputs[mode] = smp.transform(source, load_state_dict_from_rank0=True)(ids)
+        results[family] = (reference, outputs)
+    return to_numpy(results)
+
+
+def test_transform_tp2_matches_hf_logits():
+    results = to_torch(run_distributed(_transform_worker, 2))
+    for family in FAMILIES:
+        reference = results[0][family][0]
+        for rank in (0, 1):
+            for mode, logits in results[rank][family][1].items():
+                assert logits.shape == reference.shape
+                assert (logits - reference).abs().max() < 1e-4, (family, rank, mode)
+
+
+def test_init_validates_config(tmp_path):
+    with pytest.raises(ConfigError, match="unknown"):
+        smp.init({"tensor_parallel_degre": 2})
+    with pytest.raises(ConfigError, match="integer"):
+        smp.init({"tensor_parallel_degree": "2"})
+    with pytest.raises(ConfigError, match="true or false"):
+        smp.init({"sm_activation_offloading": 1})
+    with pytest.raises(ConfigError, match="world size"):
+        smp.init({"tensor_parallel_degree": 2})
+    with pytest.raises(ConfigError, match="activation_loading_horizon"):
+        smp.init({"activation_loading_horizon": 0})
+    with pytest.raises(ConfigError, match="does not exist"):
+        smp.init(str(tmp_path / "missing.json"))
+    path = tmp_path / "smp.json"
+    path.write_text(json.dumps({"hybrid_shard_degree": 1, "random_seed": 9,
+                                "shard_optimizer_state": True}))
+    smp.init(str(path))
+    assert smp.is_initialized()
+    state = smp.state
+    assert (state.rank, state.world_size, state.tp_size, state.tp_rank) == (0, 1, 1, 0)
+    assert state.hybrid_shard_degree == 1 and state.random_seed == 9
+    assert state.tp_process_group is state.parallel_state.tp_group
+    assert state.rep_rank_process_group is state.parallel_state.dp_cp_group
+
+
+def test_transform_rejects_long_mistral_sequences_and_unknown_models():
+    smp.init()
+    model = smp.transform(build_hf("mistral"))
+    with pytest.raises(ConfigError, match="sliding_window"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ConfigError, match="no Hugging Face adapter"):
+        smp.transform(torch.nn.Linear(2, 2))
