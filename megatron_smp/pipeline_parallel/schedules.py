@@ -15,10 +15,19 @@ backward. The returned list holds one reporting dict per microbatch (last stage 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+
+from megatron_smp.config import ConfigError
+from megatron_smp.pipeline_parallel.p2p import (
+    PipelineCommunicator,
+    backward_output_tensor,
+    deallocate_output_tensor,
+)
+from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
 
 
 @dataclass
@@ -27,8 +36,10 @@ class ScheduleHooks:
 
     # loss -> loss * loss_scale (fp16); None: no scaling.
     grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    # Context manager that defers grad reduction (all but the last microbatch).
-    no_sync_func: Optional[Callable[[], Any]] = None
+    # Context manager that defers grad reduction (all but the last microbatch), or a list
+    # with one per model chunk (virtual stages: each chunk's reduction then overlaps its own
+    # last backward).
+    no_sync_func: Optional[Any] = None
     # Called once after the last backward: finish DP reduction, TP/embedding all-reduces.
     finalize_model_grads_func: Optional[Callable[[Sequence[torch.nn.Module]], None]] = None
 
@@ -88,8 +99,484 @@ def forward_backward_no_pipelining(
     return reports
 
 
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1, **_unused) -> Callable:
-    """The schedule for this layout (pipelined schedules arrive with pipeline parallelism)."""
+
+# Pipelined schedules ---------------------------------------------------------------------------
+#
+# Names follow the paper and Megatron: a *stage* is a rank of the pipeline group; with virtual
+# stages each rank holds several *chunks* and chunk c of rank r is virtual stage c * pp + r.
+# Stage inputs are received into fresh leaf tensors, so after a stage's backward their
+# `.grad` is the grad to send to the previous stage.
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside wrappers (DDP keeps it as `.module`)."""
+    while not hasattr(module, "set_input_tensor") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _stage_spec(module: torch.nn.Module):
+    while module is not None:
+        spec = getattr(module, "pipeline_stage", None)
+        if spec is not None:
+            return spec
+        module = getattr(module, "module", None)
+    return None
+
+
+class _GradSync:
+    """Defers DP grad reduction until the last microbatch's backward of each chunk.
+
+    `hooks.no_sync_func` is either one context manager factory for all chunks (then the
+    reduction is released before the step's final backward) or a list with one per chunk
+    (then each chunk's reduction starts during its own last backward).
+    """
+
+    def __init__(self, hooks: ScheduleHooks, num_chunks: int, forward_only: bool):
+        func = None if forward_only else hooks.no_sync_func
+        self.per_chunk = isinstance(func, (list, tuple))
+        factories = list(func) if self.per_chunk else [func] if func is not None else []
+        self.contexts = [factory() for factory in factories]
+        self.num_chunks = num_chunks
+        self.released: set = set()
+        for context in self.contexts:
+            context.__enter__()
+
+    def release(self, chunk: int) -> None:
+        """Called just before the last microbatch's backward of `chunk`."""
+        self.released.add(chunk)
+        if self.per_chunk:
+            self._exit(chunk)
+        elif len(self.released) == self.num_chunks and self.contexts:
+            self._exit(0)
+
+    def _exit(self, index: int) -> None:
+        context = self.contexts[index]
+        if context is not None:
+            context.__exit__(None, None, None)
+            self.contexts[index] = None
+
+    def close(self) -> None:
+        for index in range(len(self.contexts)):
+            self._exit(index)
+
+
+class _StageRunner:
+    """Forward and backward of one microbatch on one chunk of this rank.
+
+    Keeps what every schedule shares: feeding the received input, turning the last stage's
+    output into a loss, scaling it, the custom backward of freed outputs, the per-microbatch
+    reports, the timeline spans and the count of microbatches in flight.
+    """
+
+    def __init__(self, forward_step_func, data_iterators, model_chunks, num_microbatches,
+                 forward_only, hooks, state, timeline):
+        self.forward_step_func = forward_step_func
+        self.data_iterators = data_iterators
+        self.chunks = model_chunks
+        self.num_microbatches = num_microbatches
+        self.forward_only = forward_only
+        self.hooks = hooks
+        self.state = state
+        self.timeline = timeline
+        self.reports: List[Dict[str, torch.Tensor]] = []
+        self.in_flight = 0
+
+    def is_first_stage(self, chunk: int) -> bool:
+        return self.state.is_pipeline_first_stage and chunk == 0
+
+    def is_last_stage(self, chunk: int) -> bool:
+        return self.state.is_pipeline_last_stage and chunk == len(self.chunks) - 1
+
+    def _span(self, name: str, **args):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(name, "compute", **args)
+
+    def forward(self, chunk: int, microbatch: int,
+                input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """Output [s, b, h] of a stage (the loss, a scalar, on the last stage)."""
+        model = self.chunks[chunk]
+        _unwrap(model).set_input_tensor(input_tensor)
+        with self._span(f"F{microbatch}", microbatch=microbatch, chunk=chunk):
+            output = forward_step(self.forward_step_func, self.data_iterators[chunk], model,
+                                  self.reports, self.is_last_stage(chunk))
+        if not self.forward_only:
+            self._count(+1)
+        return output
+
+    def backward(self, chunk: int, microbatch: int, input_tensor: Optional[torch.Tensor],
+                 output_tensor: torch.Tensor,
+                 output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Backward of one stage; returns the grad of its input (None on the first stage)."""
+        with self._span(f"B{microbatch}", microbatch=microbatch, chunk=chunk):
+            if self.is_last_stage(chunk):
+                _scaled_backward(output_tensor, self.num_microbatches, self.hooks)
+            else:
+                backward_output_tensor(output_tensor, output_grad)
+        self._count(-1)
+        return None if input_tensor is None else input_tensor.grad
+
+    def _count(self, change: int) -> None:
+        self.in_flight += change
+        if self.timeline is not None:
+            self.timeline.counter("microbatches in flight", self.in_flight)
+
+    def finish(self) -> List[Dict[str, torch.Tensor]]:
+        if not self.forward_only and self.hooks.finalize_model_grads_func is not None:
+            self.hooks.finalize_model_grads_func(self.chunks)
+        if self.timeline is not None:
+            self.timeline.end_step()
+        return self.reports
+
+
+def _chunk_data_iterators(data_iterator, num_chunks: int) -> list:
+    """One iterator per chunk. Every chunk reads every microbatch (the first for its tokens,
+    later ones for positions, masks and labels): a single iterator is replayed per chunk."""
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != num_chunks:
+            raise ValueError(f"got {len(data_iterator)} data iterators for {num_chunks} chunks")
+        return list(data_iterator)
+    if data_iterator is None or num_chunks == 1:
+        return [data_iterator] * num_chunks
+    return list(itertools.tee(data_iterator, num_chunks))
+
+
+def _setup(forward_step_func, data_iterator, model, num_microbatches, seq_length,
+           micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline):
+    """The runner and communicator of one schedule call.
+
+    The parallel state, the exchanged shape [s / tp (sequence parallel) / cp, b, h], dtype
+    and timeline come from the chunks' `pipeline_stage` (set by `build_pipeline_model_chunks`)
+    unless given explicitly.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    spec = _stage_spec(chunks[0])
+    if state is None:
+        state = spec.state if spec is not None else getattr(_unwrap(chunks[0]), "state", None)
+    if state is None:
+        raise ValueError("pipelined schedules need state= or chunks built by "
+                         "build_pipeline_model_chunks")
+    if tensor_shape is None:
+        if spec is None:
+            raise ValueError("pipelined schedules need tensor_shape= for chunks not built by "
+                             "build_pipeline_model_chunks")
+        seq = seq_length // state.cp_size
+        if spec.sequence_parallel:
+            seq //= state.tp_size
+        tensor_shape = (seq, micro_batch_size, spec.hidden_size)
+    if dtype is None:
+        dtype = spec.dtype if spec is not None else next(chunks[0].parameters()).dtype
+    if timeline is None and spec is not None:
+        timeline = spec.timeline
+    hooks = hooks or ScheduleHooks()
+    runner = _StageRunner(forward_step_func, _chunk_data_iterators(data_iterator, len(chunks)),
+                          chunks, num_microbatches, forward_only, hooks, state, timeline)
+    communicator = PipelineCommunicator(state, tuple(tensor_shape), dtype, timeline,
+                                        requires_grad=not forward_only)
+    return runner, communicator, _GradSync(hooks, len(chunks), forward_only)
+
+
+def _single_chunk(model, name: str) -> None:
+    if isinstance(model, (list, tuple)) and len(model) != 1:
+        raise ValueError(f"{name} takes one model chunk per rank; virtual stages use "
+                         "forward_backward_pipelining_with_interleaving")
+
+
+def forward_backward_pipelining_gpipe(
+    *, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
+    seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
+    hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
+    timeline=None,
+) -> List[Dict[str, torch.Tensor]]:
+    """SMP's `simple` pipeline (GPipe): every microbatch's forward, then every backward.
+
+    All m microbatches are in flight at the peak; the bubble is (p - 1) / (m + p - 1).
+    """
+    _single_chunk(model, "the simple (GPipe) schedule")
+    runner, comm, grad_sync = _setup(
+        forward_step_func, data_iterator, model, num_microbatches, seq_length,
+        micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
+    first, last = runner.is_first_stage(0), runner.is_last_stage(0)
+    inputs, outputs = [], []
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for microbatch in range(num_microbatches):
+            input_tensor = comm.recv_forward(first)
+            output_tensor = runner.forward(0, microbatch, input_tensor)
+            comm.send_forward(output_tensor, last)
+            if not forward_only:
+                inputs.append(input_tensor)
+                outputs.append(output_tensor)
+                if not last:
+                    deallocate_output_tensor(output_tensor)
+
+    if not forward_only:
+        for microbatch in range(num_microbatches):
+            if microbatch == num_microbatches - 1:
+                grad_sync.release(0)
+            output_grad = comm.recv_backward(last)
+            input_grad = runner.backward(0, microbatch, inputs.pop(0), outputs.pop(0),
+                                         output_grad)
+            comm.send_backward(input_grad, first)
+    grad_sync.close()
+    return runner.finish()
+
+
+def forward_backward_pipelining_without_interleaving(
+    *, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
+    seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
+    hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
+    timeline=None,
+) -> List[Dict[str, torch.Tensor]]:
+    """SMP's `interleaved` pipeline (1F1B, PipeDream-Flush): warm-up forwards, then one
+    forward / one backward in the steady state, then the remaining backwards.
+
+    Stage r runs p - r - 1 warm-up forwards, so at most p - r <= p microbatches are in
+    flight on it; the bubble is the same as GPipe's, (p - 1) / (m + p - 1).
+    """
+    _single_chunk(model, "the 1F1B schedule")
+    runner, comm, grad_sync = _setup(
+        forward_step_func, data_iterator, model, num_microbatches, seq_length,
+        micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
+    state = runner.state
+    first, last = runner.is_first_stage(0), runner.is_last_stage(0)
+    num_warmup = min(state.pp_size - state.pp_rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    inputs, outputs = [], []
+    forward_id = backward_id = 0
+
+    def remember(input_tensor, output_tensor):
+        if not forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output_tensor)
+            if not last:
+                deallocate_output_tensor(output_tensor)
+
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        # Warm-up: forwards only, filling the pipeline.
+        for _ in range(num_warmup):
+            input_tensor = comm.recv_forward(first)
+            output_tensor = runner.forward(0, forward_id, input_tensor)
+            forward_id += 1
+            comm.send_forward(output_tensor, last)
+            remember(input_tensor, output_tensor)
+
+        # Steady state: one forward, one backward.
+        input_tensor = comm.recv_forward(first) if num_steady > 0 else None
+        for step in range(num_steady):
+            last_step = step == num_steady - 1
+            output_tensor = runner.forward(0, forward_id, input_tensor)
+            forward_id += 1
+            if forward_only:
+                comm.send_forward(output_tensor, last)
+                input_tensor = None if last_step else comm.recv_forward(first)
+                continue
+            output_grad = comm.send_forward_recv_backward(output_tensor, last)
+            remember(input_tensor, output_tensor)
+            if last_step and num_warmup == 0:
+                grad_sync.release(0)
+            input_grad = runner.backward(0, backward_id, inputs.pop(0), outputs.pop(0),
+                                         output_grad)
+            backward_id += 1
+            if last_step:
+                input_tensor = None
+                comm.send_backward(input_grad, first)
+            else:
+                input_tensor = comm.send_backward_recv_forward(input_grad, first)
+
+    # Cool-down: the backwards of the warm-up microbatches.
+    if not forward_only:
+        for step in range(num_warmup):
+            if step == num_warmup - 1:
+                grad_sync.release(0)
+            output_grad = comm.recv_backward(last)
+            input_grad = runner.backward(0, backward_id, inputs.pop(0), outputs.pop(0),
+                                         output_grad)
+            backward_id += 1
+            comm.send_backward(input_grad, first)
+    grad_sync.close()
+    return runner.finish()
+
+
+def forward_backward_pipelining_with_interleaving(
+    *, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
+    seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
+    hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
+    timeline=None,
+) -> List[Dict[str, torch.Tensor]]:
+    """Megatron's interleaved schedule over v model chunks per rank (virtual stages).
+
+    The v * m (chunk, microbatch) forwards are walked in groups of p microbatches per chunk:
+    chunk 0 on microbatches 0..p-1, chunk 1 on the same, ..., then chunk 0 on p..2p-1; the
+    backwards in the same order with the chunks reversed. Stage r warms up with
+    (p - r - 1) * 2 + (v - 1) * p forwards (all of them when m == p), then alternates, then
+    cools down. The bubble shrinks to (p - 1) / (v m + p - 1). Needs m % p == 0.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    runner, comm, grad_sync = _setup(
+        forward_step_func, data_iterator, chunks, num_microbatches, seq_length,
+        micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
+    state = runner.state
+    pp, rank, num_chunks = state.pp_size, state.pp_rank, len(chunks)
+    check_virtual_microbatches(num_microbatches, pp)
+    total = num_microbatches * num_chunks
+    all_warmup = forward_only or num_microbatches == pp
+    if all_warmup:
+        num_warmup = total
+    else:
+        num_warmup = min((pp - rank - 1) * 2 + (num_chunks - 1) * pp, total)
+    num_steady = total - num_warmup
+
+    def chunk_of(k: int, forward: bool) -> int:
+        chunk = (k % (pp * num_chunks)) // pp
+        return chunk if forward else num_chunks - 1 - chunk
+
+    def microbatch_of(k: int) -> int:
+        return (k // (pp * num_chunks)) * pp + k % pp
+
+    # Per chunk, FIFO: received inputs, outputs awaiting backward, received output grads.
+    inputs = [[] for _ in chunks]
+    outputs = [[] for _ in chunks]
+    output_grads = [[] for _ in chunks]
+
+    def forward_k(k: int) -> Optional[torch.Tensor]:
+        """Forward number k; returns the output to send on (None on the last virtual stage)."""
+        chunk = chunk_of(k, forward=True)
+        if runner.is_first_stage(chunk):
+            inputs[chunk].append(None)
+        input_tensor = inputs[chunk][-1]
+        output_tensor = runner.forward(chunk, microbatch_of(k), input_tensor)
+        outputs[chunk].append(output_tensor)
+        if forward_only:  # nothing kept for a backward
+            inputs[chunk].pop()
+            outputs[chunk].pop()
+        return None if runner.is_last_stage(chunk) else output_tensor
+
+    def backward_k(k: int) -> Optional[torch.Tensor]:
+        """Backward number k; returns the input grad to send (None on virtual stage 0)."""
+        chunk = chunk_of(k, forward=False)
+        if runner.is_last_stage(chunk):
+            output_grads[chunk].append(None)
+        if microbatch_of(k) == num_microbatches - 1:
+            grad_sync.release(chunk)
+        input_grad = runner.backward(chunk, microbatch_of(k), inputs[chunk].pop(0),
+                                     outputs[chunk].pop(0), output_grads[chunk].pop(0))
+        return None if runner.is_first_stage(chunk) else input_grad
+
+    # Which chunk's FIFO the tensor received in an exchange belongs to (None: receive
+    # nothing). Inner ranks receive for the next step. The end ranks receive what went round
+    # the ring from the other end: in the steady state rank 0 is p - 1 forwards ahead of
+    # rank p - 1 (and rank p - 1 as far ahead of rank 0 in backwards), so what arrives is
+    # the successor of the chunk it ran p - 1 steps ago.
+    def forward_receiver(k: int, steady: bool) -> Optional[int]:
+        """Chunk whose input arrives in the exchange after forward k."""
+        if k + 1 >= total:
+            return None
+        if rank == 0 and steady:
+            chunk = chunk_of(k - (pp - 1), forward=True)
+            return None if chunk == num_chunks - 1 else chunk + 1
+        chunk = chunk_of(k + 1, forward=True)
+        return None if runner.is_first_stage(chunk) else chunk
+
+    def backward_receiver(k: int, steady: bool) -> Optional[int]:
+        """Chunk whose output grad arrives in the exchange after backward k."""
+        if k + 1 >= total:
+            return None
+        if rank == pp - 1 and steady:
+            chunk = chunk_of(k - (pp - 1), forward=False)
+            return None if chunk == 0 else chunk - 1
+        chunk = chunk_of(k + 1, forward=False)
+        return None if runner.is_last_stage(chunk) else chunk
+
+    def store(fifos, chunk: Optional[int], tensor: Optional[torch.Tensor]) -> None:
+        if chunk is not None:
+            fifos[chunk].append(tensor)
+
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        # Warm-up: forwards only.
+        if not state.is_pipeline_first_stage:
+            inputs[0].append(comm.recv_forward(False))
+        for k in range(num_warmup):
+            output_tensor = forward_k(k)
+            recv_chunk = forward_receiver(k, steady=False)
+            if k == num_warmup - 1 and not all_warmup:
+                # The first backward's output grad arrives with the last warm-up exchange.
+                recv_grad_chunk = None if state.is_pipeline_last_stage else num_chunks - 1
+                input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
+                    output_tensor, None, recv_chunk is not None, recv_grad_chunk is not None)
+                store(output_grads, recv_grad_chunk, output_grad)
+            else:
+                input_tensor = comm.send_forward_recv_forward(output_tensor,
+                                                              recv_chunk is not None)
+            store(inputs, recv_chunk, input_tensor)
+            if not forward_only:
+                deallocate_output_tensor(output_tensor)
+
+        # Steady state: forward k + num_warmup, then backward k, then one exchange.
+        for k in range(num_steady):
+            output_tensor = forward_k(k + num_warmup)
+            input_grad = backward_k(k)
+            recv_chunk = forward_receiver(k + num_warmup, steady=True)
+            recv_grad_chunk = backward_receiver(k, steady=True)
+            input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
+                output_tensor, input_grad, recv_chunk is not None, recv_grad_chunk is not None)
+            store(inputs, recv_chunk, input_tensor)
+            store(output_grads, recv_grad_chunk, output_grad)
+            deallocate_output_tensor(output_tensor)
+
+    # Cool-down: the remaining backwards.
+    if not forward_only:
+        if all_warmup and not state.is_pipeline_last_stage:
+            output_grads[num_chunks - 1].append(comm.recv_backward(False))
+        for k in range(num_steady, total):
+            input_grad = backward_k(k)
+            recv_grad_chunk = backward_receiver(k, steady=False)
+            output_grad = comm.send_backward_recv_backward(input_grad,
+                                                           recv_grad_chunk is not None)
+            store(output_grads, recv_grad_chunk, output_grad)
+    grad_sync.close()
+    return runner.finish()
+
+
+SCHEDULES = {
+    "simple": forward_backward_pipelining_gpipe,
+    "interleaved": forward_backward_pipelining_without_interleaving,
+}
+
+
+def get_forward_backward_func(
+    pipeline_model_parallel_size: int = 1, virtual: bool = False,
+    schedule: str = "interleaved",
+) -> Callable:
+    """The schedule for this layout.
+
+    One stage: gradient accumulation. Several stages: SMP's `schedule` ("simple" = GPipe,
+    "interleaved" = 1F1B), or with virtual stages (several chunks per rank) Megatron's
+    interleaved schedule.
+    """
     if pipeline_model_parallel_size == 1:
         return forward_backward_no_pipelining
-    raise NotImplementedError("pipeline-parallel schedules are not available yet")
+    if virtual:
+        if schedule == "simple":
+            raise ConfigError(
+                "--pipeline-schedule simple does not take virtual stages; use the default "
+                "(interleaved) or drop --virtual-pipeline-model-parallel-size / "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        return forward_backward_pipelining_with_interleaving
+    if schedule not in SCHEDULES:
+        raise ConfigError(
+            f"--pipeline-schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}"
+        )
+    return SCHEDULES[schedule]
+
+
+__all__ = [
+    "ScheduleHooks",
+    "forward_step",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_gpipe",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+    "get_forward_backward_func",
+]

@@ -1,0 +1,230 @@
+"""Which layers each pipeline stage holds, and building this rank's model chunks.
+
+Layers are split evenly over --pipeline-model-parallel-size stages, or unevenly with
+--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (the remaining
+layers are split evenly over the stages in between). With virtual stages
+(--virtual-pipeline-model-parallel-size v, or --num-layers-per-virtual-pipeline-stage) each
+rank holds v chunks and chunk c of rank r is virtual stage c * pp + r, so a microbatch
+visits every rank v times. The embedding lives on virtual stage 0 (rank 0, chunk 0), the
+output layer and the loss on the last one (last rank, last chunk).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from megatron_smp.config import ConfigError
+
+
+@dataclass
+class StageSpec:
+    """One model chunk's place in the pipeline; attached to the chunk as `pipeline_stage`.
+
+    The schedules read it to find the parallel state, the shape and dtype of the hidden
+    states exchanged between stages, and the timeline.
+    """
+
+    state: object
+    chunk_index: int
+    layer_offset: int
+    num_layers: int
+    pre_process: bool
+    post_process: bool
+    hidden_size: int
+    sequence_parallel: bool
+    dtype: torch.dtype
+    timeline: Optional[object] = None
+
+
+def _virtual_size(
+    num_layers: int,
+    pipeline_size: int,
+    virtual_size: Optional[int],
+    layers_per_virtual_stage: Optional[int],
+) -> int:
+    if layers_per_virtual_stage is None:
+        return virtual_size or 1
+    if layers_per_virtual_stage < 1 or num_layers % (pipeline_size * layers_per_virtual_stage):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size "
+            f"({pipeline_size}) x --num-layers-per-virtual-pipeline-stage "
+            f"({layers_per_virtual_stage})"
+        )
+    derived = num_layers // (pipeline_size * layers_per_virtual_stage)
+    if virtual_size is not None and virtual_size != derived:
+        raise ConfigError(
+            f"--virtual-pipeline-model-parallel-size ({virtual_size}) contradicts "
+            f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual_stage}), which "
+            f"gives {derived} virtual stages for {num_layers} layers over {pipeline_size} "
+            "stages; give only one of them"
+        )
+    return derived
+
+
+def _layers_per_stage(
+    num_layers: int, pipeline_size: int, first: Optional[int], last: Optional[int]
+) -> List[int]:
+    if first is None and last is None:
+        if num_layers % pipeline_size:
+            raise ConfigError(
+                f"--num-layers ({num_layers}) is not divisible by "
+                f"--pipeline-model-parallel-size ({pipeline_size}); use a multiple of "
+                f"{pipeline_size} layers, or give --decoder-first-pipeline-num-layers / "
+                "--decoder-last-pipeline-num-layers for an uneven split"
+            )
+        return [num_layers // pipeline_size] * pipeline_size
+    for flag, value in (("first", first), ("last", last)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--decoder-{flag}-pipeline-num-layers must be >= 1, got {value}")
+    fixed = [first, last] if pipeline_size > 1 else [first]
+    middle_stages = pipeline_size - sum(v is not None for v in fixed)
+    remaining = num_layers - sum(v for v in fixed if v is not None)
+    if remaining < middle_stages or (
+        middle_stages and remaining % middle_stages
+    ) or (middle_stages == 0 and remaining != 0):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) minus --decoder-first-pipeline-num-layers "
+            f"({first}) and --decoder-last-pipeline-num-layers ({last}) leaves {remaining} "
+            f"layers, which must split evenly (at least one each) over the other "
+            f"{middle_stages} of the {pipeline_size} pipeline stages"
+        )
+    per_middle = remaining // middle_stages if middle_stages else 0
+    counts = [per_middle] * pipeline_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def pipeline_layer_layout(
+    num_layers: int,
+    pipeline_size: int,
+    virtual_size: Optional[int] = None,
+    layers_per_virtual_stage: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+) -> List[List[tuple]]:
+    """(layer_offset, num_layers) of every chunk of every rank: layout[pp_rank][chunk].
+
+    Raises ConfigError, naming the flags, for a split that cannot work. Pure: every rank
+    computes the same layout and fails the same way.
+    """
+    virtual = _virtual_size(num_layers, pipeline_size, virtual_size, layers_per_virtual_stage)
+    per_stage = _layers_per_stage(num_layers, pipeline_size, first_stage_layers,
+                                  last_stage_layers)
+    for rank, count in enumerate(per_stage):
+        if count % virtual:
+            raise ConfigError(
+                f"pipeline stage {rank} holds {count} layers, which do not split into "
+                f"{virtual} virtual stages (--virtual-pipeline-model-parallel-size / "
+                "--num-layers-per-virtual-pipeline-stage); every stage's layer count must "
+                "be a multiple of the number of virtual stages"
+            )
+    layout: List[List[tuple]] = [[] for _ in range(pipeline_size)]
+    offset = 0
+    for chunk in range(virtual):  # virtual stage chunk * pp + rank, in layer order
+        for rank in range(pipeline_size):
+            count = per_stage[rank] // virtual
+            layout[rank].append((offset, count))
+            offset += count
+    return layout
+
+
+def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> None:
+    """The virtual schedule walks microbatches in groups of pp; a partial group cannot work."""
+    if num_microbatches % pipeline_size:
+        raise ConfigError(
+            f"the interleaved virtual-pipeline schedule needs the number of microbatches "
+            f"({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
+            f"size)) to be a multiple of --pipeline-model-parallel-size ({pipeline_size}); "
+            "change --global-batch-size or drop the virtual stages"
+        )
+
+
+def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
+    parallel, extra = configs.parallel, configs.extra
+    return pipeline_layer_layout(
+        configs.model.num_layers,
+        pipeline_size,
+        virtual_size=parallel.virtual_pipeline_model_parallel_size,
+        layers_per_virtual_stage=extra.get("num_layers_per_virtual_pipeline_stage"),
+        first_stage_layers=extra.get("decoder_first_pipeline_num_layers"),
+        last_stage_layers=extra.get("decoder_last_pipeline_num_layers"),
+    )
+
+
+def validate_pipeline_configs(configs, state) -> List[List[tuple]]:
+    """Every check of a pipeline layout, run identically on every rank before any collective."""
+    layout = layout_from_configs(configs, state.pp_size)
+    if len(layout[0]) > 1:
+        if configs.training.pipeline_schedule == "simple":
+            raise ConfigError(
+                "--pipeline-schedule simple does not take virtual stages; use the default "
+                "(interleaved) or drop --virtual-pipeline-model-parallel-size / "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        check_virtual_microbatches(configs.training.num_microbatches(state.dp_size),
+                                   state.pp_size)
+    return layout
+
+
+def build_pipeline_model_chunks(
+    model_provider: Callable, configs, state
+) -> List[torch.nn.Module]:
+    """This rank's model chunks (one, or v with virtual stages), in virtual-stage order.
+
+    Every chunk is built from the same default-generator state: a model that draws a base
+    seed at construction and derives each layer's init from it (GPTModel) then gives a layer
+    the same weights on whichever stage or chunk it lands, as in the single-stage model.
+    """
+    from megatron_smp.pipeline_parallel.timeline import PipelineTimeline
+
+    layout = validate_pipeline_configs(configs, state)
+    chunks_here = layout[state.pp_rank]
+    timeline_path = configs.extra.get("pipeline_timeline")
+    timeline = (
+        PipelineTimeline(timeline_path, state.rank, state.device) if timeline_path else None
+    )
+    rng_state = torch.random.get_rng_state()
+    chunks = []
+    for chunk_index, (layer_offset, num_layers) in enumerate(chunks_here):
+        torch.random.set_rng_state(rng_state)
+        pre_process = state.is_pipeline_first_stage and chunk_index == 0
+        post_process = state.is_pipeline_last_stage and chunk_index == len(chunks_here) - 1
+        module = model_provider(
+            configs, state, pre_process=pre_process, post_process=post_process,
+            layer_offset=layer_offset, num_layers=num_layers,
+        )
+        _mark_tied_output_copy(module, pre_process)
+        module.pipeline_stage = StageSpec(
+            state=state, chunk_index=chunk_index, layer_offset=layer_offset,
+            num_layers=num_layers, pre_process=pre_process, post_process=post_process,
+            hidden_size=configs.model.hidden_size,
+            sequence_parallel=configs.model.sequence_parallel and state.tp_size > 1,
+            dtype=configs.model.params_dtype, timeline=timeline,
+        )
+        chunks.append(module)
+    return chunks
+
+
+def _mark_tied_output_copy(module: torch.nn.Module, pre_process: bool) -> None:
+    # The last stage's copy of a tied embedding (marked shared_embedding by the model) holds
+    # the same values and, after the embedding-group all-reduce, the same grad as the first
+    # stage's: `shared=True` keeps it out of the grad norm so the norm is counted once.
+    if pre_process:
+        return
+    for param in module.parameters():
+        if getattr(param, "shared_embedding", False):
+            param.shared = True
+
+
+__all__ = [
+    "StageSpec",
+    "pipeline_layer_layout",
+    "check_virtual_microbatches",
+    "validate_pipeline_configs",
+    "build_pipeline_model_chunks",
+]

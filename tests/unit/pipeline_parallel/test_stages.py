@@ -1,0 +1,44 @@
+"""Layer layouts of pipeline stages, and the errors of layouts that cannot work."""
+import pytest
+
+from megatron_smp.config import ConfigError
+from megatron_smp.pipeline_parallel.stages import pipeline_layer_layout
+
+
+def test_even_split():
+    assert pipeline_layer_layout(8, 4) == [[(0, 2)], [(2, 2)], [(4, 2)], [(6, 2)]]
+
+
+def test_uneven_split_with_first_and_last_stage_counts():
+    assert pipeline_layer_layout(10, 4, first_stage_layers=1, last_stage_layers=3) == [
+        [(0, 1)], [(1, 3)], [(4, 3)], [(7, 3)]]
+    assert pipeline_layer_layout(5, 2, first_stage_layers=2) == [[(0, 2)], [(2, 3)]]
+    assert pipeline_layer_layout(7, 3, last_stage_layers=1) == [[(0, 3)], [(3, 3)], [(6, 1)]]
+
+
+def test_virtual_stages_interleave_layers_over_ranks():
+    # Chunk c of rank r is virtual stage c * pp + r.
+    expected = [[(0, 1), (4, 1)], [(1, 1), (5, 1)], [(2, 1), (6, 1)], [(3, 1), (7, 1)]]
+    assert pipeline_layer_layout(8, 4, virtual_size=2) == expected
+    assert pipeline_layer_layout(8, 4, layers_per_virtual_stage=1) == expected
+    assert pipeline_layer_layout(12, 2, virtual_size=3) == [
+        [(0, 2), (4, 2), (8, 2)], [(2, 2), (6, 2), (10, 2)]]
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(num_layers=6, pipeline_size=4), "--num-layers (6) is not divisible by "
+                                          "--pipeline-model-parallel-size (4)"),
+    (dict(num_layers=8, pipeline_size=4, virtual_size=3), "virtual stages"),
+    (dict(num_layers=8, pipeline_size=2, layers_per_virtual_stage=3),
+     "--num-layers-per-virtual-pipeline-stage (3)"),
+    (dict(num_layers=8, pipeline_size=2, virtual_size=2, layers_per_virtual_stage=1),
+     "contradicts"),
+    (dict(num_layers=8, pipeline_size=4, first_stage_layers=1, last_stage_layers=2),
+     "--decoder-first-pipeline-num-layers (1)"),
+    (dict(num_layers=4, pipeline_size=2, first_stage_layers=4), "leaves 0 layers"),
+    (dict(num_layers=4, pipeline_size=2, first_stage_layers=0), "must be >= 1"),
+])
+def test_bad_layouts_are_config_errors_naming_the_flags(kwargs, flag):
+    with pytest.raises(ConfigError, match=None) as info:
+        pipeline_layer_layout(**kwargs)
+    assert flag in str(info.value)
