@@ -16,6 +16,7 @@ is long enough, and names the file when torch fails to decode one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import os
 import pathlib
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.futures import Future
 
 from megatron_smp.config import ConfigError
 
@@ -127,17 +129,25 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
-        files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
-        try:
-            return super().read_data(plan, planner)
-        except CheckpointError:
-            raise
-        except Exception as error:
-            names = ", ".join(os.path.join(os.fspath(self.path), f) for f in files)
-            raise CheckpointError(
-                f"cannot decode checkpoint data in {names} ({type(error).__name__}: {error}); "
-                "the file is corrupted -- load an earlier iteration"
-            ) from error
+        # One file at a time, so that a decoding error names the file it came from.
+        per_file: Dict[str, list] = collections.defaultdict(list)
+        for item in plan.items:
+            per_file[self.storage_data[item.storage_index].relative_path].append(item)
+        for relative_path, items in sorted(per_file.items()):
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as error:
+                path = os.path.join(os.fspath(self.path), relative_path)
+                detail = (str(error).strip().splitlines() or [""])[0].split(". ")[0][:160]
+                raise CheckpointError(
+                    f"cannot decode checkpoint data in {path} ({type(error).__name__}: "
+                    f"{detail}); the file is corrupted -- load an earlier iteration"
+                ) from error
+        future: Future = Future()  # DCP's readers return torch futures
+        future.set_result(None)
+        return future
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -159,17 +169,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+def maybe_test_write_delay() -> None:
+    """Test hook, a no-op unless the env var is set: signal "writing started", then sleep."""
+    delay = os.environ.get(TEST_WRITE_DELAY_ENV)
+    if not delay:
+        return
+    marker = os.environ.get(TEST_WRITE_MARKER_ENV)
+    if marker:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        pathlib.Path(f"{marker}.rank{rank}").touch()
+    time.sleep(float(delay))
+
+
 class HookedSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner with the kill-mid-write test hook (off unless the env var is set)."""
+    """DefaultSavePlanner with the kill-mid-write test hook (called once per written item)."""
 
     def resolve_data(self, write_item):
-        delay = os.environ.get(TEST_WRITE_DELAY_ENV)
-        if delay:
-            marker = os.environ.get(TEST_WRITE_MARKER_ENV)
-            if marker:
-                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-                pathlib.Path(f"{marker}.rank{rank}").touch()
-            time.sleep(float(delay))
+        maybe_test_write_delay()
         return super().resolve_data(write_item)
 
 

@@ -1,0 +1,40 @@
+"""Training-facing checkpoints (iteration directories, tracker file, RNG states).
+
+The engine underneath is `megatron_smp.distributed.checkpoint` (DCP with resharding).
+"""
+from megatron_smp.checkpointing.checkpointing import (
+    CHECKPOINT_FORMATS,
+    COMMON_FILENAME,
+    STAGING_SUFFIX,
+    TRACKER_FILENAME,
+    checkpoint_dir,
+    complete_iterations,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    tracker_path,
+)
+from megatron_smp.checkpointing.rng import get_rng_state, set_rng_state
+from megatron_smp.distributed.checkpoint import (
+    CheckpointError,
+    maybe_finalize_async_calls,
+    sharded_state_dict,
+)
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "maybe_finalize_async_calls",
+    "read_tracker",
+    "complete_iterations",
+    "checkpoint_dir",
+    "tracker_path",
+    "get_rng_state",
+    "set_rng_state",
+    "sharded_state_dict",
+    "CheckpointError",
+    "CHECKPOINT_FORMATS",
+    "TRACKER_FILENAME",
+    "COMMON_FILENAME",
+    "STAGING_SUFFIX",
+]

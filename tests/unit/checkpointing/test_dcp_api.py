@@ -1,0 +1,146 @@
+"""SMP-style save / async_save / maybe_finalize_async_calls / load on two gloo ranks."""
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from megatron_smp.testing import run_distributed
+
+PAYLOAD = {"step": 7, "lr": 2.5e-4, "name": "gpt", "milestones": [1, 2.5, "x", None], "flags": (True, 3)}
+
+
+def _state_dict(rank, fill):
+    from megatron_smp.distributed.checkpoint import tp_sharded_tensor
+
+    generator = torch.Generator().manual_seed(1234)
+    full = torch.randn(6, 4, generator=generator)
+    local = full.chunk(2)[rank].clone()
+    bias = torch.randn(4, generator=generator, dtype=torch.float64)
+    step = torch.tensor(11, dtype=torch.int64)
+    extra = dict(PAYLOAD)
+    if not fill:
+        local.zero_(), bias.zero_(), step.zero_()
+        extra = {k: None for k in PAYLOAD}
+    state_dict = {
+        "model": {"weight": tp_sharded_tensor(local, rank, 2, partition_dim=0), "bias": bias},
+        "optimizer": {"step": step, "hyper": extra},
+    }
+    return state_dict, {"weight": local, "bias": bias, "step": step}
+
+
+def _values(state_dict, tensors):
+    return {
+        **{k: v.tolist() for k, v in tensors.items()},
+        "hyper": state_dict["optimizer"]["hyper"],
+    }
+
+
+def _error(fn):
+    from megatron_smp.distributed.checkpoint import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _engine(rank, world_size, root):
+    import torch.distributed as dist
+
+    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.distributed.checkpoint.storage import TEST_WRITE_DELAY_ENV
+
+    out = {}
+    sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
+    saved, saved_tensors = _state_dict(rank, fill=True)
+    out["expected"] = _values(saved, saved_tensors)
+
+    # Synchronous round trip.
+    dcp.save(saved, checkpoint_id=sync_path)
+    template, tensors = _state_dict(rank, fill=False)
+    dcp.load(template, checkpoint_id=sync_path)
+    out["sync"] = _values(template, tensors)
+
+    # Asynchronous: returns while the writer sleeps between items; training then modifies the
+    # tensors, which must not reach the checkpoint.
+    os.environ[TEST_WRITE_DELAY_ENV] = "0.2"
+    finalized_flags = []
+    start = time.perf_counter()
+    dcp.async_save(saved, checkpoint_id=async_path, finalize_fns=[lambda: finalized_flags.append(1)])
+    out["async_return_s"] = time.perf_counter() - start
+    for t in saved_tensors.values():
+        t.add_(1000)
+    out["metadata_before_finalize"] = os.path.exists(os.path.join(async_path, ".metadata"))
+    out["nonblocking"] = dcp.maybe_finalize_async_calls(blocking=False)
+    out["finalized_before"] = list(finalized_flags)
+    out["blocking"] = dcp.maybe_finalize_async_calls(blocking=True)
+    out["finalized_after"] = list(finalized_flags)
+    del os.environ[TEST_WRITE_DELAY_ENV]
+    template, tensors = _state_dict(rank, fill=False)
+    dcp.load(template, checkpoint_id=async_path)
+    out["async"] = _values(template, tensors)
+
+    # Key and shape mismatches are reported on every rank, naming the keys.
+    template, _ = _state_dict(rank, fill=False)
+    del template["model"]["bias"]
+    template["model"]["extra"] = torch.zeros(2)
+    out["keys_error"] = _error(lambda: dcp.load(template, checkpoint_id=sync_path))
+    template, _ = _state_dict(rank, fill=False)
+    template["model"]["bias"] = torch.zeros(5, dtype=torch.float64)
+    out["shape_error"] = _error(lambda: dcp.load(template, checkpoint_id=sync_path))
+
+    # Corrupted copies: truncated data file, garbage data file, truncated metadata.
+    if rank == 0:
+        for name in ("truncated", "garbage", "metadata"):
+            shutil.copytree(sync_path, os.path.join(root, name))
+        data = os.path.join(root, "truncated", "__1_0.distcp")
+        os.truncate(data, os.path.getsize(data) // 2)
+        with open(os.path.join(root, "garbage", "__0_0.distcp"), "r+b") as f:
+            f.write(b"\x00garbage" * 8)
+        meta = os.path.join(root, "metadata", ".metadata")
+        os.truncate(meta, os.path.getsize(meta) // 2)
+    dist.barrier()
+    for name in ("truncated", "garbage", "metadata"):
+        template, _ = _state_dict(rank, fill=False)
+        out[name] = _error(lambda: dcp.load(template, checkpoint_id=os.path.join(root, name)))
+    return out
+
+
+def test_save_load_async_and_errors(tmp_path):
+    results = run_distributed(_engine, 2, args=(str(tmp_path),))
+    for rank, out in enumerate(results):
+        expected = out["expected"]
+        assert expected["hyper"] == PAYLOAD
+        assert out["sync"] == expected, rank
+        assert out["async"] == expected, rank
+        # async_save returned before the (slowed-down) write finished.
+        assert out["async_return_s"] < 0.2 and not out["metadata_before_finalize"]
+        assert out["nonblocking"] == [] and out["finalized_before"] == []
+        assert out["blocking"] == [0] and out["finalized_after"] == [1]
+
+        assert "missing from the checkpoint: model.extra" in out["keys_error"]
+        assert "loaded by no rank: model.bias" in out["keys_error"]
+        assert "model.bias: checkpoint shape [4] vs model shape [5]" in out["shape_error"]
+        assert "__1_0.distcp is truncated" in out["truncated"]
+        assert "garbage/__0_0.distcp (" in out["garbage"] and "corrupted" in out["garbage"]
+        assert ".metadata is truncated or corrupted" in out["metadata"]
+
+
+def test_s3_arguments_are_rejected():
+    from megatron_smp.distributed.checkpoint import async_save, load, save
+
+    for fn in (save, async_save, load):
+        with pytest.raises(NotImplementedError, match="S3"):
+            fn({}, checkpoint_id="s3://bucket/x", s3_region="us-west-2")
+
+
+def test_non_plain_values_are_refused_at_save(tmp_path):
+    import numpy as np
+
+    from megatron_smp.distributed.checkpoint import CheckpointError, save
+
+    with pytest.raises(CheckpointError, match="numpy.ndarray"):
+        save({"a": {"b": np.zeros(2)}}, checkpoint_id=str(tmp_path))
