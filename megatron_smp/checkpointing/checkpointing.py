@@ -392,7 +392,8 @@ def _match_into(
         problems.append(f"{prefix or '<root>'}: checkpoint holds {type(saved).__name__}, not a dict")
         return
     for key in saved:
-        if key not in template:
+        # As for DCP: top-level entries not being loaded (optimizer, rng_state) are skipped.
+        if key not in template and prefix:
             problems.append(f"{prefix}{key}: in the checkpoint, not in the model")
     for key, target in template.items():
         name = f"{prefix}{key}"
