@@ -60,14 +60,16 @@ class Encoder:
         except json.JSONDecodeError as error:
             return line_number, None, size, f"not valid JSON ({error.msg} at column {error.colno})"
         if not isinstance(record, dict):
-            return line_number, None, size, f"expected a JSON object, got {type(record).__name__}"
+            kind = type(record).__name__
+            return line_number, None, size, f"expected a JSON object, got {kind}"
         arrays = []
         for key in self.args.json_keys:
             if key not in record:
                 return line_number, None, size, f"missing key {key!r} (has {sorted(record)[:5]})"
             text = record[key]
             if not isinstance(text, str):
-                return line_number, None, size, f"key {key!r} is {type(text).__name__}, not a string"
+                kind = type(text).__name__
+                return line_number, None, size, f"key {key!r} is {kind}, not a string"
             if not text.strip():
                 return line_number, None, size, f"empty document under key {key!r}"
             try:
@@ -139,7 +141,8 @@ def preprocess(args: argparse.Namespace, log=None) -> Dict[str, float]:
     pool = None
     if args.workers > 1:
         # Workers only tokenise; fork shares the already-imported modules.
-        pool = multiprocessing.get_context("fork").Pool(args.workers, initializer=encoder.initializer)
+        context = multiprocessing.get_context("fork")
+        pool = context.Pool(args.workers, initializer=encoder.initializer)
         encoded = pool.imap(encoder.encode, read_lines(args.input), chunksize=64)
     else:
         encoded = map(encoder.encode, read_lines(args.input))

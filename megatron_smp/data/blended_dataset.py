@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-import numpy as np
 import torch
 
 from megatron_smp.data.cache import build_or_load_cached

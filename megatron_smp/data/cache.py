@@ -66,10 +66,15 @@ def build_or_load_cached(
                     np.save(tmp_path, arrays[name], allow_pickle=False)
                     os.replace(tmp_path, path)  # readers never see a partial file
             except OSError as error:
-                logger.warning("cannot write the index cache in %s (%s); kept in memory", cache_dir, error)
+                logger.warning(
+                    "cannot write the index cache in %s (%s); kept in memory", cache_dir, error
+                )
     barrier()
     if arrays is not None:
         return arrays
     if cached():
-        return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()}
+        return {
+            name: np.load(path, mmap_mode="r", allow_pickle=False)
+            for name, path in paths.items()
+        }
     return build()

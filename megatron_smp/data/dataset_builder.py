@@ -16,7 +16,7 @@ from megatron_smp.data.gpt_dataset import (
     dataset_description,
     default_cache_dir,
 )
-from megatron_smp.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron_smp.data.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,11 @@ def build_train_valid_test_datasets(
             sequence_ids = np.arange(
                 indexed.document_indices[boundaries[i]], indexed.document_indices[boundaries[i + 1]]
             )
-            wanted = num_samples[i] if len(prefixes) == 1 else _component_num_samples(num_samples[i], weight)
+            wanted = (
+                num_samples[i]
+                if len(prefixes) == 1
+                else _component_num_samples(num_samples[i], weight)
+            )
             splits.append(
                 GPTDataset(
                     indexed, sequence_ids, wanted, seq_length, seed, tokenizer.eod,
@@ -191,7 +195,11 @@ def build_train_valid_test_datasets(
 
     blended = []
     for i in range(3):
-        parts = [(w, splits[i]) for w, splits in zip(weights, per_prefix) if splits[i] is not None and w > 0]
+        parts = [
+            (w, splits[i])
+            for w, splits in zip(weights, per_prefix)
+            if splits[i] is not None and w > 0
+        ]
         if not parts:
             blended.append(None)
             continue

@@ -206,7 +206,8 @@ class IndexedDataset:
         )
         data_bytes = os.path.getsize(bin_path)
         if sequence_count:
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            last_length = int(self.sequence_lengths[-1])
+            end = int(self.sequence_pointers[-1]) + last_length * self.dtype.itemsize
             if end > data_bytes:
                 raise ConfigError(
                     f"{bin_path} is truncated: {data_bytes} bytes, the index needs {end}"

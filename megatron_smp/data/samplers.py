@@ -60,7 +60,8 @@ class MegatronPretrainingSampler:
             yield self._local_slice(list(range(start, start + step)))
         remainder = (self.total_samples - self.consumed_samples) % step
         if remainder and not self.drop_last:
-            local = self._local_slice(list(range(self.total_samples - remainder, self.total_samples)))
+            tail = list(range(self.total_samples - remainder, self.total_samples))
+            local = self._local_slice(tail)
             if local:
                 yield local
 

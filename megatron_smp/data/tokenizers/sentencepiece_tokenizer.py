@@ -79,7 +79,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
         ids = [int(token) for token in ids]
         for i, token in enumerate(ids):
             if token in self._special_by_id:
-                text += self.processor.decode_ids(ids[last:i]) + " " + self._special_by_id[token] + " "
+                text += f"{self.processor.decode_ids(ids[last:i])} {self._special_by_id[token]} "
                 last = i + 1
         return text + self.processor.decode_ids(ids[last:])
 

@@ -11,7 +11,7 @@ from megatron_smp.data.indexed_dataset import IndexedDataset
 from megatron_smp.data.tokenizers import NullTokenizer
 from megatron_smp.testing import run_distributed
 
-from .conftest import random_documents, write_documents
+from .conftest import random_documents
 
 EOD = 1000
 TOKENIZER = NullTokenizer(EOD)
@@ -126,7 +126,9 @@ def test_blending_matches_weights_within_one_percent(make_dataset, tmp_path):
 def test_mock_data_is_deterministic():
     data_config = DataConfig(mock_data=True, split="90,10,0")
     tokenizer = NullTokenizer(500)
-    train, valid, test = build_train_valid_test_datasets(data_config, 64, 5, [100, 10, 0], tokenizer)
+    train, valid, test = build_train_valid_test_datasets(
+        data_config, 64, 5, [100, 10, 0], tokenizer
+    )
     again, _, _ = build_train_valid_test_datasets(data_config, 64, 5, [100, 10, 0], tokenizer)
     assert test is None and len(train) >= 100 and len(valid) >= 10
     assert torch.equal(train[17]["tokens"], again[17]["tokens"])
@@ -156,9 +158,13 @@ def test_bad_data_paths_are_config_errors(make_dataset, tmp_path, data_path, mes
 def test_bad_split_and_too_little_data(make_dataset, tmp_path):
     prefix = make_dataset("ds", [[1, 2, 3, EOD]] * 10)
     with pytest.raises(ConfigError, match="--split"):
-        build_train_valid_test_datasets(config(tmp_path, [prefix], split="a,b"), 4, 1, [1], TOKENIZER)
+        build_train_valid_test_datasets(
+            config(tmp_path, [prefix], split="a,b"), 4, 1, [1], TOKENIZER
+        )
     with pytest.raises(ConfigError, match="--seq-length 500"):
-        build_train_valid_test_datasets(config(tmp_path, [prefix], split="1"), 500, 1, [1], TOKENIZER)
+        build_train_valid_test_datasets(
+            config(tmp_path, [prefix], split="1"), 500, 1, [1], TOKENIZER
+        )
 
 
 def _build_on_two_ranks(rank, world_size, prefix, cache_dir):

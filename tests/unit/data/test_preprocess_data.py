@@ -39,7 +39,9 @@ def test_documents_and_keys_round_trip(tmp_path):
 
 
 def test_two_workers_write_the_same_files(tmp_path):
-    lines = [json.dumps({"text": " ".join(str(j % 50) for j in range(i % 17 + 1))}) for i in range(300)]
+    lines = [
+        json.dumps({"text": " ".join(str(j % 50) for j in range(i % 17 + 1))}) for i in range(300)
+    ]
     run(tmp_path, lines, workers=1)
     one = [(tmp_path / f"out_text_document{s}").read_bytes() for s in (".bin", ".idx")]
     run(tmp_path, lines, workers=2)

@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 from megatron_smp.data import build_pretraining_data_loader
@@ -51,3 +52,19 @@ def test_batched_dicts_and_missing_split():
     batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 2) and batch["loss_mask"].dtype == torch.float32
     assert build_pretraining_data_loader(None, 0, 4, 0, 1) is None
+
+
+def test_resume_on_a_gpt_dataset(make_dataset):
+    from megatron_smp.data.gpt_dataset import GPTDataset
+    from megatron_smp.data.indexed_dataset import IndexedDataset
+
+    from .conftest import random_documents
+
+    dataset = GPTDataset(
+        IndexedDataset(make_dataset("ds", random_documents(80, seed=3, eod=1000))),
+        np.arange(80), None, 16, 11, 1000,
+    )
+    full = [b["tokens"] for b in build_pretraining_data_loader(dataset, 0, 2, 1, 2)]
+    resumed = [b["tokens"] for b in build_pretraining_data_loader(dataset, 3 * 4, 2, 1, 2)]
+    assert len(resumed) == len(full) - 3
+    assert all(torch.equal(x, y) for x, y in zip(resumed, full[3:]))

@@ -43,7 +43,9 @@ def sentencepiece_model(tmp_path_factory):
     "kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
 )
 def test_sentencepiece_round_trip(sentencepiece_model, kind):
-    tokenizer = build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=sentencepiece_model))
+    tokenizer = build_tokenizer(
+        DataConfig(tokenizer_type=kind, tokenizer_model=sentencepiece_model)
+    )
     for text in SAMPLES:
         ids = tokenizer.tokenize(text)
         assert all(0 <= i < tokenizer.vocab_size for i in ids)
@@ -62,7 +64,8 @@ def test_sentencepiece_megatron_special_ids(sentencepiece_model):
     assert tokenizer.vocab_size == 604
     assert tokenizer.eod == 602
     assert tokenizer.pad == 3
-    assert tokenizer.tokenize("a<EOD>b") == tokenizer.tokenize("a") + [602] + tokenizer.tokenize("b")
+    a, b = tokenizer.tokenize("a"), tokenizer.tokenize("b")
+    assert tokenizer.tokenize("a<EOD>b") == a + [602] + b
     gpt = build_tokenizer(
         DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sentencepiece_model)
     )
