@@ -176,22 +176,25 @@ def build_pipeline_model_chunks(
 ) -> List[torch.nn.Module]:
     """This rank's model chunks (one, or v with virtual stages), in virtual-stage order.
 
-    Every chunk is built from the same default-generator state: a model that draws a base
-    seed at construction and derives each layer's init from it (GPTModel) then gives a layer
-    the same weights on whichever stage or chunk it lands, as in the single-stage model.
+    Every chunk on every stage is built from the same CPU default-generator state, the one
+    `model_parallel_seed` gives pipeline rank 0 (--seed): a model that draws a base seed at
+    construction and derives each layer's init from it (GPTModel) then gives a layer the
+    same weights on whichever stage or chunk it lands, as in the single-stage model. The
+    rank's own generator state (seeded per stage, for dropout) is restored afterwards.
     """
     from megatron_smp.pipeline_parallel.timeline import PipelineTimeline
 
     layout = validate_pipeline_configs(configs, state)
     chunks_here = layout[state.pp_rank]
-    timeline_path = configs.extra.get("pipeline_timeline")
+    timeline_path = configs.extra.get("pipeline_timeline") or getattr(
+        configs.args, "pipeline_timeline", None)
     timeline = (
         PipelineTimeline(timeline_path, state.rank, state.device) if timeline_path else None
     )
-    rng_state = torch.random.get_rng_state()
+    rank_rng_state = torch.random.get_rng_state()
     chunks = []
     for chunk_index, (layer_offset, num_layers) in enumerate(chunks_here):
-        torch.random.set_rng_state(rng_state)
+        torch.random.default_generator.manual_seed(configs.training.seed)
         pre_process = state.is_pipeline_first_stage and chunk_index == 0
         post_process = state.is_pipeline_last_stage and chunk_index == len(chunks_here) - 1
         module = model_provider(
@@ -207,6 +210,7 @@ def build_pipeline_model_chunks(
             dtype=configs.model.params_dtype, timeline=timeline,
         )
         chunks.append(module)
+    torch.random.set_rng_state(rank_rng_state)
     return chunks
 
 

@@ -97,6 +97,7 @@ _FLAGS: List[_Flag] = [
     _f("--sequence-parallel", "parallel", action="store_true"),
     _f("--pipeline-schedule", "training", choices=["simple", "interleaved"],
        default="interleaved"),
+    _f("--pipeline-timeline", None, "pipeline_timeline"),  # Chrome trace per rank
     _f("--use-distributed-optimizer", "optimizer", action="store_true"),
     _f("--overlap-grad-reduce", "optimizer", action="store_true"),
     _f("--overlap-param-gather", "optimizer", action="store_true"),

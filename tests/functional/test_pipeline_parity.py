@@ -1,0 +1,66 @@
+"""Whole training runs with pipeline parallelism follow the single-process trajectory."""
+import glob
+import json
+import os
+
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON, _train
+
+# Four layers so that PP=4 and two virtual stages per rank both have work.
+PIPELINE = ["--num-layers", "4"]
+
+LAYOUTS = {
+    "pp2_simple": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule simple"),
+    "pp2_1f1b": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule interleaved"),
+    "pp2_virtual2": (2, "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2"),
+    "pp4_simple": (4, "--pipeline-model-parallel-size 4 --pipeline-schedule simple"),
+    "pp4_1f1b": (4, "--pipeline-model-parallel-size 4"),
+    "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"),
+    "pp2_uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
+    "tp2_sp_pp2_dp2_distopt": (8, "--tensor-model-parallel-size 2 --sequence-parallel "
+                                  "--pipeline-model-parallel-size 2 --use-distributed-optimizer"),
+}
+
+
+def _reference():
+    key = "gpt_pp_reference"
+    from tests.functional import test_training_parity
+
+    if key not in test_training_parity._BASELINES:
+        test_training_parity._BASELINES[key] = run_distributed(
+            _train, 1, args=(COMMON + PIPELINE,))[0]
+    return test_training_parity._BASELINES[key]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_layout_matches_single_process(layout):
+    world_size, flags = LAYOUTS[layout]
+    reference = _reference()
+    results = run_distributed(
+        _train, world_size, args=(COMMON + PIPELINE + flags.split(),), timeout=300
+    )
+    assert len(reference) == 10 and reference[-1] < reference[0]
+    for losses in results:  # every rank reports the last stage's losses
+        assert losses == pytest.approx(reference, rel=1e-4), (layout, losses, reference)
+
+
+BAD_LAYOUTS = {
+    "layers_not_divisible": (
+        "--pipeline-model-parallel-size 2 --num-layers 3",
+        "--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"),
+    "virtual_microbatches": (
+        "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
+        "--global-batch-size 6",
+        "number of microbatches (3 = --global-batch-size"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYOUTS))
+def test_bad_pipeline_layout_is_a_config_error_on_every_rank(case):
+    flags, message = BAD_LAYOUTS[case]
+    errors = run_distributed(_train, 2, args=(COMMON + PIPELINE + flags.split(),),
+                             allow_errors=True, timeout=120)
+    for error in errors:
+        assert "ConfigError" in error and message in error, error[-2000:]
