@@ -33,6 +33,8 @@ CONFIGS = {
     "neox": lambda **kw: gpt_config(position_embedding_type="rope", rotary_percent=0.5,
                                     parallel_residual=True, untie_embeddings_and_output_weights=True,
                                     **kw),
+    "alibi": lambda **kw: gpt_config(position_embedding_type="alibi", num_attention_heads=8,
+                                     num_query_groups=4, **kw),
 }
 
 
@@ -72,7 +74,7 @@ def single_state():
 
 
 @pytest.mark.parametrize("family,sequence_parallel", [("gpt", True), ("llama", True),
-                                                      ("neox", False)])
+                                                      ("neox", False), ("alibi", False)])
 def test_tp2_equals_tp1(single_state, family, sequence_parallel):
     config = CONFIGS[family]()
     loss, logits, weights, grads, _, layout = _step(single_state, config)
@@ -147,3 +149,21 @@ def test_pipeline_stages_hidden_states_chain(single_state):
     assert hidden.shape == (SEQ, BATCH, config.hidden_size)
     last.set_input_tensor(hidden)
     assert torch.allclose(last(None, labels=labels), full(ids, labels=labels), atol=1e-6)
+
+
+def _pipeline_worker(rank, world_size):
+    state = build_parallel_state(ParallelConfig(pipeline_model_parallel_size=2))
+    torch.manual_seed(3)
+    model = GPTModel(gpt_config(), state, pre_process=rank == 0, post_process=rank == 1,
+                     layer_offset=rank, num_layers=1)
+    marked = [n for n, p in model.named_parameters() if getattr(p, "shared_embedding", False)]
+    table = model.shared_embedding_or_output_weight().detach().clone()
+    summed = table.clone()
+    dist.all_reduce(summed, group=state.embedding_group)
+    return marked, bool(torch.equal(summed, 2 * table))
+
+
+def test_pipeline_tied_embedding_copies_are_marked_and_equal():
+    first, last = run_distributed(_pipeline_worker, 2)
+    assert first == (["embedding.word_embeddings.weight"], True)
+    assert last == (["output_layer.weight"], True)

@@ -112,6 +112,9 @@ def _transform_worker(rank, world_size):
         with torch.no_grad():
             reference = hf(ids).logits
             outputs = {"local": smp.transform(hf)(ids)}
+            if family in ("gpt2", "llama"):  # sequence parallelism as a transformer-config override
+                model = smp.transform(hf, config={"sequence_parallel": True})
+                outputs["sequence_parallel"] = model(ids)
             for mode, other in (("random", lambda: build_hf(family, seed=100)),
                                 ("meta", lambda: build_hf(family, device="meta"))):
                 source = hf if rank == 0 else other()
