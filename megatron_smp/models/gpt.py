@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.config import TransformerConfig
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,

@@ -14,7 +14,7 @@ the framework side for every family.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -97,16 +97,6 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def require_keys(state_dict: Mapping[str, torch.Tensor], names, source: str) -> None:
-    missing = [name for name in names if name not in state_dict]
-    if missing:
-        raise ConfigError(f"{source} state dict lacks {missing[:5]} (and maybe more)")
-
-
-def true_vocab_rows(state_dict: Mapping[str, torch.Tensor], name: str) -> int:
-    return int(state_dict[name].shape[0])
-
-
 __all__ = [
     "StateDict",
     "WORD_EMBEDDINGS",
@@ -119,7 +109,6 @@ __all__ = [
     "pack_qkv",
     "unpack_qkv",
     "rope_parameters",
-    "require_keys",
     "shard_state_dict",
     "merge_state_dicts",
 ]
