@@ -18,7 +18,8 @@ class ConstantGradScaler:
 
     @property
     def inv_scale(self) -> torch.Tensor:
-        return self._scale.double().reciprocal().float()
+        # Scales are powers of two in practice, so the fp32 reciprocal is exact.
+        return torch.reciprocal(self._scale)
 
     def update(self, found_inf: bool) -> None:
         pass

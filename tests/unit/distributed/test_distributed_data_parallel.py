@@ -127,6 +127,24 @@ def _ddp_body(rank, world_size):
     out["embedding_grad"] = stage.word.main_grad.tolist()
     out["other_grad"] = stage.other.main_grad.tolist()
     out["embedding_buckets"] = len(ddp_pp.param_and_grad_buffers[0].buckets)
+
+    # Expert params (allreduce=False) at ep=2: not reduced (each rank has its own experts),
+    # scaled by 1/dp like the dense ones; the grad norm adds the experts of both ranks.
+    from megatron_smp.optimizer import get_megatron_optimizer
+
+    ep_state = build_parallel_state(ParallelConfig(expert_model_parallel_size=2))
+    moe = torch.nn.Module()
+    moe.dense = torch.nn.Parameter(torch.zeros(3))
+    moe.expert = torch.nn.Parameter(torch.zeros(3))
+    moe.expert.allreduce = False
+    ddp_ep = DistributedDataParallel(moe, OptimizerConfig(), ep_state)
+    moe.dense.main_grad.fill_(rank + 1.0)
+    moe.expert.main_grad.fill_(rank + 1.0)
+    ddp_ep.finish_grad_sync()
+    out["ep_grads"] = (moe.dense.main_grad.tolist(), moe.expert.main_grad.tolist())
+    optimizer = get_megatron_optimizer(OptimizerConfig(clip_grad=0.0), [ddp_ep], ep_state)
+    optimizer._copy_model_grads_to_main_grads()
+    out["ep_grad_norm"] = optimizer.get_grad_norm()
     return out
 
 
@@ -181,3 +199,5 @@ def test_finalize_model_grads_tp_and_embedding(results):
         assert out["embedding_grad"] == [30.0] * 5
         assert out["other_grad"] == [rank + 1.0] * 2
         assert out["embedding_buckets"] == 2  # the tied embedding has its own bucket
+        assert out["ep_grads"] == ([1.5] * 3, [(rank + 1) / 2] * 3)
+        assert out["ep_grad_norm"] == pytest.approx((3 * 1.5**2 + 3 * 0.5**2 + 3 * 1.0**2) ** 0.5)

@@ -172,7 +172,7 @@ def test_bf16_distributed_optimizer_equals_plain_dp(world, request):
             assert max_relative_difference(losses, plain_losses) < 1e-5
             assert relative_error(params, plain_params) < 1e-2
         # bf16 (8-bit mantissa) forward vs the fp32 single process: close.
-        assert max_relative_difference(plain_losses, ref_losses) < 2e-2
+        assert max_relative_difference(plain_losses, ref_losses) < 5e-3  # measured ~1e-3
 
 
 def test_fp16_overflow_skips_step_backs_off_scale_and_tracks_fp32(world2):
@@ -186,8 +186,8 @@ def test_fp16_overflow_skips_step_backs_off_scale_and_tracks_fp32(world2):
         # Hysteresis 2: the first overflow keeps 2^12, the second halves it.
         assert scales[:5] == [2.0**12] * 4 + [2.0**11]
         assert scales[5:] == [2.0**11] * 5
-        assert max_relative_difference(losses, ref_losses) < 1e-2
-        assert relative_error(params, ref_params) < 5e-2
+        assert max_relative_difference(losses, ref_losses) < 2e-3  # measured 2e-4
+        assert relative_error(params, ref_params) < 1e-2  # measured 2.3e-3
 
 
 def test_checkpoint_round_trip_resumes_identically(world2):
