@@ -320,3 +320,6 @@ class CheckpointConfig:
     finetune: bool = False
     ckpt_format: str = "torch_dist"  # "torch_dist" | "torch"
     async_save: bool = False
+    # Megatron's --no-save-rng / --no-save-optim: leave those states out of saved checkpoints.
+    no_save_rng: bool = False
+    no_save_optim: bool = False

@@ -195,11 +195,13 @@ def save_checkpoint(
         path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
         payload = _torch_payload(full_state_dict)
         if async_save:
-            staged = stage_to_cpu(payload)
+            buffers = queue.borrow_staging_buffers()
+            staged = stage_to_cpu(payload, buffers)
             queue.schedule_async_request(
                 AsyncRequest(
                     async_fn=lambda: _torch_save(staged, path),
                     finalize_fns=finalize_fns,
+                    cleanup_fns=[queue.return_staging_buffers] if buffers is not None else [],
                     description=f"asynchronous save of {path}",
                 )
             )

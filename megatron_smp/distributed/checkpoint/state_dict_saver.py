@@ -160,53 +160,58 @@ def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[di
     return _CHECKPOINT_GROUPS[ranks]
 
 
-def _stage_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.detach().clone()
-    # Pinned host memory lets the copy run asynchronously; synchronised in stage_to_cpu.
-    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    staged.copy_(tensor.detach(), non_blocking=True)
-    return staged
-
-
-def stage_to_cpu(value: Any) -> Any:
+def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> Any:
     """A CPU copy of a state dict that training may modify as soon as this returns.
 
-    DTensor and torch ShardedTensor values are staged as `ShardedTensorView`s with the same
-    chunks, which DCP writes in the same format.
+    `buffers` (path -> tensor), when given, supplies reusable destination tensors and receives
+    new ones. DTensor and torch ShardedTensor values are staged as `ShardedTensorView`s with
+    the same chunks, which DCP writes in the same format.
     """
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    needs_sync = []
+    accelerator_copies = []
 
-    def stage(obj):
+    def copy_tensor(tensor: torch.Tensor, path) -> torch.Tensor:
+        tensor = tensor.detach()
+        staged = buffers.get(path) if buffers is not None else None
+        if staged is None or staged.shape != tensor.shape or staged.dtype != tensor.dtype:
+            # Pinned host memory lets an accelerator copy run asynchronously.
+            pin = tensor.device.type == "cuda"
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            if buffers is not None:
+                buffers[path] = staged
+        if tensor.device.type != "cpu":
+            accelerator_copies.append(tensor)
+        staged.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        return staged
+
+    def stage(obj, path):
         if isinstance(obj, dict):
-            return {k: stage(v) for k, v in obj.items()}
+            return {k: stage(v, path + (k,)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(stage(v) for v in obj)
+            return type(obj)(stage(v, path + (i,)) for i, v in enumerate(obj))
         if isinstance(obj, ShardedTensorView):
-            needs_sync.extend(t for t in obj.local_tensors() if t.device.type != "cpu")
-            return obj.map_chunks(_stage_tensor)
+            chunks = [
+                (offsets, copy_tensor(t, path + (i,)))
+                for i, (offsets, t) in enumerate(obj.chunks)
+            ]
+            return ShardedTensorView(chunks, obj.global_shape, obj.dtype, torch.device("cpu"))
         if isinstance(obj, DTensor):
             chunk = obj.__create_chunk_list__()[0]
-            local = obj.to_local()
-            needs_sync.append(local)
-            return make_sharded_tensor(_stage_tensor(local), obj.shape, chunk.offsets)
+            return make_sharded_tensor(copy_tensor(obj.to_local(), path), obj.shape, chunk.offsets)
         if isinstance(obj, ShardedTensor):
             chunks = [
-                (tuple(s.metadata.shard_offsets), _stage_tensor(s.tensor))
-                for s in obj.local_shards()
+                (tuple(s.metadata.shard_offsets), copy_tensor(s.tensor, path + (i,)))
+                for i, s in enumerate(obj.local_shards())
             ]
-            needs_sync.extend(s.tensor for s in obj.local_shards())
             return ShardedTensorView(chunks, obj.size(), obj.dtype, torch.device("cpu"))
         if isinstance(obj, torch.Tensor):
-            needs_sync.append(obj)
-            return _stage_tensor(obj)
+            return copy_tensor(obj, path)
         return copy.deepcopy(obj)
 
-    staged = stage(value)
-    if any(t.device.type == "cuda" for t in needs_sync):
+    staged = stage(value, ())
+    if any(t.device.type == "cuda" for t in accelerator_copies):
         torch.cuda.synchronize()
     return staged
 
@@ -238,7 +243,8 @@ def async_save(
     queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
     what = f"asynchronous save of checkpoint {checkpoint_id or ''}".rstrip()
     writer = _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what)
-    staged = stage_to_cpu(state_dict)
+    buffers = queue.borrow_staging_buffers()
+    staged = stage_to_cpu(state_dict, buffers)
     writer_group = _checkpoint_group(process_group)
     planner = planner or HookedSavePlanner()
 
@@ -249,6 +255,7 @@ def async_save(
         AsyncRequest(
             async_fn=write,
             finalize_fns=list(finalize_fns or []),
+            cleanup_fns=[queue.return_staging_buffers] if buffers is not None else [],
             process_group=process_group,
             description=what,
         )

@@ -131,3 +131,32 @@ def test_sharded_view_rejects_bad_chunks():
     assert view.size() == torch.Size([4, 2]) and "ShardedTensorView" in repr(view)
     with pytest.raises(TypeError, match="only describes"):
         view.sum()
+
+
+def test_sharded_state_dict_uses_tensor_parallel_attributes():
+    import types
+
+    from megatron_smp.distributed.checkpoint import ShardedTensorView, sharded_state_dict
+
+    module = torch.nn.Module()
+    module.column = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2))  # rank 1 of a [8, 2]
+    module.fused = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2))  # [gate; up] stride 2
+    module.norm = torch.nn.Parameter(torch.ones(2))
+    for name, stride in (("column", 1), ("fused", 2)):
+        param = getattr(module, name)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, stride
+    module.register_buffer("step", torch.tensor(3))
+    state = types.SimpleNamespace(tp_size=2, tp_rank=1)
+
+    result = sharded_state_dict(module, state, prefix="model.")
+    assert isinstance(result["model.column"], ShardedTensorView)
+    assert [(o, list(t.shape)) for o, t in result["model.column"].chunks] == [((4, 0), [4, 2])]
+    assert [o for o, _ in result["model.fused"].chunks] == [(2, 0), (6, 0)]
+    assert result["model.fused"].global_shape == torch.Size([8, 2])
+    assert not isinstance(result["model.norm"], ShardedTensorView)
+    # Chunks are views of the parameters: an in-place load writes into the module.
+    result["model.column"].local_tensors()[0].fill_(7.0)
+    result["model.fused"].local_tensors()[1].fill_(-1.0)
+    assert module.column.detach().eq(7.0).all()
+    assert module.fused.detach()[2:].eq(-1.0).all() and module.fused.detach()[:2].ne(-1.0).any()
+    assert int(result["model.step"]) == 3
