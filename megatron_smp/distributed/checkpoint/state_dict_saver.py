@@ -67,7 +67,10 @@ def check_state_dict(state_dict: Dict[str, Any], prefix: str = "") -> None:
         raise CheckpointError(f"a state dict must be a dict, got {type(state_dict).__name__}")
     for key, value in state_dict.items():
         if not isinstance(key, str):
-            raise CheckpointError(f"state dict key {prefix}{key!r} is not a string")
+            raise CheckpointError(
+                f"state dict key {prefix}{key!r} is a {type(key).__name__}; DCP flattens keys "
+                "to dotted strings, so use str keys (e.g. for optimizer state param ids)"
+            )
         if isinstance(value, dict):
             check_state_dict(value, f"{prefix}{key}.")
         else:

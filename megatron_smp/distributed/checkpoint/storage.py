@@ -69,8 +69,13 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if module in _METADATA_MODULES and "." not in name:
+            # Only classes defined there: those modules also hold `os`, `pickle`, functions.
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
         # dtypes, layouts and memory formats pickle as attributes of the torch module.
         if module == "torch" and isinstance(
             getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)

@@ -58,8 +58,8 @@ def _engine(rank, world_size, root):
     saved, saved_tensors = _state_dict(rank, fill=True)
     out["expected"] = _values(saved, saved_tensors)
 
-    # Synchronous round trip.
-    dcp.save(saved, checkpoint_id=sync_path)
+    # Synchronous round trip (rank 1 coordinates: it writes .metadata).
+    dcp.save(saved, checkpoint_id=sync_path, coordinator_rank=1)
     template, tensors = _state_dict(rank, fill=False)
     dcp.load(template, checkpoint_id=sync_path)
     out["sync"] = _values(template, tensors)
@@ -144,3 +144,17 @@ def test_non_plain_values_are_refused_at_save(tmp_path):
 
     with pytest.raises(CheckpointError, match="numpy.ndarray"):
         save({"a": {"b": np.zeros(2)}}, checkpoint_id=str(tmp_path))
+
+
+def test_metadata_unpickler_refuses_code(tmp_path):
+    from megatron_smp.distributed.checkpoint import CheckpointError, read_dcp_metadata
+
+    # pickle protocol 4: GLOBAL "<dcp filesystem module>" "os.system", called with "echo".
+    module = b"torch.distributed.checkpoint.filesystem"
+    evil = (
+        b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x94\x8c\tos.system\x94\x93\x94"
+        b"\x8c\x0aecho PWNED\x94\x85\x94R\x94."
+    )
+    (tmp_path / ".metadata").write_bytes(evil)
+    with pytest.raises(CheckpointError, match="os.system is not allowed"):
+        read_dcp_metadata(str(tmp_path))
