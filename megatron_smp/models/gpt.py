@@ -27,8 +27,8 @@ from megatron_smp.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_tensor_model_parallel_region,
     init_method_normal,
-    scatter_to_sequence_parallel_region,
 )
+from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.random import get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
@@ -63,9 +63,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             config=config,
             tp_group=state.tp_group,
             init_method=init_method,
-            # Reduce-scatter straight into sequence shards unless positions must be added to
-            # the full sequence first.
-            reduce_scatter_embeddings=self.sequence_parallel and not self.add_position_embedding,
+            # With SP: reduce-scatter straight into this rank's sequence shard.
+            reduce_scatter_embeddings=self.sequence_parallel,
             device=device,
         )
         if self.add_position_embedding:
@@ -78,19 +77,24 @@ class LanguageModelEmbedding(torch.nn.Module):
             if self.position_embeddings.weight.device.type != "meta":
                 with torch.no_grad():
                     self.position_embeddings.weight.copy_(table)
+            # With SP each rank adds the positions of its own shard only: the (replicated)
+            # table's grad is partial and must be summed over TP, like a norm weight's.
+            self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids.transpose(0, 1))  # [s(/tp), b, h]
         if self.add_position_embedding:
+            # Positions of this rank's rows: all of them, or its sequence shard with SP.
+            shard = embeddings.shape[0]
+            start = group_rank(self.tp_group) * shard if self.sequence_parallel else 0
             if position_ids is None:
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                positions = torch.arange(start, start + shard, device=input_ids.device)
                 embeddings = embeddings + self.position_embeddings(positions)[:, None, :]
             else:
-                embeddings = embeddings + self.position_embeddings(position_ids.transpose(0, 1))
-            if self.sequence_parallel:
-                embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
+                positions = position_ids.transpose(0, 1)[start : start + shard]
+                embeddings = embeddings + self.position_embeddings(positions)
         if self.training and self.dropout > 0.0:
             if self.sequence_parallel:  # each rank holds a different shard
                 with get_rng_tracker().fork():

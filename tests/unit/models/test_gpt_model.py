@@ -55,7 +55,9 @@ def _step(state, config):
     for param in model.parameters():
         if getattr(param, "sequence_parallel", False):
             dist.all_reduce(param.grad, group=state.tp_group)
-    logits = gather_full_logits(model(ids), state, config.vocab_size)
+    # Explicit, shuffled position ids: each SP rank must pick its own shard's positions.
+    positions = ((torch.arange(SEQ) * 3) % SEQ).expand(BATCH, SEQ)
+    logits = gather_full_logits(model(ids, position_ids=positions), state, config.vocab_size)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     sp_marked = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
