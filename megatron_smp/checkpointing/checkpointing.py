@@ -39,6 +39,7 @@ from megatron_smp.distributed.checkpoint.async_queue import (
     AsyncRequest,
 )
 from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView
+from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
 from megatron_smp.distributed.checkpoint.state_dict_saver import check_state_dict, stage_to_cpu
 from megatron_smp.distributed.checkpoint.storage import CheckpointError, maybe_test_write_delay
 
@@ -324,7 +325,9 @@ def load_checkpoint(
     parallel sizes) is the one that saved them, else left alone with a warning.
     """
     load_dir = os.fspath(load_dir)
-    found = _agreed(lambda: _find_checkpoint(load_dir, iteration), f"finding a checkpoint in {load_dir}")
+    found = _agreed(
+        lambda: _find_checkpoint(load_dir, iteration), f"finding a checkpoint in {load_dir}"
+    )
     if is_distributed():
         # Rank 0's view decides, should a shared file system show ranks different trackers.
         box = [found]
@@ -375,15 +378,12 @@ def _torch_load_into(template: Dict[str, Any], file: str) -> None:
         ) from error
     problems: List[str] = []
     _match_into(template, payload, "", problems, apply=False)
-    if not problems:
-        _match_into(template, payload, "", problems, apply=True)
-        return
     if problems:
-        shown = "; ".join(problems[:20]) + (f" ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise CheckpointError(
-            f"{file} does not match the state dict being loaded: {shown}; was it saved from a "
-            "different model configuration?"
+            f"{file} does not match the state dict being loaded: {format_listing(problems)}; "
+            "was it saved from a different model configuration?"
         )
+    _match_into(template, payload, "", problems, apply=True)
 
 
 def _match_into(
@@ -391,7 +391,8 @@ def _match_into(
 ) -> None:
     """Check (apply=False) or copy (apply=True) `saved` into `template`, in place."""
     if not isinstance(saved, dict):
-        problems.append(f"{prefix or '<root>'}: checkpoint holds {type(saved).__name__}, not a dict")
+        kind = type(saved).__name__
+        problems.append(f"{prefix or '<root>'}: checkpoint holds a {kind}, not a dict")
         return
     for key in saved:
         # As for DCP: top-level entries not being loaded (optimizer, rng_state) are skipped.
@@ -407,12 +408,10 @@ def _match_into(
             _match_into(target, value, name + ".", problems, apply)
         elif isinstance(target, ShardedTensorView):
             locals_ = target.local_tensors()
-            if not isinstance(value, list) or [tuple(t.shape) for t in value] != [
-                tuple(t.shape) for t in locals_
-            ]:
-                shapes = [list(t.shape) for t in value] if isinstance(value, list) else type(value).__name__
+            saved_shapes = _chunk_shapes(value)
+            if saved_shapes != [list(t.shape) for t in locals_]:
                 problems.append(
-                    f"{name}: checkpoint chunks {shapes} vs model chunks "
+                    f"{name}: checkpoint chunks {saved_shapes} vs model chunks "
                     f"{[list(t.shape) for t in locals_]}"
                 )
                 continue
@@ -422,11 +421,22 @@ def _match_into(
                         dst.copy_(src)
         elif isinstance(target, torch.Tensor):
             if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                problems.append(f"{name}: checkpoint shape {shape} vs model shape {list(target.shape)}")
+                shape = (
+                    list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                )
+                problems.append(
+                    f"{name}: checkpoint shape {shape} vs model shape {list(target.shape)}"
+                )
                 continue
             if apply:
                 with torch.no_grad():
                     target.copy_(value)
         elif apply:
             template[key] = value
+
+
+def _chunk_shapes(value: Any) -> Any:
+    """Shapes of a "torch"-format ShardedTensorView entry (a list of tensors), else its type."""
+    if isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value):
+        return [list(t.shape) for t in value]
+    return type(value).__name__

@@ -105,7 +105,9 @@ class AsyncCallsQueue:
             try:
                 if failed_ranks:
                     error = request.future.exception()
-                    detail = f"{type(error).__name__}: {error}" if error else "see those ranks' logs"
+                    detail = (
+                        f"{type(error).__name__}: {error}" if error else "see those ranks' logs"
+                    )
                     raise CheckpointError(
                         f"{request.description} (call {request.call_idx}) failed on rank(s) "
                         f"{failed_ranks}: {detail}; the previous checkpoint stays current"

@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from megatron_smp.distributed.checkpoint.agreement import (
@@ -33,7 +37,8 @@ def _top_level(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def _listing(items: List[str]) -> str:
+def format_listing(items: List[str]) -> str:
+    """Comma-separated, at most 20 entries (error messages stay readable)."""
     shown = items[:_MAX_LISTED]
     more = f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return ", ".join(shown) + more
@@ -91,7 +96,9 @@ def check_keys_against_checkpoint(
             mismatched[line].append(rank)
     loaded_tops = {_top_level(k) for k in requested}
     unexpected = sorted(
-        k for k in metadata.state_dict_metadata if _top_level(k) in loaded_tops and k not in requested
+        key
+        for key in metadata.state_dict_metadata
+        if _top_level(key) in loaded_tops and key not in requested
     )
     if not (missing or mismatched or unexpected):
         return
@@ -99,15 +106,15 @@ def check_keys_against_checkpoint(
     if missing:
         parts.append(
             "missing from the checkpoint: "
-            + _listing([f"{k} (ranks {r})" for k, r in sorted(missing.items())])
+            + format_listing([f"{k} (ranks {r})" for k, r in sorted(missing.items())])
         )
     if mismatched:
         parts.append(
             "different shape or type: "
-            + _listing([f"{line} (ranks {r})" for line, r in sorted(mismatched.items())])
+            + format_listing([f"{line} (ranks {r})" for line, r in sorted(mismatched.items())])
         )
     if unexpected:
-        parts.append("in the checkpoint but loaded by no rank: " + _listing(unexpected))
+        parts.append("in the checkpoint but loaded by no rank: " + format_listing(unexpected))
     parts.append("was it saved from a different model configuration?")
     raise CheckpointError("; ".join(parts))
 

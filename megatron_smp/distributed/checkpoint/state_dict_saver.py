@@ -22,7 +22,11 @@ from megatron_smp.distributed.checkpoint.agreement import (
     is_distributed,
     raise_if_any_rank_failed,
 )
-from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue, AsyncRequest
+from megatron_smp.distributed.checkpoint.async_queue import (
+    DEFAULT_ASYNC_QUEUE,
+    AsyncCallsQueue,
+    AsyncRequest,
+)
 from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView, make_sharded_tensor
 from megatron_smp.distributed.checkpoint.storage import (
     CheckpointError,
@@ -54,7 +58,7 @@ def _check_strategy(sharded_strategy) -> None:
     # SMP's default strategy is DCP itself; Megatron spells it ("torch_dist", version).
     if sharded_strategy is None:
         return
-    if isinstance(sharded_strategy, tuple) and sharded_strategy and sharded_strategy[0] == "torch_dist":
+    if isinstance(sharded_strategy, tuple) and sharded_strategy[:1] == ("torch_dist",):
         return
     raise NotImplementedError(
         f"sharded_strategy {sharded_strategy!r} is not supported; use None or ('torch_dist', 1)"
@@ -123,7 +127,9 @@ def save(
     """
     reject_s3(s3_region, s3client_config)
     what = f"saving checkpoint {checkpoint_id or ''}".rstrip()
-    writer = _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what)
+    writer = _prepare(
+        state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what
+    )
     _run_dcp_save(
         state_dict, writer, planner or HookedSavePlanner(), process_group, coordinator_rank, what
     )
@@ -145,7 +151,7 @@ def _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_erro
 
 # -- asynchronous save ------------------------------------------------------------------------
 
-_CHECKPOINT_GROUPS: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+_CHECKPOINT_GROUPS: Dict[Tuple[int, Tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -156,11 +162,13 @@ def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[di
     if not is_distributed():
         return None
     ranks = tuple(global_ranks(process_group))
-    if ranks not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[ranks] = dist.new_group(
+    # Keyed by the default group too: a re-initialised job must not reuse dead groups.
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[key] = dist.new_group(
             list(ranks), backend="gloo", use_local_synchronization=True
         )
-    return _CHECKPOINT_GROUPS[ranks]
+    return _CHECKPOINT_GROUPS[key]
 
 
 def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> Any:
@@ -245,7 +253,9 @@ def async_save(
     _check_strategy(sharded_strategy)
     queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
     what = f"asynchronous save of checkpoint {checkpoint_id or ''}".rstrip()
-    writer = _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what)
+    writer = _prepare(
+        state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what
+    )
     buffers = queue.borrow_staging_buffers()
     staged = stage_to_cpu(state_dict, buffers)
     writer_group = _checkpoint_group(process_group)
