@@ -1,6 +1,15 @@
 """Training-facing checkpoints (iteration directories, tracker file, RNG states).
 
-The engine underneath is `megatron_smp.distributed.checkpoint` (DCP with resharding).
+The engine underneath is `megatron_smp.distributed.checkpoint` (DCP with resharding). In a
+training loop:
+
+    state_dict = {"model": sharded_state_dict(model, state), "optimizer": ..., "args": {...}}
+    save_checkpoint(iteration, state_dict, cfg.save, state, async_save=cfg.async_save,
+                    config=all_configs, ckpt_format=cfg.ckpt_format, save_rng=not cfg.no_save_rng)
+    maybe_finalize_async_calls(blocking=False)   # every iteration, on every rank (collective)
+    maybe_finalize_async_calls(blocking=True)    # before exit / destroy_process_group: an
+                                                 # unfinalised save is written but never current
+    iteration = load_checkpoint(state_dict, cfg.load, state, load_rng=not cfg.no_load_rng)
 """
 from megatron_smp.checkpointing.checkpointing import (
     CHECKPOINT_FORMATS,

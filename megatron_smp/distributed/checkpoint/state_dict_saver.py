@@ -117,8 +117,9 @@ def save(
 ) -> None:
     """Save `state_dict` synchronously into `checkpoint_id` (a directory); collective.
 
-    Each rank writes its own tensors and shards (`ShardedTensorView`, DTensor, ShardedTensor);
-    plain tensors and plain data equal on several ranks are written once.
+    Each rank writes its own tensors and shards (`ShardedTensorView`, DTensor, ShardedTensor).
+    A plain tensor or value under the same key on several ranks is taken as replicated and
+    written by one of them: keep per-rank data under per-rank keys or in a ShardedTensorView.
     `wait_error_handling`: a local problem found before writing (e.g. a non-plain value) is
     agreed on by all ranks and raised everywhere; with False it is raised on the rank that found
     it only. `force_check_all_plans`: this engine caches no plans, so every save gathers and
