@@ -184,7 +184,9 @@ def deallocate_output_tensor(output_tensor: Optional[torch.Tensor]) -> None:
     output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
 
 
-def backward_output_tensor(output_tensor: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:
+def backward_output_tensor(
+    output_tensor: torch.Tensor, grad_output: Optional[torch.Tensor]
+) -> None:
     """`torch.autograd.backward(output_tensor, grad_output)` that tolerates a freed output.
 
     The autograd engine itself only needs the grad's shape to match the graph's recorded

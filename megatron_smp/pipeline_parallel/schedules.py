@@ -127,13 +127,21 @@ def _stage_spec(module: torch.nn.Module):
 class _GradSync:
     """Defers DP grad reduction until the last microbatch's backward of each chunk.
 
-    `hooks.no_sync_func` is either one context manager factory for all chunks (then the
-    reduction is released before the step's final backward) or a list with one per chunk
-    (then each chunk's reduction starts during its own last backward).
+    `hooks.no_sync_func` is either one context manager factory for all chunks or a list with
+    one per chunk; then each chunk's reduction starts during its own last backward. One
+    factory cannot release one chunk at a time (and with --overlap-grad-reduce a chunk whose
+    last backward ran under it would never launch its buckets), so with several chunks the
+    chunks' own `no_sync()` (DDP's) are used when they have one, as Megatron's loop passes
+    one per chunk; otherwise the single context is released before the final backward.
     """
 
-    def __init__(self, hooks: ScheduleHooks, num_chunks: int, forward_only: bool):
+    def __init__(self, hooks: ScheduleHooks, chunks: Sequence[torch.nn.Module],
+                 forward_only: bool):
+        num_chunks = len(chunks)
         func = None if forward_only else hooks.no_sync_func
+        if (func is not None and not isinstance(func, (list, tuple)) and num_chunks > 1
+                and all(hasattr(chunk, "no_sync") for chunk in chunks)):
+            func = [chunk.no_sync for chunk in chunks]
         self.per_chunk = isinstance(func, (list, tuple))
         factories = list(func) if self.per_chunk else [func] if func is not None else []
         self.contexts = [factory() for factory in factories]
@@ -274,7 +282,7 @@ def _setup(forward_step_func, data_iterator, model, num_microbatches, seq_length
                           chunks, num_microbatches, forward_only, hooks, state, timeline)
     communicator = PipelineCommunicator(state, tuple(tensor_shape), dtype, timeline,
                                         requires_grad=not forward_only)
-    return runner, communicator, _GradSync(hooks, len(chunks), forward_only)
+    return runner, communicator, _GradSync(hooks, chunks, forward_only)
 
 
 def _single_chunk(model, name: str) -> None:

@@ -1,8 +1,4 @@
 """Whole training runs with pipeline parallelism follow the single-process trajectory."""
-import glob
-import json
-import os
-
 import pytest
 
 from megatron_smp.testing import run_distributed
@@ -13,11 +9,14 @@ PIPELINE = ["--num-layers", "4"]
 
 LAYOUTS = {
     "pp2_simple": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule simple"),
-    "pp2_1f1b": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule interleaved"),
-    "pp2_virtual2": (2, "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2"),
+    "pp2_1f1b_overlap": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule interleaved "
+                            "--overlap-grad-reduce"),
+    "pp2_virtual2_overlap": (2, "--pipeline-model-parallel-size 2 "
+                                "--virtual-pipeline-model-parallel-size 2 --overlap-grad-reduce"),
     "pp4_simple": (4, "--pipeline-model-parallel-size 4 --pipeline-schedule simple"),
     "pp4_1f1b": (4, "--pipeline-model-parallel-size 4"),
-    "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"),
+    "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 "
+                        "--num-layers-per-virtual-pipeline-stage 1"),
     "pp2_uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
     "tp2_sp_pp2_dp2_distopt": (8, "--tensor-model-parallel-size 2 --sequence-parallel "
                                   "--pipeline-model-parallel-size 2 --use-distributed-optimizer"),

@@ -148,8 +148,8 @@ def _torch_step_func(state, chunks, batches, schedule_name, virtual, opts):
             group=state.pp_group))
 
     def loss_fn(logits, target):
-        return F.cross_entropy(logits[..., : config.vocab_size].float().reshape(-1, config.vocab_size),
-                               target.reshape(-1))
+        logits = logits[..., : config.vocab_size].float()
+        return F.cross_entropy(logits.reshape(-1, config.vocab_size), target.reshape(-1))
 
     schedule_class = getattr(pipelining, schedule_name)
     schedule = schedule_class(stages if virtual > 1 else stages[0], n_microbatches=len(batches),
@@ -168,7 +168,6 @@ def _torch_step_func(state, chunks, batches, schedule_name, virtual, opts):
 
 
 def _body(rank, world_size, opts):
-    import torch
     import torch.distributed as dist
 
     from megatron_smp.config import ParallelConfig
@@ -178,7 +177,7 @@ def _body(rank, world_size, opts):
     state = build_parallel_state(ParallelConfig(pipeline_model_parallel_size=world_size))
     config = _model_config(opts)
     batches = _batches(opts)
-    results = {}
+    runs = {}
     for name, (framework, schedule, virtual) in RUNS.items():
         if opts["only"] and opts["only"] not in name:
             continue
@@ -191,8 +190,13 @@ def _body(rank, world_size, opts):
             step = _smp_step_func(state, chunks, batches, schedule, virtual, timeline)
         else:
             step = _torch_step_func(state, chunks, batches, schedule, virtual, opts)
-        times, first_losses = [], None
-        for iteration in range(opts["warmup"] + opts["steps"]):
+        runs[name] = (chunks, step, timeline, virtual)
+
+    # Round robin over the schedules, so the load of a shared machine hits them alike.
+    times = {name: [] for name in runs}
+    first_losses = {}
+    for iteration in range(opts["warmup"] + opts["steps"]):
+        for name, (chunks, step, _, _) in runs.items():
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             dist.barrier()
@@ -200,16 +204,16 @@ def _body(rank, world_size, opts):
             losses = step()
             dist.barrier()
             if iteration >= opts["warmup"]:
-                times.append(time.perf_counter() - start)
-            if first_losses is None:
-                first_losses = losses
+                times[name].append(time.perf_counter() - start)
+            first_losses.setdefault(name, losses)
+    results = {}
+    for name, (_, _, timeline, virtual) in runs.items():
         results[name] = {
-            "step_ms": statistics.median(times) * 1e3,
-            "first_losses": first_losses,
+            "step_ms": statistics.median(times[name]) * 1e3,
+            "first_losses": first_losses[name],
             "virtual": virtual,
             "events": timeline.events if timeline is not None else None,
         }
-        del chunks
     return results
 
 
@@ -217,12 +221,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    # Eight layers and a small vocabulary keep the end stages (embedding, output layer and
+    # loss) close to the others: the bubble formula assumes equal stages.
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--trace", default=None, help="directory for the per-rank Chrome traces")

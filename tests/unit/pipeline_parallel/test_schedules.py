@@ -6,7 +6,6 @@ this machine); the tests then assert on its results.
 import collections
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -50,7 +49,7 @@ class _Saved:
         self.tracker.live[self.tag] -= 1
 
 
-def _run_schedule(state, name, num_microbatches, timeline=None):
+def _run_schedule(state, name, num_microbatches, timeline=None, forward_only=False):
     from megatron_smp.distributed import allreduce_embedding_grads
     from megatron_smp.pipeline_parallel.schedules import ScheduleHooks, get_forward_backward_func
     from megatron_smp.pipeline_parallel.stages import pipeline_layer_layout
@@ -71,9 +70,10 @@ def _run_schedule(state, name, num_microbatches, timeline=None):
             forward_step_func=tracker.forward_step(itertools.count()),
             data_iterator=iter(microbatches(num_microbatches)), model=chunks,
             num_microbatches=num_microbatches, hooks=hooks, state=state,
+            forward_only=forward_only,
             tensor_shape=(SEQ, MICRO_BATCH, HIDDEN), dtype=torch.float32, timeline=timeline)
     grads = {}
-    for chunk, (offset, _) in zip(chunks, layout[state.pp_rank]):
+    for chunk, (offset, _) in zip(chunks, layout[state.pp_rank] if not forward_only else []):
         # numpy: torch tensors would cross the result queue as shared memory of a dead child
         grads.update({k: v.numpy() for k, v in named_grads(chunk, offset).items()})
     losses = [float(r["loss"]) for r in reports]
@@ -90,6 +90,7 @@ def _body(rank, world_size, num_microbatches, trace_path):
     for name in SCHEDULES:
         timeline = PipelineTimeline(trace_path, rank) if name == "1f1b" and trace_path else None
         results[name] = _run_schedule(state, name, num_microbatches, timeline)
+        results[f"{name}_eval"] = _run_schedule(state, name, num_microbatches, forward_only=True)
     # Edge counts: the virtual schedule with m == pp is all warm-up; 1F1B and GPipe take any m.
     results["virtual_m_eq_pp"] = _run_schedule(state, "virtual", world_size)
     results["1f1b_odd_m"] = _run_schedule(state, "1f1b", world_size + 1)
@@ -127,9 +128,20 @@ def test_schedule_matches_single_process(pp, name, tmp_path_factory):
         for key, grad in rank_results[name]["grads"].items():
             # Both copies of the tied embedding hold the full grad after the all-reduce.
             expected = ref_grads["embed" if key == "output" else key]
-            torch.testing.assert_close(torch.from_numpy(grad), expected, rtol=1e-5, atol=1e-6, msg=f"{key} {rank}")
+            torch.testing.assert_close(torch.from_numpy(grad), expected, rtol=1e-5, atol=1e-6,
+                                       msg=f"{key} {rank}")
             seen.add(key)
     assert seen >= set(ref_grads) | {"output"}  # every layer was somewhere
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_forward_only_gives_the_losses_and_keeps_nothing(pp, name, tmp_path_factory):
+    results, num_microbatches, _ = results_for(pp, tmp_path_factory)
+    ref_losses, _ = reference(NUM_LAYERS, num_microbatches)
+    assert results[-1][f"{name}_eval"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    for rank_results in results:
+        assert rank_results[f"{name}_eval"]["peak_live"] == 0  # no graph under no_grad
 
 
 @pytest.mark.parametrize("case", ["virtual_m_eq_pp", "1f1b_odd_m", "simple_odd_m"])
@@ -177,7 +189,8 @@ def test_timeline_is_a_chrome_trace_with_every_span(tmp_path_factory):
             [f"F{i}" for i in range(num_microbatches)] + [f"B{i}" for i in range(num_microbatches)]
         )
         assert any(e.get("cat") == "comm" for e in events)
-        assert max(e["args"]["microbatches in flight"] for e in events if e["ph"] == "C") == 2 - rank
+        in_flight = [e["args"]["microbatches in flight"] for e in events if e["ph"] == "C"]
+        assert max(in_flight) == 2 - rank
     assert 0.0 < bubble_fraction(traces, step=0) < 1.0
 
 
