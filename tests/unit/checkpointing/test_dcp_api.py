@@ -83,6 +83,25 @@ def _engine(rank, world_size, root):
     dcp.load(template, checkpoint_id=async_path)
     out["async"] = _values(template, tensors)
 
+    # A DTensor (uneven Shard(0) on a 1-D mesh) is staged and saved asynchronously, then
+    # loaded back as a ShardedTensorView with the same chunk.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = torch.arange(15.0).reshape(5, 3)
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = full.chunk(world_size)[rank].clone()
+    dtensor = DTensor.from_local(local, mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+    dtensor_path = os.path.join(root, "dtensor")
+    dcp.async_save({"w": dtensor}, checkpoint_id=dtensor_path)
+    local.zero_()
+    dcp.maybe_finalize_async_calls(blocking=True)
+    target = torch.zeros_like(local)
+    offset = 3 * rank  # torch.chunk of 5 rows: 3 + 2
+    view = dcp.make_sharded_tensor(target, full.shape, (offset, 0))
+    dcp.load({"w": view}, checkpoint_id=dtensor_path)
+    out["dtensor"] = target.tolist() == full.chunk(world_size)[rank].tolist()
+
     # Key and shape mismatches are reported on every rank, naming the keys.
     template, _ = _state_dict(rank, fill=False)
     del template["model"]["bias"]
@@ -120,6 +139,7 @@ def test_save_load_async_and_errors(tmp_path):
         assert out["async_return_s"] < 0.2 and not out["metadata_before_finalize"]
         assert out["nonblocking"] == [] and out["finalized_before"] == []
         assert out["blocking"] == [0] and out["finalized_after"] == [1]
+        assert out["dtensor"]
 
         assert "missing from the checkpoint: model.extra" in out["keys_error"]
         assert "loaded by no rank: model.bias" in out["keys_error"]
