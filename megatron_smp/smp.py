@@ -82,9 +82,13 @@ def _read_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[
         except FileNotFoundError:
             raise ConfigError(f"smp.init: config file {str(config)!r} does not exist") from None
         except json.JSONDecodeError as error:
-            raise ConfigError(f"smp.init: config file {str(config)!r} is not JSON: {error}") from None
+            raise ConfigError(
+                f"smp.init: config file {str(config)!r} is not JSON: {error}"
+            ) from None
     if not isinstance(config, dict):
-        raise ConfigError(f"smp.init: config must be a dict or a JSON file path, got {type(config)}")
+        raise ConfigError(
+            f"smp.init: config must be a dict or a JSON file path, got {type(config)}"
+        )
     return dict(config)
 
 
@@ -300,7 +304,9 @@ def transform(
     from megatron_smp.models.sharding import shard_state_dict
 
     if cp_comm_type not in ("p2p", "all_gather"):
-        raise ConfigError(f"transform: cp_comm_type must be 'p2p' or 'all_gather', got {cp_comm_type!r}")
+        raise ConfigError(
+            f"transform: cp_comm_type must be 'p2p' or 'all_gather', got {cp_comm_type!r}"
+        )
     if not _initialized:
         init()
     parallel_state = state.parallel_state

@@ -255,7 +255,8 @@ class SelfAttention(torch.nn.Module):
         else:
             context = core_attention(query, key, value, attention_mask, True, 0.0, None, bias)
         # [b, n, s, d] -> [s, b, n * d]
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
+        width = self.num_heads_per_partition * self.head_dim
+        return context.permute(2, 0, 1, 3).reshape(s, b, width)
 
     def forward(
         self,

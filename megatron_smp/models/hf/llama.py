@@ -70,7 +70,9 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
             and config.normalization == "RMSNorm" and config.position_embedding_type == "rope"
             and config.rotary_percent == 1.0 and not config.add_bias_linear
             and not config.add_qkv_bias):
-        raise ConfigError("this config is not a Llama/Mistral (SwiGLU, RMSNorm, full RoPE, no bias)")
+        raise ConfigError(
+            "this config is not a Llama/Mistral (SwiGLU, RMSNorm, full RoPE, no biases)"
+        )
     kwargs = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,

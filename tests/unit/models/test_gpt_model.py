@@ -31,8 +31,8 @@ CONFIGS = {
     "llama": lambda **kw: llama_config(2, 64, 4, VOCAB, max_position_embeddings=SEQ,
                                        num_query_groups=2, ffn_hidden_size=96, **kw),
     "neox": lambda **kw: gpt_config(position_embedding_type="rope", rotary_percent=0.5,
-                                    parallel_residual=True, untie_embeddings_and_output_weights=True,
-                                    **kw),
+                                    parallel_residual=True,
+                                    untie_embeddings_and_output_weights=True, **kw),
     "alibi": lambda **kw: gpt_config(position_embedding_type="alibi", num_attention_heads=8,
                                      num_query_groups=4, **kw),
 }
@@ -60,7 +60,9 @@ def _step(state, config):
     logits = gather_full_logits(model(ids, position_ids=positions), state, config.vocab_size)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    sp_marked = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+    sp_marked = sorted(
+        n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)
+    )
     return loss.detach(), logits.detach(), weights, grads, sp_marked, tensor_parallel_layout(model)
 
 
