@@ -10,7 +10,7 @@ waits for them (or, without overlap, runs them all then).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -119,9 +119,12 @@ class DistributedDataParallel(torch.nn.Module):
         if self._forward_pre_hook_handles:
             return
         for submodule in self.module.modules():
-            own = [p for p in submodule.parameters(recurse=False) if p in self.param_to_bucket]
-            if own:
-                buckets = list({id(self.param_to_bucket[p]): self.param_to_bucket[p] for p in own}.values())
+            buckets = []
+            for param in submodule.parameters(recurse=False):
+                bucket = self.param_to_bucket.get(param)
+                if bucket is not None and all(bucket is not b for b in buckets):
+                    buckets.append(bucket)
+            if buckets:
                 self._forward_pre_hook_handles.append(
                     submodule.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
                 )

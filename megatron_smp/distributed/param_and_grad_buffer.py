@@ -253,17 +253,21 @@ class ParamAndGradBuffer:
             offset = bucket_start + pad_to_multiple(
                 unpadded_end - bucket_start, self.data_parallel_world_size
             )
-            bucket_specs.append((ordered[start_param:end_param], bucket_start, unpadded_end, offset))
+            bucket_params = ordered[start_param:end_param]
+            bucket_specs.append((bucket_params, bucket_start, unpadded_end, offset))
             start_param = end_param
         self.numel = offset
         self.numel_unpadded = sum(p.numel() for p in ordered)
 
+        # Params move into the buffer (freeing their old storage) before the grad buffer is
+        # allocated, so construction peaks at two copies of the params, not three.
         self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         for param, (start, end, _) in self.param_index_map.items():
             view = self.param_data[start:end].view(param.shape)
             view.copy_(param.data)
             param.data = view
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        for param, (start, end, _) in self.param_index_map.items():
             param.main_grad = self.grad_data[start:end].view(param.shape)
 
         self.buckets: List[Bucket] = []

@@ -89,7 +89,8 @@ def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Call
                     return FusedAdam(groups, adam_w_mode=True, **kwargs)
                 except ImportError:
                     pass
-            return torch.optim.AdamW(groups, **kwargs, **({"fused": True} if fused else {"foreach": True}))
+            implementation = {"fused": True} if fused else {"foreach": True}
+            return torch.optim.AdamW(groups, **kwargs, **implementation)
         kwargs = dict(lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
         if fused:
             try:

@@ -95,7 +95,9 @@ class DistributedOptimizer(MegatronOptimizer):
             main_groups.append({**orig, "params": [*fp32_shards, *main_shards]})
         super().__init__(optimizer_factory(main_groups), config, state, model_chunks, grad_scaler)
         for index in range(len(self.opt_group_ranges)):
-            self.param_pairs += list(zip(self.model_fp32_groups[index], self.shard_fp32_groups[index]))
+            self.param_pairs += list(
+                zip(self.model_fp32_groups[index], self.shard_fp32_groups[index])
+            )
             self.param_pairs += list(
                 zip(self.model_float16_groups[index], self.shard_fp32_from_float16_groups[index])
             )
@@ -133,7 +135,9 @@ class DistributedOptimizer(MegatronOptimizer):
         world_size = buffer.data_parallel_world_size
         bucket_size = bucket.grad_data.numel()
         if bucket_size % world_size:
-            raise RuntimeError(f"bucket {bucket_index} ({bucket_size}) not padded to dp={world_size}")
+            raise RuntimeError(
+                f"bucket {bucket_index} ({bucket_size}) is not padded to dp={world_size}"
+            )
         max_range_size = bucket_size // world_size
         world_all = [
             Range(bucket.offset + r * max_range_size, bucket.offset + (r + 1) * max_range_size)
@@ -216,7 +220,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 param_range = model_gbuf_ranges[gbuf_index][bucket_index]["param_map"][
                     model_param
                 ]["param"]
-                shard_model_param = model_param.detach().view(-1)[param_range.start : param_range.end]
+                flat = model_param.detach().view(-1)
+                shard_model_param = flat[param_range.start : param_range.end]
                 if model_param.dtype in HALF_DTYPES:
                     model_float16.append(model_param)
                     shard_float16.append(shard_model_param)
@@ -250,7 +255,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def _copy_model_grads_to_main_grads(self) -> None:
         """Point each main shard's .grad at its piece of the reduce-scattered grad buffer
         (an alias for fp32 grads, an fp32 copy otherwise)."""
-        for (model_param, main_param), param_range in zip(self.param_pairs, self._pair_param_ranges):
+        pairs = zip(self.param_pairs, self._pair_param_ranges)
+        for (model_param, main_param), param_range in pairs:
             shard_grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
             main_param.grad = shard_grad.float()
 
@@ -275,7 +281,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # Checkpoints --------------------------------------------------------------------------------
     def _layout(self) -> List[List[Tuple[int, int]]]:
-        return [[(r["world"].start, r["world"].end) for r in ranges] for ranges in self.model_gbuf_ranges]
+        return [
+            [(r["world"].start, r["world"].end) for r in ranges]
+            for ranges in self.model_gbuf_ranges
+        ]
 
     def state_dict(self) -> dict:
         """This rank's shard: inner optimizer state, fp32 main shards, and the shard layout

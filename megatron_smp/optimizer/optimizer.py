@@ -138,7 +138,10 @@ class MegatronOptimizer:
         # issued when they do, so all ranks agree.
         if any(is_expert_param(p) for p, _ in self.param_pairs):
             expert_total = grad_norm_power(expert, norm_type, expert_groups)
-            total = torch.maximum(total, expert_total) if norm_type == math.inf else total + expert_total
+            if norm_type == math.inf:
+                total = torch.maximum(total, expert_total)
+            else:
+                total = total + expert_total
         if norm_type == math.inf:
             return total.item()
         return total.item() ** (1.0 / norm_type)

@@ -6,7 +6,6 @@ buffers need padding and params straddle shard boundaries.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist

@@ -62,9 +62,9 @@ def _tp_grad_norm(rank):
     ddp = DistributedDataParallel(layer, OptimizerConfig(**DIST), state)
     optimizer = get_megatron_optimizer(OptimizerConfig(**DIST, clip_grad=0.0), [ddp], state)
     layer.split.main_grad.fill_(rank + 1.0)  # full split grad: [1]*4 + [2]*4
-    layer.replicated.main_grad.fill_(2.0)
+    layer.replicated.main_grad.copy_(torch.tensor([0.0, 2.0, 2.0]))
     optimizer._copy_model_grads_to_main_grads()
-    return optimizer.get_grad_norm()
+    return optimizer.get_grad_norm(), optimizer.count_zeros()
 
 
 def _fp16_overflow(state):
@@ -198,10 +198,12 @@ def test_checkpoint_round_trip_resumes_identically(world2):
         assert resumed_params == params
 
 
-def test_grad_norm_counts_tp_replicated_params_once(world2):
-    expected = (4 * 1.0 + 4 * 4.0 + 3 * 4.0) ** 0.5
+def test_grad_norm_and_zero_count_count_tp_replicated_params_once(world2):
+    expected = (4 * 1.0 + 4 * 4.0 + 2 * 4.0) ** 0.5
     for out in world2:
-        assert out["tp_grad_norm"] == pytest.approx(expected, rel=1e-6)
+        grad_norm, num_zeros = out["tp_grad_norm"]
+        assert grad_norm == pytest.approx(expected, rel=1e-6)
+        assert num_zeros == 1
 
 
 def _bytes_per_param(measured, count):
