@@ -1,4 +1,6 @@
 """Whole training runs with pipeline parallelism follow the single-process trajectory."""
+import json
+
 import pytest
 
 from megatron_smp.testing import run_distributed
@@ -34,15 +36,23 @@ def _reference():
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_layout_matches_single_process(layout):
+def test_pipeline_layout_matches_single_process(layout, tmp_path):
     world_size, flags = LAYOUTS[layout]
+    flags = flags.split()
+    trace = str(tmp_path / "timeline.json")
+    if layout == "pp2_uneven":
+        flags += ["--pipeline-timeline", trace]
     reference = _reference()
-    results = run_distributed(
-        _train, world_size, args=(COMMON + PIPELINE + flags.split(),), timeout=300
-    )
+    results = run_distributed(_train, world_size, args=(COMMON + PIPELINE + flags,), timeout=300)
     assert len(reference) == 10 and reference[-1] < reference[0]
     for losses in results:  # every rank reports the last stage's losses
         assert losses == pytest.approx(reference, rel=1e-4), (layout, losses, reference)
+    if layout == "pp2_uneven":
+        for rank in range(world_size):
+            with open(str(tmp_path / f"timeline.rank{rank}.json")) as handle:
+                events = json.load(handle)["traceEvents"]
+            # 10 iterations x 4 microbatches, each a forward and a backward span
+            assert len([e for e in events if e.get("cat") == "compute"]) == 10 * 4 * 2
 
 
 BAD_LAYOUTS = {
