@@ -95,7 +95,8 @@ def _body(rank, world_size, root, total_mb, num_tensors, repeats, train_seconds)
         start = time.perf_counter()
         dcp.load(template, checkpoint_id=path)
         record["load_s"] = time.perf_counter() - start
-        assert all(torch.equal(template[k].local_tensors()[0], t) for k, t in zip(state_dict, tensors))
+        for key, tensor in zip(state_dict, tensors):
+            assert torch.equal(template[key].local_tensors()[0], tensor), key
         records.append(record)
         if rank == 0:
             shutil.rmtree(os.path.join(root, f"sync{repeat}"), ignore_errors=True)
@@ -140,21 +141,26 @@ def main() -> None:
     summary["per_repeat_blocked_s"] = [
         max(r["records"][i]["async_blocked_s"] for r in results) for i in range(args.repeats)
     ]
-    steps = [r["records"][i]["train_steps_during_async"] for r in results for i in range(args.repeats)]
+    steps = [rec["train_steps_during_async"] for r in results for rec in r["records"]]
     rate = statistics.median(r["baseline_steps"] for r in results) / args.train_seconds
     summary["train_step_rate_alone_per_s"] = rate
-    summary["train_step_rate_during_async_per_s"] = statistics.median(steps) / summary["async_total_s"]
+    summary["train_step_rate_during_async_per_s"] = (
+        statistics.median(steps) / summary["async_total_s"]
+    )
     if args.json:
         print(json.dumps(summary, indent=1))
         return
     print(f"checkpoint of {total_mb:.0f} MB over {args.world_size} ranks "
           f"(median of {args.repeats}, max over ranks)")
-    print(f"  sync save        {summary['sync_s'] * 1e3:8.0f} ms   {summary['sync_save_mb_s']:7.0f} MB/s")
+    print(f"  sync save        {summary['sync_s'] * 1e3:8.0f} ms   "
+          f"{summary['sync_save_mb_s']:7.0f} MB/s")
     print(f"  async blocked    {summary['async_blocked_s'] * 1e3:8.0f} ms   "
           f"= {100 * summary['blocked_fraction']:.1f}% of sync")
     print(f"  (memcpy floor    {summary['memcpy_s'] * 1e3:8.0f} ms: one copy into warm CPU memory)")
-    print(f"  async complete   {summary['async_total_s'] * 1e3:8.0f} ms   {summary['async_save_mb_s']:7.0f} MB/s")
-    print(f"  load             {summary['load_s'] * 1e3:8.0f} ms   {summary['load_mb_s']:7.0f} MB/s")
+    print(f"  async complete   {summary['async_total_s'] * 1e3:8.0f} ms   "
+          f"{summary['async_save_mb_s']:7.0f} MB/s")
+    print(f"  load             {summary['load_s'] * 1e3:8.0f} ms   "
+          f"{summary['load_mb_s']:7.0f} MB/s")
     print("  blocked per repeat (the first one allocates the staging buffers): "
           + ", ".join(f"{t * 1e3:.0f} ms" for t in summary["per_repeat_blocked_s"]))
     print(f"  matmul steps/s alone {rate:.0f}, while the async write runs "

@@ -21,12 +21,21 @@ def _state_dict(tp_rank, tp_size, scale):
 
     weight = (torch.arange(8.0).reshape(4, 2) * scale).chunk(tp_size)[tp_rank].clone()
     bias = torch.full((3,), float(scale))
+    if tp_size > 1:
+        weight_entry = tp_sharded_tensor(weight, tp_rank, tp_size, partition_dim=0)
+    else:
+        weight_entry = weight
     state_dict = {
-        "model": {"weight": tp_sharded_tensor(weight, tp_rank, tp_size, 0) if tp_size > 1 else weight,
-                  "bias": bias},
+        "model": {"weight": weight_entry, "bias": bias},
         "args": dict(PAYLOAD) if scale else {k: None for k in PAYLOAD},
     }
     return state_dict, {"weight": weight, "bias": bias}
+
+
+def _lists(tensors):
+    # Lists, not tensors, cross the result queue (tensors would use shared memory that dies
+    # with the child).
+    return {k: v.tolist() for k, v in tensors.items()}
 
 
 def _draws():
@@ -53,18 +62,22 @@ def _training(rank, world_size, save_dir):
     for iteration, fmt in ((1, "torch_dist"), (3, "torch")):
         # Synchronous save, then the draws a resumed run must reproduce bit-exactly.
         state_dict, _ = _state_dict(rank, 2, scale=iteration)
-        save_checkpoint(iteration, state_dict, save_dir, state, config=ParallelConfig(), ckpt_format=fmt)
+        save_checkpoint(
+            iteration, state_dict, save_dir, state, config=ParallelConfig(), ckpt_format=fmt
+        )
         out[f"tracker_{iteration}"] = read_tracker(save_dir)
         after_save = _draws()
         _draws()  # training goes on
         template, tensors = _state_dict(rank, 2, scale=0)
         out[f"loaded_{iteration}"] = load_checkpoint(template, save_dir, state)
         out[f"rng_exact_{iteration}"] = _draws() == after_save
-        out[f"values_{iteration}"] = ({k: v.tolist() for k, v in tensors.items()}, template["args"])
+        out[f"values_{iteration}"] = (_lists(tensors), template["args"])
 
         # Asynchronous save of the next iteration: not current until finalised on all ranks.
         state_dict, tensors = _state_dict(rank, 2, scale=iteration + 1)
-        save_checkpoint(iteration + 1, state_dict, save_dir, state, async_save=True, ckpt_format=fmt)
+        save_checkpoint(
+            iteration + 1, state_dict, save_dir, state, async_save=True, ckpt_format=fmt
+        )
         for t in tensors.values():
             t.mul_(-1)  # training modifies params right away
         out[f"tracker_before_finalize_{iteration + 1}"] = read_tracker(save_dir)
@@ -72,10 +85,10 @@ def _training(rank, world_size, save_dir):
         out[f"tracker_after_finalize_{iteration + 1}"] = read_tracker(save_dir)
         template, tensors = _state_dict(rank, 2, scale=0)
         load_checkpoint(template, save_dir, state, load_rng=False)
-        out[f"values_{iteration + 1}"] = ({k: v.tolist() for k, v in tensors.items()}, template["args"])
+        out[f"values_{iteration + 1}"] = (_lists(tensors), template["args"])
     template, tensors = _state_dict(rank, 2, scale=0)
     out["explicit"] = load_checkpoint(template, save_dir, state, iteration=1)
-    out["values_explicit"] = {k: v.tolist() for k, v in tensors.items()}
+    out["values_explicit"] = _lists(tensors)
     return out
 
 
@@ -84,7 +97,7 @@ def test_save_load_sync_async_both_formats(tmp_path):
     results = run_distributed(_training, 2, args=(save_dir,))
     for rank, out in enumerate(results):
         for iteration in (1, 2, 3, 4):
-            expected_tensors = {k: v.tolist() for k, v in _state_dict(rank, 2, iteration)[1].items()}
+            expected_tensors = _lists(_state_dict(rank, 2, iteration)[1])
             assert out[f"values_{iteration}"] == (expected_tensors, PAYLOAD), (rank, iteration)
         for iteration in (1, 3):
             assert out[f"tracker_{iteration}"] == iteration == out[f"loaded_{iteration}"]
@@ -93,9 +106,10 @@ def test_save_load_sync_async_both_formats(tmp_path):
             assert out[f"tracker_after_finalize_{iteration + 1}"] == iteration + 1
         assert out["finalized_2"] == [0] and out["finalized_4"] == [1]
         assert out["explicit"] == 1
-        assert out["values_explicit"] == {k: v.tolist() for k, v in _state_dict(rank, 2, 1)[1].items()}
+        assert out["values_explicit"] == _lists(_state_dict(rank, 2, 1)[1])
     names = sorted(os.listdir(save_dir))
-    assert names == [f"iter_000000{i}" for i in (1, 2, 3, 4)] + ["latest_checkpointed_iteration.txt"]
+    tracker = "latest_checkpointed_iteration.txt"
+    assert names == [f"iter_000000{i}" for i in (1, 2, 3, 4)] + [tracker]
 
 
 # -- single process: errors -----------------------------------------------------------------
@@ -128,7 +142,8 @@ def test_errors_name_the_file_key_and_shapes(tmp_path):
         save_checkpoint(5, state_dict, save_dir, state, ckpt_format=fmt)
         template, _ = _state_dict(0, 1, scale=0)
         template["model"]["weight"] = torch.zeros(4, 3)
-        with pytest.raises(CheckpointError, match=r"model.weight: checkpoint shape \[4, 2\] vs model shape \[4, 3\]"):
+        expected = r"model.weight: checkpoint shape \[4, 2\] vs model shape \[4, 3\]"
+        with pytest.raises(CheckpointError, match=expected):
             load_checkpoint(template, save_dir, state)
         with pytest.raises(CheckpointError, match="iter_0000009 is not a complete checkpoint"):
             load_checkpoint(template, save_dir, state, iteration=9)
@@ -158,7 +173,10 @@ _KILLED_SAVE = textwrap.dedent(
 def _save_then_hang(rank, world_size, save_dir, marker):
     from megatron_smp.checkpointing import save_checkpoint
     from megatron_smp.config import ParallelConfig
-    from megatron_smp.distributed.checkpoint.storage import TEST_WRITE_DELAY_ENV, TEST_WRITE_MARKER_ENV
+    from megatron_smp.distributed.checkpoint.storage import (
+        TEST_WRITE_DELAY_ENV,
+        TEST_WRITE_MARKER_ENV,
+    )
     from megatron_smp.parallel_state import build_parallel_state
 
     state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=2))

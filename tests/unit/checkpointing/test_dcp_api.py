@@ -8,7 +8,13 @@ import torch
 
 from megatron_smp.testing import run_distributed
 
-PAYLOAD = {"step": 7, "lr": 2.5e-4, "name": "gpt", "milestones": [1, 2.5, "x", None], "flags": (True, 3)}
+PAYLOAD = {
+    "step": 7,
+    "lr": 2.5e-4,
+    "name": "gpt",
+    "milestones": [1, 2.5, "x", None],
+    "flags": (True, 3),
+}
 
 
 def _state_dict(rank, fill):
@@ -69,7 +75,9 @@ def _engine(rank, world_size, root):
     os.environ[TEST_WRITE_DELAY_ENV] = "0.2"
     finalized_flags = []
     start = time.perf_counter()
-    dcp.async_save(saved, checkpoint_id=async_path, finalize_fns=[lambda: finalized_flags.append(1)])
+    dcp.async_save(
+        saved, checkpoint_id=async_path, finalize_fns=[lambda: finalized_flags.append(1)]
+    )
     out["async_return_s"] = time.perf_counter() - start
     for t in saved_tensors.values():
         t.add_(1000)

@@ -102,7 +102,8 @@ def test_reshard_tp2_to_tp4_and_tp1_and_dp_replicas(tmp_path):
 
     path_a, path_b = str(tmp_path / "a"), str(tmp_path / "b")
     run_distributed(_save_two_way, 2, args=(path_a,))
-    for loaded, expected in run_distributed(_load_four_way_then_save_tp2_dp2, 4, args=(path_a, path_b)):
+    results = run_distributed(_load_four_way_then_save_tp2_dp2, 4, args=(path_a, path_b))
+    for loaded, expected in results:
         for key in expected:
             assert loaded[key] == expected[key], key
 
