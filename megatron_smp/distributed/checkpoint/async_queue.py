@@ -105,12 +105,16 @@ class AsyncCallsQueue:
             try:
                 if failed_ranks:
                     error = request.future.exception()
-                    detail = (
-                        f"{type(error).__name__}: {error}" if error else "see those ranks' logs"
-                    )
+                    if isinstance(error, CheckpointError):  # already names ranks and cause
+                        message = str(error)
+                    else:
+                        detail = f"{type(error).__name__}: {error}" if error else "see their logs"
+                        message = (
+                            f"{request.description} failed on rank(s) {failed_ranks}: {detail}"
+                        )
                     raise CheckpointError(
-                        f"{request.description} (call {request.call_idx}) failed on rank(s) "
-                        f"{failed_ranks}: {detail}; the previous checkpoint stays current"
+                        f"{message} (asynchronous call {request.call_idx}); the previous "
+                        "checkpoint stays current"
                     ) from error
                 for fn in request.finalize_fns:
                     fn()

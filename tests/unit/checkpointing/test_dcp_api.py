@@ -91,6 +91,17 @@ def _engine(rank, world_size, root):
     dcp.load(template, checkpoint_id=async_path)
     out["async"] = _values(template, tensors)
 
+    # A write that fails in the background is raised on every rank at finalisation, and its
+    # finalize functions do not run.
+    blocked = os.path.join(root, "blocked")
+    if rank == 0:
+        open(blocked, "w").close()  # a file where the checkpoint directory should go
+    dist.barrier()
+    dcp.async_save(saved, checkpoint_id=os.path.join(blocked, "ckpt"),
+                   finalize_fns=[lambda: finalized_flags.append(2)])
+    out["failed_write"] = _error(lambda: dcp.maybe_finalize_async_calls(blocking=True))
+    out["finalized_after_failure"] = list(finalized_flags)
+
     # A DTensor (uneven Shard(0) on a 1-D mesh) is staged and saved asynchronously, then
     # loaded back as a ShardedTensorView with the same chunk.
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,6 +159,8 @@ def test_save_load_async_and_errors(tmp_path):
         assert out["nonblocking"] == [] and out["finalized_before"] == []
         assert out["blocking"] == [0] and out["finalized_after"] == [1]
         assert out["dtensor"]
+        assert "failed on rank(s) [0, 1]" in out["failed_write"], out["failed_write"]
+        assert out["finalized_after_failure"] == [1]
 
         assert "missing from the checkpoint: model.extra" in out["keys_error"]
         assert "loaded by no rank: model.bias" in out["keys_error"]
