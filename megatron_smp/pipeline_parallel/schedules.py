@@ -128,20 +128,15 @@ class _GradSync:
     """Defers DP grad reduction until the last microbatch's backward of each chunk.
 
     `hooks.no_sync_func` is either one context manager factory for all chunks or a list with
-    one per chunk; then each chunk's reduction starts during its own last backward. One
-    factory cannot release one chunk at a time (and with --overlap-grad-reduce a chunk whose
-    last backward ran under it would never launch its buckets), so with several chunks the
-    chunks' own `no_sync()` (DDP's) are used when they have one, as Megatron's loop passes
-    one per chunk; otherwise the single context is released before the final backward.
+    one per chunk; then each chunk's reduction starts during its own last backward. With a
+    single factory the context is released before the final backward of the last chunk
+    (the training loop passes one per chunk, as Megatron's does).
     """
 
     def __init__(self, hooks: ScheduleHooks, chunks: Sequence[torch.nn.Module],
                  forward_only: bool):
         num_chunks = len(chunks)
         func = None if forward_only else hooks.no_sync_func
-        if (func is not None and not isinstance(func, (list, tuple)) and num_chunks > 1
-                and all(hasattr(chunk, "no_sync") for chunk in chunks)):
-            func = [chunk.no_sync for chunk in chunks]
         self.per_chunk = isinstance(func, (list, tuple))
         factories = list(func) if self.per_chunk else [func] if func is not None else []
         self.contexts = [factory() for factory in factories]

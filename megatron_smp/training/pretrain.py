@@ -101,13 +101,9 @@ def _schedule_hooks(run: _Run) -> ScheduleHooks:
     optimizer = run.optimizer
     model = run.model
 
-    def no_sync():
-        import contextlib
-
-        stack = contextlib.ExitStack()
-        for chunk in model:
-            stack.enter_context(chunk.no_sync())
-        return stack
+    # One no_sync per chunk, so each virtual-pipeline chunk launches its reduction during its
+    # own last backward (one shared context could not release chunks one at a time).
+    no_sync = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
 
     return ScheduleHooks(
         grad_scale_func=optimizer.scale_loss,
