@@ -188,11 +188,13 @@ class GPTModel(torch.nn.Module):
 
         if self.share_embeddings_and_output_weights and state.pp_size > 1:
             # Two copies of one tied table: finalize_model_grads sums their grads over
-            # state.embedding_group so they stay equal.
+            # state.embedding_group so they stay equal. The last stage's copy is also marked
+            # `shared`, which keeps it out of the grad norm (counted once, on the first stage).
             if pre_process:
                 self.embedding.word_embeddings.weight.shared_embedding = True
             if post_process and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.shared = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """Input of a non-first pipeline stage: hidden states [s(/tp), b, h]."""

@@ -201,7 +201,6 @@ def build_pipeline_model_chunks(
             configs, state, pre_process=pre_process, post_process=post_process,
             layer_offset=layer_offset, num_layers=num_layers,
         )
-        _mark_tied_output_copy(module, pre_process)
         module.pipeline_stage = StageSpec(
             state=state, chunk_index=chunk_index, layer_offset=layer_offset,
             num_layers=num_layers, pre_process=pre_process, post_process=post_process,
@@ -212,17 +211,6 @@ def build_pipeline_model_chunks(
         chunks.append(module)
     torch.random.set_rng_state(rank_rng_state)
     return chunks
-
-
-def _mark_tied_output_copy(module: torch.nn.Module, pre_process: bool) -> None:
-    # The last stage's copy of a tied embedding (marked shared_embedding by the model) holds
-    # the same values and, after the embedding-group all-reduce, the same grad as the first
-    # stage's: `shared=True` keeps it out of the grad norm so the norm is counted once.
-    if pre_process:
-        return
-    for param in module.parameters():
-        if getattr(param, "shared_embedding", False):
-            param.shared = True
 
 
 __all__ = [
