@@ -289,6 +289,8 @@ def pretrain(
         ):
             checkpointing.save(run)
             timer.start()
+        if checkpointing is not None:
+            checkpointing.poll(run)  # publishes asynchronous saves that every rank finished
         if training.exit_interval and run.iteration % training.exit_interval == 0:
             break
 

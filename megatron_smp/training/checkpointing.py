@@ -1,0 +1,223 @@
+"""The training loop's checkpoints: what `pretrain` saves and restores, and when.
+
+    checkpointing.load(run, tokenizer)   # before the data loaders: restores the model,
+                                         # optimizer, scheduler, progress counters and RNG
+    checkpointing.save(run)              # at --save-interval and at the end
+    checkpointing.poll(run)              # every iteration: publishes finished async saves
+    checkpointing.finalize(run)          # at exit: waits for the last async save
+
+A checkpoint holds (see megatron_smp.checkpointing.sharded_state for the tensors' form)
+
+    model                  {global parameter name: tensor in its TP=1 shape}
+    optimizer              {"state": {name: {fp32_param, exp_avg, exp_avg_sq, step}},
+                            "grad_scaler": {...}}   (absent from model-only checkpoints)
+    opt_param_scheduler    the scheduler's position
+    iteration, consumed_train_samples, skipped_iterations, nan_iterations
+    rng_state              per rank, written by the engine
+
+"torch_dist" checkpoints load at any tensor / pipeline / data-parallel layout, with or
+without the distributed optimizer; "torch" ones (a file per rank) only at the saving layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, Optional, Set
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.checkpointing import (
+    COMMON_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    complete_iterations,
+    load_checkpoint,
+    maybe_finalize_async_calls,
+    read_tracker,
+    save_checkpoint,
+    tracker_path,
+)
+from megatron_smp.checkpointing.sharded_state import (
+    load_grad_scaler,
+    model_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
+from megatron_smp.distributed.checkpoint.agreement import collective_device, is_distributed
+
+PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")
+
+
+def _print_rank_0(run, message: str) -> None:
+    if run.state.rank == 0:
+        print(message, flush=True)
+
+
+def _state_dict(run, tied_copies: bool, optimizer: bool, scheduler: bool,
+                progress: bool) -> Dict[str, Any]:
+    vocab_size = run.configs.model.vocab_size
+    state_dict: Dict[str, Any] = {
+        "model": model_sharded_state_dict(run.model, run.state, vocab_size, tied_copies)
+    }
+    if optimizer:
+        state_dict["optimizer"] = optimizer_sharded_state_dict(
+            run.optimizer, run.model, run.state, vocab_size, tied_copies
+        )
+    if scheduler:
+        state_dict["opt_param_scheduler"] = run.scheduler.state_dict()
+    if progress:
+        for key in PROGRESS_KEYS:
+            state_dict[key] = int(getattr(run, key))
+    return state_dict
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def save(run) -> None:
+    """Save iteration `run.iteration` to --save (collective). With --async-save, returns once
+    the state is copied to CPU memory; an earlier async save is finished first."""
+    config = run.configs.checkpoint
+    if config.async_save:
+        maybe_finalize_async_calls(blocking=True)
+    for chunk in run.model:  # with --overlap-param-gather, params may still be in flight
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
+    start = time.perf_counter()
+    state_dict = _state_dict(
+        run,
+        # DCP writes a key once, so the tied output copy (equal to the embedding) is left
+        # out; a "torch" file holds exactly what its rank loads back.
+        tied_copies=config.ckpt_format == "torch",
+        optimizer=not config.no_save_optim,
+        scheduler=True,
+        progress=True,
+    )
+    save_checkpoint(
+        run.iteration,
+        state_dict,
+        config.save,
+        run.state,
+        async_save=config.async_save,
+        config=run.configs.to_dict(),
+        ckpt_format=config.ckpt_format,
+        save_rng=not config.no_save_rng,
+    )
+    how = "staged for an asynchronous write" if config.async_save else "saved"
+    _print_rank_0(
+        run,
+        f"checkpoint of iteration {run.iteration} {how} to {config.save} in "
+        f"{time.perf_counter() - start:.2f} s",
+    )
+
+
+def poll(run) -> None:
+    """Publish asynchronous saves every rank has finished writing (collective, cheap)."""
+    if run.configs.checkpoint.async_save:
+        maybe_finalize_async_calls(blocking=False)
+
+
+def finalize(run) -> None:
+    """Wait for the last asynchronous save and publish it (collective)."""
+    if run.configs.checkpoint.async_save:
+        maybe_finalize_async_calls(blocking=True)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _all_ranks_agree(flag: bool, state) -> bool:
+    """True when `flag` holds on every rank (collective)."""
+    if not is_distributed():
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(None))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def _saved_top_level_keys(path: str, state) -> Optional[Set[str]]:
+    """Top-level keys of the checkpoint at `path` (None: cannot tell at this layout)."""
+    from megatron_smp.distributed.checkpoint import read_checkpoint_metadata
+
+    with open(os.path.join(path, COMMON_FILENAME)) as f:
+        ckpt_format = json.load(f)["ckpt_format"]
+    if ckpt_format == "torch_dist":
+        metadata = read_checkpoint_metadata(path)
+        return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    # "torch": this rank's file, memory-mapped; a missing file (another layout) is reported by
+    # the loader, which names both layouts.
+    file = os.path.join(path, f"rank_{state.rank:05d}.pt")
+    found = os.path.isfile(file)
+    if not _all_ranks_agree(found, state):
+        return None
+    return set(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
+
+
+def _find_iteration(run) -> Optional[int]:
+    """The iteration to resume from, or None (with a warning) when --load holds none."""
+    load_dir = run.configs.checkpoint.load
+    has_tracker = _all_ranks_agree(os.path.isfile(tracker_path(load_dir)), run.state)
+    if has_tracker:
+        return read_tracker(load_dir)
+    if not os.path.isdir(load_dir):
+        why = "does not exist"
+    else:
+        found = complete_iterations(load_dir)
+        why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
+            f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
+        )
+    _print_rank_0(
+        run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
+    )
+    return None
+
+
+def load(run, tokenizer=None) -> None:
+    """Restore --load into `run` (collective): model always; optimizer, grad scaler and
+    scheduler unless --no-load-optim / --finetune; progress counters unless --finetune;
+    RNG states unless --no-load-rng / --finetune (and only at the saving layout)."""
+    config = run.configs.checkpoint
+    iteration = _find_iteration(run)
+    if iteration is None:
+        return
+    start = time.perf_counter()
+    path = checkpoint_dir(config.load, iteration)
+    saved = _saved_top_level_keys(path, run.state)
+    load_optimizer = not (config.no_load_optim or config.finetune)
+    if load_optimizer and saved is not None and "optimizer" not in saved:
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state (a model-only checkpoint, e.g. a "
+            "converted one); add --no-load-optim to train from its weights with a fresh "
+            "optimizer, or --finetune to also restart at iteration 0"
+        )
+    load_progress = not config.finetune and (saved is None or "iteration" in saved)
+    load_rng = not (config.no_load_rng or config.finetune) and (
+        saved is None or "rng_state" in saved
+    )
+    state_dict = _state_dict(
+        run,
+        tied_copies=True,
+        optimizer=load_optimizer,
+        scheduler=load_optimizer and (saved is None or "opt_param_scheduler" in saved),
+        progress=load_progress,
+    )
+    load_checkpoint(state_dict, config.load, run.state, iteration, load_rng=load_rng)
+
+    if load_optimizer:
+        load_grad_scaler(run.optimizer, state_dict["optimizer"])
+    else:
+        run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+    if "opt_param_scheduler" in state_dict:
+        run.scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+    if load_progress:
+        for key in PROGRESS_KEYS:
+            setattr(run, key, int(state_dict[key]))
+    _print_rank_0(
+        run,
+        f"loaded checkpoint {path} in {time.perf_counter() - start:.2f} s; "
+        f"resuming at iteration {run.iteration}",
+    )
+
+
+__all__ = ["save", "load", "poll", "finalize", "PROGRESS_KEYS"]

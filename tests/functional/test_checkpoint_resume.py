@@ -1,0 +1,196 @@
+"""Whole runs that save and resume: exact resume, resharding across layouts, clear errors.
+
+One 8-process run (TP=2 x PP=2 x DP=2, distributed optimizer, async saves) trains 15 of 20
+iterations and saves at 10 and 15; the other runs load its iteration-10 checkpoint.
+"""
+import contextlib
+import io
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON
+
+TRAIN = COMMON + ["--train-iters", "20", "--exit-interval", "15"]
+TP2_PP2_DP2 = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+               "--use-distributed-optimizer").split()
+PROBE_SEED = 11
+
+
+def _logits(run):
+    """Full logits [b, s, vocab] of a fixed batch through all stages (None off the last)."""
+    from megatron_smp.models.gpt import gather_full_logits
+    from megatron_smp.pipeline_parallel.schedules import get_forward_backward_func
+
+    state, training = run.state, run.configs.training
+    tokens = torch.randint(0, run.configs.model.vocab_size, (training.micro_batch_size,
+                           training.seq_length), generator=torch.Generator().manual_seed(PROBE_SEED))
+    captured = []
+
+    def forward_step(data_iterator, model):
+        output = model(tokens.to(state.device))
+
+        def loss_func(logits):
+            captured.append(gather_full_logits(logits, state, run.configs.model.vocab_size))
+            return logits.sum() * 0.0, {}
+
+        return output, loss_func
+
+    forward = get_forward_backward_func(state.pp_size, virtual=len(run.model) > 1,
+                                        schedule=training.pipeline_schedule)
+    for chunk in run.model:
+        chunk.eval()
+    forward(forward_step_func=forward_step, data_iterator=None, model=run.model,
+            num_microbatches=1, seq_length=training.seq_length,
+            micro_batch_size=training.micro_batch_size, forward_only=True)
+    for chunk in run.model:
+        chunk.train()
+    return captured[0].float().cpu() if captured else None
+
+
+def _train(rank, world_size, argv, probe=False):
+    """Run pretrain; returns losses by iteration, logits probed after each save / load (with
+    `probe`) by iteration, and the save / load times."""
+    from megatron_smp.training import checkpointing, pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    out = {"logits": {}, "save_s": [], "load_s": []}
+
+    def timed(name, fn):
+        def wrapper(run, *args):
+            start = time.perf_counter()
+            fn(run, *args)
+            out[f"{name}_s"].append(time.perf_counter() - start)
+            if probe:
+                out["logits"][(name, run.iteration)] = _logits(run)
+        return wrapper
+
+    checkpointing.save = timed("save", checkpointing.save)
+    checkpointing.load = timed("load", checkpointing.load)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                          argv=argv)
+    out["stdout"] = stdout.getvalue()
+    out["losses"] = {i: v["lm loss"] for i, v in result.train_losses.items()}
+    out["log_lines"] = result.log_lines
+    return out
+
+
+def _checkpoint_at(save_dir, iteration, target):
+    """A --load directory whose tracker names `iteration` of `save_dir`."""
+    name = f"iter_{iteration:07d}"
+    os.makedirs(target, exist_ok=True)
+    shutil.copytree(os.path.join(save_dir, name), os.path.join(target, name))
+    with open(os.path.join(target, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(f"{iteration}\n")
+    return str(target)
+
+
+def _probe(results, key):
+    found = [r["logits"][key] for r in results if r["logits"].get(key) is not None]
+    assert found, key
+    return found[0]
+
+
+TIMINGS = {}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The TP=2 x PP=2 x DP=2 run: 15 iterations, async saves at 10 and 15."""
+    root = tmp_path_factory.mktemp("ckpt")
+    save_dir = str(root / "tp2pp2dp2")
+    argv = TRAIN + TP2_PP2_DP2 + ["--save", save_dir, "--save-interval", "10", "--async-save"]
+    results = run_distributed(_train, 8, args=(argv,), kwargs={"probe": True}, timeout=300)
+    TIMINGS["save tp2pp2dp2 (async, staging)"] = max(max(r["save_s"]) for r in results)
+    return {
+        "losses": results[0]["losses"],
+        "logits10": _probe(results, ("save", 10)),
+        "load10": _checkpoint_at(save_dir, 10, root / "load10"),
+        "save_dir": save_dir,
+    }
+
+
+def test_async_saves_published(saved):
+    with open(os.path.join(saved["save_dir"], "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "15"
+    assert sorted(os.listdir(saved["save_dir"])) == [
+        "iter_0000010", "iter_0000015", "latest_checkpointed_iteration.txt"]
+    assert sorted(saved["losses"]) == list(range(1, 16))
+
+
+def test_resume_is_exact_tp2_pp2_dp2(saved):
+    argv = TRAIN + TP2_PP2_DP2 + ["--load", saved["load10"]]
+    results = run_distributed(_train, 8, args=(argv,), timeout=300)
+    TIMINGS["load tp2pp2dp2 -> tp2pp2dp2"] = max(r["load_s"][0] for r in results)
+    for result in results:
+        assert sorted(result["losses"]) == list(range(11, 16))
+        for iteration, loss in result["losses"].items():
+            assert loss == saved["losses"][iteration], (iteration, loss)
+
+
+RESHARD = {
+    "tp1_pp1_dp4_distopt": (4, "--use-distributed-optimizer"),
+    "tp4_pp1_dp1": (4, "--tensor-model-parallel-size 4"),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESHARD))
+def test_reshard_keeps_logits_and_losses(saved, layout):
+    world_size, flags = RESHARD[layout]
+    argv = TRAIN + flags.split() + ["--load", saved["load10"]]
+    results = run_distributed(_train, world_size, args=(argv,), kwargs={"probe": True},
+                              timeout=300)
+    TIMINGS[f"load tp2pp2dp2 -> {layout}"] = max(r["load_s"][0] for r in results)
+    logits = _probe(results, ("load", 10))
+    difference = (logits - saved["logits10"]).abs().max().item()
+    TIMINGS[f"logits max diff {layout}"] = difference
+    assert logits.shape == saved["logits10"].shape == (2, 32, 1000)
+    assert difference < 1e-5, difference
+    for result in results:
+        assert sorted(result["losses"]) == list(range(11, 16))
+        expected = [saved["losses"][i] for i in range(11, 16)]
+        assert [result["losses"][i] for i in range(11, 16)] == pytest.approx(expected, rel=1e-4)
+
+
+def test_mismatched_model_is_a_clear_error_on_every_rank(saved):
+    argv = TRAIN + ["--ffn-hidden-size", "128", "--load", saved["load10"]]
+    errors = run_distributed(_train, 2, args=(argv,), allow_errors=True, timeout=120)
+    for error in errors:
+        assert "CheckpointError" in error, error[-2000:]
+        assert ("model.decoder.layers.0.mlp.linear_fc1.weight: checkpoint shape [256, 64] vs "
+                "model shape [128, 64]") in error, error[-2000:]
+
+
+def test_dp2_distributed_optimizer_torch_format_resume(tmp_path):
+    save_dir = str(tmp_path / "dp2")
+    short = COMMON + ["--train-iters", "6", "--use-distributed-optimizer",
+                      "--ckpt-format", "torch"]
+    straight = run_distributed(
+        _train, 2, args=(short + ["--save", save_dir, "--save-interval", "3"],))
+    load_dir = _checkpoint_at(save_dir, 3, tmp_path / "load3")
+    resumed = run_distributed(_train, 2, args=(short + ["--load", load_dir],))
+    TIMINGS["save dp2 torch format"] = max(max(r["save_s"]) for r in straight)
+    TIMINGS["load dp2 torch format"] = max(r["load_s"][0] for r in resumed)
+    for result in resumed:
+        assert result["losses"] == {i: straight[0]["losses"][i] for i in (4, 5, 6)}
+    # A "torch" checkpoint does not reshard: another layout is an error naming both.
+    errors = run_distributed(_train, 1, args=(short + ["--load", load_dir],),
+                             allow_errors=True)
+    assert "'torch' format" in errors[0] and "'world_size': 2" in errors[0], errors[0][-2000:]
+
+
+def test_missing_load_dir_starts_from_scratch(tmp_path):
+    argv = COMMON + ["--train-iters", "2", "--load", str(tmp_path / "nowhere")]
+    result = run_distributed(_train, 1, args=(argv,))[0]
+    assert sorted(result["losses"]) == [1, 2]
+    assert "does not exist; training starts from scratch" in result["stdout"]
+
+
+def test_report_timings():
+    print("\ncheckpoint timings / figures:", TIMINGS)
