@@ -75,3 +75,9 @@ __all__ = [
     "llama",
     "gpt_neox",
 ]
+
+# SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.
+from megatron_smp.models.hf.translate import *  # noqa: E402,F401,F403
+from megatron_smp.models.hf.translate import __all__ as _translate_all  # noqa: E402
+
+__all__ += _translate_all

@@ -1,0 +1,159 @@
+"""Pieces the checkpoint converters share: model types, expected names and shapes, checks.
+
+Expected names and shapes come from the Hugging Face model class itself, built on the meta
+device (no memory, no weights): its state dict says what an HF checkpoint of this config must
+hold, and the family adapter's `from_hf` of it says what the framework checkpoint must hold.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import warnings
+from typing import Dict, Iterator, List, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.models.hf import config_to_hf, get_adapter
+from megatron_smp.models.hf.common import pad_vocab, unpad_vocab
+from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
+from megatron_smp.parallel_state import build_parallel_state, destroy_parallel_state
+
+# --model-type (Megatron's names) -> adapter family.
+MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
+               "mixtral": None}
+
+# TransformerConfig fields that decide the weights' meaning; a checkpoint and the family it is
+# converted to must agree on all of them (dropout, init, precision flags do not matter).
+ARCHITECTURE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "vocab_size", "max_position_embeddings", "ffn_hidden_size", "normalization",
+    "layernorm_epsilon", "activation", "gated_linear_unit", "position_embedding_type",
+    "rotary_base", "rotary_percent", "parallel_residual", "add_bias_linear", "add_qkv_bias",
+    "untie_embeddings_and_output_weights", "num_moe_experts",
+)
+_LISTED = 20
+
+
+def family_for(model_type: str) -> str:
+    family = MODEL_TYPES.get(model_type)
+    if family is None:
+        if model_type == "mixtral":
+            raise ConfigError(
+                "--model-type mixtral is not supported until MoE lands in megatron_smp (GPTModel "
+                "has no expert layers yet); convert a dense model (gpt2, gptneox, llama, mistral)"
+            )
+        raise ConfigError(f"--model-type {model_type!r}: use one of {sorted(MODEL_TYPES)}")
+    return family
+
+
+def listing(items: List[str]) -> str:
+    shown = ", ".join(items[:_LISTED])
+    return shown + (f" ... and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+
+
+def architecture(config: TransformerConfig) -> Dict[str, object]:
+    return {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
+
+
+def check_family(config: TransformerConfig, family: str, model_type: str) -> None:
+    """`config` must be expressible as `family` exactly (its HF config maps back onto it)."""
+    back = get_adapter(family).config_from_hf(config_to_hf(config, family))
+    differing = [
+        f"{name}={getattr(config, name)!r} (as {model_type}: {getattr(back, name)!r})"
+        for name in ARCHITECTURE_FIELDS if getattr(config, name) != getattr(back, name)
+    ]
+    if differing:
+        raise ConfigError(
+            f"the checkpoint's model is not a {model_type}: {listing(differing)}; pass the "
+            "--model-type it was trained as"
+        )
+
+
+def meta_hf_model(hf_config) -> torch.nn.Module:
+    """The HF causal LM of `hf_config` on the meta device (from_config mutates its config)."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+
+
+def hf_shapes(hf_config) -> Dict[str, torch.Size]:
+    return {k: v.shape for k, v in meta_hf_model(hf_config).state_dict().items()}
+
+
+def framework_shapes(family: str, config: TransformerConfig) -> Dict[str, torch.Size]:
+    """Names and global shapes of the "model" entry of a framework checkpoint (trimmed vocab)."""
+    meta = meta_hf_model(config_to_hf(config, family)).state_dict()
+    full = trim_vocab(get_adapter(family).from_hf(meta, config), config)
+    return {k: v.shape for k, v in full.items()}
+
+
+def _is_vocab_table(name: str) -> bool:
+    return name.endswith(VOCAB_PARALLEL_SUFFIXES)
+
+
+def trim_vocab(state_dict: Mapping[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """Full (TP=1, padded) state dict -> checkpoint form: tables of exactly vocab_size rows."""
+    return {k: unpad_vocab(v, config) if _is_vocab_table(k) else v for k, v in state_dict.items()}
+
+
+def pad_vocab_tables(state_dict: Mapping[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """Inverse of `trim_vocab` (what the adapters' `to_hf` take)."""
+    return {k: pad_vocab(v, config) if _is_vocab_table(k) else v for k, v in state_dict.items()}
+
+
+def compare_state_dicts(
+    expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor], what: str
+) -> None:
+    """Raise unless both have the same keys and bit-identical tensors (dtype included)."""
+    problems = [f"{k}: missing" for k in sorted(set(expected) - set(actual))]
+    problems += [f"{k}: unexpected" for k in sorted(set(actual) - set(expected))]
+    for name in sorted(set(expected) & set(actual)):
+        a, b = expected[name], actual[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            problems.append(f"{name}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+                            + ("" if a.shape != b.shape else " (values differ)"))
+    if problems:
+        raise ConfigError(f"verification failed, {what}: {listing(problems)}")
+
+
+def config_to_json(config: TransformerConfig) -> Dict[str, object]:
+    """TransformerConfig -> the "model" entry of common.json (dtype as its string)."""
+    return {k: str(v) if isinstance(v, torch.dtype) else v
+            for k, v in dataclasses.asdict(config).items()}
+
+
+def config_from_json(fields: Mapping[str, object], where: str) -> TransformerConfig:
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown TransformerConfig fields {listing(unknown)}")
+    values = dict(fields)
+    dtype = values.get("params_dtype")
+    if isinstance(dtype, str):
+        values["params_dtype"] = getattr(torch, dtype.removeprefix("torch."))
+    try:
+        return TransformerConfig(**values)
+    except TypeError as error:
+        raise ConfigError(f"{where}: the model config is incomplete ({error})") from error
+
+
+@contextlib.contextmanager
+def world_one_state() -> Iterator:
+    """A world-size-1 ParallelState for the checkpoint API (no launcher needed)."""
+    created = not dist.is_initialized()
+    state = build_parallel_state()
+    try:
+        if state.world_size != 1:
+            raise ConfigError(
+                f"convert.py runs as one process (found world size {state.world_size}); run it "
+                "with plain python, not torchrun: checkpoints are resharded when loaded"
+            )
+        yield state
+    finally:
+        if created:
+            destroy_parallel_state()

@@ -1,0 +1,123 @@
+"""Read and write megatron_smp checkpoints as the training loop does (`--load DIR --finetune`).
+
+On disk: `{dir}/iter_{iteration:07d}/` + `latest_checkpointed_iteration.txt`, written by
+`megatron_smp.checkpointing.save_checkpoint` in the "torch_dist" (DCP) format. The state dict
+is `{"model": {name: tensor}}` with GPTModel parameter names (global layer indices), global
+TP=1 shapes and vocabulary tables of exactly `vocab_size` rows; common.json's
+`config["model"]` holds the TransformerConfig. DCP stores global tensors, so a checkpoint
+written here at world size 1 loads at any TP/PP/DP layout.
+
+A converted checkpoint is model-only (no "optimizer", no RNG states) at iteration 0: the model
+has taken no step in this framework. (Megatron's HF loaders say 1 because their tracker reads
+0 as "release"; ours has no such case.) `config["conversion"]` records where it came from,
+the source HF config and the intended target layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_smp.checkpointing import (
+    COMMON_FILENAME,
+    checkpoint_dir,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+)
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.distributed.checkpoint import read_dcp_metadata
+from megatron_smp.distributed.checkpoint.storage import CheckpointError
+from tools.checkpoint.common import (
+    check_family,
+    compare_state_dicts,
+    config_from_json,
+    config_to_json,
+    framework_shapes,
+    listing,
+    world_one_state,
+)
+
+MODEL_KEY = "model"
+CONVERTED_ITERATION = 0
+
+
+def _read_common(load_dir: str) -> Tuple[int, str, Dict[str, Any]]:
+    iteration = read_tracker(load_dir)
+    path = checkpoint_dir(load_dir, iteration)
+    common_path = os.path.join(path, COMMON_FILENAME)
+    if not os.path.isfile(common_path):
+        raise CheckpointError(f"{common_path} is missing: {path} is not a complete checkpoint")
+    with open(common_path) as f:
+        try:
+            common = json.load(f)
+        except ValueError as error:
+            raise CheckpointError(f"{common_path} is corrupted: {error}") from error
+    model_fields = (common.get("config") or {}).get(MODEL_KEY)
+    if not isinstance(model_fields, dict):
+        raise CheckpointError(
+            f"{common_path} has no config['model'] (the TransformerConfig): the model shape is "
+            "unknown. Save with save_checkpoint(..., config={'model': ...})"
+        )
+    return iteration, path, common
+
+
+def _saved_tensors(path: str, common: Mapping[str, Any], config: TransformerConfig,
+                   expected: Mapping[str, torch.Size]) -> Dict[str, torch.dtype]:
+    """Check the saved "model" entries against the expected names/shapes; their dtypes."""
+    if common.get("ckpt_format") != "torch_dist":
+        # "torch" files hold per-rank pieces; load_checkpoint checks them (world size 1 only).
+        return {name: config.params_dtype for name in expected}
+    saved = {}
+    for key, info in read_dcp_metadata(path).state_dict_metadata.items():
+        if key.startswith(MODEL_KEY + "."):
+            saved[key[len(MODEL_KEY) + 1:]] = info
+    problems = [f"{k}: missing" for k in sorted(set(expected) - set(saved))]
+    problems += [f"{k}: unexpected" for k in sorted(set(saved) - set(expected))]
+    for name in sorted(set(saved) & set(expected)):
+        size = getattr(saved[name], "size", None)
+        if size is None:
+            problems.append(f"{name}: not a tensor")
+        elif torch.Size(size) != expected[name]:
+            problems.append(f"{name}: shape {list(size)}, the model config says "
+                            f"{list(expected[name])}")
+    if problems:
+        raise CheckpointError(
+            f"{path} does not hold the model its common.json describes (global shapes, vocab "
+            f"tables of vocab_size={config.vocab_size} rows): {listing(problems)}"
+        )
+    return {name: saved[name].properties.dtype for name in expected}
+
+
+def read_smp_checkpoint(load_dir: str, family: str, model_type: str):
+    """-> (TransformerConfig, {name: global tensor}, common.json dict)."""
+    iteration, path, common = _read_common(load_dir)
+    config = config_from_json(common["config"][MODEL_KEY], os.path.join(path, COMMON_FILENAME))
+    check_family(config, family, model_type)
+    expected = framework_shapes(family, config)
+    dtypes = _saved_tensors(path, common, config, expected)
+    model = {name: torch.empty(shape, dtype=dtypes[name]) for name, shape in expected.items()}
+    with world_one_state() as state:
+        load_checkpoint({MODEL_KEY: model}, load_dir, state, iteration, load_rng=False)
+    return config, model, common
+
+
+def write_smp_checkpoint(save_dir: str, config: TransformerConfig,
+                         model: Mapping[str, torch.Tensor], conversion: Dict[str, Any],
+                         iteration: Optional[int] = None) -> None:
+    """Save `model` (checkpoint form) as a model-only checkpoint, re-read it, compare."""
+    iteration = CONVERTED_ITERATION if iteration is None else iteration
+    metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
+    model = {k: v.contiguous() for k, v in model.items()}
+    with world_one_state() as state:
+        save_checkpoint(iteration, {MODEL_KEY: model}, save_dir, state, config=metadata,
+                        save_rng=False)
+        reread = {k: torch.empty_like(v) for k, v in model.items()}
+        load_checkpoint({MODEL_KEY: reread}, save_dir, state, load_rng=False)
+    compare_state_dicts(model, reread, f"re-reading {checkpoint_dir(save_dir, iteration)}")
+    with open(os.path.join(checkpoint_dir(save_dir, iteration), COMMON_FILENAME)) as f:
+        saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
+    if saved_config != config:
+        raise ConfigError(f"verification failed: {save_dir}'s common.json model config differs")
