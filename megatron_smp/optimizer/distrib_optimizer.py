@@ -280,6 +280,30 @@ class DistributedOptimizer(MegatronOptimizer):
                     shard_main.copy_(shard_model)
 
     # Checkpoints --------------------------------------------------------------------------------
+    def param_shards(self) -> List[Dict]:
+        """This rank's piece of every param it owns, for checkpoints that reshard.
+
+        Each entry: `name` (as in the chunk's module), `param` (the model param), `range`
+        (a Range into the flattened param), `main_param` (the fp32 shard the optimizer
+        updates) and `optimizer_state` (its state dict, e.g. exp_avg / exp_avg_sq, 1-D).
+        Over all DP ranks the ranges of one param tile [0, numel) exactly once.
+        """
+        names = {}
+        for buffer in self.param_and_grad_buffers:
+            names.update(buffer.param_names)
+        return [
+            {
+                "name": names.get(model_param, ""),
+                "param": model_param,
+                "range": param_range,
+                "main_param": main_param,
+                "optimizer_state": self.optimizer.state.get(main_param, {}),
+            }
+            for (model_param, main_param), param_range in zip(
+                self.param_pairs, self._pair_param_ranges
+            )
+        ]
+
     def _layout(self) -> List[List[Tuple[int, int]]]:
         return [
             [(r["world"].start, r["world"].end) for r in ranges]

@@ -116,6 +116,11 @@ def _world4_body(rank, world_size):
     for name in ("plain", "dist"):
         _, _, _, ddp, optimizer = ddp_training(_configs([name])[name], state, 1, BATCH)
         out["fp32_bytes_" + name] = memory_bytes(ddp, optimizer)
+    out["param_shards"] = [
+        (shard["name"], shard["range"].start, shard["range"].end,
+         shard["optimizer_state"]["exp_avg"].numel())
+        for shard in optimizer.param_shards()
+    ]
     if rank == 0:
         losses, params = reference_training(ITERS, BATCH)
         out["reference"] = (losses, params.tolist())
@@ -204,6 +209,19 @@ def test_grad_norm_and_zero_count_count_tp_replicated_params_once(world2):
         grad_norm, num_zeros = out["tp_grad_norm"]
         assert grad_norm == pytest.approx(expected, rel=1e-6)
         assert num_zeros == 1
+
+
+def test_param_shards_tile_every_param_once(world4):
+    sizes = {name: p.numel() for name, p in ToyModel().named_parameters()}
+    covered = {name: [] for name in sizes}
+    for out in world4:
+        for name, start, end, state_numel in out["param_shards"]:
+            assert state_numel == end - start
+            covered[name].append((start, end))
+    for name, pieces in covered.items():
+        pieces.sort()
+        assert pieces[0][0] == 0 and pieces[-1][1] == sizes[name], name
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), name
 
 
 def _bytes_per_param(measured, count):
