@@ -81,10 +81,6 @@ def meta_hf_model(hf_config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
 
 
-def hf_shapes(hf_config) -> Dict[str, torch.Size]:
-    return {k: v.shape for k, v in meta_hf_model(hf_config).state_dict().items()}
-
-
 def framework_shapes(family: str, config: TransformerConfig) -> Dict[str, torch.Size]:
     """Names and global shapes of the "model" entry of a framework checkpoint (trimmed vocab)."""
     meta = meta_hf_model(config_to_hf(config, family)).state_dict()
