@@ -60,7 +60,11 @@ def architecture(config: TransformerConfig) -> Dict[str, object]:
 
 def check_family(config: TransformerConfig, family: str, model_type: str) -> None:
     """`config` must be expressible as `family` exactly (its HF config maps back onto it)."""
-    back = get_adapter(family).config_from_hf(config_to_hf(config, family))
+    try:
+        back = get_adapter(family).config_from_hf(config_to_hf(config, family))
+    except ConfigError as error:
+        raise ConfigError(f"the checkpoint's model is not a {model_type}: {error}; pass the "
+                          "--model-type it was trained as") from error
     differing = [
         f"{name}={getattr(config, name)!r} (as {model_type}: {getattr(back, name)!r})"
         for name in ARCHITECTURE_FIELDS if getattr(config, name) != getattr(back, name)
