@@ -49,7 +49,8 @@ def _logits(run):
             micro_batch_size=training.micro_batch_size, forward_only=True)
     for chunk in run.model:
         chunk.train()
-    return captured[0].float().cpu() if captured else None
+    # numpy pickles by value (a tensor would travel by a file descriptor of the exiting child)
+    return captured[0].float().cpu().numpy() if captured else None
 
 
 def _train(rank, world_size, argv, probe=False):
@@ -94,7 +95,7 @@ def _checkpoint_at(save_dir, iteration, target):
 def _probe(results, key):
     found = [r["logits"][key] for r in results if r["logits"].get(key) is not None]
     assert found, key
-    return found[0]
+    return torch.from_numpy(found[0])
 
 
 TIMINGS = {}
@@ -150,7 +151,7 @@ def test_reshard_keeps_logits_and_losses(saved, layout):
     logits = _probe(results, ("load", 10))
     difference = (logits - saved["logits10"]).abs().max().item()
     TIMINGS[f"logits max diff {layout}"] = difference
-    assert logits.shape == saved["logits10"].shape == (2, 32, 1000)
+    assert logits.shape == saved["logits10"].shape and logits.shape[:2] == (2, 32)
     assert difference < 1e-5, difference
     for result in results:
         assert sorted(result["losses"]) == list(range(11, 16))
