@@ -22,6 +22,7 @@ import torch
 
 from megatron_smp.checkpointing import (
     COMMON_FILENAME,
+    CheckpointError,
     checkpoint_dir,
     load_checkpoint,
     read_tracker,
@@ -29,7 +30,6 @@ from megatron_smp.checkpointing import (
 )
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.distributed.checkpoint import read_dcp_metadata
-from megatron_smp.distributed.checkpoint.storage import CheckpointError
 from tools.checkpoint.common import (
     check_family,
     compare_state_dicts,
