@@ -70,12 +70,16 @@ def _train(rank, world_size, argv, probe=False):
                 out["logits"][(name, run.iteration)] = _logits(run)
         return wrapper
 
+    original = checkpointing.save, checkpointing.load
     checkpointing.save = timed("save", checkpointing.save)
     checkpointing.load = timed("load", checkpointing.load)
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                          argv=argv)
+    try:
+        with contextlib.redirect_stdout(stdout):
+            result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                              argv=argv)
+    finally:
+        checkpointing.save, checkpointing.load = original
     out["stdout"] = stdout.getvalue()
     out["losses"] = {i: v["lm loss"] for i, v in result.train_losses.items()}
     out["log_lines"] = result.log_lines
@@ -153,10 +157,48 @@ def test_reshard_keeps_logits_and_losses(saved, layout):
     TIMINGS[f"logits max diff {layout}"] = difference
     assert logits.shape == saved["logits10"].shape and logits.shape[:2] == (2, 32)
     assert difference < 1e-5, difference
+    expected = [saved["losses"][i] for i in range(11, 16)]
     for result in results:
         assert sorted(result["losses"]) == list(range(11, 16))
-        expected = [saved["losses"][i] for i in range(11, 16)]
-        assert [result["losses"][i] for i in range(11, 16)] == pytest.approx(expected, rel=1e-4)
+        losses = [result["losses"][i] for i in range(11, 16)]
+        TIMINGS[f"loss max rel diff {layout}"] = max(
+            abs(a - b) / abs(b) for a, b in zip(losses, expected))
+        assert losses == pytest.approx(expected, rel=1e-4)
+
+
+def _model_only_checkpoint_then_load(rank, world_size, source, target, argv):
+    """Write `source`'s model, as full tensors, the way a converter does (no optimizer, no
+    progress, no RNG); then load it without and with --finetune."""
+    from megatron_smp.checkpointing import CheckpointError, save_checkpoint
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.parallel_state import build_parallel_state
+
+    metadata = dcp.read_checkpoint_metadata(source)
+    model = {key[len("model."):]: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    dcp.load({"model": model}, checkpoint_id=source)
+    save_checkpoint(0, {"model": model}, target, build_parallel_state(ParallelConfig()),
+                    save_rng=False)
+    try:
+        _train(rank, world_size, argv + ["--load", target])
+        message = None
+    except CheckpointError as error:
+        message = str(error)
+    finetuned = _train(rank, world_size, argv + ["--load", target, "--finetune"], probe=True)
+    return message, finetuned
+
+
+def test_model_only_checkpoint_needs_no_load_optim_or_finetune(saved, tmp_path):
+    argv = COMMON + ["--train-iters", "2"]
+    message, finetuned = run_distributed(
+        _model_only_checkpoint_then_load, 1,
+        args=(os.path.join(saved["load10"], "iter_0000010"), str(tmp_path / "hf"), argv))[0]
+    assert message is not None and "holds no optimizer state" in message
+    assert "--no-load-optim" in message and "--finetune" in message
+    logits = torch.from_numpy(finetuned["logits"][("load", 0)])
+    assert (logits - saved["logits10"]).abs().max().item() < 1e-5
+    assert sorted(finetuned["losses"]) == [1, 2]  # --finetune restarts at iteration 0
 
 
 def test_mismatched_model_is_a_clear_error_on_every_rank(saved):
@@ -184,6 +226,32 @@ def test_dp2_distributed_optimizer_torch_format_resume(tmp_path):
     errors = run_distributed(_train, 1, args=(short + ["--load", load_dir],),
                              allow_errors=True)
     assert "'torch' format" in errors[0] and "'world_size': 2" in errors[0], errors[0][-2000:]
+
+
+FP16 = COMMON + ["--train-iters", "6", "--fp16", "--initial-loss-scale", "4096",
+                 "--loss-scale-window", "2"]
+
+
+def test_fp16_resume_restores_main_params_and_loss_scale(tmp_path):
+    """Float16 optimizer (fp32 main params) and a growing dynamic loss scale, at DP=2;
+    the same checkpoint also loads into the distributed optimizer."""
+    save_dir = str(tmp_path / "fp16")
+    straight = run_distributed(
+        _train, 2, args=(FP16 + ["--save", save_dir, "--save-interval", "3"],))
+    load_dir = _checkpoint_at(save_dir, 3, tmp_path / "load3")
+    resumed = run_distributed(_train, 2, args=(FP16 + ["--load", load_dir],))
+    expected = {i: straight[0]["losses"][i] for i in (4, 5, 6)}
+    for result in resumed:
+        assert result["losses"] == expected
+    scale = [line.split("loss scale:")[1].split("|")[0] for line in straight[0]["log_lines"]]
+    resumed_scale = [line.split("loss scale:")[1].split("|")[0]
+                     for line in resumed[0]["log_lines"]]
+    assert scale[-1] == resumed_scale[-1] and float(scale[-1]) > 4096
+    distributed = run_distributed(
+        _train, 2, args=(FP16 + ["--load", load_dir, "--use-distributed-optimizer"],))
+    for result in distributed:
+        assert [result["losses"][i] for i in (4, 5, 6)] == pytest.approx(
+            [expected[i] for i in (4, 5, 6)], rel=1e-4)
 
 
 def test_missing_load_dir_starts_from_scratch(tmp_path):
