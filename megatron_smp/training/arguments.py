@@ -65,6 +65,7 @@ _FLAGS: List[_Flag] = [
     _f("--normalization", "model", choices=["LayerNorm", "RMSNorm"], default="LayerNorm"),
     _f("--norm-epsilon", "model", "layernorm_epsilon", type=float, default=1e-5),
     _f("--swiglu", None, "swiglu", action="store_true"),
+    _f("--openai-gelu", None, "openai_gelu", action="store_true"),
     _f("--position-embedding-type", "model", choices=_CHOICES_POSITION,
        default="learned_absolute"),
     _f("--use-rotary-position-embeddings", None, "use_rotary_position_embeddings",
@@ -265,6 +266,10 @@ def parse_args(
         if model.get("ffn_hidden_size") is None:
             # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
+    if args.openai_gelu:
+        if args.swiglu:
+            raise ConfigError("--openai-gelu and --swiglu are mutually exclusive; pick one")
+        model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
     if args.disable_bias_linear:
         model["add_bias_linear"] = False
     if args.group_query_attention:

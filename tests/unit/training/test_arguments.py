@@ -28,6 +28,12 @@ def test_flags_fill_the_configs():
     assert model.max_position_embeddings == 32
 
 
+def test_openai_gelu_selects_gpt2_activation():
+    assert parse_args(BASE + ["--openai-gelu"]).model.activation == "gelu_tanh"
+    with pytest.raises(ConfigError, match="--openai-gelu"):
+        parse_args(BASE + ["--openai-gelu", "--swiglu"])
+
+
 def test_args_defaults_from_entry_script():
     configs = parse_args(BASE, args_defaults={"normalization": "RMSNorm", "swiglu": True})
     assert configs.model.normalization == "RMSNorm" and configs.model.gated_linear_unit
