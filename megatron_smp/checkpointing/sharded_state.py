@@ -244,10 +244,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _param_ranges(megatron_optimizer) -> Iterator[Tuple[torch.nn.Parameter, torch.Tensor, int]]:
     """(model param, main param, start of the main param in the flattened model param)."""
-    range_of = getattr(megatron_optimizer, "_param_range", None)
-    for model_param, main_param in megatron_optimizer.param_pairs:
-        start = range_of(model_param).start if range_of is not None else 0
-        yield model_param, main_param, start
+    if hasattr(megatron_optimizer, "param_shards"):  # the distributed optimizer
+        for shard in megatron_optimizer.param_shards():
+            yield shard["param"], shard["main_param"], shard["range"].start
+    else:
+        for model_param, main_param in megatron_optimizer.param_pairs:
+            yield model_param, main_param, 0
 
 
 def optimizer_sharded_state_dict(

@@ -240,6 +240,8 @@ def test_fp16_resume_restores_main_params_and_loss_scale(tmp_path):
         _train, 2, args=(FP16 + ["--save", save_dir, "--save-interval", "3"],))
     load_dir = _checkpoint_at(save_dir, 3, tmp_path / "load3")
     resumed = run_distributed(_train, 2, args=(FP16 + ["--load", load_dir],))
+    TIMINGS["save dp2 fp16 torch_dist (sync)"] = max(max(r["save_s"]) for r in straight)
+    TIMINGS["load dp2 fp16 torch_dist"] = max(r["load_s"][0] for r in resumed)
     expected = {i: straight[0]["losses"][i] for i in (4, 5, 6)}
     for result in resumed:
         assert result["losses"] == expected
