@@ -265,3 +265,27 @@ def test_missing_load_dir_starts_from_scratch(tmp_path):
 
 def test_report_timings():
     print("\ncheckpoint timings / figures:", TIMINGS)
+
+
+@pytest.mark.parametrize("dim,stride,row_limit", [(0, 2, None), (1, 1, None), (0, 1, 13)])
+def test_flat_ranges_tile_the_global_tensor(dim, stride, row_limit):
+    """Distributed-optimizer ranges of TP shards (strided fused weights, trimmed vocab rows)
+    land exactly on the TP=1 tensor."""
+    from megatron_smp.checkpointing.sharded_state import ParamLayout, describe
+    from megatron_smp.models.sharding import split_tensor
+
+    tp_size, full = 2, torch.arange(16 * 6, dtype=torch.float32).view(16, 6)
+    global_shape = (row_limit or 16, 6)
+    rebuilt = torch.full(global_shape, -1.0)
+    for tp_rank in range(tp_size):
+        local = split_tensor(full, dim, stride, tp_size, tp_rank)
+        layout = ParamLayout("w", local.shape, global_shape, dim, stride, tp_rank, tp_size,
+                             row_limit, tied_copy=False)
+        flat = local.reshape(-1)
+        for start, end in ((0, 7), (7, 30), (30, flat.numel())):  # uneven "DP" ranges
+            view = describe(layout, flat[start:end], start)
+            for offsets, chunk in view.chunks if view is not None else []:
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))
+                assert (rebuilt[index] == -1).all()  # every element written once
+                rebuilt[index] = chunk
+    assert torch.equal(rebuilt, full[: global_shape[0]])
