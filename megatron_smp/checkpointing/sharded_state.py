@@ -166,7 +166,9 @@ def _flat_index(index: Sequence[int], shape: Sequence[int]) -> int:
     return flat
 
 
-def describe(layout: ParamLayout, flat: torch.Tensor, start: int = 0) -> Optional[ShardedTensorView]:
+def describe(
+    layout: ParamLayout, flat: torch.Tensor, start: int = 0
+) -> Optional[ShardedTensorView]:
     """`flat` holds elements [start, start + numel) of the TP-local tensor: its global view.
 
     None when nothing of it is in the checkpoint (e.g. only vocab padding rows).

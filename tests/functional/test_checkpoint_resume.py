@@ -27,8 +27,9 @@ def _logits(run):
     from megatron_smp.pipeline_parallel.schedules import get_forward_backward_func
 
     state, training = run.state, run.configs.training
-    tokens = torch.randint(0, run.configs.model.vocab_size, (training.micro_batch_size,
-                           training.seq_length), generator=torch.Generator().manual_seed(PROBE_SEED))
+    shape = (training.micro_batch_size, training.seq_length)
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    tokens = torch.randint(0, run.configs.model.vocab_size, shape, generator=generator)
     captured = []
 
     def forward_step(data_iterator, model):
