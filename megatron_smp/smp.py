@@ -160,6 +160,16 @@ def _parallel_config(values: Dict[str, Any], world_size: int) -> ParallelConfig:
     )
 
 
+def parse_smp_config(
+    config: Union[None, str, os.PathLike, Dict[str, Any]], world_size: int
+) -> tuple:
+    """Read and validate SMP v2 keys: (keys the user set, all values with defaults,
+    the ParallelConfig they describe). Raises ConfigError naming the key."""
+    user = _read_config(config)
+    values = _validate(user, world_size)
+    return set(user), values, _parallel_config(values, world_size)
+
+
 def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     """Initialise SMP from a dict or JSON file of SMP v2 keys (see `_SMP_KEYS`).
 
@@ -170,10 +180,7 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     global _initialized
     from megatron_smp.tensor_parallel.random import model_parallel_seed
 
-    user = _read_config(config)
-    world_size = launcher_world_size()
-    values = _validate(user, world_size)
-    parallel_config = _parallel_config(values, world_size)
+    _, values, parallel_config = parse_smp_config(config, launcher_world_size())
     parallel_state = build_parallel_state(parallel_config)
     model_parallel_seed(values["random_seed"], parallel_state)
 

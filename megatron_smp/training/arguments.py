@@ -106,6 +106,9 @@ _FLAGS: List[_Flag] = [
     _f("--ddp-average-in-collective", "optimizer", action="store_true"),
     _f("--distributed-backend", None, "distributed_backend", choices=["nccl", "gloo"]),
     _f("--distributed-timeout-minutes", None, "distributed_timeout_minutes", type=int, default=10),
+    _f("--smp-config", None, "smp_config", metavar="JSON",
+       help="SMP v2 configuration (a JSON file or inline JSON object); its keys override "
+       "the matching flags"),
     # Batch.
     _f("--micro-batch-size", "training", type=int, default=1),
     _f("--global-batch-size", "training", type=int),
@@ -228,6 +231,37 @@ class Configs:
         return out
 
 
+# SMP v2 key -> (config section, field) it sets when the user gives it.
+_SMP_TO_FLAGS = {
+    "tensor_parallel_degree": ("parallel", "tensor_model_parallel_size"),
+    "pipeline_parallel_degree": ("parallel", "pipeline_model_parallel_size"),
+    "context_parallel_degree": ("parallel", "context_parallel_size"),
+    "expert_parallel_degree": ("parallel", "expert_model_parallel_size"),
+    "hybrid_shard_degree": ("parallel", "hybrid_shard_degree"),
+    "shard_optimizer_state": ("optimizer", "use_distributed_optimizer"),
+    "random_seed": ("training", "seed"),
+}
+
+
+def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]]) -> None:
+    """Merge the keys of an SMP v2 JSON config over the parsed flags (validated by smp)."""
+    import json
+
+    from megatron_smp.parallel_state import launcher_world_size
+    from megatron_smp.smp import parse_smp_config
+
+    source: Any = text
+    if text.lstrip().startswith("{"):
+        try:
+            source = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--smp-config is not valid JSON: {error}") from None
+    given, values, _ = parse_smp_config(source, launcher_world_size())
+    for key in given & set(_SMP_TO_FLAGS):
+        section, name = _SMP_TO_FLAGS[key]
+        sections[section][name] = values[key]
+
+
 def parse_args(
     argv: Optional[Sequence[str]] = None,
     extra_args_provider: Optional[Callable] = None,
@@ -293,6 +327,8 @@ def parse_args(
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
     extra: Dict[str, Any] = {}
+    if args.smp_config:
+        _apply_smp_config(args.smp_config, sections)
 
     if args.lr_warmup_fraction is not None:
         decay = sections["optimizer"].get("lr_decay_iters") or training["train_iters"]

@@ -96,3 +96,17 @@ def test_lr_schedule(style):
         assert lrs[5] == pytest.approx(mid)
     assert opt.param_groups[1]["weight_decay"] == 0.0
     assert opt.param_groups[0]["weight_decay"] == 0.5
+
+
+def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    path = tmp_path / "smp.json"
+    path.write_text('{"tensor_parallel_degree": 2, "shard_optimizer_state": true, '
+                    '"random_seed": 99}')
+    configs = parse_args(BASE + ["--smp-config", str(path), "--global-batch-size", "4"])
+    assert configs.parallel.tensor_model_parallel_size == 2
+    assert configs.optimizer.use_distributed_optimizer and configs.training.seed == 99
+    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
+        parse_args(BASE + ["--smp-config", '{"tensor_parallel_degree": "two"}'])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        parse_args(BASE + ["--smp-config", '{"tensor_parallel": 2}'])
