@@ -10,9 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    .venv/bin/pip install -q torch
+    .venv/bin/pip install -q torch 2>&1 | grep -v "^WARNING: Location" || true
   else
-    .venv/bin/pip install -q torch==2.13.0
+    .venv/bin/pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   fi
 fi
 .venv/bin/pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
