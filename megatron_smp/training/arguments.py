@@ -166,6 +166,8 @@ _FLAGS: List[_Flag] = [
     _f("--save-interval", "checkpoint", type=int),
     _f("--no-load-optim", "checkpoint", action="store_true"),
     _f("--no-load-rng", "checkpoint", action="store_true"),
+    _f("--no-save-optim", "checkpoint", action="store_true"),
+    _f("--no-save-rng", "checkpoint", action="store_true"),
     _f("--finetune", "checkpoint", action="store_true"),
     _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch"], default="torch_dist"),
     _f("--async-save", "checkpoint", action="store_true"),
@@ -183,7 +185,7 @@ _IGNORED_SWITCHES = [
     "--log-num-zeros-in-grad", "--accumulate-allreduce-grads-in-fp32",
     "--attention-softmax-in-fp32", "--no-query-key-layer-scaling", "--use-contiguous-buffers-in-local-ddp",
     "--manual-gc", "--no-create-attention-mask-in-dataloader", "--use-checkpoint-args",
-    "--no-persist-layer-norm", "--no-save-optim", "--no-save-rng",
+    "--no-persist-layer-norm",
 ]
 _IGNORED_VALUES = [
     "--transformer-impl", "--DDP-impl", "--timing-log-level", "--tensorboard-log-interval",
