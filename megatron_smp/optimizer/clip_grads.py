@@ -13,10 +13,7 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-
-def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """TP-split params are distinct on every TP rank; replicated ones count on rank 0 only."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+from megatron_smp.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
