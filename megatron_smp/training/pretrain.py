@@ -112,47 +112,42 @@ def _schedule_hooks(run: _Run) -> ScheduleHooks:
     )
 
 
-def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
+                  num_microbatches: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+    """One global batch through this layout's schedule; the per-microbatch loss reports."""
     configs = run.configs
-    for chunk in run.model:
-        chunk.zero_grad_buffer()
-    run.optimizer.zero_grad()
     forward_backward = get_forward_backward_func(
         run.state.pp_size, virtual=len(run.model) > 1, schedule=configs.training.pipeline_schedule
     )
-    reports = forward_backward(
+    return forward_backward(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=run.model,
         num_microbatches=num_microbatches,
         seq_length=configs.training.seq_length,
         micro_batch_size=configs.training.micro_batch_size,
-        forward_only=False,
-        hooks=_schedule_hooks(run),
+        forward_only=forward_only,
+        hooks=None if forward_only else _schedule_hooks(run),
     )
+
+
+def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     update_successful, grad_norm, _ = run.optimizer.step()
     return reports, update_successful, grad_norm
 
 
 def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
              num_microbatches: int) -> Dict[str, float]:
-    configs = run.configs
     for chunk in run.model:
         chunk.eval()
-    forward_backward = get_forward_backward_func(
-        run.state.pp_size, virtual=len(run.model) > 1, schedule=configs.training.pipeline_schedule
-    )
     all_reports: List[Dict[str, torch.Tensor]] = []
     for _ in range(eval_iters):
-        all_reports += forward_backward(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=run.model,
-            num_microbatches=num_microbatches,
-            seq_length=configs.training.seq_length,
-            micro_batch_size=configs.training.micro_batch_size,
-            forward_only=True,
-        )
+        all_reports += _run_schedule(run, forward_step_func, data_iterator, num_microbatches,
+                                     True)
     for chunk in run.model:
         chunk.train()
     return _reduce_reports(all_reports, run.state)

@@ -74,3 +74,43 @@ def test_bad_config_exits_on_every_rank_with_one_message(tmp_path):
     message = "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"
     assert (proc.stdout + proc.stderr).count(message) == 1, proc.stderr[-3000:]
     assert "megatron_smp/config.py" not in proc.stderr  # no stack trace, just the message
+
+
+def _train_with_eval(rank, world_size, argv):
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    return result.valid_losses, result.log_lines
+
+
+def test_validation_log_line_and_tensorboard(tmp_path):
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = [a if a != "100" else "5" for a in COMMON]  # --eval-interval 5
+    single = run_distributed(_train_with_eval, 1, args=(argv,))[0][0]
+    board = str(tmp_path / "tb")
+    results = run_distributed(
+        _train_with_eval, 2,
+        args=(argv + ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", board],),
+    )
+    for valid, _ in results:
+        assert sorted(valid) == [5, 10]
+        for it in valid:
+            assert valid[it]["lm loss"] == pytest.approx(single[it]["lm loss"], rel=1e-5)
+    lines = results[1][1]
+    train_line = next(line for line in lines if line.startswith(" iteration"))
+    assert re.match(
+        r" iteration +5/ +10 \| consumed samples: +40 \| elapsed time per iteration \(ms\): "
+        r"[\d.]+ \|.* learning rate: [\d.]+E[-+]\d+ \| global batch size: +8 \| "
+        r"lm loss: [\d.]+E\+00 \| loss scale: 1\.0 \| grad norm: [\d.]+ \| "
+        r"number of skipped iterations: +0 \| number of nan iterations: +0 \|", train_line)
+    assert any("validation loss at iteration 10 | lm loss value:" in line for line in lines)
+    events = EventAccumulator(board)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation",
+            "lm loss validation ppl"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [5, 10]
