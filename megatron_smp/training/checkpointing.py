@@ -173,6 +173,35 @@ def _find_iteration(run) -> Optional[int]:
     return None
 
 
+# TransformerConfig fields that change the function a model computes without changing any
+# tensor shape: a checkpoint trained with other values would load silently and be wrong.
+ARCHITECTURE_FIELDS = (
+    "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
+    "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
+    "apply_query_key_layer_scaling",
+)
+
+
+def check_architecture_matches(path: str, model_config) -> None:
+    """Compare the saved model config (common.json) with this run's; raise naming every
+    field that differs. Checkpoints without a saved model config are not checked."""
+    try:
+        with open(os.path.join(path, COMMON_FILENAME)) as handle:
+            saved = (json.load(handle).get("config") or {}).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # the engine reports an unreadable common.json when it loads
+    differences = [
+        f"{name}: checkpoint {saved[name]!r} vs flags {getattr(model_config, name)!r}"
+        for name in ARCHITECTURE_FIELDS
+        if name in saved and saved[name] != getattr(model_config, name)
+    ]
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with a different model architecture; change the "
+            "flags to match it: " + "; ".join(differences)
+        )
+
+
 def load(run, tokenizer=None) -> None:
     """Restore --load into `run` (collective): model always; optimizer, grad scaler and
     scheduler unless --no-load-optim / --finetune; progress counters unless --finetune;
@@ -183,6 +212,7 @@ def load(run, tokenizer=None) -> None:
         return
     start = time.perf_counter()
     path = checkpoint_dir(config.load, iteration)
+    check_architecture_matches(path, run.configs.model)
     saved = _saved_top_level_keys(path, run.state)
     load_optimizer = not (config.no_load_optim or config.finetune)
     if load_optimizer and saved is not None and "optimizer" not in saved:

@@ -1,0 +1,34 @@
+import json
+
+import pytest
+
+from megatron_smp.checkpointing import COMMON_FILENAME
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.training.checkpointing import check_architecture_matches
+
+
+def _config(**changes):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1000,
+                max_position_embeddings=32)
+    base.update(changes)
+    return TransformerConfig(**base)
+
+
+def test_non_shape_architecture_change_is_an_error(tmp_path):
+    saved = _config(normalization="RMSNorm", rotary_base=500000.0)
+    common = {"config": {"model": {"normalization": saved.normalization,
+                                   "rotary_base": saved.rotary_base,
+                                   "activation": saved.activation}}}
+    (tmp_path / COMMON_FILENAME).write_text(json.dumps(common))
+    check_architecture_matches(str(tmp_path), saved)  # same: fine
+    with pytest.raises(ConfigError) as info:
+        check_architecture_matches(str(tmp_path), _config(activation="gelu_tanh"))
+    message = str(info.value)
+    assert "normalization: checkpoint 'RMSNorm' vs flags 'LayerNorm'" in message
+    assert "rotary_base: checkpoint 500000.0 vs flags 10000.0" in message
+    assert "activation: checkpoint 'gelu' vs flags 'gelu_tanh'" in message
+
+
+def test_checkpoint_without_model_config_is_not_checked(tmp_path):
+    (tmp_path / COMMON_FILENAME).write_text(json.dumps({"config": None}))
+    check_architecture_matches(str(tmp_path), _config())
