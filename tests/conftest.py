@@ -1,0 +1,12 @@
+"""Suite-wide hygiene: a test that initialises torch.distributed in the pytest process
+(single-process runs need no launcher) must not leak that process group into later tests,
+which would then see its world size instead of the launcher environment they set up."""
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
