@@ -6,6 +6,8 @@ training loop:
     state_dict = {"model": sharded_state_dict(model, state), "optimizer": ..., "args": {...}}
     save_checkpoint(iteration, state_dict, cfg.save, state, async_save=cfg.async_save,
                     config=all_configs, ckpt_format=cfg.ckpt_format, save_rng=not cfg.no_save_rng)
+    wait_for_staging()                           # with stage_in_background=True: before
+                                                 # the tensors are next modified (step)
     maybe_finalize_async_calls(blocking=False)   # every iteration, on every rank (collective)
     maybe_finalize_async_calls(blocking=True)    # before exit / destroy_process_group: an
                                                  # unfinalised save is written but never current
@@ -28,12 +30,14 @@ from megatron_smp.distributed.checkpoint import (
     CheckpointError,
     maybe_finalize_async_calls,
     sharded_state_dict,
+    wait_for_staging,
 )
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "maybe_finalize_async_calls",
+    "wait_for_staging",
     "read_tracker",
     "complete_iterations",
     "checkpoint_dir",

@@ -33,14 +33,13 @@ from megatron_smp.checkpointing.rng import (
 )
 from megatron_smp.distributed import checkpoint as dcp
 from megatron_smp.distributed.checkpoint.agreement import is_distributed, raise_if_any_rank_failed
-from megatron_smp.distributed.checkpoint.async_queue import (
-    DEFAULT_ASYNC_QUEUE,
-    AsyncCallsQueue,
-    AsyncRequest,
-)
+from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue
 from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView
 from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
-from megatron_smp.distributed.checkpoint.state_dict_saver import check_state_dict, stage_to_cpu
+from megatron_smp.distributed.checkpoint.state_dict_saver import (
+    check_state_dict,
+    schedule_staged_write,
+)
 from megatron_smp.distributed.checkpoint.storage import CheckpointError, maybe_test_write_delay
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -140,6 +139,7 @@ def save_checkpoint(
     ckpt_format: str = "torch_dist",
     save_rng: bool = True,
     queue: Optional[AsyncCallsQueue] = None,
+    stage_in_background: bool = False,
 ) -> None:
     """Save `state_dict` (or what the callable returns) as iteration `iteration`; collective.
 
@@ -147,6 +147,8 @@ def save_checkpoint(
     values plain data. With `async_save`, returns after copying tensors to CPU memory; the
     checkpoint becomes current -- and `finalize_fn` runs -- in a later
     `maybe_finalize_async_calls` (same `queue`) once every rank has finished writing.
+    `stage_in_background` (with `async_save`): return before that copy, which then runs on the
+    writer thread; the tensors must not be modified until `queue.wait_for_staging()` returns.
     `config` (dataclasses, dicts, plain values) is stored as JSON in common.json.
     """
     if callable(state_dict):
@@ -188,7 +190,8 @@ def save_checkpoint(
     if ckpt_format == "torch_dist":
         if async_save:
             dcp.async_save(
-                full_state_dict, checkpoint_id=staging_dir, queue=queue, finalize_fns=finalize_fns
+                full_state_dict, checkpoint_id=staging_dir, queue=queue,
+                finalize_fns=finalize_fns, stage_in_background=stage_in_background,
             )
             return
         dcp.save(full_state_dict, checkpoint_id=staging_dir)
@@ -196,15 +199,13 @@ def save_checkpoint(
         path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
         payload = _torch_payload(full_state_dict)
         if async_save:
-            buffers = queue.borrow_staging_buffers()
-            staged = stage_to_cpu(payload, buffers)
-            queue.schedule_async_request(
-                AsyncRequest(
-                    async_fn=lambda: _torch_save(staged, path),
-                    finalize_fns=finalize_fns,
-                    cleanup_fns=[queue.return_staging_buffers] if buffers is not None else [],
-                    description=f"asynchronous save of {path}",
-                )
+            schedule_staged_write(
+                payload,
+                lambda staged: _torch_save(staged, path),
+                queue,
+                stage_in_background=stage_in_background,
+                finalize_fns=finalize_fns,
+                description=f"asynchronous save of {path}",
             )
             return
         _agreed(lambda: _torch_save(payload, path), f"saving {staging_dir}")

@@ -3,6 +3,7 @@
     checkpointing.load(run, tokenizer)   # before the data loaders: restores the model,
                                          # optimizer, scheduler, progress counters and RNG
     checkpointing.save(run)              # at --save-interval and at the end
+    checkpointing.wait_for_staging(run)  # in train_step, before optimizer.step()
     checkpointing.poll(run)              # every iteration: publishes finished async saves
     checkpointing.finalize(run)          # at exit: waits for the last async save
 
@@ -44,7 +45,12 @@ from megatron_smp.checkpointing.sharded_state import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
-from megatron_smp.distributed.checkpoint.agreement import collective_device, is_distributed
+from megatron_smp.distributed.checkpoint.agreement import (
+    collective_device,
+    is_distributed,
+    raise_if_any_rank_failed,
+)
+from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
 
 PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")
 
@@ -76,12 +82,16 @@ def _state_dict(run, tied_copies: bool, optimizer: bool, scheduler: bool,
 
 
 def save(run) -> None:
-    """Save iteration `run.iteration` to --save (collective). With --async-save, returns once
-    the state is copied to CPU memory; an earlier async save is finished first."""
+    """Save iteration `run.iteration` to --save (collective). With --async-save, returns at
+    once: the copy to CPU memory runs in the background until `wait_for_staging(run)`, the
+    write after it; an earlier async save is finished first."""
     config = run.configs.checkpoint
     if config.async_save:
         maybe_finalize_async_calls(blocking=True)
-    for chunk in run.model:  # with --overlap-param-gather, params may still be in flight
+    # With --overlap-param-gather, the last step's all-gathers may still be writing params:
+    # finish them now, so nothing but the next optimizer.step() modifies the saved tensors
+    # (the next forward's pre-hooks then find no gather in flight).
+    for chunk in run.model:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     start = time.perf_counter()
@@ -103,13 +113,29 @@ def save(run) -> None:
         config=run.configs.to_dict(),
         ckpt_format=config.ckpt_format,
         save_rng=not config.no_save_rng,
+        stage_in_background=config.async_save,
     )
-    how = "staged for an asynchronous write" if config.async_save else "saved"
+    how = "scheduled for an asynchronous write" if config.async_save else "saved"
     _print_rank_0(
         run,
         f"checkpoint of iteration {run.iteration} {how} to {config.save} in "
         f"{time.perf_counter() - start:.2f} s",
     )
+
+
+def wait_for_staging(run) -> None:
+    """Block until an --async-save has copied the state to CPU memory (collective once per
+    save, a no-op otherwise). Call it before anything modifies params or optimizer state:
+    forward and backward do not, `optimizer.step()` does. A failed copy is raised on every
+    rank."""
+    if not run.configs.checkpoint.async_save or not DEFAULT_ASYNC_QUEUE.has_unchecked_staging():
+        return
+    error = None
+    try:
+        DEFAULT_ASYNC_QUEUE.wait_for_staging()
+    except CheckpointError as caught:
+        error = caught
+    raise_if_any_rank_failed(error, None, "copying the checkpoint to CPU memory")
 
 
 def poll(run) -> None:
@@ -250,4 +276,4 @@ def load(run, tokenizer=None) -> None:
     )
 
 
-__all__ = ["save", "load", "poll", "finalize", "PROGRESS_KEYS"]
+__all__ = ["save", "load", "wait_for_staging", "poll", "finalize", "PROGRESS_KEYS"]

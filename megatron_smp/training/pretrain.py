@@ -136,6 +136,12 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
+    if run.configs.checkpoint.async_save:
+        from megatron_smp.training.checkpointing import wait_for_staging
+
+        # The last --async-save may still be copying params and optimizer state to CPU
+        # memory; step() is the first thing to modify them.
+        wait_for_staging(run)
     update_successful, grad_norm, _ = run.optimizer.step()
     return reports, update_successful, grad_norm
 

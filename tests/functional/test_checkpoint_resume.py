@@ -113,7 +113,7 @@ def saved(tmp_path_factory):
     save_dir = str(root / "tp2pp2dp2")
     argv = TRAIN + TP2_PP2_DP2 + ["--save", save_dir, "--save-interval", "10", "--async-save"]
     results = run_distributed(_train, 8, args=(argv,), kwargs={"probe": True}, timeout=300)
-    TIMINGS["save tp2pp2dp2 (async, staging)"] = max(max(r["save_s"]) for r in results)
+    TIMINGS["save tp2pp2dp2 (async, blocked)"] = max(max(r["save_s"]) for r in results)
     return {
         "losses": results[0]["losses"],
         "logits10": _probe(results, ("save", 10)),
@@ -212,11 +212,17 @@ def test_mismatched_model_is_a_clear_error_on_every_rank(saved):
 
 
 def test_dp2_distributed_optimizer_torch_format_resume(tmp_path):
+    """Also: an --async-save whose (slowed) copy to CPU memory runs in the background during
+    the next forward and backward, with --overlap-param-gather, holds exactly the state of
+    its iteration -- train_step waits for the copy before optimizer.step()."""
+    from megatron_smp.distributed.checkpoint.storage import TEST_STAGING_DELAY_ENV
+
     save_dir = str(tmp_path / "dp2")
     short = COMMON + ["--train-iters", "6", "--use-distributed-optimizer",
-                      "--ckpt-format", "torch"]
+                      "--overlap-param-gather", "--ckpt-format", "torch"]
     straight = run_distributed(
-        _train, 2, args=(short + ["--save", save_dir, "--save-interval", "3"],))
+        _train, 2, args=(short + ["--save", save_dir, "--save-interval", "3", "--async-save"],),
+        env={TEST_STAGING_DELAY_ENV: "0.01"})  # seconds per tensor copied
     load_dir = _checkpoint_at(save_dir, 3, tmp_path / "load3")
     resumed = run_distributed(_train, 2, args=(short + ["--load", load_dir],))
     TIMINGS["save dp2 torch format"] = max(max(r["save_s"]) for r in straight)

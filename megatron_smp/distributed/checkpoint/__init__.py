@@ -3,6 +3,8 @@
     from megatron_smp.distributed import checkpoint as dcp
     dcp.save(state_dict, checkpoint_id=path)                     # every rank writes its shards
     dcp.async_save(state_dict, checkpoint_id=path)               # returns after a CPU copy
+    dcp.async_save(state_dict, checkpoint_id=path, stage_in_background=True)  # returns at once,
+    dcp.wait_for_staging()                                       # ... until here (before step)
     dcp.maybe_finalize_async_calls(blocking=False)               # once per training step
     dcp.load(state_dict, checkpoint_id=path)                     # in place, resharding
 
@@ -13,6 +15,7 @@ from megatron_smp.distributed.checkpoint.async_queue import (
     AsyncCallsQueue,
     AsyncRequest,
     maybe_finalize_async_calls,
+    wait_for_staging,
 )
 from megatron_smp.distributed.checkpoint.sharding import (
     ShardedTensorView,
@@ -26,7 +29,12 @@ from megatron_smp.distributed.checkpoint.state_dict_loader import (
     load,
     read_checkpoint_metadata,
 )
-from megatron_smp.distributed.checkpoint.state_dict_saver import async_save, save, stage_to_cpu
+from megatron_smp.distributed.checkpoint.state_dict_saver import (
+    async_save,
+    save,
+    schedule_staged_write,
+    stage_to_cpu,
+)
 from megatron_smp.distributed.checkpoint.storage import (
     CheckpointError,
     SafeFileSystemReader,
@@ -38,6 +46,7 @@ __all__ = [
     "save",
     "async_save",
     "maybe_finalize_async_calls",
+    "wait_for_staging",
     "load",
     "AsyncCallsQueue",
     "AsyncRequest",
@@ -48,6 +57,7 @@ __all__ = [
     "flat_sharded_tensor",
     "sharded_state_dict",
     "stage_to_cpu",
+    "schedule_staged_write",
     "check_keys_against_checkpoint",
     "read_checkpoint_metadata",
     "read_dcp_metadata",

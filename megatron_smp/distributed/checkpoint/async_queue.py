@@ -1,10 +1,12 @@
 """Background checkpoint writes and their collective finalisation.
 
-An `AsyncRequest` is a function that writes already-staged (CPU) data, plus finalisation
-callbacks (publish the checkpoint, log). `AsyncCallsQueue` runs the writes one after another
-on a single worker thread -- so every rank issues the writes' collectives in the same order --
-and `maybe_finalize_async_calls` runs a request's callbacks only after all ranks agree (one
-all-reduce on the caller's group, from the caller's thread) that every rank's write finished.
+An `AsyncRequest` is a function that writes staged (CPU) data, plus finalisation callbacks
+(publish the checkpoint, log); optionally a staging function that first copies the data to CPU
+memory on the worker thread, which `wait_for_staging` waits for. `AsyncCallsQueue` runs the
+requests one after another on a single worker thread -- so every rank issues the writes'
+collectives in the same order -- and `maybe_finalize_async_calls` runs a request's callbacks
+only after all ranks agree (one all-reduce on the caller's group, from the caller's thread)
+that every rank's write finished.
 """
 from __future__ import annotations
 
@@ -28,17 +30,32 @@ from megatron_smp.distributed.checkpoint.storage import CheckpointError
 
 @dataclass
 class AsyncRequest:
-    """`async_fn` runs on the writer thread; `finalize_fns` run on the caller's thread after
-    every rank's `async_fn` has returned; `cleanup_fns` run in either case (e.g. release
-    staging buffers)."""
+    """`stage_fn` (optional) then `async_fn` run on the writer thread; `finalize_fns` run on
+    the caller's thread after every rank's `async_fn` has returned; `cleanup_fns` run in
+    either case (e.g. release staging buffers). `staged` completes when `stage_fn` has
+    returned (at once without one); a failed `stage_fn` fails the request too."""
 
     async_fn: Callable[[], None]
     finalize_fns: List[Callable[[], None]] = field(default_factory=list)
     cleanup_fns: List[Callable[[], None]] = field(default_factory=list)
     process_group: Optional[dist.ProcessGroup] = None
     description: str = "asynchronous checkpoint save"
+    stage_fn: Optional[Callable[[], None]] = None
     call_idx: int = -1
     future: Optional[concurrent.futures.Future] = None
+    staged: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    staging_checked: bool = False
+
+
+def _stage_then_write(request: AsyncRequest) -> None:
+    if request.stage_fn is not None:
+        try:
+            request.stage_fn()
+        except BaseException as error:
+            request.staged.set_exception(error)
+            raise
+        request.staged.set_result(None)
+    request.async_fn()
 
 
 class AsyncCallsQueue:
@@ -76,9 +93,38 @@ class AsyncCallsQueue:
                 max_workers=1, thread_name_prefix="megatron_smp_ckpt_writer"
             )
         request.call_idx = next(self._counter)
-        request.future = self._executor.submit(request.async_fn)
+        if request.stage_fn is None:
+            request.staged.set_result(None)
+            request.staging_checked = True
+        request.future = self._executor.submit(_stage_then_write, request)
         self._pending.append(request)
         return request.call_idx
+
+    def has_unchecked_staging(self) -> bool:
+        """Whether a pending request's staging has not been waited for yet (then training
+        must call `wait_for_staging` before modifying the tensors it saves)."""
+        return any(not request.staging_checked for request in self._pending)
+
+    def wait_for_staging(self) -> None:
+        """Block until every pending request's copy to CPU memory is complete; after it the
+        saved tensors may be modified. Not collective; cheap once nothing is being staged.
+
+        Requests run one after another, so a request scheduled while an earlier one is still
+        writing is staged after that write. Raises `CheckpointError` (once per request) if a
+        staging copy failed; that request's write does not run, and its finalisation raises
+        the same failure on every rank.
+        """
+        for request in list(self._pending):
+            if request.staging_checked:
+                continue
+            error = request.staged.exception()  # waits
+            request.staging_checked = True
+            if error is not None:
+                raise CheckpointError(
+                    f"{request.description}: copying the state to CPU memory failed: "
+                    f"{type(error).__name__}: {error} (asynchronous call {request.call_idx}); "
+                    "the tensors were not modified and may be updated"
+                ) from error
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._pending)
@@ -149,6 +195,12 @@ class AsyncCallsQueue:
 
 
 DEFAULT_ASYNC_QUEUE = AsyncCallsQueue()
+
+
+def wait_for_staging() -> None:
+    """Wait until the default queue's background-staged saves have copied their tensors to
+    CPU memory (see AsyncCallsQueue.wait_for_staging)."""
+    DEFAULT_ASYNC_QUEUE.wait_for_staging()
 
 
 def maybe_finalize_async_calls(blocking=True, process_group=None) -> List[int]:

@@ -2,9 +2,10 @@
 
 Both write DCP's file-system format (one data file per rank plus a `.metadata` written by the
 coordinator after every rank reported its writes). `async_save` copies every tensor to CPU
-memory before it returns, then the writes -- and the collectives DCP needs to plan them --
-run on a background thread over a dedicated gloo process group, so they can never interleave
-with the training thread's collectives.
+memory before it returns (or, with `stage_in_background`, on the writer thread until
+`wait_for_staging()`), then the writes -- and the collectives DCP needs to plan them -- run on
+a background thread over a dedicated gloo process group, so they can never interleave with
+the training thread's collectives.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from megatron_smp.distributed.checkpoint.storage import (
     HookedSavePlanner,
     check_plain_data,
     make_storage_writer,
+    maybe_test_staging_delay,
 )
 
 
@@ -172,17 +174,55 @@ def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[di
     return _CHECKPOINT_GROUPS[key]
 
 
-def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> Any:
-    """A CPU copy of a state dict that training may modify as soon as this returns.
+class _StagingCopies:
+    """The tensor copies of a planned staging, run by `run()` on any thread.
 
-    `buffers` (path -> tensor), when given, supplies reusable destination tensors and receives
-    new ones. DTensor and torch ShardedTensor values are staged as `ShardedTensorView`s with
-    the same chunks, which DCP writes in the same format.
+    With `record_ready()` called on the training thread, an accelerator copy runs on a side
+    stream that first waits for the work queued before that call, so a background copy sees
+    the values at call time and does not serialise with later training kernels.
     """
+
+    def __init__(self) -> None:
+        self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (CPU destination, source)
+        self.ready_event = None
+
+    def _cuda_sources(self) -> List[torch.Tensor]:
+        return [src for _, src in self.pairs if src.device.type == "cuda"]
+
+    def record_ready(self) -> None:
+        sources = self._cuda_sources()
+        if sources:
+            self.ready_event = torch.cuda.Event()
+            self.ready_event.record(torch.cuda.current_stream(sources[0].device))
+
+    def run(self) -> None:
+        sources = self._cuda_sources()
+        if not sources:
+            for staged, tensor in self.pairs:
+                maybe_test_staging_delay()
+                staged.copy_(tensor)
+            return
+        device = sources[0].device
+        stream = torch.cuda.current_stream(device)
+        if self.ready_event is not None:
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(self.ready_event)
+        with torch.cuda.stream(stream):
+            for staged, tensor in self.pairs:
+                # Pinned destinations make these copies asynchronous; one sync at the end.
+                staged.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        stream.synchronize()
+
+
+def _plan_staging(
+    value: Any, buffers: Optional[Dict[Any, torch.Tensor]]
+) -> Tuple[Any, _StagingCopies]:
+    """The staged structure of `value` (CPU destination tensors, plain data deep-copied now)
+    and the copies that fill those tensors. Runs on the caller's thread."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    accelerator_copies = []
+    copies = _StagingCopies()
 
     def copy_tensor(tensor: torch.Tensor, path) -> torch.Tensor:
         tensor = tensor.detach()
@@ -193,9 +233,7 @@ def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) 
             staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             if buffers is not None:
                 buffers[path] = staged
-        if tensor.device.type != "cpu":
-            accelerator_copies.append(tensor)
-        staged.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        copies.pairs.append((staged, tensor))
         return staged
 
     def stage(obj, path):
@@ -222,10 +260,55 @@ def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) 
             return copy_tensor(obj, path)
         return copy.deepcopy(obj)
 
-    staged = stage(value, ())
-    if any(t.device.type == "cuda" for t in accelerator_copies):
-        torch.cuda.synchronize()
+    return stage(value, ()), copies
+
+
+def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> Any:
+    """A CPU copy of a state dict that training may modify as soon as this returns.
+
+    `buffers` (path -> tensor), when given, supplies reusable destination tensors and receives
+    new ones. DTensor and torch ShardedTensor values are staged as `ShardedTensorView`s with
+    the same chunks, which DCP writes in the same format.
+    """
+    staged, copies = _plan_staging(value, buffers)
+    copies.run()
     return staged
+
+
+def schedule_staged_write(
+    value: Any,
+    write: Callable[[Any], None],
+    queue: AsyncCallsQueue,
+    *,
+    stage_in_background: bool = False,
+    finalize_fns: Optional[List[Callable[[], None]]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    description: str = "asynchronous checkpoint save",
+) -> int:
+    """Stage `value` into `queue`'s reusable CPU buffers, then `write(staged)` on the writer
+    thread; returns the call index.
+
+    Without `stage_in_background` the tensor copies run now, so the caller may modify the
+    tensors when this returns. With it they run on the writer thread just before the write:
+    the caller must not modify the tensors until `queue.wait_for_staging()` returns (the
+    structure and plain values are captured now).
+    """
+    buffers = queue.borrow_staging_buffers()
+    staged, copies = _plan_staging(value, buffers)
+    if stage_in_background:
+        copies.record_ready()
+    else:
+        copies.run()
+    return queue.schedule_async_request(
+        AsyncRequest(
+            async_fn=lambda: write(staged),
+            stage_fn=copies.run if stage_in_background else None,
+            finalize_fns=list(finalize_fns or []),
+            cleanup_fns=[queue.return_staging_buffers] if buffers is not None else [],
+            process_group=process_group,
+            description=description,
+        )
+    )
 
 
 def async_save(
@@ -243,12 +326,18 @@ def async_save(
     s3_region: Optional[str] = None,
     s3client_config=None,
     finalize_fns: Optional[List[Callable[[], None]]] = None,
+    stage_in_background: bool = False,
 ) -> None:
     """Like `save`, but returns once the tensors are copied to CPU memory; collective.
 
     The write goes on in the background. `maybe_finalize_async_calls` (on the same `queue`)
     later agrees with all ranks that the write finished and then runs `finalize_fns` (our
     extension to the SMP signature: e.g. publish the checkpoint) in order.
+
+    `stage_in_background` (our extension): return before the copy to CPU memory, which then
+    runs on the writer thread. The tensors must not be modified until `wait_for_staging()`
+    (same `queue`) returns -- a training loop calls it just before `optimizer.step()`. The
+    state dict's structure and plain values are captured before this returns.
     """
     reject_s3(s3_region, s3client_config)
     _check_strategy(sharded_strategy)
@@ -257,20 +346,18 @@ def async_save(
     writer = _prepare(
         state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what
     )
-    buffers = queue.borrow_staging_buffers()
-    staged = stage_to_cpu(state_dict, buffers)
     writer_group = _checkpoint_group(process_group)
     planner = planner or HookedSavePlanner()
 
-    def write() -> None:
+    def write(staged) -> None:
         _run_dcp_save(staged, writer, planner, writer_group, coordinator_rank, what)
 
-    queue.schedule_async_request(
-        AsyncRequest(
-            async_fn=write,
-            finalize_fns=list(finalize_fns or []),
-            cleanup_fns=[queue.return_staging_buffers] if buffers is not None else [],
-            process_group=process_group,
-            description=what,
-        )
+    schedule_staged_write(
+        state_dict,
+        write,
+        queue,
+        stage_in_background=stage_in_background,
+        finalize_fns=finalize_fns,
+        process_group=process_group,
+        description=what,
     )

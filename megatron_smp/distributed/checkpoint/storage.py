@@ -38,6 +38,8 @@ METADATA_FILE = ".metadata"
 # file and then sleeps this many seconds per item, so a test can kill a save mid-write.
 TEST_WRITE_DELAY_ENV = "MEGATRON_SMP_CKPT_TEST_WRITE_DELAY"
 TEST_WRITE_MARKER_ENV = "MEGATRON_SMP_CKPT_TEST_WRITE_MARKER"
+# Test hook: when set, the staging copy to CPU memory sleeps this many seconds per tensor.
+TEST_STAGING_DELAY_ENV = "MEGATRON_SMP_CKPT_TEST_STAGING_DELAY"
 
 
 class CheckpointError(ConfigError):
@@ -184,6 +186,13 @@ def maybe_test_write_delay() -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         pathlib.Path(f"{marker}.rank{rank}").touch()
     time.sleep(float(delay))
+
+
+def maybe_test_staging_delay() -> None:
+    """Test hook, a no-op unless the env var is set: slow the staging copy down."""
+    delay = os.environ.get(TEST_STAGING_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
 
 
 class HookedSavePlanner(DefaultSavePlanner):
