@@ -204,10 +204,13 @@ class GPTDataset(torch.utils.data.Dataset):
 
 
 class MockIndexedDataset:
-    """Deterministic random documents standing in for an IndexedDataset (--mock-data).
+    """Deterministic documents standing in for an IndexedDataset (--mock-data).
 
-    Document i has 1..max_document_length random ids below the eod followed by the eod, all
-    drawn from a generator seeded by (seed, i), so any rank can recompute any document.
+    Document i has 1..max_document_length consecutive ids (start, start+1, ... wrapping below
+    the eod) from a random start, then the eod; the start and length come from a generator
+    seeded by (seed, i), so any rank can recompute any document. Like Megatron's mock data
+    the sequences are learnable (next id = this id + 1), so the loss of a test run falls well
+    below ln(vocab) and runs compared against each other follow a real trajectory.
     """
 
     def __init__(
@@ -228,7 +231,8 @@ class MockIndexedDataset:
         rng = np.random.RandomState((self.seed * 1_000_003 + index) % 2**32)
         # Ids avoid the eod so that documents end exactly where the eod says.
         high = max(self.eod, 1) if 0 < self.eod < self.vocab_size else self.vocab_size
-        document = np.append(rng.randint(0, high, size=size - 1), self.eod)
+        start = rng.randint(0, high)
+        document = np.append((start + np.arange(size - 1)) % high, self.eod)
         if length is None:
             length = size - offset
         return document[offset : offset + length]
