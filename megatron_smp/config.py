@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -95,6 +95,15 @@ class ParallelConfig:
         )
 
 
+# TransformerConfig fields that change the function a model computes without changing any
+# tensor shape: weights trained under other values would load without error and be wrong.
+FUNCTION_FIELDS = (
+    "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
+    "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
+    "window_size",
+)
+
+
 @dataclass
 class TransformerConfig:
     """Shape and numerics of a decoder-only transformer (GPT, Llama, Mistral, Mixtral).
@@ -123,6 +132,10 @@ class TransformerConfig:
     rotary_percent: float = 1.0
     # GPT-NeoX: attention and MLP read the same input and add into one residual.
     parallel_residual: bool = False
+    # Sliding-window attention (Mistral), flash-attention's convention: query i attends to
+    # keys i - left .. i + right; left -1 = unbounded. A decoder needs right == 0. Mistral's
+    # `sliding_window` W is (W - 1, 0). None: full causal attention.
+    window_size: Optional[Tuple[int, int]] = None
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
     untie_embeddings_and_output_weights: bool = False
@@ -155,6 +168,8 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.window_size is not None:  # JSON (common.json, --smp-config) gives a list
+            self.window_size = tuple(int(v) for v in self.window_size)
 
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None) -> None:
         tp = parallel.tensor_model_parallel_size
@@ -196,6 +211,13 @@ class TransformerConfig:
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
+        if self.window_size is not None:
+            left, right = self.window_size
+            _require(
+                right == 0 and (left >= 0 or left == -1),
+                f"--window-size {left},{right}: a decoder attends only to the past, so it must "
+                "be LEFT,0 with LEFT >= 0 (or -1 for an unbounded window)",
+            )
         if seq_length is not None:
             _require(
                 self.position_embedding_type != "learned_absolute"

@@ -224,13 +224,11 @@ class TransformedModel(torch.nn.Module):
         the already-shifted targets).
     """
 
-    def __init__(self, module: torch.nn.Module, family: str,
-                 max_sequence_length: Optional[int] = None) -> None:
+    def __init__(self, module: torch.nn.Module, family: str) -> None:
         super().__init__()
         self.module = module
         self.family = family
         self.config: TransformerConfig = module.config
-        self.max_sequence_length = max_sequence_length
 
     def forward(
         self,
@@ -242,12 +240,6 @@ class TransformedModel(torch.nn.Module):
         from megatron_smp.models.gpt import gather_full_logits
 
         seq_length = input_ids.shape[1]
-        if self.max_sequence_length is not None and seq_length > self.max_sequence_length:
-            raise ConfigError(
-                f"{self.family}: sequences longer than sliding_window "
-                f"({self.max_sequence_length}) need sliding-window attention, which transform "
-                "does not implement; use shorter sequences"
-            )
         mask = _causal_mask_from_padding(attention_mask, seq_length)
         output = self.module(input_ids, position_ids=position_ids, attention_mask=mask,
                              labels=labels)
@@ -364,8 +356,7 @@ def transform(
         )
         module.load_state_dict(shard, strict=True)
 
-    window = getattr(model.config, "sliding_window", None) if family == "mistral" else None
-    return TransformedModel(module, family, max_sequence_length=window)
+    return TransformedModel(module, family)
 
 
 def _comm_device(device: torch.device) -> torch.device:

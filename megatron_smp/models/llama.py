@@ -60,9 +60,10 @@ def llama_config(
 
 
 def mistral_config(*args, **kwargs) -> TransformerConfig:
-    """Mistral-7B shape conventions are Llama's with 8 query groups; sliding-window attention
-    is not modelled (exact for sequences up to the window)."""
+    """Mistral-7B conventions: Llama's with 8 query groups and v0.1's 4096-token sliding
+    window (pass window_size=None for v0.2 and later, which attend to the whole context)."""
     kwargs.setdefault("num_query_groups", 8)
+    kwargs.setdefault("window_size", (4095, 0))
     return llama_config(*args, **kwargs)
 
 

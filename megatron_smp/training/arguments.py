@@ -49,6 +49,17 @@ def _f(flag: str, section: Optional[str], field: Optional[str] = None, **kwargs)
     return _Flag(flag, section, field, kwargs)
 
 
+def _int_pair(text: str):
+    """'4095,0' or '(4095, 0)' -> (4095, 0), Megatron's --window-size syntax."""
+    parts = text.strip().strip("()").split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return tuple(int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
+
+
 _CHOICES_POSITION = ["learned_absolute", "rope", "alibi", "none"]
 
 _FLAGS: List[_Flag] = [
@@ -73,6 +84,9 @@ _FLAGS: List[_Flag] = [
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
     _f("--use-parallel-residual", "model", "parallel_residual", action="store_true"),
+    _f("--window-size", "model", type=_int_pair, metavar="LEFT,RIGHT",
+       help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (Mistral's "
+       "sliding_window W is W-1,0)"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--attention-dropout", "model", type=float, default=0.1),

@@ -45,6 +45,7 @@ from megatron_smp.checkpointing.sharded_state import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
+from megatron_smp.config import FUNCTION_FIELDS
 from megatron_smp.distributed.checkpoint.agreement import (
     collective_device,
     is_distributed,
@@ -199,15 +200,6 @@ def _find_iteration(run) -> Optional[int]:
     return None
 
 
-# TransformerConfig fields that change the function a model computes without changing any
-# tensor shape: a checkpoint trained with other values would load silently and be wrong.
-ARCHITECTURE_FIELDS = (
-    "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
-    "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
-    "apply_query_key_layer_scaling",
-)
-
-
 def check_architecture_matches(path: str, model_config) -> None:
     """Compare the saved model config (common.json) with this run's; raise naming every
     field that differs. Checkpoints without a saved model config are not checked."""
@@ -216,10 +208,11 @@ def check_architecture_matches(path: str, model_config) -> None:
             saved = (json.load(handle).get("config") or {}).get("model") or {}
     except (OSError, ValueError, AttributeError):
         return  # the engine reports an unreadable common.json when it loads
+    # Compared in their JSON form: a tuple (window_size) is saved as a list.
     differences = [
         f"{name}: checkpoint {saved[name]!r} vs flags {getattr(model_config, name)!r}"
-        for name in ARCHITECTURE_FIELDS
-        if name in saved and saved[name] != getattr(model_config, name)
+        for name in FUNCTION_FIELDS
+        if name in saved and saved[name] != json.loads(json.dumps(getattr(model_config, name)))
     ]
     if differences:
         raise CheckpointError(

@@ -128,6 +128,19 @@ def alibi_bias(
     return bias.unsqueeze(0).to(dtype)
 
 
+def sliding_window_mask(
+    seq_length: int, window_size: Tuple[int, int], device: Optional[torch.device] = None
+) -> torch.Tensor:
+    """Bool [1, 1, s, s], True = masked: the future, and keys more than `left` behind."""
+    left, right = window_size
+    positions = torch.arange(seq_length, device=device)
+    behind = positions[:, None] - positions[None, :]  # i - j
+    masked = behind < -right
+    if left >= 0:
+        masked = masked | (behind > left)
+    return masked[None, None]
+
+
 # Core attention ----------------------------------------------------------------------------------
 
 
@@ -192,6 +205,7 @@ class SelfAttention(torch.nn.Module):
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
         self.attention_dropout = config.attention_dropout
+        self.window_size = config.window_size
         self.selective_recompute = config.recompute_granularity == "selective"
 
         qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
@@ -243,6 +257,11 @@ class SelfAttention(torch.nn.Module):
         s, b = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.window_size is not None:
+            # An explicit mask: SDPA's flash kernel has no window, its memory-efficient one
+            # takes the mask.
+            window = sliding_window_mask(s, self.window_size, query.device)
+            attention_mask = window if attention_mask is None else attention_mask | window
         bias = None
         if self.use_alibi:
             bias = alibi_bias(self.alibi_slopes, s, attention_mask is None, query.dtype)
@@ -396,6 +415,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "alibi_slopes",
     "alibi_bias",
+    "sliding_window_mask",
     "core_attention",
     "SelfAttention",
     "FlashSelfAttention",

@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.config import FUNCTION_FIELDS, ConfigError, TransformerConfig
 from megatron_smp.models.hf import config_to_hf, get_adapter
 from megatron_smp.models.hf.common import pad_vocab, unpad_vocab
 from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
@@ -29,11 +29,9 @@ MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral
 # converted to must agree on all of them (dropout, init, precision flags do not matter).
 ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "vocab_size", "max_position_embeddings", "ffn_hidden_size", "normalization",
-    "layernorm_epsilon", "activation", "gated_linear_unit", "position_embedding_type",
-    "rotary_base", "rotary_percent", "parallel_residual", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "num_moe_experts",
-)
+    "vocab_size", "max_position_embeddings", "ffn_hidden_size", "add_bias_linear",
+    "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts",
+) + FUNCTION_FIELDS
 _LISTED = 20
 
 

@@ -96,7 +96,7 @@ def framework_from_hf_state_dict(family: str, config: TransformerConfig,
 def _hf_config_for(config: TransformerConfig, family: str, source: Optional[dict]):
     """The HF config to write. A checkpoint converted from HF remembers the source config;
     when the model still has that architecture it is reused, keeping what the framework does
-    not model (token ids, Mistral's sliding_window, ...)."""
+    not model (token ids, ...)."""
     generated = config_to_hf(config, family)
     if source and source.get("model_type") == generated.model_type:
         remembered = type(generated).from_dict(dict(source))

@@ -4,8 +4,8 @@ HF keeps q/k/v and gate/up as separate linears; ours are fused: qkv per query gr
 (`pack_qkv`) and fc1 = [gate; up] (split over TP with stride 2). HF's q/k rows are already
 in the "rotate half" order our RoPE uses, so no permutation is needed.
 
-Mistral's sliding-window attention is not modelled: results are exact for sequences up to
-`sliding_window` tokens (`transform` refuses longer inputs).
+Mistral's `sliding_window` W maps onto `TransformerConfig.window_size` = (W - 1, 0): query i
+attends to keys i - W + 1 .. i, as in Hugging Face's sliding-window mask.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
     rope = rope_parameters(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    sliding_window = getattr(hf_config, "sliding_window", None)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -54,6 +55,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         gated_linear_unit=True,
         position_embedding_type="rope",
         rotary_base=float(rope["rope_theta"]),
+        window_size=None if sliding_window is None else (sliding_window - 1, 0),
         add_bias_linear=False,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
         hidden_dropout=0.0,
@@ -90,8 +92,14 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
         bos_token_id=min(1, config.vocab_size - 1),
         eos_token_id=min(2, config.vocab_size - 1),
     )
+    left = config.window_size[0] if config.window_size is not None else -1
     if family == "mistral":
-        return MistralConfig(sliding_window=None, **kwargs)
+        return MistralConfig(sliding_window=left + 1 if left >= 0 else None, **kwargs)
+    if left >= 0:
+        raise ConfigError(
+            f"window_size {config.window_size}: Llama has no sliding-window attention; "
+            "this is a Mistral model"
+        )
     return LlamaConfig(**kwargs)
 
 

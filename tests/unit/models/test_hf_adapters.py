@@ -35,7 +35,7 @@ def build_hf(family, seed=0, device=None):
         cls = tf.LlamaForCausalLM
     elif family == "mistral":
         config = tf.MistralConfig(vocab_size=1000, num_key_value_heads=2, intermediate_size=96,
-                                  sliding_window=16, **common)
+                                  sliding_window=5, **common)  # < SEQ: the window matters
         cls = tf.MistralForCausalLM
     else:
         config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
@@ -158,10 +158,24 @@ def test_init_validates_config(tmp_path):
     assert state.rep_rank_process_group is state.parallel_state.dp_cp_group
 
 
-def test_transform_rejects_long_mistral_sequences_and_unknown_models():
+def test_mistral_sliding_window_is_modelled():
+    hf_model = build_hf("mistral")
+    config = get_adapter("mistral").config_from_hf(hf_model.config)
+    assert config.window_size == (4, 0)
+    assert config_to_hf(config, "mistral").sliding_window == 5
+    with pytest.raises(ConfigError, match="Llama has no sliding-window"):
+        config_to_hf(config, "llama")
+    # The window changes HF's logits at SEQ > 5, and ours follow (test_transform_* compare).
+    ids = _ids(1000)
+    with torch.no_grad():
+        windowed = hf_model(ids).logits
+        hf_model.config.sliding_window = None
+        full = hf_model(ids).logits
+    assert (windowed - full).abs().max() > 1e-3
+    assert torch.equal(windowed[:, :5], full[:, :5])
+
+
+def test_transform_rejects_unknown_models():
     smp.init()
-    model = smp.transform(build_hf("mistral"))
-    with pytest.raises(ConfigError, match="sliding_window"):
-        model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ConfigError, match="no Hugging Face adapter"):
         smp.transform(torch.nn.Linear(2, 2))

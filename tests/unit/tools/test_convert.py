@@ -63,6 +63,7 @@ def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     for name in ("num_layers", "hidden_size", "num_query_groups", "vocab_size", "rotary_percent",
                  "parallel_residual", "untie_embeddings_and_output_weights"):
         assert saved_model[name] == getattr(config, name), name
+    assert saved_model["window_size"] == ([4, 0] if family == "mistral" else None)
     assert common["config"]["conversion"]["target_layout"] == {
         "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
     keys = read_dcp_metadata(str(iter_dir)).state_dict_metadata
