@@ -119,7 +119,7 @@ class Bucket:
         op = dist.ReduceOp.AVG if buffer.average_in_collective else dist.ReduceOp.SUM
         if buffer.data_parallel_world_size == 1:
             self.grad_reduce_handle = _DONE
-        elif buffer.use_distributed_optimizer:
+        elif buffer.use_distributed_optimizer and not buffer.reduce_scatter_by_all_reduce:
             handle = _reduce_scatter(
                 self.shard(self.grad_data), self.grad_data, op=op,
                 group=buffer.data_parallel_group, async_op=async_op,
@@ -222,6 +222,12 @@ class ParamAndGradBuffer:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.average_in_collective = average_in_collective
         self.use_distributed_optimizer = use_distributed_optimizer
+        # gloo's reduce-scatter is slower than its all-reduce of the whole bucket (17 MB fp32:
+        # 33 vs 14 ms at DP=2, 50 vs 36 ms at DP=4, tools/bench), so on gloo the distributed
+        # optimizer all-reduces and reads its shard; NCCL gets the real reduce-scatter.
+        self.reduce_scatter_by_all_reduce = (
+            use_distributed_optimizer and dist.get_backend(data_parallel_group) == "gloo"
+        )
         self.param_names = dict(param_names or {})
         # Test/trace hook: called with the bucket whenever its reduction is launched.
         self.on_grad_sync_start = None

@@ -15,6 +15,7 @@ optimizer state (tensors actually held, local shards for the sharded ones).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -25,7 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_smp.testing import run_distributed  # noqa: E402
 
-IMPLEMENTATIONS = ("megatron_smp", "torch_ddp", "ddp_zero", "fsdp2")
+# megatron_smp: our DDP + DistributedOptimizer (reduce-scatter, sharded Adam, all-gather);
+# megatron_smp_ddp: our DDP (bucketed all-reduce overlapped with backward) + full Adam.
+OURS = ("megatron_smp", "megatron_smp_ddp")
+IMPLEMENTATIONS = OURS + ("torch_ddp", "ddp_zero", "fsdp2")
 
 
 def build_model(vocab: int, hidden: int, layers: int, seq: int):
@@ -121,14 +125,15 @@ def _bench(rank, world_size, impl, args):
     lr, clip = 1e-3, 1.0
     generator = torch.Generator().manual_seed(1 + rank)
 
-    if impl == "megatron_smp":
+    if impl in OURS:
         from megatron_smp.distributed import DistributedDataParallel, finalize_model_grads
         from megatron_smp.optimizer import get_megatron_optimizer
 
         state = build_parallel_state(ParallelConfig())
+        sharded = impl == "megatron_smp"
         config = OptimizerConfig(
-            lr=lr, weight_decay=0.01, clip_grad=clip, use_distributed_optimizer=True,
-            overlap_grad_reduce=True, overlap_param_gather=True,
+            lr=lr, weight_decay=0.01, clip_grad=clip, use_distributed_optimizer=sharded,
+            overlap_grad_reduce=True, overlap_param_gather=sharded,
             ddp_bucket_size=args["bucket_size"],
         )
         wrapped = DistributedDataParallel(model, config, state)
@@ -276,27 +281,25 @@ def main(argv=None) -> None:
 
     print("\nper rank (max over ranks); bytes are exact tensor sizes, RSS is VmHWM, 'above "
           "base' is VmHWM minus VmRSS after imports")
-    header = (f"{'dp':>3} {'implementation':14} {'step ms':>8} {'CPU ms':>7} {'peak RSS MB':>12} "
+    header = (f"{'dp':>3} {'implementation':16} {'step ms':>8} {'CPU ms':>7} {'peak RSS MB':>12} "
               f"{'above base':>10} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} "
               f"{'B/param':>8}")
     print(header)
     mb = 1024.0 ** 2
     for (impl, world_size), r in results.items():
         per_param = (r["params"] + r["grads"] + r["optimizer_state"]) / r["num_params"]
-        print(f"{world_size:>3} {impl:14} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} "
+        print(f"{world_size:>3} {impl:16} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} "
               f"{r['peak_rss_mb']:12.1f} {r['peak_above_baseline_mb']:10.1f} "
               f"{r['params'] / mb:10.2f} {r['grads'] / mb:9.2f} "
               f"{r['optimizer_state'] / mb:9.2f} {per_param:8.2f}")
-    print("\nratios of megatron_smp to each peer (time: <1 is faster; memory: <1 is smaller)")
+    print("\nratios of ours to each peer (time: <1 is faster; memory: <1 is smaller)")
     for world_size in options.world_sizes:
-        ours = results.get(("megatron_smp", world_size))
-        if ours is None:
-            continue
-        for impl in options.implementations:
-            if impl == "megatron_smp" or (impl, world_size) not in results:
+        for our_impl, impl in itertools.product(OURS, options.implementations):
+            ours, peer = results.get((our_impl, world_size)), results.get((impl, world_size))
+            if impl in OURS or ours is None or peer is None:
                 continue
-            peer = results[(impl, world_size)]
-            print(f"  dp={world_size} vs {impl:10s} step time {ours['step_ms'] / peer['step_ms']:.2f}"
+            print(f"  dp={world_size} {our_impl:16s} vs {impl:10s}"
+                  f"  step time {ours['step_ms'] / peer['step_ms']:.2f}"
                   f"  CPU time {ours['cpu_ms'] / peer['cpu_ms']:.2f}"
                   f"  optimizer state {ours['optimizer_state'] / max(peer['optimizer_state'], 1):.2f}"
                   f"  peak RSS {ours['peak_rss_mb'] / peer['peak_rss_mb']:.2f}"

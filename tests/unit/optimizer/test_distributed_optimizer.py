@@ -42,6 +42,12 @@ def _train_all(state, fp32_names, bf16_names, iters=ITERS):
     for name, config in _configs(fp32_names).items():
         losses, results, params, _, _ = ddp_training(config, state, iters, BATCH)
         out[name] = (losses, params.tolist(), results)
+    # The reduce-scatter NCCL runs (gloo all-reduces instead: faster there).
+    losses, results, params, _, _ = ddp_training(
+        _configs(["dist_overlap"])["dist_overlap"], state, iters, BATCH,
+        reduce_scatter_by_all_reduce=False,
+    )
+    out["dist_overlap_reduce_scatter"] = (losses, params.tolist(), results)
     for name, config in _configs(bf16_names).items():
         config.bf16 = True
         losses, results, params, ddp, optimizer = ddp_training(
@@ -152,7 +158,8 @@ def _check_fp32_against_reference(results, names):
 
 def test_fp32_dp2_distributed_optimizer_equals_plain_dp_and_single_process(world2):
     _check_fp32_against_reference(
-        world2, ["plain", "plain_overlap", "dist", "dist_overlap", "dist_avg"]
+        world2, ["plain", "plain_overlap", "dist", "dist_overlap", "dist_avg",
+                 "dist_overlap_reduce_scatter"]
     )
     out = world2[0]
     # Overlap on vs off (same buckets): bit-identical, the collectives only start earlier.
@@ -161,7 +168,7 @@ def test_fp32_dp2_distributed_optimizer_equals_plain_dp_and_single_process(world
 
 
 def test_fp32_dp4_distributed_optimizer_equals_plain_dp_and_single_process(world4):
-    _check_fp32_against_reference(world4, ["plain", "dist_overlap"])
+    _check_fp32_against_reference(world4, ["plain", "dist_overlap", "dist_overlap_reduce_scatter"])
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
