@@ -222,9 +222,10 @@ class ParamAndGradBuffer:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.average_in_collective = average_in_collective
         self.use_distributed_optimizer = use_distributed_optimizer
-        # gloo's reduce-scatter is slower than its all-reduce of the whole bucket (17 MB fp32:
-        # 33 vs 14 ms at DP=2, 50 vs 36 ms at DP=4, tools/bench), so on gloo the distributed
-        # optimizer all-reduces and reads its shard; NCCL gets the real reduce-scatter.
+        # gloo's reduce-scatter is slower than its all-reduce of the whole bucket (16 MB fp32:
+        # 27 vs 14 ms at DP=2, 50 vs 33 ms at DP=4, tools/bench/bench_collectives.py), so on
+        # gloo the distributed optimizer all-reduces and reads its shard; NCCL gets the real
+        # reduce-scatter.
         self.reduce_scatter_by_all_reduce = (
             use_distributed_optimizer and dist.get_backend(data_parallel_group) == "gloo"
         )
