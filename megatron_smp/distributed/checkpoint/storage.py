@@ -12,17 +12,24 @@ What DCP (torch 2.13) unpickles when it loads a checkpoint directory, and what w
 
 The reader also checks, before any byte is read, that every file the metadata names exists and
 is long enough, and names the file when torch fails to decode one.
+
+Every data file gets a CRC-32 sidecar (`<file>.crc32`, written and fsynced before the save
+can be published); the reader verifies each file it reads against it, so a flipped byte in
+tensor payload -- which decodes without complaint -- is an error naming the file. Files
+without a sidecar (checkpoints from elsewhere) are read unverified.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import io
+import json
 import os
 import pathlib
 import pickle
 import time
-from typing import Any, Dict
+import zlib
+from typing import Any, Dict, Set
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -124,8 +131,74 @@ def validate_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
             )
 
 
+CHECKSUM_SUFFIX = ".crc32"
+_CHECKSUM_BLOCK = 16 * 2**20
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHECKSUM_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_checksum(path: str) -> None:
+    """Record `path`'s CRC-32 and size in `path + CHECKSUM_SUFFIX` (fsynced)."""
+    record = {"crc32": file_crc32(path), "size": os.path.getsize(path)}
+    with open(path + CHECKSUM_SUFFIX, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checksum(path: str) -> None:
+    """Compare `path` with its sidecar; a missing sidecar means nothing to check."""
+    try:
+        with open(path + CHECKSUM_SUFFIX) as f:
+            record = json.load(f)
+        expected, size = int(record["crc32"]), int(record["size"])
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"{path + CHECKSUM_SUFFIX} is unreadable ({type(error).__name__}: {error}); the "
+            "checkpoint is damaged -- load an earlier iteration"
+        ) from error
+    actual_size = os.path.getsize(path)
+    actual = file_crc32(path) if actual_size == size else None
+    if actual != expected:
+        found = f"{actual_size} bytes" if actual is None else f"CRC-32 {actual:08x}"
+        raise CheckpointError(
+            f"{path} is corrupted: {found}, but {size} bytes with CRC-32 {expected:08x} were "
+            "written -- load an earlier iteration"
+        )
+
+
+class ChecksummingFileSystemWriter(FileSystemWriter):
+    """FileSystemWriter that writes a CRC-32 sidecar for every data file once it is written
+    (before write_data returns, so before the coordinator can write .metadata)."""
+
+    def write_data(self, plan, planner):
+        results = super().write_data(plan, planner).wait()
+        for relative_path in sorted({result.storage_data.relative_path for result in results}):
+            write_checksum(os.path.join(os.fspath(self.path), relative_path))
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader that never unpickles arbitrary objects and names broken files."""
+    """FileSystemReader that never unpickles arbitrary objects, verifies data files against
+    their checksums, and names broken files."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verified: Set[str] = set()
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self._verified = set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -141,6 +214,9 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
         for relative_path, items in sorted(per_file.items()):
+            if relative_path not in self._verified:
+                verify_checksum(os.path.join(os.fspath(self.path), relative_path))
+                self._verified.add(relative_path)
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError:
@@ -205,7 +281,7 @@ class HookedSavePlanner(DefaultSavePlanner):
 
 def make_storage_writer(checkpoint_dir: str, thread_count: int = 1) -> FileSystemWriter:
     # sync_files: fsync every data file, so "finished" means "on disk" before we publish.
-    return FileSystemWriter(
+    return ChecksummingFileSystemWriter(
         os.fspath(checkpoint_dir), sync_files=True, thread_count=thread_count, overwrite=True
     )
 

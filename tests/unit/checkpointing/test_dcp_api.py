@@ -130,18 +130,28 @@ def _engine(rank, world_size, root):
     template["model"]["bias"] = torch.zeros(5, dtype=torch.float64)
     out["shape_error"] = _error(lambda: dcp.load(template, checkpoint_id=sync_path))
 
-    # Corrupted copies: truncated data file, garbage data file, truncated metadata.
+    # Corrupted copies: truncated data file, garbage data file (without its checksum, so
+    # torch's decoder meets it), one flipped byte (caught by the checksum), truncated metadata.
+    corruptions = ("truncated", "garbage", "flipped", "metadata")
     if rank == 0:
-        for name in ("truncated", "garbage", "metadata"):
+        for name in corruptions:
             shutil.copytree(sync_path, os.path.join(root, name))
         data = os.path.join(root, "truncated", "__1_0.distcp")
         os.truncate(data, os.path.getsize(data) // 2)
-        with open(os.path.join(root, "garbage", "__0_0.distcp"), "r+b") as f:
+        garbage = os.path.join(root, "garbage", "__0_0.distcp")
+        os.remove(garbage + ".crc32")
+        with open(garbage, "r+b") as f:
             f.write(b"\x00garbage" * 8)
+        flipped = os.path.join(root, "flipped", "__1_0.distcp")
+        with open(flipped, "r+b") as f:
+            f.seek(os.path.getsize(flipped) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
         meta = os.path.join(root, "metadata", ".metadata")
         os.truncate(meta, os.path.getsize(meta) // 2)
     dist.barrier()
-    for name in ("truncated", "garbage", "metadata"):
+    for name in corruptions:
         template, _ = _state_dict(rank, fill=False)
         out[name] = _error(lambda: dcp.load(template, checkpoint_id=os.path.join(root, name)))
     return out
@@ -167,6 +177,7 @@ def test_save_load_async_and_errors(tmp_path):
         assert "model.bias: checkpoint shape [4] vs model shape [5]" in out["shape_error"]
         assert "__1_0.distcp is truncated" in out["truncated"]
         assert "garbage/__0_0.distcp (" in out["garbage"] and "corrupted" in out["garbage"]
+        assert "flipped/__1_0.distcp is corrupted: CRC-32" in out["flipped"], out["flipped"]
         assert ".metadata is truncated or corrupted" in out["metadata"]
 
 
