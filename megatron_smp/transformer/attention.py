@@ -205,7 +205,8 @@ class SelfAttention(torch.nn.Module):
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
         self.attention_dropout = config.attention_dropout
-        self.window_size = config.window_size
+        # (-1, 0) is plain causal attention: keep SDPA's causal kernel for it.
+        self.window_size = config.window_size if (config.window_size or (-1,))[0] >= 0 else None
         self.selective_recompute = config.recompute_granularity == "selective"
 
         qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
