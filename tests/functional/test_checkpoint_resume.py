@@ -143,6 +143,7 @@ def test_resume_is_exact_tp2_pp2_dp2(saved):
 RESHARD = {
     "tp1_pp1_dp4_distopt": (4, "--use-distributed-optimizer"),
     "tp4_pp1_dp1": (4, "--tensor-model-parallel-size 4"),
+    "tp4_pp1_dp2_distopt": (8, "--tensor-model-parallel-size 4 --use-distributed-optimizer"),
 }
 
 
