@@ -22,8 +22,10 @@ def _measure(rank, world_size, numel, repeats):
     import torch
     import torch.distributed as dist
 
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from megatron_smp.tensor_parallel.mappings import (
+        _all_gather_single as all_gather,
+        _reduce_scatter_single as reduce_scatter,
+    )
     numel = numel // world_size * world_size
     full = torch.randn(numel)
     shard = torch.empty(numel // world_size)
