@@ -345,3 +345,7 @@ class CheckpointConfig:
     # Megatron's --no-save-rng / --no-save-optim: leave those states out of saved checkpoints.
     no_save_rng: bool = False
     no_save_optim: bool = False
+    # Megatron: a checkpoint's LR-schedule values that differ from the flags are an error
+    # unless one of these says which side wins.
+    override_opt_param_scheduler: bool = False  # the command line wins
+    use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint wins

@@ -185,6 +185,10 @@ _FLAGS: List[_Flag] = [
     _f("--finetune", "checkpoint", action="store_true"),
     _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch"], default="torch_dist"),
     _f("--async-save", "checkpoint", action="store_true"),
+    _f("--override-opt_param-scheduler", "checkpoint", "override_opt_param_scheduler",
+       action="store_true"),
+    _f("--use-checkpoint-opt_param-scheduler", "checkpoint",
+       "use_checkpoint_opt_param_scheduler", action="store_true"),
 ]
 
 # Flags of Megatron-LM that choose one of its implementation details (kernel fusions, legacy
