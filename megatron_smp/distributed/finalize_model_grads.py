@@ -44,11 +44,25 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], s
         _allreduce_coalesced(grads, state.tp_group)
 
 
+def _language_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The module under the wrappers that knows whether its embedding is tied."""
+    for module in chunk.modules():
+        if hasattr(module, "share_embeddings_and_output_weights"):
+            return module
+    raise TypeError(
+        f"{type(chunk).__name__} holds no module with share_embeddings_and_output_weights; "
+        "pipeline-parallel models must say whether their output layer is tied"
+    )
+
+
 def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], state) -> None:
     """Sum the grads of the tied word embedding over the first and last pipeline stage.
 
-    The copies are the params marked `shared_embedding=True` (input embedding on the first
-    stage, output layer weight on the last); with one stage they are one tensor already.
+    The copies are the input embedding on the first stage and the output layer weight on the
+    last (`shared_embedding_or_output_weight()`); with one stage they are one tensor already.
+    Whether to reduce at all comes from the model's `share_embeddings_and_output_weights`, a
+    config value equal on every rank, so both ends of the group take the same branch; an
+    untied model (Llama) has nothing to sum.
     """
     group = state.embedding_group
     if state.pp_size == 1 or group is None or not state.is_in_embedding_group:
@@ -56,18 +70,10 @@ def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], state) -> Non
     if dist.get_world_size(group) == 1:
         return
     # The first stage's copy lives in its first chunk, the last stage's in its last chunk.
-    chunk = model_chunks[0] if state.is_pipeline_first_stage else model_chunks[-1]
-    grads = [
-        _grad_of(param) for param in chunk.parameters()
-        if getattr(param, "shared_embedding", False) and _grad_of(param) is not None
-    ]
-    if len(grads) != 1:
-        raise RuntimeError(
-            f"pipeline rank {state.pp_rank} holds {len(grads)} params marked "
-            "shared_embedding=True; tied embeddings need exactly one per end stage "
-            "(or --untie-embeddings-and-output-weights)"
-        )
-    dist.all_reduce(grads[0], group=group)
+    model = _language_model(model_chunks[0] if state.is_pipeline_first_stage else model_chunks[-1])
+    if not model.share_embeddings_and_output_weights:
+        return
+    dist.all_reduce(_grad_of(model.shared_embedding_or_output_weight()), group=group)
 
 
 def finalize_model_grads(model_chunks: List[torch.nn.Module], state) -> None:

@@ -22,11 +22,18 @@ LLAMA = (
 MODELS = {"gpt": [], "llama": LLAMA}
 
 
-def _train(rank, world_size, argv):
-    from megatron_smp.training import pretrain
-    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+def _train(rank, world_size, argv, script="pretrain_gpt"):
+    """Per-iteration lm loss of the entry script `script` (its providers and its
+    `args_defaults`, e.g. pretrain_llama's LLAMA_DEFAULTS) run with `argv`."""
+    import importlib
 
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    from megatron_smp.training import pretrain
+
+    entry = importlib.import_module(script)
+    result = pretrain(
+        entry.train_valid_test_datasets_provider, entry.model_provider, entry.forward_step,
+        argv=argv, args_defaults=getattr(entry, "LLAMA_DEFAULTS", None),
+    )
     return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 
 

@@ -119,6 +119,8 @@ def _ddp_body(rank, world_size):
     stage = torch.nn.Module()
     stage.word = torch.nn.Parameter(torch.zeros(5))
     stage.word.shared_embedding = True
+    stage.share_embeddings_and_output_weights = True
+    stage.shared_embedding_or_output_weight = lambda: stage.word
     stage.other = torch.nn.Parameter(torch.zeros(2))
     ddp_pp = DistributedDataParallel(stage, OptimizerConfig(use_distributed_optimizer=True), pp_state)
     stage.word.main_grad.fill_(10.0 * (rank + 1))

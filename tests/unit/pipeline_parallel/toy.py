@@ -34,6 +34,7 @@ class ToyStage(torch.nn.Module):
         num_layers = total_layers if num_layers is None else num_layers
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = tied
+        self.share_embeddings_and_output_weights = tied  # read by finalize_model_grads
         self.layers = torch.nn.ModuleList(
             ToyLayer(layer_offset + i) for i in range(num_layers)
         )
@@ -50,6 +51,9 @@ class ToyStage(torch.nn.Module):
             if post_process and not pre_process:
                 self.output.shared_embedding = True
         self.input_tensor = None
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
+        return self.embed if self.pre_process else self.output
 
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor
