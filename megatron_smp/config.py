@@ -23,9 +23,32 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# What each not-yet-built capability is called in errors, so the user knows it is missing and
+# not misconfigured.
+NOT_SUPPORTED_YET = "is not supported yet (megatron_smp has no {what} yet); remove it"
+
+
+def not_supported(setting: str, what: str) -> ConfigError:
+    """The error for a setting whose capability does not exist yet (never silently ignored)."""
+    return ConfigError(f"{setting} {NOT_SUPPORTED_YET.format(what=what)}")
+
+
+# How validation messages name ParallelConfig fields: Megatron's flags by default; `smp.init`
+# passes the SMP v2 keys instead so each user sees the name they wrote.
+FLAG_NAMES = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "virtual_pipeline_model_parallel_size": "--virtual-pipeline-model-parallel-size",
+    "hybrid_shard_degree": "hybrid_shard_degree (--smp-config)",
+}
+
+
 @dataclass
 class ParallelConfig:
-    """Degrees of every parallelism. World size = tp * cp * dp * pp (ep divides dp)."""
+    """Degrees of every parallelism and the pipeline layout. World size = tp * cp * dp * pp
+    (ep divides dp)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -34,64 +57,101 @@ class ParallelConfig:
     # None: derived from the world size at init.
     data_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    sequence_parallel: bool = False
-    # SMP v2 sharded data parallelism: shard params/grads/optimizer state within groups of
-    # this many ranks (0 = off, i.e. plain data parallelism).
+    # Alternative to the virtual size: layers per virtual stage (Megatron's flag).
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    # Uneven pipeline split: layers on the first / last stage, the rest split evenly.
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    # Chrome trace of the pipeline schedule, one file per rank (PATH.rank<r>.json).
+    pipeline_timeline: Optional[str] = None
+    # SMP v2 sharded data parallelism: 0 (off) or 1 (NO_SHARD) replicate like plain data
+    # parallelism; N >= 2 would shard within groups of N ranks, which needs FSDP.
     hybrid_shard_degree: int = 0
+    distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
+    distributed_timeout_minutes: int = 10
 
-    def validate(self, world_size: int) -> None:
-        for name in (
+    def data_parallel_size_for(self, world_size: int) -> int:
+        return world_size // (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    def check_supported(self, names: Optional[dict] = None) -> None:
+        """ConfigError for degrees whose capability does not exist yet. The process groups
+        for cp/ep are built (ParallelState), but no layer uses them: a model or a training
+        run asked for them would silently be something else."""
+        name = dict(FLAG_NAMES, **(names or {}))
+        if self.context_parallel_size > 1:
+            raise not_supported(
+                f"{name['context_parallel_size']} {self.context_parallel_size}",
+                "context parallelism",
+            )
+        if self.expert_model_parallel_size > 1:
+            raise not_supported(
+                f"{name['expert_model_parallel_size']} {self.expert_model_parallel_size}",
+                "mixture-of-experts layers",
+            )
+        if self.hybrid_shard_degree >= 2:
+            raise not_supported(
+                f"{name['hybrid_shard_degree']} = {self.hybrid_shard_degree}",
+                "sharded data parallelism (FSDP); use 0 or 1, or the distributed optimizer "
+                "(--use-distributed-optimizer / shard_optimizer_state) to shard optimizer state",
+            )
+
+    def validate(self, world_size: int, names: Optional[dict] = None) -> None:
+        """Check the degrees against `world_size`. Pure: reads the config, never changes it.
+
+        `names` maps field names to how the user spelled them (default: Megatron's flags).
+        """
+        name = dict(FLAG_NAMES, **(names or {}))
+        for field_name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
         ):
-            value = getattr(self, name)
+            value = getattr(self, field_name)
             _require(
-                isinstance(value, int) and value >= 1,
-                f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name[field_name]} must be a positive integer, got {value!r}",
             )
-        model_parallel = (
-            self.tensor_model_parallel_size
-            * self.context_parallel_size
-            * self.pipeline_model_parallel_size
+        _require(
+            self.hybrid_shard_degree >= 0,
+            f"{name['hybrid_shard_degree']} must be >= 0, got {self.hybrid_shard_degree}",
         )
+        tp, cp, pp = (self.tensor_model_parallel_size, self.context_parallel_size,
+                      self.pipeline_model_parallel_size)
+        model_parallel = tp * cp * pp
         _require(
             world_size % model_parallel == 0,
-            f"world size {world_size} is not divisible by tensor-model-parallel-size "
-            f"({self.tensor_model_parallel_size}) x context-parallel-size "
-            f"({self.context_parallel_size}) x pipeline-model-parallel-size "
-            f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
-            f"{model_parallel} processes or change the degrees",
+            f"world size {world_size} is not divisible by {name['tensor_model_parallel_size']} "
+            f"({tp}) x {name['context_parallel_size']} ({cp}) x "
+            f"{name['pipeline_model_parallel_size']} ({pp}) = {model_parallel}; launch a "
+            f"multiple of {model_parallel} processes or change the degrees",
         )
         data_parallel = world_size // model_parallel
         if self.data_parallel_size is not None:
             _require(
                 self.data_parallel_size == data_parallel,
-                f"world size {world_size} is not tp x cp x pp x dp: with tp="
-                f"{self.tensor_model_parallel_size}, cp={self.context_parallel_size}, pp="
-                f"{self.pipeline_model_parallel_size} the data-parallel size must be "
-                f"{data_parallel}, not {self.data_parallel_size}",
+                f"world size {world_size} is not tp x cp x pp x dp: with tp={tp}, cp={cp}, "
+                f"pp={pp} the data-parallel size must be {data_parallel}, not "
+                f"{self.data_parallel_size}",
             )
         _require(
             data_parallel % self.expert_model_parallel_size == 0,
-            f"--expert-model-parallel-size ({self.expert_model_parallel_size}) must divide "
-            f"the data-parallel size ({data_parallel})",
+            f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
+            f"divide the data-parallel size ({data_parallel})",
         )
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            # Megatron silently disables it; we do the same, it is harmless.
-            self.sequence_parallel = False
         if self.virtual_pipeline_model_parallel_size is not None:
             _require(
-                self.pipeline_model_parallel_size > 1,
-                "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1",
+                pp > 1,
+                f"{name['virtual_pipeline_model_parallel_size']} needs "
+                f"{name['pipeline_model_parallel_size']} > 1",
             )
         _require(
-            self.hybrid_shard_degree >= 0 and (
-                self.hybrid_shard_degree == 0 or data_parallel % self.hybrid_shard_degree == 0
-            ),
-            f"hybrid_shard_degree ({self.hybrid_shard_degree}) must be 0 or divide the "
-            f"data-parallel size ({data_parallel})",
+            self.distributed_backend in (None, "nccl", "gloo"),
+            f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}",
         )
 
 
@@ -120,7 +180,9 @@ class TransformerConfig:
     max_position_embeddings: int
     ffn_hidden_size: Optional[int] = None
     num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
-    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    # Head dim; None: hidden_size // num_attention_heads, which must then divide evenly. Set it
+    # for models whose heads x head dim differs from hidden_size (Mistral-style head_dim).
+    kv_channels: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
 
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
@@ -144,17 +206,11 @@ class TransformerConfig:
     init_method_std: float = 0.02
     # Megatron scales the init of output projections by 1/sqrt(2 * num_layers).
     use_scaled_init_method: bool = True
-    apply_query_key_layer_scaling: bool = False
-    attention_softmax_in_fp32: bool = True
 
     params_dtype: torch.dtype = torch.float32
     fp16: bool = False
     bf16: bool = False
     sequence_parallel: bool = False
-
-    # Mixture of experts (0 = dense).
-    num_moe_experts: int = 0
-    moe_router_topk: int = 2
 
     # Memory.
     recompute_granularity: Optional[str] = None  # None | "full" | "selective"
@@ -166,14 +222,31 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads:
+        if (self.kv_channels is None and self.num_attention_heads
+                and self.hidden_size % self.num_attention_heads == 0):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.window_size is not None:  # JSON (common.json, --smp-config) gives a list
             self.window_size = tuple(int(v) for v in self.window_size)
 
-    def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None) -> None:
+    def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
+                 names: Optional[dict] = None) -> None:
+        """Check the model against the parallel layout (and sequence length). Pure."""
+        parallel.check_supported(names)
         tp = parallel.tensor_model_parallel_size
         _require(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
+        _require(
+            self.num_attention_heads >= 1,
+            f"--num-attention-heads must be >= 1, got {self.num_attention_heads}",
+        )
+        _require(
+            self.vocab_size >= 1,
+            f"the vocabulary size must be >= 1, got {self.vocab_size} (it comes from the "
+            "tokenizer; with --tokenizer-type NullTokenizer give --vocab-size)",
+        )
+        _require(
+            self.kv_channels is None or self.kv_channels >= 1,
+            f"--kv-channels must be >= 1, got {self.kv_channels}",
+        )
         _require(
             self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
             f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
@@ -225,7 +298,7 @@ class TransformerConfig:
                 f"--seq-length ({seq_length}) must not exceed --max-position-embeddings "
                 f"({self.max_position_embeddings})",
             )
-        if parallel.sequence_parallel and seq_length is not None:
+        if self.sequence_parallel and seq_length is not None:
             _require(
                 seq_length % (tp * parallel.context_parallel_size) == 0,
                 f"--seq-length ({seq_length}) must be divisible by tensor-model-parallel-size"
@@ -301,6 +374,18 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = None
     pipeline_schedule: str = "interleaved"  # SMP: "simple" | "interleaved"
     exit_interval: Optional[int] = None
+    # Logging, as Megatron's flags of the same names.
+    log_throughput: bool = False  # tokens/s and TFLOP/s/GPU in the log line
+    log_timers_to_tensorboard: bool = False  # iteration-time scalar
+    log_validation_ppl_to_tensorboard: bool = False  # "<loss> validation ppl" scalars
+    log_memory_to_tensorboard: bool = False  # mem-* scalars (CUDA allocator, or RSS on CPU)
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    # Python's cyclic garbage collector off, run every `manual_gc_interval` iterations instead
+    # (0: only at start and around evaluation), so collections do not stall random steps.
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True  # collect before and after each evaluation
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size

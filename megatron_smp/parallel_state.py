@@ -12,6 +12,7 @@ Nothing in the library reads a global group: a module that needs a group takes t
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import os
@@ -21,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, ParallelConfig
+from megatron_smp.config import ParallelConfig
 
 # Dimension order, fastest-varying first. "ep" is not a separate axis (it splits dp).
 _ORDER = ("tp", "cp", "dp", "pp")
@@ -267,7 +268,7 @@ def build_parallel_state(
     """
     config = config or ParallelConfig()
     config.validate(launcher_world_size())
-    init_process_group(backend, timeout)
+    init_process_group(backend or config.distributed_backend, timeout)
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     config.validate(world_size)
@@ -275,13 +276,10 @@ def build_parallel_state(
     tp = config.tensor_model_parallel_size
     cp = config.context_parallel_size
     pp = config.pipeline_model_parallel_size
-    dp = world_size // (tp * cp * pp)
-    config.data_parallel_size = dp
+    dp = config.data_parallel_size_for(world_size)
+    # The state keeps its own copy with the derived size; the caller's config is not changed.
+    config = dataclasses.replace(config, data_parallel_size=dp)
     ep = config.expert_model_parallel_size
-    if dp % ep != 0:
-        raise ConfigError(
-            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp})"
-        )
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     remainder = rank
     coords = {}

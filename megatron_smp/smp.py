@@ -18,13 +18,14 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, ParallelConfig, TransformerConfig
+from megatron_smp.config import ConfigError, ParallelConfig, TransformerConfig, not_supported
 from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
 
-# key: (type, default). SMP v2's documented keys first, then ours.
+# key: (type, default). SMP v2's documented keys first, then ours. Defaults follow the
+# reference except `sm_activation_offloading`, off until activation offloading exists.
 _SMP_KEYS: Dict[str, tuple] = {
     "hybrid_shard_degree": (int, 0),
-    "sm_activation_offloading": (bool, True),
+    "sm_activation_offloading": (bool, False),
     "activation_loading_horizon": (int, 2),
     "fsdp_cache_flush_warnings": (bool, True),
     "allow_empty_shards": (bool, False),
@@ -32,8 +33,27 @@ _SMP_KEYS: Dict[str, tuple] = {
     "context_parallel_degree": (int, 1),
     "expert_parallel_degree": (int, 1),
     "random_seed": (int, 12345),
+    "cp_comm_type": (str, "p2p"),
     "pipeline_parallel_degree": (int, 1),
     "shard_optimizer_state": (bool, False),
+}
+
+# Keys whose capability does not exist yet: giving them at all is an error (their defaults
+# describe what happens without them).
+_NOT_SUPPORTED_YET_KEYS = {
+    "activation_loading_horizon": "activation offloading",
+    "fsdp_cache_flush_warnings": "sharded data parallelism (FSDP)",
+    "allow_empty_shards": "sharded data parallelism (FSDP)",
+    "cp_comm_type": "context parallelism",
+}
+
+# How ParallelConfig validation names its fields for SMP users.
+SMP_NAMES = {
+    "tensor_model_parallel_size": "tensor_parallel_degree",
+    "pipeline_model_parallel_size": "pipeline_parallel_degree",
+    "context_parallel_size": "context_parallel_degree",
+    "expert_model_parallel_size": "expert_parallel_degree",
+    "hybrid_shard_degree": "hybrid_shard_degree",
 }
 
 
@@ -92,71 +112,43 @@ def _read_config(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> Dict[
     return dict(config)
 
 
-def _validate(user: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tuple:
+    """Read SMP v2 keys and check each on its own: (keys the user set, all values with
+    defaults). Unknown keys, wrong types and keys of capabilities that do not exist yet are a
+    ConfigError naming the key; the degrees are checked together by `ParallelConfig.validate`.
+    """
+    user = _read_config(config)
     unknown = sorted(set(user) - set(_SMP_KEYS))
     if unknown:
         raise ConfigError(
-            f"smp.init: unknown config key(s) {unknown}; known keys are {sorted(_SMP_KEYS)}"
+            f"smp config: unknown config key(s) {unknown}; known keys are {sorted(_SMP_KEYS)}"
         )
     values = {key: default for key, (_, default) in _SMP_KEYS.items()}
     for key, value in user.items():
         kind = _SMP_KEYS[key][0]
         # bool is an int subclass: reject it for integer keys, and ints for boolean keys.
         if kind is bool and not isinstance(value, bool):
-            raise ConfigError(f"smp.init: {key} must be true or false, got {value!r}")
+            raise ConfigError(f"smp config: {key} must be true or false, got {value!r}")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"smp.init: {key} must be an integer, got {value!r}")
+            raise ConfigError(f"smp config: {key} must be an integer, got {value!r}")
+        if kind is str and not isinstance(value, str):
+            raise ConfigError(f"smp config: {key} must be a string, got {value!r}")
+        if key in _NOT_SUPPORTED_YET_KEYS:
+            raise not_supported(f"smp config key {key}", _NOT_SUPPORTED_YET_KEYS[key])
         values[key] = value
-
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree",
-                "pipeline_parallel_degree"):
-        if not 1 <= values[key] <= world_size:
-            raise ConfigError(
-                f"smp.init: {key} must be between 1 and the world size ({world_size}), "
-                f"got {values[key]}"
-            )
-    if not 0 <= values["hybrid_shard_degree"] <= world_size:
-        raise ConfigError(
-            f"smp.init: hybrid_shard_degree must be between 0 and the world size ({world_size}),"
-            f" got {values['hybrid_shard_degree']}"
-        )
-    if values["activation_loading_horizon"] < 1:
-        raise ConfigError(
-            "smp.init: activation_loading_horizon must be a positive integer, got "
-            f"{values['activation_loading_horizon']}"
-        )
-    cp, shard = values["context_parallel_degree"], values["hybrid_shard_degree"]
-    if cp > 1 and shard > 0 and cp > shard:
-        raise ConfigError(
-            f"smp.init: context_parallel_degree ({cp}) must be <= hybrid_shard_degree ({shard})"
-        )
-    return values
+    if values["sm_activation_offloading"]:
+        raise not_supported("smp config key sm_activation_offloading: true",
+                            "activation offloading")
+    return set(user), values
 
 
-def _parallel_config(values: Dict[str, Any], world_size: int) -> ParallelConfig:
-    tp = values["tensor_parallel_degree"]
-    cp = values["context_parallel_degree"]
-    pp = values["pipeline_parallel_degree"]
-    model_parallel = tp * cp * pp
-    if world_size % model_parallel != 0:
-        raise ConfigError(
-            f"smp.init: world size {world_size} is not divisible by tensor_parallel_degree "
-            f"({tp}) x context_parallel_degree ({cp}) x pipeline_parallel_degree ({pp})"
-        )
-    data_parallel = world_size // model_parallel
-    shard = values["hybrid_shard_degree"]
-    # SMP counts the sharding group in devices of one TP rank: at most the data-parallel size.
-    if shard > data_parallel or (shard > 0 and data_parallel % shard != 0):
-        raise ConfigError(
-            f"smp.init: hybrid_shard_degree ({shard}) must be 0 or divide the data-parallel "
-            f"size {data_parallel} (= world size {world_size} / (tp x cp x pp))"
-        )
+def _parallel_config(values: Dict[str, Any]) -> ParallelConfig:
     return ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
+        tensor_model_parallel_size=values["tensor_parallel_degree"],
+        pipeline_model_parallel_size=values["pipeline_parallel_degree"],
+        context_parallel_size=values["context_parallel_degree"],
         expert_model_parallel_size=values["expert_parallel_degree"],
-        hybrid_shard_degree=shard,
+        hybrid_shard_degree=values["hybrid_shard_degree"],
     )
 
 
@@ -165,9 +157,11 @@ def parse_smp_config(
 ) -> tuple:
     """Read and validate SMP v2 keys: (keys the user set, all values with defaults,
     the ParallelConfig they describe). Raises ConfigError naming the key."""
-    user = _read_config(config)
-    values = _validate(user, world_size)
-    return set(user), values, _parallel_config(values, world_size)
+    given, values = read_smp_keys(config)
+    parallel_config = _parallel_config(values)
+    parallel_config.check_supported(SMP_NAMES)
+    parallel_config.validate(world_size, names=SMP_NAMES)
+    return given, values, parallel_config
 
 
 def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
@@ -176,11 +170,21 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     Validates everything before the first collective (ConfigError on every rank), builds the
     ParallelState, seeds the default and tensor-parallel RNG streams from `random_seed`, and
     fills `smp.state`. Calling it again re-initialises with the new config.
+
+    `shard_optimizer_state` is honoured by the training scripts (`--smp-config`); a script
+    of its own that calls `init` builds the optimizer itself, so there it is an error.
     """
     global _initialized
     from megatron_smp.tensor_parallel.random import model_parallel_seed
 
     _, values, parallel_config = parse_smp_config(config, launcher_world_size())
+    if values["shard_optimizer_state"]:
+        raise ConfigError(
+            "smp.init: shard_optimizer_state only applies to the training scripts' optimizer "
+            "(pretrain_gpt.py --smp-config); in your own script build it with "
+            "megatron_smp.optimizer.get_megatron_optimizer(OptimizerConfig("
+            "use_distributed_optimizer=True), ...)"
+        )
     parallel_state = build_parallel_state(parallel_config)
     model_parallel_seed(values["random_seed"], parallel_state)
 
@@ -200,7 +204,7 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     state.pipeline_parallel_degree = values["pipeline_parallel_degree"]
     state.random_seed = values["random_seed"]
     for key in ("sm_activation_offloading", "activation_loading_horizon",
-                "fsdp_cache_flush_warnings", "allow_empty_shards", "shard_optimizer_state"):
+                "fsdp_cache_flush_warnings", "allow_empty_shards", "cp_comm_type"):
         setattr(state, key, values[key])
     _initialized = True
 
@@ -286,7 +290,7 @@ def transform(
     dtype: Optional[torch.dtype] = None,
     config: Optional[Dict[str, Any]] = None,
     load_state_dict_from_rank0: bool = False,
-    cp_comm_type: str = "p2p",
+    cp_comm_type: Optional[str] = None,
 ) -> TransformedModel:
     """Convert an HF GPT2LMHeadModel / LlamaForCausalLM / MistralForCausalLM /
     GPTNeoXForCausalLM into the framework's tensor-parallel implementation.
@@ -297,15 +301,14 @@ def transform(
       their own HF model's weights, or keep a fresh init when those are on the meta device.
     * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}).
     * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
+    * `cp_comm_type`: context parallelism's attention, not supported yet (an error if given).
     """
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.models.hf import family_of, get_adapter
     from megatron_smp.models.sharding import shard_state_dict
 
-    if cp_comm_type not in ("p2p", "all_gather"):
-        raise ConfigError(
-            f"transform: cp_comm_type must be 'p2p' or 'all_gather', got {cp_comm_type!r}"
-        )
+    if cp_comm_type is not None:
+        raise not_supported(f"transform(cp_comm_type={cp_comm_type!r})", "context parallelism")
     if not _initialized:
         init()
     parallel_state = state.parallel_state

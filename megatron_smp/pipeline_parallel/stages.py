@@ -145,27 +145,25 @@ def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> Non
 
 
 def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
-    parallel, extra = configs.parallel, configs.extra
+    parallel = configs.parallel
     return pipeline_layer_layout(
         configs.model.num_layers,
         pipeline_size,
         virtual_size=parallel.virtual_pipeline_model_parallel_size,
-        layers_per_virtual_stage=extra.get("num_layers_per_virtual_pipeline_stage"),
-        first_stage_layers=extra.get("decoder_first_pipeline_num_layers"),
-        last_stage_layers=extra.get("decoder_last_pipeline_num_layers"),
+        layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
+        first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers=parallel.decoder_last_pipeline_num_layers,
     )
 
 
 def validate_pipeline_configs(configs, state) -> List[List[tuple]]:
     """Every check of a pipeline layout, run identically on every rank before any collective."""
+    # Imported here: schedules imports this module.
+    from megatron_smp.pipeline_parallel.schedules import schedule_name
+
     layout = layout_from_configs(configs, state.pp_size)
-    if len(layout[0]) > 1:
-        if configs.training.pipeline_schedule == "simple":
-            raise ConfigError(
-                "--pipeline-schedule simple does not take virtual stages; use the default "
-                "(interleaved) or drop --virtual-pipeline-model-parallel-size / "
-                "--num-layers-per-virtual-pipeline-stage"
-            )
+    # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
+    if schedule_name(configs.training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b":
         check_virtual_microbatches(configs.training.num_microbatches(state.dp_size),
                                    state.pp_size)
     return layout
@@ -186,8 +184,7 @@ def build_pipeline_model_chunks(
 
     layout = validate_pipeline_configs(configs, state)
     chunks_here = layout[state.pp_rank]
-    timeline_path = configs.extra.get("pipeline_timeline") or getattr(
-        configs.args, "pipeline_timeline", None)
+    timeline_path = configs.parallel.pipeline_timeline
     timeline = (
         PipelineTimeline(timeline_path, state.rank, state.device) if timeline_path else None
     )

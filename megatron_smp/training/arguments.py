@@ -2,8 +2,10 @@
 
 Each flag is declared once in `_FLAGS` with the config section and field it fills, so the
 argparse layer and the dataclasses cannot drift apart. Flag names are Megatron-LM's, so
-users' existing pretraining shell scripts run unchanged; flags that only select a Megatron
-implementation detail (fusions, legacy model paths) are accepted and ignored.
+users' existing pretraining shell scripts run unchanged. Every accepted flag does what it
+says, with two exceptions listed in `IGNORED_FLAGS` (and the README): flags that only pick a
+Megatron implementation detail with no effect on results or memory. Flags of capabilities
+that do not exist yet (`NOT_SUPPORTED_YET_FLAGS`, every `--moe-*`) are a ConfigError.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from megatron_smp.config import (
     ParallelConfig,
     TrainingConfig,
     TransformerConfig,
+    not_supported,
 )
 
 _SECTIONS = {
@@ -93,33 +96,32 @@ _FLAGS: List[_Flag] = [
     _f("--disable-bias-linear", None, "disable_bias_linear", action="store_true"),
     _f("--add-qkv-bias", "model", action="store_true"),
     _f("--init-method-std", "model", type=float, default=0.02),
-    _f("--apply-query-key-layer-scaling", "model", action="store_true"),
     _f("--recompute-granularity", "model", choices=["full", "selective"]),
     _f("--recompute-method", "model", choices=["uniform", "block"]),
     _f("--recompute-num-layers", "model", type=int),
-    _f("--num-experts", "model", "num_moe_experts", type=int, default=0),
-    _f("--moe-router-topk", "model", type=int, default=2),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),
     _f("--context-parallel-size", "parallel", type=int, default=1),
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
-    _f("--num-layers-per-virtual-pipeline-stage", None, "num_layers_per_virtual_pipeline_stage",
-       type=int),
-    _f("--decoder-first-pipeline-num-layers", None, "decoder_first_pipeline_num_layers", type=int),
-    _f("--decoder-last-pipeline-num-layers", None, "decoder_last_pipeline_num_layers", type=int),
-    _f("--sequence-parallel", "parallel", action="store_true"),
+    _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--decoder-first-pipeline-num-layers", "parallel", type=int),
+    _f("--decoder-last-pipeline-num-layers", "parallel", type=int),
+    _f("--sequence-parallel", "model", action="store_true"),
     _f("--pipeline-schedule", "training", choices=["simple", "interleaved"],
        default="interleaved"),
-    _f("--pipeline-timeline", None, "pipeline_timeline"),  # Chrome trace per rank
+    _f("--pipeline-timeline", "parallel", metavar="PATH",
+       help="Chrome trace of the pipeline schedule, PATH.rank<r>.json per rank"),
     _f("--use-distributed-optimizer", "optimizer", action="store_true"),
     _f("--overlap-grad-reduce", "optimizer", action="store_true"),
     _f("--overlap-param-gather", "optimizer", action="store_true"),
     _f("--ddp-bucket-size", "optimizer", type=int),
     _f("--ddp-average-in-collective", "optimizer", action="store_true"),
-    _f("--distributed-backend", None, "distributed_backend", choices=["nccl", "gloo"]),
-    _f("--distributed-timeout-minutes", None, "distributed_timeout_minutes", type=int, default=10),
+    _f("--accumulate-allreduce-grads-in-fp32", "optimizer", action="store_true", default=True,
+       help="always on here: fp16/bf16 models reduce fp32 grads"),
+    _f("--distributed-backend", "parallel", choices=["nccl", "gloo"]),
+    _f("--distributed-timeout-minutes", "parallel", type=int, default=10),
     _f("--smp-config", None, "smp_config", metavar="JSON",
        help="SMP v2 configuration (a JSON file or inline JSON object); its keys override "
        "the matching flags"),
@@ -157,6 +159,16 @@ _FLAGS: List[_Flag] = [
     _f("--eval-interval", "training", type=int, default=1000),
     _f("--eval-iters", "training", type=int, default=100),
     _f("--tensorboard-dir", "training"),
+    _f("--tensorboard-log-interval", "training", type=int, default=1),
+    _f("--tensorboard-queue-size", "training", type=int, default=1000),
+    _f("--log-throughput", "training", action="store_true"),
+    _f("--log-timers-to-tensorboard", "training", action="store_true"),
+    _f("--log-validation-ppl-to-tensorboard", "training", action="store_true"),
+    _f("--log-memory-to-tensorboard", "training", action="store_true"),
+    _f("--log-num-zeros-in-grad", "optimizer", action="store_true"),
+    _f("--manual-gc", "training", action="store_true"),
+    _f("--manual-gc-interval", "training", type=int, default=0),
+    _f("--no-manual-gc-eval", "training", "manual_gc_eval", action="store_false"),
     _f("--exit-interval", "training", type=int),
     # Data.
     _f("--data-path", "data", nargs="*", default=[]),
@@ -191,25 +203,68 @@ _FLAGS: List[_Flag] = [
        "use_checkpoint_opt_param_scheduler", action="store_true"),
 ]
 
-# Flags of Megatron-LM that choose one of its implementation details (kernel fusions, legacy
-# code paths, logging knobs). Accepted so existing scripts run; they change nothing here.
-_IGNORED_SWITCHES = [
-    "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--use-mcore-models", "--use-legacy-models", "--no-gradient-accumulation-fusion",
-    "--use-cpu-initialization", "--no-async-tensor-model-parallel-allreduce",
-    "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-    "--log-memory-to-tensorboard", "--log-throughput", "--log-params-norm",
-    "--log-num-zeros-in-grad", "--accumulate-allreduce-grads-in-fp32",
-    "--attention-softmax-in-fp32", "--no-query-key-layer-scaling", "--use-contiguous-buffers-in-local-ddp",
-    "--manual-gc", "--no-create-attention-mask-in-dataloader", "--use-checkpoint-args",
-    "--no-persist-layer-norm",
-]
-_IGNORED_VALUES = [
-    "--transformer-impl", "--DDP-impl", "--timing-log-level", "--tensorboard-log-interval",
-    "--attention-backend", "--manual-gc-interval", "--log-interval-memory",
-    "--wandb-project", "--wandb-exp-name", "--tensorboard-queue-size",
-]
+# Megatron-LM flags accepted and ignored, each with the reason it changes neither results nor
+# memory here (the README lists the same table; a test keeps the two equal).
+IGNORED_FLAGS: Dict[str, str] = {
+    "--use-flash-attn": "attention always runs through torch SDPA, which picks flash kernels "
+                        "itself where the device has them",
+    "--attention-backend": "SDPA picks its kernel (flash, efficient, math) itself",
+    "--transformer-impl": "one transformer implementation (the Megatron 'local' layout)",
+    "--use-mcore-models": "one model implementation",
+    "--use-legacy-models": "one model implementation",
+    "--DDP-impl": "one DDP implementation (Megatron's local DDP: contiguous buffers)",
+    "--use-contiguous-buffers-in-local-ddp": "buffers are always contiguous",
+    "--no-masked-softmax-fusion": "kernel fusion choice",
+    "--no-bias-gelu-fusion": "kernel fusion choice",
+    "--no-bias-swiglu-fusion": "kernel fusion choice",
+    "--no-bias-dropout-fusion": "kernel fusion choice",
+    "--no-rope-fusion": "kernel fusion choice",
+    "--no-persist-layer-norm": "kernel choice of Apex's layer norm",
+    "--no-gradient-accumulation-fusion": "kernel fusion choice (grads accumulate into fp32 "
+                                         "main grads either way)",
+    "--no-async-tensor-model-parallel-allreduce": "communication overlap choice",
+    "--use-cpu-initialization": "master weights are always drawn on the CPU (so they do not "
+                                "depend on the layout), then moved to the device",
+    "--attention-softmax-in-fp32": "SDPA accumulates the softmax in fp32",
+    "--apply-query-key-layer-scaling": "a numerics guard of Megatron's unfused fp16 softmax; "
+                                       "the scaled product is the same with SDPA",
+    "--no-query-key-layer-scaling": "see --apply-query-key-layer-scaling",
+    "--no-create-attention-mask-in-dataloader": "masks are only built for "
+                                                "--reset-attention-mask; causal masking is "
+                                                "inside the attention kernel",
+    "--timing-log-level": "log verbosity of Megatron's per-phase timers (the log line's "
+                          "iteration time is always printed)",
+}
+# Which of them take a value.
+_IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
+                       "--timing-log-level"}
+
+# Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
+# a silent no-op. Every other --moe-* flag is treated the same way.
+NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
+    "--num-experts": "mixture-of-experts layers",
+    "--expert-tensor-parallel-size": "mixture-of-experts layers",
+    "--cp-comm-type": "context parallelism",
+    "--hierarchical-context-parallel-sizes": "context parallelism",
+    "--use-torch-fsdp2": "sharded data parallelism (FSDP2)",
+    "--use-megatron-fsdp": "sharded data parallelism (FSDP2)",
+    "--data-parallel-sharding-strategy": "sharded data parallelism (FSDP2)",
+    "--log-params-norm": "a parameter-norm log field",
+    "--use-checkpoint-args": "model arguments read from a checkpoint",
+    "--wandb-project": "Weights & Biases logging",
+    "--wandb-exp-name": "Weights & Biases logging",
+    "--wandb-save-dir": "Weights & Biases logging",
+}
+
+
+def _reject_not_supported_yet(argv: Sequence[str]) -> None:
+    """ConfigError for the first flag in `argv` whose capability does not exist yet."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in NOT_SUPPORTED_YET_FLAGS:
+            raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
+        if flag.startswith("--moe-"):
+            raise not_supported(flag, "mixture-of-experts layers")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
@@ -220,10 +275,12 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     for spec in _FLAGS:
         dest = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.add_argument(spec.flag, dest=dest, **spec.kwargs)
-    for flag in _IGNORED_SWITCHES:
-        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in _IGNORED_VALUES:
-        parser.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in IGNORED_FLAGS:
+        if flag in _IGNORED_WITH_VALUE:
+            parser.add_argument(flag, dest=f"ignored__{flag}", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=f"ignored__{flag}", action="store_true",
+                                help=argparse.SUPPRESS)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -231,7 +288,8 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
 
 @dataclass
 class Configs:
-    """Everything one run needs, typed. `args` keeps the raw namespace for extra flags."""
+    """Everything one run needs, typed. `args` keeps the raw namespace for the flags an entry
+    script adds with `extra_args_provider` (Megatron's convention)."""
 
     model: TransformerConfig
     parallel: ParallelConfig
@@ -240,7 +298,8 @@ class Configs:
     data: DataConfig
     checkpoint: CheckpointConfig
     args: argparse.Namespace
-    extra: Dict[str, Any]
+    # How validation names ParallelConfig fields the user set through --smp-config keys.
+    setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data view (for checkpoint metadata and logs)."""
@@ -251,7 +310,8 @@ class Configs:
         return out
 
 
-# SMP v2 key -> (config section, field) it sets when the user gives it.
+# SMP v2 key -> (config section, field) it sets when the user gives it. Every other key is
+# checked by smp's validator (and rejected there when its capability does not exist yet).
 _SMP_TO_FLAGS = {
     "tensor_parallel_degree": ("parallel", "tensor_model_parallel_size"),
     "pipeline_parallel_degree": ("parallel", "pipeline_model_parallel_size"),
@@ -263,12 +323,12 @@ _SMP_TO_FLAGS = {
 }
 
 
-def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]]) -> None:
-    """Merge the keys of an SMP v2 JSON config over the parsed flags (validated by smp)."""
+def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]],
+                      setting_names: Dict[str, str]) -> None:
+    """Merge the keys of an SMP v2 JSON config over the parsed flags."""
     import json
 
-    from megatron_smp.parallel_state import launcher_world_size
-    from megatron_smp.smp import parse_smp_config
+    from megatron_smp.smp import read_smp_keys
 
     source: Any = text
     if text.lstrip().startswith("{"):
@@ -276,10 +336,12 @@ def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]]) -> None:
             source = json.loads(text)
         except json.JSONDecodeError as error:
             raise ConfigError(f"--smp-config is not valid JSON: {error}") from None
-    given, values, _ = parse_smp_config(source, launcher_world_size())
+    given, values = read_smp_keys(source)
     for key in given & set(_SMP_TO_FLAGS):
         section, name = _SMP_TO_FLAGS[key]
         sections[section][name] = values[key]
+        if section == "parallel":
+            setting_names[name] = f"{key} (--smp-config)"
 
 
 def parse_args(
@@ -287,11 +349,15 @@ def parse_args(
     extra_args_provider: Optional[Callable] = None,
     args_defaults: Optional[Dict[str, Any]] = None,
 ) -> Configs:
-    """Parse Megatron flags into `Configs`. Invalid values exit (argparse) or raise ConfigError.
+    """Parse Megatron flags into `Configs`; `validate_configs` checks them (once the tokenizer
+    has given the vocabulary size). Raises ConfigError for flags that contradict each other
+    or name a capability that does not exist yet; argparse exits for malformed values.
 
     `args_defaults` maps flag destinations without dashes (e.g. "tokenizer_type") to defaults
     an entry script wants (Megatron's convention).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _reject_not_supported_yet(argv)
     parser = build_parser(extra_args_provider)
     if args_defaults:
         by_field = {}
@@ -342,13 +408,12 @@ def parse_args(
         torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
     )
     sections["optimizer"].update(precision)
-    model["sequence_parallel"] = sections["parallel"].get("sequence_parallel", False)
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
-    extra: Dict[str, Any] = {}
+    setting_names: Dict[str, str] = {}
     if args.smp_config:
-        _apply_smp_config(args.smp_config, sections)
+        _apply_smp_config(args.smp_config, sections, setting_names)
 
     if args.lr_warmup_fraction is not None:
         decay = sections["optimizer"].get("lr_decay_iters") or training["train_iters"]
@@ -357,22 +422,12 @@ def parse_args(
         sections["optimizer"]["lr_decay_iters"] = training["train_iters"]
 
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
-    configs = Configs(args=args, extra=extra, **built)
-    configs.parallel.sequence_parallel = configs.model.sequence_parallel
-    for name in (
-        "num_layers_per_virtual_pipeline_stage",
-        "decoder_first_pipeline_num_layers",
-        "decoder_last_pipeline_num_layers",
-        "distributed_backend",
-        "distributed_timeout_minutes",
-    ):
-        extra[name] = getattr(args, name)
-    validate_configs(configs)
-    return configs
+    return Configs(args=args, setting_names=setting_names, **built)
 
 
 def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
-    """Check everything that can be checked before a process group exists.
+    """Check everything that can be checked before a process group exists. Pure (changes
+    nothing); `pretrain` runs it once, after the tokenizer has set the vocabulary size.
 
     Runs identically on every rank, so a bad configuration fails everywhere at once.
     """
@@ -380,25 +435,49 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
 
     world_size = world_size or launcher_world_size()
     parallel = configs.parallel
-    parallel.validate(world_size)
-    tp_cp_pp = (
-        parallel.tensor_model_parallel_size
-        * parallel.context_parallel_size
-        * parallel.pipeline_model_parallel_size
-    )
-    dp = world_size // tp_cp_pp
-    configs.model.validate(parallel, configs.training.seq_length)
+    parallel.check_supported(configs.setting_names)
+    parallel.validate(world_size, names=configs.setting_names)
+    configs.model.validate(parallel, configs.training.seq_length, names=configs.setting_names)
     configs.optimizer.validate()
-    configs.training.num_microbatches(dp)
-    if configs.training.micro_batch_size < 1:
+    training = configs.training
+    if training.micro_batch_size < 1:
         raise ConfigError("--micro-batch-size must be >= 1")
-    if configs.training.train_iters < 1:
+    if training.train_iters < 1:
         raise ConfigError("--train-iters must be >= 1")
+    training.num_microbatches(parallel.data_parallel_size_for(world_size))
+    for flag, value in (("--log-interval", training.log_interval),
+                        ("--tensorboard-log-interval", training.tensorboard_log_interval),
+                        ("--tensorboard-queue-size", training.tensorboard_queue_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if training.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be >= 0, got {training.manual_gc_interval}")
+    if (training.manual_gc_interval or not training.manual_gc_eval) and not training.manual_gc:
+        raise ConfigError("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
+    logging_to_tensorboard = [
+        flag for flag, on in (
+            ("--log-timers-to-tensorboard", training.log_timers_to_tensorboard),
+            ("--log-validation-ppl-to-tensorboard", training.log_validation_ppl_to_tensorboard),
+            ("--log-memory-to-tensorboard", training.log_memory_to_tensorboard),
+        ) if on
+    ]
+    if logging_to_tensorboard and not training.tensorboard_dir:
+        raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
     data = configs.data
     if not data.mock_data and not data.data_path:
         raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset) or --mock-data")
-    if configs.checkpoint.save_interval is not None and not configs.checkpoint.save:
+    checkpoint = configs.checkpoint
+    if checkpoint.save_interval is not None and not checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
+    if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler (the command line's LR schedule wins) and "
+            "--use-checkpoint-opt_param-scheduler (the checkpoint's wins) contradict each "
+            "other; give one"
+        )
 
 
-__all__ = ["Configs", "build_parser", "parse_args", "validate_configs"]
+__all__ = [
+    "Configs", "IGNORED_FLAGS", "NOT_SUPPORTED_YET_FLAGS", "build_parser", "parse_args",
+    "validate_configs",
+]

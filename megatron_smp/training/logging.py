@@ -8,7 +8,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_smp.config import TransformerConfig
+from megatron_smp.config import TrainingConfig, TransformerConfig
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,21 +59,78 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     return 3.0 * per_token * seq_length * global_batch_size
 
 
-class TrainingLogger:
-    """Prints Megatron's log lines on the logging rank and writes TensorBoard scalars there."""
+def memory_scalars(device: torch.device) -> Dict[str, float]:
+    """Megatron's `mem-*` TensorBoard scalars: the CUDA allocator's counters on a GPU, this
+    process's resident set (current and peak, bytes) on the CPU."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "mem-reserved-bytes": stats["reserved_bytes.all.current"],
+            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+            "mem-allocated-count": stats["allocation.all.current"],
+        }
+    import resource
 
-    def __init__(self, is_logging_rank: bool, tensorboard_dir: Optional[str], train_iters: int):
+    scalars = {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+        scalars["mem-rss-bytes"] = pages * resource.getpagesize()
+    except OSError:  # not Linux
+        pass
+    return scalars
+
+
+class TrainingLogger:
+    """Prints Megatron's log lines on the logging rank and writes TensorBoard scalars there.
+
+    `config` is the run's TrainingConfig: its log_* / tensorboard_* fields choose the optional
+    fields and scalars as Megatron's flags of the same names do.
+    """
+
+    def __init__(self, is_logging_rank: bool, config: TrainingConfig, device: torch.device):
         self.is_logging_rank = is_logging_rank
-        self.train_iters = train_iters
+        self.config = config
+        self.train_iters = config.train_iters
+        self.device = device
         self.writer = None
-        if is_logging_rank and tensorboard_dir:
+        if is_logging_rank and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir,
+                                        max_queue=config.tensorboard_queue_size)
 
     def print(self, text: str) -> None:
         if self.is_logging_rank:
             print(text, flush=True)
+
+    def iteration_scalars(
+        self,
+        iteration: int,
+        learning_rate: float,
+        global_batch_size: int,
+        losses: Dict[str, float],
+        loss_scale: float,
+        grad_norm: Optional[float],
+        num_zeros_in_grad: Optional[int],
+    ) -> None:
+        """One iteration's own values, every --tensorboard-log-interval iterations."""
+        if self.writer is None or iteration % self.config.tensorboard_log_interval:
+            return
+        w = self.writer
+        w.add_scalar("learning-rate", learning_rate, iteration)
+        w.add_scalar("batch-size", global_batch_size, iteration)
+        for key, value in losses.items():
+            w.add_scalar(key, value, iteration)
+        w.add_scalar("loss-scale", loss_scale, iteration)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm", grad_norm, iteration)
+        if num_zeros_in_grad is not None:
+            w.add_scalar("num-zeros", num_zeros_in_grad, iteration)
+        if self.config.log_memory_to_tensorboard:
+            for key, value in memory_scalars(self.device).items():
+                w.add_scalar(key, value, iteration)
 
     def training_line(
         self,
@@ -85,16 +142,19 @@ class TrainingLogger:
         losses: Dict[str, float],
         loss_scale: float,
         grad_norm: Optional[float],
+        num_zeros_in_grad: Optional[int],
         skipped_iterations: int,
         nan_iterations: int,
         tokens_per_second: float,
         tflops: float,
     ) -> str:
+        """Megatron's per-interval line (losses averaged over the interval)."""
         line = f" iteration {iteration:8d}/{self.train_iters:8d} |"
         line += f" consumed samples: {consumed_samples:12d} |"
         line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-        line += f" throughput (tokens/s): {tokens_per_second:.1f} |"
-        line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
+        if self.config.log_throughput:
+            line += f" throughput (tokens/s): {tokens_per_second:.1f} |"
+            line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
         line += f" learning rate: {learning_rate:.6E} |"
         line += f" global batch size: {global_batch_size:5d} |"
         for key, value in losses.items():
@@ -102,20 +162,16 @@ class TrainingLogger:
         line += f" loss scale: {loss_scale:.1f} |"
         if grad_norm is not None:
             line += f" grad norm: {grad_norm:.3f} |"
+        if num_zeros_in_grad is not None:
+            line += f" num zeros: {float(num_zeros_in_grad):.1f} |"
         line += f" number of skipped iterations: {skipped_iterations:3d} |"
         line += f" number of nan iterations: {nan_iterations:3d} |"
         self.print(line)
         if self.writer is not None:
-            w = self.writer
-            w.add_scalar("learning-rate", learning_rate, iteration)
-            w.add_scalar("batch-size", global_batch_size, iteration)
-            for key, value in losses.items():
-                w.add_scalar(key, value, iteration)
-            w.add_scalar("loss-scale", loss_scale, iteration)
-            if grad_norm is not None:
-                w.add_scalar("grad-norm", grad_norm, iteration)
-            w.add_scalar("iteration-time", elapsed_ms / 1000.0, iteration)
-            w.add_scalar("throughput-tokens-per-sec", tokens_per_second, iteration)
+            if self.config.log_timers_to_tensorboard:
+                self.writer.add_scalar("iteration-time", elapsed_ms / 1000.0, iteration)
+            if self.config.log_throughput:
+                self.writer.add_scalar("throughput", tflops, iteration)
         return line
 
     def validation_line(self, prefix: str, iteration: int, losses: Dict[str, float]) -> str:
@@ -125,7 +181,8 @@ class TrainingLogger:
             line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
             if self.writer is not None:
                 self.writer.add_scalar(f"{key} validation", value, iteration)
-                self.writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+                if self.config.log_validation_ppl_to_tensorboard:
+                    self.writer.add_scalar(f"{key} validation ppl", ppl, iteration)
         length = len(line) + 1
         self.print("-" * length + "\n" + line + "\n" + "-" * length)
         return line

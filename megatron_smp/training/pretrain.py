@@ -10,6 +10,7 @@ Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and ca
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import sys
 from dataclasses import dataclass, field
@@ -20,8 +21,10 @@ import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
 from megatron_smp.parallel_state import ParallelState, build_parallel_state
-from megatron_smp.pipeline_parallel.schedules import ScheduleHooks, get_forward_backward_func
-from megatron_smp.training.arguments import Configs, parse_args
+from megatron_smp.pipeline_parallel.schedules import (
+    ScheduleHooks, get_forward_backward_func, schedule_name,
+)
+from megatron_smp.training.arguments import Configs, parse_args, validate_configs
 from megatron_smp.training.logging import Timer, TrainingLogger, flops_per_iteration, print_error
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -117,7 +120,7 @@ def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
     """One global batch through this layout's schedule; the per-microbatch loss reports."""
     configs = run.configs
     forward_backward = get_forward_backward_func(
-        run.state.pp_size, virtual=len(run.model) > 1, schedule=configs.training.pipeline_schedule
+        run.state.pp_size, schedule_name(configs.training.pipeline_schedule, len(run.model))
     )
     return forward_backward(
         forward_step_func=forward_step_func,
@@ -142,8 +145,8 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
         # The last --async-save may still be copying params and optimizer state to CPU
         # memory; step() is the first thing to modify them.
         wait_for_staging(run)
-    update_successful, grad_norm, _ = run.optimizer.step()
-    return reports, update_successful, grad_norm
+    update_successful, grad_norm, num_zeros_in_grad = run.optimizer.step()
+    return reports, update_successful, grad_norm, num_zeros_in_grad
 
 
 def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
@@ -184,13 +187,15 @@ def pretrain(
     from megatron_smp.tensor_parallel.random import model_parallel_seed
 
     configs = parse_args(argv, extra_args_provider, args_defaults)
-    timeout = datetime.timedelta(minutes=configs.extra["distributed_timeout_minutes"])
-    state = build_parallel_state(
-        configs.parallel, backend=configs.extra["distributed_backend"], timeout=timeout
-    )
-    training = configs.training
+    # The tokenizer is local work (no collective): build it first, so the one validation
+    # below sees the real vocabulary, and a bad configuration fails on every rank before the
+    # first collective.
     tokenizer = build_tokenizer(configs.data)
     configs.model.vocab_size = tokenizer.vocab_size
+    validate_configs(configs)
+    timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
+    state = build_parallel_state(configs.parallel, timeout=timeout)
+    training = configs.training
     model_parallel_seed(training.seed, state)
 
     run = _Run(configs, state)
@@ -230,7 +235,7 @@ def pretrain(
     valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
 
     is_logging_rank = state.rank == state.world_size - 1
-    logger = TrainingLogger(is_logging_rank, training.tensorboard_dir, training.train_iters)
+    logger = TrainingLogger(is_logging_rank, training, state.device)
     result = TrainingResult()
     flops = flops_per_iteration(
         configs.model, training.seq_length, global_batch_size,
@@ -241,9 +246,13 @@ def pretrain(
     interval_iters = 0
     loss_keys = ["lm loss"]
 
+    if training.manual_gc:
+        # Megatron's --manual-gc: no automatic collections in the middle of a step.
+        gc.disable()
+        gc.collect()
     timer.start()
     while run.iteration < training.train_iters:
-        reports, update_successful, grad_norm = train_step(
+        reports, update_successful, grad_norm, num_zeros_in_grad = train_step(
             run, forward_step_func, train_iter, num_microbatches
         )
         run.iteration += 1
@@ -256,19 +265,22 @@ def pretrain(
         if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
             run.nan_iterations += 1
         result.train_losses[run.iteration] = losses
+        lr = run.optimizer.param_groups[0]["lr"]
+        loss_scale = float(run.optimizer.get_loss_scale())
+        logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
+                                 grad_norm, num_zeros_in_grad)
         for key, value in losses.items():
             interval_losses[key] = interval_losses.get(key, 0.0) + value
         interval_iters += 1
 
         if run.iteration % training.log_interval == 0 or run.iteration == training.train_iters:
             elapsed = timer.stop() / interval_iters
-            lr = run.optimizer.param_groups[0]["lr"]
             averaged = {k: v / interval_iters for k, v in interval_losses.items()}
             tokens_per_second = global_batch_size * training.seq_length / elapsed
             line = logger.training_line(
                 run.iteration, run.consumed_train_samples, elapsed * 1000.0, lr,
-                global_batch_size, averaged, float(run.optimizer.get_loss_scale()),
-                grad_norm, run.skipped_iterations, run.nan_iterations,
+                global_batch_size, averaged, loss_scale, grad_norm, num_zeros_in_grad,
+                run.skipped_iterations, run.nan_iterations,
                 tokens_per_second, flops / elapsed / 1e12 / state.world_size,
             )
             result.log_lines.append(line)
@@ -278,8 +290,12 @@ def pretrain(
         if valid_iter is not None and training.eval_interval and (
             run.iteration % training.eval_interval == 0
         ):
+            if training.manual_gc and training.manual_gc_eval:
+                gc.collect()
             valid = evaluate(run, forward_step_func, valid_iter, training.eval_iters,
                              num_microbatches)
+            if training.manual_gc and training.manual_gc_eval:
+                gc.collect()
             valid = _broadcast_from_last_stage(valid, loss_keys, state)
             result.valid_losses[run.iteration] = valid
             result.log_lines.append(logger.validation_line("validation", run.iteration, valid))
@@ -292,6 +308,10 @@ def pretrain(
             timer.start()
         if checkpointing is not None:
             checkpointing.poll(run)  # publishes asynchronous saves that every rank finished
+        if training.manual_gc and training.manual_gc_interval and (
+            run.iteration % training.manual_gc_interval == 0
+        ):
+            gc.collect()
         if training.exit_interval and run.iteration % training.exit_interval == 0:
             break
 
@@ -303,6 +323,8 @@ def pretrain(
     if checkpointing is not None:
         checkpointing.finalize(run)
     logger.close()
+    if training.manual_gc:
+        gc.enable()
     result.skipped_iterations = run.skipped_iterations
     result.iteration = run.iteration
     result.consumed_train_samples = run.consumed_train_samples

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from megatron_smp.config import ConfigError, OptimizerConfig
-from megatron_smp.training.arguments import parse_args
+from megatron_smp.training.arguments import parse_args, validate_configs
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 
 BASE = (
@@ -12,8 +12,17 @@ BASE = (
 ).split()
 
 
+def parse(argv, **kwargs):
+    """What pretrain does before the first collective: parse, take the tokenizer's
+    vocabulary (here a stand-in), validate."""
+    configs = parse_args(argv, **kwargs)
+    configs.model.vocab_size = configs.model.vocab_size or 1000
+    validate_configs(configs)
+    return configs
+
+
 def test_flags_fill_the_configs():
-    configs = parse_args(
+    configs = parse(
         BASE + "--swiglu --group-query-attention --num-query-groups 2 --bf16 "
         "--position-embedding-type rope --use-flash-attn --transformer-impl local "
         "--tensor-model-parallel-size 1 --lr 3e-4 --lr-warmup-fraction 0.2".split()
@@ -29,13 +38,13 @@ def test_flags_fill_the_configs():
 
 
 def test_openai_gelu_selects_gpt2_activation():
-    assert parse_args(BASE + ["--openai-gelu"]).model.activation == "gelu_tanh"
+    assert parse(BASE + ["--openai-gelu"]).model.activation == "gelu_tanh"
     with pytest.raises(ConfigError, match="--openai-gelu"):
-        parse_args(BASE + ["--openai-gelu", "--swiglu"])
+        parse(BASE + ["--openai-gelu", "--swiglu"])
 
 
 def test_args_defaults_from_entry_script():
-    configs = parse_args(BASE, args_defaults={"normalization": "RMSNorm", "swiglu": True})
+    configs = parse(BASE, args_defaults={"normalization": "RMSNorm", "swiglu": True})
     assert configs.model.normalization == "RMSNorm" and configs.model.gated_linear_unit
 
 
@@ -56,12 +65,12 @@ def test_bad_configurations_name_the_flag(extra, message, monkeypatch):
         argv += ["--tensor-model-parallel-size", "2"]
         monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parse_args(argv)
+        parse(argv)
 
 
 def test_unknown_flag_value_exits(capsys):
     with pytest.raises(SystemExit) as info:
-        parse_args(BASE + ["--lr-decay-style", "exponential"])
+        parse(BASE + ["--lr-decay-style", "exponential"])
     assert info.value.code != 0
     assert "--lr-decay-style" in capsys.readouterr().err
 
@@ -69,7 +78,7 @@ def test_unknown_flag_value_exits(capsys):
 def test_world_size_must_be_product_of_degrees(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="world size 3"):
-        parse_args(BASE + ["--tensor-model-parallel-size", "2"])
+        parse(BASE + ["--tensor-model-parallel-size", "2"])
 
 
 class _FakeOptimizer:
@@ -103,10 +112,155 @@ def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
     path = tmp_path / "smp.json"
     path.write_text('{"tensor_parallel_degree": 2, "shard_optimizer_state": true, '
                     '"random_seed": 99}')
-    configs = parse_args(BASE + ["--smp-config", str(path), "--global-batch-size", "4"])
+    configs = parse(BASE + ["--smp-config", str(path), "--global-batch-size", "4"])
     assert configs.parallel.tensor_model_parallel_size == 2
     assert configs.optimizer.use_distributed_optimizer and configs.training.seed == 99
     with pytest.raises(ConfigError, match="tensor_parallel_degree"):
-        parse_args(BASE + ["--smp-config", '{"tensor_parallel_degree": "two"}'])
+        parse(BASE + ["--smp-config", '{"tensor_parallel_degree": "two"}'])
     with pytest.raises(ConfigError, match="unknown config key"):
-        parse_args(BASE + ["--smp-config", '{"tensor_parallel": 2}'])
+        parse(BASE + ["--smp-config", '{"tensor_parallel": 2}'])
+
+
+# No silent no-ops ------------------------------------------------------------------------------
+
+NOT_YET = [
+    ("--num-experts 8", "--num-experts"),
+    ("--moe-router-topk 2", "--moe-router-topk"),
+    ("--moe-grouped-gemm", "--moe-grouped-gemm"),
+    ("--moe-aux-loss-coeff=0.01", "--moe-aux-loss-coeff"),
+    ("--moe-token-dispatcher-type alltoall", "--moe-token-dispatcher-type"),
+    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2"),
+    ("--context-parallel-size 2", "--context-parallel-size 2"),
+    ("--cp-comm-type p2p", "--cp-comm-type"),
+    ("--use-torch-fsdp2", "--use-torch-fsdp2"),
+    ("--log-params-norm", "--log-params-norm"),
+    ("--wandb-project proj", "--wandb-project"),
+    ("--use-checkpoint-args", "--use-checkpoint-args"),
+]
+
+
+@pytest.mark.parametrize("extra, name", NOT_YET)
+def test_flags_of_missing_capabilities_are_errors(extra, name, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # so a degree of 2 is not rejected for the world size
+    with pytest.raises(ConfigError, match=f"{name}.*not supported yet"):
+        parse(BASE + extra.split() + ["--global-batch-size", "8"])
+
+
+def test_degree_one_of_missing_capabilities_is_fine():
+    configs = parse(BASE + "--expert-model-parallel-size 1 --context-parallel-size 1".split())
+    assert configs.parallel.context_parallel_size == 1
+
+
+NOT_YET_SMP = [
+    ({"expert_parallel_degree": 2}, "expert_parallel_degree.* 2"),
+    ({"context_parallel_degree": 2}, "context_parallel_degree.* 2"),
+    ({"cp_comm_type": "p2p"}, "cp_comm_type"),
+    ({"hybrid_shard_degree": 2}, "hybrid_shard_degree.* = 2"),
+    ({"sm_activation_offloading": True}, "sm_activation_offloading"),
+    ({"activation_loading_horizon": 2}, "activation_loading_horizon"),
+    ({"fsdp_cache_flush_warnings": False}, "fsdp_cache_flush_warnings"),
+    ({"allow_empty_shards": True}, "allow_empty_shards"),
+]
+
+
+@pytest.mark.parametrize("keys, name", NOT_YET_SMP)
+def test_smp_keys_of_missing_capabilities_are_errors(keys, name, monkeypatch):
+    import json
+
+    from megatron_smp.smp import parse_smp_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=f"{name}.*not supported yet"):
+        parse(BASE + ["--smp-config", json.dumps(keys), "--global-batch-size", "8"])
+    with pytest.raises(ConfigError, match=f"{name}.*not supported yet"):
+        parse_smp_config(keys, 4)  # what smp.init runs before any collective
+
+
+def test_smp_defaults_and_replicating_shard_degrees_are_accepted():
+    from megatron_smp.smp import parse_smp_config
+
+    for keys in ({}, {"hybrid_shard_degree": 0}, {"hybrid_shard_degree": 1},
+                 {"sm_activation_offloading": False}):
+        _, values, parallel = parse_smp_config(keys, 2)
+        assert values["sm_activation_offloading"] is False
+        assert parallel.hybrid_shard_degree == keys.get("hybrid_shard_degree", 0)
+
+
+def test_smp_degrees_are_named_by_their_keys(monkeypatch):
+    from megatron_smp.smp import parse_smp_config
+
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by "
+                                          r"tensor_parallel_degree \(2\)"):
+        parse_smp_config({"tensor_parallel_degree": 2}, 3)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree \(--smp-config\) \(2\)"):
+        parse(BASE + ["--smp-config", '{"tensor_parallel_degree": 2}'])
+
+
+def _library_sources():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    sources = {}
+    for path in list((root / "megatron_smp").rglob("*.py")) + [root / "pretrain_gpt.py"]:
+        sources[str(path.relative_to(root))] = path.read_text()
+    return root, sources
+
+
+def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
+    """Walk the parser's whole table: each flag fills a config field that code outside the
+    flag layer reads, or is post-processed in parse_args, or is on the documented ignore list
+    (the README's table, kept equal to IGNORED_FLAGS)."""
+    import re
+
+    from megatron_smp.training.arguments import _FLAGS, IGNORED_FLAGS, build_parser
+
+    root, sources = _library_sources()
+    arguments_source = sources.pop("megatron_smp/training/arguments.py")
+    config_source = sources.pop("megatron_smp/config.py")
+    # Fields read only by a config.py method that the library calls.
+    read_in_config = {"make_vocab_size_divisible_by": "padded_vocab_size",
+                      "global_batch_size": "num_microbatches"}
+    everything_else = "\n".join(sources.values())
+    unused = []
+    for spec in _FLAGS:
+        if spec.section is None:  # post-processed: parse_args must read args.<dest>
+            if not re.search(rf"\bargs\.{spec.field}\b", arguments_source):
+                unused.append(spec.flag)
+        elif spec.field in read_in_config:
+            method = read_in_config[spec.field]
+            assert f"def {method}" in config_source and f".{method}(" in everything_else
+        elif not re.search(rf'\.{spec.field}\b|getattr\([^)]*"{spec.field}"', everything_else):
+            unused.append(spec.flag)
+    assert unused == [], f"flags parsed but never read: {unused}"
+
+    accepted = {a for action in build_parser()._actions for a in action.option_strings}
+    table = {spec.flag for spec in _FLAGS} | set(IGNORED_FLAGS) | {"-h", "--help"}
+    assert accepted == table
+    readme = (root / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(--[\w-]+)` \|", readme, flags=re.M))
+    assert documented == set(IGNORED_FLAGS), (documented ^ set(IGNORED_FLAGS))
+
+
+def test_hidden_size_not_divisible_by_heads_needs_kv_channels():
+    argv = BASE + ["--hidden-size", "100", "--num-attention-heads", "8"]
+    with pytest.raises(ConfigError, match=r"--hidden-size \(100\).*--num-attention-heads \(8\)"
+                                          r".*--kv-channels"):
+        parse(argv)
+    model = parse(argv + ["--kv-channels", "16"]).model
+    assert model.kv_channels == 16
+
+
+def test_scheduler_override_flags_contradict():
+    with pytest.raises(ConfigError, match="--override-opt_param-scheduler.*"
+                                          "--use-checkpoint-opt_param-scheduler"):
+        parse(BASE + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+
+
+def test_validation_is_pure():
+    import copy
+
+    configs = parse_args(BASE + ["--vocab-size", "100", "--tensor-model-parallel-size", "1"])
+    before = copy.deepcopy(configs.to_dict())
+    validate_configs(configs, world_size=1)
+    assert configs.to_dict() == before
