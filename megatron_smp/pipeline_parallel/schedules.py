@@ -11,13 +11,18 @@ Every schedule has the same signature as Megatron's `forward_backward_func`:
 microbatch's tokens; the schedule divides it by the number of microbatches (so the
 accumulated gradient is the mean over the global batch), scales it for fp16 and calls
 backward. The returned list holds one reporting dict per microbatch (last stage only).
+
+Schedules are named `gpipe`, `1f1b` and `interleaved_1f1b` (Megatron's virtual-pipeline
+schedule); `schedule_name` maps SMP's `--pipeline-schedule simple|interleaved` onto them.
+The interleaved schedule's order of (microbatch, chunk) steps is the pure table of
+`get_schedule_table`.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -283,7 +288,7 @@ def _setup(forward_step_func, data_iterator, model, num_microbatches, seq_length
 def _single_chunk(model, name: str) -> None:
     if isinstance(model, (list, tuple)) and len(model) != 1:
         raise ValueError(f"{name} takes one model chunk per rank; virtual stages use "
-                         "forward_backward_pipelining_with_interleaving")
+                         "interleaved_1f1b")
 
 
 def forward_backward_pipelining_gpipe(
@@ -292,11 +297,11 @@ def forward_backward_pipelining_gpipe(
     hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
     timeline=None,
 ) -> List[Dict[str, torch.Tensor]]:
-    """SMP's `simple` pipeline (GPipe): every microbatch's forward, then every backward.
+    """`gpipe` (SMP's `simple`): every microbatch's forward, then every backward.
 
     All m microbatches are in flight at the peak; the bubble is (p - 1) / (m + p - 1).
     """
-    _single_chunk(model, "the simple (GPipe) schedule")
+    _single_chunk(model, "the gpipe schedule")
     runner, comm, grad_sync = _setup(
         forward_step_func, data_iterator, model, num_microbatches, seq_length,
         micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
@@ -331,13 +336,13 @@ def forward_backward_pipelining_without_interleaving(
     hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
     timeline=None,
 ) -> List[Dict[str, torch.Tensor]]:
-    """SMP's `interleaved` pipeline (1F1B, PipeDream-Flush): warm-up forwards, then one
-    forward / one backward in the steady state, then the remaining backwards.
+    """`1f1b` (PipeDream-Flush; SMP's `interleaved`): warm-up forwards, then one forward /
+    one backward in the steady state, then the remaining backwards.
 
     Stage r runs p - r - 1 warm-up forwards, so at most p - r <= p microbatches are in
     flight on it; the bubble is the same as GPipe's, (p - 1) / (m + p - 1).
     """
-    _single_chunk(model, "the 1F1B schedule")
+    _single_chunk(model, "the 1f1b schedule")
     runner, comm, grad_sync = _setup(
         forward_step_func, data_iterator, model, num_microbatches, seq_length,
         micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
@@ -401,19 +406,95 @@ def forward_backward_pipelining_without_interleaving(
     return runner.finish()
 
 
+# The interleaved order ------------------------------------------------------------------------
+
+
+def _microbatch_group_size(num_microbatches: int, pp_size: int,
+                           group_size: Optional[int]) -> int:
+    """The group size in use (default pp_size); ConfigError for one the schedule cannot run."""
+    if group_size is None or group_size == pp_size:
+        # Whole groups of pp: the check that names the batch flags a user sets.
+        check_virtual_microbatches(num_microbatches, pp_size)
+        return pp_size
+    # Chunk c + 1 of rank 0 takes microbatch j from rank pp - 1, which runs chunk c on it
+    # pp - 1 steps after rank 0 did: a group (the distance between the two) shorter than
+    # pp would wait on an input not yet produced, and so would a last group shorter than pp.
+    if not pp_size <= group_size <= num_microbatches:
+        raise ConfigError(
+            f"microbatch_group_size_per_vp_stage ({group_size}) must lie between "
+            f"--pipeline-model-parallel-size ({pp_size}) and the number of microbatches "
+            f"({num_microbatches}) for the interleaved_1f1b schedule"
+        )
+    remainder = num_microbatches % group_size
+    if 0 < remainder < pp_size:
+        raise ConfigError(
+            f"the interleaved_1f1b schedule's last group holds {remainder} microbatches "
+            f"({num_microbatches} % microbatch_group_size_per_vp_stage {group_size}), fewer "
+            f"than --pipeline-model-parallel-size ({pp_size}); use a group size that divides "
+            f"the {num_microbatches} microbatches or leaves at least {pp_size}"
+        )
+    return group_size
+
+
+def get_schedule_table(
+    num_microbatches: int, pp_size: int, num_model_chunks: int,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+) -> List[Tuple[int, int]]:
+    """Megatron's order of the interleaved forwards: entry k is (microbatch, chunk) of step k.
+
+    Microbatches go in groups of `microbatch_group_size_per_vp_stage` (default pp_size):
+    chunk 0 runs the group, then chunk 1 the same group, ..., then the next group; the last
+    group holds what is left. Every rank walks the same table, v * m entries. E.g. m=4,
+    pp=2, v=2: [(0,0), (1,0), (0,1), (1,1), (2,0), (3,0), (2,1), (3,1)]. Raises ConfigError
+    for a microbatch count or group size the schedule cannot run.
+    """
+    group = _microbatch_group_size(num_microbatches, pp_size, microbatch_group_size_per_vp_stage)
+    table: List[Tuple[int, int]] = []
+    for group_start in range(0, num_microbatches, group):
+        members = range(group_start, min(group_start + group, num_microbatches))
+        table.extend((microbatch, chunk) for chunk in range(num_model_chunks)
+                     for microbatch in members)
+    return table
+
+
+def schedule_step(table: Sequence[Tuple[int, int]], k: int, num_model_chunks: int,
+                  forward: bool = True) -> Tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward, or of the k-th backward.
+
+    The backwards walk the same table with the chunks reversed: a microbatch's gradient
+    starts at the last virtual stage, so the last chunk goes first.
+    """
+    microbatch, chunk = table[k]
+    return (microbatch, chunk) if forward else (microbatch, num_model_chunks - 1 - chunk)
+
+
+def interleaved_num_warmup(
+    num_microbatches: int, pp_size: int, pp_rank: int, num_model_chunks: int,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+) -> int:
+    """Forwards rank `pp_rank` runs before its first backward (Megatron's count).
+
+    Every rank first runs v - 1 groups, so that the last chunk has begun; rank r then runs
+    2 more per later stage, the round trip its first output grad needs to come back from
+    the last rank. At most all v * m forwards (then the schedule has no steady state).
+    """
+    group = microbatch_group_size_per_vp_stage or pp_size
+    total = num_microbatches * num_model_chunks
+    return min((pp_size - pp_rank - 1) * 2 + (num_model_chunks - 1) * group, total)
+
+
 def forward_backward_pipelining_with_interleaving(
     *, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
     seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
     hooks: Optional[ScheduleHooks] = None, state=None, tensor_shape=None, dtype=None,
-    timeline=None,
+    timeline=None, microbatch_group_size_per_vp_stage: Optional[int] = None,
 ) -> List[Dict[str, torch.Tensor]]:
-    """Megatron's interleaved schedule over v model chunks per rank (virtual stages).
+    """`interleaved_1f1b`: Megatron's interleaved schedule over v model chunks per rank.
 
-    The v * m (chunk, microbatch) forwards are walked in groups of p microbatches per chunk:
-    chunk 0 on microbatches 0..p-1, chunk 1 on the same, ..., then chunk 0 on p..2p-1; the
-    backwards in the same order with the chunks reversed. Stage r warms up with
-    (p - r - 1) * 2 + (v - 1) * p forwards (all of them when m == p), then alternates, then
-    cools down. The bubble shrinks to (p - 1) / (v m + p - 1). Needs m % p == 0.
+    The v * m forwards follow `get_schedule_table` (groups of pp microbatches per chunk by
+    default), the backwards the same table with the chunks reversed. Stage r warms up with
+    `interleaved_num_warmup` forwards, then alternates one forward and one backward, then
+    cools down. The bubble shrinks to (p - 1) / (v m + p - 1).
     """
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     runner, comm, grad_sync = _setup(
@@ -421,75 +502,76 @@ def forward_backward_pipelining_with_interleaving(
         micro_batch_size, forward_only, hooks, state, tensor_shape, dtype, timeline)
     state = runner.state
     pp, rank, num_chunks = state.pp_size, state.pp_rank, len(chunks)
-    check_virtual_microbatches(num_microbatches, pp)
-    total = num_microbatches * num_chunks
-    all_warmup = forward_only or num_microbatches == pp
-    if all_warmup:
-        num_warmup = total
-    else:
-        num_warmup = min((pp - rank - 1) * 2 + (num_chunks - 1) * pp, total)
+    table = get_schedule_table(num_microbatches, pp, num_chunks,
+                               microbatch_group_size_per_vp_stage)
+    total = len(table)
+    num_warmup = total if forward_only else interleaved_num_warmup(
+        num_microbatches, pp, rank, num_chunks, microbatch_group_size_per_vp_stage)
+    all_warmup = num_warmup == total
     num_steady = total - num_warmup
 
     def chunk_of(k: int, forward: bool) -> int:
-        chunk = (k % (pp * num_chunks)) // pp
-        return chunk if forward else num_chunks - 1 - chunk
+        return schedule_step(table, k, num_chunks, forward)[1]
 
-    def microbatch_of(k: int) -> int:
-        return (k // (pp * num_chunks)) * pp + k % pp
-
-    # Per chunk, FIFO: received inputs, outputs awaiting backward, received output grads.
+    # Per chunk, indexed by microbatch: received inputs and outputs awaiting backward (a
+    # chunk takes its microbatches in order, so the i-th input received is microbatch i; the
+    # leading rank may receive a few ahead of use with groups larger than pp). Cleared after
+    # the backward. Per chunk, FIFO: received output grads.
     inputs = [[] for _ in chunks]
     outputs = [[] for _ in chunks]
     output_grads = [[] for _ in chunks]
 
     def forward_k(k: int) -> Optional[torch.Tensor]:
         """Forward number k; returns the output to send on (None on the last virtual stage)."""
-        chunk = chunk_of(k, forward=True)
+        microbatch, chunk = schedule_step(table, k, num_chunks, forward=True)
         if runner.is_first_stage(chunk):
             inputs[chunk].append(None)
-        input_tensor = inputs[chunk][-1]
-        output_tensor = runner.forward(chunk, microbatch_of(k), input_tensor)
-        outputs[chunk].append(output_tensor)
+        output_tensor = runner.forward(chunk, microbatch, inputs[chunk][microbatch])
         if forward_only:  # nothing kept for a backward
-            inputs[chunk].pop()
-            outputs[chunk].pop()
+            inputs[chunk][microbatch] = None
+        else:
+            outputs[chunk].append(output_tensor)
         return None if runner.is_last_stage(chunk) else output_tensor
 
     def backward_k(k: int) -> Optional[torch.Tensor]:
         """Backward number k; returns the input grad to send (None on virtual stage 0)."""
-        chunk = chunk_of(k, forward=False)
+        microbatch, chunk = schedule_step(table, k, num_chunks, forward=False)
         if runner.is_last_stage(chunk):
             output_grads[chunk].append(None)
-        if microbatch_of(k) == num_microbatches - 1:
+        if microbatch == num_microbatches - 1:
             grad_sync.release(chunk)
-        input_grad = runner.backward(chunk, microbatch_of(k), inputs[chunk].pop(0),
-                                     outputs[chunk].pop(0), output_grads[chunk].pop(0))
+        input_tensor, output_tensor = inputs[chunk][microbatch], outputs[chunk][microbatch]
+        inputs[chunk][microbatch] = outputs[chunk][microbatch] = None
+        input_grad = runner.backward(chunk, microbatch, input_tensor, output_tensor,
+                                     output_grads[chunk].pop(0))
         return None if runner.is_first_stage(chunk) else input_grad
 
-    # Which chunk's FIFO the tensor received in an exchange belongs to (None: receive
-    # nothing). Inner ranks receive for the next step. The end ranks receive what went round
-    # the ring from the other end: in the steady state rank 0 is p - 1 forwards ahead of
-    # rank p - 1 (and rank p - 1 as far ahead of rank 0 in backwards), so what arrives is
-    # the successor of the chunk it ran p - 1 steps ago.
-    def forward_receiver(k: int, steady: bool) -> Optional[int]:
+    # Which chunk's FIFO the tensor received in the exchange after step k belongs to (None:
+    # receive nothing). Inner ranks receive for their next step. The leading rank (rank 0 in
+    # forward, rank p - 1 in backward) receives what went round the ring from the other end,
+    # which runs p - 1 steps behind it: the successor of the chunk the leading rank ran at
+    # step k - (p - 1), and nothing before the other end has produced anything.
+    def forward_receiver(k: int) -> Optional[int]:
         """Chunk whose input arrives in the exchange after forward k."""
         if k + 1 >= total:
             return None
-        if rank == 0 and steady:
+        if rank == 0:
+            if k < pp - 1:
+                return None
             chunk = chunk_of(k - (pp - 1), forward=True)
             return None if chunk == num_chunks - 1 else chunk + 1
-        chunk = chunk_of(k + 1, forward=True)
-        return None if runner.is_first_stage(chunk) else chunk
+        return chunk_of(k + 1, forward=True)
 
-    def backward_receiver(k: int, steady: bool) -> Optional[int]:
+    def backward_receiver(k: int) -> Optional[int]:
         """Chunk whose output grad arrives in the exchange after backward k."""
         if k + 1 >= total:
             return None
-        if rank == pp - 1 and steady:
+        if rank == pp - 1:
+            if k < pp - 1:
+                return None
             chunk = chunk_of(k - (pp - 1), forward=False)
             return None if chunk == 0 else chunk - 1
-        chunk = chunk_of(k + 1, forward=False)
-        return None if runner.is_last_stage(chunk) else chunk
+        return chunk_of(k + 1, forward=False)
 
     def store(fifos, chunk: Optional[int], tensor: Optional[torch.Tensor]) -> None:
         if chunk is not None:
@@ -501,7 +583,7 @@ def forward_backward_pipelining_with_interleaving(
             inputs[0].append(comm.recv_forward(False))
         for k in range(num_warmup):
             output_tensor = forward_k(k)
-            recv_chunk = forward_receiver(k, steady=False)
+            recv_chunk = forward_receiver(k)
             if k == num_warmup - 1 and not all_warmup:
                 # The first backward's output grad arrives with the last warm-up exchange.
                 recv_grad_chunk = None if state.is_pipeline_last_stage else num_chunks - 1
@@ -519,8 +601,8 @@ def forward_backward_pipelining_with_interleaving(
         for k in range(num_steady):
             output_tensor = forward_k(k + num_warmup)
             input_grad = backward_k(k)
-            recv_chunk = forward_receiver(k + num_warmup, steady=True)
-            recv_grad_chunk = backward_receiver(k, steady=True)
+            recv_chunk = forward_receiver(k + num_warmup)
+            recv_grad_chunk = backward_receiver(k)
             input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
                 output_tensor, input_grad, recv_chunk is not None, recv_grad_chunk is not None)
             store(inputs, recv_chunk, input_tensor)
@@ -533,7 +615,7 @@ def forward_backward_pipelining_with_interleaving(
             output_grads[num_chunks - 1].append(comm.recv_backward(False))
         for k in range(num_steady, total):
             input_grad = backward_k(k)
-            recv_grad_chunk = backward_receiver(k, steady=False)
+            recv_grad_chunk = backward_receiver(k)
             output_grad = comm.send_backward_recv_backward(input_grad,
                                                            recv_grad_chunk is not None)
             store(output_grads, recv_grad_chunk, output_grad)
@@ -541,36 +623,65 @@ def forward_backward_pipelining_with_interleaving(
     return runner.finish()
 
 
+# Names ------------------------------------------------------------------------------------------
+
 SCHEDULES = {
-    "simple": forward_backward_pipelining_gpipe,
-    "interleaved": forward_backward_pipelining_without_interleaving,
+    "gpipe": forward_backward_pipelining_gpipe,
+    "1f1b": forward_backward_pipelining_without_interleaving,
+    "interleaved_1f1b": forward_backward_pipelining_with_interleaving,
 }
+# SMP's --pipeline-schedule values; "interleaved" is SMP's 1F1B, not Megatron's interleaving.
+_SMP_SCHEDULES = ("simple", "interleaved")
+_VIRTUAL_FLAGS = ("--virtual-pipeline-model-parallel-size / "
+                  "--num-layers-per-virtual-pipeline-stage")
 
 
-def get_forward_backward_func(
-    pipeline_model_parallel_size: int = 1, virtual: bool = False,
-    schedule: str = "interleaved",
-) -> Callable:
-    """The schedule for this layout.
+def schedule_name(name: str, virtual_size: int) -> str:
+    """The internal schedule for a --pipeline-schedule value and v virtual stages per rank.
 
-    One stage: gradient accumulation. Several stages: SMP's `schedule` ("simple" = GPipe,
-    "interleaved" = 1F1B), or with virtual stages (several chunks per rank) Megatron's
-    interleaved schedule.
+    SMP's `simple` is `gpipe`; SMP's `interleaved` (the default) is `1f1b`, or
+    `interleaved_1f1b` with v > 1. The internal names pass through, checked against v.
+    Raises ConfigError for an unknown name or one that contradicts v.
     """
-    if pipeline_model_parallel_size == 1:
-        return forward_backward_no_pipelining
-    if virtual:
-        if schedule == "simple":
-            raise ConfigError(
-                "--pipeline-schedule simple does not take virtual stages; use the default "
-                "(interleaved) or drop --virtual-pipeline-model-parallel-size / "
-                "--num-layers-per-virtual-pipeline-stage"
-            )
-        return forward_backward_pipelining_with_interleaving
+    if name == "simple":
+        name = "gpipe"
+    elif name == "interleaved":
+        name = "interleaved_1f1b" if virtual_size > 1 else "1f1b"
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"--pipeline-schedule must be one of {', '.join(_SMP_SCHEDULES + tuple(SCHEDULES))}"
+            f", got {name!r}"
+        )
+    if virtual_size > 1 and name != "interleaved_1f1b":
+        raise ConfigError(
+            f"--pipeline-schedule {name} does not take virtual stages ({virtual_size} per "
+            f"rank); use interleaved_1f1b (or SMP's interleaved, the default), or drop "
+            f"{_VIRTUAL_FLAGS}"
+        )
+    if virtual_size <= 1 and name == "interleaved_1f1b":
+        raise ConfigError(
+            f"--pipeline-schedule interleaved_1f1b needs virtual stages ({_VIRTUAL_FLAGS} "
+            "giving more than one per rank); without them use 1f1b or gpipe"
+        )
+    return name
+
+
+def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
+                              schedule: str = "1f1b") -> Callable:
+    """The schedule function for this layout.
+
+    `schedule` is an internal name ("gpipe" | "1f1b" | "interleaved_1f1b"; see
+    `schedule_name` for SMP's). One stage: gradient accumulation, whatever the name.
+    Raises ConfigError for an unknown name.
+    """
     if schedule not in SCHEDULES:
         raise ConfigError(
-            f"--pipeline-schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}"
+            f"unknown pipeline schedule {schedule!r}: the schedules are "
+            f"{', '.join(SCHEDULES)} (SMP's --pipeline-schedule simple / interleaved map "
+            "onto them through schedule_name)"
         )
+    if pipeline_model_parallel_size == 1:
+        return forward_backward_no_pipelining
     return SCHEDULES[schedule]
 
 
@@ -581,5 +692,9 @@ __all__ = [
     "forward_backward_pipelining_gpipe",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
+    "get_schedule_table",
+    "schedule_step",
+    "interleaved_num_warmup",
+    "schedule_name",
     "get_forward_backward_func",
 ]

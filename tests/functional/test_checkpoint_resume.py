@@ -24,7 +24,7 @@ PROBE_SEED = 11
 def _logits(run):
     """Full logits [b, s, vocab] of a fixed batch through all stages (None off the last)."""
     from megatron_smp.models.gpt import gather_full_logits
-    from megatron_smp.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron_smp.pipeline_parallel.schedules import get_forward_backward_func, schedule_name
 
     state, training = run.state, run.configs.training
     shape = (training.micro_batch_size, training.seq_length)
@@ -41,8 +41,8 @@ def _logits(run):
 
         return output, loss_func
 
-    forward = get_forward_backward_func(state.pp_size, virtual=len(run.model) > 1,
-                                        schedule=training.pipeline_schedule)
+    forward = get_forward_backward_func(
+        state.pp_size, schedule_name(training.pipeline_schedule, len(run.model)))
     for chunk in run.model:
         chunk.eval()
     forward(forward_step_func=forward_step, data_iterator=None, model=run.model,

@@ -16,8 +16,8 @@ from tests.unit.pipeline_parallel.toy import (
 )
 
 NUM_LAYERS = 8
-# name -> (schedule, virtual stages)
-SCHEDULES = {"simple": ("simple", 1), "1f1b": ("interleaved", 1), "virtual": ("interleaved", 2)}
+# schedule -> virtual stages per rank
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 
 
 class _LiveActivations:
@@ -49,12 +49,13 @@ class _Saved:
         self.tracker.live[self.tag] -= 1
 
 
-def _run_schedule(state, name, num_microbatches, timeline=None, forward_only=False):
+def _run_schedule(state, name, num_microbatches, timeline=None, forward_only=False,
+                  group_size=None):
     from megatron_smp.distributed import allreduce_embedding_grads
     from megatron_smp.pipeline_parallel.schedules import ScheduleHooks, get_forward_backward_func
     from megatron_smp.pipeline_parallel.stages import pipeline_layer_layout
 
-    schedule, virtual = SCHEDULES[name]
+    virtual = SCHEDULES[name]
     layout = pipeline_layer_layout(NUM_LAYERS, state.pp_size, virtual_size=virtual)
     chunks = []
     for index, (offset, count) in enumerate(layout[state.pp_rank]):
@@ -63,7 +64,8 @@ def _run_schedule(state, name, num_microbatches, timeline=None, forward_only=Fal
             post_process=state.is_pipeline_last_stage and index == virtual - 1,
             layer_offset=offset, num_layers=count, pipeline_size=state.pp_size))
     tracker = _LiveActivations()
-    func = get_forward_backward_func(state.pp_size, virtual=virtual > 1, schedule=schedule)
+    func = get_forward_backward_func(state.pp_size, name)
+    extra = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
     hooks = ScheduleHooks(finalize_model_grads_func=lambda c: allreduce_embedding_grads(c, state))
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda saved: saved.tensor):
         reports = func(
@@ -71,7 +73,8 @@ def _run_schedule(state, name, num_microbatches, timeline=None, forward_only=Fal
             data_iterator=iter(microbatches(num_microbatches)), model=chunks,
             num_microbatches=num_microbatches, hooks=hooks, state=state,
             forward_only=forward_only,
-            tensor_shape=(SEQ, MICRO_BATCH, HIDDEN), dtype=torch.float32, timeline=timeline)
+            tensor_shape=(SEQ, MICRO_BATCH, HIDDEN), dtype=torch.float32, timeline=timeline,
+            **extra)
     grads = {}
     for chunk, (offset, _) in zip(chunks, layout[state.pp_rank] if not forward_only else []):
         # numpy: torch tensors would cross the result queue as shared memory of a dead child
@@ -91,14 +94,18 @@ def _body(rank, world_size, num_microbatches, trace_path):
         timeline = PipelineTimeline(trace_path, rank) if name == "1f1b" and trace_path else None
         results[name] = _run_schedule(state, name, num_microbatches, timeline)
         results[f"{name}_eval"] = _run_schedule(state, name, num_microbatches, forward_only=True)
-    # Edge counts: the virtual schedule with m == pp is all warm-up; 1F1B and GPipe take any m.
-    results["virtual_m_eq_pp"] = _run_schedule(state, "virtual", world_size)
+    # Edge counts: interleaved_1f1b with m == pp is all warm-up on rank 0 only; 1f1b and
+    # gpipe take any m; with groups of pp + 1, interleaved_1f1b takes m = 2 pp + 1 (a last
+    # group of pp).
+    results["interleaved_1f1b_m_eq_pp"] = _run_schedule(state, "interleaved_1f1b", world_size)
     results["1f1b_odd_m"] = _run_schedule(state, "1f1b", world_size + 1)
-    results["simple_odd_m"] = _run_schedule(state, "simple", world_size + 1)
+    results["gpipe_odd_m"] = _run_schedule(state, "gpipe", world_size + 1)
+    results["interleaved_1f1b_groups"] = _run_schedule(
+        state, "interleaved_1f1b", 2 * world_size + 1, group_size=world_size + 1)
     try:  # a microbatch count the virtual schedule cannot take: fails here, on every rank
-        _run_schedule(state, "virtual", num_microbatches + 1)
+        _run_schedule(state, "interleaved_1f1b", num_microbatches + 1)
     except ConfigError as error:
-        results["virtual_error"] = str(error)
+        results["interleaved_1f1b_error"] = str(error)
     return results
 
 
@@ -144,11 +151,19 @@ def test_forward_only_gives_the_losses_and_keeps_nothing(pp, name, tmp_path_fact
         assert rank_results[f"{name}_eval"]["peak_live"] == 0  # no graph under no_grad
 
 
-@pytest.mark.parametrize("case", ["virtual_m_eq_pp", "1f1b_odd_m", "simple_odd_m"])
-def test_edge_microbatch_counts(case, tmp_path_factory):
-    pp = 2
+EDGE_CASES = {  # case -> microbatches at pp
+    "interleaved_1f1b_m_eq_pp": lambda pp: pp,
+    "1f1b_odd_m": lambda pp: pp + 1,
+    "gpipe_odd_m": lambda pp: pp + 1,
+    "interleaved_1f1b_groups": lambda pp: 2 * pp + 1,
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_edge_microbatch_counts(pp, case, tmp_path_factory):
     results, _, _ = results_for(pp, tmp_path_factory)
-    num_microbatches = pp if case == "virtual_m_eq_pp" else pp + 1
+    num_microbatches = EDGE_CASES[case](pp)
     ref_losses, ref_grads = reference(NUM_LAYERS, num_microbatches)
     assert results[-1][case]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     for rank_results in results:
@@ -158,19 +173,37 @@ def test_edge_microbatch_counts(case, tmp_path_factory):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_1f1b_bounds_live_activations_and_simple_does_not(pp, tmp_path_factory):
+def test_1f1b_bounds_live_activations_and_gpipe_does_not(pp, tmp_path_factory):
     results, num_microbatches, _ = results_for(pp, tmp_path_factory)
     for rank, rank_results in enumerate(results):
         # Stage r warms up with pp - r - 1 forwards: at most pp - r microbatches live.
         assert rank_results["1f1b"]["peak_live"] == pp - rank
-        assert rank_results["simple"]["peak_live"] == num_microbatches
+        assert rank_results["gpipe"]["peak_live"] == num_microbatches
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_live_activations_follow_megatrons_warmup(pp, tmp_path_factory):
+    from megatron_smp.pipeline_parallel.schedules import interleaved_num_warmup
+
+    results, num_microbatches, _ = results_for(pp, tmp_path_factory)
+    virtual = SCHEDULES["interleaved_1f1b"]
+    cases = [("interleaved_1f1b", num_microbatches, None),
+             ("interleaved_1f1b_m_eq_pp", pp, None),
+             ("interleaved_1f1b_groups", 2 * pp + 1, pp + 1)]
+    for name, count, group in cases:
+        total = count * virtual
+        for rank, rank_results in enumerate(results):
+            # A (microbatch, chunk) forward is live until its backward: the warm-up plus the
+            # steady state's forward before its backward, or everything if all is warm-up.
+            warmup = interleaved_num_warmup(count, pp, rank, virtual, group)
+            assert rank_results[name]["peak_live"] == min(warmup + 1, total), (name, rank)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_virtual_microbatch_count_is_a_config_error_on_every_rank(pp, tmp_path_factory):
     results, num_microbatches, _ = results_for(pp, tmp_path_factory)
     for rank_results in results:
-        message = rank_results["virtual_error"]
+        message = rank_results["interleaved_1f1b_error"]
         assert f"microbatches ({num_microbatches + 1}" in message
         assert f"--pipeline-model-parallel-size ({pp})" in message
 
