@@ -18,8 +18,9 @@ FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
 BATCH, SEQ = 2, 12
 
 
-def build_hf(family, seed=0, device=None):
-    """A small random HF causal LM; vocab sizes are not multiples of 128."""
+def build_hf(family, seed=0, device=None, **overrides):
+    """A small random HF causal LM; vocab sizes are not multiples of 128. `overrides` go to
+    the HF config (e.g. head_dim)."""
     import transformers as tf
 
     common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -40,6 +41,8 @@ def build_hf(family, seed=0, device=None):
     else:
         config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
         cls = tf.GPTNeoXForCausalLM
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     if device is not None:
         with torch.device(device):
@@ -147,8 +150,9 @@ def test_init_validates_config(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         smp.init(str(tmp_path / "missing.json"))
     path = tmp_path / "smp.json"
-    path.write_text(json.dumps({"hybrid_shard_degree": 1, "random_seed": 9,
-                                "shard_optimizer_state": True}))
+    with pytest.raises(ConfigError, match="shard_optimizer_state only applies"):
+        smp.init({"shard_optimizer_state": True})
+    path.write_text(json.dumps({"hybrid_shard_degree": 1, "random_seed": 9}))
     smp.init(str(path))
     assert smp.is_initialized()
     state = smp.state
@@ -179,3 +183,26 @@ def test_transform_rejects_unknown_models():
     smp.init()
     with pytest.raises(ConfigError, match="no Hugging Face adapter"):
         smp.transform(torch.nn.Linear(2, 2))
+
+
+def _head_dim_worker(rank, world_size):
+    smp.init({"tensor_parallel_degree": world_size})
+    hf = build_hf("mistral", head_dim=32)  # 4 heads x 32 = 128 != hidden 64
+    ids = _ids(hf.config.vocab_size)
+    with torch.no_grad():
+        return to_numpy((hf(ids).logits, smp.transform(hf)(ids)))
+
+
+def test_head_dim_other_than_hidden_over_heads_keeps_logits():
+    """Mistral-style head_dim (--kv-channels): conversion is exact both ways and the logits
+    equal HF's at TP=1 and TP=2."""
+    hf = build_hf("mistral", head_dim=32)
+    adapter = get_adapter(hf)
+    config = adapter.config_from_hf(hf.config)
+    assert config.kv_channels == 32 and config.hidden_size == 64
+    assert config_to_hf(config, "mistral").head_dim == 32
+    back = adapter.to_hf(adapter.from_hf(hf.state_dict(), config), config)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    for world_size in (1, 2):
+        for reference, logits in to_torch(run_distributed(_head_dim_worker, world_size)):
+            assert (logits - reference).abs().max() < 1e-4, world_size

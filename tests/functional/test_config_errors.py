@@ -1,0 +1,50 @@
+"""Settings the framework cannot honour stop every rank with one clear message, fast."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON, _train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NOT_YET = {
+    "moe": (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts is not supported yet"),
+    "cp": (["--context-parallel-size", "2", "--global-batch-size", "4"],
+           "--context-parallel-size 2 is not supported yet"),
+    "smp_offloading": (["--smp-config", '{"sm_activation_offloading": true}'],
+                       "sm_activation_offloading: true is not supported yet"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_YET))
+def test_not_yet_supported_setting_stops_every_rank(case):
+    flags, message = NOT_YET[case]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "pretrain_llama.py", *COMMON, *flags],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count(message) == 1, output[-3000:]  # printed once (rank 0), every rank exits
+    assert "megatron_smp/" not in output  # no stack trace of ours (torchrun prints its own)
+    assert time.monotonic() - start < 120
+
+
+def test_kv_channels_model_trains_at_every_tensor_parallel_size():
+    """--hidden-size 100 with 8 heads of --kv-channels 16: trains, and TP=2 gives the TP=1
+    losses."""
+    argv = [a for a in COMMON]
+    argv[argv.index("--hidden-size") + 1] = "100"
+    argv[argv.index("--num-attention-heads") + 1] = "8"
+    argv += ["--kv-channels", "16"]
+    single = run_distributed(_train, 1, args=(argv,))[0]
+    assert single[-1] < single[0]
+    for losses in run_distributed(_train, 2, args=(argv + ["--tensor-model-parallel-size", "2"],)):
+        assert losses == pytest.approx(single, rel=1e-4)
