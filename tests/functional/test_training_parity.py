@@ -101,7 +101,8 @@ def test_validation_log_line_and_tensorboard(tmp_path):
     board = str(tmp_path / "tb")
     results = run_distributed(
         _train_with_eval, 2,
-        args=(argv + ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", board],),
+        args=(argv + ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", board,
+                      "--log-validation-ppl-to-tensorboard", "--tensorboard-log-interval", "2"],),
     )
     for valid, _ in results:
         assert sorted(valid) == [5, 10]
@@ -120,4 +121,4 @@ def test_validation_log_line_and_tensorboard(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"lm loss", "learning-rate", "grad-norm", "loss-scale", "lm loss validation",
             "lm loss validation ppl"} <= tags
-    assert [e.step for e in events.Scalars("lm loss")] == [5, 10]
+    assert [e.step for e in events.Scalars("lm loss")] == [2, 4, 6, 8, 10]
