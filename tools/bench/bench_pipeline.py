@@ -3,7 +3,8 @@
 Every schedule runs the same GPTModel stages (same layer split, same weights) on CPU gloo,
 one thread per rank, in one set of processes:
 
-  * megatron_smp `simple` (GPipe), `interleaved` (1F1B) and virtual interleaved (v chunks);
+  * megatron_smp `gpipe` (SMP's `simple`), `1f1b` (SMP's `interleaved`) and
+    `interleaved_1f1b` (Megatron's virtual-pipeline schedule, v chunks);
   * torch.distributed.pipelining ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B.
 
 Step time is one schedule call over the global batch (forward + backward of m microbatches,
@@ -29,9 +30,9 @@ from megatron_smp.testing import run_distributed  # noqa: E402
 
 # name -> (framework, schedule, virtual stages per rank)
 RUNS = {
-    "smp simple (GPipe)": ("smp", "simple", 1),
-    "smp interleaved (1F1B)": ("smp", "interleaved", 1),
-    "smp virtual interleaved": ("smp", "interleaved", 2),
+    "smp gpipe": ("smp", "gpipe", 1),
+    "smp 1f1b": ("smp", "1f1b", 1),
+    "smp interleaved_1f1b": ("smp", "interleaved_1f1b", 2),
     "torch ScheduleGPipe": ("torch", "ScheduleGPipe", 1),
     "torch Schedule1F1B": ("torch", "Schedule1F1B", 1),
     "torch ScheduleInterleaved1F1B": ("torch", "ScheduleInterleaved1F1B", 2),
@@ -78,10 +79,10 @@ def _batches(opts):
     ]
 
 
-def _smp_step_func(state, chunks, batches, schedule, virtual, timeline):
+def _smp_step_func(state, chunks, batches, schedule, timeline):
     from megatron_smp.pipeline_parallel.schedules import get_forward_backward_func
 
-    func = get_forward_backward_func(state.pp_size, virtual=virtual > 1, schedule=schedule)
+    func = get_forward_backward_func(state.pp_size, schedule)
     hidden = chunks[0].config.hidden_size
     micro_batch, seq = batches[0]["tokens"].shape
 
@@ -126,7 +127,7 @@ class _TorchStage:
         return Stage()
 
 
-def _torch_step_func(state, chunks, batches, schedule_name, virtual, opts):
+def _torch_step_func(state, chunks, batches, schedule_class_name, virtual, opts):
     import torch
     import torch.nn.functional as F
     from torch.distributed import pipelining
@@ -151,7 +152,7 @@ def _torch_step_func(state, chunks, batches, schedule_name, virtual, opts):
         logits = logits[..., : config.vocab_size].float()
         return F.cross_entropy(logits.reshape(-1, config.vocab_size), target.reshape(-1))
 
-    schedule_class = getattr(pipelining, schedule_name)
+    schedule_class = getattr(pipelining, schedule_class_name)
     schedule = schedule_class(stages if virtual > 1 else stages[0], n_microbatches=len(batches),
                               loss_fn=loss_fn)
     tokens = torch.cat([b["tokens"] for b in batches])
@@ -187,7 +188,7 @@ def _body(rank, world_size, opts):
             path = os.path.join(opts["trace"], name.split(" (")[0].replace(" ", "_") + ".json") \
                 if opts["trace"] else None
             timeline = PipelineTimeline(path, rank)
-            step = _smp_step_func(state, chunks, batches, schedule, virtual, timeline)
+            step = _smp_step_func(state, chunks, batches, schedule, timeline)
         else:
             step = _torch_step_func(state, chunks, batches, schedule, virtual, opts)
         runs[name] = (chunks, step, timeline, virtual)
