@@ -143,11 +143,21 @@ class ParallelConfig:
             f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
             f"divide the data-parallel size ({data_parallel})",
         )
-        if self.virtual_pipeline_model_parallel_size is not None:
+        if pp == 1:
+            pipeline_only = {
+                name["virtual_pipeline_model_parallel_size"]:
+                    self.virtual_pipeline_model_parallel_size,
+                "--num-layers-per-virtual-pipeline-stage":
+                    self.num_layers_per_virtual_pipeline_stage,
+                "--decoder-first-pipeline-num-layers": self.decoder_first_pipeline_num_layers,
+                "--decoder-last-pipeline-num-layers": self.decoder_last_pipeline_num_layers,
+                "--pipeline-timeline": self.pipeline_timeline,
+            }
+            given = [flag for flag, value in pipeline_only.items() if value is not None]
             _require(
-                pp > 1,
-                f"{name['virtual_pipeline_model_parallel_size']} needs "
-                f"{name['pipeline_model_parallel_size']} > 1",
+                not given,
+                f"{', '.join(given)} only apply with {name['pipeline_model_parallel_size']} "
+                "> 1; drop them or add pipeline stages",
             )
         _require(
             self.distributed_backend in (None, "nccl", "gloo"),

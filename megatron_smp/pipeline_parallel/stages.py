@@ -156,16 +156,18 @@ def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
     )
 
 
-def validate_pipeline_configs(configs, state) -> List[List[tuple]]:
-    """Every check of a pipeline layout, run identically on every rank before any collective."""
+def validate_pipeline_configs(configs, pipeline_size: int,
+                              data_parallel_size: int) -> List[List[tuple]]:
+    """Every check of a pipeline layout; pure, so `validate_configs` runs it on every rank
+    before any collective. Returns the layout."""
     # Imported here: schedules imports this module.
     from megatron_smp.pipeline_parallel.schedules import schedule_name
 
-    layout = layout_from_configs(configs, state.pp_size)
+    layout = layout_from_configs(configs, pipeline_size)
     # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
     if schedule_name(configs.training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b":
-        check_virtual_microbatches(configs.training.num_microbatches(state.dp_size),
-                                   state.pp_size)
+        check_virtual_microbatches(configs.training.num_microbatches(data_parallel_size),
+                                   pipeline_size)
     return layout
 
 
@@ -182,7 +184,7 @@ def build_pipeline_model_chunks(
     """
     from megatron_smp.pipeline_parallel.timeline import PipelineTimeline
 
-    layout = validate_pipeline_configs(configs, state)
+    layout = validate_pipeline_configs(configs, state.pp_size, state.dp_size)
     chunks_here = layout[state.pp_rank]
     timeline_path = configs.parallel.pipeline_timeline
     timeline = (

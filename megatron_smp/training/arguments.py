@@ -109,8 +109,11 @@ _FLAGS: List[_Flag] = [
     _f("--decoder-first-pipeline-num-layers", "parallel", type=int),
     _f("--decoder-last-pipeline-num-layers", "parallel", type=int),
     _f("--sequence-parallel", "model", action="store_true"),
-    _f("--pipeline-schedule", "training", choices=["simple", "interleaved"],
-       default="interleaved"),
+    _f("--pipeline-schedule", "training",
+       choices=["simple", "interleaved", "gpipe", "1f1b", "interleaved_1f1b"],
+       default="interleaved",
+       help="SMP's simple (= gpipe) or interleaved (= 1f1b, or interleaved_1f1b with virtual "
+       "stages), or the internal names"),
     _f("--pipeline-timeline", "parallel", metavar="PATH",
        help="Chrome trace of the pipeline schedule, PATH.rank<r>.json per rank"),
     _f("--use-distributed-optimizer", "optimizer", action="store_true"),
@@ -444,7 +447,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     if training.train_iters < 1:
         raise ConfigError("--train-iters must be >= 1")
-    training.num_microbatches(parallel.data_parallel_size_for(world_size))
+    data_parallel_size = parallel.data_parallel_size_for(world_size)
+    training.num_microbatches(data_parallel_size)
+    if parallel.pipeline_model_parallel_size > 1:
+        from megatron_smp.pipeline_parallel.stages import validate_pipeline_configs
+
+        validate_pipeline_configs(configs, parallel.pipeline_model_parallel_size,
+                                  data_parallel_size)
     for flag, value in (("--log-interval", training.log_interval),
                         ("--tensorboard-log-interval", training.tensorboard_log_interval),
                         ("--tensorboard-queue-size", training.tensorboard_queue_size)):

@@ -264,3 +264,23 @@ def test_validation_is_pure():
     before = copy.deepcopy(configs.to_dict())
     validate_configs(configs, world_size=1)
     assert configs.to_dict() == before
+
+
+@pytest.mark.parametrize("extra", ["--decoder-first-pipeline-num-layers 1",
+                                   "--num-layers-per-virtual-pipeline-stage 1",
+                                   "--pipeline-timeline /tmp/trace"])
+def test_pipeline_only_flags_need_pipeline_stages(extra):
+    with pytest.raises(ConfigError, match=f"{extra.split()[0]} only apply with "
+                                          r"--pipeline-model-parallel-size > 1"):
+        parse(BASE + extra.split())
+
+
+def test_pipeline_layout_is_validated_before_any_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"--num-layers \(3\)"):
+        parse(BASE + "--pipeline-model-parallel-size 2 --num-layers 3".split())
+    with pytest.raises(ConfigError, match="gpipe does not take virtual stages"):
+        parse(BASE + "--pipeline-model-parallel-size 2 --num-layers 4 --pipeline-schedule gpipe "
+                     "--virtual-pipeline-model-parallel-size 2 --global-batch-size 4".split())
+    configs = parse(BASE + "--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b".split())
+    assert configs.training.pipeline_schedule == "1f1b"
