@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from megatron_smp.config import ConfigError, OptimizerConfig
 from megatron_smp.training.arguments import parse_args, validate_configs
@@ -284,3 +285,13 @@ def test_pipeline_layout_is_validated_before_any_process_group(monkeypatch):
                      "--virtual-pipeline-model-parallel-size 2 --global-batch-size 4".split())
     configs = parse(BASE + "--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b".split())
     assert configs.training.pipeline_schedule == "1f1b"
+
+
+def test_tensorboard_queue_size_reaches_the_writer(tmp_path):
+    from megatron_smp.training.logging import TrainingLogger
+
+    configs = parse(BASE + ["--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7"])
+    logger = TrainingLogger(True, configs.training, torch.device("cpu"))
+    event_writer = logger.writer._get_file_writer().event_writer
+    assert event_writer._async_writer._byte_queue.maxsize == 7
+    logger.close()
