@@ -33,6 +33,7 @@ from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megatron_smp.tensor_parallel.random import get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
 from megatron_smp.transformer.block import TransformerBlock
+from megatron_smp.transformer.spec import LayerSpec
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
 
 _EMBEDDING_SEED_INDEX = 0
@@ -114,6 +115,8 @@ class GPTModel(torch.nn.Module):
         `gather_full_logits` gives [b, s, vocab]);
       * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
     A stage other than the first reads its input from `set_input_tensor(t)`.
+    `transformer_layer_spec` picks each decoder layer's attention and MLP (a `ModuleSpec`, or
+    a function of the global layer number); default the dense `get_gpt_layer_spec()`.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class GPTModel(torch.nn.Module):
         layer_offset: int = 0,
         num_layers: Optional[int] = None,
         device: Optional[torch.device] = None,
+        transformer_layer_spec: Optional[LayerSpec] = None,
     ) -> None:
         super().__init__()
         config.validate(state.config)
@@ -154,12 +158,13 @@ class GPTModel(torch.nn.Module):
 
         self.decoder = TransformerBlock(
             config,
-            state.tp_group,
+            state,
             layer_offset=layer_offset,
             num_layers=num_layers,
             post_layer_norm=post_process,
             init_seed=base_seed,
             device=device,
+            layer_spec=transformer_layer_spec,
         )
 
         if post_process:

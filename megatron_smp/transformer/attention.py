@@ -29,6 +29,7 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
 
@@ -178,83 +179,40 @@ def core_attention(
     )
 
 
-class SelfAttention(torch.nn.Module):
-    """Tensor-parallel self-attention over [s, b, h] (or [s/tp, b, h] with SP).
+class DotProductAttention(torch.nn.Module):
+    """Core attention of this rank's heads: softmax(q k^T / sqrt(d) + mask) v, through SDPA,
+    with sliding window, ALiBi and attention dropout.
 
-    forward(hidden_states, attention_mask=None, rotary_pos_emb=None) -> [s(/tp), b, h]
-      * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
-      * rotary_pos_emb: (cos, sin) from `RotaryEmbedding`, for RoPE models.
+    forward(query [s, b, nh_local, d], key/value [s, b, ng_local, d], attention_mask=None)
+    -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked;
+    None = causal.
     """
 
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: ProcessGroup,
+        state,
         layer_number: int = 1,
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.layer_number = layer_number
-        self.tp_group = tp_group
-        tp_size = group_size(tp_group)
+        tp_group = state.tp_group
+        self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
-        self.num_heads = config.num_attention_heads
-        self.num_query_groups = config.num_query_groups
-        self.q_per_group = divide(self.num_heads, self.num_query_groups)
-        self.num_heads_per_partition = divide(self.num_heads, tp_size)
-        self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
         self.attention_dropout = config.attention_dropout
         # (-1, 0) is plain causal attention: keep SDPA's causal kernel for it.
         self.window_size = config.window_size if (config.window_size or (-1,))[0] >= 0 else None
-        self.selective_recompute = config.recompute_granularity == "selective"
-
-        qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
-        init_method = init_method_normal(config.init_method_std)
-        output_init = (
-            scaled_init_method_normal(config.init_method_std, config.num_layers)
-            if config.use_scaled_init_method
-            else init_method
-        )
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size,
-            qkv_size,
-            config=config,
-            tp_group=tp_group,
-            init_method=init_method,
-            bias=config.add_bias_linear or config.add_qkv_bias,
-            gather_output=False,
-            device=device,
-        )
-        self.linear_proj = RowParallelLinear(
-            self.num_heads * self.head_dim,
-            config.hidden_size,
-            config=config,
-            tp_group=tp_group,
-            init_method=output_init,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            device=device,
-        )
         self.use_alibi = config.position_embedding_type == "alibi"
         if self.use_alibi:
             # Slopes of the full head set, then this rank's heads (contiguous, like the qkv split).
             start = group_rank(tp_group) * self.num_heads_per_partition
-            slopes = alibi_slopes(self.num_heads)[start : start + self.num_heads_per_partition]
+            slopes = alibi_slopes(config.num_attention_heads)
+            slopes = slopes[start : start + self.num_heads_per_partition]
             if device is not None and torch.device(device).type != "meta":
                 slopes = slopes.to(device)
             self.register_buffer("alibi_slopes", slopes, persistent=False)
 
-    def _split_qkv(self, mixed: torch.Tensor):
-        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d]."""
-        s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + 2, self.head_dim)
-        query, key, value = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
-        query = query.reshape(s, b, self.num_heads_per_partition, self.head_dim)
-        return query, key.squeeze(3), value.squeeze(3)
-
-    def _core_attention(self, query, key, value, attention_mask):
-        """q/k/v [s, b, n, d] -> context [s, b, nh_local * d]."""
+    def forward(self, query, key, value, attention_mask=None):
         s, b = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -278,6 +236,79 @@ class SelfAttention(torch.nn.Module):
         width = self.num_heads_per_partition * self.head_dim
         return context.permute(2, 0, 1, 3).reshape(s, b, width)
 
+
+class SelfAttention(torch.nn.Module):
+    """Tensor-parallel self-attention over [s, b, h] (or [s/tp, b, h] with SP).
+
+    forward(hidden_states, attention_mask=None, rotary_pos_emb=None) -> [s(/tp), b, h]
+      * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
+      * rotary_pos_emb: (cos, sin) from `RotaryEmbedding`, for RoPE models.
+    `submodules.core_attention` builds the core attention (default `DotProductAttention`).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        layer_number: int = 1,
+        submodules: Optional[SelfAttentionSubmodules] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp_group = state.tp_group
+        self.tp_group = tp_group
+        tp_size = group_size(tp_group)
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
+        self.q_per_group = divide(self.num_heads, self.num_query_groups)
+        self.num_heads_per_partition = divide(self.num_heads, tp_size)
+        self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
+        self.selective_recompute = config.recompute_granularity == "selective"
+
+        qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+        init_method = init_method_normal(config.init_method_std)
+        output_init = (
+            scaled_init_method_normal(config.init_method_std, config.num_layers)
+            if config.use_scaled_init_method
+            else init_method
+        )
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            device=device,
+        )
+        submodules = submodules or SelfAttentionSubmodules(
+            core_attention=ModuleSpec(DotProductAttention))
+        self.core_attention = build_module(
+            submodules.core_attention, config, state, layer_number=layer_number, device=device
+        )
+        self.linear_proj = RowParallelLinear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            config=config,
+            tp_group=tp_group,
+            init_method=output_init,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            device=device,
+        )
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d]."""
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + 2, self.head_dim)
+        query, key, value = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
+        query = query.reshape(s, b, self.num_heads_per_partition, self.head_dim)
+        return query, key.squeeze(3), value.squeeze(3)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -290,9 +321,9 @@ class SelfAttention(torch.nn.Module):
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
         if self.selective_recompute and self.training:
-            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+            context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
-            context = self._core_attention(query, key, value, attention_mask)
+            context = self.core_attention(query, key, value, attention_mask)
         output, _ = self.linear_proj(context)
         return output
 
@@ -418,6 +449,7 @@ __all__ = [
     "alibi_bias",
     "sliding_window_mask",
     "core_attention",
+    "DotProductAttention",
     "SelfAttention",
     "FlashSelfAttention",
     "FlashGroupedQueryAttention",

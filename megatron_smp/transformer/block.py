@@ -14,10 +14,11 @@ from typing import Optional
 import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
-from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_size
+from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.tensor_parallel.random import checkpoint
 from megatron_smp.transformer.attention import RotaryEmbeddings
-from megatron_smp.transformer.layer import TransformerLayer
+from megatron_smp.transformer.layer import get_gpt_layer_spec
+from megatron_smp.transformer.spec import LayerSpec, build_module, spec_for_layer
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
 
@@ -30,20 +31,24 @@ class TransformerBlock(torch.nn.Module):
 
     `init_seed`: when given, layer n is built under the CPU seed `derive_seed(init_seed, n)`
     (see `init_rng_scope`), so its weights do not depend on the other layers built here.
+    `layer_spec`: a `ModuleSpec` for every layer, or a function of the global layer number
+    (default: the dense layer of `get_gpt_layer_spec`).
     """
 
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: ProcessGroup,
+        state,
         layer_offset: int = 0,
         num_layers: Optional[int] = None,
         post_layer_norm: bool = True,
         init_seed: Optional[int] = None,
         device: Optional[torch.device] = None,
+        layer_spec: Optional[LayerSpec] = None,
     ) -> None:
         super().__init__()
         self.config = config
+        layer_spec = layer_spec or get_gpt_layer_spec()
         num_layers = config.num_layers - layer_offset if num_layers is None else num_layers
         if num_layers < 0 or layer_offset < 0 or layer_offset + num_layers > config.num_layers:
             raise ConfigError(
@@ -56,11 +61,13 @@ class TransformerBlock(torch.nn.Module):
             layer_number = layer_offset + index + 1
             seed = None if init_seed is None else derive_seed(init_seed, layer_number)
             with init_rng_scope(seed):
-                layers.append(TransformerLayer(config, tp_group, layer_number, device=device))
+                spec = spec_for_layer(layer_spec, layer_number)
+                layers.append(build_module(spec, config, state, layer_number=layer_number,
+                                           device=device))
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = None
         if post_layer_norm:
-            sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+            sequence_parallel = config.sequence_parallel and group_size(state.tp_group) > 1
             self.final_layernorm = build_norm(
                 config, sequence_parallel=sequence_parallel, device=device
             )

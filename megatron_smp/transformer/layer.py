@@ -12,37 +12,75 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_size
+from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.tensor_parallel.random import get_rng_tracker
-from megatron_smp.transformer.attention import RotaryEmbeddings, SelfAttention
+from megatron_smp.transformer.attention import (
+    DotProductAttention,
+    RotaryEmbeddings,
+    SelfAttention,
+)
 from megatron_smp.transformer.mlp import MLP
 from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.spec import (
+    ModuleSpec,
+    SelfAttentionSubmodules,
+    TransformerLayerSubmodules,
+    build_module,
+)
+
+
+def default_layer_submodules() -> TransformerLayerSubmodules:
+    """The dense decoder layer: SelfAttention over DotProductAttention, then the MLP."""
+    return TransformerLayerSubmodules(
+        self_attention=ModuleSpec(
+            SelfAttention,
+            submodules=SelfAttentionSubmodules(core_attention=ModuleSpec(DotProductAttention)),
+        ),
+        mlp=ModuleSpec(MLP),
+    )
+
+
+def get_gpt_layer_spec() -> ModuleSpec:
+    """Spec of the dense GPT / Llama decoder layer (Megatron's
+    `get_gpt_layer_local_spec`); a new attention or MLP is a change of its submodules."""
+    return ModuleSpec(TransformerLayer, submodules=default_layer_submodules())
 
 
 class TransformerLayer(torch.nn.Module):
     """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
-    -> [s(/tp), b, h]. `layer_number` is global (1-based), whatever the pipeline stage."""
+    -> [s(/tp), b, h]. `layer_number` is global (1-based), whatever the pipeline stage.
+
+    `submodules` says which attention and MLP to build (default: `SelfAttention` with
+    `DotProductAttention`, and the dense `MLP`); each is built as
+    `module(config, state, layer_number=..., device=...)`.
+    """
 
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: ProcessGroup,
+        state,
         layer_number: int = 1,
+        submodules: Optional[TransformerLayerSubmodules] = None,
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
+        submodules = submodules or default_layer_submodules()
         self.layer_number = layer_number
         self.parallel_residual = config.parallel_residual
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = config.sequence_parallel and group_size(state.tp_group) > 1
         self.input_layernorm = build_norm(
             config, sequence_parallel=self.sequence_parallel, device=device
         )
-        self.self_attention = SelfAttention(config, tp_group, layer_number, device=device)
+        self.self_attention = build_module(
+            submodules.self_attention, config, state, layer_number=layer_number, device=device
+        )
         self.pre_mlp_layernorm = build_norm(
             config, sequence_parallel=self.sequence_parallel, device=device
         )
-        self.mlp = MLP(config, tp_group, device=device)
+        self.mlp = build_module(
+            submodules.mlp, config, state, layer_number=layer_number, device=device
+        )
 
     def _dropout_rng(self):
         # With SP each TP rank holds a different sequence shard: draw independent masks.
@@ -73,4 +111,4 @@ class TransformerLayer(torch.nn.Module):
         return hidden_states + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
 
 
-__all__ = ["TransformerLayer"]
+__all__ = ["TransformerLayer", "default_layer_submodules", "get_gpt_layer_spec"]

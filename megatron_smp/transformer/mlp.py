@@ -42,10 +42,14 @@ class MLP(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: ProcessGroup,
+        state,
+        layer_number: int = 1,
         device: Optional[torch.device] = None,
+        tp_group: Optional[ProcessGroup] = None,
     ) -> None:
+        """`tp_group` overrides `state.tp_group` (e.g. for an expert's own TP group)."""
         super().__init__()
+        tp_group = state.tp_group if tp_group is None else tp_group
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         init_method = init_method_normal(config.init_method_std)

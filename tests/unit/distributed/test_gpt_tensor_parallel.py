@@ -53,7 +53,7 @@ def _body(rank, world_size):
         reference_losses.append(loss.item())
 
     tp_state = build_parallel_state(
-        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+        ParallelConfig(tensor_model_parallel_size=2)
     )
     model_parallel_seed(1234, tp_state)
     config = OptimizerConfig(**OPTIMIZER, use_distributed_optimizer=True, overlap_grad_reduce=True)

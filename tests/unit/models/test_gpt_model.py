@@ -67,8 +67,7 @@ def _step(state, config):
 
 
 def _tp_worker(rank, world_size, family, sequence_parallel):
-    state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size,
-                                                sequence_parallel=sequence_parallel))
+    state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
     return to_numpy(_step(state, CONFIGS[family](sequence_parallel=sequence_parallel)))
 
 

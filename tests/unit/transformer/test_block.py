@@ -26,7 +26,7 @@ def _config(**overrides):
 def _run(state, config, mask=None):
     """Loss and grads of one forward/backward with fixed weights, input and RNG streams."""
     torch.manual_seed(0)
-    block = TransformerBlock(config, state.tp_group, init_seed=11).train()
+    block = TransformerBlock(config, state, init_seed=11).train()
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
     model_parallel_seed(5, state)
     out = block(x, mask)
@@ -77,7 +77,7 @@ def test_padding_mask_hides_keys(state):
     """A key masked for every query has no influence on the outputs."""
     config = _config(hidden_dropout=0.0, attention_dropout=0.0, num_layers=1)
     torch.manual_seed(0)
-    block = TransformerBlock(config, state.tp_group).eval()
+    block = TransformerBlock(config, state).eval()
     x = torch.randn(S, B, H)
     mask = torch.ones(S, S, dtype=torch.bool).triu(1).expand(B, 1, S, S).clone()
     mask[..., 0] = True  # hide key 0 ...
@@ -92,9 +92,9 @@ def test_padding_mask_hides_keys(state):
 def test_layers_are_seeded_by_global_number(state):
     config = _config()
     torch.manual_seed(0)
-    full = TransformerBlock(config, state.tp_group, init_seed=3)
+    full = TransformerBlock(config, state, init_seed=3)
     torch.manual_seed(99)  # a different stream: the per-layer seeds alone decide
-    tail = TransformerBlock(config, state.tp_group, layer_offset=1, num_layers=2, init_seed=3)
+    tail = TransformerBlock(config, state, layer_offset=1, num_layers=2, init_seed=3)
     assert [layer.layer_number for layer in tail.layers] == [2, 3]
     for index in (0, 1):
         for (name, a), (_, b) in zip(full.layers[index + 1].named_parameters(),
