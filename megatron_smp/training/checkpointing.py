@@ -12,7 +12,8 @@ A checkpoint holds (see megatron_smp.checkpointing.sharded_state for the tensors
     model                  {global parameter name: tensor in its TP=1 shape}
     optimizer              {"state": {name: {fp32_param, exp_avg, exp_avg_sq, step}},
                             "grad_scaler": {...}}   (absent from model-only checkpoints)
-    opt_param_scheduler    the scheduler's position
+    opt_param_scheduler    the scheduler's position and shape (lr, min lr, warm-up and decay
+                           iterations, decay style), compared with the flags on load
     iteration, consumed_train_samples, skipped_iterations, nan_iterations
     rng_state              per rank, written by the engine
 
@@ -258,7 +259,15 @@ def load(run, tokenizer=None) -> None:
     else:
         run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
     if "opt_param_scheduler" in state_dict:
-        run.scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+        # Raises on every rank alike (the saved values are the same everywhere) and after the
+        # last collective of the load, so no rank is left waiting.
+        resolved = run.scheduler.load_state_dict(
+            state_dict["opt_param_scheduler"],
+            override_opt_param_scheduler=config.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
+        )
+        for line in resolved:
+            _print_rank_0(run, f"learning-rate schedule: {line}")
     if load_progress:
         for key in PROGRESS_KEYS:
             setattr(run, key, int(state_dict[key]))

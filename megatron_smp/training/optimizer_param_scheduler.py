@@ -2,9 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from megatron_smp.config import ConfigError, OptimizerConfig
+
+# The schedule's shape in a checkpoint: (state-dict key, the flags that set it).
+SCHEDULE_FIELDS = (
+    ("max_lr", "--lr"),
+    ("min_lr", "--min-lr"),
+    ("warmup_steps", "--lr-warmup-iters (or --lr-warmup-fraction)"),
+    ("decay_steps", "--lr-decay-iters (default: --train-iters)"),
+    ("decay_style", "--lr-decay-style"),
+)
 
 
 class OptimizerParamScheduler:
@@ -39,7 +48,9 @@ class OptimizerParamScheduler:
             return self.max_lr
         if self.num_steps > self.decay_steps:
             return self.min_lr
-        progress = (self.num_steps - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
+        progress = (self.num_steps - self.warmup_steps) / max(
+            1, self.decay_steps - self.warmup_steps
+        )
         if self.decay_style == "linear":
             coeff = 1.0 - progress
         else:  # cosine
@@ -63,8 +74,41 @@ class OptimizerParamScheduler:
             "num_steps": self.num_steps,
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        # The schedule's shape comes from the current flags (as in Megatron with
-        # --override-opt_param-scheduler); only the position is restored.
+    def load_state_dict(
+        self,
+        state: Dict[str, Any],
+        *,
+        override_opt_param_scheduler: bool = False,
+        use_checkpoint_opt_param_scheduler: bool = False,
+    ) -> List[str]:
+        """Restore the position (`num_steps`) and reconcile the schedule's shape with the
+        checkpoint's, as Megatron does: with `override_opt_param_scheduler` the command line's
+        values stay, with `use_checkpoint_opt_param_scheduler` the checkpoint's replace them,
+        and with neither a difference is a ConfigError naming each field and both flags.
+
+        Returns one line per value that differed and was resolved by a flag, for the log. The
+        saved values are equal on every rank, so every rank takes the same decision.
+        """
+        resolved, conflicts = [], []
+        for key, flags in SCHEDULE_FIELDS:
+            saved, current = state[key], getattr(self, key)
+            if saved == current:
+                continue
+            difference = f"{flags}: checkpoint {saved!r}, command line {current!r}"
+            if override_opt_param_scheduler:
+                resolved.append(f"{difference}; using the command line's")
+            elif use_checkpoint_opt_param_scheduler:
+                setattr(self, key, saved)
+                resolved.append(f"{difference}; using the checkpoint's")
+            else:
+                conflicts.append(difference)
+        if conflicts:
+            raise ConfigError(
+                "the checkpoint's learning-rate schedule differs from the command line ("
+                + "; ".join(conflicts)
+                + "). Add --override-opt_param-scheduler to train with the command line's "
+                "schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            )
         self.num_steps = int(state["num_steps"])
         self.step(0)
+        return resolved

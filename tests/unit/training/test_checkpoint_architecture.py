@@ -57,3 +57,53 @@ def test_window_size_flag_and_validation():
         parse_args(base + ["--window-size", "7"])
     with pytest.raises(ConfigError, match="--window-size 7,3"):
         _config(window_size=(7, 3)).validate(ParallelConfig())
+
+
+class _Optimizer:
+    def __init__(self):
+        self.param_groups = [{"lr": 0.0}]
+
+
+def _scheduler(**changes):
+    from megatron_smp.config import OptimizerConfig
+    from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
+
+    base = dict(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2, lr_decay_iters=20,
+                lr_decay_style="cosine")
+    base.update(changes)
+    return OptimizerParamScheduler(_Optimizer(), OptimizerConfig(**base), train_iters=20)
+
+
+def test_checkpoint_schedule_differences_need_a_flag_that_picks_a_side():
+    saved = _scheduler()
+    saved.step(10)
+    state = saved.state_dict()
+    same = _scheduler()
+    assert same.load_state_dict(state) == [] and same.state_dict() == state
+
+    changed = dict(lr=2e-3, min_lr=0.0, lr_warmup_iters=3, lr_decay_iters=30,
+                   lr_decay_style="linear")
+    with pytest.raises(ConfigError) as info:
+        _scheduler(**changed).load_state_dict(state)
+    message = str(info.value)
+    for difference in ("--lr: checkpoint 0.001, command line 0.002",
+                       "--min-lr: checkpoint 1e-05, command line 0.0",
+                       "--lr-warmup-iters (or --lr-warmup-fraction): checkpoint 2, command line 3",
+                       "--lr-decay-iters (default: --train-iters): checkpoint 20, command line 30",
+                       "--lr-decay-style: checkpoint 'cosine', command line 'linear'",
+                       "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        assert difference in message, message
+
+    command_line = _scheduler(**changed)
+    resolved = command_line.load_state_dict(state, override_opt_param_scheduler=True)
+    assert len(resolved) == 5 and all("using the command line's" in r for r in resolved)
+    fresh = _scheduler(**changed)
+    fresh.step(10)
+    assert command_line.state_dict() == fresh.state_dict()
+    assert command_line.optimizer.param_groups[0]["lr"] == fresh.optimizer.param_groups[0]["lr"]
+
+    checkpoint = _scheduler(**changed)
+    resolved = checkpoint.load_state_dict(state, use_checkpoint_opt_param_scheduler=True)
+    assert len(resolved) == 5 and all("using the checkpoint's" in r for r in resolved)
+    assert checkpoint.state_dict() == state
+    assert checkpoint.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
