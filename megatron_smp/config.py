@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -69,6 +69,9 @@ class ParallelConfig:
     hybrid_shard_degree: int = 0
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: int = 10
+    # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
+    # (the only layout built: experts split like the dense MLP over the TP group).
+    expert_tensor_parallel_size: Optional[int] = None
 
     def data_parallel_size_for(self, world_size: int) -> int:
         return world_size // (
@@ -79,19 +82,9 @@ class ParallelConfig:
 
     def check_supported(self, names: Optional[dict] = None) -> None:
         """ConfigError for degrees whose capability does not exist yet. The process groups
-        for cp/ep are built (ParallelState), but no layer uses them: a model or a training
+        for ep are built (ParallelState), but no layer uses them: a model or a training
         run asked for them would silently be something else."""
         name = dict(FLAG_NAMES, **(names or {}))
-        if self.context_parallel_size > 1:
-            raise not_supported(
-                f"{name['context_parallel_size']} {self.context_parallel_size}",
-                "context parallelism",
-            )
-        if self.expert_model_parallel_size > 1:
-            raise not_supported(
-                f"{name['expert_model_parallel_size']} {self.expert_model_parallel_size}",
-                "mixture-of-experts layers",
-            )
         if self.hybrid_shard_degree >= 2:
             raise not_supported(
                 f"{name['hybrid_shard_degree']} = {self.hybrid_shard_degree}",
@@ -165,6 +158,11 @@ class ParallelConfig:
         )
 
 
+def name_of(names: Optional[dict]) -> dict:
+    """FLAG_NAMES with the caller's spellings (e.g. SMP keys) over them."""
+    return dict(FLAG_NAMES, **(names or {}))
+
+
 # TransformerConfig fields that change the function a model computes without changing any
 # tensor shape: weights trained under other values would load without error and be wrong.
 FUNCTION_FIELDS = (
@@ -208,6 +206,9 @@ class TransformerConfig:
     # keys i - left .. i + right; left -1 = unbounded. A decoder needs right == 0. Mistral's
     # `sliding_window` W is (W - 1, 0). None: full causal attention.
     window_size: Optional[Tuple[int, int]] = None
+    # Context parallelism's attention (Megatron's --cp-comm-type): "p2p" ring attention,
+    # "all_gather" of keys/values, or "a2a" (all-to-all of heads and sequence, Ulysses).
+    cp_comm_type: str = "p2p"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
     untie_embeddings_and_output_weights: bool = False
@@ -227,6 +228,26 @@ class TransformerConfig:
     recompute_method: Optional[str] = None  # "uniform" | "block"
     recompute_num_layers: Optional[int] = None
 
+    # Mixture of experts (Megatron's names; None experts: a dense model).
+    num_moe_experts: Optional[int] = None
+    # Which layers are MoE: every `freq`-th layer (int, 1 = all), or a 0/1 list per layer
+    # (the flag also takes Megatron's pattern text "([1]*3+[0]*1)*2", see moe_layer_pattern).
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen-MoE)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|sinkhorn|none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(x w) scales the shared expert
+
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -237,6 +258,8 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.window_size is not None:  # JSON (common.json, --smp-config) gives a list
             self.window_size = tuple(int(v) for v in self.window_size)
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
                  names: Optional[dict] = None) -> None:
@@ -294,6 +317,7 @@ class TransformerConfig:
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
+        self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -308,6 +332,9 @@ class TransformerConfig:
                 f"--seq-length ({seq_length}) must not exceed --max-position-embeddings "
                 f"({self.max_position_embeddings})",
             )
+        cp = parallel.context_parallel_size
+        if cp > 1:
+            self._validate_context_parallel(tp, cp, seq_length, name_of(names))
         if self.sequence_parallel and seq_length is not None:
             _require(
                 seq_length % (tp * parallel.context_parallel_size) == 0,
@@ -316,12 +343,183 @@ class TransformerConfig:
                 "--sequence-parallel",
             )
 
+    def _validate_context_parallel(self, tp: int, cp: int, seq_length: Optional[int],
+                                   name: dict) -> None:
+        cp_flag = name["context_parallel_size"]
+        _require(
+            self.cp_comm_type in ("p2p", "all_gather", "a2a"),
+            f"--cp-comm-type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}",
+        )
+        if seq_length is not None:
+            _require(
+                seq_length % (2 * cp) == 0,
+                f"--seq-length ({seq_length}) must be divisible by 2 x {cp_flag} ({2 * cp}): "
+                f"context parallelism cuts each sequence into {2 * cp} chunks",
+            )
+        if self.cp_comm_type == "a2a":
+            _require(
+                self.num_query_groups % (tp * cp) == 0,
+                f"--cp-comm-type a2a shares the heads out over {cp_flag} ({cp}): "
+                f"--num-query-groups ({self.num_query_groups}) must be divisible by "
+                f"tensor-model-parallel-size x context-parallel-size ({tp * cp}); use "
+                "--cp-comm-type p2p or all_gather",
+            )
+        if self.cp_comm_type == "p2p":
+            _require(
+                self.attention_dropout == 0.0,
+                f"--attention-dropout {self.attention_dropout} with --cp-comm-type p2p: ring "
+                "attention has no attention dropout; use --attention-dropout 0 or "
+                "--cp-comm-type all_gather / a2a",
+            )
+
+    def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
+        ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
+        ep_flag = name["expert_model_parallel_size"]
+        if self.num_moe_experts is None:
+            _require(
+                ep == 1,
+                f"{ep_flag} {ep} needs a mixture-of-experts model: give --num-experts (or "
+                "transform a Mixtral / Qwen2-MoE model)",
+            )
+            return
+        experts = self.num_moe_experts
+        _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
+        _require(
+            experts % ep == 0,
+            f"--num-experts ({experts}) must be divisible by {ep_flag} ({ep})",
+        )
+        _require(
+            1 <= self.moe_router_topk <= experts,
+            f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and --num-experts "
+            f"({experts})",
+        )
+        choices = {
+            "--moe-router-load-balancing-type": (
+                self.moe_router_load_balancing_type,
+                ("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
+            "--moe-token-dispatcher-type": (self.moe_token_dispatcher_type,
+                                            ("allgather", "alltoall")),
+            "--moe-token-drop-policy": (self.moe_token_drop_policy, ("probs", "position")),
+        }
+        for flag, (value, allowed) in choices.items():
+            _require(value in allowed,
+                     f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
+        _require(
+            not (self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff),
+            "--moe-router-load-balancing-type sinkhorn balances without an auxiliary loss; "
+            "drop --moe-aux-loss-coeff or use aux_loss",
+        )
+        _require(
+            self.moe_expert_capacity_factor is None or self.moe_expert_capacity_factor > 0,
+            f"--moe-expert-capacity-factor must be > 0, got {self.moe_expert_capacity_factor}",
+        )
+        _require(
+            not self.moe_pad_expert_input_to_capacity
+            or self.moe_expert_capacity_factor is not None,
+            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+        )
+        _require(
+            not (self.moe_router_load_balancing_type == "sinkhorn"
+                 and self.moe_expert_capacity_factor is not None),
+            "--moe-expert-capacity-factor applies to top-k routing; use "
+            "--moe-router-load-balancing-type aux_loss, seq_aux_loss or none",
+        )
+        _require(
+            self.moe_ffn_hidden_size % tp == 0,
+            f"--moe-ffn-hidden-size ({self.moe_ffn_hidden_size}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp})",
+        )
+        shared = self.moe_shared_expert_intermediate_size
+        _require(
+            shared is None or (shared >= 1 and shared % tp == 0),
+            f"--moe-shared-expert-intermediate-size ({shared}) must be positive and divisible "
+            f"by --tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            not self.moe_shared_expert_gate or shared is not None,
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size",
+        )
+        _require(
+            tp == 1 or self.sequence_parallel,
+            "mixture-of-experts layers with --tensor-model-parallel-size > 1 need "
+            "--sequence-parallel (as in Megatron-LM)",
+        )
+        etp = parallel.expert_tensor_parallel_size
+        _require(
+            etp is None or etp == tp,
+            f"--expert-tensor-parallel-size {etp}: experts are split over the tensor-parallel "
+            f"group like the dense MLP; leave it out or set it to --tensor-model-parallel-size "
+            f"({tp})",
+        )
+        moe_layer_pattern(self)  # raises for a malformed or wrong-length pattern
+
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
+
+
+def parse_moe_layer_freq(text: Union[str, int, List[int]]) -> Union[int, List[int]]:
+    """Megatron's --moe-layer-freq: an int N (every N-th layer) or a 0/1 pattern such as
+    "([1]*3+[0]*1)*2" or "[1,0,1,0]", evaluated without `eval` (list displays of integers,
+    `+` and `*` only)."""
+    import ast
+
+    if isinstance(text, (int, list)):
+        return text
+    source = text.strip()
+    try:
+        return int(source)
+    except ValueError:
+        pass
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(item) for item in node.elts]
+            if all(type(item) is int for item in items):
+                return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and (type(left) is int or type(right) is int):
+                count, items = (left, right) if type(left) is int else (right, left)
+                length = count if type(items) is int else count * len(items)
+                if length > 100_000:  # a pattern longer than any model
+                    raise ValueError
+                return left * right
+        raise ValueError
+
+    try:
+        pattern = value(ast.parse(source, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        pattern = None
+    if not isinstance(pattern, (int, list)):
+        raise ConfigError(
+            f"--moe-layer-freq {text!r}: give an integer N (every N-th layer is MoE) or a 0/1 "
+            "list per layer such as \"([1]*3+[0]*1)*2\""
+        )
+    return pattern
+
+
+def moe_layer_pattern(config: "TransformerConfig") -> List[int]:
+    """1 for each (0-based) layer that is a mixture of experts, 0 for a dense one."""
+    if config.num_moe_experts is None:
+        return [0] * config.num_layers
+    freq = parse_moe_layer_freq(config.moe_layer_freq)
+    if isinstance(freq, int):
+        _require(freq >= 1, f"--moe-layer-freq must be >= 1, got {freq}")
+        return [1 if index % freq == 0 else 0 for index in range(config.num_layers)]
+    _require(
+        len(freq) == config.num_layers and set(freq) <= {0, 1},
+        f"--moe-layer-freq pattern {freq} must hold one 0 or 1 per layer "
+        f"(--num-layers {config.num_layers})",
+    )
+    return list(freq)
 
 
 @dataclass

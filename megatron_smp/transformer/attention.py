@@ -118,11 +118,19 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def alibi_bias(
-    slopes: torch.Tensor, seq_length: int, causal: bool, dtype: torch.dtype
+    slopes: torch.Tensor, seq_length: int, causal: bool, dtype: torch.dtype,
+    query_positions: Optional[torch.Tensor] = None, key_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Additive bias [1, n, s, s]: slope * (j - i), with -inf above the diagonal if causal."""
-    positions = torch.arange(seq_length, device=slopes.device, dtype=torch.float32)
-    distance = positions[None, :] - positions[:, None]  # j - i
+    """Additive bias [1, n, s, s]: slope * (j - i), with -inf above the diagonal if causal.
+
+    `query_positions` [sq] / `key_positions` [sk]: the global positions i, j of the rows and
+    columns (context parallelism holds a subset), giving [1, n, sq, sk]; default arange(s).
+    """
+    if query_positions is None:
+        query_positions = torch.arange(seq_length, device=slopes.device)
+    if key_positions is None:
+        key_positions = query_positions
+    distance = (key_positions[None, :] - query_positions[:, None]).to(slopes.device).float()
     bias = slopes.float()[:, None, None] * distance[None]
     if causal:
         bias = bias.masked_fill(distance[None] > 0, float("-inf"))
@@ -130,12 +138,17 @@ def alibi_bias(
 
 
 def sliding_window_mask(
-    seq_length: int, window_size: Tuple[int, int], device: Optional[torch.device] = None
+    seq_length: int, window_size: Tuple[int, int], device: Optional[torch.device] = None,
+    query_positions: Optional[torch.Tensor] = None, key_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Bool [1, 1, s, s], True = masked: the future, and keys more than `left` behind."""
+    """Bool [1, 1, s, s], True = masked: the future, and keys more than `left` behind.
+    Global `query_positions` [sq] / `key_positions` [sk] give [1, 1, sq, sk] (as `alibi_bias`)."""
     left, right = window_size
-    positions = torch.arange(seq_length, device=device)
-    behind = positions[:, None] - positions[None, :]  # i - j
+    if query_positions is None:
+        query_positions = torch.arange(seq_length, device=device)
+    if key_positions is None:
+        key_positions = query_positions
+    behind = query_positions[:, None] - key_positions[None, :]  # i - j
     masked = behind < -right
     if left >= 0:
         masked = masked | (behind > left)

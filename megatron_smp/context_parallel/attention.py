@@ -1,0 +1,416 @@
+"""Core attention across the context-parallel group: ring (p2p), all-gather KV, all-to-all.
+
+Each rank holds the queries, keys and values of its two sequence chunks (`split.py`): chunk
+i and chunk 2N-1-i of 2N. Every module here has `DotProductAttention`'s call signature,
+
+    forward(query [s/cp, b, nh, d], key/value [s/cp, b, ng, d], attention_mask=None)
+        -> context [s/cp, b, nh * d]
+
+with `nh`/`ng` this tensor-parallel rank's heads and query groups, and returns exactly the
+rows of the non-parallel attention's output that belong to this rank's tokens. Causal masks,
+sliding windows and ALiBi biases are computed from the tokens' global sequence positions.
+
+* `RingAttention` (`--cp-comm-type p2p`): the key/value blocks travel around the ring while
+  the current block is computed; partial outputs merge by their log-sum-exp.
+* `AllGatherAttention` (`all_gather`): all-gather keys and values (only the ng KV heads),
+  then attend the local queries to the whole sequence; backward reduce-scatters dK/dV.
+* `AllToAllAttention` (`a2a`, DeepSpeed-Ulysses): all-to-all from sequence- to head-sharded,
+  ordinary attention over the whole sequence for nh/N heads, all-to-all back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.context_parallel.split import gathered_order, positions_of_local_length
+from megatron_smp.tensor_parallel import divide
+from megatron_smp.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+)
+from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.transformer.attention import (
+    DotProductAttention,
+    alibi_bias,
+    alibi_slopes,
+    core_attention,
+    sliding_window_mask,
+)
+from megatron_smp.transformer.spec import ModuleSpec
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+class _ContextParallelCore(torch.nn.Module):
+    """What every context-parallel core attention knows: heads, group, window, ALiBi."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        layer_number: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        tp_size = group_size(state.tp_group)
+        self.num_heads = divide(config.num_attention_heads, tp_size)
+        self.num_groups = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.cp_group = state.cp_group
+        self.cp_size = group_size(state.cp_group)
+        self.cp_rank = group_rank(state.cp_group)
+        self.cp_global_ranks = state.group_ranks["cp"]
+        self.attention_dropout = config.attention_dropout
+        window = config.window_size
+        self.window_size = window if window is not None and window[0] >= 0 else None
+        self.register_buffer("alibi_slopes", None, persistent=False)
+        if config.position_embedding_type == "alibi":
+            start = group_rank(state.tp_group) * self.num_heads
+            slopes = alibi_slopes(config.num_attention_heads)[start : start + self.num_heads]
+            if device is not None and torch.device(device).type != "meta":
+                slopes = slopes.to(device)
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def positions(self, local_length: int, device, rank: Optional[int] = None) -> torch.Tensor:
+        """Global positions [s/cp] of `rank`'s (default: this rank's) local tokens."""
+        rank = self.cp_rank if rank is None else rank
+        return positions_of_local_length(local_length, self.cp_size, rank, device)
+
+    def positional_bias(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,
+    ) -> Optional[torch.Tensor]:
+        """Additive fp32 bias [1, nh or 1, sq, sk] of one block (-inf = masked): the causal
+        mask (when `causal`), the sliding window, ALiBi. None when nothing applies."""
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, 0, causal, torch.float32,
+                              query_positions=query_positions, key_positions=key_positions)
+        elif causal:
+            future = key_positions[None, :] > query_positions[:, None]
+            bias = torch.zeros(future.shape, device=future.device).masked_fill(
+                future, float("-inf"))[None, None]
+        if self.window_size is not None:
+            window = sliding_window_mask(0, self.window_size, query_positions.device,
+                                         query_positions=query_positions,
+                                         key_positions=key_positions)
+            base = bias if bias is not None else torch.zeros(window.shape,
+                                                             device=window.device)
+            bias = base.masked_fill(window, float("-inf"))
+        return bias
+
+
+# p2p: ring attention -----------------------------------------------------------------------------
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, core: _ContextParallelCore):
+    """Start sending `send` to the next rank of the ring and receiving `recv` from the
+    previous one; returns the requests to wait on."""
+    ranks, rank, size = core.cp_global_ranks, core.cp_rank, core.cp_size
+    ops = [
+        dist.P2POp(dist.isend, send, ranks[(rank + 1) % size], core.cp_group),
+        dist.P2POp(dist.irecv, recv, ranks[(rank - 1) % size], core.cp_group),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _ring_block(step: int, rank: int, local_length: int):
+    """Which rows of the local queries and of the visiting keys meet at ring `step`, and
+    whether their block needs the causal mask.
+
+    At step 0 a rank attends to its own keys (causal). Afterwards it holds rank
+    j = rank - step's keys, chunks (j, 2N-1-j) against its queries' chunks (rank, 2N-1-rank):
+    for j < rank every query sees the first half of the keys (the second lies in the future
+    of all of them); for j > rank only the second half of the queries sees anything, and
+    it sees every key. Half of each off-diagonal block is skipped either way.
+    """
+    half = local_length // 2
+    everything = slice(0, local_length)
+    if step == 0:
+        return everything, everything, True
+    if step <= rank:
+        return everything, slice(0, half), False
+    return slice(half, local_length), everything, False
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # A row that sees no key (sliding window) has lse = -inf: its probabilities must be 0.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _block_scores(q, k, bias, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    return scores
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    """q [b, ng, qpg, s, d], k/v [b, ng, 1, s, d] (fp32, this rank's rows) -> out, same
+    shape as q. Forward: KV travels the ring. Backward: KV travels again and dK/dV follow
+    it, each rank adding its queries' share, until they are back with their owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, core):
+        size, rank = core.cp_size, core.cp_rank
+        local_length = q.shape[-2]
+        q_positions = core.positions(local_length, q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(size):
+            requests = []
+            if step + 1 < size:
+                incoming = torch.empty_like(kv)
+                requests = _ring_exchange(kv, incoming, core)
+            rows, cols, causal = _ring_block(step, rank, local_length)
+            k_positions = core.positions(local_length, q.device, (rank - step) % size)
+            bias = core.positional_bias(q_positions[rows], k_positions[cols], causal)
+            if bias is not None:
+                bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
+            scores = _block_scores(q[..., rows, :], kv[0][..., cols, :], bias, core.scale)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - _finite(block_lse)[..., None])
+            block_out = torch.matmul(probs, kv[1][..., cols, :])
+            # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
+            old_lse = lse[..., rows]
+            new_lse = torch.logaddexp(old_lse, block_lse)
+            keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
+            take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
+            out[..., rows, :] = out[..., rows, :] * keep[..., None] + block_out * take[..., None]
+            lse[..., rows] = new_lse
+            _wait(requests)
+            if requests:
+                kv = incoming
+        ctx.core = core
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        core = ctx.core
+        size, rank = core.cp_size, core.cp_rank
+        local_length = q.shape[-2]
+        q_positions = core.positions(local_length, q.device)
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = None
+        dkv_requests = []
+        for step in range(size):
+            kv_requests = []
+            if step + 1 < size:
+                incoming = torch.empty_like(kv)
+                kv_requests = _ring_exchange(kv, incoming, core)
+            rows, cols, causal = _ring_block(step, rank, local_length)
+            k_positions = core.positions(local_length, q.device, (rank - step) % size)
+            bias = core.positional_bias(q_positions[rows], k_positions[cols], causal)
+            if bias is not None:
+                bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
+            q_rows, k_cols, v_cols = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
+            scores = _block_scores(q_rows, k_cols, bias, core.scale)
+            probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
+            d_out = grad_out[..., rows, :]
+            d_probs = torch.matmul(d_out, v_cols.transpose(-1, -2))
+            d_scores = probs * (d_probs - delta[..., rows, None])
+            dq[..., rows, :] += torch.matmul(d_scores, k_cols) * core.scale
+            dk = (torch.matmul(d_scores.transpose(-1, -2), q_rows) * core.scale).sum(2, True)
+            dv = torch.matmul(probs.transpose(-1, -2), d_out).sum(2, True)
+            # The dK/dV partial sums of the visiting block arrive from the previous rank
+            # (it added its share one step earlier); add ours and pass them on.
+            _wait(dkv_requests)
+            dkv = torch.zeros_like(kv) if step == 0 else dkv_incoming
+            dkv[0][..., cols, :] += dk
+            dkv[1][..., cols, :] += dv
+            dkv_incoming = torch.empty_like(dkv)
+            dkv_requests = _ring_exchange(dkv, dkv_incoming, core) if size > 1 else []
+            _wait(kv_requests)
+            if kv_requests:
+                kv = incoming
+        _wait(dkv_requests)
+        # After N hops the partial sums are home: the owner's keys, every rank's share.
+        dkv = dkv_incoming if size > 1 else dkv
+        return dq, dkv[0], dkv[1], None
+
+
+class RingAttention(_ContextParallelCore):
+    """Ring attention over the context-parallel group (`--cp-comm-type p2p`).
+
+    Per block the scores are formed in fp32 with matmul + logsumexp (SDPA does not return
+    the log-sum-exp the merge needs); the backward recomputes each block from the saved
+    q/k/v/output/lse, as flash attention does. No attention dropout (`TransformerConfig.
+    validate` rejects it with p2p).
+    """
+
+    def forward(self, query, key, value, attention_mask=None):
+        if attention_mask is not None:
+            raise ConfigError(
+                "--cp-comm-type p2p attends with causal masks built from positions; an "
+                "explicit attention mask (--reset-attention-mask, padding) needs "
+                "--cp-comm-type all_gather"
+            )
+        s, b = query.shape[:2]
+        qpg = self.num_heads // self.num_groups
+        # [s, b, n, d] -> [b, ng, qpg, s, d]: a query group's heads share one key/value head.
+        q = query.float().permute(1, 2, 0, 3).reshape(b, self.num_groups, qpg, s, self.head_dim)
+        k = key.float().permute(1, 2, 0, 3).unsqueeze(2)
+        v = value.float().permute(1, 2, 0, 3).unsqueeze(2)
+        out = _RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), self)
+        out = out.reshape(b, self.num_heads, s, self.head_dim).to(query.dtype)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+
+# all_gather: gather K and V ----------------------------------------------------------------------
+
+
+class AllGatherAttention(_ContextParallelCore):
+    """Local queries against the keys/values of the whole sequence (`--cp-comm-type
+    all_gather`). Only the ng key/value heads are gathered; the gathered rows stay in rank
+    order (no reordering copy): the mask and ALiBi use the rows' global positions.
+
+    attention_mask, if given: bool [b, 1, s/cp, s] (queries split, keys in global order),
+    True = masked, as `get_batch_on_this_cp_rank` leaves it.
+    """
+
+    def forward(self, query, key, value, attention_mask=None):
+        s_local, b = query.shape[:2]
+        kv = torch.cat([key, value], dim=-1)
+        # Every rank's queries use every key: backward reduce-scatters the partial grads.
+        kv = gather_from_sequence_parallel_region(kv, self.cp_group, True)
+        key, value = kv.split(self.head_dim, dim=-1)
+        seq_length = kv.shape[0]
+        q_positions = self.positions(s_local, query.device)
+        k_positions = gathered_order(seq_length, self.cp_size, query.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        bias = self.positional_bias(q_positions, k_positions, attention_mask is None)
+        if attention_mask is not None:
+            mask = attention_mask[..., k_positions]  # columns into the gathered row order
+            bias = (torch.zeros(mask.shape, device=mask.device) if bias is None else bias)
+            bias = bias.masked_fill(mask, float("-inf"))
+        bias = bias.to(q.dtype)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if dropout_p > 0.0:
+            with get_rng_tracker().fork():
+                context = core_attention(q, k, v, None, False, dropout_p, None, bias)
+        else:
+            context = core_attention(q, k, v, None, False, 0.0, None, bias)
+        return context.permute(2, 0, 1, 3).reshape(s_local, b, self.num_heads * self.head_dim)
+
+
+# a2a: DeepSpeed-Ulysses --------------------------------------------------------------------------
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Send x[j] ([N, ...], dim 0 indexed by rank) to rank j; out[i] is what rank i sent."""
+    x = x.contiguous()
+    # Not empty_like(x) of a permuted view: it would keep the permuted strides.
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[s/N, b, n, d] sequence-sharded -> [s, b, n/N, d] head-sharded (rows in rank order)."""
+    size = group_size(group)
+    s, b, n, d = x.shape
+    parts = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4)
+    return _all_to_all(parts, group).reshape(size * s, b, n // size, d)
+
+
+def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of `_sequence_to_heads`: [s, b, n/N, d] -> [s/N, b, n, d]."""
+    size = group_size(group)
+    s, b, n, d = x.shape
+    parts = _all_to_all(x.reshape(size, s // size, b, n, d), group)
+    return parts.permute(1, 2, 0, 3, 4).reshape(s // size, b, size * n, d)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad, ctx.group), None
+
+
+class AllToAllAttention(_ContextParallelCore):
+    """DeepSpeed-Ulysses (`--cp-comm-type a2a`): trade the sequence split for a head split,
+    run `DotProductAttention` over the whole sequence for nh/N heads (and ng/N query groups),
+    trade back. The query groups of this TP rank must divide by N (`TransformerConfig.
+    validate`)."""
+
+    def __init__(self, config, state, layer_number=1, device=None):
+        super().__init__(config, state, layer_number, device)
+        heads = self.num_heads // self.cp_size
+        self.inner = DotProductAttention(config, state, layer_number, device)
+        # The inner attention sees this CP rank's slice of the TP rank's heads.
+        self.inner.num_heads_per_partition = heads
+        if self.inner.use_alibi:
+            start = self.cp_rank * heads
+            self.inner.alibi_slopes = self.inner.alibi_slopes[start : start + heads]
+
+    def forward(self, query, key, value, attention_mask=None):
+        if attention_mask is not None:
+            raise ConfigError(
+                "--cp-comm-type a2a attends with causal masks; an explicit attention mask "
+                "(--reset-attention-mask, padding) needs --cp-comm-type all_gather"
+            )
+        group = self.cp_group
+        q, k, v = (_SequenceToHeads.apply(t, group) for t in (query, key, value))
+        order = gathered_order(q.shape[0], self.cp_size, q.device)
+        to_global = torch.argsort(order)
+        q, k, v = (t.index_select(0, to_global) for t in (q, k, v))
+        context = self.inner(q, k, v)  # [s, b, nh/N * d], causal over the whole sequence
+        context = context.index_select(0, order)
+        s, b = context.shape[:2]
+        context = context.reshape(s, b, self.num_heads // self.cp_size, self.head_dim)
+        context = _HeadsToSequence.apply(context, group)
+        return context.reshape(context.shape[0], b, self.num_heads * self.head_dim)
+
+
+_CORE_ATTENTION = {"p2p": RingAttention, "all_gather": AllGatherAttention,
+                   "a2a": AllToAllAttention}
+assert tuple(_CORE_ATTENTION) == CP_COMM_TYPES
+
+
+def core_attention_spec(config: TransformerConfig, state) -> ModuleSpec:
+    """The core attention the layout asks for: `DotProductAttention` without context
+    parallelism, else the `config.cp_comm_type` module (checked by `TransformerConfig.validate`)."""
+    if state.cp_size == 1:
+        return ModuleSpec(DotProductAttention)
+    return ModuleSpec(_CORE_ATTENTION[config.cp_comm_type])
+
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "RingAttention",
+    "AllGatherAttention",
+    "AllToAllAttention",
+    "core_attention_spec",
+]
