@@ -60,6 +60,21 @@ def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: tor
             setattr(destination, name, getattr(source, name))
 
 
+def mark_expert_param(param: torch.Tensor, local_name: str, global_name: str) -> None:
+    """Mark `param` as one expert's (Megatron's `allreduce = False`): it differs across
+    expert-parallel ranks, so its grad is reduced over the expert-data-parallel group and
+    counted once per expert in norms. Checkpoints store it with `local_name` (a fragment of
+    its module name, e.g. ".local_experts.0.") replaced by `global_name` (".local_experts.5.").
+    """
+    param.allreduce = False
+    param.expert_checkpoint_rename = (local_name, global_name)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for parameters of one expert (see `mark_expert_param`)."""
+    return not getattr(param, "allreduce", True)
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True when `param` should be counted on this rank in a norm over the model-parallel
     group: split parameters count on every rank, replicated ones only on tp rank 0."""
@@ -74,4 +89,6 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "copy_tensor_model_parallel_attributes",
     "param_is_not_tensor_parallel_duplicate",
+    "mark_expert_param",
+    "is_expert_param",
 ]

@@ -1,0 +1,132 @@
+"""The local experts of one MoE layer: `num_local_experts` feed-forward blocks.
+
+Each expert is the dense `MLP` (SwiGLU or GeLU, split over the tensor-parallel group like
+the dense one) with `moe_ffn_hidden_size`; its parameters are marked as expert parameters
+(`allreduce = False`: reduced over the expert-data-parallel group) and carry the rename of
+their local index to the global expert index for checkpoints.
+
+forward(tokens [N, h] sorted by local expert, tokens_per_expert [num_local_experts])
+-> [N, h], this rank's tensor-parallel partial sums. The experts do no communication: the
+token dispatcher gathers their input and reduce-scatters their output once for all of them.
+Computation is one matmul per expert and projection, or with `moe_grouped_gemm` one
+`torch._grouped_mm` for all experts where torch has it (a tested fallback otherwise).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel.mappings import group_rank
+from megatron_smp.tensor_parallel.utils import mark_expert_param
+from megatron_smp.transformer.mlp import MLP, activation_function
+from megatron_smp.transformer.utils import derive_seed, init_rng_scope
+
+
+def grouped_gemm_supported(dtype: torch.dtype, *row_sizes: int) -> bool:
+    """Whether `torch._grouped_mm` can run here on operands whose rows hold `row_sizes`
+    elements: the op exists (torch >= 2.8, CPU and CUDA) and every row is a multiple of
+    16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return all(size * element_size % 16 == 0 for size in row_sizes)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (`_grouped_mm`'s backward
+    rejects the broadcast gradients some reductions produce)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class MoEExperts(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        num_local_experts: int,
+        expert_offset: int,
+        layer_number: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.expert_offset = expert_offset
+        self.gated = config.gated_linear_unit
+        self.activation = activation_function(config.activation)
+        self.use_grouped_gemm = config.moe_grouped_gemm
+        # The replicated output bias is added by one tensor-parallel rank, so the partial
+        # sums add up to one bias (its grad is then summed over TP, like a norm weight's).
+        self.adds_output_bias = group_rank(state.tp_group) == 0
+        expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size)
+        # One draw (the same on every rank), then expert g is built under its own seed: its
+        # weights do not depend on how the experts are spread over ranks.
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        experts = []
+        for local_index in range(num_local_experts):
+            global_index = expert_offset + local_index
+            with init_rng_scope(derive_seed(base_seed, global_index)):
+                expert = MLP(expert_config, state, layer_number=layer_number, device=device)
+            for param in expert.parameters():
+                mark_expert_param(
+                    param, f".local_experts.{local_index}.", f".local_experts.{global_index}."
+                )
+            experts.append(expert)
+        self.local_experts = torch.nn.ModuleList(experts)
+
+    def _activate(self, intermediate: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)
+            return self.activation(gate) * up
+        return self.activation(intermediate)
+
+    def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        intermediate = self._activate(F.linear(tokens, fc1.weight, fc1.bias))
+        bias = fc2.bias if self.adds_output_bias else None
+        return F.linear(intermediate, fc2.weight, bias)
+
+    def _grouped_forward(self, tokens: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        experts = self.local_experts
+        offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        fc1 = torch.stack([e.linear_fc1.weight.t() for e in experts])  # [E_l, h, f1]
+        intermediate = torch._grouped_mm(_ContiguousGrad.apply(tokens), fc1, offs=offsets)
+        if experts[0].linear_fc1.bias is not None:
+            biases = torch.stack([e.linear_fc1.bias for e in experts])
+            intermediate = intermediate + biases.repeat_interleave(
+                torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0]
+            )
+        intermediate = _ContiguousGrad.apply(self._activate(intermediate).contiguous())
+        fc2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_l, f, h]
+        output = torch._grouped_mm(intermediate, fc2, offs=offsets)
+        if experts[0].linear_fc2.bias is not None and self.adds_output_bias:
+            biases = torch.stack([e.linear_fc2.bias for e in experts])
+            output = output + biases.repeat_interleave(
+                torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0]
+            )
+        return output
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        counts: List[int] = [int(c) for c in tokens_per_expert]
+        first = self.local_experts[0]
+        fc1_rows, hidden = first.linear_fc1.weight.shape
+        if (self.use_grouped_gemm and tokens.shape[0] > 0 and grouped_gemm_supported(
+                tokens.dtype, hidden, fc1_rows, first.linear_fc2.weight.shape[1])):
+            return self._grouped_forward(tokens, counts)
+        outputs = [
+            self._expert_forward(expert, chunk)
+            for expert, chunk in zip(self.local_experts, torch.split(tokens, counts))
+        ]
+        return torch.cat(outputs, dim=0)
+
+
+__all__ = ["MoEExperts", "grouped_gemm_supported"]

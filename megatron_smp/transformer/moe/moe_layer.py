@@ -1,0 +1,97 @@
+"""MoELayer: the MLP of a transformer layer replaced by routed experts (+ shared experts).
+
+forward(hidden_states [s(/tp), b, h]) -> [s(/tp), b, h]:
+
+    probs, routing_map = router(x)                     # [T, E] each, T = this rank's tokens
+    expert_input, counts = dispatcher.dispatch(x, probs, routing_map)
+    y = dispatcher.combine(experts(expert_input, counts))
+    y = y + shared_experts(x)                          # when configured
+
+Built through the layer spec (`MoELayer(config, state, layer_number, device)`), like the
+dense `MLP`. This rank holds experts `ep_rank * E/ep ... (ep_rank + 1) * E/ep - 1`.
+Construction draws the router, then the experts (each under a seed of its global index),
+then the shared experts, so the weights do not depend on the parallel layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.transformer.moe.experts import MoEExperts
+from megatron_smp.transformer.moe.router import TopKRouter
+from megatron_smp.transformer.moe.shared_experts import SharedExpertMLP
+from megatron_smp.transformer.moe.token_dispatcher import build_token_dispatcher
+
+
+class MoELayer(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        layer_number: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        if config.num_moe_experts is None:
+            raise ConfigError("MoELayer needs --num-experts (TransformerConfig.num_moe_experts)")
+        ep_size, ep_rank = state.ep_size, state.ep_rank
+        if config.num_moe_experts % ep_size:
+            raise ConfigError(
+                f"--num-experts ({config.num_moe_experts}) must be divisible by "
+                f"--expert-model-parallel-size ({ep_size})"
+            )
+        self.num_local_experts = config.num_moe_experts // ep_size
+        offset = ep_rank * self.num_local_experts
+        self.local_expert_indices = list(range(offset, offset + self.num_local_experts))
+        self.router = TopKRouter(config, state, layer_number=layer_number, device=device)
+        self.experts = MoEExperts(config, state, self.num_local_experts, offset,
+                                  layer_number=layer_number, device=device)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(config, state, layer_number=layer_number,
+                                                  device=device)
+        self.token_dispatcher = build_token_dispatcher(
+            config.moe_token_dispatcher_type, config.num_moe_experts,
+            self.local_expert_indices, state,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        probs, routing_map = self.router(hidden_states)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        expert_input, tokens_per_expert = self.token_dispatcher.dispatch(
+            tokens, probs, routing_map
+        )
+        expert_output = self.experts(expert_input, tokens_per_expert)
+        output = self.token_dispatcher.combine(expert_output).view(hidden_states.shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output
+
+
+
+def moe_layer_spec(config: TransformerConfig, dense_spec):
+    """The decoder layer spec of a model whose MLPs follow `--moe-layer-freq`: `dense_spec`
+    with its MLP replaced by `MoELayer` on MoE layers, as a function of the global 1-based
+    layer number (a `LayerSpec`); `dense_spec` itself for a dense model."""
+    import dataclasses
+
+    from megatron_smp.config import moe_layer_pattern
+    from megatron_smp.transformer.spec import ModuleSpec
+
+    if config.num_moe_experts is None:
+        return dense_spec
+    pattern = moe_layer_pattern(config)
+    moe_spec = ModuleSpec(
+        dense_spec.module, dict(dense_spec.params),
+        dataclasses.replace(dense_spec.submodules, mlp=ModuleSpec(MoELayer)),
+    )
+
+    def spec_of(layer_number: int):
+        return moe_spec if pattern[layer_number - 1] else dense_spec
+
+    return spec_of
+
+
+__all__ = ["MoELayer", "moe_layer_spec"]

@@ -1,0 +1,183 @@
+"""TopKRouter: which experts each token goes to, with what weight, and the balancing losses.
+
+forward(hidden_states [s(/tp), b, h]) -> (probs [T, E] fp32, routing_map [T, E] bool),
+T = s(/tp) * b this rank's tokens. Load balancing (`moe_router_load_balancing_type`):
+
+* aux_loss      top-k, plus the Switch-Transformer loss (`moe_aux_loss_coeff`);
+* seq_aux_loss  top-k, plus the same loss per sequence, averaged over the batch;
+* sinkhorn      experts chosen on Sinkhorn-balanced scores (training), probs from softmax;
+* none          plain top-k.
+
+With `moe_z_loss_coeff` the logits also carry the z-loss; with a capacity factor tokens
+beyond an expert's capacity are dropped (`moe_token_drop_policy`). The losses enter backward
+through `MoEAuxLossAutoScaler` scaled by `aux_loss_scale` (set by the training loop to
+loss_scale / num_microbatches) and are accumulated in `metrics` for the log line.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel import init_method_normal
+from megatron_smp.tensor_parallel.mappings import group_size
+from megatron_smp.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_capacity,
+    reduce_token_counts,
+    sequence_load_balancing_loss,
+    sinkhorn,
+    switch_load_balancing_loss,
+    topk_routing,
+    z_loss,
+)
+
+METRIC_NAMES = ("load_balancing_loss", "z_loss")
+
+
+class TopKRouter(torch.nn.Module):
+    """The gate [E, h] (replicated on every rank) and the routing rule of one MoE layer."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        layer_number: int = 1,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.routing_type = config.moe_router_load_balancing_type
+        # The ranks that split one sequence (sequence parallelism): losses are partial sums
+        # over them and the token counts are summed over them.
+        self.sequence_group = state.tp_group
+        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        master = torch.empty(self.num_experts, config.hidden_size)
+        init_method_normal(config.init_method_std)(master)  # CPU draw: layout-independent
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
+                        device=device)
+        )
+        if self.weight.device.type != "meta":
+            with torch.no_grad():
+                self.weight.copy_(master)
+        # Each tensor-parallel rank routes its own sequence shard: the gate's grad is partial.
+        self.weight.sequence_parallel = self.sequence_parallel
+        device = self.weight.device if self.weight.device.type != "meta" else None
+        # Not buffers: neither is part of the model's state.
+        self.aux_loss_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.metrics: Dict[str, torch.Tensor] = {
+            name: torch.zeros((), dtype=torch.float32, device=device) for name in METRIC_NAMES
+        }
+        # Tokens this rank sent to each expert since the last `reset_metrics` (debugging).
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the loss bookkeeping on the parameters' device when the module moves.
+        result = super()._apply(fn, recurse)
+        device = self.weight.device
+        if device.type != "meta":
+            self.aux_loss_scale = self.aux_loss_scale.to(device)
+            self.metrics = {k: v.to(device) for k, v in self.metrics.items()}
+            self.tokens_per_expert = self.tokens_per_expert.to(device)
+        return result
+
+    # Bookkeeping ------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        for value in self.metrics.values():
+            value.zero_()
+        self.tokens_per_expert.zero_()
+
+    def _track(self, name: str, value: torch.Tensor) -> None:
+        self.metrics[name] += value.detach().float().reshape(())
+
+    def _losses_enabled(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _attach(self, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return MoEAuxLossAutoScaler.apply(activation, loss, self.aux_loss_scale)
+
+    # Routing ----------------------------------------------------------------------------------
+    def _jitter(self, tokens: torch.Tensor) -> torch.Tensor:
+        eps = self.config.moe_input_jitter_eps
+        if not eps or not self.training:
+            return tokens
+        noise = torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
+        return tokens * noise
+
+    def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.config.moe_z_loss_coeff
+        if coeff is None or not self._losses_enabled():
+            return logits
+        loss = z_loss(logits, coeff, group_size(self.sequence_group))
+        self._track("z_loss", loss / coeff)
+        return self._attach(logits, loss)
+
+    def _sinkhorn(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        def activation(x):
+            if self.topk == 1:
+                return torch.sigmoid(x.float())
+            return torch.softmax(x.float(), dim=-1)
+
+        if self.training:
+            with torch.no_grad():
+                _, indices = torch.topk(sinkhorn(logits.float()), k=self.topk, dim=1)
+        else:
+            _, indices = torch.topk(activation(logits), k=self.topk, dim=1)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        return activation(logits) * routing_map, routing_map
+
+    def _load_balancing_loss(self, logits: torch.Tensor, shape) -> Optional[torch.Tensor]:
+        coeff = self.config.moe_aux_loss_coeff
+        if not coeff or not self._losses_enabled():
+            return None
+        # The loss sees the routing before any capacity drop (as Megatron's).
+        scores = torch.softmax(logits.float(), dim=-1)
+        _, top = torch.topk(scores, k=self.topk, dim=-1)
+        loss_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+        partitions = group_size(self.sequence_group)
+        if self.routing_type == "seq_aux_loss":
+            s_local, batch = shape[0], shape[1]
+            return sequence_load_balancing_loss(
+                scores.view(s_local, batch, -1), loss_map.view(s_local, batch, -1),
+                s_local * partitions, self.topk, coeff, self.sequence_group,
+            )
+        counts = reduce_token_counts(loss_map.sum(dim=0).float(), self.sequence_group)
+        return switch_load_balancing_loss(
+            scores, counts, logits.shape[0] * partitions, self.topk, coeff
+        )
+
+    def routing(self, logits: torch.Tensor, shape) -> Tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, E] -> (probs [T, E] fp32, routing_map [T, E] bool)."""
+        config = self.config
+        if self.routing_type == "sinkhorn":
+            return self._sinkhorn(logits)
+        probs, routing_map = topk_routing(logits, self.topk, config.moe_router_pre_softmax)
+        if config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_capacity(
+                probs, routing_map, self.topk, config.moe_expert_capacity_factor,
+                config.moe_token_drop_policy, config.moe_pad_expert_input_to_capacity,
+            )
+        if self.routing_type in ("aux_loss", "seq_aux_loss"):
+            loss = self._load_balancing_loss(logits, shape)
+            if loss is not None:
+                self._track("load_balancing_loss", loss / config.moe_aux_loss_coeff)
+                probs = self._attach(probs, loss)
+        return probs, routing_map
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = F.linear(self._jitter(tokens), self.weight)
+        logits = self._z_loss(logits)
+        probs, routing_map = self.routing(logits, hidden_states.shape)
+        with torch.no_grad():
+            self.tokens_per_expert += routing_map.sum(dim=0)
+        return probs, routing_map
+
+
+__all__ = ["TopKRouter", "METRIC_NAMES"]

@@ -1,0 +1,187 @@
+"""Token dispatchers: bring each token to the ranks holding its experts, and back.
+
+Both take this rank's tokens [T, h] (its sequence shard under sequence parallelism), the
+router's probs [T, E] and routing map [T, E], and give the local experts their input sorted
+by local expert; `combine` takes the experts' output (tensor-parallel partial sums) and
+returns [T, h]. Every communication is an autograd pair (all-gather <-> reduce-scatter,
+all-to-all <-> all-to-all with the splits swapped), so backward retraces the same path.
+
+* allgather: all-gather the tokens over the TP group, then over the EP group; each rank
+  runs its experts on the tokens routed to them; reduce-scatter over EP, then TP, sums the
+  experts' (and the TP ranks') contributions back into each token's own rank.
+* alltoall: all-gather over TP only (the TP ranks of an expert compute on the same tokens);
+  sort the tokens by expert, all-to-all over EP with per-rank counts (exchanged first), so
+  each rank receives only tokens for its experts; the reverse all-to-all brings the outputs
+  home, where they are weighted by their probs and summed per token; reduce-scatter over TP.
+
+The experts compute one contiguous block per local expert; the routing weights multiply the
+outputs before the per-token sum, in the token's own rank (alltoall) or the expert's
+(allgather).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.tensor_parallel.mappings import (
+    _gather_first_dim,
+    gather_from_sequence_parallel_region,
+    group_size,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
+    """Rows of `tokens` [T, h] for each (expert, token) pair of `routing_map` [T, E], sorted
+    by expert then token -> (rows [N, h], token_index [N], expert_index [N])."""
+    expert_index, token_index = routing_map.t().nonzero(as_tuple=True)
+    return tokens.index_select(0, token_index), token_index, expert_index
+
+
+def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sum rows [N, h] into their tokens: [num_tokens, h] (zero for tokens with no row)."""
+    out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
+    return out.index_add(0, token_index, rows)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with uneven splits; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group = group
+        ctx.splits = (output_splits, input_splits)
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+def _all_to_all(x, group, output_splits: List[int], input_splits: List[int]) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
+    return out
+
+
+def _gather_tokens(tokens, probs, routing_map, groups: Sequence):
+    """All-gather tokens and probs (autograd: backward reduce-scatters, because every rank's
+    experts add their part of each token's gradient) and the map over `groups` in turn."""
+    for group in groups:
+        if group_size(group) == 1:
+            continue
+        tokens = gather_from_sequence_parallel_region(tokens, group, True)
+        probs = gather_from_sequence_parallel_region(probs, group, True)
+        routing_map = _gather_first_dim(routing_map.to(torch.uint8), group).bool()
+    return tokens, probs, routing_map
+
+
+def _reduce_scatter_tokens(output: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    for group in groups:
+        output = reduce_scatter_to_sequence_parallel_region(output, group)
+    return output
+
+
+class MoEAllGatherTokenDispatcher:
+    """See the module docstring. `local_expert_indices`: the global indices of this rank's
+    experts (consecutive)."""
+
+    def __init__(self, num_experts: int, local_expert_indices: Sequence[int], state) -> None:
+        self.num_experts = num_experts
+        self.local_start = local_expert_indices[0]
+        self.local_end = local_expert_indices[-1] + 1
+        self.groups = (state.tp_group, state.ep_group)
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                 ) -> Tuple[torch.Tensor, List[int]]:
+        """-> (expert input [N, h] sorted by local expert, tokens per local expert)."""
+        tokens, probs, routing_map = _gather_tokens(tokens, probs, routing_map, self.groups)
+        local_map = routing_map[:, self.local_start:self.local_end]
+        rows, token_index, expert_index = permute(tokens, local_map)
+        local_probs = probs[:, self.local_start:self.local_end]
+        self._row_probs = local_probs[token_index, expert_index]
+        self._token_index = token_index
+        self._num_tokens = tokens.shape[0]
+        return rows, local_map.sum(dim=0).tolist()
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        weighted = expert_output * self._row_probs.unsqueeze(-1).to(expert_output.dtype)
+        output = unpermute(weighted, self._token_index, self._num_tokens)
+        self._row_probs = self._token_index = None
+        return _reduce_scatter_tokens(output, tuple(reversed(self.groups)))
+
+
+class MoEAlltoAllTokenDispatcher:
+    """See the module docstring."""
+
+    def __init__(self, num_experts: int, local_expert_indices: Sequence[int], state) -> None:
+        self.num_experts = num_experts
+        self.num_local_experts = len(local_expert_indices)
+        self.tp_group = state.tp_group
+        self.ep_group = state.ep_group
+        self.ep_size = group_size(state.ep_group)
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                 ) -> Tuple[torch.Tensor, List[int]]:
+        """-> (expert input [N, h] sorted by local expert, tokens per local expert)."""
+        tokens, probs, routing_map = _gather_tokens(tokens, probs, routing_map, (self.tp_group,))
+        rows, token_index, expert_index = permute(tokens, routing_map)
+        self._row_probs = probs[token_index, expert_index]
+        self._token_index = token_index
+        self._num_tokens = tokens.shape[0]
+        # [ep, local experts]: rows this rank sends to each expert of each EP rank.
+        send_counts = routing_map.sum(dim=0).view(self.ep_size, self.num_local_experts)
+        if self.ep_size == 1:
+            self._chunk_sizes = None
+            return rows, send_counts[0].tolist()
+        receive_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(receive_counts, send_counts.contiguous(), group=self.ep_group)
+        self._input_splits = send_counts.sum(dim=1).tolist()
+        self._output_splits = receive_counts.sum(dim=1).tolist()
+        received = _AllToAll.apply(rows, self.ep_group, self._output_splits, self._input_splits)
+        # Received blocks are (source rank, expert); the experts want (expert, source rank).
+        self._chunk_sizes = receive_counts.tolist()
+        chunks = torch.split(received, receive_counts.flatten().tolist())
+        by_expert = [chunks[source * self.num_local_experts + expert]
+                     for expert in range(self.num_local_experts)
+                     for source in range(self.ep_size)]
+        return torch.cat(by_expert, dim=0), receive_counts.sum(dim=0).tolist()
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        if self._chunk_sizes is not None:
+            sizes = self._chunk_sizes  # [source][expert]
+            by_expert_sizes = [sizes[source][expert]
+                               for expert in range(self.num_local_experts)
+                               for source in range(self.ep_size)]
+            chunks = torch.split(expert_output, by_expert_sizes)
+            by_source = [chunks[expert * self.ep_size + source]
+                         for source in range(self.ep_size)
+                         for expert in range(self.num_local_experts)]
+            expert_output = _AllToAll.apply(torch.cat(by_source, dim=0), self.ep_group,
+                                            self._input_splits, self._output_splits)
+        weighted = expert_output * self._row_probs.unsqueeze(-1).to(expert_output.dtype)
+        output = unpermute(weighted, self._token_index, self._num_tokens)
+        self._row_probs = self._token_index = self._chunk_sizes = None
+        return _reduce_scatter_tokens(output, (self.tp_group,))
+
+
+def build_token_dispatcher(dispatcher_type: str, num_experts: int,
+                           local_expert_indices: Sequence[int], state):
+    """The dispatcher named by --moe-token-dispatcher-type (validated by the config)."""
+    dispatchers = {"allgather": MoEAllGatherTokenDispatcher,
+                   "alltoall": MoEAlltoAllTokenDispatcher}
+    return dispatchers[dispatcher_type](num_experts, local_expert_indices, state)
+
+
+__all__ = [
+    "MoEAllGatherTokenDispatcher",
+    "MoEAlltoAllTokenDispatcher",
+    "build_token_dispatcher",
+    "permute",
+    "unpermute",
+]

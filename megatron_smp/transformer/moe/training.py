@@ -1,0 +1,67 @@
+"""What the training loop does for MoE models: scale the auxiliary losses' gradient like
+the main loss's, and report the losses once per iteration (Megatron's log fields).
+
+Both walk the model chunks for their routers; nothing is global, so several models (or
+jobs) in one process do not share state.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import TransformerConfig, moe_layer_pattern
+from megatron_smp.transformer.moe.router import METRIC_NAMES, TopKRouter
+
+
+def _routers(model_chunks: Iterable[torch.nn.Module]) -> List[TopKRouter]:
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def set_aux_loss_scale(model_chunks: Iterable[torch.nn.Module], scale: float) -> None:
+    """Gradient of every auxiliary loss := `scale` (loss_scale / num_microbatches, as the
+    schedule scales each microbatch's language-model loss)."""
+    for router in _routers(model_chunks):
+        router.aux_loss_scale.fill_(scale)
+
+
+def tracked_metrics(config: TransformerConfig) -> List[str]:
+    """The loss names this model reports (the same on every rank)."""
+    names = []
+    if (config.num_moe_experts is not None and config.moe_aux_loss_coeff
+            and config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss")):
+        names.append("load_balancing_loss")
+    if config.num_moe_experts is not None and config.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def moe_metrics(
+    model_chunks: Iterable[torch.nn.Module], config: TransformerConfig, state,
+    num_microbatches: int,
+) -> Dict[str, float]:
+    """{"load_balancing_loss", "z_loss"} of the last iteration (those the config enables),
+    each without its coefficient, averaged over microbatches, MoE layers and data-parallel
+    replicas (Megatron's tracker); resets the routers' accumulators. A collective over the
+    TP, PP and DP groups: call it on every rank."""
+    names = tracked_metrics(config)
+    if not names:
+        return {}
+    routers = _routers(model_chunks)
+    values = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=state.device)
+    for router in routers:
+        values += torch.stack([router.metrics[name] for name in METRIC_NAMES]).to(values.device)
+        router.reset_metrics()
+    # Each TP rank holds its sequence shard's partial sum; each stage its own layers.
+    for group in (state.tp_group, state.pp_group):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+    if state.dp_cp_size > 1:
+        dist.all_reduce(values, group=state.dp_cp_group)
+        values /= state.dp_cp_size
+    values /= num_microbatches * max(1, sum(moe_layer_pattern(config)))
+    return {name: float(values[METRIC_NAMES.index(name)]) for name in names}
+
+
+__all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics"]
