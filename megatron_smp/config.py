@@ -231,8 +231,8 @@ class TransformerConfig:
     # Mixture of experts (Megatron's names; None experts: a dense model).
     num_moe_experts: Optional[int] = None
     # Which layers are MoE: every `freq`-th layer (int, 1 = all), or a 0/1 list per layer
-    # (the flag also takes Megatron's pattern text "([1]*3+[0]*1)*2", see moe_layer_pattern).
-    moe_layer_freq: Union[int, List[int]] = 1
+    # (the flag also takes Megatron's pattern text "([1]*3+[0]*1)*2", see parse_moe_layer_freq).
+    moe_layer_freq: Union[int, List[int], str] = 1
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen-MoE)
@@ -444,6 +444,13 @@ class TransformerConfig:
             "mixture-of-experts layers with --tensor-model-parallel-size > 1 need "
             "--sequence-parallel (as in Megatron-LM)",
         )
+        _require(
+            parallel.context_parallel_size == 1,
+            f"mixture-of-experts layers with {name['context_parallel_size']} "
+            f"{parallel.context_parallel_size} are not supported yet (the experts' grads are "
+            "reduced over expert-data-parallel groups without the context-parallel ranks); "
+            "use context parallelism with a dense model",
+        )
         etp = parallel.expert_tensor_parallel_size
         _require(
             etp is None or etp == tp,
@@ -451,7 +458,22 @@ class TransformerConfig:
             f"group like the dense MLP; leave it out or set it to --tensor-model-parallel-size "
             f"({tp})",
         )
-        moe_layer_pattern(self)  # raises for a malformed or wrong-length pattern
+        self.moe_layer_pattern()  # raises for a malformed or wrong-length pattern
+
+    def moe_layer_pattern(self) -> List[int]:
+        """1 for each (0-based) layer that is a mixture of experts, 0 for a dense one."""
+        if self.num_moe_experts is None:
+            return [0] * self.num_layers
+        freq = parse_moe_layer_freq(self.moe_layer_freq)
+        if isinstance(freq, int):
+            _require(freq >= 1, f"--moe-layer-freq must be >= 1, got {freq}")
+            return [1 if index % freq == 0 else 0 for index in range(self.num_layers)]
+        _require(
+            len(freq) == self.num_layers and set(freq) <= {0, 1},
+            f"--moe-layer-freq pattern {freq} must hold one 0 or 1 per layer "
+            f"(--num-layers {self.num_layers})",
+        )
+        return list(freq)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
@@ -504,22 +526,6 @@ def parse_moe_layer_freq(text: Union[str, int, List[int]]) -> Union[int, List[in
             "list per layer such as \"([1]*3+[0]*1)*2\""
         )
     return pattern
-
-
-def moe_layer_pattern(config: "TransformerConfig") -> List[int]:
-    """1 for each (0-based) layer that is a mixture of experts, 0 for a dense one."""
-    if config.num_moe_experts is None:
-        return [0] * config.num_layers
-    freq = parse_moe_layer_freq(config.moe_layer_freq)
-    if isinstance(freq, int):
-        _require(freq >= 1, f"--moe-layer-freq must be >= 1, got {freq}")
-        return [1 if index % freq == 0 else 0 for index in range(config.num_layers)]
-    _require(
-        len(freq) == config.num_layers and set(freq) <= {0, 1},
-        f"--moe-layer-freq pattern {freq} must hold one 0 or 1 per layer "
-        f"(--num-layers {config.num_layers})",
-    )
-    return list(freq)
 
 
 @dataclass

@@ -5,7 +5,8 @@ argparse layer and the dataclasses cannot drift apart. Flag names are Megatron-L
 users' existing pretraining shell scripts run unchanged. Every accepted flag does what it
 says, with two exceptions listed in `IGNORED_FLAGS` (and the README): flags that only pick a
 Megatron implementation detail with no effect on results or memory. Flags of capabilities
-that do not exist yet (`NOT_SUPPORTED_YET_FLAGS`, every `--moe-*`) are a ConfigError.
+that do not exist yet (`NOT_SUPPORTED_YET_FLAGS`, every `--moe-*` flag not in
+`_FLAGS`) are a ConfigError.
 """
 from __future__ import annotations
 
@@ -99,6 +100,27 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-granularity", "model", choices=["full", "selective"]),
     _f("--recompute-method", "model", choices=["uniform", "block"]),
     _f("--recompute-num-layers", "model", type=int),
+    # Mixture of experts (Megatron's flags; see README "Mixture of experts").
+    _f("--num-experts", "model", "num_moe_experts", type=int),
+    _f("--moe-layer-freq", "model", metavar="N|PATTERN",
+       help="every N-th layer is MoE, or a 0/1 list per layer such as \"([1]*3+[0]*1)*2\""),
+    _f("--moe-ffn-hidden-size", "model", type=int),
+    _f("--moe-router-topk", "model", type=int, default=2),
+    _f("--moe-router-pre-softmax", "model", action="store_true"),
+    _f("--moe-router-load-balancing-type", "model",
+       choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss"),
+    _f("--moe-aux-loss-coeff", "model", type=float, default=0.0),
+    _f("--moe-z-loss-coeff", "model", type=float),
+    _f("--moe-input-jitter-eps", "model", type=float),
+    _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall"],
+       default="allgather"),
+    _f("--moe-expert-capacity-factor", "model", type=float),
+    _f("--moe-pad-expert-input-to-capacity", "model", action="store_true"),
+    _f("--moe-token-drop-policy", "model", choices=["probs", "position"], default="probs"),
+    _f("--moe-grouped-gemm", "model", action="store_true"),
+    _f("--moe-shared-expert-intermediate-size", "model", type=int),
+    _f("--moe-shared-expert-gate", "model", action="store_true"),
+    _f("--expert-tensor-parallel-size", "parallel", type=int),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),
@@ -245,8 +267,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
-    "--num-experts": "mixture-of-experts layers",
-    "--expert-tensor-parallel-size": "mixture-of-experts layers",
     "--cp-comm-type": "context parallelism",
     "--hierarchical-context-parallel-sizes": "context parallelism",
     "--use-torch-fsdp2": "sharded data parallelism (FSDP2)",
@@ -261,13 +281,17 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 
 
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
+# The --moe-* flags that exist; any other is an error (never silently ignored).
+_MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
+
+
     """ConfigError for the first flag in `argv` whose capability does not exist yet."""
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
-        if flag.startswith("--moe-"):
-            raise not_supported(flag, "mixture-of-experts layers")
+        if flag.startswith("--moe-") and flag not in _MOE_FLAGS:
+            raise not_supported(flag, "this mixture-of-experts option")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
@@ -403,6 +427,10 @@ def parse_args(
         raise ConfigError("--num-query-groups is only used with --group-query-attention; add it")
     if model.get("max_position_embeddings") is None:
         model["max_position_embeddings"] = training["seq_length"]
+    moe_given = sorted({t.split("=", 1)[0] for t in argv} & _MOE_FLAGS)
+    if moe_given and model.get("num_moe_experts") is None:
+        raise ConfigError(f"{', '.join(moe_given)} configure mixture-of-experts layers: add "
+                          "--num-experts N, or drop them")
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive; pick one")
     precision = {"fp16": args.fp16, "bf16": args.bf16}

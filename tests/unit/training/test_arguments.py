@@ -125,12 +125,8 @@ def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
 # No silent no-ops ------------------------------------------------------------------------------
 
 NOT_YET = [
-    ("--num-experts 8", "--num-experts"),
-    ("--moe-router-topk 2", "--moe-router-topk"),
-    ("--moe-grouped-gemm", "--moe-grouped-gemm"),
-    ("--moe-aux-loss-coeff=0.01", "--moe-aux-loss-coeff"),
-    ("--moe-token-dispatcher-type alltoall", "--moe-token-dispatcher-type"),
-    ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2"),
+    ("--moe-router-score-function sigmoid", "--moe-router-score-function"),
+    ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias"),
     ("--context-parallel-size 2", "--context-parallel-size 2"),
     ("--cp-comm-type p2p", "--cp-comm-type"),
     ("--use-torch-fsdp2", "--use-torch-fsdp2"),
@@ -153,7 +149,6 @@ def test_degree_one_of_missing_capabilities_is_fine():
 
 
 NOT_YET_SMP = [
-    ({"expert_parallel_degree": 2}, "expert_parallel_degree.* 2"),
     ({"context_parallel_degree": 2}, "context_parallel_degree.* 2"),
     ({"cp_comm_type": "p2p"}, "cp_comm_type"),
     ({"hybrid_shard_degree": 2}, "hybrid_shard_degree.* = 2"),
@@ -221,7 +216,9 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     config_source = sources.pop("megatron_smp/config.py")
     # Fields read only by a config.py method that the library calls.
     read_in_config = {"make_vocab_size_divisible_by": "padded_vocab_size",
-                      "global_batch_size": "num_microbatches"}
+                      "global_batch_size": "num_microbatches",
+                      "moe_layer_freq": "moe_layer_pattern",
+                      "expert_tensor_parallel_size": "validate"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:
@@ -295,3 +292,62 @@ def test_tensorboard_queue_size_reaches_the_writer(tmp_path):
     event_writer = logger.writer._get_file_writer().event_writer
     assert event_writer._async_writer._byte_queue.maxsize == 7
     logger.close()
+
+
+# Mixture of experts -----------------------------------------------------------------------------
+
+MOE = "--num-experts 4 --moe-router-topk 2".split()
+
+
+def test_moe_flags_fill_the_transformer_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    configs = parse(BASE + MOE + [
+        "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "48",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff=0.01",
+        "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
+        "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+        "--moe-token-drop-policy", "position", "--moe-grouped-gemm",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+        "--moe-router-pre-softmax", "--moe-input-jitter-eps", "0.01",
+        "--moe-layer-freq", "([1]*1+[0]*1)*1", "--global-batch-size", "8",
+    ])
+    model = configs.model
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size) == (4, 2, 48)
+    assert model.moe_router_load_balancing_type == "seq_aux_loss"
+    assert (model.moe_aux_loss_coeff, model.moe_z_loss_coeff) == (0.01, 0.001)
+    assert model.moe_token_dispatcher_type == "alltoall" and model.moe_grouped_gemm
+    assert (model.moe_expert_capacity_factor, model.moe_token_drop_policy) == (1.5, "position")
+    assert model.moe_pad_expert_input_to_capacity and model.moe_router_pre_softmax
+    assert model.moe_shared_expert_intermediate_size == 32 and model.moe_shared_expert_gate
+    assert model.moe_input_jitter_eps == 0.01
+    assert configs.parallel.expert_model_parallel_size == 2
+    validate_configs(configs, world_size=4)
+    assert model.moe_layer_pattern() == [1, 0]
+
+
+MOE_ERRORS = [
+    ("--num-experts 6 --expert-model-parallel-size 4".split(), 4,
+     r"--num-experts \(6\) must be divisible by --expert-model-parallel-size \(4\)"),
+    ("--num-experts 4 --moe-router-topk 5".split(), 1,
+     r"--moe-router-topk \(5\) must be between 1 and --num-experts \(4\)"),
+    (["--expert-model-parallel-size", "2"], 2,
+     r"--expert-model-parallel-size 2 needs a mixture-of-experts model"),
+    (MOE + ["--expert-model-parallel-size", "4"], 2,
+     r"--expert-model-parallel-size \(4\) must divide the data-parallel size \(2\)"),
+    (MOE + ["--tensor-model-parallel-size", "2"], 2, r"need --sequence-parallel"),
+    (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-tensor-parallel-size", "1"], 2, r"--expert-tensor-parallel-size 1"),
+    (["--moe-router-topk", "2"], 1, r"--moe-router-topk configure mixture-of-experts layers"),
+    (MOE + ["--moe-layer-freq", "[1]*3"], 1, r"one 0 or 1 per layer \(--num-layers 2\)"),
+    (MOE + ["--moe-layer-freq", "__import__('os')"], 1, r"--moe-layer-freq"),
+    (MOE + ["--moe-pad-expert-input-to-capacity"], 1, r"needs --moe-expert-capacity-factor"),
+    (MOE + ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.1"], 1,
+     r"sinkhorn balances without an auxiliary loss"),
+]
+
+
+@pytest.mark.parametrize("extra, world, message", MOE_ERRORS)
+def test_bad_moe_settings_are_clear_errors(extra, world, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=message):
+        parse(BASE + extra + ["--global-batch-size", "8"])
