@@ -280,11 +280,11 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 }
 
 
-def _reject_not_supported_yet(argv: Sequence[str]) -> None:
 # The --moe-* flags that exist; any other is an error (never silently ignored).
 _MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
 
 
+def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet."""
     for token in argv:
         flag = token.split("=", 1)[0]
