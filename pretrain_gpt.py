@@ -6,6 +6,10 @@ from functools import partial
 
 import torch
 
+from megatron_smp.context_parallel import (
+    get_batch_on_this_cp_rank,
+    masked_mean_over_context_parallel,
+)
 from megatron_smp.training import main, pretrain
 
 
@@ -25,29 +29,35 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, configs, toke
     )
 
 
-def get_batch(data_iterator, device):
+def get_batch(data_iterator, device, state=None):
+    """The next microbatch on `device`; with context parallelism (`state`) this rank's share
+    of each sequence (chunks i and 2cp-1-i, global position ids)."""
     batch = next(data_iterator)
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    if state is not None:
+        batch = get_batch_on_this_cp_rank(batch, state.cp_size, state.cp_rank)
+    return batch
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the microbatch."""
-    losses = output_tensor.float().reshape(-1)
-    loss_mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+    """Mean per-token loss over the unmasked tokens of the microbatch (over the whole
+    sequences with context parallelism: see `masked_mean_over_context_parallel`)."""
+    loss, reported = masked_mean_over_context_parallel(output_tensor, loss_mask, cp_group)
+    return loss, {"lm loss": reported}
 
 
 def forward_step(data_iterator, model):
     device = next(model.parameters()).device
-    batch = get_batch(data_iterator, device) if data_iterator is not None else None
+    state = model.state
+    batch = get_batch(data_iterator, device, state) if data_iterator is not None else None
     output = model(
         batch["tokens"] if batch else None,
         position_ids=batch["position_ids"] if batch else None,
         attention_mask=batch.get("attention_mask") if batch else None,
         labels=batch["labels"] if batch else None,
     )
-    return output, partial(loss_func, batch["loss_mask"] if batch else None)
+    return output, partial(loss_func, batch["loss_mask"] if batch else None,
+                           cp_group=state.cp_group if state.cp_size > 1 else None)
 
 
 if __name__ == "__main__":

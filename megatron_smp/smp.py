@@ -44,7 +44,6 @@ _NOT_SUPPORTED_YET_KEYS = {
     "activation_loading_horizon": "activation offloading",
     "fsdp_cache_flush_warnings": "sharded data parallelism (FSDP)",
     "allow_empty_shards": "sharded data parallelism (FSDP)",
-    "cp_comm_type": "context parallelism",
 }
 
 # How ParallelConfig validation names its fields for SMP users.
@@ -133,6 +132,10 @@ def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tupl
             raise ConfigError(f"smp config: {key} must be an integer, got {value!r}")
         if kind is str and not isinstance(value, str):
             raise ConfigError(f"smp config: {key} must be a string, got {value!r}")
+        if key == "cp_comm_type" and value not in ("p2p", "all_gather", "a2a"):
+            raise ConfigError(
+                f"smp config: cp_comm_type must be p2p, all_gather or a2a, got {value!r}"
+            )
         if key in _NOT_SUPPORTED_YET_KEYS:
             raise not_supported(f"smp config key {key}", _NOT_SUPPORTED_YET_KEYS[key])
         values[key] = value
@@ -245,8 +248,23 @@ class TransformedModel(torch.nn.Module):
 
         seq_length = input_ids.shape[1]
         mask = _causal_mask_from_padding(attention_mask, seq_length)
-        output = self.module(input_ids, position_ids=position_ids, attention_mask=mask,
-                             labels=labels)
+        parallel_state = self.module.state
+        if parallel_state.cp_size > 1:
+            # This rank's share of the sequence in, the whole sequence's outputs back.
+            from megatron_smp.context_parallel import (
+                gather_from_context_parallel, get_batch_on_this_cp_rank,
+            )
+
+            local = get_batch_on_this_cp_rank(
+                {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
+                 "labels": labels}, parallel_state.cp_size, parallel_state.cp_rank,
+            )
+            output = self.module(local["tokens"], position_ids=local["position_ids"],
+                                 attention_mask=local["attention_mask"], labels=local["labels"])
+            output = gather_from_context_parallel(output, parallel_state.cp_group)
+        else:
+            output = self.module(input_ids, position_ids=position_ids, attention_mask=mask,
+                                 labels=labels)
         if labels is not None:
             return output
         return gather_full_logits(output, self.module.state, self.config.vocab_size)
@@ -301,20 +319,21 @@ def transform(
       their own HF model's weights, or keep a fresh init when those are on the meta device.
     * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}).
     * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
-    * `cp_comm_type`: context parallelism's attention, not supported yet (an error if given).
+    * `cp_comm_type`: context parallelism's attention ("p2p", "all_gather", "a2a"; default
+      the `init` key). With context_parallel_degree > 1 the model takes and returns whole
+      sequences; inside, each rank of the CP group runs its share (chunks i and 2N-1-i), and
+      the parameters' grads of the CP ranks add up to the whole-sequence grads.
     """
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.models.hf import family_of, get_adapter
     from megatron_smp.models.sharding import shard_state_dict
 
-    if cp_comm_type is not None:
-        raise not_supported(f"transform(cp_comm_type={cp_comm_type!r})", "context parallelism")
     if not _initialized:
         init()
     parallel_state = state.parallel_state
-    if parallel_state.cp_size > 1 or parallel_state.pp_size > 1:
+    if parallel_state.pp_size > 1:
         raise ConfigError(
-            "transform supports tensor (and data) parallelism; context_parallel_degree and "
+            "transform supports tensor, context (and data) parallelism; "
             "pipeline_parallel_degree must be 1 here"
         )
     adapter = get_adapter(model)
@@ -327,6 +346,7 @@ def transform(
     if dtype is None:
         source = next(model.parameters(), None)
         dtype = source.dtype if source is not None and source.is_floating_point() else torch.float32
+    overrides.setdefault("cp_comm_type", cp_comm_type or state.config.get("cp_comm_type", "p2p"))
     overrides.setdefault("params_dtype", dtype)
     overrides.setdefault("bf16", dtype == torch.bfloat16)
     overrides.setdefault("fp16", dtype == torch.float16)

@@ -2,7 +2,7 @@
 tokens (Megatron's loss under CP)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ def masked_mean_over_context_parallel(
     losses: torch.Tensor, loss_mask: torch.Tensor, cp_group
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss to back-propagate, loss to report) from this rank's per-token `losses` and
-    `loss_mask` [b, s/cp] (any shape, same numel).
+    `loss_mask` [b, s/cp] (any shape, same numel); `cp_group` None: no context parallelism.
 
     The reported loss is the masked mean over the whole sequences: sums of masked losses and
     of token counts are all-reduced over `cp_group`. The one to back-propagate is this rank's
@@ -25,7 +25,7 @@ def masked_mean_over_context_parallel(
     losses = losses.float().reshape(-1)
     loss_mask = loss_mask.reshape(-1).float()
     local_sum = torch.sum(losses * loss_mask)
-    cp_size = group_size(cp_group)
+    cp_size = 1 if cp_group is None else group_size(cp_group)
     if cp_size == 1:
         loss = local_sum / loss_mask.sum().clamp(min=1.0)
         return loss, loss.detach()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
+from megatron_smp.context_parallel import core_attention_spec, local_positions
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
@@ -33,10 +34,22 @@ from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megatron_smp.tensor_parallel.random import get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
 from megatron_smp.transformer.block import TransformerBlock
-from megatron_smp.transformer.spec import LayerSpec
+from megatron_smp.transformer.layer import get_gpt_layer_spec
+from megatron_smp.transformer.moe.moe_layer import moe_layer_spec
+from megatron_smp.transformer.spec import LayerSpec, ModuleSpec
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
 
 _EMBEDDING_SEED_INDEX = 0
+
+
+def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) -> LayerSpec:
+    """The decoder layer this configuration and layout ask for: the dense layer, with the
+    context-parallel core attention (`--cp-comm-type`) when cp > 1, and a mixture of experts
+    in place of the MLP on the `--moe-layer-freq` layers of an MoE model. GPTModel's default,
+    so the entry scripts, `smp.transform` and tests all build the same layers."""
+    spec = get_gpt_layer_spec()
+    spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
+    return moe_layer_spec(config, spec)
 
 
 class LanguageModelEmbedding(torch.nn.Module):
@@ -116,7 +129,11 @@ class GPTModel(torch.nn.Module):
       * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
     A stage other than the first reads its input from `set_input_tensor(t)`.
     `transformer_layer_spec` picks each decoder layer's attention and MLP (a `ModuleSpec`, or
-    a function of the global layer number); default the dense `get_gpt_layer_spec()`.
+    a function of the global layer number); default `get_gpt_decoder_layer_spec`.
+
+    With context parallelism every sequence tensor holds this rank's tokens only (`[b, s/cp]`
+    inputs, see `context_parallel.split`); position_ids=None then means their global
+    positions, so learned positions, RoPE and ALiBi see where each token really is.
     """
 
     def __init__(
@@ -164,7 +181,7 @@ class GPTModel(torch.nn.Module):
             post_layer_norm=post_process,
             init_seed=base_seed,
             device=device,
-            layer_spec=transformer_layer_spec,
+            layer_spec=transformer_layer_spec or get_gpt_decoder_layer_spec(config, state),
         )
 
         if post_process:
@@ -218,6 +235,20 @@ class GPTModel(torch.nn.Module):
         seq_length = hidden_states.shape[0] * (self.state.tp_size if self.sequence_parallel else 1)
         return self.rotary_pos_emb(seq_length, position_ids)
 
+    def _context_parallel_positions(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Global positions [b, s/cp] of this CP rank's tokens."""
+        if input_ids is not None:
+            batch, local_length = input_ids.shape
+            device = input_ids.device
+        else:
+            local_length, batch = self.input_tensor.shape[:2]
+            local_length *= self.state.tp_size if self.sequence_parallel else 1
+            device = self.input_tensor.device
+        state = self.state
+        positions = local_positions(local_length * state.cp_size, state.cp_size, state.cp_rank,
+                                    device)
+        return positions.expand(batch, local_length)
+
     def forward(
         self,
         input_ids: Optional[torch.Tensor],
@@ -225,6 +256,8 @@ class GPTModel(torch.nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if position_ids is None and self.state.cp_size > 1:
+            position_ids = self._context_parallel_positions(input_ids)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:

@@ -125,6 +125,8 @@ _FLAGS: List[_Flag] = [
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),
     _f("--context-parallel-size", "parallel", type=int, default=1),
+    _f("--cp-comm-type", "model", choices=["p2p", "all_gather", "a2a"], default="p2p",
+       help="context parallelism's attention: p2p ring, all_gather of K/V, a2a (Ulysses)"),
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
@@ -267,8 +269,7 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
-    "--cp-comm-type": "context parallelism",
-    "--hierarchical-context-parallel-sizes": "context parallelism",
+    "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     "--use-torch-fsdp2": "sharded data parallelism (FSDP2)",
     "--use-megatron-fsdp": "sharded data parallelism (FSDP2)",
     "--data-parallel-sharding-strategy": "sharded data parallelism (FSDP2)",
@@ -343,6 +344,7 @@ _SMP_TO_FLAGS = {
     "tensor_parallel_degree": ("parallel", "tensor_model_parallel_size"),
     "pipeline_parallel_degree": ("parallel", "pipeline_model_parallel_size"),
     "context_parallel_degree": ("parallel", "context_parallel_size"),
+    "cp_comm_type": ("model", "cp_comm_type"),
     "expert_parallel_degree": ("parallel", "expert_model_parallel_size"),
     "hybrid_shard_degree": ("parallel", "hybrid_shard_degree"),
     "shard_optimizer_state": ("optimizer", "use_distributed_optimizer"),
@@ -425,12 +427,12 @@ def parse_args(
         model["num_query_groups"] = args.num_query_groups
     elif args.num_query_groups is not None:
         raise ConfigError("--num-query-groups is only used with --group-query-attention; add it")
-    if model.get("max_position_embeddings") is None:
-        model["max_position_embeddings"] = training["seq_length"]
     moe_given = sorted({t.split("=", 1)[0] for t in argv} & _MOE_FLAGS)
     if moe_given and model.get("num_moe_experts") is None:
         raise ConfigError(f"{', '.join(moe_given)} configure mixture-of-experts layers: add "
                           "--num-experts N, or drop them")
+    if model.get("max_position_embeddings") is None:
+        model["max_position_embeddings"] = training["seq_length"]
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive; pick one")
     precision = {"fp16": args.fp16, "bf16": args.bf16}
@@ -501,6 +503,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     if logging_to_tensorboard and not training.tensorboard_dir:
         raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
     data = configs.data
+    if (data.reset_attention_mask and parallel.context_parallel_size > 1
+            and configs.model.cp_comm_type != "all_gather"):
+        raise ConfigError(
+            f"--reset-attention-mask with --context-parallel-size "
+            f"{parallel.context_parallel_size} needs --cp-comm-type all_gather (p2p and a2a "
+            "attend with causal masks only)"
+        )
     if not data.mock_data and not data.data_path:
         raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset) or --mock-data")
     checkpoint = configs.checkpoint

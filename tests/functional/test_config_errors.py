@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NOT_YET = {
     "moe": (["--num-experts", "3", "--expert-model-parallel-size", "2"],
             "--num-experts (3) must be divisible by --expert-model-parallel-size (2)"),
-    "cp": (["--context-parallel-size", "2", "--global-batch-size", "4"],
-           "--context-parallel-size 2 is not supported yet"),
+    "cp": (["--context-parallel-size", "2", "--seq-length", "34", "--max-position-embeddings",
+            "34"], "--seq-length (34) must be divisible by 2 x --context-parallel-size (4)"),
     "smp_offloading": (["--smp-config", '{"sm_activation_offloading": true}'],
                        "sm_activation_offloading: true is not supported yet"),
 }

