@@ -38,3 +38,23 @@ def test_context_parallel_layout_matches_single_process(model, layout):
     for losses in results:
         assert losses == pytest.approx(reference, rel=1e-4), (layout, comm_type, losses,
                                                                 reference)
+
+
+@pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_at_another_context_parallel_size(tmp_path, save_cp, load_cp):
+    """CP changes no tensor shape: 5 iterations saved at one CP size continue at the other
+    with the uninterrupted single-process losses of iterations 6-10."""
+    reference = baseline("llama")
+    save = ["--save", str(tmp_path), "--exit-interval", "5"]
+    saved = run_distributed(
+        _train, save_cp,
+        args=(COMMON + LLAMA + [f"--context-parallel-size={save_cp}"] + save,), timeout=300,
+    )
+    assert saved[0] == pytest.approx(reference[:5], rel=1e-4)
+    resumed = run_distributed(
+        _train, load_cp,
+        args=(COMMON + LLAMA + [f"--context-parallel-size={load_cp}", "--load", str(tmp_path)],),
+        timeout=300,
+    )
+    for losses in resumed:
+        assert losses == pytest.approx(reference[5:], rel=1e-4), (losses, reference)
