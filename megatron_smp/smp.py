@@ -11,6 +11,7 @@ adapter in `models.hf` and returns a tensor-parallel `GPTModel` holding the same
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Dict, Optional, Union
@@ -302,11 +303,69 @@ def _broadcast_state_dict(full: Optional[Dict[str, torch.Tensor]], src: int, gro
     return out
 
 
+@dataclasses.dataclass
+class MoEConfig:
+    """SMP v2's `torch.sagemaker.moe.moe_config.MoEConfig`, passed as `transform(model,
+    config=MoEConfig(...))` for a Mixtral / Qwen2-MoE model. Fields map onto Megatron's:
+
+    * moe_load_balancing: "aux_loss" | "sinkhorn" | "none" -> --moe-router-load-balancing-type;
+      "balanced" is top-k routing with every expert capped at its even share of the tokens
+      (--moe-expert-capacity-factor 1.0, tokens beyond it dropped by probability);
+    * moe_aux_loss_coeff: the auxiliary loss's coefficient, used with "aux_loss" only;
+    * moe_z_loss_coeff: --moe-z-loss-coeff (0 disables the z-loss);
+    * moe_all_to_all_dispatcher: --moe-token-dispatcher-type alltoall (else allgather);
+    * random_seed: the seed the transformed model's own initialisation draws from (the
+      weights are the HF model's unless it is on the meta device);
+    * smp_moe=False (HF's own MoE blocks) and global_token_shuffle=True are not supported:
+      transform always builds the framework's expert-parallel layers, and dropless routing
+      makes a shuffle change nothing but the traffic.
+    """
+
+    smp_moe: bool = True
+    random_seed: int = 12345
+    moe_load_balancing: str = "sinkhorn"
+    global_token_shuffle: bool = False
+    moe_all_to_all_dispatcher: bool = True
+    moe_aux_loss_coeff: float = 0.001
+    moe_z_loss_coeff: float = 0.001
+
+    def transformer_overrides(self) -> Dict[str, Any]:
+        """TransformerConfig fields these settings set; ConfigError for values that cannot
+        work, naming the field."""
+        balancing = {"aux_loss": "aux_loss", "sinkhorn": "sinkhorn", "none": "none",
+                     "balanced": "none"}
+        if self.moe_load_balancing not in balancing:
+            raise ConfigError(
+                f"MoEConfig.moe_load_balancing must be one of {sorted(balancing)}, got "
+                f"{self.moe_load_balancing!r}"
+            )
+        if not self.smp_moe:
+            raise not_supported("MoEConfig(smp_moe=False)", "Hugging Face's own MoE blocks "
+                                "inside transform (it always builds expert-parallel layers)")
+        if self.global_token_shuffle:
+            raise not_supported("MoEConfig(global_token_shuffle=True)", "token shuffling "
+                                "across expert-parallel ranks")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
+        overrides = {
+            "moe_router_load_balancing_type": balancing[self.moe_load_balancing],
+            "moe_aux_loss_coeff": (self.moe_aux_loss_coeff
+                                   if self.moe_load_balancing == "aux_loss" else 0.0),
+            "moe_z_loss_coeff": self.moe_z_loss_coeff or None,
+            "moe_token_dispatcher_type": "alltoall" if self.moe_all_to_all_dispatcher
+            else "allgather",
+        }
+        if self.moe_load_balancing == "balanced":
+            overrides.update(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs")
+        return overrides
+
+
 def transform(
     model: torch.nn.Module,
     device: Optional[torch.device] = None,
     dtype: Optional[torch.dtype] = None,
-    config: Optional[Dict[str, Any]] = None,
+    config: Union[None, Dict[str, Any], MoEConfig] = None,
     load_state_dict_from_rank0: bool = False,
     cp_comm_type: Optional[str] = None,
 ) -> TransformedModel:
@@ -317,7 +376,9 @@ def transform(
       `load_state_dict_from_rank0`, rank 0's weights are broadcast over rank 0's TP group
       (other ranks' HF models may be random or on the meta device); other TP groups load
       their own HF model's weights, or keep a fresh init when those are on the meta device.
-    * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}).
+    * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}), or
+      for a Mixtral / Qwen2-MoE model an SMP `MoEConfig`. MoE models are split over
+      `expert_parallel_degree` (each rank holds E / ep experts) as well as TP.
     * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
     * `cp_comm_type`: context parallelism's attention ("p2p", "all_gather", "a2a"; default
       the `init` key). With context_parallel_degree > 1 the model takes and returns whole
@@ -326,7 +387,8 @@ def transform(
     """
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.models.hf import family_of, get_adapter
-    from megatron_smp.models.sharding import shard_state_dict
+    from megatron_smp.models.sharding import expert_parallel_shard, shard_state_dict
+    from megatron_smp.transformer.utils import init_rng_scope
 
     if not _initialized:
         init()
@@ -339,6 +401,14 @@ def transform(
     adapter = get_adapter(model)
     family = family_of(model)
     transformer_config = adapter.config_from_hf(model.config)
+    moe_config = config if isinstance(config, MoEConfig) else None
+    if moe_config is not None:
+        if transformer_config.num_moe_experts is None:
+            raise ConfigError(
+                f"transform(config=MoEConfig(...)): {type(model).__name__} has no experts; "
+                "pass a dict of TransformerConfig overrides for a dense model"
+            )
+        config = moe_config.transformer_overrides()
     overrides = dict(config or {})
     unknown = sorted(k for k in overrides if not hasattr(transformer_config, k))
     if unknown:
@@ -353,7 +423,9 @@ def transform(
     transformer_config = transformer_config.replace(**overrides)
     device = torch.device(device) if device is not None else parallel_state.device
 
-    module = GPTModel(transformer_config, parallel_state, device=device)
+    seed = moe_config.random_seed if moe_config is not None else None
+    with init_rng_scope(seed):
+        module = GPTModel(transformer_config, parallel_state, device=device)
     module.train(model.training)
 
     full = None
@@ -377,6 +449,9 @@ def transform(
         shard = shard_state_dict(
             full, transformer_config, parallel_state.tp_size, parallel_state.tp_rank
         )
+        if transformer_config.num_moe_experts is not None:
+            shard = expert_parallel_shard(shard, transformer_config.num_moe_experts,
+                                          parallel_state.ep_size, parallel_state.ep_rank)
         module.load_state_dict(shard, strict=True)
 
     return TransformedModel(module, family)
@@ -389,4 +464,5 @@ def _comm_device(device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["init", "is_initialized", "state", "transform", "TransformedModel", "SMPState"]
+__all__ = ["init", "is_initialized", "state", "transform", "TransformedModel", "SMPState",
+           "MoEConfig"]

@@ -4,7 +4,8 @@ Every tensor is saved under the name it has in a single-stage, TP=1 `GPTModel` a
 model's shape, so a checkpoint loads at any tensor / pipeline / data-parallel layout, with or
 without the distributed optimizer:
 
-* layer names carry the global layer index (`decoder.layers.{layer_offset + i}.`);
+* layer names carry the global layer index (`decoder.layers.{layer_offset + i}.`), and an
+  expert's the global expert index (`...local_experts.{ep_rank * E/ep + i}.`);
 * a tensor-parallel shard is placed by its `partition_dim` / `partition_stride`;
 * the vocab-parallel tables keep only `config.vocab_size` rows (the padding, which depends
   on TP, is never saved and stays zero on load);
@@ -108,6 +109,10 @@ def model_layouts(model_chunks: Sequence[torch.nn.Module], state, vocab_size: in
                 continue
             tied_copy = getattr(tensor, "shared_embedding", False) and not pre_process
             key = TIED_EMBEDDING_KEY if tied_copy else _global_name(name, layer_offset)
+            # An expert's parameters are stored under its global expert index.
+            rename = getattr(tensor, "expert_checkpoint_rename", None)
+            if rename is not None:
+                key = key.replace(rename[0], rename[1], 1)
             split = getattr(tensor, "tensor_model_parallel", False)
             dim = int(getattr(tensor, "partition_dim", 0)) if split else None
             stride = int(getattr(tensor, "partition_stride", 1)) if split else 1

@@ -22,11 +22,12 @@ from megatron_smp.config import ConfigError, TransformerConfig
 Layout = Dict[str, Tuple[int, int]]  # name pattern -> (partition_dim, stride)
 
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
+_EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 VOCAB_PARALLEL_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 
 
 def _pattern(name: str) -> str:
-    return _LAYER_INDEX.sub(r"\1layers.*.", name)
+    return _EXPERT_INDEX.sub(".local_experts.*.", _LAYER_INDEX.sub(r"\1layers.*.", name))
 
 
 def tensor_parallel_layout(model: torch.nn.Module) -> Layout:
@@ -51,7 +52,48 @@ def default_layout(config: TransformerConfig) -> Layout:
         "decoder.layers.*.mlp.linear_fc1.bias": (0, fc1_stride),
         "decoder.layers.*.mlp.linear_fc2.weight": (1, 1),
     }
+    if config.num_moe_experts is not None:
+        for mlp in ("mlp.experts.local_experts.*.", "mlp.shared_experts."):
+            layout[f"decoder.layers.*.{mlp}linear_fc1.weight"] = (0, fc1_stride)
+            layout[f"decoder.layers.*.{mlp}linear_fc1.bias"] = (0, fc1_stride)
+            layout[f"decoder.layers.*.{mlp}linear_fc2.weight"] = (1, 1)
     return layout
+
+
+def expert_parallel_shard(
+    state_dict: Mapping[str, torch.Tensor], num_experts: int, ep_size: int, ep_rank: int
+) -> Dict[str, torch.Tensor]:
+    """Rank `ep_rank`'s share of a state dict holding all `num_experts` experts under their
+    global index: its experts, renamed to their local index (everything else kept)."""
+    per_rank = num_experts // ep_size
+    out = {}
+    for name, tensor in state_dict.items():
+        match = _EXPERT_INDEX.search(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        local = int(match.group(1)) - ep_rank * per_rank
+        if 0 <= local < per_rank:
+            out[name[:match.start()] + f".local_experts.{local}." + name[match.end():]] = tensor
+    return out
+
+
+def expert_parallel_merge(
+    state_dicts: List[Mapping[str, torch.Tensor]], num_experts: int
+) -> Dict[str, torch.Tensor]:
+    """Inverse of `expert_parallel_shard` over every expert-parallel rank's state dict (in EP
+    rank order): all experts under their global index."""
+    per_rank = num_experts // len(state_dicts)
+    out = {}
+    for ep_rank, state_dict in enumerate(state_dicts):
+        for name, tensor in state_dict.items():
+            match = _EXPERT_INDEX.search(name)
+            if match is None:
+                out.setdefault(name, tensor)
+                continue
+            index = int(match.group(1)) + ep_rank * per_rank
+            out[name[:match.start()] + f".local_experts.{index}." + name[match.end():]] = tensor
+    return out
 
 
 def _is_vocab_parallel(name: str) -> bool:
@@ -140,4 +182,6 @@ __all__ = [
     "join_tensors",
     "shard_state_dict",
     "merge_state_dicts",
+    "expert_parallel_shard",
+    "expert_parallel_merge",
 ]

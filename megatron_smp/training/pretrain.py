@@ -135,9 +135,13 @@ def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
 
 
 def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+    from megatron_smp.transformer.moe import set_aux_loss_scale
+
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
+    # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
+    set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.configs.checkpoint.async_save:
         from megatron_smp.training.checkpointing import wait_for_staging
@@ -185,6 +189,7 @@ def pretrain(
     from megatron_smp.data import build_pretraining_data_loader, build_tokenizer
     from megatron_smp.optimizer import get_megatron_optimizer
     from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from megatron_smp.transformer.moe import moe_metrics
 
     configs = parse_args(argv, extra_args_provider, args_defaults)
     # The tokenizer is local work (no collective): build it first, so the one validation
@@ -262,6 +267,8 @@ def pretrain(
         else:
             run.skipped_iterations += 1
         losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)
+        # load_balancing_loss / z_loss of MoE models (Megatron's log fields).
+        losses.update(moe_metrics(run.model, configs.model, state, num_microbatches))
         if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
             run.nan_iterations += 1
         result.train_losses[run.iteration] = losses

@@ -5,7 +5,8 @@
     full = adapter.from_hf(hf_model.state_dict(), config)    # TP=1 GPTModel state dict
     shard = shard_state_dict(full, config, tp_size, tp_rank)
 
-A new family (e.g. Mixtral, with its experts) is one more module listed in `_FAMILIES`.
+A new family is one more module listed in `_FAMILIES` (Mixtral and Qwen2-MoE carry experts:
+their full state dicts name every expert by its global index).
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, llama
+from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
-_FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "gpt_neox": gpt_neox}
+_FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "gpt_neox": gpt_neox,
+             "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 
 def _architecture_index() -> dict:
@@ -74,6 +76,8 @@ __all__ = [
     "gpt2",
     "llama",
     "gpt_neox",
+    "mixtral",
+    "qwen2_moe",
 ]
 
 # SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.

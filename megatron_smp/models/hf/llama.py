@@ -71,11 +71,26 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
     if not (config.gated_linear_unit and config.activation == "silu"
             and config.normalization == "RMSNorm" and config.position_embedding_type == "rope"
             and config.rotary_percent == 1.0 and not config.add_bias_linear
-            and not config.add_qkv_bias):
+            and not config.add_qkv_bias and config.num_moe_experts is None):
         raise ConfigError(
-            "this config is not a Llama/Mistral (SwiGLU, RMSNorm, full RoPE, no biases)"
+            "this config is not a Llama/Mistral (SwiGLU, RMSNorm, full RoPE, no biases, no "
+            "experts)"
         )
-    kwargs = dict(
+    kwargs = hf_config_kwargs(config)
+    left = config.window_size[0] if config.window_size is not None else -1
+    if family == "mistral":
+        return MistralConfig(sliding_window=left + 1 if left >= 0 else None, **kwargs)
+    if left >= 0:
+        raise ConfigError(
+            f"window_size {config.window_size}: Llama has no sliding-window attention; "
+            "this is a Mistral model"
+        )
+    return LlamaConfig(**kwargs)
+
+
+def hf_config_kwargs(config: TransformerConfig) -> dict:
+    """The HF config fields every Llama-style family shares (Mistral, Mixtral, Qwen-MoE)."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size,
@@ -92,18 +107,31 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
         bos_token_id=min(1, config.vocab_size - 1),
         eos_token_id=min(2, config.vocab_size - 1),
     )
-    left = config.window_size[0] if config.window_size is not None else -1
-    if family == "mistral":
-        return MistralConfig(sliding_window=left + 1 if left >= 0 else None, **kwargs)
-    if left >= 0:
-        raise ConfigError(
-            f"window_size {config.window_size}: Llama has no sliding-window attention; "
-            "this is a Mistral model"
-        )
-    return LlamaConfig(**kwargs)
 
 
-def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+def gated_mlp_from_hf(sd: Mapping[str, torch.Tensor], hf: str, ours: str) -> StateDict:
+    """HF gate_proj / up_proj / down_proj under `hf` -> our fused fc1 [gate; up] and fc2."""
+    return {
+        ours + "linear_fc1.weight": torch.cat(
+            [sd[hf + "gate_proj.weight"], sd[hf + "up_proj.weight"]], dim=0
+        ),
+        ours + "linear_fc2.weight": sd[hf + "down_proj.weight"].clone(),
+    }
+
+
+def gated_mlp_to_hf(state_dict: Mapping[str, torch.Tensor], hf: str, ours: str) -> StateDict:
+    gate, up = state_dict[ours + "linear_fc1.weight"].chunk(2, dim=0)
+    return {
+        hf + "gate_proj.weight": gate.clone(),
+        hf + "up_proj.weight": up.clone(),
+        hf + "down_proj.weight": state_dict[ours + "linear_fc2.weight"].clone(),
+    }
+
+
+def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
+            mlp_from_hf=None) -> StateDict:
+    """`mlp_from_hf(sd, hf_layer_prefix, our_layer_prefix, layer_index)` converts a layer's
+    MLP (default: the gated MLP); the MoE families pass their own."""
     sd = hf_state_dict
     out: StateDict = {WORD_EMBEDDINGS: pad_vocab(sd["model.embed_tokens.weight"], config)}
     for i in range(config.num_layers):
@@ -115,19 +143,28 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
             sd[hf + "self_attn.v_proj.weight"],
             config,
         )
+        if config.add_qkv_bias and not config.add_bias_linear:  # Qwen
+            out[ours + "self_attention.linear_qkv.bias"] = pack_qkv(
+                sd[hf + "self_attn.q_proj.bias"],
+                sd[hf + "self_attn.k_proj.bias"],
+                sd[hf + "self_attn.v_proj.bias"],
+                config,
+            )
         out[ours + "self_attention.linear_proj.weight"] = sd[hf + "self_attn.o_proj.weight"].clone()
         out[ours + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"].clone()
-        out[ours + "mlp.linear_fc1.weight"] = torch.cat(
-            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]], dim=0
-        )
-        out[ours + "mlp.linear_fc2.weight"] = sd[hf + "mlp.down_proj.weight"].clone()
+        if mlp_from_hf is None:
+            out.update(gated_mlp_from_hf(sd, hf + "mlp.", ours + "mlp."))
+        else:
+            out.update(mlp_from_hf(sd, hf, ours, i))
     out[FINAL_NORM + ".weight"] = sd["model.norm.weight"].clone()
     if config.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = pad_vocab(sd["lm_head.weight"], config)
     return out
 
 
-def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
+          mlp_to_hf=None) -> StateDict:
+    """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`."""
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
@@ -135,13 +172,18 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> 
         out[hf + "self_attn.q_proj.weight"] = q
         out[hf + "self_attn.k_proj.weight"] = k
         out[hf + "self_attn.v_proj.weight"] = v
+        if config.add_qkv_bias and not config.add_bias_linear:
+            q, k, v = unpack_qkv(state_dict[ours + "self_attention.linear_qkv.bias"], config)
+            out[hf + "self_attn.q_proj.bias"] = q
+            out[hf + "self_attn.k_proj.bias"] = k
+            out[hf + "self_attn.v_proj.bias"] = v
         out[hf + "self_attn.o_proj.weight"] = (
             state_dict[ours + "self_attention.linear_proj.weight"].clone()
         )
-        gate, up = state_dict[ours + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[hf + "mlp.gate_proj.weight"] = gate.clone()
-        out[hf + "mlp.up_proj.weight"] = up.clone()
-        out[hf + "mlp.down_proj.weight"] = state_dict[ours + "mlp.linear_fc2.weight"].clone()
+        if mlp_to_hf is None:
+            out.update(gated_mlp_to_hf(state_dict, hf + "mlp.", ours + "mlp."))
+        else:
+            out.update(mlp_to_hf(state_dict, hf, ours, i))
         out[hf + "input_layernorm.weight"] = state_dict[ours + "input_layernorm.weight"].clone()
         out[hf + "post_attention_layernorm.weight"] = (
             state_dict[ours + "pre_mlp_layernorm.weight"].clone()

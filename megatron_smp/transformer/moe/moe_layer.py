@@ -77,12 +77,11 @@ def moe_layer_spec(config: TransformerConfig, dense_spec):
     layer number (a `LayerSpec`); `dense_spec` itself for a dense model."""
     import dataclasses
 
-    from megatron_smp.config import moe_layer_pattern
     from megatron_smp.transformer.spec import ModuleSpec
 
     if config.num_moe_experts is None:
         return dense_spec
-    pattern = moe_layer_pattern(config)
+    pattern = config.moe_layer_pattern()
     moe_spec = ModuleSpec(
         dense_spec.module, dict(dense_spec.params),
         dataclasses.replace(dense_spec.submodules, mlp=ModuleSpec(MoELayer)),

@@ -11,7 +11,7 @@ from typing import Dict, Iterable, List
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import TransformerConfig, moe_layer_pattern
+from megatron_smp.config import TransformerConfig
 from megatron_smp.transformer.moe.router import METRIC_NAMES, TopKRouter
 
 
@@ -60,7 +60,7 @@ def moe_metrics(
     if state.dp_cp_size > 1:
         dist.all_reduce(values, group=state.dp_cp_group)
         values /= state.dp_cp_size
-    values /= num_microbatches * max(1, sum(moe_layer_pattern(config)))
+    values /= num_microbatches * max(1, sum(config.moe_layer_pattern()))
     return {name: float(values[METRIC_NAMES.index(name)]) for name in names}
 
 

@@ -1,0 +1,56 @@
+"""MoE training runs: every expert-parallel layout follows the single-process trajectory
+(fp32, dropless, 4 experts, top-2, with the load-balancing and z losses in backward)."""
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON, LLAMA
+
+MOE = (
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01 "
+    "--moe-z-loss-coeff 0.001"
+).split()
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def _train(rank, world_size, argv):
+    """Per-iteration (lm loss, load_balancing_loss, z_loss) of pretrain_gpt.py."""
+    import pretrain_gpt
+    from megatron_smp.training import pretrain
+
+    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                      pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    keys = ("lm loss", "load_balancing_loss", "z_loss")
+    return [[result.train_losses[i][k] for k in keys] for i in sorted(result.train_losses)]
+
+
+_BASELINES = {}
+
+
+def baseline(dispatcher):
+    if dispatcher not in _BASELINES:
+        argv = COMMON + LLAMA + MOE + ["--moe-token-dispatcher-type", dispatcher]
+        _BASELINES[dispatcher] = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
+    return _BASELINES[dispatcher]
+
+
+LAYOUTS = {
+    "ep2": (2, "--expert-model-parallel-size 2"),
+    "ep4": (4, "--expert-model-parallel-size 4"),
+    "ep2_tp2_sp": (4, "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+                      "--sequence-parallel"),
+    "ep2_pp2": (4, "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2"),
+    "ep2_dp2_distopt": (4, "--expert-model-parallel-size 2 --use-distributed-optimizer"),
+}
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_parallel_layout_matches_single_process(layout, dispatcher):
+    world_size, flags = LAYOUTS[layout]
+    reference = baseline(dispatcher)
+    argv = COMMON + LLAMA + MOE + ["--moe-token-dispatcher-type", dispatcher] + flags.split()
+    results = run_distributed(_train, world_size, args=(argv,), timeout=300)
+    assert len(reference) == 10 and reference[-1][0] < reference[0][0]
+    for per_rank in results:
+        for step, (got, want) in enumerate(zip(per_rank, reference)):
+            assert got == pytest.approx(want, rel=1e-4), (layout, step, got, want)
