@@ -148,10 +148,28 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _block_scores(q, k, bias, scale):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+# Scores of at most this many elements exist at a time: a block's query rows are taken in
+# tiles, so memory stays linear in the sequence (as in flash attention) instead of s^2.
+_TILE_ELEMENTS = 1 << 22
+
+
+def _tiles(q: torch.Tensor, rows: slice, cols: slice, causal: bool):
+    """(query rows, key columns) of each tile of one block. In the causal (diagonal) block
+    the local order is the position order, so keys after a tile's last query are skipped."""
+    per_row = q.numel() // (q.shape[-2] * q.shape[-1]) * (cols.stop - cols.start)
+    tile = max(1, _TILE_ELEMENTS // max(per_row, 1))
+    for start in range(rows.start, rows.stop, tile):
+        stop = min(start + tile, rows.stop)
+        yield slice(start, stop), slice(cols.start, stop) if causal else cols
+
+
+def _tile_scores(q, k, q_positions, k_positions, causal, core):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * core.scale
+    bias = core.positional_bias(q_positions, k_positions, causal)
     if bias is not None:
-        scores = scores + bias
+        # [1, nh or 1, sq, sk] -> [1, ng, qpg, sq, sk] against q [b, ng, qpg, sq, d].
+        bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
+        scores = scores + bias.to(scores.dtype)
     return scores
 
 
@@ -173,22 +191,21 @@ class _RingAttentionFunction(torch.autograd.Function):
             if step + 1 < size:
                 incoming = torch.empty_like(kv)
                 requests = _ring_exchange(kv, incoming, core)
-            rows, cols, causal = _ring_block(step, rank, local_length)
             k_positions = core.positions(local_length, q.device, (rank - step) % size)
-            bias = core.positional_bias(q_positions[rows], k_positions[cols], causal)
-            if bias is not None:
-                bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
-            scores = _block_scores(q[..., rows, :], kv[0][..., cols, :], bias, core.scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - _finite(block_lse)[..., None])
-            block_out = torch.matmul(probs, kv[1][..., cols, :])
-            # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
-            old_lse = lse[..., rows]
-            new_lse = torch.logaddexp(old_lse, block_lse)
-            keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
-            take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
-            out[..., rows, :] = out[..., rows, :] * keep[..., None] + block_out * take[..., None]
-            lse[..., rows] = new_lse
+            for rows, cols in _tiles(q, *_ring_block(step, rank, local_length)):
+                scores = _tile_scores(q[..., rows, :], kv[0][..., cols, :], q_positions[rows],
+                                      k_positions[cols], step == 0, core)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                probs = torch.exp(scores - _finite(block_lse)[..., None])
+                block_out = torch.matmul(probs, kv[1][..., cols, :])
+                # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
+                old_lse = lse[..., rows]
+                new_lse = torch.logaddexp(old_lse, block_lse)
+                keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
+                take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
+                out[..., rows, :] = (out[..., rows, :] * keep[..., None]
+                                     + block_out * take[..., None])
+                lse[..., rows] = new_lse
             _wait(requests)
             if requests:
                 kv = incoming
@@ -207,42 +224,39 @@ class _RingAttentionFunction(torch.autograd.Function):
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        dkv = None
         dkv_requests = []
         for step in range(size):
             kv_requests = []
             if step + 1 < size:
                 incoming = torch.empty_like(kv)
                 kv_requests = _ring_exchange(kv, incoming, core)
-            rows, cols, causal = _ring_block(step, rank, local_length)
             k_positions = core.positions(local_length, q.device, (rank - step) % size)
-            bias = core.positional_bias(q_positions[rows], k_positions[cols], causal)
-            if bias is not None:
-                bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
-            q_rows, k_cols, v_cols = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
-            scores = _block_scores(q_rows, k_cols, bias, core.scale)
-            probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
-            d_out = grad_out[..., rows, :]
-            d_probs = torch.matmul(d_out, v_cols.transpose(-1, -2))
-            d_scores = probs * (d_probs - delta[..., rows, None])
-            dq[..., rows, :] += torch.matmul(d_scores, k_cols) * core.scale
-            dk = (torch.matmul(d_scores.transpose(-1, -2), q_rows) * core.scale).sum(2, True)
-            dv = torch.matmul(probs.transpose(-1, -2), d_out).sum(2, True)
+            dk = torch.zeros_like(k)
+            dv = torch.zeros_like(v)
+            for rows, cols in _tiles(q, *_ring_block(step, rank, local_length)):
+                q_rows, k_cols, v_cols = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
+                scores = _tile_scores(q_rows, k_cols, q_positions[rows], k_positions[cols],
+                                      step == 0, core)
+                probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
+                d_out = grad_out[..., rows, :]
+                d_probs = torch.matmul(d_out, v_cols.transpose(-1, -2))
+                d_scores = probs * (d_probs - delta[..., rows, None])
+                dq[..., rows, :] += torch.matmul(d_scores, k_cols) * core.scale
+                dk[..., cols, :] += (torch.matmul(d_scores.transpose(-1, -2), q_rows)
+                                     * core.scale).sum(2, True)
+                dv[..., cols, :] += torch.matmul(probs.transpose(-1, -2), d_out).sum(2, True)
             # The dK/dV partial sums of the visiting block arrive from the previous rank
             # (it added its share one step earlier); add ours and pass them on.
             _wait(dkv_requests)
-            dkv = torch.zeros_like(kv) if step == 0 else dkv_incoming
-            dkv[0][..., cols, :] += dk
-            dkv[1][..., cols, :] += dv
+            dkv = torch.stack([dk, dv]) if step == 0 else dkv_incoming + torch.stack([dk, dv])
             dkv_incoming = torch.empty_like(dkv)
-            dkv_requests = _ring_exchange(dkv, dkv_incoming, core) if size > 1 else []
+            dkv_requests = _ring_exchange(dkv, dkv_incoming, core)
             _wait(kv_requests)
             if kv_requests:
                 kv = incoming
         _wait(dkv_requests)
         # After N hops the partial sums are home: the owner's keys, every rank's share.
-        dkv = dkv_incoming if size > 1 else dkv
-        return dq, dkv[0], dkv[1], None
+        return dq, dkv_incoming[0], dkv_incoming[1], None
 
 
 class RingAttention(_ContextParallelCore):
@@ -294,18 +308,25 @@ class AllGatherAttention(_ContextParallelCore):
         q_positions = self.positions(s_local, query.device)
         k_positions = gathered_order(seq_length, self.cp_size, query.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        bias = self.positional_bias(q_positions, k_positions, attention_mask is None)
-        if attention_mask is not None:
+        # A bool mask (1 byte per score) unless ALiBi needs a float bias.
+        if attention_mask is None:
+            mask = k_positions[None, :] > q_positions[:, None]
+        else:
             mask = attention_mask[..., k_positions]  # columns into the gathered row order
-            bias = (torch.zeros(mask.shape, device=mask.device) if bias is None else bias)
-            bias = bias.masked_fill(mask, float("-inf"))
-        bias = bias.to(q.dtype)
+        if self.window_size is not None:
+            mask = mask | sliding_window_mask(0, self.window_size, query.device,
+                                              query_positions=q_positions,
+                                              key_positions=k_positions)
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, 0, False, q.dtype,
+                              query_positions=q_positions, key_positions=k_positions)
         dropout_p = self.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
             with get_rng_tracker().fork():
-                context = core_attention(q, k, v, None, False, dropout_p, None, bias)
+                context = core_attention(q, k, v, mask, False, dropout_p, None, bias)
         else:
-            context = core_attention(q, k, v, None, False, 0.0, None, bias)
+            context = core_attention(q, k, v, mask, False, 0.0, None, bias)
         return context.permute(2, 0, 1, 3).reshape(s_local, b, self.num_heads * self.head_dim)
 
 

@@ -50,6 +50,11 @@ def _max_diffs(rank, world_size):
     from megatron_smp.transformer.attention import DotProductAttention
     from megatron_smp.transformer.spec import build_module
 
+    from megatron_smp.context_parallel import attention
+
+    # Small tiles, so the ring's blocks are taken in several query tiles (and the causal
+    # block skips the keys after each tile).
+    attention._TILE_ELEMENTS = 1024
     state = build_parallel_state(ParallelConfig(context_parallel_size=world_size))
     diffs = {}
     for name, heads, groups, extra in CASES:
