@@ -150,7 +150,7 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 # Scores of at most this many elements exist at a time: a block's query rows are taken in
 # tiles, so memory stays linear in the sequence (as in flash attention) instead of s^2.
-_TILE_ELEMENTS = 1 << 22
+_TILE_ELEMENTS = 1 << 20
 
 
 def _tiles(q: torch.Tensor, rows: slice, cols: slice, causal: bool):
