@@ -23,7 +23,7 @@ from megatron_smp.parallel_state import build_parallel_state, destroy_parallel_s
 
 # --model-type (Megatron's names) -> adapter family.
 MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
-               "mixtral": None}
+               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
 
 # TransformerConfig fields that decide the weights' meaning; a checkpoint and the family it is
 # converted to must agree on all of them (dropout, init, precision flags do not matter).
@@ -38,11 +38,6 @@ _LISTED = 20
 def family_for(model_type: str) -> str:
     family = MODEL_TYPES.get(model_type)
     if family is None:
-        if model_type == "mixtral":
-            raise ConfigError(
-                "--model-type mixtral is not supported until MoE lands in megatron_smp (GPTModel "
-                "has no expert layers yet); convert a dense model (gpt2, gptneox, llama, mistral)"
-            )
         raise ConfigError(f"--model-type {model_type!r}: use one of {sorted(MODEL_TYPES)}")
     return family
 

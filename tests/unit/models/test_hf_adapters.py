@@ -38,6 +38,16 @@ def build_hf(family, seed=0, device=None, **overrides):
         config = tf.MistralConfig(vocab_size=1000, num_key_value_heads=2, intermediate_size=96,
                                   sliding_window=5, **common)  # < SEQ: the window matters
         cls = tf.MistralForCausalLM
+    elif family == "mixtral":
+        config = tf.MixtralConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=48,
+                                  num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = tf.MixtralForCausalLM
+    elif family == "qwen2_moe":  # layer 1 dense, softmax before top-k, gated shared expert
+        config = tf.Qwen2MoeConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=80,
+                                   num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                   **common)
+        cls = tf.Qwen2MoeForCausalLM
     else:
         config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
         cls = tf.GPTNeoXForCausalLM
@@ -50,7 +60,7 @@ def build_hf(family, seed=0, device=None, **overrides):
     model = cls(config).eval()
     with torch.no_grad():  # HF zero-inits biases and sets norms to one: make them count
         for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_" in name:
+            if name.endswith(("bias", "gate.weight")) or "norm" in name or "ln_" in name:
                 param.add_(0.1 * torch.randn_like(param))
     return model
 

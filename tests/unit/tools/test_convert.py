@@ -17,7 +17,8 @@ from tests.unit.models.test_hf_adapters import build_hf
 from tools.checkpoint.convert import main
 
 warnings.filterwarnings("ignore", message=".*")
-MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral"}
+MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
+               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
 # config.json entries that are bookkeeping, not the model.
 _BOOKKEEPING = ("transformers_version",)
 
@@ -88,7 +89,7 @@ def test_errors_are_clear(tmp_path):
     source = build_hf("llama")
     source.save_pretrained(tmp_path / "hf")
     status, stderr = _convert("mixtral", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x")
-    assert status == 1 and "not supported until MoE lands" in stderr
+    assert status == 1 and "'llama' model but --model-type is mixtral" in stderr
     status, stderr = _convert("gpt2", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x")
     assert status == 1 and "'llama' model but --model-type is gpt2" in stderr
     status, stderr = _convert("llama", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x",
