@@ -8,9 +8,11 @@ from tests.functional.test_training_parity import COMMON, LLAMA, _train, baselin
 
 # (world size, flags) per layout; each model runs each layout with one comm type, so every
 # comm type meets MHA and GQA (Llama: 4 heads, 2 query groups) somewhere.
+# Recompute (selective: the CP core attention alone; full: whole layers) changes no number,
+# so two layouts run with it.
 LAYOUTS = {
-    "cp2": (2, "--context-parallel-size 2"),
-    "cp4": (4, "--context-parallel-size 4"),
+    "cp2": (2, "--context-parallel-size 2 --recompute-granularity selective"),
+    "cp4": (4, "--context-parallel-size 4 --recompute-granularity full"),
     "cp2_tp2_sp": (4, "--context-parallel-size 2 --tensor-model-parallel-size 2 "
                       "--sequence-parallel"),
     "cp2_pp2": (4, "--context-parallel-size 2 --pipeline-model-parallel-size 2"),
@@ -38,6 +40,29 @@ def test_context_parallel_layout_matches_single_process(model, layout):
     for losses in results:
         assert losses == pytest.approx(reference, rel=1e-4), (layout, comm_type, losses,
                                                                 reference)
+
+
+def test_context_parallel_with_virtual_pipeline_stages():
+    """pretrain_llama.py at CP2 x PP2 with two virtual stages per rank (4 layers)."""
+    from tests.functional.test_llama_pipeline_parity import LLAMA_FLAGS, _reference
+
+    flags = LLAMA_FLAGS + ("--context-parallel-size 2 --pipeline-model-parallel-size 2 "
+                           "--virtual-pipeline-model-parallel-size 2").split()
+    reference = _reference()
+    for losses in run_distributed(_train, 4, args=(flags, "pretrain_llama"), timeout=400):
+        assert losses == pytest.approx(reference, rel=1e-4), (losses, reference)
+
+
+def test_context_parallel_bf16_follows_single_process_bf16():
+    """bf16 parameters and activations at CP=2 (a2a): the bf16 single-process losses, to
+    bf16's resolution (the order of the sums differs)."""
+    flags = COMMON + LLAMA + ["--bf16"]
+    reference = run_distributed(_train, 1, args=(flags,))[0]
+    results = run_distributed(_train, 2, args=(flags + "--context-parallel-size 2 "
+                                               "--cp-comm-type a2a".split(),), timeout=300)
+    assert reference[-1] < reference[0]
+    for losses in results:
+        assert losses == pytest.approx(reference, rel=2e-2), (losses, reference)
 
 
 @pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])
