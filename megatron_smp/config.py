@@ -64,9 +64,17 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     # Chrome trace of the pipeline schedule, one file per rank (PATH.rank<r>.json).
     pipeline_timeline: Optional[str] = None
-    # SMP v2 sharded data parallelism: 0 (off) or 1 (NO_SHARD) replicate like plain data
-    # parallelism; N >= 2 would shard within groups of N ranks, which needs FSDP.
+    # SMP v2 sharded data parallelism (FSDP2, `distributed.fsdp`): parameters, grads and
+    # optimizer state are sharded over groups of `hybrid_shard_degree` data x context-parallel
+    # ranks and replicated across the groups. 0: one group of all dp x cp ranks (full
+    # sharding); 1: no sharding (replicas, like plain data parallelism).
     hybrid_shard_degree: int = 0
+    # Megatron's --use-torch-fsdp2: the training loop wraps the model in FSDP2 instead of our
+    # DDP (sharded over the `hybrid_shard_degree` groups above).
+    use_torch_fsdp2: bool = False
+    # Megatron's --no-torch-fsdp2-reshard-after-forward clears it: keep each layer's gathered
+    # params from forward to backward (ZeRO-2 like: less communication, more memory).
+    torch_fsdp2_reshard_after_forward: bool = True
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: int = 10
     # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
@@ -81,16 +89,14 @@ class ParallelConfig:
         )
 
     def check_supported(self, names: Optional[dict] = None) -> None:
-        """ConfigError for degrees whose capability does not exist yet. The process groups
-        for ep are built (ParallelState), but no layer uses them: a model or a training
-        run asked for them would silently be something else."""
-        name = dict(FLAG_NAMES, **(names or {}))
-        if self.hybrid_shard_degree >= 2:
-            raise not_supported(
-                f"{name['hybrid_shard_degree']} = {self.hybrid_shard_degree}",
-                "sharded data parallelism (FSDP); use 0 or 1, or the distributed optimizer "
-                "(--use-distributed-optimizer / shard_optimizer_state) to shard optimizer state",
-            )
+        """ConfigError for degrees whose capability does not exist yet (none at present;
+        kept as the one place such checks go)."""
+
+    def fsdp_shard_size(self, world_size: int) -> int:
+        """Ranks of one FSDP shard group (dp x cp ranks holding different shards) for
+        `hybrid_shard_degree`: 0 -> all dp x cp ranks, 1 -> 1 (no sharding), N -> N."""
+        dp_cp = self.data_parallel_size_for(world_size) * self.context_parallel_size
+        return dp_cp if self.hybrid_shard_degree == 0 else self.hybrid_shard_degree
 
     def validate(self, world_size: int, names: Optional[dict] = None) -> None:
         """Check the degrees against `world_size`. Pure: reads the config, never changes it.
@@ -124,6 +130,16 @@ class ParallelConfig:
             f"multiple of {model_parallel} processes or change the degrees",
         )
         data_parallel = world_size // model_parallel
+        shard = self.hybrid_shard_degree
+        if shard >= 2:
+            # Shard groups are whole context-parallel groups times consecutive dp ranks.
+            _require(
+                shard % cp == 0 and (data_parallel * cp) % shard == 0,
+                f"{name['hybrid_shard_degree']} ({shard}) must be a multiple of "
+                f"{name['context_parallel_size']} ({cp}) and divide the data x context-parallel "
+                f"size ({data_parallel * cp} = world size {world_size} / (tp {tp} x pp {pp})); "
+                "use 0 to shard over all of them or 1 not to shard",
+            )
         if self.data_parallel_size is not None:
             _require(
                 self.data_parallel_size == data_parallel,
@@ -156,6 +172,10 @@ class ParallelConfig:
             self.distributed_backend in (None, "nccl", "gloo"),
             f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}",
         )
+
+
+# Context parallelism's attentions (Megatron's --cp-comm-type values).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def name_of(names: Optional[dict]) -> dict:
@@ -347,8 +367,9 @@ class TransformerConfig:
                                    name: dict) -> None:
         cp_flag = name["context_parallel_size"]
         _require(
-            self.cp_comm_type in ("p2p", "all_gather", "a2a"),
-            f"--cp-comm-type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}",
+            self.cp_comm_type in CP_COMM_TYPES,
+            f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
+            f"{self.cp_comm_type!r}",
         )
         if seq_length is not None:
             _require(

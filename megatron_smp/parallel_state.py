@@ -138,6 +138,8 @@ class ParallelState:
     group_ranks: Dict[str, List[int]]
     expert_model_parallel_size: int = 1
     expert_model_parallel_rank: int = 0
+    # Built on first use by `fsdp_mesh` / `device_mesh` (FSDP2 only).
+    _meshes: Dict[str, object] = field(default_factory=dict, repr=False)
 
     # Convenience views --------------------------------------------------------------------
     @property
@@ -249,6 +251,82 @@ class ParallelState:
     @property
     def is_in_embedding_group(self) -> bool:
         return self.rank in self.group_ranks.get("embedding", [])
+
+    # Sharded data parallelism (FSDP2) ---------------------------------------------------------
+    @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks of this rank's FSDP shard group (`hybrid_shard_degree`, 0 = all dp x cp)."""
+        return self.config.fsdp_shard_size(self.world_size)
+
+    def _build_fsdp_groups(self) -> None:
+        # Shard groups are runs of `fsdp_shard_size` consecutive members of each dp x cp group
+        # (whole cp groups, consecutive dp ranks); replicate groups hold the same position in
+        # every run. Collective: every rank builds them, in the same order.
+        if "fsdp_shard" in self.groups:
+            return
+        shard = self.fsdp_shard_size
+        shard_groups, replicate_groups = [], []
+        for members in rank_groups(self.sizes, ["cp", "dp"]):
+            for start in range(0, len(members), shard):
+                shard_groups.append(members[start : start + shard])
+            for offset in range(shard):
+                replicate_groups.append(members[offset::shard])
+        for name, all_groups in (("fsdp_shard", shard_groups),
+                                 ("fsdp_replicate", replicate_groups)):
+            for members in sorted(all_groups):
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self.groups[name] = group
+                    self.group_ranks[name] = members
+
+    @property
+    def fsdp_shard_group(self) -> dist.ProcessGroup:
+        """Ranks holding different shards of the same (TP-local) parameters. Collective on
+        first access (of this or `fsdp_mesh`): every rank must ask."""
+        self._build_fsdp_groups()
+        return self.groups["fsdp_shard"]
+
+    @property
+    def fsdp_mesh(self):
+        """The DeviceMesh FSDP2 shards over, built from this state's own groups: 1-D
+        ("dp_shard_cp",) for full sharding, else 2-D ("dp_replicate", "dp_shard_cp") for
+        hybrid sharding (replicate across, shard within). Collective on first access."""
+        if "fsdp" not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._build_fsdp_groups()
+            shard = self.group_ranks["fsdp_shard"]
+            replicate = self.group_ranks["fsdp_replicate"]
+            device_type = self.device.type
+            if len(replicate) == 1:
+                mesh = DeviceMesh.from_group(self.groups["fsdp_shard"], device_type,
+                                             mesh_dim_names=("dp_shard_cp",))
+            else:
+                # Row r is the shard group of replica r: the dp x cp members of a group are
+                # an arithmetic progression, so every shard group is a translate of ours.
+                layout = [[member - self.rank + r for member in shard] for r in replicate]
+                mesh = DeviceMesh.from_group(
+                    [self.groups["fsdp_replicate"], self.groups["fsdp_shard"]], device_type,
+                    mesh=torch.tensor(layout, dtype=torch.int),
+                    mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+                )
+            self._meshes["fsdp"] = mesh
+        return self._meshes["fsdp"]
+
+    @property
+    def device_mesh(self):
+        """The whole grid as a DeviceMesh with named axes ("pp", "dp", "cp", "tp"), made of
+        this state's own groups (no new communicator), so `device_mesh["tp"]` is `tp_group`."""
+        if "grid" not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            sizes = [self.sizes[d] for d in reversed(_ORDER)]
+            layout = torch.arange(self.world_size, dtype=torch.int).reshape(sizes)
+            self._meshes["grid"] = DeviceMesh.from_group(
+                [self.groups[d] for d in reversed(_ORDER)], self.device.type, mesh=layout,
+                mesh_dim_names=tuple(reversed(_ORDER)),
+            )
+        return self._meshes["grid"]
 
     def __repr__(self) -> str:  # keep logs short
         dims = ", ".join(f"{d}={self.coords[d]}/{self.sizes[d]}" for d in _ORDER)

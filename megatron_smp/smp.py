@@ -19,7 +19,9 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, ParallelConfig, TransformerConfig, not_supported
+from megatron_smp.config import (
+    CP_COMM_TYPES, ConfigError, ParallelConfig, TransformerConfig, not_supported,
+)
 from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
 
 # key: (type, default). SMP v2's documented keys first, then ours. Defaults follow the
@@ -133,9 +135,10 @@ def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tupl
             raise ConfigError(f"smp config: {key} must be an integer, got {value!r}")
         if kind is str and not isinstance(value, str):
             raise ConfigError(f"smp config: {key} must be a string, got {value!r}")
-        if key == "cp_comm_type" and value not in ("p2p", "all_gather", "a2a"):
+        if key == "cp_comm_type" and value not in CP_COMM_TYPES:
             raise ConfigError(
-                f"smp config: cp_comm_type must be p2p, all_gather or a2a, got {value!r}"
+                f"smp config: cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got "
+                f"{value!r}"
             )
         if key in _NOT_SUPPORTED_YET_KEYS:
             raise not_supported(f"smp config key {key}", _NOT_SUPPORTED_YET_KEYS[key])

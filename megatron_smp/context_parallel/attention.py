@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.config import CP_COMM_TYPES, ConfigError, TransformerConfig
 from megatron_smp.context_parallel.split import gathered_order, positions_of_local_length
 from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import (
@@ -42,9 +42,6 @@ from megatron_smp.transformer.attention import (
     sliding_window_mask,
 )
 from megatron_smp.transformer.spec import ModuleSpec
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
 
 class _ContextParallelCore(torch.nn.Module):
     """What every context-parallel core attention knows: heads, group, window, ALiBi."""

@@ -6,11 +6,14 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 
 def _grad_of(param: torch.nn.Parameter):
     main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
+    grad = main_grad if main_grad is not None else param.grad
+    # FSDP2: this rank's shard; TP peers hold the same rows, so sums over TP stay valid.
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:

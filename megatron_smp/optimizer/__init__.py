@@ -5,13 +5,16 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_smp.config import OptimizerConfig
+from torch.distributed.tensor import DTensor
+
+from megatron_smp.config import ConfigError, OptimizerConfig
 from megatron_smp.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
 from megatron_smp.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron_smp.optimizer.fsdp_optimizer import FSDPOptimizer
 from megatron_smp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_smp.optimizer.optimizer import (
     HALF_DTYPES,
@@ -124,7 +127,7 @@ def get_megatron_optimizer(
     no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
 ) -> MegatronOptimizer:
     """Build the optimizer for `model_chunks` (DDP-wrapped chunks, or plain modules without
-    --use-distributed-optimizer).
+    --use-distributed-optimizer, or FSDP2-sharded chunks: `FSDPOptimizer`).
 
     --use-distributed-optimizer: `DistributedOptimizer`; fp16/bf16 params (or --fp16/--bf16):
     `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`.
@@ -133,6 +136,14 @@ def get_megatron_optimizer(
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
     factory = build_torch_optimizer(config, state.device)
     grad_scaler = get_grad_scaler(config, state.device)
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        # FSDP2-sharded chunks: the sharded fp32 params are the main params.
+        if config.use_distributed_optimizer or grad_scaler is not None:
+            raise ConfigError(
+                "an FSDP2-sharded model already shards its optimizer state and keeps fp32 "
+                "main params: drop --use-distributed-optimizer and use --bf16 (not --fp16)"
+            )
+        return FSDPOptimizer(factory, config, state, model_chunks, groups)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(factory, config, state, model_chunks, groups, grad_scaler)
     has_half = any(p.dtype in HALF_DTYPES for g in groups for p in g["params"])
@@ -152,6 +163,7 @@ __all__ = [
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer",
+    "FSDPOptimizer",
     "Range",
     "ConstantGradScaler",
     "DynamicGradScaler",

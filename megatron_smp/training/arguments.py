@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_smp.config import (
+    CP_COMM_TYPES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -125,7 +126,7 @@ _FLAGS: List[_Flag] = [
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),
     _f("--context-parallel-size", "parallel", type=int, default=1),
-    _f("--cp-comm-type", "model", choices=["p2p", "all_gather", "a2a"], default="p2p",
+    _f("--cp-comm-type", "model", choices=list(CP_COMM_TYPES), default="p2p",
        help="context parallelism's attention: p2p ring, all_gather of K/V, a2a (Ulysses)"),
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),

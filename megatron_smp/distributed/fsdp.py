@@ -1,0 +1,322 @@
+"""Sharded data parallelism on PyTorch FSDP2 (`fully_shard`), SMP v2's `hybrid_shard_degree`.
+
+    model = GPTModel(config, state)                    # or smp.transform(hf_model)
+    model = fully_shard_model(model, state, param_dtype=torch.bfloat16)
+
+Every transformer layer is one FSDP2 unit (its params all-gathered together before its
+forward and backward, its grads reduce-scattered together), the rest of the model (embedding,
+final norm, output layer) is the root unit. The units are sharded over `state.fsdp_mesh`:
+all data x context-parallel ranks (full sharding, `hybrid_shard_degree` 0), or groups of
+`hybrid_shard_degree` ranks with replicas across the groups (HSDP on a 2-D mesh).
+
+Tensor parallelism stays inside: our TP layers hold plain TP-local tensors and run their own
+collectives, so FSDP shards each TP-local tensor over the data-parallel mesh only (the
+"2-D" layout of torchtitan without DTensor TP). Grads of TP-replicated params used on
+sequence-parallel activations are still partial per TP rank after FSDP's reduce-scatter;
+`finalize_model_grads` sums them over TP on the local shards (every TP rank holds the same
+rows of them).
+
+FSDP2 replaces each parameter by a new `nn.Parameter(DTensor)`; the attributes our layers
+set on parameters (`tensor_model_parallel`, `partition_dim`, `sequence_parallel`,
+`shared`, ...) are copied onto the sharded parameters, which the optimizer, the grad norm
+and the checkpoints read.
+
+Mixed precision is FSDP2's policy: the sharded params stay fp32 (they are the optimizer's
+main params), are cast to `param_dtype` (bf16) when gathered, and grads are reduced in fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from megatron_smp.config import ConfigError
+
+# Attributes of our parameters that FSDP2's new sharded parameters must keep.
+_PARAM_ATTRIBUTES = (
+    "tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+    "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename",
+)
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under wrappers (`TransformedModel`, our DDP/FSDP wrapper)."""
+    for module in model.modules():
+        if hasattr(module, "decoder") and hasattr(module, "share_embeddings_and_output_weights"):
+            return module
+    raise ConfigError(
+        f"{type(model).__name__} holds no megatron_smp GPTModel; wrap a GPTModel or a model "
+        "returned by smp.transform (for another model pass its layers as layers=)"
+    )
+
+
+def transformer_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The decoder layers of the GPTModel inside `model`, in order."""
+    return list(language_model(model).decoder.layers)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view sharing its storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_row_offset(tensor: torch.Tensor) -> int:
+    """First dim-0 row (of the unsharded, TP-local tensor) held by this rank's shard of an
+    FSDP2 DTensor; 0 for a plain tensor. FSDP2 splits dim 0 as `torch.chunk` does."""
+    if not isinstance(tensor, DTensor):
+        return 0
+    from torch.distributed.tensor.placement_types import Shard
+
+    mesh = tensor.device_mesh
+    offset = 0
+    rows = tensor.shape[0]
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"FSDP2 shard on dim {placement.dim}; expected dim 0")
+            size = mesh.size(dim)
+            chunk = -(-rows // size)  # torch.chunk's ceil split
+            offset += min(chunk * mesh.get_local_rank(dim), rows)
+            rows = max(0, min(chunk, rows - chunk * mesh.get_local_rank(dim)))
+    return offset
+
+
+def _param_attributes(module: torch.nn.Module) -> Dict[str, dict]:
+    attributes = {}
+    for name, param in module.named_parameters():
+        kept = {key: getattr(param, key) for key in _PARAM_ATTRIBUTES if hasattr(param, key)}
+        if kept:
+            attributes[name] = kept
+    return attributes
+
+
+def _restore_param_attributes(module: torch.nn.Module, attributes: Dict[str, dict]) -> None:
+    for name, param in module.named_parameters():
+        for key, value in attributes.get(name, {}).items():
+            setattr(param, key, value)
+
+
+def check_empty_shards(module: torch.nn.Module, shard_size: int, allow_empty_shards: bool,
+                       prefix: str = "") -> None:
+    """SMP's `allow_empty_shards: false`: a ConfigError naming the first parameter with fewer
+    dim-0 rows than the shard group has ranks (some rank would hold none of it)."""
+    if allow_empty_shards or shard_size == 1:
+        return
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            continue  # sharded by an inner unit already
+        rows = param.shape[0] if param.dim() else 1
+        # torch.chunk gives trailing ranks nothing once ceil(rows / n) * k >= rows.
+        chunk = -(-rows // shard_size)
+        if chunk * (shard_size - 1) >= rows:
+            raise ConfigError(
+                f"parameter {prefix}{name} ({rows} rows) leaves some of the {shard_size} ranks "
+                "of an FSDP shard group without a shard; set the SMP key allow_empty_shards: "
+                "true, or use a smaller hybrid_shard_degree"
+            )
+
+
+def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecisionPolicy:
+    """bf16/fp16 compute over fp32 sharded params, grads reduced in fp32 (None: all fp32)."""
+    if param_dtype is None or param_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def fully_shard_model(
+    model: torch.nn.Module,
+    state,
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    offload_params: bool = False,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    allow_empty_shards: bool = True,
+    param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+    activation_checkpointing: bool = False,
+    activation_offloader=None,
+    layers: Optional[List[torch.nn.Module]] = None,
+) -> torch.nn.Module:
+    """Apply FSDP2 to `model` in place (each layer, then the root); returns `model`.
+
+    * `param_dtype`: compute dtype of the gathered params (bf16), params stay fp32.
+    * `reshard_after_forward`: free each layer's gathered params after its forward (ZeRO-3)
+      or keep them until backward (ZeRO-2 like). The root always keeps them: its backward
+      starts right after its forward.
+    * `offload_params`: FSDP2's CPUOffloadPolicy (sharded params, grads and optimizer state
+      in host memory).
+    * `forward_prefetch` / `backward_prefetch`: how many layers ahead to all-gather
+      (FSDP2's `set_modules_to_forward_prefetch` / `..._backward_prefetch`; FSDP2 itself
+      prefetches one layer in backward).
+    * `param_init_fn(unit)`: materialise a unit built on the meta device (delayed
+      initialisation, see `distributed.delayed_init.DelayedParamIniter`). Each layer is
+      materialised and sharded before the next, so a rank never holds more than one
+      unsharded layer besides its shards.
+    * `activation_checkpointing` / `activation_offloader`: recompute each layer in backward
+      (and move its saved inputs to host memory), see `distributed.activation_offload`.
+    * `layers`: the units (default: the GPTModel's decoder layers).
+
+    The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a layer with fewer rows
+    than shard ranks is an error unless `allow_empty_shards`.
+    """
+    from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
+
+    if state.pp_size > 1:
+        raise ConfigError(
+            "FSDP2 (--use-torch-fsdp2 / hybrid_shard_degree) does not combine with pipeline "
+            "parallelism here; use --pipeline-model-parallel-size 1, or our DDP with "
+            "--use-distributed-optimizer"
+        )
+    if any(not getattr(p, "allreduce", True) for p in model.parameters()):
+        raise ConfigError(
+            "FSDP2 does not shard mixture-of-experts layers here (expert grads reduce over the "
+            "expert-data-parallel group); train MoE models with our DDP "
+            "(--use-distributed-optimizer to shard optimizer state)"
+        )
+    if layers is None:
+        layers = transformer_layers(model)
+    if activation_checkpointing or activation_offloader is not None:
+        layers = apply_activation_checkpointing(model, layers, activation_offloader)
+    mesh = state.fsdp_mesh
+    shard_size = state.fsdp_shard_size
+    common = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision_policy(param_dtype),
+        offload_policy=CPUOffloadPolicy() if offload_params else OffloadPolicy(),
+    )
+    units = list(layers) + [model]
+    for unit in units:
+        if param_init_fn is not None and _has_meta_params(unit):
+            param_init_fn(unit)
+        if _has_meta_params(unit) and param_init_fn is None and unit is model:
+            # A model left on meta by the caller: FSDP would shard meta tensors silently.
+            raise ConfigError(
+                "fully_shard_model: the model has parameters on the meta device and no "
+                "param_init_fn; pass DelayedParamIniter(model).get_param_init_fn()"
+            )
+        check_empty_shards(unit, shard_size, allow_empty_shards)
+        attributes = _param_attributes(unit)
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and unit is not model,
+                    **common)
+        _restore_param_attributes(unit, attributes)
+    _set_prefetch(layers, forward_prefetch, backward_prefetch)
+    return model
+
+
+def _has_meta_params(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _set_prefetch(layers: List[torch.nn.Module], forward: int, backward: int) -> None:
+    if forward < 0 or backward < 0:
+        raise ConfigError("FSDP prefetch distances must be >= 0")
+    for index, layer in enumerate(layers):
+        if forward:
+            layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward]))
+        if backward > 1:
+            earlier = layers[max(0, index - backward) : index]
+            layer.set_modules_to_backward_prefetch(list(reversed(earlier)))
+
+
+class CacheFlushMonitor:
+    """SMP's `fsdp_cache_flush_warnings`: warn when the CUDA caching allocator had to free its
+    cache and retry an allocation (`num_alloc_retries` grew) during a step, which stalls
+    every rank. Devices without a caching allocator (CPU) have nothing to flush."""
+
+    def __init__(self, device: torch.device, stats_fn: Optional[Callable[[], dict]] = None):
+        self.device = device
+        if stats_fn is None and device.type == "cuda":
+            stats_fn = lambda: torch.cuda.memory_stats(device)  # noqa: E731
+        self.stats_fn = stats_fn
+        self.retries = self._read()
+        self.warnings = 0
+
+    def _read(self) -> int:
+        if self.stats_fn is None:
+            return 0
+        return int(self.stats_fn().get("num_alloc_retries", 0))
+
+    def check(self) -> int:
+        """New cache flushes since the last check (warned about once per check)."""
+        retries = self._read()
+        new = retries - self.retries
+        self.retries = retries
+        if new > 0:
+            self.warnings += 1
+            warnings.warn(
+                f"{new} CUDA caching-allocator flush(es) during the last step: memory is "
+                "nearly full and allocations stall; lower the micro-batch size, enable "
+                "activation checkpointing/offloading, or shard over more ranks",
+                RuntimeWarning,
+            )
+        return new
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """The training loop's FSDP2 chunk: the same interface as our DDP wrapper.
+
+    forward(*args) is the model's. Grads are reduce-scattered during backward, once per
+    microbatch into the sharded `.grad` (accumulation happens on shards: gathering unsharded
+    grads over microbatches would cost the memory sharding saves), so `no_sync()` has nothing
+    to defer and `finish_grad_sync()` nothing to wait for (FSDP2's root post-backward waits).
+    """
+
+    def __init__(self, module: torch.nn.Module, state, *, param_dtype=None,
+                 reshard_after_forward: bool = True, cache_flush_warnings: bool = False,
+                 **kwargs) -> None:
+        super().__init__()
+        self.module = fully_shard_model(module, state, param_dtype=param_dtype,
+                                        reshard_after_forward=reshard_after_forward, **kwargs)
+        self.state = state
+        self.cache_flush_monitor = (
+            CacheFlushMonitor(state.device) if cache_flush_warnings else None
+        )
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def finish_grad_sync(self) -> None:
+        if self.cache_flush_monitor is not None:
+            self.cache_flush_monitor.check()
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def is_fsdp_model(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "CacheFlushMonitor",
+    "fully_shard_model",
+    "check_empty_shards",
+    "mixed_precision_policy",
+    "language_model",
+    "transformer_layers",
+    "local_tensor",
+    "shard_row_offset",
+    "is_fsdp_model",
+]

@@ -1,0 +1,54 @@
+"""The optimizer of an FSDP2-sharded model: a torch optimizer over the sharded fp32 params.
+
+FSDP2's sharded parameters are fp32 DTensors (the main params: mixed precision casts them to
+bf16 only when gathering), and their `.grad` are the reduce-scattered fp32 shards, so the
+step is FP32Optimizer's on shards. What differs is the statistics: each rank holds rows of
+each TP-local tensor, so the grad norm and the zero count sum the local shards over the FSDP
+shard group (replicas of hybrid sharding hold the same rows and are not added again) and
+over tp x pp as usual, skipping TP-replicated params on tp ranks other than 0.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from megatron_smp.optimizer.clip_grads import (
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron_smp.optimizer.optimizer import FP32Optimizer
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron_smp.distributed.fsdp import local_tensor
+
+    return local_tensor(tensor)
+
+
+class FSDPOptimizer(FP32Optimizer):
+    """FP32Optimizer over FSDP2's sharded params (see the module docstring)."""
+
+    grads_sharded_over_dp = True
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        # The local shards: clipping scales them in place, which scales the DTensor grads.
+        return [_local(p.grad) for _, p in self.param_pairs if p.grad is not None]
+
+    def _grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        dense = []
+        for param, _ in self.param_pairs:
+            if param.grad is None or not param_is_not_shared(param):
+                continue
+            if not param_is_not_tensor_parallel_duplicate(param, self.state.tp_rank):
+                continue
+            dense.append(_local(param.grad))
+        return dense, []
+
+    def _norm_groups(self):
+        state = self.state
+        groups = [state.model_parallel_group, state.fsdp_shard_group]
+        return groups, groups
+
+
+__all__ = ["FSDPOptimizer"]
