@@ -52,7 +52,7 @@ def _model(**changes):
     ({"cp_comm_type": "a2a"}, 1, 4, 32, r"--num-query-groups \(2\) must be divisible"),
     ({"cp_comm_type": "a2a"}, 2, 2, 32, r"tensor-model-parallel-size x context-parallel"),
     ({"attention_dropout": 0.1}, 1, 2, 32, "--attention-dropout 0.1 with --cp-comm-type p2p"),
-    ({"cp_comm_type": "ring"}, 1, 2, 32, "--cp-comm-type must be p2p, all_gather or a2a"),
+    ({"cp_comm_type": "ring"}, 1, 2, 32, "--cp-comm-type must be one of p2p, all_gather, a2a"),
     ({"sequence_parallel": True, "num_query_groups": 4}, 4, 2, 36,
      r"--seq-length \(36\) must be divisible by tensor-model-parallel-size x context-par"),
 ])
@@ -85,7 +85,7 @@ def test_flags_and_smp_keys_fill_cp_comm_type(monkeypatch):
                                  '"cp_comm_type": "all_gather"}'])
     assert configs.model.cp_comm_type == "all_gather"
     assert configs.parallel.context_parallel_size == 4
-    with pytest.raises(ConfigError, match="cp_comm_type must be p2p, all_gather or a2a"):
+    with pytest.raises(ConfigError, match="cp_comm_type must be one of p2p, all_gather, a2a"):
         parse_args(base + ["--smp-config", '{"cp_comm_type": "ring"}'])
     with pytest.raises(ConfigError, match="--reset-attention-mask .* needs --cp-comm-type all"):
         validate_configs(parse_args(base + ["--context-parallel-size", "2",
