@@ -68,6 +68,11 @@ def _child(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
+        # gloo's init returns on a rank once its own connections are up, while a peer may
+        # still be completing its side: a body that fails at once (a ConfigError test) would
+        # close this rank's sockets under that peer's init. Nobody leaves the barrier before
+        # every rank has finished init.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:

@@ -1,7 +1,7 @@
 """SMP-style save / async_save / maybe_finalize_async_calls / load on two gloo ranks."""
 import os
 import shutil
-import time
+import threading
 
 import pytest
 import torch
@@ -43,6 +43,19 @@ def _values(state_dict, tensors):
     }
 
 
+def hold_writer(queue):
+    """Occupy `queue`'s single writer thread until the returned event is set. Requests run in
+    order, so a save scheduled meanwhile neither stages nor writes before then -- however
+    slowly this process is scheduled, unlike a sleep in the writer."""
+    from megatron_smp.distributed.checkpoint import AsyncRequest
+
+    released = threading.Event()
+    # The time limit only spares a failed test a hang at interpreter exit.
+    queue.schedule_async_request(
+        AsyncRequest(async_fn=lambda: released.wait(60), description="held writer"))
+    return released
+
+
 def _error(fn):
     from megatron_smp.distributed.checkpoint import CheckpointError
 
@@ -57,7 +70,6 @@ def _engine(rank, world_size, root):
     import torch.distributed as dist
 
     from megatron_smp.distributed import checkpoint as dcp
-    from megatron_smp.distributed.checkpoint.storage import TEST_WRITE_DELAY_ENV
 
     out = {}
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
@@ -70,23 +82,22 @@ def _engine(rank, world_size, root):
     dcp.load(template, checkpoint_id=sync_path)
     out["sync"] = _values(template, tensors)
 
-    # Asynchronous: returns while the writer sleeps between items; training then modifies the
-    # tensors, which must not reach the checkpoint.
-    os.environ[TEST_WRITE_DELAY_ENV] = "0.2"
+    # Asynchronous: returns while the writer is held (call 0), so nothing of the save (call 1)
+    # is written before the checks below; training then modifies the tensors, which must not
+    # reach the checkpoint.
+    released = hold_writer(dcp.DEFAULT_ASYNC_QUEUE)
     finalized_flags = []
-    start = time.perf_counter()
     dcp.async_save(
         saved, checkpoint_id=async_path, finalize_fns=[lambda: finalized_flags.append(1)]
     )
-    out["async_return_s"] = time.perf_counter() - start
     for t in saved_tensors.values():
         t.add_(1000)
     out["metadata_before_finalize"] = os.path.exists(os.path.join(async_path, ".metadata"))
     out["nonblocking"] = dcp.maybe_finalize_async_calls(blocking=False)
     out["finalized_before"] = list(finalized_flags)
+    released.set()
     out["blocking"] = dcp.maybe_finalize_async_calls(blocking=True)
     out["finalized_after"] = list(finalized_flags)
-    del os.environ[TEST_WRITE_DELAY_ENV]
     template, tensors = _state_dict(rank, fill=False)
     dcp.load(template, checkpoint_id=async_path)
     out["async"] = _values(template, tensors)
@@ -164,10 +175,10 @@ def test_save_load_async_and_errors(tmp_path):
         assert expected["hyper"] == PAYLOAD
         assert out["sync"] == expected, rank
         assert out["async"] == expected, rank
-        # async_save returned before the (slowed-down) write finished.
-        assert out["async_return_s"] < 0.2 and not out["metadata_before_finalize"]
+        # async_save returned before its write, which was held until after these checks.
+        assert not out["metadata_before_finalize"]
         assert out["nonblocking"] == [] and out["finalized_before"] == []
-        assert out["blocking"] == [0] and out["finalized_after"] == [1]
+        assert out["blocking"] == [0, 1] and out["finalized_after"] == [1]
         assert out["dtensor"]
         assert "failed on rank(s) [0, 1]" in out["failed_write"], out["failed_write"]
         assert out["finalized_after_failure"] == [1]
