@@ -188,7 +188,7 @@ def name_of(names: Optional[dict]) -> dict:
 FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
-    "window_size",
+    "window_size", "moe_router_topk", "moe_router_pre_softmax",
 )
 
 
