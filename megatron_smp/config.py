@@ -385,13 +385,6 @@ class TransformerConfig:
                 f"tensor-model-parallel-size x context-parallel-size ({tp * cp}); use "
                 "--cp-comm-type p2p or all_gather",
             )
-        if self.cp_comm_type == "p2p":
-            _require(
-                self.attention_dropout == 0.0,
-                f"--attention-dropout {self.attention_dropout} with --cp-comm-type p2p: ring "
-                "attention has no attention dropout; use --attention-dropout 0 or "
-                "--cp-comm-type all_gather / a2a",
-            )
 
     def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size

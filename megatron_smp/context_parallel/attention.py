@@ -170,13 +170,40 @@ def _tile_scores(q, k, q_positions, k_positions, causal, core):
     return scores
 
 
+def _dropout_masks(dropout_p: float, rng_states):
+    """Attention-dropout masks (keep / (1 - p)) for the tiles, drawn in tile order from the
+    tracker's model-parallel stream as it was at `rng_states`; None without dropout.
+    Backward draws them again from the same states instead of storing them."""
+    if dropout_p == 0.0:
+        return None
+    tracker = get_rng_tracker()
+
+    def draw(like: torch.Tensor) -> torch.Tensor:
+        current = tracker.get_states()
+        tracker.set_states(draw.states)
+        with tracker.fork():
+            keep = torch.rand(like.shape, dtype=like.dtype, device=like.device) >= dropout_p
+        draw.states = tracker.get_states()
+        tracker.set_states(current)
+        return keep.to(like.dtype) / (1.0 - dropout_p)
+
+    draw.states = rng_states
+    return draw
+
+
 class _RingAttentionFunction(torch.autograd.Function):
     """q [b, ng, qpg, s, d], k/v [b, ng, 1, s, d] (fp32, this rank's rows) -> out, same
     shape as q. Forward: KV travels the ring. Backward: KV travels again and dK/dV follow
-    it, each rank adding its queries' share, until they are back with their owner."""
+    it, each rank adding its queries' share, until they are back with their owner.
+
+    Dropout of the attention probabilities (`dropout_p`) applies per tile: the merge by
+    log-sum-exp is unchanged (the lse is that of the undropped scores), and backward uses
+    rowsum(dO * O) of the dropped output, as flash attention does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, core):
+    def forward(ctx, q, k, v, core, dropout_p):
+        rng_states = get_rng_tracker().get_states() if dropout_p > 0.0 else None
+        dropout = _dropout_masks(dropout_p, rng_states)
         size, rank = core.cp_size, core.cp_rank
         local_length = q.shape[-2]
         q_positions = core.positions(local_length, q.device)
@@ -194,6 +221,8 @@ class _RingAttentionFunction(torch.autograd.Function):
                                       k_positions[cols], step == 0, core)
                 block_lse = torch.logsumexp(scores, dim=-1)
                 probs = torch.exp(scores - _finite(block_lse)[..., None])
+                if dropout is not None:
+                    probs = probs * dropout(probs)
                 block_out = torch.matmul(probs, kv[1][..., cols, :])
                 # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
                 old_lse = lse[..., rows]
@@ -206,7 +235,11 @@ class _RingAttentionFunction(torch.autograd.Function):
             _wait(requests)
             if requests:
                 kv = incoming
-        ctx.core = core
+        if dropout is not None:
+            # The stream moves on as if the masks had been drawn in one go, as SDPA's would.
+            tracker = get_rng_tracker()
+            tracker.set_states(dropout.states)
+        ctx.core, ctx.dropout_p, ctx.rng_states = core, dropout_p, rng_states
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -214,6 +247,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         core = ctx.core
+        dropout = _dropout_masks(ctx.dropout_p, ctx.rng_states)
         size, rank = core.cp_size, core.cp_rank
         local_length = q.shape[-2]
         q_positions = core.positions(local_length, q.device)
@@ -237,11 +271,17 @@ class _RingAttentionFunction(torch.autograd.Function):
                 probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
                 d_out = grad_out[..., rows, :]
                 d_probs = torch.matmul(d_out, v_cols.transpose(-1, -2))
+                if dropout is not None:
+                    mask = dropout(probs)
+                    d_probs = d_probs * mask
+                    dropped = probs * mask
+                else:
+                    dropped = probs
                 d_scores = probs * (d_probs - delta[..., rows, None])
                 dq[..., rows, :] += torch.matmul(d_scores, k_cols) * core.scale
                 dk[..., cols, :] += (torch.matmul(d_scores.transpose(-1, -2), q_rows)
                                      * core.scale).sum(2, True)
-                dv[..., cols, :] += torch.matmul(probs.transpose(-1, -2), d_out).sum(2, True)
+                dv[..., cols, :] += torch.matmul(dropped.transpose(-1, -2), d_out).sum(2, True)
             # The dK/dV partial sums of the visiting block arrive from the previous rank
             # (it added its share one step earlier); add ours and pass them on.
             _wait(dkv_requests)
@@ -253,7 +293,7 @@ class _RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         _wait(dkv_requests)
         # After N hops the partial sums are home: the owner's keys, every rank's share.
-        return dq, dkv_incoming[0], dkv_incoming[1], None
+        return dq, dkv_incoming[0], dkv_incoming[1], None, None
 
 
 class RingAttention(_ContextParallelCore):
@@ -261,8 +301,8 @@ class RingAttention(_ContextParallelCore):
 
     Per block the scores are formed in fp32 with matmul + logsumexp (SDPA does not return
     the log-sum-exp the merge needs); the backward recomputes each block from the saved
-    q/k/v/output/lse, as flash attention does. No attention dropout (`TransformerConfig.
-    validate` rejects it with p2p).
+    q/k/v/output/lse, as flash attention does; attention dropout masks are drawn again
+    from the saved RNG state rather than stored. Computes in fp32 (fp64 for fp64 inputs).
     """
 
     def forward(self, query, key, value, attention_mask=None):
@@ -275,10 +315,14 @@ class RingAttention(_ContextParallelCore):
         s, b = query.shape[:2]
         qpg = self.num_heads // self.num_groups
         # [s, b, n, d] -> [b, ng, qpg, s, d]: a query group's heads share one key/value head.
-        q = query.float().permute(1, 2, 0, 3).reshape(b, self.num_groups, qpg, s, self.head_dim)
-        k = key.float().permute(1, 2, 0, 3).unsqueeze(2)
-        v = value.float().permute(1, 2, 0, 3).unsqueeze(2)
-        out = _RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), self)
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        q = query.to(dtype).permute(1, 2, 0, 3).reshape(b, self.num_groups, qpg, s,
+                                                        self.head_dim)
+        k = key.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
+        v = value.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = _RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), self,
+                                           dropout_p)
         out = out.reshape(b, self.num_heads, s, self.head_dim).to(query.dtype)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 

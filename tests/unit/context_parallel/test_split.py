@@ -51,7 +51,6 @@ def _model(**changes):
     ({}, 1, 2, 30, r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size"),
     ({"cp_comm_type": "a2a"}, 1, 4, 32, r"--num-query-groups \(2\) must be divisible"),
     ({"cp_comm_type": "a2a"}, 2, 2, 32, r"tensor-model-parallel-size x context-parallel"),
-    ({"attention_dropout": 0.1}, 1, 2, 32, "--attention-dropout 0.1 with --cp-comm-type p2p"),
     ({"cp_comm_type": "ring"}, 1, 2, 32, "--cp-comm-type must be one of p2p, all_gather, a2a"),
     ({"sequence_parallel": True, "num_query_groups": 4}, 4, 2, 36,
      r"--seq-length \(36\) must be divisible by tensor-model-parallel-size x context-par"),
@@ -67,8 +66,9 @@ def test_context_parallel_settings_that_work():
     for comm_type in ("p2p", "all_gather", "a2a"):
         parallel = ParallelConfig(tensor_model_parallel_size=1, context_parallel_size=2)
         _model(cp_comm_type=comm_type, window_size=(7, 0)).validate(parallel, 32)
-    _model(cp_comm_type="all_gather", attention_dropout=0.1).validate(
-        ParallelConfig(context_parallel_size=4), 64)
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        _model(cp_comm_type=comm_type, attention_dropout=0.1, num_query_groups=4).validate(
+            ParallelConfig(context_parallel_size=4), 64)
 
 
 def test_flags_and_smp_keys_fill_cp_comm_type(monkeypatch):
