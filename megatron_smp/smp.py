@@ -25,10 +25,10 @@ from megatron_smp.config import (
 from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
 
 # key: (type, default). SMP v2's documented keys first, then ours. Defaults follow the
-# reference except `sm_activation_offloading`, off until activation offloading exists.
+# reference.
 _SMP_KEYS: Dict[str, tuple] = {
     "hybrid_shard_degree": (int, 0),
-    "sm_activation_offloading": (bool, False),
+    "sm_activation_offloading": (bool, True),
     "activation_loading_horizon": (int, 2),
     "fsdp_cache_flush_warnings": (bool, True),
     "allow_empty_shards": (bool, False),
@@ -43,11 +43,12 @@ _SMP_KEYS: Dict[str, tuple] = {
 
 # Keys whose capability does not exist yet: giving them at all is an error (their defaults
 # describe what happens without them).
-_NOT_SUPPORTED_YET_KEYS = {
-    "activation_loading_horizon": "activation offloading",
-    "fsdp_cache_flush_warnings": "sharded data parallelism (FSDP)",
-    "allow_empty_shards": "sharded data parallelism (FSDP)",
-}
+_NOT_SUPPORTED_YET_KEYS: Dict[str, str] = {}
+
+# Keys read by `smp.fully_shard` in a script of the user's own; the training scripts
+# (--smp-config) do not take them.
+FSDP_SCRIPT_KEYS = ("sm_activation_offloading", "activation_loading_horizon",
+                    "fsdp_cache_flush_warnings", "allow_empty_shards")
 
 # How ParallelConfig validation names its fields for SMP users.
 SMP_NAMES = {
@@ -143,9 +144,11 @@ def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tupl
         if key in _NOT_SUPPORTED_YET_KEYS:
             raise not_supported(f"smp config key {key}", _NOT_SUPPORTED_YET_KEYS[key])
         values[key] = value
-    if values["sm_activation_offloading"]:
-        raise not_supported("smp config key sm_activation_offloading: true",
-                            "activation offloading")
+    if values["activation_loading_horizon"] < 1:
+        raise ConfigError(
+            "smp config: activation_loading_horizon must be a positive integer, got "
+            f"{values['activation_loading_horizon']}"
+        )
     return set(user), values
 
 
@@ -425,6 +428,10 @@ def transform(
     overrides.setdefault("fp16", dtype == torch.float16)
     transformer_config = transformer_config.replace(**overrides)
     device = torch.device(device) if device is not None else parallel_state.device
+    if _has_meta(model) and not load_state_dict_from_rank0:
+        # Delayed initialisation: the transformed model stays on the meta device too, and
+        # DelayedParamIniter materialises it shard by shard (see smp.fully_shard).
+        device = torch.device("meta")
 
     seed = moe_config.random_seed if moe_config is not None else None
     with init_rng_scope(seed):
@@ -467,5 +474,60 @@ def _comm_device(device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
+def fully_shard(
+    model: torch.nn.Module,
+    *,
+    mixed_precision: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    param_init_fn=None,
+    activation_checkpointing: bool = False,
+    activation_offloading: bool = False,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    cpu_offload: bool = False,
+) -> torch.nn.Module:
+    """Shard a `transform`ed model with FSDP2 as the `init` keys say (SMP v2's FSDP step).
+
+    * `hybrid_shard_degree`: 0 shards over all data x context-parallel ranks, 1 replicates,
+      N shards within groups of N ranks and replicates across them (on a 2-D mesh).
+    * `allow_empty_shards`: false refuses a parameter some shard rank would hold none of.
+    * `fsdp_cache_flush_warnings`: warn when the CUDA allocator flushed its cache in a step.
+    * `activation_offloading` (with checkpointing): `sm_activation_offloading` true moves each
+      checkpointed layer's saved inputs to host memory, at most `activation_loading_horizon`
+      layers loaded back at once; false uses torch's own `offload_wrapper` (every saved
+      tensor to host, no horizon).
+    `mixed_precision`: the compute dtype (bf16) over fp32 sharded params, fp32 reduction.
+    `param_init_fn`: `DelayedParamIniter(model).get_param_init_fn()` for a meta model.
+    Returns the sharded model (the same object, or torch's offload wrapper around it).
+    """
+    from megatron_smp.distributed.activation_offload import ActivationOffloader
+    from megatron_smp.distributed.fsdp import fully_shard_model
+
+    if not _initialized:
+        init()
+    offloader = None
+    native_offload = False
+    if activation_offloading:
+        if state.sm_activation_offloading:
+            offloader = ActivationOffloader(state.activation_loading_horizon)
+        else:
+            native_offload = True
+    model = fully_shard_model(
+        model, state.parallel_state, param_dtype=mixed_precision,
+        reshard_after_forward=reshard_after_forward, offload_params=cpu_offload,
+        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+        allow_empty_shards=state.allow_empty_shards, param_init_fn=param_init_fn,
+        activation_checkpointing=activation_checkpointing or activation_offloading,
+        activation_offloader=offloader,
+        cache_flush_warnings=state.fsdp_cache_flush_warnings,
+    )
+    model.activation_offloader = offloader
+    if native_offload:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
+
+        model = offload_wrapper(model)
+    return model
+
+
 __all__ = ["init", "is_initialized", "state", "transform", "TransformedModel", "SMPState",
-           "MoEConfig"]
+           "MoEConfig", "fully_shard"]

@@ -176,8 +176,17 @@ def describe(
 ) -> Optional[ShardedTensorView]:
     """`flat` holds elements [start, start + numel) of the TP-local tensor: its global view.
 
-    None when nothing of it is in the checkpoint (e.g. only vocab padding rows).
+    None when nothing of it is in the checkpoint (e.g. only vocab padding rows). An FSDP2
+    DTensor (a parameter or its optimizer state) holds a run of dim-0 rows of the TP-local
+    tensor, i.e. one flat range: its local shard is described from that range's start.
     """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(flat, DTensor):
+        from megatron_smp.distributed.fsdp import shard_row_offset
+
+        start += shard_row_offset(flat) * math.prod(flat.shape[1:])
+        flat = flat.to_local()
     flat = flat.reshape(-1)
     chunks = []
     for block_start, sizes in flat_range_blocks(start, start + flat.numel(), layout.local_shape):

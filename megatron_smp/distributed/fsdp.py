@@ -146,6 +146,7 @@ def fully_shard_model(
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     activation_checkpointing: bool = False,
     activation_offloader=None,
+    cache_flush_warnings: bool = False,
     layers: Optional[List[torch.nn.Module]] = None,
 ) -> torch.nn.Module:
     """Apply FSDP2 to `model` in place (each layer, then the root); returns `model`.
@@ -165,6 +166,8 @@ def fully_shard_model(
       unsharded layer besides its shards.
     * `activation_checkpointing` / `activation_offloader`: recompute each layer in backward
       (and move its saved inputs to host memory), see `distributed.activation_offload`.
+    * `cache_flush_warnings`: SMP's `fsdp_cache_flush_warnings` (`CacheFlushMonitor`,
+      checked at each forward of the root, i.e. once per microbatch).
     * `layers`: the units (default: the GPTModel's decoder layers).
 
     The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a layer with fewer rows
@@ -211,6 +214,10 @@ def fully_shard_model(
                     **common)
         _restore_param_attributes(unit, attributes)
     _set_prefetch(layers, forward_prefetch, backward_prefetch)
+    if cache_flush_warnings:
+        monitor = CacheFlushMonitor(state.device)
+        model.cache_flush_monitor = monitor
+        model.register_forward_pre_hook(lambda module, args: monitor.check())
     return model
 
 
@@ -273,15 +280,11 @@ class FullyShardedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, state, *, param_dtype=None,
-                 reshard_after_forward: bool = True, cache_flush_warnings: bool = False,
-                 **kwargs) -> None:
+                 reshard_after_forward: bool = True, **kwargs) -> None:
         super().__init__()
         self.module = fully_shard_model(module, state, param_dtype=param_dtype,
                                         reshard_after_forward=reshard_after_forward, **kwargs)
         self.state = state
-        self.cache_flush_monitor = (
-            CacheFlushMonitor(state.device) if cache_flush_warnings else None
-        )
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -291,8 +294,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         yield
 
     def finish_grad_sync(self) -> None:
-        if self.cache_flush_monitor is not None:
-            self.cache_flush_monitor.check()
+        pass
 
     def zero_grad_buffer(self) -> None:
         self.module.zero_grad(set_to_none=True)
@@ -302,6 +304,66 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def validate_fsdp_configs(configs) -> None:
+    """The training scripts' FSDP2 settings (pure; on every rank before any collective):
+    what --use-torch-fsdp2 cannot be combined with, and hybrid_shard_degree >= 2 without it."""
+    parallel, optimizer = configs.parallel, configs.optimizer
+    names = getattr(configs, "setting_names", {}) or {}
+    hybrid = names.get("hybrid_shard_degree", "hybrid_shard_degree (--smp-config)")
+    if not parallel.use_torch_fsdp2:
+        if parallel.hybrid_shard_degree >= 2:
+            raise ConfigError(
+                f"{hybrid} = {parallel.hybrid_shard_degree} shards the model with FSDP2: add "
+                "--use-torch-fsdp2 (or use 0/1 with --use-distributed-optimizer to shard only "
+                "the optimizer state)"
+            )
+        if not parallel.torch_fsdp2_reshard_after_forward:
+            raise ConfigError("--no-torch-fsdp2-reshard-after-forward needs --use-torch-fsdp2")
+        return
+    conflicts = [
+        (parallel.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1",
+         "FSDP2 wraps one model chunk here; pipeline stages need our DDP"),
+        (optimizer.use_distributed_optimizer, "--use-distributed-optimizer",
+         "FSDP2 already shards optimizer state; drop one of them"),
+        (optimizer.overlap_param_gather, "--overlap-param-gather",
+         "FSDP2 prefetches its all-gathers itself"),
+        (optimizer.overlap_grad_reduce, "--overlap-grad-reduce",
+         "FSDP2 always overlaps its reduce-scatters with backward"),
+        (optimizer.ddp_bucket_size is not None, "--ddp-bucket-size",
+         "FSDP2 reduces one layer per collective"),
+        (optimizer.ddp_average_in_collective, "--ddp-average-in-collective",
+         "FSDP2 always averages in its reduce-scatter"),
+        (optimizer.fp16, "--fp16", "use --bf16 (fp16 loss scaling of sharded grads is not "
+         "built)"),
+        (getattr(configs.model, "num_moe_experts", None) is not None, "--num-experts",
+         "expert grads reduce over the expert-data-parallel group; use our DDP"),
+        (configs.checkpoint.ckpt_format != "torch_dist", "--ckpt-format torch",
+         "FSDP2 checkpoints are distributed (torch_dist)"),
+    ]
+    for conflict, flag, why in conflicts:
+        if conflict:
+            raise ConfigError(f"--use-torch-fsdp2 does not combine with {flag}: {why}")
+
+
+def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullyShardedDataParallel:
+    """The training loop's model under --use-torch-fsdp2: built in fp32 (FSDP2's sharded
+    params are the optimizer's main params), gathered in the run's bf16 for compute."""
+    import dataclasses
+
+    params_dtype = configs.model.params_dtype
+    fp32_configs = dataclasses.replace(
+        configs, model=dataclasses.replace(configs.model, params_dtype=torch.float32)
+    )
+    chunk = model_provider(fp32_configs, state, pre_process=True, post_process=True)
+    chunk.to(state.device)
+    parallel = configs.parallel
+    return FullyShardedDataParallel(
+        chunk, state,
+        param_dtype=None if params_dtype == torch.float32 else params_dtype,
+        reshard_after_forward=parallel.torch_fsdp2_reshard_after_forward,
+    )
 
 
 def is_fsdp_model(model: torch.nn.Module) -> bool:
@@ -319,4 +381,6 @@ __all__ = [
     "local_tensor",
     "shard_row_offset",
     "is_fsdp_model",
+    "validate_fsdp_configs",
+    "build_fsdp_model_chunk",
 ]

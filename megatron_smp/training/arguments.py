@@ -142,6 +142,12 @@ _FLAGS: List[_Flag] = [
     _f("--pipeline-timeline", "parallel", metavar="PATH",
        help="Chrome trace of the pipeline schedule, PATH.rank<r>.json per rank"),
     _f("--use-distributed-optimizer", "optimizer", action="store_true"),
+    _f("--use-torch-fsdp2", "parallel", action="store_true",
+       help="shard params, grads and optimizer state with PyTorch FSDP2 (over groups of "
+       "hybrid_shard_degree ranks with --smp-config, default all data-parallel ranks)"),
+    _f("--no-torch-fsdp2-reshard-after-forward", "parallel",
+       "torch_fsdp2_reshard_after_forward", action="store_false",
+       help="FSDP2: keep each layer's gathered params from forward to backward"),
     _f("--overlap-grad-reduce", "optimizer", action="store_true"),
     _f("--overlap-param-gather", "optimizer", action="store_true"),
     _f("--ddp-bucket-size", "optimizer", type=int),
@@ -271,7 +277,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--use-torch-fsdp2": "sharded data parallelism (FSDP2)",
     "--use-megatron-fsdp": "sharded data parallelism (FSDP2)",
     "--data-parallel-sharding-strategy": "sharded data parallelism (FSDP2)",
     "--log-params-norm": "a parameter-norm log field",
@@ -367,6 +372,14 @@ def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]],
         except json.JSONDecodeError as error:
             raise ConfigError(f"--smp-config is not valid JSON: {error}") from None
     given, values = read_smp_keys(source)
+    from megatron_smp.smp import FSDP_SCRIPT_KEYS
+
+    script_only = sorted(given & set(FSDP_SCRIPT_KEYS))
+    if script_only:
+        raise ConfigError(
+            f"--smp-config keys {script_only} configure smp.fully_shard in a script of your own "
+            "(see scripts/train_smp_fsdp.py); the training scripts do not read them: drop them"
+        )
     for key in given & set(_SMP_TO_FLAGS):
         section, name = _SMP_TO_FLAGS[key]
         sections[section][name] = values[key]
@@ -480,6 +493,9 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--train-iters must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     training.num_microbatches(data_parallel_size)
+    from megatron_smp.distributed.fsdp import validate_fsdp_configs
+
+    validate_fsdp_configs(configs)
     if parallel.pipeline_model_parallel_size > 1:
         from megatron_smp.pipeline_parallel.stages import validate_pipeline_configs
 

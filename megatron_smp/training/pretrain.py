@@ -82,9 +82,14 @@ class _Run:
 def build_model_chunks(
     model_provider: Callable, configs: Configs, state: ParallelState
 ) -> List[torch.nn.Module]:
-    """This rank's model chunk(s), on the device, wrapped for data parallelism."""
+    """This rank's model chunk(s), on the device, wrapped for data parallelism: our DDP, or
+    FSDP2 with --use-torch-fsdp2."""
     from megatron_smp.distributed import DistributedDataParallel
 
+    if configs.parallel.use_torch_fsdp2:
+        from megatron_smp.distributed.fsdp import build_fsdp_model_chunk
+
+        return [build_fsdp_model_chunk(model_provider, configs, state)]
     if state.pp_size > 1:
         from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
 

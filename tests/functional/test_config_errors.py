@@ -17,7 +17,9 @@ NOT_YET = {
     "cp": (["--context-parallel-size", "2", "--seq-length", "34", "--max-position-embeddings",
             "34"], "--seq-length (34) must be divisible by 2 x --context-parallel-size (4)"),
     "smp_offloading": (["--smp-config", '{"sm_activation_offloading": true}'],
-                       "sm_activation_offloading: true is not supported yet"),
+                       "configure smp.fully_shard in a script of your own"),
+    "fsdp_distopt": (["--use-torch-fsdp2", "--use-distributed-optimizer"],
+                     "--use-torch-fsdp2 does not combine with --use-distributed-optimizer"),
 }
 
 

@@ -128,7 +128,6 @@ NOT_YET = [
     ("--moe-router-score-function sigmoid", "--moe-router-score-function"),
     ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias"),
     ("--hierarchical-context-parallel-sizes 2 2", "--hierarchical-context-parallel-sizes"),
-    ("--use-torch-fsdp2", "--use-torch-fsdp2"),
     ("--log-params-norm", "--log-params-norm"),
     ("--wandb-project proj", "--wandb-project"),
     ("--use-checkpoint-args", "--use-checkpoint-args"),
@@ -147,36 +146,63 @@ def test_degree_one_of_missing_capabilities_is_fine():
     assert configs.parallel.context_parallel_size == 1
 
 
-NOT_YET_SMP = [
-    ({"hybrid_shard_degree": 2}, "hybrid_shard_degree.* = 2"),
-    ({"sm_activation_offloading": True}, "sm_activation_offloading"),
-    ({"activation_loading_horizon": 2}, "activation_loading_horizon"),
-    ({"fsdp_cache_flush_warnings": False}, "fsdp_cache_flush_warnings"),
-    ({"allow_empty_shards": True}, "allow_empty_shards"),
+FSDP_SCRIPT_KEYS = [
+    {"sm_activation_offloading": True}, {"activation_loading_horizon": 3},
+    {"fsdp_cache_flush_warnings": False}, {"allow_empty_shards": True},
 ]
 
 
-@pytest.mark.parametrize("keys, name", NOT_YET_SMP)
-def test_smp_keys_of_missing_capabilities_are_errors(keys, name, monkeypatch):
+@pytest.mark.parametrize("keys", FSDP_SCRIPT_KEYS)
+def test_smp_fsdp_script_keys_are_read_by_init_not_by_training_scripts(keys, monkeypatch):
     import json
 
     from megatron_smp.smp import parse_smp_config
 
+    _, values, _ = parse_smp_config(keys, 4)  # what smp.init runs before any collective
+    assert all(values[k] == v for k, v in keys.items())
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=f"{name}.*not supported yet"):
+    with pytest.raises(ConfigError, match=f"{next(iter(keys))}.*smp.fully_shard"):
         parse(BASE + ["--smp-config", json.dumps(keys), "--global-batch-size", "8"])
-    with pytest.raises(ConfigError, match=f"{name}.*not supported yet"):
-        parse_smp_config(keys, 4)  # what smp.init runs before any collective
 
 
-def test_smp_defaults_and_replicating_shard_degrees_are_accepted():
+def test_smp_defaults_and_shard_degrees_are_accepted():
     from megatron_smp.smp import parse_smp_config
 
     for keys in ({}, {"hybrid_shard_degree": 0}, {"hybrid_shard_degree": 1},
-                 {"sm_activation_offloading": False}):
-        _, values, parallel = parse_smp_config(keys, 2)
-        assert values["sm_activation_offloading"] is False
+                 {"hybrid_shard_degree": 2}, {"sm_activation_offloading": False}):
+        _, values, parallel = parse_smp_config(keys, 4)
+        assert values["sm_activation_offloading"] is keys.get("sm_activation_offloading", True)
+        assert values["activation_loading_horizon"] == 2
         assert parallel.hybrid_shard_degree == keys.get("hybrid_shard_degree", 0)
+    with pytest.raises(ConfigError, match=r"hybrid_shard_degree \(3\) must .* divide"):
+        parse_smp_config({"hybrid_shard_degree": 3}, 4)
+    with pytest.raises(ConfigError, match="activation_loading_horizon must be a positive"):
+        parse_smp_config({"activation_loading_horizon": 0}, 4)
+
+
+FSDP_CONFLICTS = [
+    ("--use-distributed-optimizer", "--use-distributed-optimizer"),
+    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size > 1"),
+    ("--overlap-grad-reduce", "--overlap-grad-reduce"),
+    ("--fp16", "--fp16"),
+    ("--ckpt-format torch", "--ckpt-format torch"),
+]
+
+
+@pytest.mark.parametrize("extra, name", FSDP_CONFLICTS)
+def test_use_torch_fsdp2_conflicts_are_errors(extra, name, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=f"--use-torch-fsdp2 does not combine with {name}"):
+        parse(BASE + ["--use-torch-fsdp2", "--global-batch-size", "8"] + extra.split())
+
+
+def test_hybrid_shard_degree_in_training_scripts_needs_use_torch_fsdp2(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="hybrid_shard_degree.* = 2 .* add --use-torch-fsdp2"):
+        parse(BASE + ["--smp-config", '{"hybrid_shard_degree": 2}', "--global-batch-size", "8"])
+    configs = parse(BASE + ["--smp-config", '{"hybrid_shard_degree": 2}',
+                            "--global-batch-size", "8", "--use-torch-fsdp2"])
+    assert configs.parallel.use_torch_fsdp2 and configs.parallel.hybrid_shard_degree == 2
 
 
 def test_smp_degrees_are_named_by_their_keys(monkeypatch):
