@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_smp.config import (
     CP_COMM_TYPES, ConfigError, ParallelConfig, TransformerConfig, not_supported,
 )
+from megatron_smp.distributed.checkpoint.agreement import collective_device
 from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
 
 # key: (type, default). SMP v2's documented keys first, then ours. Defaults follow the
@@ -449,7 +450,9 @@ def transform(
                         "parameters on the meta device; rank 0 must hold real weights"
                     )
                 full = adapter.from_hf(model.state_dict(), transformer_config)
-            full = _broadcast_state_dict(full, 0, parallel_state.tp_group, _comm_device(device))
+            full = _broadcast_state_dict(
+                full, 0, parallel_state.tp_group, collective_device(parallel_state.tp_group)
+            )
         elif not _has_meta(model):
             full = adapter.from_hf(model.state_dict(), transformer_config)
     elif not _has_meta(model):
@@ -465,13 +468,6 @@ def transform(
         module.load_state_dict(shard, strict=True)
 
     return TransformedModel(module, family)
-
-
-def _comm_device(device: torch.device) -> torch.device:
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def fully_shard(

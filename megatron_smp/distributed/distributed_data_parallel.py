@@ -17,16 +17,11 @@ import torch.distributed as dist
 
 from megatron_smp.config import OptimizerConfig
 from megatron_smp.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron_smp.tensor_parallel.utils import is_expert_param
 
 # Megatron's default when overlapping: large enough to keep the link busy, and at least
 # 1M elements per data-parallel rank so each shard is not tiny.
 _DEFAULT_BUCKET_SIZE = 40_000_000
-
-
-def _is_expert_param(param: torch.nn.Parameter) -> bool:
-    # Expert weights differ across expert-parallel ranks; their grads are reduced only
-    # among the replicas holding the same experts.
-    return not getattr(param, "allreduce", True)
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -65,7 +60,8 @@ class DistributedDataParallel(torch.nn.Module):
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if config.accumulate_allreduce_grads_in_fp32 else param.dtype
-            target = expert if _is_expert_param(param) else dense
+            # Expert grads are reduced only among the replicas holding the same experts.
+            target = expert if is_expert_param(param) else dense
             target.setdefault((param.dtype, grad_dtype), []).append(param)
 
         # Loss is averaged over all dp x cp replicas. Expert grads are summed over fewer

@@ -15,15 +15,30 @@ reduce-scatter of the distributed optimizer delivers and its all-gather collects
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on older releases.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megatron_smp.tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
+
+
+def release_freed_host_memory() -> None:
+    """Return the free pages of the host heap to the OS (glibc only; elsewhere a no-op).
+
+    Once a tensor of up to 32 MiB has been freed, glibc serves tensors of that size from its
+    heap and keeps freed heap memory resident. Building a model leaves its init temporaries
+    there, and moving the params into a buffer frees their old storage: together one to two
+    copies of the params (400-800 MiB for a 105M fp32 model), resident for the whole run
+    unless returned.
+    """
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    malloc_trim(0)
 
 
 def pad_to_multiple(size: int, multiple: int) -> int:
@@ -120,7 +135,7 @@ class Bucket:
         if buffer.data_parallel_world_size == 1:
             self.grad_reduce_handle = _DONE
         elif buffer.use_distributed_optimizer and not buffer.reduce_scatter_by_all_reduce:
-            handle = _reduce_scatter(
+            handle = _reduce_scatter_single(
                 self.shard(self.grad_data), self.grad_data, op=op,
                 group=buffer.data_parallel_group, async_op=async_op,
             )
@@ -163,15 +178,27 @@ class Bucket:
 
     # Parameters ------------------------------------------------------------------------------
     def start_param_sync(self, async_op: bool) -> None:
-        """All-gather the updated shards of every rank into `param_data`."""
+        """Gather the updated shard of every rank into `param_data`, in place."""
         buffer = self.buffer
         if buffer.data_parallel_world_size == 1:
             return
-        handle = _all_gather(
-            self.param_data, self.shard(self.param_data),
-            group=buffer.data_parallel_group, async_op=async_op,
-        )
-        self.param_gather_handle = handle if async_op else None
+        if buffer.param_gather_by_broadcast:
+            shards = self.param_data.view(buffer.data_parallel_world_size, -1)
+            handle = _Handles([
+                dist.broadcast(
+                    shards[rank], src=source, group=buffer.data_parallel_group, async_op=True
+                )
+                for rank, source in enumerate(buffer.data_parallel_global_ranks)
+            ])
+        else:
+            handle = _all_gather_single(
+                self.param_data, self.shard(self.param_data),
+                group=buffer.data_parallel_group, async_op=True,
+            )
+        if async_op:
+            self.param_gather_handle = handle
+        else:
+            handle.wait()
 
     def finish_param_sync(self) -> None:
         if self.param_gather_handle is not None:
@@ -187,6 +214,17 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+class _Handles:
+    """One handle for several collectives in flight."""
+
+    def __init__(self, handles: List):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 class ParamAndGradBuffer:
@@ -229,6 +267,15 @@ class ParamAndGradBuffer:
         self.reduce_scatter_by_all_reduce = (
             use_distributed_optimizer and dist.get_backend(data_parallel_group) == "gloo"
         )
+        # gloo's all-gather stages its whole output in a temporary of the bucket's size and
+        # copies it out (+400 MiB per step for a 105M-param fp32 bucket) and is slower than
+        # broadcasting each rank's shard in place (105M fp32: 0.13 vs 0.6 s at DP=2, 0.45 vs
+        # 2.0 s at DP=4). NCCL's all-gather writes into param_data directly.
+        self.param_gather_by_broadcast = dist.get_backend(data_parallel_group) == "gloo"
+        self.data_parallel_global_ranks = [
+            dist.get_global_rank(data_parallel_group, rank)
+            for rank in range(self.data_parallel_world_size)
+        ]
         self.param_names = dict(param_names or {})
         # Test/trace hook: called with the bucket whenever its reduction is launched.
         self.on_grad_sync_start = None
@@ -267,12 +314,15 @@ class ParamAndGradBuffer:
         self.numel_unpadded = sum(p.numel() for p in ordered)
 
         # Params move into the buffer (freeing their old storage) before the grad buffer is
-        # allocated, so construction peaks at two copies of the params, not three.
+        # allocated, so construction peaks at two copies of the params, not three (on the
+        # host only if the freed memory is returned first).
+        release_freed_host_memory()
         self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
         for param, (start, end, _) in self.param_index_map.items():
             view = self.param_data[start:end].view(param.shape)
             view.copy_(param.data)
             param.data = view
+        release_freed_host_memory()
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         for param, (start, end, _) in self.param_index_map.items():
             param.main_grad = self.grad_data[start:end].view(param.shape)

@@ -225,7 +225,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 if model_param.dtype in HALF_DTYPES:
                     model_float16.append(model_param)
                     shard_float16.append(shard_model_param)
-                    shard_main.append(shard_model_param.clone().float())
+                    shard_main.append(shard_model_param.float())
                 elif model_param.dtype == torch.float32:
                     model_fp32.append(model_param)
                     shard_fp32.append(shard_model_param)

@@ -21,6 +21,7 @@ from megatron_smp.optimizer.clip_grads import (
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
+from megatron_smp.tensor_parallel.utils import is_expert_param
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -29,10 +30,6 @@ def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The accumulated grad of a model param: `main_grad` under our DDP, else `.grad`."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
-
-
-def is_expert_param(param: torch.nn.Parameter) -> bool:
-    return not getattr(param, "allreduce", True)
 
 
 class MegatronOptimizer:
@@ -236,7 +233,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         for group in param_groups:
             main_params = []
             for param in group["params"]:
-                main = param.detach().clone().float() if param.dtype in HALF_DTYPES else param
+                main = param.detach().float() if param.dtype in HALF_DTYPES else param
                 pairs.append((param, main))
                 main_params.append(main)
             main_groups.append({**group, "params": main_params})

@@ -81,23 +81,25 @@ def reference_training(iters, batch_size, lr=1e-2, weight_decay=0.1, clip_grad=1
 
 def ddp_training(config: OptimizerConfig, state, iters, batch_size, dtype=torch.float32,
                  micro_batches=2, before_step=None, start_iteration=0, checkpoint=None,
-                 reduce_scatter_by_all_reduce=None):
+                 nccl_collectives=False):
     """Our DDP + get_megatron_optimizer on this rank's slice of each global batch.
 
     Returns (global losses per iteration, [(*step results, loss scale after)], final flat
     params, ddp, optimizer). `before_step(iteration, ddp)` may tamper with grads after
     finalize_model_grads; `checkpoint` = (model state dict, optimizer state dict) to resume;
-    `reduce_scatter_by_all_reduce=False` forces the distributed optimizer's real
-    reduce-scatter (NCCL's path), which gloo otherwise replaces with an all-reduce.
+    `nccl_collectives=True` forces the distributed optimizer's collectives on NCCL (the
+    real reduce-scatter and all-gather), which gloo otherwise replaces with an all-reduce and
+    one broadcast per shard.
     """
     from megatron_smp.distributed import DistributedDataParallel, finalize_model_grads
     from megatron_smp.optimizer import get_megatron_optimizer
 
     model = ToyModel(dtype=dtype)
     ddp = DistributedDataParallel(model, config, state)
-    if reduce_scatter_by_all_reduce is not None:
+    if nccl_collectives:
         for buffer in ddp.param_and_grad_buffers:
-            buffer.reduce_scatter_by_all_reduce = reduce_scatter_by_all_reduce
+            buffer.reduce_scatter_by_all_reduce = False
+            buffer.param_gather_by_broadcast = False
     optimizer = get_megatron_optimizer(config, [ddp], state)
     if checkpoint is not None:
         ddp.load_state_dict(checkpoint[0])

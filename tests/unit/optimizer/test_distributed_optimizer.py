@@ -42,10 +42,9 @@ def _train_all(state, fp32_names, bf16_names, iters=ITERS):
     for name, config in _configs(fp32_names).items():
         losses, results, params, _, _ = ddp_training(config, state, iters, BATCH)
         out[name] = (losses, params.tolist(), results)
-    # The reduce-scatter NCCL runs (gloo all-reduces instead: faster there).
+    # The reduce-scatter and all-gather NCCL runs (gloo all-reduces and broadcasts instead).
     losses, results, params, _, _ = ddp_training(
-        _configs(["dist_overlap"])["dist_overlap"], state, iters, BATCH,
-        reduce_scatter_by_all_reduce=False,
+        _configs(["dist_overlap"])["dist_overlap"], state, iters, BATCH, nccl_collectives=True,
     )
     out["dist_overlap_reduce_scatter"] = (losses, params.tolist(), results)
     for name, config in _configs(bf16_names).items():
