@@ -29,7 +29,8 @@ from megatron_smp.config import CP_COMM_TYPES, ConfigError, TransformerConfig
 from megatron_smp.context_parallel.split import gathered_order, positions_of_local_length
 from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
+    _gather_first_dim,
+    _reduce_scatter_first_dim,
     group_rank,
     group_size,
 )
@@ -38,7 +39,6 @@ from megatron_smp.transformer.attention import (
     DotProductAttention,
     alibi_bias,
     alibi_slopes,
-    core_attention,
     sliding_window_mask,
 )
 from megatron_smp.transformer.spec import ModuleSpec
@@ -160,13 +160,17 @@ def _tiles(q: torch.Tensor, rows: slice, cols: slice, causal: bool):
         yield slice(start, stop), slice(cols.start, stop) if causal else cols
 
 
-def _tile_scores(q, k, q_positions, k_positions, causal, core):
+def _tile_scores(q, k, q_positions, k_positions, causal, core, mask=None):
+    """Scores [b, ng, qpg, sq, sk] of one tile with its positional bias; `mask` (bool
+    [b, 1, sq, sk], True = masked) adds an explicit attention mask."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * core.scale
     bias = core.positional_bias(q_positions, k_positions, causal)
     if bias is not None:
         # [1, nh or 1, sq, sk] -> [1, ng, qpg, sq, sk] against q [b, ng, qpg, sq, d].
         bias = bias.unflatten(1, (core.num_groups, -1) if bias.shape[1] > 1 else (1, 1))
         scores = scores + bias.to(scores.dtype)
+    if mask is not None:
+        scores = scores.masked_fill(mask.unsqueeze(1), float("-inf"))
     return scores
 
 
@@ -191,54 +195,112 @@ def _dropout_masks(dropout_p: float, rng_states):
     return draw
 
 
+class _Blocks:
+    """Attention of this rank's queries against key/value blocks of other ranks, one block
+    at a time, tiled; shared by the ring and the all-gather functions.
+
+    Tensors: q [b, ng, qpg, s, d]; a block's k/v [b, ng, 1, s, d] (fp32 or fp64). `out`
+    and `lse` [b, ng, qpg, s] accumulate the merged result. Dropout of the probabilities
+    applies per tile: the merge uses the lse of the undropped scores, and backward uses
+    rowsum(dO * O) of the dropped output, as flash attention does.
+    """
+
+    def __init__(self, core, q, dropout_p, rng_states, mask=None):
+        self.core, self.q, self.mask = core, q, mask
+        self.local_length = q.shape[-2]
+        self.q_positions = core.positions(self.local_length, q.device)
+        self.dropout = _dropout_masks(dropout_p, rng_states)
+
+    def _plan(self, owner: int):
+        """The tiles of the block of rank `owner`, its positions and whether it is causal."""
+        core = self.core
+        step = (core.cp_rank - owner) % core.cp_size
+        k_positions = core.positions(self.local_length, self.q.device, owner)
+        return _tiles(self.q, *_ring_block(step, core.cp_rank, self.local_length)), \
+            k_positions, step == 0
+
+    def _scores(self, rows, cols, k, k_positions, causal):
+        mask = None
+        if self.mask is not None:
+            mask = self.mask[:, :, rows][..., k_positions[cols]]
+        return _tile_scores(self.q[..., rows, :], k[..., cols, :], self.q_positions[rows],
+                            k_positions[cols], causal, self.core, mask)
+
+    def forward(self, owner, k, v, out, lse) -> None:
+        """Add the block of rank `owner` (its k, v) into `out` / `lse`."""
+        tiles, k_positions, causal = self._plan(owner)
+        for rows, cols in tiles:
+            scores = self._scores(rows, cols, k, k_positions, causal)
+            block_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - _finite(block_lse)[..., None])
+            if self.dropout is not None:
+                probs = probs * self.dropout(probs)
+            block_out = torch.matmul(probs, v[..., cols, :])
+            # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
+            old_lse = lse[..., rows]
+            new_lse = torch.logaddexp(old_lse, block_lse)
+            keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
+            take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
+            out[..., rows, :] = out[..., rows, :] * keep[..., None] + block_out * take[..., None]
+            lse[..., rows] = new_lse
+
+    def finish_forward(self) -> None:
+        if self.dropout is not None:
+            # The stream moves on as if the masks had been drawn in one go, as SDPA's would.
+            get_rng_tracker().set_states(self.dropout.states)
+
+    def backward(self, owner, k, v, lse, grad_out, delta, dq):
+        """Add the block's share of dq (in place); return its dk, dv."""
+        core = self.core
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        tiles, k_positions, causal = self._plan(owner)
+        for rows, cols in tiles:
+            scores = self._scores(rows, cols, k, k_positions, causal)
+            probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
+            d_out = grad_out[..., rows, :]
+            d_probs = torch.matmul(d_out, v[..., cols, :].transpose(-1, -2))
+            dropped = probs
+            if self.dropout is not None:
+                keep = self.dropout(probs)
+                d_probs = d_probs * keep
+                dropped = probs * keep
+            d_scores = probs * (d_probs - delta[..., rows, None])
+            dq[..., rows, :] += torch.matmul(d_scores, k[..., cols, :]) * core.scale
+            q_rows = self.q[..., rows, :]
+            dk[..., cols, :] += (torch.matmul(d_scores.transpose(-1, -2), q_rows)
+                                 * core.scale).sum(2, True)
+            dv[..., cols, :] += torch.matmul(dropped.transpose(-1, -2), d_out).sum(2, True)
+        return dk, dv
+
+
+def _begin(q, dropout_p):
+    rng_states = get_rng_tracker().get_states() if dropout_p > 0.0 else None
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    return rng_states, out, lse
+
+
 class _RingAttentionFunction(torch.autograd.Function):
     """q [b, ng, qpg, s, d], k/v [b, ng, 1, s, d] (fp32, this rank's rows) -> out, same
     shape as q. Forward: KV travels the ring. Backward: KV travels again and dK/dV follow
-    it, each rank adding its queries' share, until they are back with their owner.
-
-    Dropout of the attention probabilities (`dropout_p`) applies per tile: the merge by
-    log-sum-exp is unchanged (the lse is that of the undropped scores), and backward uses
-    rowsum(dO * O) of the dropped output, as flash attention does."""
+    it, each rank adding its queries' share, until they are back with their owner."""
 
     @staticmethod
     def forward(ctx, q, k, v, core, dropout_p):
-        rng_states = get_rng_tracker().get_states() if dropout_p > 0.0 else None
-        dropout = _dropout_masks(dropout_p, rng_states)
+        rng_states, out, lse = _begin(q, dropout_p)
+        blocks = _Blocks(core, q, dropout_p, rng_states)
         size, rank = core.cp_size, core.cp_rank
-        local_length = q.shape[-2]
-        q_positions = core.positions(local_length, q.device)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             requests = []
             if step + 1 < size:
                 incoming = torch.empty_like(kv)
                 requests = _ring_exchange(kv, incoming, core)
-            k_positions = core.positions(local_length, q.device, (rank - step) % size)
-            for rows, cols in _tiles(q, *_ring_block(step, rank, local_length)):
-                scores = _tile_scores(q[..., rows, :], kv[0][..., cols, :], q_positions[rows],
-                                      k_positions[cols], step == 0, core)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                probs = torch.exp(scores - _finite(block_lse)[..., None])
-                if dropout is not None:
-                    probs = probs * dropout(probs)
-                block_out = torch.matmul(probs, kv[1][..., cols, :])
-                # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
-                old_lse = lse[..., rows]
-                new_lse = torch.logaddexp(old_lse, block_lse)
-                keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
-                take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
-                out[..., rows, :] = (out[..., rows, :] * keep[..., None]
-                                     + block_out * take[..., None])
-                lse[..., rows] = new_lse
+            blocks.forward((rank - step) % size, kv[0], kv[1], out, lse)
             _wait(requests)
             if requests:
                 kv = incoming
-        if dropout is not None:
-            # The stream moves on as if the masks had been drawn in one go, as SDPA's would.
-            tracker = get_rng_tracker()
-            tracker.set_states(dropout.states)
+        blocks.finish_forward()
         ctx.core, ctx.dropout_p, ctx.rng_states = core, dropout_p, rng_states
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -247,10 +309,8 @@ class _RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         core = ctx.core
-        dropout = _dropout_masks(ctx.dropout_p, ctx.rng_states)
+        blocks = _Blocks(core, q, ctx.dropout_p, ctx.rng_states)
         size, rank = core.cp_size, core.cp_rank
-        local_length = q.shape[-2]
-        q_positions = core.positions(local_length, q.device)
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         dq = torch.zeros_like(q)
@@ -261,27 +321,8 @@ class _RingAttentionFunction(torch.autograd.Function):
             if step + 1 < size:
                 incoming = torch.empty_like(kv)
                 kv_requests = _ring_exchange(kv, incoming, core)
-            k_positions = core.positions(local_length, q.device, (rank - step) % size)
-            dk = torch.zeros_like(k)
-            dv = torch.zeros_like(v)
-            for rows, cols in _tiles(q, *_ring_block(step, rank, local_length)):
-                q_rows, k_cols, v_cols = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :]
-                scores = _tile_scores(q_rows, k_cols, q_positions[rows], k_positions[cols],
-                                      step == 0, core)
-                probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
-                d_out = grad_out[..., rows, :]
-                d_probs = torch.matmul(d_out, v_cols.transpose(-1, -2))
-                if dropout is not None:
-                    mask = dropout(probs)
-                    d_probs = d_probs * mask
-                    dropped = probs * mask
-                else:
-                    dropped = probs
-                d_scores = probs * (d_probs - delta[..., rows, None])
-                dq[..., rows, :] += torch.matmul(d_scores, k_cols) * core.scale
-                dk[..., cols, :] += (torch.matmul(d_scores.transpose(-1, -2), q_rows)
-                                     * core.scale).sum(2, True)
-                dv[..., cols, :] += torch.matmul(dropped.transpose(-1, -2), d_out).sum(2, True)
+            dk, dv = blocks.backward((rank - step) % size, kv[0], kv[1], lse, grad_out,
+                                     delta, dq)
             # The dK/dV partial sums of the visiting block arrive from the previous rank
             # (it added its share one step earlier); add ours and pass them on.
             _wait(dkv_requests)
@@ -294,6 +335,40 @@ class _RingAttentionFunction(torch.autograd.Function):
         _wait(dkv_requests)
         # After N hops the partial sums are home: the owner's keys, every rank's share.
         return dq, dkv_incoming[0], dkv_incoming[1], None, None
+
+
+class _AllGatherAttentionFunction(torch.autograd.Function):
+    """Same contract as `_RingAttentionFunction` (plus an optional bool mask [b, 1, s/cp, s],
+    keys in global order): all-gather K/V once, attend block by block (the same tiles and
+    skipped halves as the ring); backward reduce-scatters dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, core, dropout_p, mask):
+        rng_states, out, lse = _begin(q, dropout_p)
+        blocks = _Blocks(core, q, dropout_p, rng_states, mask)
+        gathered = _gather_first_dim(torch.stack([k, v]).unsqueeze(0), core.cp_group)
+        for owner in range(core.cp_size):
+            blocks.forward(owner, gathered[owner][0], gathered[owner][1], out, lse)
+        blocks.finish_forward()
+        ctx.core, ctx.dropout_p, ctx.rng_states, ctx.mask = core, dropout_p, rng_states, mask
+        ctx.save_for_backward(q, gathered, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, gathered, out, lse = ctx.saved_tensors
+        core = ctx.core
+        blocks = _Blocks(core, q, ctx.dropout_p, ctx.rng_states, ctx.mask)
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)
+        dq = torch.zeros_like(q)
+        d_gathered = torch.empty_like(gathered)
+        for owner in range(core.cp_size):
+            dk, dv = blocks.backward(owner, gathered[owner][0], gathered[owner][1], lse,
+                                     grad_out, delta, dq)
+            d_gathered[owner] = torch.stack([dk, dv])
+        dkv = _reduce_scatter_first_dim(d_gathered, core.cp_group)[0]
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 class RingAttention(_ContextParallelCore):
@@ -312,19 +387,23 @@ class RingAttention(_ContextParallelCore):
                 "explicit attention mask (--reset-attention-mask, padding) needs "
                 "--cp-comm-type all_gather"
             )
-        s, b = query.shape[:2]
-        qpg = self.num_heads // self.num_groups
-        # [s, b, n, d] -> [b, ng, qpg, s, d]: a query group's heads share one key/value head.
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        q = query.to(dtype).permute(1, 2, 0, 3).reshape(b, self.num_groups, qpg, s,
-                                                        self.head_dim)
-        k = key.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
-        v = value.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        out = _RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), self,
-                                           dropout_p)
-        out = out.reshape(b, self.num_heads, s, self.head_dim).to(query.dtype)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return _attend(self, _RingAttentionFunction, query, key, value, None)
+
+
+def _attend(core, function, query, key, value, attention_mask):
+    """[s, b, n, d] in, [s, b, nh * d] out, around the block functions' layout."""
+    s, b = query.shape[:2]
+    qpg = core.num_heads // core.num_groups
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    # [s, b, n, d] -> [b, ng, qpg, s, d]: a query group's heads share one key/value head.
+    q = query.to(dtype).permute(1, 2, 0, 3).reshape(b, core.num_groups, qpg, s, core.head_dim)
+    k = key.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
+    v = value.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
+    dropout_p = core.attention_dropout if core.training else 0.0
+    extra = () if function is _RingAttentionFunction else (attention_mask,)
+    out = function.apply(q.contiguous(), k.contiguous(), v.contiguous(), core, dropout_p, *extra)
+    out = out.reshape(b, core.num_heads, s, core.head_dim).to(query.dtype)
+    return out.permute(2, 0, 1, 3).reshape(s, b, core.num_heads * core.head_dim)
 
 
 # all_gather: gather K and V ----------------------------------------------------------------------
@@ -332,43 +411,16 @@ class RingAttention(_ContextParallelCore):
 
 class AllGatherAttention(_ContextParallelCore):
     """Local queries against the keys/values of the whole sequence (`--cp-comm-type
-    all_gather`). Only the ng key/value heads are gathered; the gathered rows stay in rank
-    order (no reordering copy): the mask and ALiBi use the rows' global positions.
+    all_gather`). Only the ng key/value heads are gathered, once per layer (and kept for
+    backward, which reduce-scatters dK/dV); the attention itself is the ring's tiled block
+    computation, so memory stays linear in the sequence.
 
     attention_mask, if given: bool [b, 1, s/cp, s] (queries split, keys in global order),
     True = masked, as `get_batch_on_this_cp_rank` leaves it.
     """
 
     def forward(self, query, key, value, attention_mask=None):
-        s_local, b = query.shape[:2]
-        kv = torch.cat([key, value], dim=-1)
-        # Every rank's queries use every key: backward reduce-scatters the partial grads.
-        kv = gather_from_sequence_parallel_region(kv, self.cp_group, True)
-        key, value = kv.split(self.head_dim, dim=-1)
-        seq_length = kv.shape[0]
-        q_positions = self.positions(s_local, query.device)
-        k_positions = gathered_order(seq_length, self.cp_size, query.device)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        # A bool mask (1 byte per score) unless ALiBi needs a float bias.
-        if attention_mask is None:
-            mask = k_positions[None, :] > q_positions[:, None]
-        else:
-            mask = attention_mask[..., k_positions]  # columns into the gathered row order
-        if self.window_size is not None:
-            mask = mask | sliding_window_mask(0, self.window_size, query.device,
-                                              query_positions=q_positions,
-                                              key_positions=k_positions)
-        bias = None
-        if self.alibi_slopes is not None:
-            bias = alibi_bias(self.alibi_slopes, 0, False, q.dtype,
-                              query_positions=q_positions, key_positions=k_positions)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if dropout_p > 0.0:
-            with get_rng_tracker().fork():
-                context = core_attention(q, k, v, mask, False, dropout_p, None, bias)
-        else:
-            context = core_attention(q, k, v, mask, False, 0.0, None, bias)
-        return context.permute(2, 0, 1, 3).reshape(s_local, b, self.num_heads * self.head_dim)
+        return _attend(self, _AllGatherAttentionFunction, query, key, value, attention_mask)
 
 
 # a2a: DeepSpeed-Ulysses --------------------------------------------------------------------------
