@@ -93,12 +93,12 @@ def test_context_parallel_attention_matches_single_rank(world_size):
     print({case: max(r[case] for r in results) for case in results[0]})
 
 
-def _ring_dropout_checks(rank, world_size):
-    """fp64 ring attention with attention dropout 0.3: with the RNG state rewound before
-    each call the function is deterministic, so its custom backward must match central
-    differences along a random direction, for q, k and v."""
+def _ring_dropout_checks(rank, world_size, module_name):
+    """fp64 ring / all-gather attention with attention dropout 0.3: with the RNG state
+    rewound before each call the function is deterministic, so its custom backward must
+    match central differences along a random direction, for q, k and v."""
     from megatron_smp.config import ParallelConfig
-    from megatron_smp.context_parallel import RingAttention, split_for_context_parallel
+    from megatron_smp.context_parallel import attention, split_for_context_parallel
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 
@@ -106,7 +106,7 @@ def _ring_dropout_checks(rank, world_size):
     model_parallel_seed(5, state)
     config = _config(8, 4, "p2p", {})
     config.attention_dropout = 0.3
-    ring = RingAttention(config, state).train()
+    ring = getattr(attention, module_name)(config, state).train()
     inputs = [split_for_context_parallel(t, 0, world_size, rank).double()
               for t in _inputs(8, 4)]
     q, k, v, grad = inputs
@@ -141,7 +141,9 @@ def _ring_dropout_checks(rank, world_size):
     return errors, float((dropped - undropped).abs().max())
 
 
-def test_ring_attention_dropout_backward_matches_finite_differences():
-    for errors, dropout_effect in run_distributed(_ring_dropout_checks, 2, timeout=300):
+@pytest.mark.parametrize("module_name", ["RingAttention", "AllGatherAttention"])
+def test_attention_dropout_backward_matches_finite_differences(module_name):
+    for errors, dropout_effect in run_distributed(_ring_dropout_checks, 2, args=(module_name,),
+                                                  timeout=300):
         assert max(errors) < 1e-6, errors
         assert dropout_effect > 0.1  # the masks did drop something
