@@ -129,7 +129,7 @@ def _checkpointed_forward(offloader: Optional[ActivationOffloader], index: int,
 
     if kwargs:
         raise TypeError("checkpointed transformer layers take positional arguments only")
-    if not (torch.is_grad_enabled() and module.training):
+    if not torch.is_grad_enabled():  # no backward to save anything for
         return module(*args)
     context = offloader.layer(index) if offloader is not None else contextlib.nullcontext()
     with context:

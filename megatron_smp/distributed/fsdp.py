@@ -217,7 +217,11 @@ def fully_shard_model(
     if cache_flush_warnings:
         monitor = CacheFlushMonitor(state.device)
         model.cache_flush_monitor = monitor
-        model.register_forward_pre_hook(lambda module, args: monitor.check())
+
+        def check_before_forward(module, args) -> None:  # a returned value would replace args
+            monitor.check()
+
+        model.register_forward_pre_hook(check_before_forward)
     return model
 
 
