@@ -174,6 +174,7 @@ def fully_shard_model(
     than shard ranks is an error unless `allow_empty_shards`.
     """
     from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
+    from megatron_smp.distributed.param_and_grad_buffer import release_freed_host_memory
 
     if state.pp_size > 1:
         raise ConfigError(
@@ -213,6 +214,10 @@ def fully_shard_model(
         fully_shard(unit, reshard_after_forward=reshard_after_forward and unit is not model,
                     **common)
         _restore_param_attributes(unit, attributes)
+        if param_init_fn is not None:
+            # The unit's unsharded tensors were just freed; glibc would keep them resident
+            # between the shards (fragmented heap), so the peak would grow with every unit.
+            release_freed_host_memory()
     _set_prefetch(layers, forward_prefetch, backward_prefetch)
     if cache_flush_warnings:
         monitor = CacheFlushMonitor(state.device)
