@@ -176,6 +176,11 @@ def fully_shard_model(
     from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
     from megatron_smp.distributed.param_and_grad_buffer import release_freed_host_memory
 
+    if state.cp_size > 1:
+        raise ConfigError(
+            "FSDP2 with context parallelism is not validated yet; use context_parallel_degree "
+            "1, or our DDP (--context-parallel-size without --use-torch-fsdp2)"
+        )
     if state.pp_size > 1:
         raise ConfigError(
             "FSDP2 (--use-torch-fsdp2 / hybrid_shard_degree) does not combine with pipeline "
@@ -350,6 +355,12 @@ def validate_fsdp_configs(configs) -> None:
          "expert grads reduce over the expert-data-parallel group; use our DDP"),
         (configs.checkpoint.ckpt_format != "torch_dist", "--ckpt-format torch",
          "FSDP2 checkpoints are distributed (torch_dist)"),
+        # Built (the shard groups span dp x cp) but not yet tested against one process.
+        (parallel.context_parallel_size > 1, "--context-parallel-size > 1",
+         "not validated yet; use our DDP for context parallelism"),
+        (configs.model.recompute_granularity == "full", "--recompute-granularity full",
+         "not validated yet; smp.fully_shard(activation_checkpointing=True) checkpoints "
+         "each FSDP2 layer"),
     ]
     for conflict, flag, why in conflicts:
         if conflict:
