@@ -4,10 +4,10 @@ Every configuration is `pretrain_gpt.py` itself, launched with torchrun on --moc
 On CPU the peak of a rank is its peak RSS (VmHWM, sampled from /proc/PID/status of every
 worker while it runs) minus the peak RSS of a process that only imports torch and
 megatron_smp; on CUDA each worker's `torch.cuda.max_memory_allocated()` is read at exit
-(a one-line wrapper around pretrain_gpt.py, --device cuda).
+(a few-line wrapper runs pretrain_gpt.py as __main__; --device cuda).
 
-Beside each measured saving (plain peak - distributed peak, of the largest rank) stands the
-saving that Megatron's table predicts per parameter:
+Beside each measured peak and saving (plain peak - distributed peak, of the largest rank)
+stand the bytes that Megatron's table predicts per parameter:
 
     precision   plain DP                       distributed optimizer
     fp32        4 param + 4 grad + 8 Adam      4 + 4 + 8/dp
@@ -61,9 +61,11 @@ def parameter_count(layers: int, hidden: int, vocab: int, seq: int, divisible_by
     return padded_vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
 
 
-def theoretical_saving(num_params: int, precision: str, dp: int) -> int:
-    """Bytes per rank the distributed optimizer saves over plain DP, in theory."""
-    return int(num_params * BYTES_PER_PARAM[precision]["sharded"] * (1 - 1 / dp))
+def theoretical_bytes(num_params: int, precision: str, dp: int, distributed: bool) -> int:
+    """Bytes per rank of params, grads, main params and Adam state in Megatron's table."""
+    table = BYTES_PER_PARAM[precision]
+    sharded = table["sharded"] / dp if distributed else table["sharded"]
+    return int(num_params * (table["replicated"] + sharded))
 
 
 def _status_kib(pid: int, field: str) -> Optional[int]:
@@ -218,26 +220,32 @@ def main() -> None:
     print(f"GPT {args.layers}x{args.hidden}, vocab {args.vocab}, seq {args.seq}: "
           f"{num_params / 1e6:.1f}M params, {args.iters} iterations, {args.device}; "
           f"{what}" + (f" (baseline {baseline / MIB:.0f} MiB)" if baseline else ""))
-    header = (f"{'precision':>9} {'dp':>3} {'plain MiB':>10} {'distopt MiB':>12} "
-              f"{'saved MiB':>10} {'theory MiB':>11} {'ratio':>6}   per rank (plain | distopt)")
-    print(header)
+    print("MiB per rank (largest rank; theory: model state only, no activations)")
+    print(f"{'precision':>9} {'dp':>3} {'plain':>6} {'(theory)':>8} {'distopt':>8} "
+          f"{'(theory)':>8} {'saved':>6} {'(theory)':>8} {'ratio':>6}   "
+          "per rank (plain | distopt)")
     rows = []
     for dp in args.world_sizes:
         for precision in args.precisions:
             plain = [p - baseline for p in run_config(args, precision, dp, False)]
             sharded = [p - baseline for p in run_config(args, precision, dp, True)]
             saved = max(plain) - max(sharded)
-            theory = theoretical_saving(num_params, precision, dp)
+            plain_theory = theoretical_bytes(num_params, precision, dp, False)
+            sharded_theory = theoretical_bytes(num_params, precision, dp, True)
+            theory = plain_theory - sharded_theory
             row = {
                 "precision": precision, "dp": dp, "plain_bytes": plain,
                 "distributed_bytes": sharded, "saved_bytes": saved,
+                "theoretical_plain_bytes": plain_theory,
+                "theoretical_distributed_bytes": sharded_theory,
                 "theoretical_saving_bytes": theory, "ratio": saved / theory,
             }
             rows.append(row)
             per_rank = (" ".join(f"{p / MIB:.0f}" for p in plain) + " | "
                         + " ".join(f"{p / MIB:.0f}" for p in sharded))
-            print(f"{precision:>9} {dp:>3} {max(plain) / MIB:>10.0f} {max(sharded) / MIB:>12.0f} "
-                  f"{saved / MIB:>10.0f} {theory / MIB:>11.0f} {row['ratio']:>6.2f}   {per_rank}",
+            print(f"{precision:>9} {dp:>3} {max(plain) / MIB:>6.0f} {plain_theory / MIB:>8.0f} "
+                  f"{max(sharded) / MIB:>8.0f} {sharded_theory / MIB:>8.0f} "
+                  f"{saved / MIB:>6.0f} {theory / MIB:>8.0f} {row['ratio']:>6.2f}   {per_rank}",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:
