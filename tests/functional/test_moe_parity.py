@@ -54,3 +54,15 @@ def test_expert_parallel_layout_matches_single_process(layout, dispatcher):
     for per_rank in results:
         for step, (got, want) in enumerate(zip(per_rank, reference)):
             assert got == pytest.approx(want, rel=1e-4), (layout, step, got, want)
+
+
+def test_expert_parallel_with_virtual_pipeline_stages():
+    """EP=2 x PP=2 with two virtual stages per rank (4 layers), alltoall dispatch."""
+    argv = COMMON + LLAMA + MOE + ["--moe-token-dispatcher-type", "alltoall"]
+    argv[argv.index("--num-layers") + 1] = "4"
+    reference = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
+    flags = ("--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+             "--num-layers-per-virtual-pipeline-stage 1").split()
+    for per_rank in run_distributed(_train, 4, args=(argv + flags,), timeout=300):
+        for step, (got, want) in enumerate(zip(per_rank, reference)):
+            assert got == pytest.approx(want, rel=1e-4), (step, got, want)

@@ -59,6 +59,9 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         probs, routing_map = self.router(hidden_states)
+        # For debugging load balance: tokens this rank routed to each (global) expert in the
+        # last forward, [num_experts] int64, after capacity drops.
+        self.last_tokens_per_expert = routing_map.detach().sum(dim=0)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         expert_input, tokens_per_expert = self.token_dispatcher.dispatch(
             tokens, probs, routing_map

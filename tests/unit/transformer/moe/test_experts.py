@@ -59,3 +59,20 @@ def test_expert_params_are_marked_with_their_global_index():
     torch.manual_seed(0)
     alone = MoEExperts(config, STATE, num_local_experts=8, expert_offset=0)
     torch.testing.assert_close(alone.local_experts[7].linear_fc1.weight, weight)
+
+
+def test_moe_layer_exposes_per_expert_token_counts():
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.moe.moe_layer import MoELayer
+
+    config = llama_config(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
+                          num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
+    torch.manual_seed(0)
+    layer = MoELayer(config, build_parallel_state(ParallelConfig()))
+    hidden = torch.randn(6, 3, 16)
+    layer(hidden)
+    counts = layer.last_tokens_per_expert
+    assert counts.shape == (4,) and int(counts.sum()) == 6 * 3 * 2  # dropless, top-2
+    probs, routing_map = layer.router(hidden)
+    assert torch.equal(counts, routing_map.sum(0))
