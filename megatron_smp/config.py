@@ -556,8 +556,6 @@ class OptimizerConfig:
     lr_decay_style: str = "linear"  # "constant" | "linear" | "cosine"
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None
-    fp16: bool = False
-    bf16: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -582,7 +580,6 @@ class OptimizerConfig:
             self.lr_decay_style in ("constant", "linear", "cosine"),
             f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}",
         )
-        _require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
         _require(
             not self.overlap_param_gather or self.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer",

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
             activation_checkpointing=args.activation_offloading,
             activation_offloading=args.activation_offloading,
         )
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=args.lr, bf16=args.bf16), [model],
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=args.lr), [model],
                                        state)
 
     def state_dict():

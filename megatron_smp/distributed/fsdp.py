@@ -349,7 +349,7 @@ def validate_fsdp_configs(configs) -> None:
          "FSDP2 reduces one layer per collective"),
         (optimizer.ddp_average_in_collective, "--ddp-average-in-collective",
          "FSDP2 always averages in its reduce-scatter"),
-        (optimizer.fp16, "--fp16", "use --bf16 (fp16 loss scaling of sharded grads is not "
+        (configs.model.fp16, "--fp16", "use --bf16 (fp16 loss scaling of sharded grads is not "
          "built)"),
         (getattr(configs.model, "num_moe_experts", None) is not None, "--num-experts",
          "expert grads reduce over the expert-data-parallel group; use our DDP"),

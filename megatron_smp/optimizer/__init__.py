@@ -105,9 +105,10 @@ def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Call
     return factory
 
 
-def get_grad_scaler(config: OptimizerConfig, device: torch.device):
-    """fp16 needs loss scaling: constant with --loss-scale, else dynamic. None otherwise."""
-    if not config.fp16:
+def get_grad_scaler(config: OptimizerConfig, device: torch.device, fp16: bool):
+    """fp16 params need loss scaling: constant with --loss-scale, else dynamic. None
+    otherwise (bf16 and fp32 do not)."""
+    if not fp16:
         return None
     if config.loss_scale:
         return ConstantGradScaler(config.loss_scale, device)
@@ -129,13 +130,15 @@ def get_megatron_optimizer(
     """Build the optimizer for `model_chunks` (DDP-wrapped chunks, or plain modules without
     --use-distributed-optimizer, or FSDP2-sharded chunks: `FSDPOptimizer`).
 
-    --use-distributed-optimizer: `DistributedOptimizer`; fp16/bf16 params (or --fp16/--bf16):
-    `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`.
+    --use-distributed-optimizer: `DistributedOptimizer`; fp16/bf16 params:
+    `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`. The precision is the
+    params' own (the model's config is its one home): fp16 params get loss scaling.
     """
     config.validate()
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
     factory = build_torch_optimizer(config, state.device)
-    grad_scaler = get_grad_scaler(config, state.device)
+    dtypes = {p.dtype for g in groups for p in g["params"]}
+    grad_scaler = get_grad_scaler(config, state.device, torch.float16 in dtypes)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
         # FSDP2-sharded chunks: the sharded fp32 params are the main params.
         if config.use_distributed_optimizer or grad_scaler is not None:
@@ -146,8 +149,7 @@ def get_megatron_optimizer(
         return FSDPOptimizer(factory, config, state, model_chunks, groups)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(factory, config, state, model_chunks, groups, grad_scaler)
-    has_half = any(p.dtype in HALF_DTYPES for g in groups for p in g["params"])
-    if config.fp16 or config.bf16 or has_half:
+    if dtypes & set(HALF_DTYPES):
         return Float16OptimizerWithFloat16Params(
             factory, config, state, model_chunks, groups, grad_scaler
         )

@@ -454,7 +454,6 @@ def parse_args(
     model["params_dtype"] = (
         torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
     )
-    sections["optimizer"].update(precision)
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 

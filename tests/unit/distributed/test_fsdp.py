@@ -76,7 +76,7 @@ def _gpt_run(family, parallel, fsdp=None, param_dtype=None, clip_grad=0.5):
     model_parallel_seed(7, state)
     config = _model_config(family, sequence_parallel=state.tp_size > 1)
     model = GPTModel(config, state)
-    optimizer_config = OptimizerConfig(lr=1e-3, clip_grad=clip_grad, bf16=param_dtype is not None)
+    optimizer_config = OptimizerConfig(lr=1e-3, clip_grad=clip_grad)
     if fsdp is not None:
         fully_shard_model(model, state, param_dtype=param_dtype, **fsdp)
     else:

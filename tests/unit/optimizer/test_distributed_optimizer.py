@@ -48,7 +48,6 @@ def _train_all(state, fp32_names, bf16_names, iters=ITERS):
     )
     out["dist_overlap_reduce_scatter"] = (losses, params.tolist(), results)
     for name, config in _configs(bf16_names).items():
-        config.bf16 = True
         losses, results, params, ddp, optimizer = ddp_training(
             config, state, iters, BATCH, dtype=torch.bfloat16
         )
@@ -79,7 +78,7 @@ def _fp16_overflow(state):
             bucket = ddp.param_and_grad_buffers[0].buckets[0]
             bucket.shard(bucket.grad_data)[0] = float("inf")
 
-    config = OptimizerConfig(**BASE, **DIST, fp16=True, initial_loss_scale=2.0**12, hysteresis=2)
+    config = OptimizerConfig(**BASE, **DIST, initial_loss_scale=2.0**12, hysteresis=2)
     losses, results, params, _, _ = ddp_training(
         config, state, ITERS, BATCH, dtype=torch.float16, before_step=inject
     )
@@ -88,7 +87,7 @@ def _fp16_overflow(state):
 
 def _checkpoint_round_trip(state):
     """5 steps, state dicts, a fresh model/optimizer loads them, 5 more steps."""
-    config = OptimizerConfig(**BASE, **DIST, **OVERLAP, bf16=True)
+    config = OptimizerConfig(**BASE, **DIST, **OVERLAP)
     _, _, _, ddp, optimizer = ddp_training(config, state, 5, BATCH, dtype=torch.bfloat16)
     checkpoint = (copy.deepcopy(ddp.state_dict()), copy.deepcopy(optimizer.state_dict()))
     resumed, _, params, _, _ = ddp_training(

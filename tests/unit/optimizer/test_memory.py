@@ -48,7 +48,6 @@ def _peak_body(rank, world_size, use_distributed_optimizer, dtype):
     ).to(dtype)
     config = OptimizerConfig(
         lr=1e-3, clip_grad=1.0, use_distributed_optimizer=use_distributed_optimizer,
-        bf16=dtype == torch.bfloat16,
     )
     ddp = DistributedDataParallel(model, config, state)
     optimizer = get_megatron_optimizer(config, [ddp], state)

@@ -32,7 +32,8 @@ def test_flags_fill_the_configs():
     assert model.gated_linear_unit and model.activation == "silu"
     assert model.ffn_hidden_size == 128  # Megatron's 2/3 * 4h rounded to 64
     assert model.num_query_groups == 2 and model.position_embedding_type == "rope"
-    assert model.bf16 and configs.optimizer.bf16 and str(model.params_dtype) == "torch.bfloat16"
+    assert model.bf16 and str(model.params_dtype) == "torch.bfloat16"
+    assert not hasattr(configs.optimizer, "bf16")  # one home for precision: the model config
     assert configs.optimizer.lr == 3e-4 and configs.optimizer.lr_warmup_iters == 2
     assert configs.optimizer.lr_decay_iters == 10
     assert model.max_position_embeddings == 32
