@@ -277,8 +277,9 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--use-megatron-fsdp": "sharded data parallelism (FSDP2)",
-    "--data-parallel-sharding-strategy": "sharded data parallelism (FSDP2)",
+    "--use-megatron-fsdp": "Megatron-FSDP engine (for FSDP2 sharding use --use-torch-fsdp2)",
+    "--data-parallel-sharding-strategy": "Megatron-FSDP engine (for FSDP2 sharding use "
+                                         "--use-torch-fsdp2)",
     "--log-params-norm": "a parameter-norm log field",
     "--use-checkpoint-args": "model arguments read from a checkpoint",
     "--wandb-project": "Weights & Biases logging",
