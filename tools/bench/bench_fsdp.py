@@ -125,12 +125,18 @@ def train_worker(rank, world_size, mode, layers, hidden, vocab, seq, batch, step
             position_embedding_type="rope", untie_embeddings_and_output_weights=True,
             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         )
-        model = GPTModel(config, state)
         optimizer_config = OptimizerConfig(lr=1e-4, use_distributed_optimizer=mode == "distopt")
         if mode == "fsdp":
-            fully_shard_model(model, state)
+            # As pretrain --use-torch-fsdp2 does: built on meta, each unit materialised and
+            # sharded in turn, so the full model never exists on a rank.
+            from megatron_smp.distributed.delayed_init import DelayedParamIniter
+
+            model = GPTModel(config, state, device="meta")
+            initer = DelayedParamIniter(model)
+            with initer.validate_params_and_buffers_inited():
+                fully_shard_model(model, state, param_init_fn=initer.get_param_init_fn())
         else:
-            model = DistributedDataParallel(model, optimizer_config, state)
+            model = DistributedDataParallel(GPTModel(config, state), optimizer_config, state)
         optimizer = get_megatron_optimizer(optimizer_config, [model], state)
         params = list(model.parameters())
 
