@@ -89,6 +89,16 @@ def test_transformed_llama_fully_shard_matches_single_process(name, smp_config, 
             assert accounting["pending"] <= 1  # the first layer's copies, released next step
 
 
+def test_transformed_llama_fully_shard_world4_full_and_hybrid_match_single_process():
+    """DP=4 full sharding and hybrid_shard_degree=2 (shard pairs, two replicas) at world 4."""
+    losses, norms, _ = _reference()
+    for name, smp_config in [("dp4", {}), ("hybrid2", {"hybrid_shard_degree": 2})]:
+        for got, got_norms, _ in run_distributed(_train_transformed, 4, args=(smp_config, {}),
+                                                 timeout=300):
+            assert got == pytest.approx(losses, rel=1e-4), name
+            assert got_norms == pytest.approx(norms, rel=1e-4), name
+
+
 def test_offloader_horizon_bounds_resident_layers():
     """4 checkpointed layers: every layer offloaded, grads equal, at most h resident."""
     from megatron_smp.distributed.activation_offload import ActivationOffloader
