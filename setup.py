@@ -3,9 +3,9 @@ from setuptools import find_packages, setup
 setup(
     name="megatron_smp",
     version="0.1.0",
-    description="Megatron-style training of GPT, Llama, Mistral and GPT-NeoX models with tensor, "
-    "sequence, pipeline and data parallelism and a distributed optimizer, with the SageMaker "
-    "model-parallel API.",
+    description="Megatron-style training of GPT, Llama, Mistral, GPT-NeoX and Mixtral-style MoE "
+    "models with tensor, sequence, context, expert, pipeline, data and FSDP2 sharded-data "
+    "parallelism and a distributed optimizer, with the SageMaker model-parallel API.",
     packages=find_packages(include=["megatron_smp", "megatron_smp.*"]),
     python_requires=">=3.10",
     # torch is deliberately a range: scripts/setup_env.sh pins the CPU build before this
