@@ -29,6 +29,7 @@ from megatron_smp.config import CP_COMM_TYPES, ConfigError, TransformerConfig
 from megatron_smp.context_parallel.split import gathered_order, positions_of_local_length
 from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import (
+    _all_to_all_first_dim,
     _gather_first_dim,
     _reduce_scatter_first_dim,
     group_rank,
@@ -426,28 +427,19 @@ class AllGatherAttention(_ContextParallelCore):
 # a2a: DeepSpeed-Ulysses --------------------------------------------------------------------------
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Send x[j] ([N, ...], dim 0 indexed by rank) to rank j; out[i] is what rank i sent."""
-    x = x.contiguous()
-    # Not empty_like(x) of a permuted view: it would keep the permuted strides.
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
 def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """[s/N, b, n, d] sequence-sharded -> [s, b, n/N, d] head-sharded (rows in rank order)."""
     size = group_size(group)
     s, b, n, d = x.shape
     parts = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4)
-    return _all_to_all(parts, group).reshape(size * s, b, n // size, d)
+    return _all_to_all_first_dim(parts, group).reshape(size * s, b, n // size, d)
 
 
 def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of `_sequence_to_heads`: [s, b, n/N, d] -> [s/N, b, n, d]."""
     size = group_size(group)
     s, b, n, d = x.shape
-    parts = _all_to_all(x.reshape(size, s // size, b, n, d), group)
+    parts = _all_to_all_first_dim(x.reshape(size, s // size, b, n, d), group)
     return parts.permute(1, 2, 0, 3, 4).reshape(s // size, b, size * n, d)
 
 

@@ -11,6 +11,7 @@ matrix products between two of these calls:
     scatter to SP (split d0) <->  all-gather d0
     gather from SP (d0)      <->  reduce-scatter d0 (or split d0)
     reduce-scatter to SP     <->  all-gather d0
+    all-to-all d0 (splits)   <->  all-to-all d0 (splits swapped)
 
 Every function is the identity (no collective at all) when the group has one rank. The
 group is passed explicitly; `None` means the default (world) group.
@@ -106,6 +107,21 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Ten
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world,) + x.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def _all_to_all_first_dim(x: torch.Tensor, group: ProcessGroup, output_splits=None,
+                          input_splits=None) -> torch.Tensor:
+    """all_to_all_single along dim 0: rows `input_splits[j]` go to rank j, and `output_splits[i]`
+    rows arrive from rank i (None: even splits, x.shape[0] / group size each)."""
+    x = x.contiguous()
+    if output_splits is None:
+        # Not empty_like(x) of a permuted view: it would keep the permuted strides.
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
     return out
 
 
@@ -257,7 +273,29 @@ def reduce_scatter_to_sequence_parallel_region(
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group = group
+        ctx.splits = (output_splits, input_splits)
+        return _all_to_all_first_dim(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_first_dim(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: ProcessGroup, output_splits=None,
+               input_splits=None) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0 (even, or uneven with the row splits); backward
+    sends the gradients back with the splits swapped. x [sum(input_splits), ...] ->
+    [sum(output_splits), ...]."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)
+
+
 __all__ = [
+    "all_to_all",
     "group_size",
     "group_rank",
     "copy_to_tensor_model_parallel_region",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_smp.tensor_parallel.mappings import (
     _gather_first_dim,
+    all_to_all,
     gather_from_sequence_parallel_region,
     group_size,
     reduce_scatter_to_sequence_parallel_region,
@@ -44,29 +45,6 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) ->
     """Sum rows [N, h] into their tokens: [num_tokens, h] (zero for tokens with no row)."""
     out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
     return out.index_add(0, token_index, rows)
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single along dim 0 with uneven splits; backward swaps the splits."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group = group
-        ctx.splits = (output_splits, input_splits)
-        return _all_to_all(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
-
-
-def _all_to_all(x, group, output_splits: List[int], input_splits: List[int]) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
-                           input_split_sizes=input_splits, group=group)
-    return out
 
 
 def _gather_tokens(tokens, probs, routing_map, groups: Sequence):
@@ -143,7 +121,7 @@ class MoEAlltoAllTokenDispatcher:
         dist.all_to_all_single(receive_counts, send_counts.contiguous(), group=self.ep_group)
         self._input_splits = send_counts.sum(dim=1).tolist()
         self._output_splits = receive_counts.sum(dim=1).tolist()
-        received = _AllToAll.apply(rows, self.ep_group, self._output_splits, self._input_splits)
+        received = all_to_all(rows, self.ep_group, self._output_splits, self._input_splits)
         # Received blocks are (source rank, expert); the experts want (expert, source rank).
         self._chunk_sizes = receive_counts.tolist()
         chunks = torch.split(received, receive_counts.flatten().tolist())
@@ -162,7 +140,7 @@ class MoEAlltoAllTokenDispatcher:
             by_source = [chunks[expert * self.ep_size + source]
                          for source in range(self.ep_size)
                          for expert in range(self.num_local_experts)]
-            expert_output = _AllToAll.apply(torch.cat(by_source, dim=0), self.ep_group,
+            expert_output = all_to_all(torch.cat(by_source, dim=0), self.ep_group,
                                             self._input_splits, self._output_splits)
         weighted = expert_output * self._row_probs.unsqueeze(-1).to(expert_output.dtype)
         output = unpermute(weighted, self._token_index, self._num_tokens)
