@@ -542,6 +542,10 @@ def parse_moe_layer_freq(text: Union[str, int, List[int]]) -> Union[int, List[in
     return pattern
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 @dataclass
 class OptimizerConfig:
     optimizer: str = "adam"  # "adam" | "sgd"
@@ -553,9 +557,23 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
-    lr_decay_style: str = "linear"  # "constant" | "linear" | "cosine"
+    # "constant" | "linear" | "cosine" | "inverse-square-root" | "WSD"
+    lr_decay_style: str = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None
+    # Megatron's sample-based schedule (with --train-samples) and the rest of its LR flags;
+    # the scheduler counts samples either way (optimizer_param_scheduler.schedule_lengths).
+    lr_warmup_samples: int = 0
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None  # of the decay length, instead of the warm-up
+    lr_warmup_init: float = 0.0  # the LR warm-up starts from
+    lr_wsd_decay_style: str = "exponential"  # WSD's annealing: exponential|linear|cosine|minus_sqrt
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    # Own LR schedule bounds for the word embedding and output layer weights (None: --lr /
+    # --min-lr).
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -577,8 +595,26 @@ class OptimizerConfig:
             f"--optimizer must be adam or sgd, got {self.optimizer!r}",
         )
         _require(
-            self.lr_decay_style in ("constant", "linear", "cosine"),
-            f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}",
+            self.lr_decay_style in LR_DECAY_STYLES,
+            f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got "
+            f"{self.lr_decay_style!r}",
+        )
+        _require(
+            self.lr_wsd_decay_style in LR_WSD_DECAY_STYLES,
+            f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}, got "
+            f"{self.lr_wsd_decay_style!r}",
+        )
+        wsd_given = [flag for flag, value in (
+            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples)) if value is not None]
+        _require(
+            not wsd_given or self.lr_decay_style == "WSD",
+            f"{', '.join(wsd_given)} set the annealing phase of --lr-decay-style WSD; add it "
+            f"(the decay style is {self.lr_decay_style!r})",
+        )
+        _require(
+            self.decoupled_min_lr is None or self.decoupled_lr is not None,
+            "--decoupled-min-lr bounds the schedule of --decoupled-lr: add --decoupled-lr LR",
         )
         _require(
             not self.overlap_param_gather or self.use_distributed_optimizer,
@@ -591,7 +627,12 @@ class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # None: micro_batch_size * data-parallel size
     seq_length: int = 1024
-    train_iters: int = 100
+    # None with --train-samples: pretrain derives it (Megatron's update_train_iters).
+    train_iters: Optional[int] = 100
+    train_samples: Optional[int] = None
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
+    # START by INCREMENT over SAMPLES consumed samples (training/num_microbatches.py).
+    rampup_batch_size: Optional[List[int]] = None
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000

@@ -29,34 +29,56 @@ def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+def is_embedding_or_output_parameter(name: str) -> bool:
+    """The input word embedding and the output layer weight: the params Megatron's
+    --decoupled-lr applies to (its `is_embedding_or_output_parameter`; not the position
+    embedding)."""
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
+
+
 def get_param_groups(
     model_chunks: List[torch.nn.Module],
     config: OptimizerConfig,
     no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
 ) -> List[Dict]:
-    """Trainable params split into a decayed and a non-decayed group.
+    """Trainable params split into a decayed and a non-decayed group, and with
+    --decoupled-lr the embedding / output layer weights into groups of their own.
 
     Each group carries `wd_mult` / `lr_mult` so the scheduler can set
-    `group["weight_decay"] = weight_decay * wd_mult` and `group["lr"] = lr * lr_mult`.
+    `group["weight_decay"] = weight_decay * wd_mult` and `group["lr"] = lr * lr_mult`; the
+    decoupled groups also carry `max_lr` / `min_lr`, the bounds of their own schedule
+    (Megatron's param-group overrides; the others follow --lr / --min-lr, or the
+    checkpoint's with --use-checkpoint-opt_param-scheduler).
+    Groups on the default schedule come first and carry `default_config=True` (the learning
+    rate the log line reports).
     """
     condition = no_weight_decay_cond or _default_no_weight_decay
-    decay, no_decay = [], []
+    decoupled = config.decoupled_lr is not None
+    by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if param.requires_grad:
-                (no_decay if condition(name, param) else decay).append(param)
+                key = (decoupled and is_embedding_or_output_parameter(name),
+                       0.0 if condition(name, param) else 1.0)
+                by_key.setdefault(key, []).append(param)
     groups = []
-    for params, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
-        if params:
-            groups.append(
-                {
-                    "params": params,
-                    "wd_mult": wd_mult,
-                    "lr_mult": 1.0,
-                    "weight_decay": config.weight_decay * wd_mult,
-                    "lr": config.lr,
-                }
-            )
+    for own_schedule, wd_mult in ((False, 1.0), (False, 0.0), (True, 1.0), (True, 0.0)):
+        params = by_key.get((own_schedule, wd_mult))
+        if not params:
+            continue
+        group = {
+            "params": params,
+            "wd_mult": wd_mult,
+            "lr_mult": 1.0,
+            "default_config": not own_schedule,
+            "weight_decay": config.weight_decay * wd_mult,
+            "lr": config.lr,
+        }
+        if own_schedule:
+            group["max_lr"] = group["lr"] = config.decoupled_lr
+            group["min_lr"] = (config.min_lr if config.decoupled_min_lr is None
+                               else config.decoupled_min_lr)
+        groups.append(group)
     return groups
 
 
@@ -159,6 +181,7 @@ def get_megatron_optimizer(
 __all__ = [
     "get_megatron_optimizer",
     "get_param_groups",
+    "is_embedding_or_output_parameter",
     "build_torch_optimizer",
     "get_grad_scaler",
     "MegatronOptimizer",

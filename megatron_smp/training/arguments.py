@@ -20,6 +20,8 @@ import torch
 
 from megatron_smp.config import (
     CP_COMM_TYPES,
+    LR_DECAY_STYLES,
+    LR_WSD_DECAY_STYLES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -99,6 +101,8 @@ _FLAGS: List[_Flag] = [
     _f("--add-qkv-bias", "model", action="store_true"),
     _f("--init-method-std", "model", type=float, default=0.02),
     _f("--recompute-granularity", "model", choices=["full", "selective"]),
+    _f("--recompute-activations", None, "recompute_activations", action="store_true",
+       help="Megatron's shorthand for --recompute-granularity selective"),
     _f("--recompute-method", "model", choices=["uniform", "block"]),
     _f("--recompute-num-layers", "model", type=int),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
@@ -162,16 +166,29 @@ _FLAGS: List[_Flag] = [
     # Batch.
     _f("--micro-batch-size", "training", type=int, default=1),
     _f("--global-batch-size", "training", type=int),
+    _f("--rampup-batch-size", "training", type=int, nargs=3,
+       metavar=("START", "INCREMENT", "SAMPLES"),
+       help="grow the global batch from START by INCREMENT over SAMPLES consumed samples "
+       "(needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
     _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
-    _f("--lr-decay-style", "optimizer", choices=["constant", "linear", "cosine"],
-       default="linear"),
+    _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
     _f("--lr-warmup-iters", "optimizer", type=int, default=0),
-    _f("--lr-warmup-fraction", None, "lr_warmup_fraction", type=float),
+    _f("--lr-warmup-samples", "optimizer", type=int, default=0),
+    _f("--lr-warmup-fraction", "optimizer", type=float),
+    _f("--lr-warmup-init", "optimizer", type=float, default=0.0),
     _f("--lr-decay-iters", "optimizer", type=int),
+    _f("--lr-decay-samples", "optimizer", type=int),
+    _f("--lr-wsd-decay-style", "optimizer", choices=list(LR_WSD_DECAY_STYLES),
+       default="exponential"),
+    _f("--lr-wsd-decay-iters", "optimizer", type=int),
+    _f("--lr-wsd-decay-samples", "optimizer", type=int),
+    _f("--decoupled-lr", "optimizer", type=float,
+       help="own learning rate for the word embedding and output layer weights"),
+    _f("--decoupled-min-lr", "optimizer", type=float),
     _f("--weight-decay", "optimizer", type=float, default=0.01),
     _f("--clip-grad", "optimizer", type=float, default=1.0),
     _f("--adam-beta1", "optimizer", type=float, default=0.9),
@@ -187,7 +204,8 @@ _FLAGS: List[_Flag] = [
     _f("--loss-scale-window", "optimizer", type=int, default=1000),
     _f("--hysteresis", "optimizer", type=int, default=2),
     # Run.
-    _f("--train-iters", "training", type=int, required=True),
+    _f("--train-iters", "training", type=int),
+    _f("--train-samples", "training", type=int),
     _f("--seed", "training", type=int, default=1234),
     _f("--log-interval", "training", type=int, default=100),
     _f("--eval-interval", "training", type=int, default=1000),
@@ -462,14 +480,55 @@ def parse_args(
     if args.smp_config:
         _apply_smp_config(args.smp_config, sections, setting_names)
 
-    if args.lr_warmup_fraction is not None:
-        decay = sections["optimizer"].get("lr_decay_iters") or training["train_iters"]
-        sections["optimizer"]["lr_warmup_iters"] = int(args.lr_warmup_fraction * decay)
-    if sections["optimizer"].get("lr_decay_iters") is None:
-        sections["optimizer"]["lr_decay_iters"] = training["train_iters"]
+    # Given by --train-samples instead: pretrain derives it (see NumMicrobatchesCalculator).
+    training.setdefault("train_iters", None)
+    if args.recompute_activations:
+        if model.get("recompute_granularity", "selective") != "selective":
+            raise ConfigError("--recompute-activations is --recompute-granularity selective; "
+                              f"drop one (--recompute-granularity is "
+                              f"{model['recompute_granularity']})")
+        model["recompute_granularity"] = "selective"
 
+    if training.get("skip_train"):
+        # Megatron's --skip-train only evaluates: the optimizer state is never needed.
+        sections["checkpoint"]["no_load_optim"] = True
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     return Configs(args=args, setting_names=setting_names, **built)
+
+
+def _validate_training_length(configs: Configs, data_parallel_size: int) -> None:
+    """Megatron's rules for iteration- and sample-based runs: each counts its length, warm-up
+    and decay in its own unit, never mixed; --rampup-batch-size needs samples."""
+    from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
+
+    training, optimizer = configs.training, configs.optimizer
+    if (training.train_iters is None) == (training.train_samples is None):
+        raise ConfigError("give the run's length as one of --train-iters N or --train-samples N"
+                          + ("" if training.train_iters is None else ", not both"))
+    unit, other = ("iters", "samples") if training.train_iters is not None else ("samples",
+                                                                                   "iters")
+    mixed = [f"--lr-{name}-{other}" for name in ("warmup", "decay", "wsd-decay")
+             if getattr(optimizer, f"lr_{name.replace('-', '_')}_{other}")]
+    if mixed:
+        raise ConfigError(f"{', '.join(mixed)} count {other}, but the run is given in {unit} "
+                          f"(--train-{unit}); use the --lr-*-{unit} flags")
+    if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
+        raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
+    calculator = NumMicrobatchesCalculator(training, data_parallel_size)
+    for flag, value in (("--train-iters", training.train_iters),
+                        ("--train-samples", training.train_samples)):
+        if value is not None and calculator.train_iters(
+                training.train_iters, training.train_samples) < 1:
+            raise ConfigError(f"{flag} {value} is less than one iteration (global batch "
+                              f"{calculator.global_batch_size_at(0)})")
+    parallel = configs.parallel
+    if (parallel.pipeline_model_parallel_size > 1 and training.rampup_batch_size
+            and (parallel.virtual_pipeline_model_parallel_size
+                 or parallel.num_layers_per_virtual_pipeline_stage)):
+        from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
+
+        for count in calculator.microbatch_counts():
+            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
 
 
 def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
@@ -489,10 +548,8 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     training = configs.training
     if training.micro_batch_size < 1:
         raise ConfigError("--micro-batch-size must be >= 1")
-    if training.train_iters < 1:
-        raise ConfigError("--train-iters must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
-    training.num_microbatches(data_parallel_size)
+    _validate_training_length(configs, data_parallel_size)
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)

@@ -26,6 +26,7 @@ from megatron_smp.pipeline_parallel.schedules import (
 )
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
 from megatron_smp.training.logging import Timer, TrainingLogger, flops_per_iteration, print_error
+from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 
 
@@ -211,10 +212,17 @@ def pretrain(
     run = _Run(configs, state)
     run.model = build_model_chunks(model_provider, configs, state)
     run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
-    run.scheduler = OptimizerParamScheduler(run.optimizer, configs.optimizer, training.train_iters)
+    # --rampup-batch-size changes the global batch (and the microbatches per step) as samples
+    # are consumed; --train-samples gives the length in samples (Megatron's update_train_iters).
+    batch_sizes = NumMicrobatchesCalculator(training, state.dp_size)
+    training.train_iters = batch_sizes.train_iters(training.train_iters, training.train_samples)
+    run.scheduler = OptimizerParamScheduler(
+        run.optimizer, configs.optimizer, training.train_iters,
+        train_samples=training.train_samples, global_batch_size=batch_sizes.global_batch_size,
+    )
 
-    num_microbatches = training.num_microbatches(state.dp_size)
-    global_batch_size = training.micro_batch_size * state.dp_size * num_microbatches
+    num_microbatches = batch_sizes.num_microbatches_at(0)
+    global_batch_size = batch_sizes.global_batch_size
 
     checkpointing = None
     if configs.checkpoint.load or configs.checkpoint.save:
@@ -226,7 +234,7 @@ def pretrain(
 
     eval_runs = training.train_iters // training.eval_interval + 1
     num_samples = [
-        training.train_iters * global_batch_size,
+        training.train_samples or training.train_iters * global_batch_size,
         eval_runs * training.eval_iters * global_batch_size,
         training.eval_iters * global_batch_size,
     ]
@@ -262,13 +270,15 @@ def pretrain(
         gc.collect()
     timer.start()
     while run.iteration < training.train_iters:
+        num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
+        global_batch_size = num_microbatches * training.micro_batch_size * state.dp_size
         reports, update_successful, grad_norm, num_zeros_in_grad = train_step(
             run, forward_step_func, train_iter, num_microbatches
         )
         run.iteration += 1
         run.consumed_train_samples += global_batch_size
         if update_successful:
-            run.scheduler.step(1)
+            run.scheduler.step(global_batch_size)
         else:
             run.skipped_iterations += 1
         losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)

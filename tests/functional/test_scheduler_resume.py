@@ -22,7 +22,9 @@ LOGGED = COMMON + ["--log-interval", "1"]  # every iteration's learning rate in 
 MAX_LR, WARMUP = 1e-3, 2  # COMMON's --lr and --lr-warmup-iters; linear decay to --min-lr 0
 OVERRIDE = "--override-opt_param-scheduler"
 USE_CHECKPOINT = "--use-checkpoint-opt_param-scheduler"
-DECAY_DIFFERS = "--lr-decay-iters (default: --train-iters): checkpoint 20, command line 30"
+# The schedule counts samples, as Megatron's: 20 and 30 iterations of COMMON's global batch 8.
+DECAY_DIFFERS = ("--lr-decay-iters/--lr-decay-samples (default: --train-iters/--train-samples), "
+                 "in samples: checkpoint 160, command line 240")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -34,8 +34,9 @@ def test_flags_fill_the_configs():
     assert model.num_query_groups == 2 and model.position_embedding_type == "rope"
     assert model.bf16 and str(model.params_dtype) == "torch.bfloat16"
     assert not hasattr(configs.optimizer, "bf16")  # one home for precision: the model config
-    assert configs.optimizer.lr == 3e-4 and configs.optimizer.lr_warmup_iters == 2
-    assert configs.optimizer.lr_decay_iters == 10
+    # The scheduler turns the fraction into samples (test_scheduler.py checks its lengths).
+    assert configs.optimizer.lr == 3e-4 and configs.optimizer.lr_warmup_fraction == 0.2
+    assert configs.optimizer.lr_decay_iters is None and configs.training.train_iters == 10
     assert model.max_position_embeddings == 32
 
 

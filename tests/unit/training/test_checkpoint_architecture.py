@@ -88,8 +88,10 @@ def test_checkpoint_schedule_differences_need_a_flag_that_picks_a_side():
     message = str(info.value)
     for difference in ("--lr: checkpoint 0.001, command line 0.002",
                        "--min-lr: checkpoint 1e-05, command line 0.0",
-                       "--lr-warmup-iters (or --lr-warmup-fraction): checkpoint 2, command line 3",
-                       "--lr-decay-iters (default: --train-iters): checkpoint 20, command line 30",
+                       "--lr-warmup-iters/--lr-warmup-samples (or --lr-warmup-fraction), in "
+                       "samples: checkpoint 2, command line 3",
+                       "--lr-decay-iters/--lr-decay-samples (default: --train-iters/"
+                       "--train-samples), in samples: checkpoint 20, command line 30",
                        "--lr-decay-style: checkpoint 'cosine', command line 'linear'",
                        "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         assert difference in message, message
