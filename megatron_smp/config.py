@@ -189,6 +189,7 @@ FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
     "window_size", "moe_router_topk", "moe_router_pre_softmax",
+    "layernorm_zero_centered_gamma", "rotary_interleaved",
 )
 
 
@@ -215,11 +216,21 @@ class TransformerConfig:
 
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     layernorm_epsilon: float = 1e-5
-    activation: str = "gelu"  # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU)
+    # Megatron's --apply-layernorm-1p: every norm's scale is stored zero-centred,
+    # y = norm(x) * (1 + w), so weight decay pulls the scale towards 1 instead of 0.
+    layernorm_zero_centered_gamma: bool = False
+    # Megatron's --qk-layernorm: `normalization` over each head's query and key (head dim),
+    # after the QKV projection and before RoPE.
+    qk_layernorm: bool = False
+    # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU) | "squared_relu" (relu(x)^2)
+    activation: str = "gelu"
     gated_linear_unit: bool = False
     position_embedding_type: str = "learned_absolute"  # "learned_absolute"|"rope"|"alibi"|"none"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # Megatron's --rotary-interleaved: RoPE rotates channel pairs (2i, 2i + 1) (RoFormer, Meta's
+    # Llama) instead of (i, i + d/2) (GPT-NeoX, Hugging Face's Llama).
+    rotary_interleaved: bool = False
     # GPT-NeoX: attention and MLP read the same input and add into one residual.
     parallel_residual: bool = False
     # Sliding-window attention (Mistral), flash-attention's convention: query i attends to
@@ -336,6 +347,11 @@ class TransformerConfig:
         )
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
+        )
+        _require(
+            not self.rotary_interleaved or self.position_embedding_type == "rope",
+            "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
+            f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
         )
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         if self.window_size is not None:

@@ -170,7 +170,8 @@ class GPTModel(torch.nn.Module):
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base, device=device
+                config.kv_channels, config.rotary_percent, config.rotary_base, device=device,
+                interleaved=config.rotary_interleaved,
             )
 
         self.decoder = TransformerBlock(

@@ -90,6 +90,14 @@ _FLAGS: List[_Flag] = [
        action="store_true"),
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
+    # Model numerics (Megatron's semantics; see README "Model numerics flags").
+    _f("--rotary-interleaved", "model", action="store_true"),
+    _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
+       help="Megatron's deprecated spelling: only with --position-embedding-type rope"),
+    _f("--apply-layernorm-1p", "model", "layernorm_zero_centered_gamma", action="store_true",
+       help="norm weights stored zero-centred: y = norm(x) * (1 + w)"),
+    _f("--qk-layernorm", "model", action="store_true"),
+    _f("--squared-relu", None, "squared_relu", action="store_true"),
     _f("--use-parallel-residual", "model", "parallel_residual", action="store_true"),
     _f("--window-size", "model", type=_int_pair, metavar="LEFT,RIGHT",
        help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (Mistral's "
@@ -146,6 +154,13 @@ _FLAGS: List[_Flag] = [
     _f("--pipeline-timeline", "parallel", metavar="PATH",
        help="Chrome trace of the pipeline schedule, PATH.rank<r>.json per rank"),
     _f("--use-distributed-optimizer", "optimizer", action="store_true"),
+    _f("--use-megatron-fsdp", None, "use_megatron_fsdp", action="store_true",
+       help="Megatron-FSDP's flag, run on the engine its --data-parallel-sharding-strategy "
+       "maps to"),
+    _f("--data-parallel-sharding-strategy", None, "data_parallel_sharding_strategy",
+       choices=["no_shard", "optim", "optim_grads", "optim_grads_params"], default="no_shard",
+       help="with --use-megatron-fsdp: no_shard = DDP, optim = --use-distributed-optimizer, "
+       "optim_grads_params = FSDP2 full sharding (--use-torch-fsdp2)"),
     _f("--use-torch-fsdp2", "parallel", action="store_true",
        help="shard params, grads and optimizer state with PyTorch FSDP2 (over groups of "
        "hybrid_shard_degree ranks with --smp-config, default all data-parallel ranks)"),
@@ -295,9 +310,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--use-megatron-fsdp": "Megatron-FSDP engine (for FSDP2 sharding use --use-torch-fsdp2)",
-    "--data-parallel-sharding-strategy": "Megatron-FSDP engine (for FSDP2 sharding use "
-                                         "--use-torch-fsdp2)",
     "--log-params-norm": "a parameter-norm log field",
     "--use-checkpoint-args": "model arguments read from a checkpoint",
     "--wandb-project": "Weights & Biases logging",
@@ -308,6 +320,64 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 
 # The --moe-* flags that exist; any other is an error (never silently ignored).
 _MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
+
+
+# FP8 / FP4 training needs NVIDIA Transformer Engine on a Hopper or Blackwell GPU: every such
+# flag of Megatron-LM core_v0.16.1 is an error here, never silently ignored.
+_LOW_PRECISION_FLAG_PREFIXES = ("--fp8-", "--fp4-")
+_LOW_PRECISION_FLAGS = {"--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",
+                        "--reuse-grad-buf-for-mxfp8-param-ag", "--first-last-layers-bf16",
+                        "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
+                        "--te-precision-config-file"}
+
+
+def _reject_low_precision(argv: Sequence[str]) -> None:
+    """ConfigError naming the hardware and library the first FP8/FP4 flag in `argv` needs."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if not (flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS):
+            continue
+        try:
+            import transformer_engine  # noqa: F401
+
+            have = "Transformer Engine imports here, but megatron_smp has no FP8/FP4 path built"
+        except Exception:  # ImportError, or a build without its CUDA libraries
+            have = "Transformer Engine is not installed here, and megatron_smp has no FP8/FP4 path"
+        raise ConfigError(
+            f"{flag} asks for FP8/FP4 training, which needs NVIDIA Transformer Engine on a "
+            f"Hopper (H100/H200) or Blackwell GPU; {have}. Drop the --fp8-*/--fp4-* flags and "
+            "train in --bf16 (the hardware-only change Megatron's FP8 example scripts allow)"
+        )
+
+
+def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str, Any]]) -> None:
+    """Megatron-FSDP's flags on the engines built here, where the strategy maps exactly:
+    no_shard is DDP, optim shards the optimizer state (--use-distributed-optimizer),
+    optim_grads_params shards params, grads and optimizer state (FSDP2, --use-torch-fsdp2);
+    optim_grads (params replicated, grads sharded) is not built."""
+    strategy = args.data_parallel_sharding_strategy
+    flag = f"--data-parallel-sharding-strategy {strategy}"
+    if not args.use_megatron_fsdp:
+        if strategy != "no_shard":
+            raise ConfigError(f"{flag} configures Megatron-FSDP: add --use-megatron-fsdp (or use "
+                              "--use-distributed-optimizer / --use-torch-fsdp2 directly)")
+        return
+    parallel, optimizer = sections["parallel"], sections["optimizer"]
+    if parallel.get("use_torch_fsdp2"):
+        raise ConfigError("--use-megatron-fsdp and --use-torch-fsdp2 pick two FSDP engines; "
+                          "give one")
+    if strategy == "optim_grads":
+        raise ConfigError(f"{flag} (ZeRO-2: params replicated, grads and optimizer state "
+                          "sharded) is not built; use optim_grads_params (full sharding on "
+                          "FSDP2) or optim (--use-distributed-optimizer)")
+    if strategy == "optim_grads_params":
+        parallel["use_torch_fsdp2"] = True
+        # Megatron-FSDP's documented recipe passes these too; FSDP2 shards the optimizer state
+        # and overlaps its all-gathers and reduce-scatters by itself.
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
+            optimizer[name] = False
+    elif strategy == "optim":
+        optimizer["use_distributed_optimizer"] = True
 
 
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
@@ -420,6 +490,7 @@ def parse_args(
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     _reject_not_supported_yet(argv)
+    _reject_low_precision(argv)
     parser = build_parser(extra_args_provider)
     if args_defaults:
         by_field = {}
@@ -442,6 +513,16 @@ def parse_args(
     data = sections["data"]
     if args.use_rotary_position_embeddings:
         model["position_embedding_type"] = "rope"
+    if not args.add_position_embedding and model.get("position_embedding_type") != "rope":
+        # Megatron (core_v0.16.1) accepts it only with RoPE, where it changes nothing.
+        raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
+                          "with --position-embedding-type rope; use --position-embedding-type "
+                          "none (no position information) or rope")
+    if args.squared_relu:
+        if args.swiglu or args.openai_gelu:
+            raise ConfigError("--squared-relu picks the MLP activation, as do --swiglu and "
+                              "--openai-gelu; give one")
+        model["activation"] = "squared_relu"
     if args.swiglu:
         model["gated_linear_unit"] = True
         model["activation"] = "silu"
@@ -476,6 +557,7 @@ def parse_args(
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
+    _apply_megatron_fsdp(args, sections)
     setting_names: Dict[str, str] = {}
     if args.smp_config:
         _apply_smp_config(args.smp_config, sections, setting_names)

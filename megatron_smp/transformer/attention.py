@@ -29,6 +29,7 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
@@ -38,10 +39,12 @@ RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for RoPE over the first `rotary_percent` of each head's channels.
+    """cos/sin tables for RoPE over the first `rotary_percent` of each head's channels
+    (Megatron's rotary dim: int(kv_channels * rotary_percent)).
 
-    The rotated channels use the "rotate half" pairing (channel i with i + d/2), as in
-    GPT-NeoX and Hugging Face's Llama, so their q/k weights load without a permutation.
+    By default the rotated channels use the "rotate half" pairing (channel i with i + d/2),
+    as in GPT-NeoX and Hugging Face's Llama, so their q/k weights load without a permutation;
+    `interleaved` pairs channels 2i and 2i + 1 (Megatron's --rotary-interleaved).
     """
 
     def __init__(
@@ -50,9 +53,11 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_percent: float = 1.0,
         rotary_base: float = 10000.0,
         device: Optional[torch.device] = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
-        dim = int(kv_channels * rotary_percent)
+        self.interleaved = interleaved
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         if dim < 2 or dim % 2 != 0:
             raise ValueError(
                 f"rotary dim {dim} (kv_channels {kv_channels} x rotary_percent {rotary_percent})"
@@ -77,24 +82,31 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             positions = position_ids.to(inv_freq.device).transpose(0, 1).float()  # [s, b]
             freqs = (positions[..., None] * inv_freq)[:, :, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.interleaved:  # frequency i on channels 2i and 2i + 1
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if interleaved:  # pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(x: torch.Tensor, rotary: RotaryEmbeddings) -> torch.Tensor:
-    """Rotate the first `dim` channels of x [s, b, n, d] by cos/sin [s, b or 1, 1, dim]."""
+def apply_rotary_pos_emb(x: torch.Tensor, rotary: RotaryEmbeddings,
+                         interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first `dim` channels of x [s, b, n, d] by cos/sin [s, b or 1, 1, dim]
+    (from a `RotaryEmbedding` built with the same `interleaved`)."""
     cos, sin = rotary
     dim = cos.shape[-1]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + _rotate_half(x, interleaved) * sin
     x_rot, x_pass = x[..., :dim], x[..., dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + _rotate_half(x_rot, interleaved) * sin, x_pass), dim=-1)
 
 
 # ALiBi -------------------------------------------------------------------------------------------
@@ -257,6 +269,8 @@ class SelfAttention(torch.nn.Module):
       * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
       * rotary_pos_emb: (cos, sin) from `RotaryEmbedding`, for RoPE models.
     `submodules.core_attention` builds the core attention (default `DotProductAttention`).
+    With `config.qk_layernorm`, `q_layernorm` / `k_layernorm` normalise each head's query and
+    key over the head dim before RoPE (megatron-core's names and order).
     """
 
     def __init__(
@@ -280,6 +294,14 @@ class SelfAttention(torch.nn.Module):
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
         self.selective_recompute = config.recompute_granularity == "selective"
+        self.rotary_interleaved = config.rotary_interleaved
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            # One weight shared by all heads, and each TP rank holds other heads: its grad is
+            # partial and is summed over TP like a sequence-parallel norm's (hence the mark).
+            partial = tp_size > 1
+            self.q_layernorm = build_norm(config, self.head_dim, partial, device)
+            self.k_layernorm = build_norm(config, self.head_dim, partial, device)
 
         qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
         init_method = init_method_normal(config.init_method_std)
@@ -330,9 +352,11 @@ class SelfAttention(torch.nn.Module):
     ) -> torch.Tensor:
         mixed, _ = self.linear_qkv(hidden_states)
         query, key, value = self._split_qkv(mixed)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
         if self.selective_recompute and self.training:
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:

@@ -25,7 +25,12 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu}
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)  # Megatron's squared_relu (Primer, So et al. 2021)
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu,
+                "squared_relu": _squared_relu}
 
 
 def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

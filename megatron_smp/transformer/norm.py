@@ -4,6 +4,10 @@ Both normalise the last dim of `[s, b, h]` activations. With sequence parallelis
 normalises its own sequence shard, so the (replicated) weights only see part of the batch:
 they are marked `sequence_parallel = True`, and their gradients must be all-reduced over the
 tensor-parallel group before the optimizer step.
+
+`zero_centered_gamma` (Megatron's --apply-layernorm-1p) stores the scale as w with
+y = norm(x) * (1 + w): w starts at 0, and weight decay pulls the scale towards 1 rather
+than 0.
 """
 from __future__ import annotations
 
@@ -37,27 +41,33 @@ class LayerNorm(torch.nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
+        zero_centered_gamma: bool = False,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        self.zero_centered_gamma = zero_centered_gamma
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
         for param in (self.weight, self.bias):
             param.sequence_parallel = sequence_parallel
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> [..., h]."""
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if _use_apex(x):
-            return fused_layer_norm_affine(x, self.weight, self.bias, (self.hidden_size,), self.eps)
-        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+            return fused_layer_norm_affine(x, weight, self.bias, (self.hidden_size,), self.eps)
+        return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
 
 class RMSNorm(torch.nn.Module):
@@ -68,24 +78,30 @@ class RMSNorm(torch.nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
+        zero_centered_gamma: bool = False,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.zero_centered_gamma = zero_centered_gamma
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
         self.weight.sequence_parallel = sequence_parallel
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> [..., h]."""
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if _use_apex(x):
-            return fused_rms_norm_affine(x, self.weight, (self.hidden_size,), self.eps)
-        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return fused_rms_norm_affine(x, weight, (self.hidden_size,), self.eps)
+        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
 
 def build_norm(
@@ -94,7 +110,8 @@ def build_norm(
     sequence_parallel: bool = False,
     device: Optional[torch.device] = None,
 ) -> torch.nn.Module:
-    """The norm named by `config.normalization` over `hidden_size` (default config.hidden_size)."""
+    """The norm named by `config.normalization` over `hidden_size` (default config.hidden_size),
+    zero-centred with --apply-layernorm-1p."""
     cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[config.normalization]
     return cls(
         hidden_size or config.hidden_size,
@@ -102,6 +119,7 @@ def build_norm(
         sequence_parallel=sequence_parallel,
         dtype=config.params_dtype,
         device=device,
+        zero_centered_gamma=config.layernorm_zero_centered_gamma,
     )
 
 

@@ -31,7 +31,9 @@ ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "vocab_size", "max_position_embeddings", "ffn_hidden_size", "add_bias_linear",
     "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts",
-) + FUNCTION_FIELDS
+) + tuple(name for name in FUNCTION_FIELDS
+          # HF has no zero-centred norms: the adapters add the 1 to the weights instead.
+          if name != "layernorm_zero_centered_gamma")
 _LISTED = 20
 
 

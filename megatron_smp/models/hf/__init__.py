@@ -17,8 +17,8 @@ from megatron_smp.config import ConfigError
 from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
-_FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "gpt_neox": gpt_neox,
-             "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+_FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
+             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 
 def _architecture_index() -> dict:

@@ -79,6 +79,31 @@ def unpack_qkv(
     )
 
 
+def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -> StateDict:
+    """Our full state dict with its norm weights as HF stores them: + 1 when they are stored
+    zero-centred (--apply-layernorm-1p, y = norm(x) * (1 + w)); HF has no such setting.
+    Raises ConfigError for numerics `family` cannot express."""
+    if config.qk_layernorm and family != "qwen3":
+        raise ConfigError(f"--qk-layernorm: Hugging Face {family} models have no query/key norms;"
+                          " of the converted families only qwen3 has them")
+    if config.rotary_interleaved:
+        raise ConfigError(f"--rotary-interleaved: Hugging Face {family} rotates channel halves; "
+                          "converting interleaved RoPE (a q/k row permutation) is not built")
+    if not config.layernorm_zero_centered_gamma:
+        return state_dict
+    return {name: value + 1 if name.endswith("layernorm.weight") else value
+            for name, value in state_dict.items()}
+
+
+def norms_from_hf(state_dict: StateDict, config: TransformerConfig) -> StateDict:
+    """Inverse of `norms_to_hf` on a converted (framework) state dict, in place."""
+    if config.layernorm_zero_centered_gamma:
+        for name in state_dict:
+            if name.endswith("layernorm.weight"):
+                state_dict[name] = state_dict[name] - 1
+    return state_dict
+
+
 def rope_parameters(hf_config) -> dict:
     """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -109,6 +134,8 @@ __all__ = [
     "pack_qkv",
     "unpack_qkv",
     "rope_parameters",
+    "norms_to_hf",
+    "norms_from_hf",
     "shard_state_dict",
     "merge_state_dicts",
 ]

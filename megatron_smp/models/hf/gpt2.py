@@ -18,6 +18,8 @@ from megatron_smp.models.hf.common import (
     WORD_EMBEDDINGS,
     StateDict,
     layer_prefix,
+    norms_from_hf,
+    norms_to_hf,
     pack_qkv,
     pad_vocab,
     unpack_qkv,
@@ -125,10 +127,11 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
     out[FINAL_NORM + ".bias"] = sd["ln_f.bias"].clone()
     if config.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = pad_vocab(sd["lm_head.weight"], config)
-    return out
+    return norms_from_hf(out, config)
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+    state_dict = norms_to_hf(state_dict, config, "gpt2")
     out: StateDict = {
         "transformer.wte.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config),
         "transformer.wpe.weight": state_dict[POSITION_EMBEDDINGS].clone(),

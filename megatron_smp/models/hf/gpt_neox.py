@@ -16,6 +16,8 @@ from megatron_smp.models.hf.common import (
     WORD_EMBEDDINGS,
     StateDict,
     layer_prefix,
+    norms_from_hf,
+    norms_to_hf,
     pad_vocab,
     rope_parameters,
     unpad_vocab,
@@ -117,10 +119,11 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
     out[FINAL_NORM + ".bias"] = sd["gpt_neox.final_layer_norm.bias"].clone()
     if config.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = pad_vocab(sd["lm_head.weight"], config)
-    return out
+    return norms_from_hf(out, config)
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+    state_dict = norms_to_hf(state_dict, config, "gpt_neox")
     out: StateDict = {"gpt_neox.embed_in.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):
         hf, ours = f"gpt_neox.layers.{i}.", layer_prefix(i)

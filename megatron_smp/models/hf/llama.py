@@ -1,4 +1,5 @@
-"""LlamaForCausalLM / MistralForCausalLM <-> GPTModel (RoPE, RMSNorm, SwiGLU, GQA, no biases).
+"""LlamaForCausalLM / MistralForCausalLM / Qwen3ForCausalLM <-> GPTModel (RoPE, RMSNorm, SwiGLU,
+GQA, no biases; Qwen3 adds RMSNorms of each head's query and key, our --qk-layernorm).
 
 HF keeps q/k/v and gate/up as separate linears; ours are fused: qkv per query group
 (`pack_qkv`) and fc1 = [gate; up] (split over TP with stride 2). HF's q/k rows are already
@@ -20,6 +21,8 @@ from megatron_smp.models.hf.common import (
     WORD_EMBEDDINGS,
     StateDict,
     layer_prefix,
+    norms_from_hf,
+    norms_to_hf,
     pack_qkv,
     pad_vocab,
     rope_parameters,
@@ -27,8 +30,13 @@ from megatron_smp.models.hf.common import (
     unpad_vocab,
 )
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen3")
+
+
+# Qwen3's per-head query/key RMSNorms.
+_QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
@@ -40,6 +48,12 @@ def config_from_hf(hf_config) -> TransformerConfig:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     sliding_window = getattr(hf_config, "sliding_window", None)
+    qwen3 = getattr(hf_config, "model_type", None) == "qwen3"
+    if qwen3:
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ConfigError("Qwen3 use_sliding_window=True (windows on some layers only) is "
+                              "not supported; set it False")
+        sliding_window = None
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -62,11 +76,12 @@ def config_from_hf(hf_config) -> TransformerConfig:
         attention_dropout=getattr(hf_config, "attention_dropout", 0.0),
         init_method_std=hf_config.initializer_range,
         use_scaled_init_method=False,
+        qk_layernorm=qwen3,
     )
 
 
 def config_to_hf(config: TransformerConfig, family: str = "llama"):
-    from transformers import LlamaConfig, MistralConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     if not (config.gated_linear_unit and config.activation == "silu"
             and config.normalization == "RMSNorm" and config.position_embedding_type == "rope"
@@ -78,6 +93,14 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
         )
     kwargs = hf_config_kwargs(config)
     left = config.window_size[0] if config.window_size is not None else -1
+    if config.qk_layernorm != (family == "qwen3"):
+        raise ConfigError(f"qk_layernorm={config.qk_layernorm}: Qwen3 has query/key norms, "
+                          f"{family} has not; convert as qwen3 exactly when --qk-layernorm is set")
+    if family == "qwen3":
+        if left >= 0:
+            raise ConfigError(f"window_size {config.window_size}: Qwen3 is converted without "
+                              "sliding windows")
+        return Qwen3Config(attention_bias=False, **kwargs)
     if family == "mistral":
         return MistralConfig(sliding_window=left + 1 if left >= 0 else None, **kwargs)
     if left >= 0:
@@ -151,6 +174,9 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
                 config,
             )
         out[ours + "self_attention.linear_proj.weight"] = sd[hf + "self_attn.o_proj.weight"].clone()
+        if config.qk_layernorm:  # Qwen3
+            for ours_norm, hf_norm in _QK_NORMS:
+                out[ours + ours_norm] = sd[hf + hf_norm].clone()
         out[ours + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"].clone()
         if mlp_from_hf is None:
             out.update(gated_mlp_from_hf(sd, hf + "mlp.", ours + "mlp."))
@@ -159,12 +185,15 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
     out[FINAL_NORM + ".weight"] = sd["model.norm.weight"].clone()
     if config.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = pad_vocab(sd["lm_head.weight"], config)
-    return out
+    return norms_from_hf(out, config)
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
           mlp_to_hf=None) -> StateDict:
     """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`."""
+    # Only the dense Qwen3 has query/key norms.
+    family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
+    state_dict = norms_to_hf(state_dict, config, family)
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
@@ -180,6 +209,9 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
         out[hf + "self_attn.o_proj.weight"] = (
             state_dict[ours + "self_attention.linear_proj.weight"].clone()
         )
+        if config.qk_layernorm:
+            for ours_norm, hf_norm in _QK_NORMS:
+                out[hf + hf_norm] = state_dict[ours + ours_norm].clone()
         if mlp_to_hf is None:
             out.update(gated_mlp_to_hf(state_dict, hf + "mlp.", ours + "mlp."))
         else:

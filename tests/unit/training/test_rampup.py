@@ -1,0 +1,96 @@
+"""--train-samples with --rampup-batch-size through pretrain at DP=2.
+
+The ramp `4 4 8` towards --global-batch-size 8 over --train-samples 40 gives, by Megatron's
+num_microbatches_calculator (a batch of START + INCREMENT * int(consumed / (SAMPLES /
+((8 - 4) / 4))) while consumed <= SAMPLES, else 8) the global batches 4, 4, 8, 8, 8, 8 and
+Megatron's update_train_iters 3 ramp iterations + (40 - 16) // 8 = 6 iterations. The ramped
+run's losses must equal those of the same batches trained without a ramp: a --global-batch-size
+4 run for two iterations, resumed from its checkpoint with --global-batch-size 8.
+"""
+import re
+
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import COMMON
+
+MAX_LR, WARMUP_SAMPLES, DECAY_SAMPLES = 1e-3, 8, 40
+BATCHES = [4, 4, 8, 8, 8, 8]
+
+
+def _without(argv, *flags):
+    out = list(argv)
+    for flag in flags:
+        index = out.index(flag)
+        del out[index:index + 2]
+    return out
+
+
+BASE = _without(COMMON, "--train-iters", "--global-batch-size", "--lr-warmup-iters") + [
+    "--log-interval", "1"]
+
+
+def expected_lr(consumed):
+    """Megatron's linear warm-up over 8 samples, then linear decay to 0 at 40 samples."""
+    if consumed <= WARMUP_SAMPLES:
+        return MAX_LR * consumed / WARMUP_SAMPLES
+    return MAX_LR * (1.0 - (consumed - WARMUP_SAMPLES) / (DECAY_SAMPLES - WARMUP_SAMPLES))
+
+
+def _train(rank, world_size, runs):
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    out = []
+    for argv in runs:
+        result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                          argv=argv)
+        logged = {}
+        for line in result.log_lines:
+            match = re.match(r" iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|.*"
+                             r"learning rate: ([-+.\dE]+) \| global batch size: +(\d+) \|", line)
+            if match:
+                iteration, total, consumed, lr, batch = match.groups()
+                logged[int(iteration)] = (int(total), int(consumed), float(lr), int(batch))
+        losses = {i: v["lm loss"] for i, v in result.train_losses.items()}
+        out.append({"logged": logged, "losses": losses,
+                    "consumed": result.consumed_train_samples})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("rampup") / "ckpt")
+    ramped = BASE + ["--train-samples", "40", "--global-batch-size", "8",
+                     "--rampup-batch-size", "4", "4", "8", "--lr-warmup-samples", "8"]
+    # The same schedule in iterations of 4 samples (warm-up 2, decay 10), then of 8 (1, 5).
+    first = BASE + ["--train-iters", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
+                    "--lr-decay-iters", "10", "--save", save]
+    rest = BASE + ["--train-iters", "6", "--global-batch-size", "8", "--lr-warmup-iters", "1",
+                   "--lr-decay-iters", "5", "--load", save]
+    return run_distributed(_train, 2, args=([ramped, first, rest],), timeout=600)
+
+
+def test_batch_sizes_consumed_samples_and_lr_follow_megatron(runs):
+    for ramped, _, _ in runs:
+        consumed, expected = 0, {}
+        for iteration, batch in enumerate(BATCHES, start=1):
+            consumed += batch
+            expected[iteration] = (6, consumed, expected_lr(consumed), batch)
+        assert sorted(ramped["logged"]) == list(range(1, 7))
+        for iteration, (total, consumed, lr, batch) in ramped["logged"].items():
+            assert (total, consumed, batch) == (expected[iteration][0], expected[iteration][1],
+                                                expected[iteration][3])
+            assert lr == pytest.approx(expected[iteration][2], rel=1e-6)
+        assert ramped["consumed"] == 40
+
+
+def test_ramped_losses_equal_the_same_batches_without_a_ramp(runs):
+    for ramped, first, rest in runs:
+        assert sorted(first["losses"]) == [1, 2] and sorted(rest["losses"]) == [3, 4, 5, 6]
+        assert rest["consumed"] == 40
+        unramped = {**first["losses"], **rest["losses"]}
+        for iteration in range(1, 7):
+            assert ramped["losses"][iteration] == pytest.approx(unramped[iteration], rel=1e-5)
+        # The losses move: the equality is not of constants.
+        assert len({round(v, 6) for v in unramped.values()}) == 6
