@@ -83,11 +83,13 @@ class OptimizerParamScheduler:
         if self.lr_decay_steps <= 0:
             raise ConfigError(f"the decay length ({self.lr_decay_steps} samples) must be > 0: "
                               "set --lr-decay-iters / --lr-decay-samples")
-        if self.lr_warmup_steps >= self.lr_decay_steps:
+        # Megatron asserts warm-up < decay; a warm-up as long as the decay (a short test run
+        # with the usual warm-up) is accepted here: it ends at --lr, then --min-lr follows.
+        if self.lr_warmup_steps > self.lr_decay_steps:
             raise ConfigError(
                 f"the warm-up ({self.lr_warmup_steps} samples, --lr-warmup-iters, "
-                "--lr-warmup-samples or --lr-warmup-fraction) must be shorter than the decay "
-                f"({self.lr_decay_steps} samples, --lr-decay-iters or --lr-decay-samples)"
+                "--lr-warmup-samples or --lr-warmup-fraction) must not be longer than the "
+                f"decay ({self.lr_decay_steps} samples, --lr-decay-iters or --lr-decay-samples)"
             )
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None:
