@@ -668,6 +668,10 @@ class TrainingConfig:
     manual_gc: bool = False
     manual_gc_interval: int = 0
     manual_gc_eval: bool = True  # collect before and after each evaluation
+    # Megatron's --empty-unused-memory-level: hand the CUDA caching allocator's unused blocks
+    # back after each training step's forward-backward and each evaluation step (>= 1), and
+    # after the optimizer step too (2). A CPU run has no such cache.
+    empty_unused_memory_level: int = 0
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size

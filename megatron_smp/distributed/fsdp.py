@@ -126,11 +126,13 @@ def check_empty_shards(module: torch.nn.Module, shard_size: int, allow_empty_sha
             )
 
 
-def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecisionPolicy:
-    """bf16/fp16 compute over fp32 sharded params, grads reduced in fp32 (None: all fp32)."""
+def mixed_precision_policy(param_dtype: Optional[torch.dtype],
+                           reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
+    """bf16/fp16 compute over fp32 sharded params, grads reduced in `reduce_dtype` (fp32;
+    bf16 with --grad-reduce-in-bf16). param_dtype None: all fp32."""
     if param_dtype is None or param_dtype == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def fully_shard_model(
@@ -148,6 +150,7 @@ def fully_shard_model(
     activation_offloader=None,
     cache_flush_warnings: bool = False,
     layers: Optional[List[torch.nn.Module]] = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
     """Apply FSDP2 to `model` in place (each layer, then the root); returns `model`.
 
@@ -201,7 +204,7 @@ def fully_shard_model(
     shard_size = state.fsdp_shard_size
     common = dict(
         mesh=mesh,
-        mp_policy=mixed_precision_policy(param_dtype),
+        mp_policy=mixed_precision_policy(param_dtype, reduce_dtype),
         offload_policy=CPUOffloadPolicy() if offload_params else OffloadPolicy(),
     )
     units = list(layers) + [model]
@@ -439,6 +442,9 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
             param_dtype=None if params_dtype == torch.float32 else params_dtype,
             reshard_after_forward=configs.parallel.torch_fsdp2_reshard_after_forward,
             param_init_fn=param_init_fn,
+            # --grad-reduce-in-bf16 (Megatron-FSDP honours it too): reduce-scatter in bf16.
+            reduce_dtype=(torch.float32 if configs.optimizer.accumulate_allreduce_grads_in_fp32
+                          else params_dtype),
         )
 
 

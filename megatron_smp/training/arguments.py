@@ -173,6 +173,9 @@ _FLAGS: List[_Flag] = [
     _f("--ddp-average-in-collective", "optimizer", action="store_true"),
     _f("--accumulate-allreduce-grads-in-fp32", "optimizer", action="store_true", default=True,
        help="always on here: fp16/bf16 models reduce fp32 grads"),
+    _f("--grad-reduce-in-bf16", None, "grad_reduce_in_bf16", action="store_true",
+       help="--bf16 models accumulate and reduce grads in bf16 (DDP buffers, FSDP2 "
+       "reduce-scatter)"),
     _f("--distributed-backend", "parallel", choices=["nccl", "gloo"]),
     _f("--distributed-timeout-minutes", "parallel", type=int, default=10),
     _f("--smp-config", None, "smp_config", metavar="JSON",
@@ -236,6 +239,9 @@ _FLAGS: List[_Flag] = [
     _f("--manual-gc", "training", action="store_true"),
     _f("--manual-gc-interval", "training", type=int, default=0),
     _f("--no-manual-gc-eval", "training", "manual_gc_eval", action="store_false"),
+    _f("--empty-unused-memory-level", "training", type=int, choices=[0, 1, 2], default=0,
+       help="CUDA: empty the allocator's cache after each step (1), and after the optimizer "
+       "step too (2)"),
     _f("--exit-interval", "training", type=int),
     # Data.
     _f("--data-path", "data", nargs="*", default=[]),
@@ -301,10 +307,14 @@ IGNORED_FLAGS: Dict[str, str] = {
                                                 "inside the attention kernel",
     "--timing-log-level": "log verbosity of Megatron's per-phase timers (the log line's "
                           "iteration time is always printed)",
+    "--cross-entropy-loss-fusion": "kernel fusion choice: Megatron's fused vocab-parallel "
+                                   "cross entropy computes the same loss as the unfused one",
+    "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "
+                                   "Engine), see --cross-entropy-loss-fusion",
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
-                       "--timing-log-level"}
+                       "--timing-log-level", "--cross-entropy-fusion-impl"}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
@@ -547,6 +557,11 @@ def parse_args(
                           "--num-experts N, or drop them")
     if model.get("max_position_embeddings") is None:
         model["max_position_embeddings"] = training["seq_length"]
+    if args.grad_reduce_in_bf16:
+        if not args.bf16:
+            raise ConfigError("--grad-reduce-in-bf16 applies to --bf16 models only (Megatron "
+                              "ignores it otherwise); add --bf16 or drop it")
+        sections["optimizer"]["accumulate_allreduce_grads_in_fp32"] = False
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive; pick one")
     precision = {"fp16": args.fp16, "bf16": args.bf16}

@@ -140,6 +140,13 @@ def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
     )
 
 
+def empty_unused_memory(run: _Run, level: int) -> None:
+    """Megatron's --empty-unused-memory-level: return the CUDA caching allocator's unused
+    blocks when the flag is at least `level` (nothing to return on other devices)."""
+    if run.configs.training.empty_unused_memory_level >= level and run.state.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
     from megatron_smp.transformer.moe import set_aux_loss_scale
 
@@ -149,6 +156,7 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
     set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
+    empty_unused_memory(run, 1)
     if run.configs.checkpoint.async_save:
         from megatron_smp.training.checkpointing import wait_for_staging
 
@@ -156,6 +164,7 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
         # memory; step() is the first thing to modify them.
         wait_for_staging(run)
     update_successful, grad_norm, num_zeros_in_grad = run.optimizer.step()
+    empty_unused_memory(run, 2)
     return reports, update_successful, grad_norm, num_zeros_in_grad
 
 
@@ -167,6 +176,7 @@ def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: 
     for _ in range(eval_iters):
         all_reports += _run_schedule(run, forward_step_func, data_iterator, num_microbatches,
                                      True)
+        empty_unused_memory(run, 1)
     for chunk in run.model:
         chunk.train()
     return _reduce_reports(all_reports, run.state)
