@@ -672,6 +672,27 @@ class TrainingConfig:
     # back after each training step's forward-backward and each evaluation step (>= 1), and
     # after the optimizer step too (2). A CPU run has no such cache.
     empty_unused_memory_level: int = 0
+    # Run control, as Megatron's flags of the same names (training/run_control.py): each
+    # exit condition saves a checkpoint (with --save) and ends the run without the final
+    # evaluation.
+    exit_duration_in_mins: Optional[int] = None
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"  # a signal.Signals name
+    skip_train: bool = False  # evaluate validation and test sets only
+    deterministic_mode: bool = False  # torch.use_deterministic_algorithms(True)
+    log_params_norm: bool = False  # " params norm:" field and params-norm scalar
+    # torch.profiler trace of iterations profile_step_start..profile_step_end-1 (Megatron's
+    # --profile --use-pytorch-profiler) on the global ranks in profile_ranks.
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list = field(default_factory=lambda: [0])
+    # Weights & Biases logging of the TensorBoard scalars on the last rank (wandb optional).
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_entity: Optional[str] = None
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size

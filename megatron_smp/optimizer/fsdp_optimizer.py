@@ -13,10 +13,6 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_smp.optimizer.clip_grads import (
-    param_is_not_shared,
-    param_is_not_tensor_parallel_duplicate,
-)
 from megatron_smp.optimizer.optimizer import FP32Optimizer
 
 
@@ -36,13 +32,12 @@ class FSDPOptimizer(FP32Optimizer):
         return [_local(p.grad) for _, p in self.param_pairs if p.grad is not None]
 
     def _grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        dense = []
-        for param, _ in self.param_pairs:
-            if param.grad is None or not param_is_not_shared(param):
-                continue
-            if not param_is_not_tensor_parallel_duplicate(param, self.state.tp_rank):
-                continue
-            dense.append(_local(param.grad))
+        dense, _ = self._for_norm(
+            lambda param, _: None if param.grad is None else _local(param.grad))
+        return dense, []
+
+    def _params_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        dense, _ = self._for_norm(lambda param, _: _local(param.detach()))
         return dense, []
 
     def _norm_groups(self):

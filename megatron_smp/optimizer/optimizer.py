@@ -106,16 +106,25 @@ class MegatronOptimizer:
     def _main_grads(self) -> List[torch.Tensor]:
         return [main.grad for _, main in self.param_pairs if main.grad is not None]
 
-    def _grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """(dense, expert) main grads this rank counts: no TP duplicates, no tied copies."""
+    def _for_norm(self, tensor_of: Callable) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(dense, expert) tensors this rank counts in a norm: no TP duplicates, no tied
+        copies. `tensor_of(model_param, main_param)` gives each pair's tensor (None: skip)."""
         dense, expert = [], []
         for model_param, main_param in self.param_pairs:
-            if main_param.grad is None or not param_is_not_shared(model_param):
+            tensor = tensor_of(model_param, main_param)
+            if tensor is None or not param_is_not_shared(model_param):
                 continue
             if not param_is_not_tensor_parallel_duplicate(model_param, self.state.tp_rank):
                 continue
-            (expert if is_expert_param(model_param) else dense).append(main_param.grad)
+            (expert if is_expert_param(model_param) else dense).append(tensor)
         return dense, expert
+
+    def _grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        return self._for_norm(lambda model_param, main_param: main_param.grad)
+
+    def _params_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        # Main params: fp32 even for bf16/fp16 models, as Megatron's calc_params_l2_norm.
+        return self._for_norm(lambda model_param, main_param: main_param.detach())
 
     def _norm_groups(self):
         """Groups over which partial sums of dense and of expert grads are added."""
@@ -128,7 +137,16 @@ class MegatronOptimizer:
         return dense, expert
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
-        dense, expert = self._grads_for_norm()
+        return self._total_norm(*self._grads_for_norm(), norm_type)
+
+    @torch.no_grad()
+    def get_params_norm(self) -> float:
+        """L2 norm of the whole model's parameters (Megatron's --log-params-norm), each
+        element counted once across tp / pp / dp / ep ranks. Collective over those groups."""
+        return self._total_norm(*self._params_for_norm(), 2.0)
+
+    def _total_norm(self, dense: List[torch.Tensor], expert: List[torch.Tensor],
+                    norm_type: float) -> float:
         dense_groups, expert_groups = self._norm_groups()
         total = grad_norm_power(dense, norm_type, dense_groups)
         # Expert grads exist on every rank or on none (same model); the collective is only

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -243,6 +244,22 @@ _FLAGS: List[_Flag] = [
        help="CUDA: empty the allocator's cache after each step (1), and after the optimizer "
        "step too (2)"),
     _f("--exit-interval", "training", type=int),
+    _f("--exit-duration-in-mins", "training", type=int),
+    _f("--exit-signal-handler", "training", action="store_true",
+       help="on --exit-signal (SIGTERM) to any rank: save (with --save) and exit with code 0"),
+    _f("--exit-signal", "training", choices=[s.name for s in signal.Signals], default="SIGTERM"),
+    _f("--skip-train", "training", action="store_true"),
+    _f("--deterministic-mode", "training", action="store_true"),
+    _f("--log-params-norm", "training", action="store_true"),
+    _f("--profile", "training", action="store_true"),
+    _f("--use-pytorch-profiler", "training", action="store_true"),
+    _f("--profile-step-start", "training", type=int, default=10),
+    _f("--profile-step-end", "training", type=int, default=12),
+    _f("--profile-ranks", "training", type=int, nargs="+", default=[0]),
+    _f("--wandb-project", "training"),
+    _f("--wandb-exp-name", "training"),
+    _f("--wandb-save-dir", "training"),
+    _f("--wandb-entity", "training"),
     # Data.
     _f("--data-path", "data", nargs="*", default=[]),
     _f("--split", "data", default="969,30,1"),
@@ -320,11 +337,7 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--log-params-norm": "a parameter-norm log field",
     "--use-checkpoint-args": "model arguments read from a checkpoint",
-    "--wandb-project": "Weights & Biases logging",
-    "--wandb-exp-name": "Weights & Biases logging",
-    "--wandb-save-dir": "Weights & Biases logging",
 }
 
 
@@ -589,6 +602,9 @@ def parse_args(
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
+    if training.get("skip_train"):
+        # Megatron's --skip-train only evaluates: the optimizer state is never needed.
+        sections["checkpoint"]["no_load_optim"] = True
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     return Configs(args=args, setting_names=setting_names, **built)
 
@@ -686,12 +702,30 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     checkpoint = configs.checkpoint
     if checkpoint.save_interval is not None and not checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
+    _validate_run_flags(configs)
     if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
         raise ConfigError(
             "--override-opt_param-scheduler (the command line's LR schedule wins) and "
             "--use-checkpoint-opt_param-scheduler (the checkpoint's wins) contradict each "
             "other; give one"
         )
+
+
+def _validate_run_flags(configs: Configs) -> None:
+    """Run control, profiling and wandb flags (their modules own the checks)."""
+    from megatron_smp.training.profiling import validate_profiling
+    from megatron_smp.training.run_control import validate_run_control
+    from megatron_smp.training.wandb_logger import validate_wandb
+
+    backend = configs.parallel.distributed_backend
+    cuda = torch.cuda.is_available()
+    validate_run_control(
+        configs.training,
+        use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
+        uses_nccl=backend == "nccl" or (backend is None and cuda),
+    )
+    validate_profiling(configs.training, cuda)
+    validate_wandb(configs.training, configs.checkpoint.save)
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Timers, Megatron's per-interval log line, validation line and TensorBoard scalars."""
+"""Timers, Megatron's per-interval log line, validation line, TensorBoard / wandb scalars."""
 from __future__ import annotations
 
 import math
@@ -83,23 +83,37 @@ def memory_scalars(device: torch.device) -> Dict[str, float]:
 
 
 class TrainingLogger:
-    """Prints Megatron's log lines on the logging rank and writes TensorBoard scalars there.
+    """Prints Megatron's log lines on the logging rank and writes its scalars there, to
+    TensorBoard (--tensorboard-dir) and to wandb (`wandb`: the module `init_wandb` started).
 
     `config` is the run's TrainingConfig: its log_* / tensorboard_* fields choose the optional
     fields and scalars as Megatron's flags of the same names do.
     """
 
-    def __init__(self, is_logging_rank: bool, config: TrainingConfig, device: torch.device):
+    def __init__(self, is_logging_rank: bool, config: TrainingConfig, device: torch.device,
+                 wandb=None):
         self.is_logging_rank = is_logging_rank
         self.config = config
         self.train_iters = config.train_iters
         self.device = device
         self.writer = None
+        self.wandb = wandb if is_logging_rank else None
         if is_logging_rank and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=config.tensorboard_dir,
                                         max_queue=config.tensorboard_queue_size)
+
+    @property
+    def writes_scalars(self) -> bool:
+        return self.writer is not None or self.wandb is not None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """One scalar to every sink: wandb gets the TensorBoard scalars, at the same steps."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log({tag: value}, step)
 
     def print(self, text: str) -> None:
         if self.is_logging_rank:
@@ -114,23 +128,26 @@ class TrainingLogger:
         loss_scale: float,
         grad_norm: Optional[float],
         num_zeros_in_grad: Optional[int],
+        params_norm: Optional[float] = None,
     ) -> None:
         """One iteration's own values, every --tensorboard-log-interval iterations."""
-        if self.writer is None or iteration % self.config.tensorboard_log_interval:
+        if not self.writes_scalars or iteration % self.config.tensorboard_log_interval:
             return
-        w = self.writer
-        w.add_scalar("learning-rate", learning_rate, iteration)
-        w.add_scalar("batch-size", global_batch_size, iteration)
+        add = self.add_scalar
+        add("learning-rate", learning_rate, iteration)
+        add("batch-size", global_batch_size, iteration)
         for key, value in losses.items():
-            w.add_scalar(key, value, iteration)
-        w.add_scalar("loss-scale", loss_scale, iteration)
+            add(key, value, iteration)
+        add("loss-scale", loss_scale, iteration)
         if grad_norm is not None:
-            w.add_scalar("grad-norm", grad_norm, iteration)
+            add("grad-norm", grad_norm, iteration)
         if num_zeros_in_grad is not None:
-            w.add_scalar("num-zeros", num_zeros_in_grad, iteration)
+            add("num-zeros", num_zeros_in_grad, iteration)
+        if params_norm is not None:
+            add("params-norm", params_norm, iteration)
         if self.config.log_memory_to_tensorboard:
             for key, value in memory_scalars(self.device).items():
-                w.add_scalar(key, value, iteration)
+                add(key, value, iteration)
 
     def training_line(
         self,
@@ -147,6 +164,7 @@ class TrainingLogger:
         nan_iterations: int,
         tokens_per_second: float,
         tflops: float,
+        params_norm: Optional[float] = None,
     ) -> str:
         """Megatron's per-interval line (losses averaged over the interval)."""
         line = f" iteration {iteration:8d}/{self.train_iters:8d} |"
@@ -164,25 +182,31 @@ class TrainingLogger:
             line += f" grad norm: {grad_norm:.3f} |"
         if num_zeros_in_grad is not None:
             line += f" num zeros: {float(num_zeros_in_grad):.1f} |"
+        if params_norm is not None:
+            line += f" params norm: {params_norm:.3f} |"
         line += f" number of skipped iterations: {skipped_iterations:3d} |"
         line += f" number of nan iterations: {nan_iterations:3d} |"
         self.print(line)
-        if self.writer is not None:
-            if self.config.log_timers_to_tensorboard:
-                self.writer.add_scalar("iteration-time", elapsed_ms / 1000.0, iteration)
-            if self.config.log_throughput:
-                self.writer.add_scalar("throughput", tflops, iteration)
+        if self.config.log_timers_to_tensorboard:
+            self.add_scalar("iteration-time", elapsed_ms / 1000.0, iteration)
+        if self.config.log_throughput:
+            self.add_scalar("throughput", tflops, iteration)
         return line
 
-    def validation_line(self, prefix: str, iteration: int, losses: Dict[str, float]) -> str:
-        line = f" {prefix} loss at iteration {iteration} |"
+    def validation_line(self, prefix: str, iteration: int, losses: Dict[str, float],
+                        dataset: str = "", to_scalars: bool = True) -> str:
+        """Megatron's evaluation block. `dataset`: "" inside training, "validation" or "test"
+        for the evaluations after it (which also go to the "<loss> validation" scalars, as
+        Megatron writes them, unless `to_scalars` is False: --skip-train)."""
+        where = f" on {dataset} set" if dataset else ""
+        line = f" {prefix} loss at iteration {iteration}{where} |"
         for key, value in losses.items():
             ppl = math.exp(min(20.0, value))
             line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
-            if self.writer is not None:
-                self.writer.add_scalar(f"{key} validation", value, iteration)
+            if to_scalars:
+                self.add_scalar(f"{key} validation", value, iteration)
                 if self.config.log_validation_ppl_to_tensorboard:
-                    self.writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+                    self.add_scalar(f"{key} validation ppl", ppl, iteration)
         length = len(line) + 1
         self.print("-" * length + "\n" + line + "\n" + "-" * length)
         return line
@@ -191,6 +215,10 @@ class TrainingLogger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+            self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def print_error(message: str) -> None:

@@ -13,6 +13,7 @@ import datetime
 import gc
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -28,6 +29,9 @@ from megatron_smp.training.arguments import Configs, parse_args, validate_config
 from megatron_smp.training.logging import Timer, TrainingLogger, flops_per_iteration, print_error
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_smp.training.profiling import StepProfiler
+from megatron_smp.training.run_control import ExitConditions, apply_deterministic_mode
+from megatron_smp.training.wandb_logger import init_wandb
 
 
 @dataclass
@@ -40,6 +44,10 @@ class TrainingResult:
     iteration: int = 0
     consumed_train_samples: int = 0
     log_lines: List[str] = field(default_factory=list)
+    # Megatron's evaluations after the last iteration (absent when a run exits early).
+    final_valid_losses: Dict[str, float] = field(default_factory=dict)
+    test_losses: Dict[str, float] = field(default_factory=dict)
+    exit_reason: Optional[str] = None  # why training stopped before --train-iters
 
 
 def _reduce_reports(
@@ -193,6 +201,27 @@ def _broadcast_from_last_stage(values: Dict[str, float], keys: Sequence[str],
     return dict(zip(keys, tensor.tolist()))
 
 
+def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_loader,
+                      num_microbatches: int, logger: TrainingLogger,
+                      result: TrainingResult) -> None:
+    """Megatron's evaluations "after training is done": --eval-iters batches of the
+    validation set (continuing where training's evaluations stopped) and of the test set."""
+    training = run.configs.training
+    if training.eval_iters <= 0:
+        return
+    for dataset, iterator in (("validation", valid_iter),
+                              ("test", None if test_loader is None else iter(test_loader))):
+        if iterator is None:
+            continue
+        losses = evaluate(run, forward_step_func, iterator, training.eval_iters, num_microbatches)
+        losses = _broadcast_from_last_stage(losses, ["lm loss"], run.state)
+        setattr(result, "final_valid_losses" if dataset == "validation" else "test_losses",
+                losses)
+        result.log_lines.append(logger.validation_line(
+            "validation", run.iteration, losses, dataset=dataset,
+            to_scalars=not training.skip_train))
+
+
 def pretrain(
     train_valid_test_datasets_provider: Callable,
     model_provider: Callable,
@@ -207,6 +236,7 @@ def pretrain(
     from megatron_smp.tensor_parallel.random import model_parallel_seed
     from megatron_smp.transformer.moe import moe_metrics
 
+    start_time = time.time()  # the origin of --exit-duration-in-mins
     configs = parse_args(argv, extra_args_provider, args_defaults)
     # The tokenizer is local work (no collective): build it first, so the one validation
     # below sees the real vocabulary, and a bad configuration fails on every rank before the
@@ -217,6 +247,9 @@ def pretrain(
     timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
     state = build_parallel_state(configs.parallel, timeout=timeout)
     training = configs.training
+    if training.deterministic_mode:
+        apply_deterministic_mode(state.device)
+    exits = ExitConditions(training, state.device, start_time)
     model_parallel_seed(training.seed, state)
 
     run = _Run(configs, state)
@@ -263,7 +296,10 @@ def pretrain(
     valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
 
     is_logging_rank = state.rank == state.world_size - 1
-    logger = TrainingLogger(is_logging_rank, training, state.device)
+    wandb = (init_wandb(training, configs.checkpoint.save, configs.to_dict())
+             if is_logging_rank else None)
+    logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb)
+    profiler = StepProfiler(training, state.rank, state.device, run.iteration)
     result = TrainingResult()
     flops = flops_per_iteration(
         configs.model, training.seq_length, global_batch_size,
@@ -279,13 +315,15 @@ def pretrain(
         gc.disable()
         gc.collect()
     timer.start()
-    while run.iteration < training.train_iters:
+    while run.iteration < training.train_iters and not training.skip_train:
+        profiler.before_iteration(run.iteration)
         num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
         global_batch_size = num_microbatches * training.micro_batch_size * state.dp_size
         reports, update_successful, grad_norm, num_zeros_in_grad = train_step(
             run, forward_step_func, train_iter, num_microbatches
         )
         run.iteration += 1
+        profiler.after_iteration(run.iteration)
         run.consumed_train_samples += global_batch_size
         if update_successful:
             run.scheduler.step(global_batch_size)
@@ -299,8 +337,9 @@ def pretrain(
         result.train_losses[run.iteration] = losses
         lr = run.optimizer.param_groups[0]["lr"]
         loss_scale = float(run.optimizer.get_loss_scale())
+        params_norm = run.optimizer.get_params_norm() if training.log_params_norm else None
         logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
-                                 grad_norm, num_zeros_in_grad)
+                                 grad_norm, num_zeros_in_grad, params_norm)
         for key, value in losses.items():
             interval_losses[key] = interval_losses.get(key, 0.0) + value
         interval_iters += 1
@@ -314,6 +353,7 @@ def pretrain(
                 global_batch_size, averaged, loss_scale, grad_norm, num_zeros_in_grad,
                 run.skipped_iterations, run.nan_iterations,
                 tokens_per_second, flops / elapsed / 1e12 / state.world_size,
+                params_norm=params_norm,
             )
             result.log_lines.append(line)
             interval_losses, interval_iters = {}, 0
@@ -344,14 +384,23 @@ def pretrain(
             run.iteration % training.manual_gc_interval == 0
         ):
             gc.collect()
-        if training.exit_interval and run.iteration % training.exit_interval == 0:
+        result.exit_reason = exits.reason_to_exit(run.iteration)
+        if result.exit_reason is not None:
+            logger.print(result.exit_reason)
             break
+    profiler.close()
+    exits.close()
 
-    if checkpointing is not None and configs.checkpoint.save and (
+    # An early exit saves too (Megatron saves on every exit condition), then skips the
+    # evaluations below.
+    if checkpointing is not None and configs.checkpoint.save and not training.skip_train and (
         not configs.checkpoint.save_interval
         or run.iteration % configs.checkpoint.save_interval != 0
     ):
         checkpointing.save(run)
+    if result.exit_reason is None:
+        _final_evaluation(run, forward_step_func, valid_iter, loader(test_ds, 0),
+                          num_microbatches, logger, result)
     if checkpointing is not None:
         checkpointing.finalize(run)
     logger.close()

@@ -1,0 +1,126 @@
+"""When a run stops early, and how it makes itself reproducible: Megatron's run-control flags.
+
+    --exit-interval N          stop after the iteration that is a multiple of N
+    --exit-duration-in-mins M  stop once any rank has trained for more than M minutes
+    --exit-signal-handler      stop at the end of the iteration in which any rank received
+                               --exit-signal (SIGTERM: what SLURM sends before preemption)
+    --deterministic-mode       torch.use_deterministic_algorithms(True)
+
+Each stop saves a checkpoint of the iteration just finished (with --save) and ends the run
+without the final evaluation; the process then exits with code 0, as Megatron's does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, TrainingConfig
+
+# Megatron's --deterministic-mode accepts only these NCCL all-reduce algorithms: the others
+# (NVLS, CollNet with in-network reductions) may add in a different order from run to run.
+_DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def validate_run_control(training: TrainingConfig, use_flash_attn: bool,
+                         uses_nccl: bool) -> None:
+    """ConfigError for run-control flags that cannot work (pure; every rank, before any
+    collective). `uses_nccl`: the run will reduce over NCCL (a CUDA device)."""
+    if training.exit_duration_in_mins is not None and training.exit_duration_in_mins < 0:
+        raise ConfigError(f"--exit-duration-in-mins must be >= 0, got "
+                          f"{training.exit_duration_in_mins}")
+    if training.exit_interval is not None and training.exit_interval < 1:
+        raise ConfigError(f"--exit-interval must be >= 1, got {training.exit_interval}")
+    if training.exit_signal != "SIGTERM" and not training.exit_signal_handler:
+        raise ConfigError("--exit-signal chooses the signal of --exit-signal-handler: add it")
+    if training.deterministic_mode:
+        if use_flash_attn:
+            raise ConfigError("--use-flash-attn cannot be used with --deterministic-mode (flash "
+                              "attention's backward is not deterministic): drop one")
+        if uses_nccl and os.environ.get("NCCL_ALGO") not in _DETERMINISTIC_NCCL_ALGOS:
+            raise ConfigError(
+                f"--deterministic-mode needs the environment variable NCCL_ALGO set to one of "
+                f"{', '.join(_DETERMINISTIC_NCCL_ALGOS)} (got {os.environ.get('NCCL_ALGO')!r}),"
+                " as Megatron-LM requires: NCCL's other algorithms reduce in varying order"
+            )
+
+
+def apply_deterministic_mode(device: torch.device) -> None:
+    """Make every kernel deterministic, or raise where a non-deterministic one runs.
+
+    On CUDA, cuBLAS also needs a fixed workspace (set before its first use; a value the user
+    exported wins)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+class SignalFlag:
+    """Records that `sig` arrived (the default action, usually termination, is replaced)
+    until `release()` puts the previous handler back."""
+
+    def __init__(self, sig: signal.Signals):
+        self.sig = sig
+        self.received = False
+        self._previous = signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def release(self) -> None:
+        if self._previous is not None:
+            signal.signal(self.sig, self._previous)
+            self._previous = None
+
+
+class ExitConditions:
+    """Decides after each iteration, identically on every rank, whether the run stops.
+
+    `start_time`: when the run began (time.time()), the origin of --exit-duration-in-mins.
+    """
+
+    def __init__(self, training: TrainingConfig, device: torch.device,
+                 start_time: Optional[float] = None):
+        self.training = training
+        self.device = device
+        self.start_time = time.time() if start_time is None else start_time
+        self.signal_flag = (SignalFlag(signal.Signals[training.exit_signal])
+                            if training.exit_signal_handler else None)
+
+    def _agreed(self) -> tuple:
+        """(any rank received the signal, any rank ran past the duration). One MAX
+        all-reduce, issued on every rank because the flags are the same everywhere."""
+        training = self.training
+        local = torch.tensor([
+            int(self.signal_flag is not None and self.signal_flag.received),
+            int(training.exit_duration_in_mins is not None
+                and (time.time() - self.start_time) / 60.0 > training.exit_duration_in_mins),
+        ], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return bool(local[0].item()), bool(local[1].item())
+
+    def reason_to_exit(self, iteration: int) -> Optional[str]:
+        """Why the run stops after `iteration` (a message for the log), or None."""
+        training = self.training
+        if self.signal_flag is not None or training.exit_duration_in_mins is not None:
+            signalled, out_of_time = self._agreed()
+            if signalled:
+                return f"exiting program after receiving {training.exit_signal}"
+            if out_of_time:
+                minutes = (time.time() - self.start_time) / 60.0
+                return f"exiting program after {minutes:.2f} minutes"
+        if training.exit_interval and iteration % training.exit_interval == 0:
+            return f"exiting program at iteration {iteration}"
+        return None
+
+    def close(self) -> None:
+        if self.signal_flag is not None:
+            self.signal_flag.release()
+
+
+__all__ = ["ExitConditions", "SignalFlag", "apply_deterministic_mode", "validate_run_control"]

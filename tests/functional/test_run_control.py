@@ -1,0 +1,276 @@
+"""Megatron's run-control and logging flags change whole runs as they say: early exits save
+and resume exactly, the params norm counts every element once, the profiler traces the chosen
+iterations, wandb gets TensorBoard's scalars, and the evaluations after the last iteration
+report the losses of the samples they read."""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_logging_flags import _scalars
+from tests.functional.test_training_parity import COMMON
+
+ARGV = [a if a != "10" else "6" for a in COMMON]  # --train-iters 6
+
+
+def _run(rank, world_size, argv, kill_at=None, fake_wandb=False, keep=False):
+    """pretrain_gpt's run; `kill_at`: (rank, forward call) at which that rank sends itself
+    SIGTERM; `fake_wandb`: a recording `wandb` module; `keep`: also return the model's final
+    params norm and the datasets' first samples' independent losses (see _independent)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    calls = {"forward": 0}
+    seen = {}
+    records = {"init": None, "log": [], "finished": False}
+    if fake_wandb:
+        module = types.ModuleType("wandb")
+        module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        module.init = lambda **kwargs: records.__setitem__("init", kwargs)
+        module.log = lambda values, step: records["log"].append((step, dict(values)))
+        module.finish = lambda: records.__setitem__("finished", True)
+        sys.modules["wandb"] = module
+
+    def forward(data_iterator, model):
+        calls["forward"] += 1
+        seen["model"] = model
+        seen["deterministic"] = torch.are_deterministic_algorithms_enabled()
+        if kill_at is not None and (rank, calls["forward"]) == kill_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward_step(data_iterator, model)
+
+    def datasets(num_samples, configs, tokenizer):
+        seen["datasets"] = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
+        seen["configs"] = configs
+        return seen["datasets"]
+
+    result = pretrain(datasets, model_provider, forward, argv=argv)
+    out = {
+        "losses": {i: v["lm loss"] for i, v in result.train_losses.items()},
+        "iteration": result.iteration,
+        "exit_reason": result.exit_reason,
+        "log_lines": result.log_lines,
+        "final_valid": result.final_valid_losses,
+        "test": result.test_losses,
+        "deterministic": seen["deterministic"],
+        "wandb": records if fake_wandb else None,
+    }
+    if keep:
+        model = seen["model"]
+        out["params_norm"] = torch.sqrt(sum(p.detach().double().pow(2).sum()
+                                            for p in model.parameters())).item()
+        out["independent"] = _independent(model, seen["datasets"], seen["configs"])
+    return out
+
+
+def _independent(model, datasets, configs):
+    """Mean lm loss of the first --eval-iters global batches of the validation and test sets,
+    one microbatch at a time, computed here from the samples (one process only)."""
+    from torch.utils.data import default_collate
+
+    training = configs.training
+    batch = training.global_batch_size
+    losses = {}
+    model.eval()
+    with torch.no_grad():
+        for name, dataset in zip(("validation", "test"), datasets[1:]):
+            per_microbatch = []
+            for start in range(0, training.eval_iters * batch, training.micro_batch_size):
+                samples = default_collate([dataset[i] for i in range(
+                    start, start + training.micro_batch_size)])
+                token_losses = model(samples["tokens"], position_ids=samples["position_ids"],
+                                     labels=samples["labels"]).float()
+                mask = samples["loss_mask"].float()
+                per_microbatch.append(((token_losses * mask).sum() / mask.sum()).item())
+            losses[name] = sum(per_microbatch) / len(per_microbatch)
+    model.train()
+    return losses
+
+
+def _tracker(save_dir):
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as handle:
+        return int(handle.read())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return run_distributed(_run, 2, args=(ARGV,))[0]
+
+
+def test_sigterm_saves_the_current_iteration_and_resumes_exactly(tmp_path, uninterrupted):
+    save = str(tmp_path / "ckpt")
+    flags = ["--exit-signal-handler", "--save", save, "--save-interval", "100"]
+    # Rank 1 alone is signalled, in the 2nd microbatch of iteration 3 (2 per rank and step).
+    stopped = run_distributed(_run, 2, args=(ARGV + flags,), kwargs={"kill_at": (1, 6)})
+    for result in stopped:
+        assert result["iteration"] == 3
+        assert result["exit_reason"] == "exiting program after receiving SIGTERM"
+        assert result["final_valid"] == {} and result["test"] == {}
+    assert _tracker(save) == 3
+    assert sorted(os.listdir(save)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    resumed = run_distributed(_run, 2, args=(ARGV + ["--load", save],))
+    expected = uninterrupted["losses"]
+    assert [stopped[0]["losses"][i] for i in (1, 2, 3)] == [expected[i] for i in (1, 2, 3)]
+    for result in resumed:
+        assert sorted(result["losses"]) == [4, 5, 6]
+        assert [result["losses"][i] for i in (4, 5, 6)] == [expected[i] for i in (4, 5, 6)]
+
+
+def test_exit_duration_and_exit_interval_save_and_skip_final_evaluation(tmp_path):
+    save = str(tmp_path / "duration")
+    # 0 minutes: every rank is past it after the first iteration.
+    results = run_distributed(_run, 2, args=(ARGV + ["--exit-duration-in-mins", "0", "--save",
+                                                     save],))
+    for result in results:
+        assert result["iteration"] == 1 and result["exit_reason"].startswith(
+            "exiting program after 0.")
+        assert result["final_valid"] == {}
+    assert _tracker(save) == 1
+    save = str(tmp_path / "interval")
+    result = run_distributed(_run, 1, args=(ARGV + ["--exit-interval", "4", "--save", save,
+                                                    "--save-interval", "3"],))[0]
+    assert result["iteration"] == 4 and result["exit_reason"] == "exiting program at iteration 4"
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+@pytest.fixture(scope="module")
+def single_process_norms(tmp_path_factory):
+    board = str(tmp_path_factory.mktemp("tb1"))
+    flags = ["--log-params-norm", "--tensorboard-dir", board, "--log-interval", "1",
+             "--train-iters", "3"]
+    result = run_distributed(_run, 1, args=(ARGV + flags,), kwargs={"keep": True})[0]
+    return result, dict(_scalars(board)["params-norm"])
+
+
+def test_params_norm_is_the_norm_of_the_model(single_process_norms):
+    result, norms = single_process_norms
+    assert sorted(norms) == [1, 2, 3]
+    assert norms[3] == pytest.approx(result["params_norm"], rel=1e-6)
+    lines = [line for line in result["log_lines"] if line.startswith(" iteration")]
+    assert f" params norm: {result['params_norm']:.3f} |" in lines[-1]
+    assert norms[1] != norms[3]  # it follows the training
+
+
+LAYOUTS = {
+    "tp2": "--tensor-model-parallel-size 2",
+    "pp2": "--pipeline-model-parallel-size 2",
+    "dp2_distopt": "--use-distributed-optimizer",
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_params_norm_counts_each_element_once(layout, single_process_norms, tmp_path):
+    board = str(tmp_path / "tb")
+    flags = ["--log-params-norm", "--tensorboard-dir", board, "--train-iters", "3"]
+    run_distributed(_run, 2, args=(ARGV + flags + LAYOUTS[layout].split(),))
+    norms = dict(_scalars(board)["params-norm"])
+    expected = single_process_norms[1]
+    assert sorted(norms) == [1, 2, 3]
+    for iteration in (1, 2, 3):
+        assert norms[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration
+
+
+def test_deterministic_mode_sets_torch_flag_and_repeats_bitwise():
+    flags = ["--deterministic-mode", "--train-iters", "3"]
+    first, second = (run_distributed(_run, 1, args=(ARGV + flags,))[0] for _ in range(2))
+    assert first["deterministic"] and second["deterministic"]
+    assert first["losses"] == second["losses"]
+    plain = run_distributed(_run, 1, args=(ARGV + ["--train-iters", "3"],))[0]
+    assert not plain["deterministic"]
+
+
+def test_pytorch_profiler_traces_exactly_the_chosen_iterations(tmp_path):
+    board = str(tmp_path / "tb")
+    flags = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+             "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", board,
+             "--train-iters", "5"]
+    run_distributed(_run, 2, args=(ARGV + flags,))
+    traces = [name for name in os.listdir(board) if name.endswith(".pt.trace.json")]
+    assert len(traces) == 1  # rank 1 only
+    with open(os.path.join(board, traces[0])) as handle:
+        events = json.load(handle)["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    # Megatron's schedule: iterations start .. end-1 recorded, after one warm-up iteration.
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
+    # Each recorded iteration ran its optimizer step once.
+    optimizer_steps = [e for e in events if e.get("name", "").startswith("Optimizer.step#")]
+    assert len(optimizer_steps) == 2, sorted({e.get("name") for e in events})[:50]
+
+
+def test_wandb_gets_the_tensorboard_scalars(tmp_path):
+    board = str(tmp_path / "tb")
+    flags = ["--tensorboard-dir", board, "--wandb-project", "proj", "--wandb-exp-name", "exp",
+             "--wandb-save-dir", str(tmp_path / "wandb"), "--eval-interval", "3",
+             "--log-params-norm", "--train-iters", "3"]
+    results = run_distributed(_run, 2, args=(ARGV + flags,), kwargs={"fake_wandb": True})
+    assert results[0]["wandb"]["init"] is None  # the last rank logs, as Megatron's
+    records = results[1]["wandb"]
+    init = records["init"]
+    assert (init["project"], init["name"], init["dir"]) == ("proj", "exp", str(tmp_path / "wandb"))
+    assert init["config"]["training"]["train_iters"] == 3
+    assert records["finished"]
+    logged = {}
+    for step, values in records["log"]:
+        for tag, value in values.items():
+            logged.setdefault(tag, []).append((step, value))
+    tensorboard = _scalars(board)
+    assert set(logged) == set(tensorboard)
+    assert {"lm loss", "params-norm", "lm loss validation", "learning-rate"} <= set(logged)
+    for tag, points in tensorboard.items():
+        assert [step for step, _ in points] == [step for step, _ in logged[tag]], tag
+        assert [value for _, value in points] == pytest.approx(
+            [value for _, value in logged[tag]], rel=1e-6), tag
+
+
+def test_final_validation_and_test_report_the_losses_of_their_samples(tmp_path):
+    flags = ["--train-iters", "3", "--eval-iters", "2", "--save", str(tmp_path / "ckpt")]
+    result = run_distributed(_run, 1, args=(ARGV + flags,), kwargs={"keep": True})[0]
+    independent = result["independent"]
+    lines = [line for line in result["log_lines"] if " on " in line]
+    assert [line.split(" |")[0] for line in lines] == [
+        " validation loss at iteration 3 on validation set",
+        " validation loss at iteration 3 on test set"]
+    for line, name in zip(lines, ("validation", "test")):
+        reported = float(line.split(" lm loss value: ")[1].split(" |")[0])
+        assert reported == pytest.approx(independent[name], rel=1e-5), name
+    assert result["final_valid"]["lm loss"] == pytest.approx(independent["validation"], rel=1e-6)
+    # --skip-train evaluates the loaded model on the same samples and trains nothing.
+    skipped = run_distributed(_run, 1, args=(ARGV + ["--train-iters", "3", "--eval-iters", "2",
+                                                     "--load", str(tmp_path / "ckpt"),
+                                                     "--skip-train"],))[0]
+    assert skipped["losses"] == {} and skipped["iteration"] == 3
+    assert skipped["final_valid"] == result["final_valid"]
+    assert skipped["test"] == result["test"]
+
+
+def test_run_control_flag_errors():
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    cases = {
+        "--use-pytorch-profiler": "--use-pytorch-profiler .*add --profile",
+        "--profile --use-pytorch-profiler": "--tensorboard-dir",
+        "--profile --use-pytorch-profiler --tensorboard-dir x --profile-step-start 3 "
+        "--profile-step-end 3": "--profile-step-start \\(3\\)",
+        "--exit-signal SIGUSR1": "--exit-signal-handler",
+        "--deterministic-mode --use-flash-attn": "--use-flash-attn",
+        "--wandb-exp-name e": "--wandb-project",
+        "--wandb-project p": "--wandb-save-dir",
+        "--wandb-project p --save d": "wandb package",
+        "--exit-duration-in-mins -1": "--exit-duration-in-mins",
+    }
+    for flags, message in cases.items():
+        configs = parse_args(ARGV + flags.split())
+        with pytest.raises(ConfigError, match=message):
+            validate_configs(configs, world_size=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA device.*--use-pytorch-profiler"):
+            validate_configs(parse_args(ARGV + ["--profile"]), world_size=1)
