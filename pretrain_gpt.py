@@ -11,6 +11,7 @@ from megatron_smp.context_parallel import (
     masked_mean_over_context_parallel,
 )
 from megatron_smp.training import main, pretrain
+from megatron_smp.training.per_token_loss import masked_sum_and_count
 
 
 def model_provider(configs, state, pre_process=True, post_process=True, **stage):
@@ -39,9 +40,14 @@ def get_batch(data_iterator, device, state=None):
     return batch
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None,
+              per_token: bool = False):
     """Mean per-token loss over the unmasked tokens of the microbatch (over the whole
-    sequences with context parallelism: see `masked_mean_over_context_parallel`)."""
+    sequences with context parallelism: see `masked_mean_over_context_parallel`); with
+    --calculate-per-token-loss (`per_token`) the masked sum, reported as [sum, count]."""
+    if per_token:
+        loss, reported = masked_sum_and_count(output_tensor, loss_mask)
+        return loss, {"lm loss": reported}
     loss, reported = masked_mean_over_context_parallel(output_tensor, loss_mask, cp_group)
     return loss, {"lm loss": reported}
 
@@ -57,7 +63,9 @@ def forward_step(data_iterator, model):
         labels=batch["labels"] if batch else None,
     )
     return output, partial(loss_func, batch["loss_mask"] if batch else None,
-                           cp_group=state.cp_group if state.cp_size > 1 else None)
+                           cp_group=state.cp_group if state.cp_size > 1 else None,
+                           per_token=getattr(getattr(model, "config", None),
+                                             "calculate_per_token_loss", False))
 
 
 if __name__ == "__main__":

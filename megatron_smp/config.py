@@ -590,6 +590,9 @@ class OptimizerConfig:
     # --min-lr).
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
+    # Megatron's --calculate-per-token-loss: the step's loss is the global batch's per-token
+    # mean (training/per_token_loss.py), not the mean of per-microbatch means.
+    calculate_per_token_loss: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False

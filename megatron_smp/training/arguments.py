@@ -208,6 +208,9 @@ _FLAGS: List[_Flag] = [
     _f("--decoupled-lr", "optimizer", type=float,
        help="own learning rate for the word embedding and output layer weights"),
     _f("--decoupled-min-lr", "optimizer", type=float),
+    _f("--calculate-per-token-loss", "optimizer", action="store_true",
+       help="the loss is summed over tokens and divided by the unmasked tokens of the whole "
+       "global batch"),
     _f("--weight-decay", "optimizer", type=float, default=0.01),
     _f("--clip-grad", "optimizer", type=float, default=1.0),
     _f("--adam-beta1", "optimizer", type=float, default=0.9),
@@ -628,6 +631,9 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
     if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
         raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
     calculator = NumMicrobatchesCalculator(training, data_parallel_size)
+    if optimizer.calculate_per_token_loss and configs.parallel.use_torch_fsdp2:
+        raise ConfigError("--calculate-per-token-loss scales our DDP's grad buffers; with "
+                          "--use-torch-fsdp2 it is not supported yet: drop one of them")
     for flag, value in (("--train-iters", training.train_iters),
                         ("--train-samples", training.train_samples)):
         if value is not None and calculator.train_iters(

@@ -53,18 +53,25 @@ class TrainingResult:
 def _reduce_reports(
     reports: Sequence[Dict[str, torch.Tensor]], state: ParallelState
 ) -> Dict[str, float]:
-    """Mean of each reported value over microbatches, then over data/context-parallel ranks."""
+    """Mean of each reported value over microbatches, then over data/context-parallel ranks;
+    a two-element `[sum, count]` report (Megatron's, e.g. with --calculate-per-token-loss) is
+    summed over both and reduced to sum / count."""
     if not reports:
         return {}
     keys = sorted(reports[0])
-    stacked = torch.stack(
-        [torch.stack([r[k].float().reshape(()) for r in reports]).mean() for k in keys]
-    )
-    stacked = stacked.to(state.device)
+    sums_and_counts = []
+    for k in keys:
+        per_microbatch = torch.stack([r[k].float().reshape(-1) for r in reports])
+        if per_microbatch.shape[1] == 2:
+            sums_and_counts.append(per_microbatch.sum(dim=0))
+        else:
+            mean = per_microbatch.mean()
+            sums_and_counts.append(torch.stack([mean, torch.ones_like(mean)]))
+    stacked = torch.stack(sums_and_counts).to(state.device)  # [keys, 2]
     if state.dp_cp_size > 1:
         dist.all_reduce(stacked, group=state.dp_cp_group)
-        stacked /= state.dp_cp_size
-    return {k: float(v) for k, v in zip(keys, stacked.tolist())}
+    values = stacked[:, 0] / stacked[:, 1].clamp(min=1.0)
+    return {k: float(v) for k, v in zip(keys, values.tolist())}
 
 
 def _cyclic(loader) -> Iterator:
@@ -164,6 +171,10 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
     set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
+    if run.configs.optimizer.calculate_per_token_loss:
+        from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
+
+        scale_grads_to_per_token_mean(run.model, reports, run.state, num_microbatches)
     empty_unused_memory(run, 1)
     if run.configs.checkpoint.async_save:
         from megatron_smp.training.checkpointing import wait_for_staging

@@ -1,0 +1,73 @@
+"""Megatron's --calculate-per-token-loss: the loss of a step is the sum of the per-token
+losses of the whole global batch over its number of unmasked tokens (across microbatches and
+data/context-parallel ranks), not the mean of per-microbatch means.
+
+Each microbatch back-propagates its masked *sum* and reports `[sum, count]` (Megatron's
+reporting convention, which `pretrain` also reduces as sum / count). The schedule still
+divides each backward by the number of microbatches and DDP still averages over dp x cp, so
+once the grads are reduced they are multiplied by dp x cp x microbatches / (tokens of the
+global batch), which makes them the grad of the per-token mean (MoE auxiliary losses,
+entering backward at 1 / microbatches, end up divided by the token count as in Megatron).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+
+
+def masked_sum_and_count(losses: torch.Tensor,
+                         loss_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss to back-propagate: the masked sum, report `[sum, count]` (2,) fp32) from
+    per-token `losses` and `loss_mask` of any one shape (e.g. [b, s], or [b, s/cp] with
+    context parallelism: each rank its own tokens)."""
+    losses = losses.float().reshape(-1)
+    loss_mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * loss_mask)
+    return loss_sum, torch.stack([loss_sum.detach(), loss_mask.sum()])
+
+
+def _count_key(reports: Sequence[Dict[str, torch.Tensor]]) -> str:
+    keys = [k for k in sorted(reports[0]) if reports[0][k].numel() == 2]
+    return keys[0] if keys else ""
+
+
+def global_token_count(reports: Sequence[Dict[str, torch.Tensor]], state) -> float:
+    """Unmasked tokens of the global batch: the counts of this rank's microbatch reports
+    (last pipeline stage), shared over the pipeline and summed over data x context-parallel
+    ranks. Raises ConfigError on every rank when the loss reports no `[sum, count]`."""
+    local = 0.0
+    if reports:
+        key = _count_key(reports)
+        local = sum(float(r[key].reshape(-1)[1]) for r in reports) if key else -1.0
+    count = torch.tensor([local], dtype=torch.float64, device=state.device)
+    if state.pp_size > 1:
+        dist.broadcast(count, src=state.group_ranks["pp"][-1], group=state.pp_group)
+    if float(count) < 0:
+        raise ConfigError(
+            "--calculate-per-token-loss needs the loss function to report [sum, count] (see "
+            "megatron_smp.training.per_token_loss.masked_sum_and_count); the forward step's "
+            "loss function reports no two-element value"
+        )
+    if state.dp_cp_size > 1:
+        dist.all_reduce(count, group=state.dp_cp_group)
+    return float(count)
+
+
+def scale_grads_to_per_token_mean(model_chunks: List[torch.nn.Module], reports, state,
+                                  num_microbatches: int) -> None:
+    """Turn the reduced grads of per-microbatch sums into the grad of the global batch's
+    per-token mean (collective over pp and dp x cp; call after the schedule's grad sync)."""
+    tokens = global_token_count(reports, state)
+    if tokens <= 0:  # every token masked: the grads are zero already
+        return
+    factor = state.dp_cp_size * num_microbatches / tokens
+    for chunk in model_chunks:
+        for buffer in chunk.param_and_grad_buffers:
+            buffer.grad_data.mul_(factor)
+
+
+__all__ = ["masked_sum_and_count", "global_token_count", "scale_grads_to_per_token_mean"]
