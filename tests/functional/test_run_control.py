@@ -274,3 +274,42 @@ def test_run_control_flag_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs a CUDA device.*--use-pytorch-profiler"):
             validate_configs(parse_args(ARGV + ["--profile"]), world_size=1)
+
+
+def test_sigterm_to_one_torchrun_worker_saves_and_every_process_exits_zero(tmp_path):
+    """What SLURM preemption does: the launcher's workers get SIGTERM (here only one does);
+    the run finishes that iteration, saves it, and every process exits with code 0."""
+    import subprocess
+    import sys
+
+    save = str(tmp_path / "ckpt")
+    argv = COMMON + ["--train-iters", "400", "--log-interval", "1", "--exit-signal-handler",
+                     "--save", save]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "pretrain_gpt.py", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith(" iteration        3/"):
+                break
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as handle:
+            workers = [int(pid) for pid in handle.read().split()]
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(output) + rest
+    assert proc.returncode == 0, output[-3000:]
+    iterations = [int(line.split()[1].split("/")[0]) for line in output.splitlines()
+                  if line.startswith(" iteration")]
+    assert 3 <= iterations[-1] < 400
+    assert _tracker(save) == iterations[-1]
+    assert output.count("exiting program after receiving SIGTERM") == 1
