@@ -177,7 +177,10 @@ def fully_shard_model(
     than shard ranks is an error unless `allow_empty_shards`.
     """
     from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
-    from megatron_smp.distributed.param_and_grad_buffer import release_freed_host_memory
+    from megatron_smp.distributed.param_and_grad_buffer import (
+        map_large_host_allocations,
+        release_freed_host_memory,
+    )
 
     if state.cp_size > 1:
         raise ConfigError(
@@ -196,8 +199,11 @@ def fully_shard_model(
             "expert-data-parallel group); train MoE models with our DDP "
             "(--use-distributed-optimizer to shard optimizer state)"
         )
+    first_units: List[torch.nn.Module] = []
+    last_units: List[torch.nn.Module] = []
     if layers is None:
         layers = transformer_layers(model)
+        first_units, last_units = _embedding_and_output_units(model)
     if activation_checkpointing or activation_offloader is not None:
         layers = apply_activation_checkpointing(model, layers, activation_offloader)
     mesh = state.fsdp_mesh
@@ -207,7 +213,9 @@ def fully_shard_model(
         mp_policy=mixed_precision_policy(param_dtype, reduce_dtype),
         offload_policy=CPUOffloadPolicy() if offload_params else OffloadPolicy(),
     )
-    units = list(layers) + [model]
+    if torch.device(state.device).type == "cpu":
+        map_large_host_allocations()
+    units = first_units + list(layers) + last_units + [model]
     for unit in units:
         if param_init_fn is not None and _has_meta_params(unit):
             param_init_fn(unit)
@@ -219,8 +227,10 @@ def fully_shard_model(
             )
         check_empty_shards(unit, shard_size, allow_empty_shards)
         attributes = _param_attributes(unit)
-        fully_shard(unit, reshard_after_forward=reshard_after_forward and unit is not model,
-                    **common)
+        # The root and the output layer keep their params from forward to backward: their
+        # backward starts right after their forward.
+        keep = unit is model or unit in last_units
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and not keep, **common)
         _restore_param_attributes(unit, attributes)
         if param_init_fn is not None:
             # The unit's unsharded tensors were just freed; glibc would keep them resident
@@ -238,6 +248,18 @@ def fully_shard_model(
 
         model.register_forward_pre_hook(check_before_forward)
     return model
+
+
+def _embedding_and_output_units(model: torch.nn.Module):
+    """([input embedding], [output layer]) of an untied GPTModel, each an FSDP unit of its own
+    (torchtitan's layout), so the root holds only the final norm and neither vocabulary-sized
+    weight stays gathered through the whole step. With tied weights both stay in the root."""
+    lm = language_model(model)
+    if lm.share_embeddings_and_output_weights:
+        return [], []
+    first = [lm.embedding] if getattr(lm, "embedding", None) is not None else []
+    last = [lm.output_layer] if getattr(lm, "output_layer", None) is not None else []
+    return first, last
 
 
 def _release_host_memory_between_units(units: List[torch.nn.Module]) -> None:

@@ -41,6 +41,27 @@ def release_freed_host_memory() -> None:
     malloc_trim(0)
 
 
+# glibc's mallopt parameter number of M_MMAP_THRESHOLD (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def map_large_host_allocations(threshold_bytes: int = 1 << 20) -> None:
+    """Serve host allocations of at least `threshold_bytes` by mmap, so freeing one returns it
+    to the OS at once (glibc only; elsewhere a no-op). Process-wide and permanent.
+
+    FSDP2 allocates and frees every unit's all-gather output, unsharded grads and
+    reduce-scatter buffers each step. glibc's default raises its mmap threshold to the
+    largest size freed (up to 32 MiB), after which these buffers come from the heap, where
+    freed blocks stay resident between longer-lived shards and activations. Measured at DP=2
+    (8 layers, hidden 512, 42M fp32 params): peak RSS 666 -> 492 MiB above the baseline.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
+
+
 def pad_to_multiple(size: int, multiple: int) -> int:
     return int(math.ceil(size / multiple) * multiple)
 
