@@ -43,20 +43,28 @@ class Timer:
 
 def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,
                         padded_vocab_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3x forward), no recompute.
+    """Model FLOPs of one training iteration, as Megatron-LM (core_v0.16.1) prints them.
 
-    Per token and layer: QKV 2*h*(h + 2*kv), attention scores and values 2*2*s*h (full
-    square, as Megatron counts), output projection 2*h*h, MLP 2*h*f*(3 if gated else 2);
-    plus the logits 2*h*V.
+    Every GEMM counts 3 times (forward, weight grad, data grad) at 2 FLOPs per multiply-add;
+    recomputation is not counted. Per token and layer: QKV 2*h*(q + 2*kv) (GQA), attention
+    scores and values 2*q*s (the causal mask halves the full square 4*q*s), output projection
+    2*q*h, MLP 2*h*f*(3 if gated else 2), for an MoE layer topk routed experts of
+    moe_ffn_hidden_size plus the shared expert; plus the logits 2*h*V.
+    Returns FLOPs for `global_batch_size` sequences of `seq_length` tokens.
     """
     h = config.hidden_size
-    kv = config.num_query_groups * config.kv_channels
     q = config.num_attention_heads * config.kv_channels
-    f = config.ffn_hidden_size
-    per_layer = 2 * h * (q + 2 * kv) + 4 * seq_length * q + 2 * q * h
-    per_layer += 2 * h * f * (3 if config.gated_linear_unit else 2)
-    per_token = config.num_layers * per_layer + 2 * h * padded_vocab_size
-    return 3.0 * per_token * seq_length * global_batch_size
+    kv = config.num_query_groups * config.kv_channels
+    mlp_factor = 3 if config.gated_linear_unit else 2
+    attention = h * (q + 2 * kv) + q * seq_length + q * h
+    num_moe_layers = sum(config.moe_layer_pattern())
+    num_dense_layers = config.num_layers - num_moe_layers
+    mlp = config.ffn_hidden_size * num_dense_layers
+    if num_moe_layers:
+        shared = config.moe_shared_expert_intermediate_size or 0
+        mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
+    per_token = (mlp_factor * h * mlp + config.num_layers * attention + h * padded_vocab_size)
+    return 6.0 * per_token * seq_length * global_batch_size
 
 
 def memory_scalars(device: torch.device) -> Dict[str, float]:

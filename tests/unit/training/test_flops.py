@@ -1,0 +1,58 @@
+"""flops_per_iteration gives the number Megatron-LM core_v0.16.1 prints in its training log
+(megatron/training/training.py num_floating_point_operations). The expected values were
+evaluated by hand from Megatron's formula, per token:
+    6*h*(ffn*e*dense + moe_ffn*topk*e*moe + shared*e*moe)
+    + L*6*(h*(q + 2*kv) + q*s + q*h) + 6*h*V,          e = 3 if SwiGLU else 2,
+times batch * seq."""
+import pytest
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.training.logging import flops_per_iteration
+
+
+def _config(**kwargs) -> TransformerConfig:
+    kwargs.setdefault("max_position_embeddings", 4096)
+    return TransformerConfig(**kwargs)
+
+
+CASES = [
+    # GPT-2 125M: MHA, GeLU MLP, padded vocab 50304, seq 1024, batch 8.
+    # per token 6*(2*768*3072*12 + 12*(768*2304 + 768*1024 + 768*768) + 768*50304)
+    (dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
+          vocab_size=50257), 50304, 1024, 8, 6537477095424),
+    # Llama ~1B: GQA 32 heads / 8 groups, SwiGLU 8192, vocab 128256, seq 4096, batch 1.
+    (dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+          ffn_hidden_size=8192, gated_linear_unit=True, activation="silu",
+          normalization="RMSNorm", position_embedding_type="rope", vocab_size=128256),
+     128256, 4096, 1, 33668248633344),
+    # MoE every 2nd layer (layers 0, 2), 8 experts top-2 of 256, shared expert 512, SwiGLU.
+    (dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+          ffn_hidden_size=1024, gated_linear_unit=True, activation="silu", vocab_size=32000,
+          num_moe_experts=8, moe_layer_freq=2, moe_router_topk=2, moe_ffn_hidden_size=256,
+          moe_shared_expert_intermediate_size=512), 32000, 128, 4, 78517370880),
+    # Heads x head dim (4 x 128) wider than hidden 256.
+    (dict(num_layers=2, hidden_size=256, num_attention_heads=4, kv_channels=128,
+          ffn_hidden_size=1024, vocab_size=1000), 1024, 64, 2, 1862270976),
+    # MoE pattern [0,1,1,0], top-1, experts of ffn_hidden_size, no shared expert.
+    (dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+          ffn_hidden_size=512, gated_linear_unit=True, activation="silu", vocab_size=1000,
+          num_moe_experts=4, moe_layer_freq="[0,1,1,0]", moe_router_topk=1),
+     1024, 32, 3, 1528823808),
+]
+
+
+@pytest.mark.parametrize("kwargs,padded_vocab,seq,batch,expected", CASES)
+def test_flops_match_megatron(kwargs, padded_vocab, seq, batch, expected):
+    config = _config(**kwargs)
+    assert config.padded_vocab_size(1) == padded_vocab
+    assert flops_per_iteration(config, seq, batch, padded_vocab) == expected
+
+
+def test_causal_attention_counts_half_the_square():
+    """Doubling the sequence adds exactly the (causal) attention term 6*L*q*s per token."""
+    config = _config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                     vocab_size=128)
+    short = flops_per_iteration(config, 32, 1, 128)
+    long = flops_per_iteration(config, 64, 1, 128)
+    # per token at s: c + 6*L*q*s; long = 64*(c + 6*2*64*64), short = 32*(c + 6*2*64*32)
+    assert long - 2 * short == 64 * 6 * 2 * 64 * 64 - 2 * 32 * 6 * 2 * 64 * 32
