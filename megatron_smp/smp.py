@@ -429,9 +429,12 @@ def transform(
     overrides.setdefault("fp16", dtype == torch.float16)
     transformer_config = transformer_config.replace(**overrides)
     device = torch.device(device) if device is not None else parallel_state.device
-    if _has_meta(model) and not load_state_dict_from_rank0:
+    outside_rank0_tp_group = 0 not in parallel_state.group_ranks["tp"]
+    if _has_meta(model) and (not load_state_dict_from_rank0 or outside_rank0_tp_group):
         # Delayed initialisation: the transformed model stays on the meta device too, and
-        # DelayedParamIniter materialises it shard by shard (see smp.fully_shard).
+        # DelayedParamIniter materialises it shard by shard (see smp.fully_shard); with
+        # load_state_dict_from_rank0, fully_shard(sync_module_states=True) then gives these
+        # ranks rank 0's TP group's weights.
         device = torch.device("meta")
 
     seed = moe_config.random_seed if moe_config is not None else None
@@ -467,7 +470,40 @@ def transform(
                                           parallel_state.ep_size, parallel_state.ep_rank)
         module.load_state_dict(shard, strict=True)
 
-    return TransformedModel(module, family)
+    transformed = TransformedModel(module, family)
+    transformed.loaded_from_rank0 = load_state_dict_from_rank0
+    return transformed
+
+
+def _sync_from_rank0_tp_group(parallel_state):
+    """A `before_shard(unit)` that copies each unsharded parameter and buffer of a unit from
+    the rank of rank 0's TP group with this rank's TP rank (FSDP's `sync_module_states`)."""
+    import torch.distributed as dist
+
+    group = parallel_state.dp_cp_group
+    source = min(parallel_state.group_ranks["dp_cp"])
+    if source >= parallel_state.tp_size:
+        raise ConfigError(
+            "fully_shard(sync_module_states=True) copies weights from rank 0's tensor-parallel "
+            f"group, but this rank's replicas start at rank {source}: use "
+            "pipeline_parallel_degree 1 and expert_parallel_degree 1"
+        )
+
+    def before_shard(unit: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        tensors = [t for t in list(unit.parameters()) + list(unit.buffers())
+                   if not isinstance(t, DTensor)]
+        if any(t.is_meta for t in tensors):
+            raise ConfigError(
+                "fully_shard(sync_module_states=True): a module is still on the meta device "
+                "when its weights are copied; pass param_init_fn="
+                "DelayedParamIniter(model).get_param_init_fn()"
+            )
+        for tensor in tensors:
+            dist.broadcast(tensor.data, source, group=group)
+
+    return before_shard
 
 
 def fully_shard(
@@ -481,6 +517,7 @@ def fully_shard(
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
     cpu_offload: bool = False,
+    sync_module_states: bool = False,
 ) -> torch.nn.Module:
     """Shard a `transform`ed model with FSDP2 as the `init` keys say (SMP v2's FSDP step).
 
@@ -494,6 +531,11 @@ def fully_shard(
       tensor to host, no horizon).
     `mixed_precision`: the compute dtype (bf16) over fp32 sharded params, fp32 reduction.
     `param_init_fn`: `DelayedParamIniter(model).get_param_init_fn()` for a meta model.
+    `sync_module_states`: every rank takes the weights of the rank of rank 0's TP group with
+      its TP rank, unit by unit before sharding (needed after
+      `transform(load_state_dict_from_rank0=True)` when there are data-parallel replicas;
+      meta models elsewhere are materialised by `param_init_fn` first, default
+      `DelayedParamIniter`).
     Returns the sharded model (the same object, or torch's offload wrapper around it).
     """
     from megatron_smp.distributed.activation_offload import ActivationOffloader
@@ -501,6 +543,20 @@ def fully_shard(
 
     if not _initialized:
         init()
+    parallel_state = state.parallel_state
+    before_shard = None
+    if sync_module_states:
+        before_shard = _sync_from_rank0_tp_group(parallel_state)
+        if param_init_fn is None:
+            from megatron_smp.distributed.delayed_init import DelayedParamIniter
+
+            param_init_fn = DelayedParamIniter(model).get_param_init_fn()
+    elif getattr(model, "loaded_from_rank0", False) and parallel_state.dp_cp_size > 1:
+        raise ConfigError(
+            "the model was transformed with load_state_dict_from_rank0=True, so only rank 0's "
+            "tensor-parallel group holds its weights: pass sync_module_states=True to "
+            "fully_shard so the other data-parallel ranks get them"
+        )
     offloader = None
     native_offload = False
     if activation_offloading:
@@ -509,13 +565,13 @@ def fully_shard(
         else:
             native_offload = True
     model = fully_shard_model(
-        model, state.parallel_state, param_dtype=mixed_precision,
+        model, parallel_state, param_dtype=mixed_precision,
         reshard_after_forward=reshard_after_forward, offload_params=cpu_offload,
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
         allow_empty_shards=state.allow_empty_shards, param_init_fn=param_init_fn,
         activation_checkpointing=activation_checkpointing or activation_offloading,
         activation_offloader=offloader,
-        cache_flush_warnings=state.fsdp_cache_flush_warnings,
+        cache_flush_warnings=state.fsdp_cache_flush_warnings, before_shard=before_shard,
     )
     model.activation_offloader = offloader
     if native_offload:

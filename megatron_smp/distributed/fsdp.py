@@ -151,6 +151,7 @@ def fully_shard_model(
     cache_flush_warnings: bool = False,
     layers: Optional[List[torch.nn.Module]] = None,
     reduce_dtype: torch.dtype = torch.float32,
+    before_shard: Optional[Callable[[torch.nn.Module], None]] = None,
 ) -> torch.nn.Module:
     """Apply FSDP2 to `model` in place (each layer, then the root); returns `model`.
 
@@ -172,6 +173,8 @@ def fully_shard_model(
     * `cache_flush_warnings`: SMP's `fsdp_cache_flush_warnings` (`CacheFlushMonitor`,
       checked at each forward of the root, i.e. once per microbatch).
     * `layers`: the units (default: the GPTModel's decoder layers).
+    * `before_shard(unit)`: called on every rank for each unit once it is materialised, just
+      before it is sharded (e.g. `smp.fully_shard`'s `sync_module_states` broadcast).
 
     The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a layer with fewer rows
     than shard ranks is an error unless `allow_empty_shards`.
@@ -225,6 +228,8 @@ def fully_shard_model(
                 "fully_shard_model: the model has parameters on the meta device and no "
                 "param_init_fn; pass DelayedParamIniter(model).get_param_init_fn()"
             )
+        if before_shard is not None:
+            before_shard(unit)
         check_empty_shards(unit, shard_size, allow_empty_shards)
         attributes = _param_attributes(unit)
         # The root and the output layer keep their params from forward to backward: their

@@ -51,6 +51,8 @@ def _train_transformed(rank, world_size, smp_config, shard_kwargs):
         dist.all_reduce(value, group=parallel_state.dp_group)
         losses.append(value.item() / dp)
     offloader = getattr(model, "activation_offloader", None)
+    if smp_config.get("sm_activation_offloading") is False:
+        return losses, norms, {"wrapper": type(model).__name__}
     accounting = None
     if offloader is not None:
         accounting = {"offloaded": sorted(offloader.offloaded_layers),
@@ -73,6 +75,8 @@ def _reference():
     ("tp2", {"tensor_parallel_degree": 2}, {}),
     ("offload", {"activation_loading_horizon": 1},
      {"activation_checkpointing": True, "activation_offloading": True}),
+    ("torch_offload", {"sm_activation_offloading": False},
+     {"activation_checkpointing": True, "activation_offloading": True}),
 ])
 def test_transformed_llama_fully_shard_matches_single_process(name, smp_config, shard_kwargs):
     losses, norms, _ = _reference()
@@ -87,6 +91,52 @@ def test_transformed_llama_fully_shard_matches_single_process(name, smp_config, 
             assert accounting["offloaded"] == [0, 1]
             assert accounting["max_resident"] == 1
             assert accounting["pending"] <= 1  # the first layer's copies, released next step
+        if name == "torch_offload":  # sm_activation_offloading false: torch's offload_wrapper
+            assert accounting == {"wrapper": "OffloadWrapper"}
+
+
+def _rank0_weights_worker(rank, world_size):
+    """Rank 0 holds the HF weights, every other rank a meta HF model: transform with
+    load_state_dict_from_rank0, then fully_shard(sync_module_states=True)."""
+    import megatron_smp as smp
+    from megatron_smp.config import ConfigError
+
+    smp.init({"tensor_parallel_degree": 2})
+    parallel_state = smp.state.parallel_state
+    if rank == 0:
+        hf = build_hf("llama")
+    else:
+        with torch.device("meta"):
+            hf = build_hf("llama")
+    torch.manual_seed(100 + rank)  # the fresh init of other ranks would differ per rank
+    model = smp.transform(hf, load_state_dict_from_rank0=True)
+    on_meta = all(p.is_meta for p in model.parameters())
+    try:
+        smp.fully_shard(model)
+        refused = None
+    except ConfigError as error:
+        refused = str(error)
+    model = smp.fully_shard(model, sync_module_states=True)
+    ids = torch.arange(2 * 8).reshape(2, 8) % 1003
+    with torch.no_grad():
+        logits = model(ids)
+    return {"tp_rank": parallel_state.tp_rank, "on_meta": on_meta, "refused": refused,
+            "logits": to_numpy(logits)}
+
+
+def test_load_state_dict_from_rank0_then_sync_module_states_gives_every_rank_rank0_weights():
+    """SMP's reference: after transform(load_state_dict_from_rank0=True) only rank 0's TP
+    group holds the weights (the others stay on meta); fully_shard(sync_module_states=True)
+    copies them to the other data-parallel replicas. TP=2 x DP=2: every rank's logits equal
+    the HF model's; without sync_module_states it is a ConfigError."""
+    hf = build_hf("llama")
+    ids = torch.arange(2 * 8).reshape(2, 8) % 1003
+    with torch.no_grad():
+        expected = hf(ids).logits
+    for rank, out in enumerate(run_distributed(_rank0_weights_worker, 4, timeout=300)):
+        assert out["on_meta"] == (rank >= 2)  # ranks 0, 1 form rank 0's TP group
+        assert "sync_module_states=True" in out["refused"]
+        torch.testing.assert_close(to_torch(out["logits"]), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_transformed_llama_fully_shard_world4_full_and_hybrid_match_single_process():
