@@ -285,6 +285,7 @@ def pretrain(
         checkpointing = checkpointing_module
         if configs.checkpoint.load:
             checkpointing.load(run, tokenizer)
+    num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 
     eval_runs = training.train_iters // training.eval_interval + 1
     num_samples = [
@@ -328,8 +329,16 @@ def pretrain(
     timer.start()
     while run.iteration < training.train_iters and not training.skip_train:
         profiler.before_iteration(run.iteration)
+        previous_num_microbatches = num_microbatches
         num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
         global_batch_size = num_microbatches * training.micro_batch_size * state.dp_size
+        save_interval = configs.checkpoint.save_interval
+        if (num_microbatches != previous_num_microbatches and checkpointing is not None
+                and configs.checkpoint.save
+                and not (save_interval and run.iteration % save_interval == 0)):
+            # Megatron saves where --rampup-batch-size changes the batch size (unless this
+            # iteration was just saved).
+            checkpointing.save(run)
         reports, update_successful, grad_norm, num_zeros_in_grad = train_step(
             run, forward_step_func, train_iter, num_microbatches
         )

@@ -5,8 +5,10 @@ num_microbatches_calculator (a batch of START + INCREMENT * int(consumed / (SAMP
 ((8 - 4) / 4))) while consumed <= SAMPLES, else 8) the global batches 4, 4, 8, 8, 8, 8 and
 Megatron's update_train_iters 3 ramp iterations + (40 - 16) // 8 = 6 iterations. The ramped
 run's losses must equal those of the same batches trained without a ramp: a --global-batch-size
-4 run for two iterations, resumed from its checkpoint with --global-batch-size 8.
+4 run for two iterations, resumed from its checkpoint with --global-batch-size 8. With --save
+the ramped run also saves where its batch grows (after iteration 2), as Megatron's loop does.
 """
+import os
 import re
 
 import pytest
@@ -61,18 +63,21 @@ def _train(rank, world_size, runs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = str(tmp_path_factory.mktemp("rampup") / "ckpt")
+    ramped_save = str(tmp_path_factory.mktemp("rampup") / "ramped")
     ramped = BASE + ["--train-samples", "40", "--global-batch-size", "8",
-                     "--rampup-batch-size", "4", "4", "8", "--lr-warmup-samples", "8"]
+                     "--rampup-batch-size", "4", "4", "8", "--lr-warmup-samples", "8",
+                     "--save", ramped_save]
     # The same schedule in iterations of 4 samples (warm-up 2, decay 10), then of 8 (1, 5).
     first = BASE + ["--train-iters", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
                     "--lr-decay-iters", "10", "--save", save]
     rest = BASE + ["--train-iters", "6", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                    "--lr-decay-iters", "5", "--load", save]
-    return run_distributed(_train, 2, args=([ramped, first, rest],), timeout=600)
+    results = run_distributed(_train, 2, args=([ramped, first, rest],), timeout=600)
+    return results, sorted(os.listdir(ramped_save))
 
 
 def test_batch_sizes_consumed_samples_and_lr_follow_megatron(runs):
-    for ramped, _, _ in runs:
+    for ramped, _, _ in runs[0]:
         consumed, expected = 0, {}
         for iteration, batch in enumerate(BATCHES, start=1):
             consumed += batch
@@ -86,7 +91,7 @@ def test_batch_sizes_consumed_samples_and_lr_follow_megatron(runs):
 
 
 def test_ramped_losses_equal_the_same_batches_without_a_ramp(runs):
-    for ramped, first, rest in runs:
+    for ramped, first, rest in runs[0]:
         assert sorted(first["losses"]) == [1, 2] and sorted(rest["losses"]) == [3, 4, 5, 6]
         assert rest["consumed"] == 40
         unramped = {**first["losses"], **rest["losses"]}
@@ -94,3 +99,8 @@ def test_ramped_losses_equal_the_same_batches_without_a_ramp(runs):
             assert ramped["losses"][iteration] == pytest.approx(unramped[iteration], rel=1e-5)
         # The losses move: the equality is not of constants.
         assert len({round(v, 6) for v in unramped.values()}) == 6
+
+
+def test_a_checkpoint_is_saved_where_the_batch_size_changes(runs):
+    # As Megatron: the batch grows from 4 to 8 after iteration 2; the run ends at 6.
+    assert runs[1] == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt"]
