@@ -725,6 +725,22 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     # SentencePieceTokenizer: T5-style <extra_id_i> tokens appended to the vocabulary.
     vocab_extra_ids: int = 0
+    # Separate datasets per split (Megatron's --train/valid/test-data-path), instead of
+    # --data-path cut by --split.
+    train_data_path: Optional[list] = None
+    valid_data_path: Optional[list] = None
+    test_data_path: Optional[list] = None
+    # Blend components draw this fraction more samples than their share (megatron-core).
+    mid_level_dataset_surplus: float = 0.005
+    # False: read .bin slices with file reads instead of mmap (--no-mmap-bin-files).
+    mmap_bin_files: bool = True
+    # Megatron's --legacy-tokenizer: megatron/training's tokenizers (SentencePiece appends
+    # its own <EOD>) instead of megatron-core's (SentencePiece's eod is the model's eos).
+    legacy_tokenizer: bool = False
+    # TikTokenizer (--tokenizer-type TikTokenizer).
+    tiktoken_pattern: Optional[str] = None
+    tiktoken_num_special_tokens: int = 1000
+    tokenizer_special_tokens: Optional[list] = None
 
 
 @dataclass

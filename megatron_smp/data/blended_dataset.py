@@ -1,56 +1,78 @@
-"""Mixes datasets in fixed proportions with Megatron-LM's greedy blending index."""
+"""Mixes datasets in fixed proportions with megatron-core's blending indices."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megatron_smp.data.cache import build_or_load_cached
-from megatron_smp.data.indices import build_blending_indices
+from megatron_smp.data.indices import build_blending_indices, build_exhaustive_blending_indices
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """`size` samples; sample i is sample `dataset_sample_index[i]` of
-    `datasets[dataset_index[i]]`. Every prefix of the blend matches `weights` to within one
-    sample per dataset."""
+    """Sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
+
+    With a `size`, `weights` are proportions and every prefix of the blend matches them to
+    within one sample per dataset; with `size=None`, `weights` are whole sample counts and
+    dataset d contributes exactly weights[d] samples (megatron-core's two modes).
+    """
 
     def __init__(
         self,
         datasets: Sequence[torch.utils.data.Dataset],
         weights: Sequence[float],
-        size: int,
+        size: Optional[int],
+        split_name: str = "train",
         cache_dir: Optional[str] = None,
         description: Optional[Dict] = None,
         group=None,
     ) -> None:
-        total = float(sum(weights))
+        from megatron_smp.config import ConfigError
+
         self.datasets = list(datasets)
-        self.weights = [float(w) / total for w in weights]
-        self.size = int(size)
+        if size is not None:
+            weights = (np.array(weights, dtype=np.float64) / np.sum(weights)).tolist()
+        else:
+            weights = [int(w) for w in weights]
+        self.weights = weights
+        self.size = None if size is None else int(size)
         full_description = dict(description or {})
         full_description.update(
-            {"class": type(self).__name__, "weights": self.weights, "size": self.size}
+            {
+                "class": type(self).__name__,
+                "split": split_name,
+                "components": [getattr(d, "cache_key", None) for d in self.datasets],
+                "weights": self.weights,
+                "size": self.size,
+            }
         )
+
+        def build() -> Dict[str, np.ndarray]:
+            if self.size is None:
+                indices = build_exhaustive_blending_indices(self.weights)
+            else:
+                indices = build_blending_indices(self.weights, self.size)
+            return dict(zip(("dataset_index", "dataset_sample_index"), indices))
+
         arrays = build_or_load_cached(
-            cache_dir,
-            full_description,
-            ("dataset_index", "dataset_sample_index"),
-            lambda: dict(
-                zip(
-                    ("dataset_index", "dataset_sample_index"),
-                    build_blending_indices(self.weights, self.size),
-                )
-            ),
+            cache_dir, full_description, ("dataset_index", "dataset_sample_index"), build,
             group=group,
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
+        drawn = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        for number, (dataset, count) in enumerate(zip(self.datasets, drawn)):
+            if count > len(dataset):
+                raise ConfigError(
+                    f"the {split_name} blend draws {count} samples from its dataset number "
+                    f"{number}, which has {len(dataset)}; raise --mid-level-dataset-surplus "
+                    "(e.g. to 0.05)"
+                )
 
     def __len__(self) -> int:
-        return self.size
+        return int(self.dataset_index.shape[0])
 
     def __getitem__(self, index: int):
         dataset = self.datasets[int(self.dataset_index[index])]
-        # Components hold at least weight * size samples (plus a margin); the modulo only
-        # matters if a component was built shorter by hand.
-        return dataset[int(self.dataset_sample_index[index]) % len(dataset)]
+        return dataset[int(self.dataset_sample_index[index])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -21,42 +22,53 @@ from megatron_smp.data.indexed_dataset import IndexedDataset
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
-# Components of a blend get this many more samples than their share, as in Megatron-LM, so
-# rounding never leaves the blend short.
-_BLEND_MARGIN = 1.005
 _MOCK_NUM_DOCUMENTS = 4096
 
 
 def parse_split(split: str) -> List[float]:
-    """'969,30,1' (or '0.9/0.1') -> normalised [train, valid, test] weights."""
-    pieces = [piece for piece in str(split).replace("/", ",").split(",") if piece.strip()]
+    """'969,30,1' -> normalised [train, valid, test] weights, as megatron-core parses them.
+
+    Every run of digits and dots is a number, so '969, 30, 1', '90/8/2' and the quoted
+    "'99,1,0'" Megatron's example scripts pass all work; missing trailing weights are 0.
+    """
     try:
-        values = [float(piece) for piece in pieces]
+        values = [float(piece) for piece in re.findall(r"[.0-9]+", str(split))]
     except ValueError:
-        raise ConfigError(f"--split {split!r}: expected up to 3 numbers like 969,30,1") from None
-    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values):
+        values = []
+    if not 1 <= len(values) <= 3 or not all(math.isfinite(v) for v in values):
         raise ConfigError(f"--split {split!r}: expected 1 to 3 non-negative numbers, e.g. 969,30,1")
     values += [0.0] * (3 - len(values))
-    total = sum(values)
+    total = float(np.sum(np.array(values, dtype=np.float64)))
     if total <= 0:
         raise ConfigError(f"--split {split!r}: the weights sum to zero")
-    return [v / total for v in values]
+    return (np.array(values, dtype=np.float64) / total).tolist()
 
 
-def split_boundaries(weights: Sequence[float], num_elements: int) -> List[int]:
-    """Megatron-LM's document split: rounded cumulative shares, corrected to end at N."""
-    boundaries = [0]
+def split_matrix(weights: Sequence[float]) -> List[Optional[Tuple[float, float]]]:
+    """[0.9, 0.08, 0.02] -> [(0, 0.9), (0.9, 0.98), (0.98, 1.0)]; None for an empty split.
+
+    The book-ends are running float sums, exactly as megatron-core accumulates them: its
+    rounding of `bookend * num_sequences` decides which sequence lands in which split.
+    """
+    ends = [0.0]
     for weight in weights:
-        boundaries.append(boundaries[-1] + int(round(weight * float(num_elements))))
-    excess = boundaries[-1] - num_elements
-    return [0] + [b - excess for b in boundaries[1:]]
+        ends.append(ends[-1] + weight)
+    return [(a, b) if b > a else None for a, b in zip(ends[:-1], ends[1:])]
 
 
-def parse_data_path(data_path) -> Tuple[List[float], List[str]]:
-    """Megatron's --data-path list -> (normalised weights, prefixes).
+def split_range(bookends: Tuple[float, float], num_sequences: int) -> Tuple[int, int]:
+    """The [begin, end) sequence ids of one split (Python's round: half to even)."""
+    return (
+        int(round(bookends[0] * float(num_sequences))),
+        int(round(bookends[1] * float(num_sequences))),
+    )
 
-    Accepts `prefix`, `w1 p1 w2 p2 ...`, or several prefixes without weights (then weighted
-    by their token counts). A string is split on whitespace.
+
+def parse_data_path(data_path) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's --data-path list -> (prefixes, weights or None), as `get_blend_from_list`.
+
+    Accepts `prefix`, `w1 p1 w2 p2 ...`, or several prefixes without weights (then each split
+    blends them by their sample counts). A string is split on whitespace.
     """
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
@@ -70,13 +82,10 @@ def parse_data_path(data_path) -> Tuple[List[float], List[str]]:
 
     numbers = [as_number(item) for item in items]
     if all(number is None for number in numbers):
-        prefixes = items
+        prefixes = [item.strip() for item in items]
         for prefix in prefixes:
             _check_prefix(prefix)
-        counts = [float(IndexedDataset(prefix).sizes.astype(np.int64).sum()) for prefix in prefixes]
-        if sum(counts) <= 0:
-            raise ConfigError(f"--data-path: the datasets {prefixes} hold no tokens")
-        return [c / sum(counts) for c in counts], prefixes
+        return prefixes, None
     if len(items) % 2 != 0:
         raise ConfigError(
             f"--data-path {' '.join(items)}: expected weight/prefix pairs like "
@@ -94,12 +103,17 @@ def parse_data_path(data_path) -> Tuple[List[float], List[str]]:
         if weight < 0 or not math.isfinite(weight):
             raise ConfigError(f"--data-path: weight {weight_text} of {prefix} must be >= 0")
         weights.append(weight)
-        prefixes.append(prefix)
+        prefixes.append(prefix.strip())
     if sum(weights) <= 0:
         raise ConfigError(f"--data-path: the weights {weights} sum to zero")
+    if 0.0 in weights:
+        zero = [p for w, p in zip(weights, prefixes) if w == 0.0]
+        raise ConfigError(
+            f"--data-path: {zero} have weight 0 (megatron-core refuses them too); drop them"
+        )
     for prefix in prefixes:
         _check_prefix(prefix)
-    return [w / sum(weights) for w in weights], prefixes
+    return prefixes, (np.array(weights, dtype=np.float64) / np.sum(weights)).tolist()
 
 
 def _check_prefix(prefix: str) -> None:
@@ -112,10 +126,120 @@ def _check_prefix(prefix: str) -> None:
             )
 
 
-def _component_num_samples(num_samples: Optional[int], weight: float) -> Optional[int]:
-    if num_samples is None:
-        return None
-    return int(math.ceil(math.ceil(num_samples * weight) * _BLEND_MARGIN))
+def sizes_per_dataset(
+    weights: Sequence[float], sizes: Sequence[Optional[int]], surplus: float = 0.0
+) -> List[List[Optional[int]]]:
+    """[dataset][split] samples each blend component provides: ceil(ceil(size * weight) *
+    (1 + surplus)), megatron-core's `_get_size_per_split_per_dataset`."""
+    return [
+        [
+            None if size is None else int(math.ceil(math.ceil(size * weight) * (1 + surplus)))
+            for size in sizes
+        ]
+        for weight in weights
+    ]
+
+
+class _Builder:
+    """megatron-core's BlendedMegatronDatasetBuilder over our GPTDataset / BlendedDataset."""
+
+    def __init__(self, data_config, seq_length, seed, tokenizer, group):
+        self.data_config = data_config
+        self.seq_length = seq_length
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.group = group
+        self.surplus = float(getattr(data_config, "mid_level_dataset_surplus", 0.005))
+        self.mmap = bool(getattr(data_config, "mmap_bin_files", True))
+        self.masks = dict(
+            reset_position_ids=data_config.reset_position_ids,
+            reset_attention_mask=data_config.reset_attention_mask,
+            eod_mask_loss=data_config.eod_mask_loss,
+        )
+        self.cache_dir = None
+
+    def mid_level_splits(self, prefix, matrix, sizes):
+        """One GPTDataset per split of `prefix` (None where `matrix` has no split)."""
+        indexed = IndexedDataset(prefix, mmap=self.mmap)
+        if self.cache_dir is None:
+            self.cache_dir = default_cache_dir(
+                prefix, getattr(self.data_config, "data_cache_path", None)
+            )
+        datasets = []
+        for i, bookends in enumerate(matrix):
+            if bookends is None:
+                datasets.append(None)
+                continue
+            # megatron-core splits GPT data by sequences, not documents.
+            begin, end = split_range(bookends, len(indexed))
+            if end <= begin:
+                logger.warning(
+                    "%s has no sequences for the %s split (%d sequences, --split %s)",
+                    prefix, SPLIT_NAMES[i], len(indexed), self.data_config.split,
+                )
+                datasets.append(None)
+                continue
+            datasets.append(
+                GPTDataset(
+                    indexed, np.arange(begin, end, dtype=np.int32), sizes[i], self.seq_length,
+                    self.seed, self.tokenizer.eod, SPLIT_NAMES[i], cache_dir=self.cache_dir,
+                    description=dataset_description(prefix), group=self.group, **self.masks,
+                )
+            )
+        return datasets
+
+    def blend(self, prefixes, weights, matrix, sizes, splits):
+        """The `splits` of a blend of several prefixes (BlendedDataset each)."""
+        if weights is None:
+            buffer = [[None] * 3 for _ in prefixes]
+        else:
+            target = sizes_per_dataset(weights, sizes)
+            buffer = sizes_per_dataset(weights, sizes, surplus=self.surplus)
+        per_prefix = [
+            self.mid_level_splits(prefix, matrix, buffer[d]) for d, prefix in enumerate(prefixes)
+        ]
+        blended = [None] * 3
+        for i in splits:
+            if matrix[i] is None:
+                continue
+            parts = [splits_of[i] for splits_of in per_prefix]
+            if any(part is None for part in parts):
+                missing = [p for p, part in zip(prefixes, parts) if part is None]
+                raise ConfigError(
+                    f"the {SPLIT_NAMES[i]} split of {missing} is empty, so the blend cannot "
+                    "follow its weights; change --split or drop those prefixes"
+                )
+            if weights is not None:
+                if sizes[i] is None:
+                    raise ConfigError(
+                        f"weighted --data-path blends need a sample count for the "
+                        f"{SPLIT_NAMES[i]} split"
+                    )
+                split_weights, size = weights, sum(row[i] for row in target)
+            else:
+                # Unweighted: components in proportion to their sample counts.
+                split_weights = [len(part) for part in parts]
+                size = None if sizes[i] is None else min(sizes[i], sum(split_weights))
+            blended[i] = BlendedDataset(
+                parts, split_weights, size, SPLIT_NAMES[i], cache_dir=self.cache_dir,
+                description={
+                    "prefixes": [dataset_description(p) for p in prefixes],
+                    "seq_length": self.seq_length, "seed": self.seed,
+                },
+                group=self.group,
+            )
+        return blended
+
+    def build(self, blend, matrix, sizes, splits=(0, 1, 2)):
+        prefixes, weights = blend
+        if len(prefixes) == 1 and weights is None:
+            return self.mid_level_splits(prefixes[0], matrix, sizes)
+        return self.blend(prefixes, weights, matrix, sizes, splits)
+
+
+def per_split_data_paths(data_config) -> List[Optional[list]]:
+    """[--train-data-path, --valid-data-path, --test-data-path] (None where not given)."""
+    return [getattr(data_config, f"{name}_data_path", None) or None for name in SPLIT_NAMES]
 
 
 def build_train_valid_test_datasets(
@@ -128,13 +252,14 @@ def build_train_valid_test_datasets(
 ):
     """Build (train, valid, test) GPT datasets; None for a split with zero weight.
 
-    `train_val_test_num_samples` are the samples each split must provide (None: one epoch).
-    Index arrays are built by rank 0 of `group` (default: the whole world if
+    Follows megatron-core 0.16.1's BlendedMegatronDatasetBuilder, so the same --data-path
+    (or --train/valid/test-data-path), --split, --seed, --seq-length and sizes give the same
+    samples. `train_val_test_num_samples` are the samples each split must provide (None: one
+    epoch). Index arrays are built by rank 0 of `group` (default: the whole world if
     torch.distributed is initialized) and cached; every rank of `group` must call this.
     """
     if seq_length < 1:
         raise ConfigError(f"--seq-length must be positive, got {seq_length}")
-    split_weights = parse_split(data_config.split)
     num_samples = list(train_val_test_num_samples) + [None] * (3 - len(train_val_test_num_samples))
     masks = dict(
         reset_position_ids=data_config.reset_position_ids,
@@ -143,81 +268,44 @@ def build_train_valid_test_datasets(
     )
 
     if data_config.mock_data:
+        split_weights = parse_split(data_config.split)
         mock = MockIndexedDataset(_MOCK_NUM_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, seed)
-        boundaries = split_boundaries(split_weights, len(mock))
+        matrix = split_matrix(split_weights)
+        ranges = [split_range(b, len(mock)) if b else (0, 0) for b in matrix]
         return tuple(
             GPTDataset(
-                mock, np.arange(boundaries[i], boundaries[i + 1]), num_samples[i], seq_length,
+                mock, np.arange(*ranges[i]), num_samples[i], seq_length,
                 seed, tokenizer.eod, SPLIT_NAMES[i], cache_dir=None, group=group, **masks,
             )
-            if split_weights[i] > 0 and boundaries[i + 1] > boundaries[i]
+            if ranges[i][1] > ranges[i][0]
             else None
             for i in range(3)
         )
 
-    weights, prefixes = parse_data_path(data_config.data_path)
-    cache_dir = default_cache_dir(prefixes[0], getattr(data_config, "data_cache_path", None))
-    per_prefix = []  # per_prefix[d][split]
-    for weight, prefix in zip(weights, prefixes):
-        indexed = IndexedDataset(prefix)
-        boundaries = split_boundaries(split_weights, indexed.num_documents)
-        splits = []
-        for i in range(3):
-            if split_weights[i] == 0 or boundaries[i + 1] <= boundaries[i]:
-                if split_weights[i] > 0:
-                    logger.warning(
-                        "%s has no documents for the %s split (%d documents, --split %s)",
-                        prefix, SPLIT_NAMES[i], indexed.num_documents, data_config.split,
-                    )
-                splits.append(None)
-                continue
-            # Sequences of documents [b_i, b_{i+1}); whole-document data has one each.
-            sequence_ids = np.arange(
-                indexed.document_indices[boundaries[i]], indexed.document_indices[boundaries[i + 1]]
+    builder = _Builder(data_config, seq_length, seed, tokenizer, group)
+    per_split = per_split_data_paths(data_config)
+    if data_config.data_path:
+        if any(per_split):
+            raise ConfigError(
+                "--data-path and --train-data-path/--valid-data-path/--test-data-path are "
+                "exclusive; give one or the other"
             )
-            wanted = (
-                num_samples[i]
-                if len(prefixes) == 1
-                else _component_num_samples(num_samples[i], weight)
-            )
-            splits.append(
-                GPTDataset(
-                    indexed, sequence_ids, wanted, seq_length, seed, tokenizer.eod,
-                    SPLIT_NAMES[i], cache_dir=cache_dir,
-                    description=dataset_description(prefix),
-                    group=group, **masks,
-                )
-            )
-        per_prefix.append(splits)
-
-    if len(prefixes) == 1:
-        return tuple(per_prefix[0])
-
-    blended = []
-    for i in range(3):
-        parts = [
-            (w, splits[i])
-            for w, splits in zip(weights, per_prefix)
-            if splits[i] is not None and w > 0
-        ]
-        if not parts:
-            blended.append(None)
+        matrix = split_matrix(parse_split(data_config.split))
+        return tuple(builder.build(parse_data_path(data_config.data_path), matrix, num_samples))
+    if not any(per_split):
+        raise ConfigError("--data-path is empty; give a dataset prefix or use --mock-data")
+    datasets = [None] * 3
+    for i, paths in enumerate(per_split):
+        if paths is None:
             continue
-        part_weights = [w for w, _ in parts]
-        part_weights = [w / sum(part_weights) for w in part_weights]
-        if num_samples[i] is not None:
-            size = int(num_samples[i])
-        else:
-            # One pass: as many samples as the scarcest component supports at its weight.
-            size = int(min(len(d) / w for w, (_, d) in zip(part_weights, parts)))
-        blended.append(
-            BlendedDataset(
-                [d for _, d in parts], part_weights, size, cache_dir=cache_dir,
-                description={
-                    "prefixes": [dataset_description(p) for p in prefixes],
-                    "split": SPLIT_NAMES[i], "seq_length": seq_length, "seed": seed,
-                },
-                group=group,
-            )
-        )
-    return tuple(blended)
+        # Each split's paths are a whole dataset: the split spans all of its sequences.
+        matrix = [None] * 3
+        matrix[i] = (0.0, 1.0)
+        sizes = [0] * 3
+        sizes[i] = num_samples[i]
+        try:
+            blend = parse_data_path(paths)
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("--data-path", f"--{SPLIT_NAMES[i]}-data-path"))
+        datasets[i] = builder.build(blend, matrix, sizes, splits=(i,))[i]
+    return tuple(datasets)

@@ -7,7 +7,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from megatron_smp.data.cache import build_or_load_cached
+from megatron_smp.data.cache import build_or_load_cached, description_hash
 from megatron_smp.data.indexed_dataset import IndexedDataset, index_file_path
 from megatron_smp.data.indices import (
     build_document_index,
@@ -97,7 +97,11 @@ class GPTDataset(torch.utils.data.Dataset):
         self.tokens_per_epoch = int(
             np.asarray(indexed_dataset.sizes)[self.sequence_ids].astype(np.int64).sum()
         )
-        if self.tokens_per_epoch <= self.seq_length:
+        # megatron-core repeats a short split over as many epochs as the samples need; with
+        # too few tokens for one sample and no count to reach, it would loop or yield nothing.
+        if self.tokens_per_epoch < 2 or (
+            num_samples is None and self.tokens_per_epoch <= self.seq_length
+        ):
             from megatron_smp.config import ConfigError
 
             raise ConfigError(
@@ -118,6 +122,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 "seed": self.seed,
             }
         )
+        self.cache_key = description_hash(full_description)
         arrays = build_or_load_cached(
             cache_dir,
             full_description,

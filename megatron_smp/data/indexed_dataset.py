@@ -152,12 +152,15 @@ def write_index(
 
 
 class IndexedDataset:
-    """Read-only view of `{prefix}.bin/.idx`; both files are memory-mapped, never read whole.
+    """Read-only view of `{prefix}.bin/.idx`; neither file is read whole.
 
+    The `.idx` is memory-mapped; the `.bin` too unless `mmap=False` (Megatron's
+    --no-mmap-bin-files, for file systems where mmap is slow or counted against memory), then
+    each `get` reads its slice with a seek and a read.
     `dataset[i]` is sequence i as a numpy array; `get(i, offset, length)` reads a slice of it.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, mmap: bool = True) -> None:
         from megatron_smp.config import ConfigError
 
         self.prefix = prefix
@@ -212,9 +215,13 @@ class IndexedDataset:
                 raise ConfigError(
                     f"{bin_path} is truncated: {data_bytes} bytes, the index needs {end}"
                 )
+        self._bin_path = bin_path
+        self.mmap = mmap
         # np.memmap refuses empty files; an empty dataset has nothing to map.
         self._data_map = (
-            np.memmap(bin_path, mode="r", order="C") if data_bytes else np.zeros(0, np.uint8)
+            np.memmap(bin_path, mode="r", order="C")
+            if data_bytes and mmap
+            else np.zeros(0, np.uint8)
         )
 
     def __len__(self) -> int:
@@ -229,13 +236,20 @@ class IndexedDataset:
         return max(self.document_indices.size - 1, 0)
 
     def get(self, index: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        """Tokens `[offset, offset + length)` of sequence `index` (a view into the mmap)."""
+        """Tokens `[offset, offset + length)` of sequence `index` (a view into the mmap, or a
+        fresh array read from the file without mmap)."""
         size = int(self.sequence_lengths[index])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"slice [{offset}, {offset + length}) outside sequence of {size}")
         pointer = int(self.sequence_pointers[index]) + offset * self.dtype.itemsize
+        if not self.mmap:
+            tokens = np.empty(length, dtype=self.dtype)
+            with open(self._bin_path, "rb", buffering=0) as data_file:
+                data_file.seek(pointer)
+                data_file.readinto(tokens)
+            return tokens
         return np.frombuffer(self._data_map, dtype=self.dtype, count=length, offset=pointer)
 
     def __getitem__(self, index: int) -> np.ndarray:

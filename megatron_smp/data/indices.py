@@ -1,7 +1,8 @@
 """The index arrays behind GPT and blended datasets, built with vectorised numpy.
 
 These reproduce Megatron-LM's `_build_document_index`, `helpers.build_sample_idx`,
-`_build_shuffle_index` and `helpers.build_blending_indices` (C++ there).
+`_build_shuffle_index`, `helpers.build_blending_indices` and
+`helpers.build_exhaustive_blending_indices` (C++ there), value for value.
 """
 from __future__ import annotations
 
@@ -95,4 +96,33 @@ def build_blending_indices(
         dataset_index[sample] = best
         dataset_sample_index[sample] = drawn[best]
         drawn[best] += 1
+    return np.asarray(dataset_index, dtype=np.int16), np.asarray(dataset_sample_index, np.int64)
+
+
+def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Draw exactly sizes[d] samples from dataset d, interleaved by the same greedy rule as
+    `build_blending_indices` with weights sizes / sum(sizes); a dataset leaves the race once
+    it is spent.
+
+    Returns (dataset_index [sum(sizes)] int16, dataset_sample_index [sum(sizes)] int64).
+    """
+    sizes = [int(s) for s in sizes]
+    total = sum(sizes)
+    weights = [s / float(total) for s in sizes]
+    unspent = [d for d, s in enumerate(sizes) if s > 0]
+    drawn = [0] * len(sizes)
+    dataset_index = [0] * total
+    dataset_sample_index = [0] * total
+    for sample in range(total):
+        scale = float(max(sample, 1))
+        best, best_error = -1, -np.inf
+        for dataset in unspent:  # ascending, so ties go to the lowest index
+            error = weights[dataset] * scale - drawn[dataset]
+            if error > best_error:
+                best, best_error = dataset, error
+        dataset_index[sample] = best
+        dataset_sample_index[sample] = drawn[best]
+        drawn[best] += 1
+        if drawn[best] == sizes[best]:
+            unspent.remove(best)
     return np.asarray(dataset_index, dtype=np.int16), np.asarray(dataset_sample_index, np.int64)

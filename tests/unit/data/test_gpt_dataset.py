@@ -161,10 +161,16 @@ def test_bad_split_and_too_little_data(make_dataset, tmp_path):
         build_train_valid_test_datasets(
             config(tmp_path, [prefix], split="a,b"), 4, 1, [1], TOKENIZER
         )
+    # One epoch (no sample count) of 40 tokens holds no sample of 500.
     with pytest.raises(ConfigError, match="--seq-length 500"):
         build_train_valid_test_datasets(
-            config(tmp_path, [prefix], split="1"), 500, 1, [1], TOKENIZER
+            config(tmp_path, [prefix], split="1"), 500, 1, [None], TOKENIZER
         )
+    # With a count, megatron-core repeats the 40 tokens over as many epochs as it needs.
+    train, _, _ = build_train_valid_test_datasets(
+        config(tmp_path, [prefix], split="1"), 500, 1, [1], TOKENIZER
+    )
+    assert len(train) == 1 and train[0]["tokens"].tolist()[:8] == [1, 2, 3, EOD] * 2
 
 
 def _build_on_two_ranks(rank, world_size, prefix, cache_dir):
