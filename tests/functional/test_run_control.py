@@ -178,13 +178,18 @@ def test_params_norm_counts_each_element_once(layout, single_process_norms, tmp_
         assert norms[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration
 
 
+def _plain_then_deterministic_twice(rank, world_size, argv):
+    # One process: the torch flag, once set, stays set, so the plain run goes first.
+    return [_run(rank, world_size, argv + flags)
+            for flags in ([], ["--deterministic-mode"], ["--deterministic-mode"])]
+
+
 def test_deterministic_mode_sets_torch_flag_and_repeats_bitwise():
-    flags = ["--deterministic-mode", "--train-iters", "3"]
-    first, second = (run_distributed(_run, 1, args=(ARGV + flags,))[0] for _ in range(2))
-    assert first["deterministic"] and second["deterministic"]
-    assert first["losses"] == second["losses"]
-    plain = run_distributed(_run, 1, args=(ARGV + ["--train-iters", "3"],))[0]
+    plain, first, second = run_distributed(
+        _plain_then_deterministic_twice, 1, args=(ARGV + ["--train-iters", "3"],))[0]
     assert not plain["deterministic"]
+    assert first["deterministic"] and second["deterministic"]
+    assert sorted(first["losses"]) == [1, 2, 3] and first["losses"] == second["losses"]
 
 
 def test_pytorch_profiler_traces_exactly_the_chosen_iterations(tmp_path):
