@@ -108,6 +108,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--merge-file", default=None)
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--legacy-tokenizer", action="store_true",
+                       help="megatron/training's tokenizer classes (SentencePieceTokenizer "
+                       "appends its own <EOD>, ...) instead of megatron-core's (Megatron's "
+                       "default, where SentencePiece's eod is the model's eos)")
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True)

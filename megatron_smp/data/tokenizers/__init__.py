@@ -21,8 +21,15 @@ TOKENIZER_TYPES = (
 )
 
 
+_SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
 def build_tokenizer(data_config) -> MegatronTokenizer:
-    """Build the tokenizer `data_config.tokenizer_type` names (a DataConfig or argparse args)."""
+    """Build the tokenizer `data_config.tokenizer_type` names (a DataConfig or argparse args).
+
+    As in Megatron-LM, `legacy_tokenizer` (--legacy-tokenizer) picks megatron/training's
+    tokenizer classes; without it, megatron-core's, which differ for SentencePiece only.
+    """
     from megatron_smp.config import ConfigError
 
     kind = data_config.tokenizer_type
@@ -33,6 +40,10 @@ def build_tokenizer(data_config) -> MegatronTokenizer:
             raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
         return model
 
+    if kind in _SENTENCEPIECE_TYPES and not getattr(data_config, "legacy_tokenizer", False):
+        # megatron-core's tokenizers (Megatron's default): every SentencePiece type is the
+        # model's pieces as they are, eod = the model's eos, no bos added.
+        return GPTSentencePieceTokenizer(need_model())
     if kind == "SentencePieceTokenizer":
         return SentencePieceTokenizer(need_model(), getattr(data_config, "vocab_extra_ids", 0))
     if kind == "GPTSentencePieceTokenizer":

@@ -1,5 +1,7 @@
 """SentencePiece tokenizers with Megatron-LM's id assignment.
 
+Megatron's default (megatron-core's tokenizers) is `GPTSentencePieceTokenizer` for every
+SentencePiece type; the other two are its `--legacy-tokenizer` classes.
 `SentencePieceTokenizer` appends Megatron's special tokens (<CLS>, <SEP>, <EOD>, <MASK>, and
 <PAD>/<BOS>/<EOS> when the model has none) after the model's pieces, in Megatron-LM's order, so
 ids (and `eod`) in data preprocessed by Megatron-LM mean the same here.

@@ -42,22 +42,32 @@ def sentencepiece_model(tmp_path_factory):
 @pytest.mark.parametrize(
     "kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
 )
-def test_sentencepiece_round_trip(sentencepiece_model, kind):
+@pytest.mark.parametrize("legacy", [False, True])
+def test_sentencepiece_round_trip(sentencepiece_model, kind, legacy):
     tokenizer = build_tokenizer(
-        DataConfig(tokenizer_type=kind, tokenizer_model=sentencepiece_model)
+        DataConfig(tokenizer_type=kind, tokenizer_model=sentencepiece_model,
+                   legacy_tokenizer=legacy)
     )
     for text in SAMPLES:
         ids = tokenizer.tokenize(text)
         assert all(0 <= i < tokenizer.vocab_size for i in ids)
-        if kind == "Llama2Tokenizer":
+        if kind == "Llama2Tokenizer" and legacy:
             assert ids[0] == tokenizer.bos
             ids = ids[1:]
         assert tokenizer.detokenize(ids) == text
 
 
 def test_sentencepiece_megatron_special_ids(sentencepiece_model):
+    # Megatron's default (megatron-core) SentencePiece tokenizers: the model's pieces, eod =
+    # its eos </s>, for all three types.
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        default = build_tokenizer(DataConfig(tokenizer_type=kind,
+                                             tokenizer_model=sentencepiece_model))
+        assert (default.vocab_size, default.eod) == (600, 2), kind
+        assert default.tokenize("a b")[0] != default.bos
     tokenizer = build_tokenizer(
-        DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+        DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model,
+                   legacy_tokenizer=True)
     )
     # Megatron-LM appends <CLS>, <SEP>, <EOD>, <MASK> after the 600 pieces; the model has its
     # own <pad>, <s>, </s>.
@@ -67,7 +77,8 @@ def test_sentencepiece_megatron_special_ids(sentencepiece_model):
     a, b = tokenizer.tokenize("a"), tokenizer.tokenize("b")
     assert tokenizer.tokenize("a<EOD>b") == a + [602] + b
     gpt = build_tokenizer(
-        DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+        DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sentencepiece_model,
+                   legacy_tokenizer=True)
     )
     assert (gpt.vocab_size, gpt.eod) == (600, 2)
 
@@ -138,3 +149,36 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
         build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer"))
     with pytest.raises(ConfigError, match="--vocab-size"):
         build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"))
+
+
+@pytest.mark.parametrize("legacy, eod", [(False, 2), (True, 602)])
+def test_eod_mask_loss_masks_every_eod_of_preprocessed_data(sentencepiece_model, tmp_path,
+                                                            legacy, eod):
+    """Data preprocessed the Megatron way (--append-eod) ends each document with the eod the
+    training tokenizer masks: the model's eos by default, the appended <EOD> with
+    --legacy-tokenizer."""
+    import preprocess_data
+
+    from megatron_smp.data import build_train_valid_test_datasets
+
+    corpus = tmp_path / "corpus.jsonl"
+    lines = list(corpus_lines())[:40]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+            sentencepiece_model, "--append-eod"] + (["--legacy-tokenizer"] if legacy else [])
+    assert preprocess_data.main(argv) == 0
+    data_config = DataConfig(
+        data_path=[str(tmp_path / "out_text_document")], split="1,0,0", eod_mask_loss=True,
+        tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model,
+        legacy_tokenizer=legacy, data_cache_path=str(tmp_path / "cache"),
+    )
+    tokenizer = build_tokenizer(data_config)
+    assert tokenizer.eod == eod
+    train, _, _ = build_train_valid_test_datasets(data_config, 64, 1, [None], tokenizer)
+    eods = masked = 0
+    for i in range(len(train)):
+        sample = train[i]
+        eods += int((sample["tokens"] == eod).sum())
+        masked += int((sample["loss_mask"] == 0).sum())
+    assert eods >= len(lines) // 2 and masked == eods
