@@ -43,20 +43,23 @@ class _Optimizer:
         self.param_groups = groups
 
 
-def _named_model():
-    """A module whose parameter names are GPTModel's (the decoupled ones and others)."""
+GPT_PARAMETER_SHAPES = {
+    "embedding.word_embeddings.weight": (6, 4), "embedding.position_embeddings.weight": (5, 4),
+    "decoder.linear.weight": (4, 4), "decoder.linear.bias": (4,), "output_layer.weight": (6, 4),
+}
+
+
+def module_with_parameters(shapes, init=torch.zeros):
+    """A module whose parameters have the given dotted names (GPTModel's, here) and shapes."""
     model = torch.nn.Module()
-    for name, shape in (("embedding.word_embeddings.weight", (8, 4)),
-                        ("embedding.position_embeddings.weight", (8, 4)),
-                        ("decoder.linear.weight", (4, 4)), ("decoder.linear.bias", (4,)),
-                        ("output_layer.weight", (8, 4))):
+    for name, shape in shapes.items():
         module = model
         *parents, leaf = name.split(".")
         for parent in parents:
             if not hasattr(module, parent):
                 module.add_module(parent, torch.nn.Module())
             module = getattr(module, parent)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+        module.register_parameter(leaf, torch.nn.Parameter(init(shape)))
     return model
 
 
@@ -69,7 +72,8 @@ def test_schedule_and_batch_sizes_equal_megatron(name):
     train_iters = batch_sizes.train_iters(training.train_iters, training.train_samples)
     assert train_iters == case["train_iters"]
 
-    groups = get_param_groups([_named_model()], configs.optimizer)
+    groups = get_param_groups([module_with_parameters(GPT_PARAMETER_SHAPES)],
+                              configs.optimizer)
     # Default schedule first (the logged LR); the word embedding and output layer apart.
     assert [g["default_config"] for g in groups] == [True, True, False]
     assert [len(g["params"]) for g in groups] == [2, 1, 2]

@@ -13,26 +13,16 @@ import torch
 from megatron_smp.config import OptimizerConfig, ParallelConfig
 from megatron_smp.testing import run_distributed
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
+from tests.unit.training.test_scheduler import GPT_PARAMETER_SHAPES, module_with_parameters
 
 LR, DECOUPLED_LR, WEIGHT_DECAY, EPS = 1e-2, 3e-1, 0.1, 1e-8
 DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
-SHAPES = {"embedding.word_embeddings.weight": (6, 4), "embedding.position_embeddings.weight":
-          (5, 4), "decoder.linear.weight": (4, 4), "decoder.linear.bias": (4,),
-          "output_layer.weight": (6, 4)}
+SHAPES = GPT_PARAMETER_SHAPES
 
 
 def _model():
     torch.manual_seed(3)
-    model = torch.nn.Module()
-    for name, shape in SHAPES.items():
-        module = model
-        *parents, leaf = name.split(".")
-        for parent in parents:
-            if not hasattr(module, parent):
-                module.add_module(parent, torch.nn.Module())
-            module = getattr(module, parent)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.randn(shape)))
-    return model
+    return module_with_parameters(SHAPES, init=torch.randn)
 
 
 def _coefficients(rank):
