@@ -93,6 +93,7 @@ class _Run:
         self.consumed_train_samples = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
+        self.exits = None  # run_control.ExitConditions
 
 
 def build_model_chunks(
@@ -188,17 +189,25 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
 
 
 def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
-             num_microbatches: int) -> Dict[str, float]:
+             num_microbatches: int) -> Optional[Dict[str, float]]:
+    """Mean losses of `eval_iters` global batches; None when the run went past
+    --exit-duration-in-mins meanwhile (Megatron abandons the evaluation; the exit check after
+    the iteration then saves and stops)."""
     for chunk in run.model:
         chunk.eval()
-    all_reports: List[Dict[str, torch.Tensor]] = []
+    all_reports: Optional[List[Dict[str, torch.Tensor]]] = []
     for _ in range(eval_iters):
         all_reports += _run_schedule(run, forward_step_func, data_iterator, num_microbatches,
                                      True)
         empty_unused_memory(run, 1)
+        if run.exits is not None and run.exits.out_of_time():
+            if run.state.rank == 0:
+                print("Exiting during evaluation, timelimit reached", flush=True)
+            all_reports = None
+            break
     for chunk in run.model:
         chunk.train()
-    return _reduce_reports(all_reports, run.state)
+    return None if all_reports is None else _reduce_reports(all_reports, run.state)
 
 
 def _broadcast_from_last_stage(values: Dict[str, float], keys: Sequence[str],
@@ -225,6 +234,8 @@ def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_l
         if iterator is None:
             continue
         losses = evaluate(run, forward_step_func, iterator, training.eval_iters, num_microbatches)
+        if losses is None:
+            return
         losses = _broadcast_from_last_stage(losses, ["lm loss"], run.state)
         setattr(result, "final_valid_losses" if dataset == "validation" else "test_losses",
                 losses)
@@ -264,6 +275,7 @@ def pretrain(
     model_parallel_seed(training.seed, state)
 
     run = _Run(configs, state)
+    run.exits = exits
     run.model = build_model_chunks(model_provider, configs, state)
     run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
     # --rampup-batch-size changes the global batch (and the microbatches per step) as samples
@@ -388,9 +400,11 @@ def pretrain(
                              num_microbatches)
             if training.manual_gc and training.manual_gc_eval:
                 gc.collect()
-            valid = _broadcast_from_last_stage(valid, loss_keys, state)
-            result.valid_losses[run.iteration] = valid
-            result.log_lines.append(logger.validation_line("validation", run.iteration, valid))
+            if valid is not None:
+                valid = _broadcast_from_last_stage(valid, loss_keys, state)
+                result.valid_losses[run.iteration] = valid
+                result.log_lines.append(logger.validation_line("validation", run.iteration,
+                                                               valid))
             timer.start()
 
         if checkpointing is not None and configs.checkpoint.save_interval and (

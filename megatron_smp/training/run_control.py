@@ -104,6 +104,10 @@ class ExitConditions:
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
         return bool(local[0].item()), bool(local[1].item())
 
+    def out_of_time(self) -> bool:
+        """Whether any rank has run past --exit-duration-in-mins (a collective when set)."""
+        return self.training.exit_duration_in_mins is not None and self._agreed()[1]
+
     def reason_to_exit(self, iteration: int) -> Optional[str]:
         """Why the run stops after `iteration` (a message for the log), or None."""
         training = self.training

@@ -61,6 +61,7 @@ def _run(rank, world_size, argv, kill_at=None, fake_wandb=False, keep=False):
         "test": result.test_losses,
         "deterministic": seen["deterministic"],
         "wandb": records if fake_wandb else None,
+        "forwards": calls["forward"],
     }
     if keep:
         model = seen["model"]
@@ -125,13 +126,17 @@ def test_sigterm_saves_the_current_iteration_and_resumes_exactly(tmp_path, unint
 
 def test_exit_duration_and_exit_interval_save_and_skip_final_evaluation(tmp_path):
     save = str(tmp_path / "duration")
-    # 0 minutes: every rank is past it after the first iteration.
-    results = run_distributed(_run, 2, args=(ARGV + ["--exit-duration-in-mins", "0", "--save",
-                                                     save],))
+    # 0 minutes: every rank is past it after the first iteration, and after the first batch
+    # of its evaluation, which is abandoned (Megatron's "timelimit reached").
+    flags = ["--exit-duration-in-mins", "0", "--save", save, "--eval-interval", "1",
+             "--eval-iters", "3"]
+    results = run_distributed(_run, 2, args=(ARGV + flags,))
     for result in results:
         assert result["iteration"] == 1 and result["exit_reason"].startswith(
             "exiting program after 0.")
         assert result["final_valid"] == {}
+        assert not any("validation loss" in line for line in result["log_lines"])
+        assert result["forwards"] == 2 + 2  # 2 microbatches per rank: training, 1 eval batch
     assert _tracker(save) == 1
     save = str(tmp_path / "interval")
     result = run_distributed(_run, 1, args=(ARGV + ["--exit-interval", "4", "--save", save,
