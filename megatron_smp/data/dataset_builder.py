@@ -239,7 +239,8 @@ class _Builder:
 
 def per_split_data_paths(data_config) -> List[Optional[list]]:
     """[--train-data-path, --valid-data-path, --test-data-path] (None where not given)."""
-    return [getattr(data_config, f"{name}_data_path", None) or None for name in SPLIT_NAMES]
+    paths = (data_config.train_data_path, data_config.valid_data_path, data_config.test_data_path)
+    return [p or None for p in paths]
 
 
 def build_train_valid_test_datasets(

@@ -267,6 +267,14 @@ _FLAGS: List[_Flag] = [
     _f("--data-path", "data", nargs="*", default=[]),
     _f("--split", "data", default="969,30,1"),
     _f("--mock-data", "data", action="store_true"),
+    _f("--train-data-path", "data", nargs="*"),
+    _f("--valid-data-path", "data", nargs="*"),
+    _f("--test-data-path", "data", nargs="*"),
+    _f("--mid-level-dataset-surplus", "data", type=float, default=0.005),
+    # Megatron has only --no-mmap-bin-files; --mmap-bin-files states the default.
+    _f("--mmap-bin-files", "data", "mmap_bin_files", action="store_true", default=None),
+    _f("--no-mmap-bin-files", "data", "mmap_bin_files", action="store_false", default=None),
+    _f("--legacy-tokenizer", "data", action="store_true"),
     _f("--tokenizer-type", "data", default=None,
        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                 "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"]),
@@ -703,8 +711,18 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
             f"{parallel.context_parallel_size} needs --cp-comm-type all_gather (p2p and a2a "
             "attend with causal masks only)"
         )
-    if not data.mock_data and not data.data_path:
-        raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset) or --mock-data")
+    per_split_paths = [flag for flag, paths in (
+        ("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
+        ("--test-data-path", data.test_data_path)) if paths]
+    if not data.mock_data and not data.data_path and not per_split_paths:
+        raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset), "
+                          "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    if data.data_path and per_split_paths:
+        raise ConfigError(f"--data-path and {'/'.join(per_split_paths)} are exclusive (Megatron's "
+                          "rule): give one dataset cut by --split, or one dataset per split")
+    if data.mid_level_dataset_surplus < 0:
+        raise ConfigError(f"--mid-level-dataset-surplus must be >= 0, got "
+                          f"{data.mid_level_dataset_surplus}")
     checkpoint = configs.checkpoint
     if checkpoint.save_interval is not None and not checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
