@@ -168,6 +168,7 @@ LAYOUTS = {
     "tp2": "--tensor-model-parallel-size 2",
     "pp2": "--pipeline-model-parallel-size 2",
     "dp2_distopt": "--use-distributed-optimizer",
+    "dp2_fsdp2": "--use-torch-fsdp2",
 }
 
 
