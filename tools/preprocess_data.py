@@ -11,10 +11,13 @@ stderr, skipped, and counted in the summary. Nothing is dropped silently.
 from __future__ import annotations
 
 import argparse
+import copy
+import glob
 import gzip
 import json
 import multiprocessing
 import os
+import queue
 import sys
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -24,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_smp.data.indexed_dataset import (  # noqa: E402
+    IndexedDataset,
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
@@ -113,17 +117,46 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        "appends its own <EOD>, ...) instead of megatron-core's (Megatron's "
                        "default, where SentencePiece's eod is the model's eos)")
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="Megatron's flag for NLTK sentence splitting, which keeps the "
+                       "newlines between sentences; documents are not split into sentences "
+                       "here, so newlines are always kept (Megatron's output without "
+                       "--split-sentences is the same with or without it)")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True)
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    group.add_argument("--workers", type=int, default=1,
+                       help="tokenising processes (in all: each partition gets "
+                       "workers / partitions)")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="split the input (a glob with more than one) into N parts "
+                       "tokenised in parallel, then merged in part order into one .bin/.idx; "
+                       "lines go to the parts in turn (line i to part i %% N), as in Megatron, "
+                       "so documents come out grouped by part unless "
+                       "--keep-sequential-samples")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="with --partitions: give each part a contiguous run of lines, so "
+                       "the merged output equals a one-partition run")
     group.add_argument("--log-interval", type=int, default=10000, help="documents between reports")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be >= 1")
-    if not os.path.isfile(args.input):
+    if args.partitions < 1:
+        parser.error("--partitions must be >= 1")
+    if args.partitions > 1:
+        if args.workers % args.partitions:
+            parser.error(f"--workers ({args.workers}) must be a multiple of --partitions "
+                         f"({args.partitions}): each partition gets workers / partitions")
+        if not input_files(args.input):
+            parser.error(f"--input {args.input} matches no file")
+    elif not os.path.isfile(args.input):
         parser.error(f"--input {args.input} not found")
     return args
+
+
+def input_files(pattern: str) -> List[str]:
+    """The files an --input glob names, in sorted order (so runs are reproducible)."""
+    return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
 
 
 def output_prefix(args: argparse.Namespace, key: str) -> str:
@@ -208,10 +241,102 @@ def preprocess(args: argparse.Namespace, log=None) -> Dict[str, float]:
     return summary
 
 
+def write_partitions(args: argparse.Namespace, directory: str) -> List[str]:
+    """Deal the input lines into `args.partitions` files: in turn (Megatron's default) or,
+    with --keep-sequential-samples, in contiguous runs of ceil(lines / partitions)."""
+    paths = input_files(args.input)
+    per_partition = None
+    if args.keep_sequential_samples:
+        total = sum(1 for path in paths for _ in read_lines(path))
+        per_partition = max(-(-total // args.partitions), 1)
+    names = [os.path.join(directory, f"partition_{i}.jsonl") for i in range(args.partitions)]
+    handles = [open(name, "w", encoding="utf-8") for name in names]
+    try:
+        count = 0
+        for path in paths:
+            for _, line in read_lines(path):
+                part = count // per_partition if per_partition else count % args.partitions
+                handles[part].write(line if line.endswith("\n") else line + "\n")
+                count += 1
+    finally:
+        for handle in handles:
+            handle.close()
+    return names
+
+
+def _preprocess_partition(args: argparse.Namespace, results) -> None:
+    try:
+        with open(os.devnull, "w") as quiet:
+            results.put((args.input, preprocess(args, log=quiet), None))
+    except BaseException as error:  # reported by the parent, which owns the exit status
+        results.put((args.input, None, f"{type(error).__name__}: {error}"))
+
+
+def preprocess_partitioned(args: argparse.Namespace, log=None) -> Dict[str, float]:
+    """--partitions N: tokenise N parts of the input in parallel processes, then merge their
+    datasets in part order into `{output_prefix}_{key}_document`."""
+    import tempfile
+
+    log = log or sys.stderr
+    start = time.perf_counter()
+    directory = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".partitions-") as scratch:
+        parts = []
+        for index, path in enumerate(write_partitions(args, scratch)):
+            part = copy.copy(args)
+            part.input, part.partitions = path, 1
+            part.output_prefix = os.path.join(scratch, f"part_{index}")
+            part.workers = args.workers // args.partitions
+            parts.append(part)
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        processes = [context.Process(target=_preprocess_partition, args=(part, results))
+                     for part in parts]
+        for process in processes:
+            process.start()
+        outcome = {}
+        while len(outcome) < len(processes):
+            try:
+                name, summary, error = results.get(timeout=1.0)
+                outcome[name] = (summary, error)
+            except queue.Empty:
+                # A part killed outright (out of memory) never reports: stop waiting for it.
+                if all(p.exitcode is not None for p in processes) and results.empty():
+                    codes = [p.exitcode for p in processes]
+                    raise BadInputError(f"a partition process died (exit codes {codes})")
+        for process in processes:
+            process.join()
+        errors = [f"{name}: {error}" for name, (_, error) in outcome.items() if error]
+        if errors:
+            raise BadInputError("; ".join(errors))
+        dtype = None
+        for key in args.json_keys:
+            sources = [output_prefix(part, key) for part in parts]
+            dtype = IndexedDataset(sources[0]).dtype
+            builder = IndexedDatasetBuilder(data_file_path(output_prefix(args, key)), dtype)
+            for source in sources:
+                builder.add_index(source)
+            builder.finalize(index_file_path(output_prefix(args, key)))
+    summaries = [summary for summary, _ in outcome.values()]
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    summary = {name: sum(s[name] for s in summaries)
+               for name in ("documents", "skipped", "tokens", "bytes")}
+    summary.update(seconds=elapsed, docs_per_s=summary["documents"] / elapsed,
+                   mb_per_s=summary["bytes"] / elapsed / 1e6)
+    print(f"done: {summary['documents']} documents, {summary['tokens']} tokens in "
+          f"{args.partitions} partitions, {summary['skipped']} lines skipped, {elapsed:.2f} s",
+          file=log)
+    return summary
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     try:
-        preprocess(args)
+        if args.partitions > 1:
+            preprocess_partitioned(args)
+        else:
+            preprocess(args)
     except BadInputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

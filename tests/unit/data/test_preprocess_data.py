@@ -88,3 +88,55 @@ def test_skip_bad_lines_reports_each(tmp_path, capsys):
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
     )
     assert code == 1 and "input.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+def _outputs(prefix):
+    return [open(f"{prefix}_text_document{s}", "rb").read() for s in (".bin", ".idx")]
+
+
+def _lines(count):
+    return [json.dumps({"text": " ".join(str((i * 7 + j) % 50) for j in range(i % 13 + 1))})
+            for i in range(count)]
+
+
+def test_partitions_merge_in_megatron_order(tmp_path):
+    lines = _lines(103)
+    (tmp_path / "input.jsonl").write_text("\n".join(lines) + "\n")
+    base = ["--input", str(tmp_path / "input.jsonl"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "50", "--append-eod"]
+    assert preprocess_data.main(base + ["--output-prefix", str(tmp_path / "one")]) == 0
+    # Contiguous parts: the merged dataset is byte for byte the one-partition run.
+    assert preprocess_data.main(base + ["--output-prefix", str(tmp_path / "seq"),
+                                        "--partitions", "3", "--workers", "3",
+                                        "--keep-sequential-samples"]) == 0
+    assert _outputs(tmp_path / "seq") == _outputs(tmp_path / "one")
+    # Megatron's default deals lines in turn: part p holds lines p, p+3, ...; merged in order.
+    assert preprocess_data.main(base + ["--output-prefix", str(tmp_path / "dealt"),
+                                        "--partitions", "3", "--workers", "3"]) == 0
+    one = IndexedDataset(str(tmp_path / "one_text_document"))
+    dealt = IndexedDataset(str(tmp_path / "dealt_text_document"))
+    order = [i for part in range(3) for i in range(part, 103, 3)]
+    assert len(dealt) == 103
+    assert [dealt[k].tolist() for k in range(103)] == [one[i].tolist() for i in order]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".partitions")]
+
+
+def test_partitions_report_bad_lines_and_check_workers(tmp_path, capsys):
+    (tmp_path / "input.jsonl").write_text("\n".join(_lines(10) + ["{not json"]) + "\n")
+    argv = ["--input", str(tmp_path / "input.jsonl"), "--output-prefix", str(tmp_path / "o"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--partitions", "2",
+            "--workers", "2"]
+    assert preprocess_data.main(argv) == 1
+    assert "not valid JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        preprocess_data.get_args(argv[:-1] + ["3"])  # 3 workers over 2 partitions
+
+
+def test_keep_newlines_keeps_megatrons_output(tmp_path):
+    # Without sentence splitting, Megatron's output is the same with --keep-newlines: the
+    # newlines stay in the document text either way.
+    lines = [json.dumps({"text": "1 2\n3\n\n4"}), json.dumps({"text": "5\n6"})]
+    run(tmp_path, lines)
+    plain = _outputs(tmp_path / "out")
+    run(tmp_path, lines, "--keep-newlines")
+    assert _outputs(tmp_path / "out") == plain
