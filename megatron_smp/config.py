@@ -684,6 +684,9 @@ class TrainingConfig:
     skip_train: bool = False  # evaluate validation and test sets only
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms(True)
     log_params_norm: bool = False  # " params norm:" field and params-norm scalar
+    log_loss_scale_to_tensorboard: bool = True  # loss-scale scalar
+    log_world_size_to_tensorboard: bool = False  # world-size scalar
+    logging_level: Optional[int] = None  # Python logging's root level (MEGATRON_LOGGING_LEVEL)
     # torch.profiler trace of iterations profile_step_start..profile_step_end-1 (Megatron's
     # --profile --use-pytorch-profiler) on the global ranks in profile_ranks.
     profile: bool = False

@@ -254,6 +254,12 @@ _FLAGS: List[_Flag] = [
     _f("--skip-train", "training", action="store_true"),
     _f("--deterministic-mode", "training", action="store_true"),
     _f("--log-params-norm", "training", action="store_true"),
+    _f("--no-log-loss-scale-to-tensorboard", "training", "log_loss_scale_to_tensorboard",
+       action="store_false"),
+    _f("--log-world-size-to-tensorboard", "training", action="store_true"),
+    _f("--logging-level", "training", type=int,
+       help="Python logging's root level (10 DEBUG, 20 INFO, ...); default: the "
+       "MEGATRON_LOGGING_LEVEL environment variable, if set"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -335,6 +341,8 @@ IGNORED_FLAGS: Dict[str, str] = {
                                                 "inside the attention kernel",
     "--timing-log-level": "log verbosity of Megatron's per-phase timers (the log line's "
                           "iteration time is always printed)",
+    "--timing-log-option": "which ranks' values of Megatron's per-phase timers are printed "
+                           "(max, minmax, all); those timers are not printed here",
     "--cross-entropy-loss-fusion": "kernel fusion choice: Megatron's fused vocab-parallel "
                                    "cross entropy computes the same loss as the unfused one",
     "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "
@@ -342,7 +350,8 @@ IGNORED_FLAGS: Dict[str, str] = {
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
-                       "--timing-log-level", "--cross-entropy-fusion-impl"}
+                       "--timing-log-level", "--cross-entropy-fusion-impl",
+                       "--timing-log-option"}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
@@ -610,9 +619,6 @@ def parse_args(
                               f"{model['recompute_granularity']})")
         model["recompute_granularity"] = "selective"
 
-    if training.get("skip_train"):
-        # Megatron's --skip-train only evaluates: the optimizer state is never needed.
-        sections["checkpoint"]["no_load_optim"] = True
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True

@@ -99,9 +99,10 @@ class TrainingLogger:
     """
 
     def __init__(self, is_logging_rank: bool, config: TrainingConfig, device: torch.device,
-                 wandb=None):
+                 wandb=None, world_size: int = 1):
         self.is_logging_rank = is_logging_rank
         self.config = config
+        self.world_size = world_size
         self.train_iters = config.train_iters
         self.device = device
         self.writer = None
@@ -146,7 +147,10 @@ class TrainingLogger:
         add("batch-size", global_batch_size, iteration)
         for key, value in losses.items():
             add(key, value, iteration)
-        add("loss-scale", loss_scale, iteration)
+        if self.config.log_loss_scale_to_tensorboard:
+            add("loss-scale", loss_scale, iteration)
+        if self.config.log_world_size_to_tensorboard:
+            add("world-size", self.world_size, iteration)
         if grad_norm is not None:
             add("grad-norm", grad_norm, iteration)
         if num_zeros_in_grad is not None:
@@ -227,6 +231,19 @@ class TrainingLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def set_logging_level(config: TrainingConfig) -> None:
+    """Python logging's root level: --logging-level, else MEGATRON_LOGGING_LEVEL, else
+    untouched (Megatron's order)."""
+    import logging
+    import os
+
+    level = config.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL") is not None:
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
 
 
 def print_error(message: str) -> None:

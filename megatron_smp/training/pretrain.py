@@ -26,7 +26,9 @@ from megatron_smp.pipeline_parallel.schedules import (
     ScheduleHooks, get_forward_backward_func, schedule_name,
 )
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
-from megatron_smp.training.logging import Timer, TrainingLogger, flops_per_iteration, print_error
+from megatron_smp.training.logging import (
+    Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
+)
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_smp.training.profiling import StepProfiler
@@ -260,6 +262,7 @@ def pretrain(
 
     start_time = time.time()  # the origin of --exit-duration-in-mins
     configs = parse_args(argv, extra_args_provider, args_defaults)
+    set_logging_level(configs.training)
     # The tokenizer is local work (no collective): build it first, so the one validation
     # below sees the real vocabulary, and a bad configuration fails on every rank before the
     # first collective.
@@ -322,7 +325,8 @@ def pretrain(
     is_logging_rank = state.rank == state.world_size - 1
     wandb = (init_wandb(training, configs.checkpoint.save, configs.to_dict())
              if is_logging_rank else None)
-    logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb)
+    logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
+                            world_size=state.world_size)
     profiler = StepProfiler(training, state.rank, state.device, run.iteration)
     result = TrainingResult()
     flops = flops_per_iteration(

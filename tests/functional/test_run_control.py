@@ -62,6 +62,7 @@ def _run(rank, world_size, argv, kill_at=None, fake_wandb=False, keep=False):
         "deterministic": seen["deterministic"],
         "wandb": records if fake_wandb else None,
         "forwards": calls["forward"],
+        "root_logging_level": __import__("logging").getLogger().level,
     }
     if keep:
         model = seen["model"]
@@ -239,6 +240,18 @@ def test_wandb_gets_the_tensorboard_scalars(tmp_path):
         assert [step for step, _ in points] == [step for step, _ in logged[tag]], tag
         assert [value for _, value in points] == pytest.approx(
             [value for _, value in logged[tag]], rel=1e-6), tag
+
+
+def test_loss_scale_world_size_scalars_and_logging_level(tmp_path):
+    board = str(tmp_path / "tb")
+    flags = ["--tensorboard-dir", board, "--no-log-loss-scale-to-tensorboard",
+             "--log-world-size-to-tensorboard", "--logging-level", "40", "--train-iters", "3",
+             "--timing-log-option", "all"]
+    results = run_distributed(_run, 2, args=(ARGV + flags,))
+    assert [result["root_logging_level"] for result in results] == [40, 40]
+    scalars = _scalars(board)
+    assert "loss-scale" not in scalars and "lm loss" in scalars
+    assert scalars["world-size"] == [(1, 2.0), (2, 2.0), (3, 2.0)]
 
 
 def test_final_validation_and_test_report_the_losses_of_their_samples(tmp_path):
