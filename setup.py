@@ -19,5 +19,6 @@ setup(
         "safetensors",
         "tokenizers",
     ],
-    extras_require={"test": ["pytest"]},
+    # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
+    extras_require={"test": ["pytest", "tiktoken"], "tiktoken": ["tiktoken"]},
 )

@@ -112,6 +112,11 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--merge-file", default=None)
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                       help="TikTokenizer's split pattern (megatron-core's default: v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    group.add_argument("--tiktoken-special-tokens", dest="tokenizer_special_tokens", nargs="+",
+                       default=None, help="TikTokenizer's named special tokens")
     group.add_argument("--legacy-tokenizer", action="store_true",
                        help="megatron/training's tokenizer classes (SentencePieceTokenizer "
                        "appends its own <EOD>, ...) instead of megatron-core's (Megatron's "

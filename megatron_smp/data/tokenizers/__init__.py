@@ -18,6 +18,7 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
     "NullTokenizer",
+    "TikTokenizer",
 )
 
 
@@ -54,6 +55,24 @@ def build_tokenizer(data_config) -> MegatronTokenizer:
         return HuggingFaceTokenizer(need_model())
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
+    special_tokens = getattr(data_config, "tokenizer_special_tokens", None)
+    if special_tokens and kind != "TikTokenizer":
+        raise ConfigError(f"--tiktoken-special-tokens is only read by --tokenizer-type "
+                          f"TikTokenizer, not {kind}; drop it")
+    if kind == "TikTokenizer":
+        from megatron_smp.data.tokenizers.tiktoken_tokenizer import TikTokenizer
+
+        # --tiktoken-pattern and --tiktoken-num-special-tokens are read here only: with
+        # another --tokenizer-type Megatron ignores them too (its llama3 script passes
+        # --tiktoken-pattern v2 with NullTokenizer).
+        return TikTokenizer(
+            need_model(),
+            pattern=getattr(data_config, "tiktoken_pattern", None),
+            vocab_size=getattr(data_config, "vocab_size", None),
+            num_special_tokens=int(getattr(data_config, "tiktoken_num_special_tokens", 1000)),
+            special_tokens=special_tokens,
+            legacy=bool(getattr(data_config, "legacy_tokenizer", False)),
+        )
     if kind == "NullTokenizer":
         vocab_size = getattr(data_config, "vocab_size", None)
         if vocab_size is None or int(vocab_size) < 1:
