@@ -694,6 +694,10 @@ class TrainingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: list = field(default_factory=lambda: [0])
+    # CUDA: the caching allocator's history, pickled to memory_snapshot_path by the last rank
+    # at each --log-interval (torch.cuda.memory._snapshot(), for pytorch.org/memory_viz).
+    record_memory_history: bool = False
+    memory_snapshot_path: str = "snapshot.pickle"
     # Weights & Biases logging of the TensorBoard scalars on the last rank (wandb optional).
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None

@@ -267,6 +267,8 @@ _FLAGS: List[_Flag] = [
     _f("--profile-ranks", "training", type=int, nargs="+", default=[0]),
     _f("--record-memory-history", "training", action="store_true"),
     _f("--memory-snapshot-path", "training", default="snapshot.pickle"),
+    _f("--record-memory-history", "training", action="store_true"),
+    _f("--memory-snapshot-path", "training", default="snapshot.pickle"),
     _f("--wandb-project", "training"),
     _f("--wandb-exp-name", "training"),
     _f("--wandb-save-dir", "training"),

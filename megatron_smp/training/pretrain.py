@@ -327,7 +327,7 @@ def pretrain(
              if is_logging_rank else None)
     logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
                             world_size=state.world_size)
-    profiler = StepProfiler(training, state.rank, state.device, run.iteration)
+    profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
     result = TrainingResult()
     flops = flops_per_iteration(
         configs.model, training.seq_length, global_batch_size,

@@ -6,6 +6,10 @@ them is profiled but dropped) and writes a Chrome/TensorBoard trace into --tenso
 exactly as Megatron-LM's schedule does. Without it, Megatron's NVIDIA Nsight Systems capture:
 the CUDA profiler API is started before iteration start+1 and stopped after iteration end, with
 NVTX ranges (run under `nsys profile --capture-range=cudaProfilerApi`); CUDA only.
+
+--record-memory-history (CUDA only): the last rank records the caching allocator's history
+and pickles `torch.cuda.memory._snapshot()` to --memory-snapshot-path after the run's first
+iteration and every --log-interval iterations (open it at pytorch.org/memory_viz).
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ def validate_profiling(training: TrainingConfig, cuda_available: bool) -> None:
     """ConfigError for profiling flags that cannot work (pure; every rank)."""
     if training.use_pytorch_profiler and not training.profile:
         raise ConfigError("--use-pytorch-profiler chooses how --profile records: add --profile")
+    if training.record_memory_history and not cuda_available:
+        raise ConfigError("--record-memory-history records the CUDA caching allocator and needs "
+                          "a CUDA device; on CPU, --log-memory-to-tensorboard logs the resident "
+                          "set instead")
     if not training.profile:
         return
     if not 0 <= training.profile_step_start < training.profile_step_end:
@@ -41,11 +49,16 @@ class StepProfiler:
     """
 
     def __init__(self, training: TrainingConfig, rank: int, device: torch.device,
-                 first_iteration: int):
+                 first_iteration: int, is_last_rank: bool = False):
         self.training = training
         self.enabled = training.profile and rank in training.profile_ranks
         self._profiler = None
         self._nvtx = None
+        self._first_iteration = first_iteration
+        self._memory_history = (training.record_memory_history and is_last_rank
+                                and device.type == "cuda")
+        if self._memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=100000)
         if not self.enabled or not training.use_pytorch_profiler:
             return
         start, end = training.profile_step_start, training.profile_step_end
@@ -78,6 +91,12 @@ class StepProfiler:
         """`iteration`: iterations finished, this one included."""
         if self.enabled and iteration == self.training.profile_step_end:
             self.close()
+        if self._memory_history and (iteration % self.training.log_interval == 0
+                                     or iteration == self._first_iteration + 1):
+            import pickle
+
+            with open(self.training.memory_snapshot_path, "wb") as handle:
+                pickle.dump(torch.cuda.memory._snapshot(), handle)
 
     def close(self) -> None:
         """Stop (writing what was recorded); the run may end before --profile-step-end."""
