@@ -267,15 +267,15 @@ _FLAGS: List[_Flag] = [
     _f("--profile-ranks", "training", type=int, nargs="+", default=[0]),
     _f("--record-memory-history", "training", action="store_true"),
     _f("--memory-snapshot-path", "training", default="snapshot.pickle"),
-    _f("--record-memory-history", "training", action="store_true"),
-    _f("--memory-snapshot-path", "training", default="snapshot.pickle"),
     _f("--wandb-project", "training"),
     _f("--wandb-exp-name", "training"),
     _f("--wandb-save-dir", "training"),
     _f("--wandb-entity", "training"),
     # Data.
     _f("--data-path", "data", nargs="*", default=[]),
-    _f("--split", "data", default="969,30,1"),
+    # None when not given (DataConfig's default, Megatron's '969, 30, 1', applies), so that
+    # validate_configs can refuse it beside per-split data paths as Megatron does.
+    _f("--split", "data"),
     _f("--mock-data", "data", action="store_true"),
     _f("--train-data-path", "data", nargs="*"),
     _f("--valid-data-path", "data", nargs="*"),
@@ -734,6 +734,9 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     if data.data_path and per_split_paths:
         raise ConfigError(f"--data-path and {'/'.join(per_split_paths)} are exclusive (Megatron's "
                           "rule): give one dataset cut by --split, or one dataset per split")
+    if per_split_paths and getattr(configs.args, "data__split", None) is not None:
+        raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
+                          "whole (Megatron refuses both too): drop --split")
     if data.mid_level_dataset_surplus < 0:
         raise ConfigError(f"--mid-level-dataset-surplus must be >= 0, got "
                           f"{data.mid_level_dataset_surplus}")

@@ -59,6 +59,9 @@ def test_data_path_and_per_split_paths_are_exclusive(corpora, tmp_path):
         data_config(["--data-path", a, "--valid-data-path", a], tmp_path)
     with pytest.raises(ConfigError, match="--train-data-path"):
         data_config([], tmp_path)
+    with pytest.raises(ConfigError, match="drop --split"):
+        data_config(["--train-data-path", a, "--split", "99,1,0"], tmp_path)
+    assert data_config(["--data-path", a], tmp_path).split == "969,30,1"  # Megatron's default
 
 
 def test_no_mmap_bin_files_reads_the_same_tokens_without_mapping(corpora, tmp_path):
