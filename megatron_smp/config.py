@@ -683,6 +683,8 @@ class TrainingConfig:
     exit_signal: str = "SIGTERM"  # a signal.Signals name
     skip_train: bool = False  # evaluate validation and test sets only
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms(True)
+    # torch.compile backend for each transformer layer (--torch-compile; None: eager).
+    torch_compile: Optional[str] = None
     log_params_norm: bool = False  # " params norm:" field and params-norm scalar
     log_loss_scale_to_tensorboard: bool = True  # loss-scale scalar
     log_world_size_to_tensorboard: bool = False  # world-size scalar

@@ -253,6 +253,8 @@ _FLAGS: List[_Flag] = [
     _f("--exit-signal", "training", choices=[s.name for s in signal.Signals], default="SIGTERM"),
     _f("--skip-train", "training", action="store_true"),
     _f("--deterministic-mode", "training", action="store_true"),
+    _f("--torch-compile", "training", nargs="?", const="inductor", metavar="BACKEND",
+       help="torch.compile each transformer layer (default backend inductor)"),
     _f("--log-params-norm", "training", action="store_true"),
     _f("--no-log-loss-scale-to-tensorboard", "training", "log_loss_scale_to_tensorboard",
        action="store_false"),

@@ -26,6 +26,7 @@ from megatron_smp.pipeline_parallel.schedules import (
     ScheduleHooks, get_forward_backward_func, schedule_name,
 )
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
+from megatron_smp.training.compile import compile_transformer_layers
 from megatron_smp.training.logging import (
     Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
 )
@@ -108,6 +109,10 @@ def build_model_chunks(
     if configs.parallel.use_torch_fsdp2:
         from megatron_smp.distributed.fsdp import build_fsdp_model_chunk
 
+        if configs.training.torch_compile:
+            raise ConfigError("--torch-compile is not supported with --use-torch-fsdp2 yet; "
+                              "drop one of them")
+
         return [build_fsdp_model_chunk(model_provider, configs, state)]
     if state.pp_size > 1:
         from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
@@ -118,6 +123,9 @@ def build_model_chunks(
     chunks = []
     for chunk in raw_chunks:
         chunk.to(state.device)
+        if configs.training.torch_compile:
+            # torchtitan's order: compile after TP and recompute wrapping, before DP.
+            compile_transformer_layers(chunk, configs.training.torch_compile)
         chunks.append(DistributedDataParallel(chunk, configs.optimizer, state))
     return chunks
 
