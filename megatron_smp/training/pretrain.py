@@ -337,10 +337,7 @@ def pretrain(
                             world_size=state.world_size)
     profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
     result = TrainingResult()
-    flops = flops_per_iteration(
-        configs.model, training.seq_length, global_batch_size,
-        configs.model.padded_vocab_size(state.tp_size),
-    )
+    padded_vocab_size = configs.model.padded_vocab_size(state.tp_size)
     timer = Timer(state.device)
     interval_losses: Dict[str, float] = {}
     interval_iters = 0
@@ -392,6 +389,9 @@ def pretrain(
             elapsed = timer.stop() / interval_iters
             averaged = {k: v / interval_iters for k, v in interval_losses.items()}
             tokens_per_second = global_batch_size * training.seq_length / elapsed
+            # This iteration's batch, as Megatron counts it (batch ramp-up changes it).
+            flops = flops_per_iteration(configs.model, training.seq_length, global_batch_size,
+                                        padded_vocab_size)
             line = logger.training_line(
                 run.iteration, run.consumed_train_samples, elapsed * 1000.0, lr,
                 global_batch_size, averaged, loss_scale, grad_norm, num_zeros_in_grad,
