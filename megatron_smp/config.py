@@ -683,6 +683,7 @@ class TrainingConfig:
     exit_signal: str = "SIGTERM"  # a signal.Signals name
     skip_train: bool = False  # evaluate validation and test sets only
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms(True)
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).
     torch_compile: Optional[str] = None
     log_params_norm: bool = False  # " params norm:" field and params-norm scalar

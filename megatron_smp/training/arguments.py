@@ -253,6 +253,7 @@ _FLAGS: List[_Flag] = [
     _f("--exit-signal", "training", choices=[s.name for s in signal.Signals], default="SIGTERM"),
     _f("--skip-train", "training", action="store_true"),
     _f("--deterministic-mode", "training", action="store_true"),
+    _f("--check-weight-hash-across-dp-replicas-interval", "training", type=int),
     _f("--torch-compile", "training", nargs="?", const="inductor", metavar="BACKEND",
        help="torch.compile each transformer layer (default backend inductor)"),
     _f("--log-params-norm", "training", action="store_true"),
@@ -766,6 +767,7 @@ def _validate_run_flags(configs: Configs) -> None:
         configs.training,
         use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
         uses_nccl=backend == "nccl" or (backend is None and cuda),
+        sharded_params=configs.parallel.use_torch_fsdp2,
     )
     validate_profiling(configs.training, cuda)
     validate_wandb(configs.training, configs.checkpoint.save)

@@ -33,7 +33,9 @@ from megatron_smp.training.logging import (
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_smp.training.profiling import StepProfiler
-from megatron_smp.training.run_control import ExitConditions, apply_deterministic_mode
+from megatron_smp.training.run_control import (
+    ExitConditions, apply_deterministic_mode, check_weight_hashes,
+)
 from megatron_smp.training.wandb_logger import init_wandb
 
 
@@ -347,6 +349,9 @@ def pretrain(
         # Megatron's --manual-gc: no automatic collections in the middle of a step.
         gc.disable()
         gc.collect()
+    hash_interval = training.check_weight_hash_across_dp_replicas_interval
+    if hash_interval is not None and not training.skip_train:
+        check_weight_hashes(run.model, state, run.iteration)
     timer.start()
     while run.iteration < training.train_iters and not training.skip_train:
         profiler.before_iteration(run.iteration)
@@ -403,6 +408,9 @@ def pretrain(
             interval_losses, interval_iters = {}, 0
             timer.start()
 
+        if hash_interval is not None and run.iteration % hash_interval == 0:
+            check_weight_hashes(run.model, state, run.iteration)
+            timer.start()
         if valid_iter is not None and training.eval_interval and (
             run.iteration % training.eval_interval == 0
         ):

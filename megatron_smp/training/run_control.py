@@ -5,6 +5,9 @@
     --exit-signal-handler      stop at the end of the iteration in which any rank received
                                --exit-signal (SIGTERM: what SLURM sends before preemption)
     --deterministic-mode       torch.use_deterministic_algorithms(True)
+    --check-weight-hash-across-dp-replicas-interval N
+                               every N iterations (and before the first), an error on every
+                               rank unless all data-parallel replicas hold the same parameters
 
 Each stop saves a checkpoint of the iteration just finished (with --save) and ends the run
 without the final evaluation; the process then exits with code 0, as Megatron's does.
@@ -26,15 +29,24 @@ from megatron_smp.config import ConfigError, TrainingConfig
 _DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
 
 
-def validate_run_control(training: TrainingConfig, use_flash_attn: bool,
-                         uses_nccl: bool) -> None:
+def validate_run_control(training: TrainingConfig, use_flash_attn: bool, uses_nccl: bool,
+                         sharded_params: bool = False) -> None:
     """ConfigError for run-control flags that cannot work (pure; every rank, before any
-    collective). `uses_nccl`: the run will reduce over NCCL (a CUDA device)."""
+    collective). `uses_nccl`: the run will reduce over NCCL (a CUDA device);
+    `sharded_params`: data-parallel ranks hold different shards (FSDP2)."""
     if training.exit_duration_in_mins is not None and training.exit_duration_in_mins < 0:
         raise ConfigError(f"--exit-duration-in-mins must be >= 0, got "
                           f"{training.exit_duration_in_mins}")
     if training.exit_interval is not None and training.exit_interval < 1:
         raise ConfigError(f"--exit-interval must be >= 1, got {training.exit_interval}")
+    interval = training.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got "
+                          f"{interval}")
+    if interval is not None and sharded_params:
+        raise ConfigError("--check-weight-hash-across-dp-replicas-interval compares replicated "
+                          "parameters; with --use-torch-fsdp2 data-parallel ranks hold "
+                          "different shards: drop one")
     if training.exit_signal != "SIGTERM" and not training.exit_signal_handler:
         raise ConfigError("--exit-signal chooses the signal of --exit-signal-handler: add it")
     if training.deterministic_mode:
@@ -57,6 +69,47 @@ def apply_deterministic_mode(device: torch.device) -> None:
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def check_weight_hashes(model_chunks, state, iteration: int) -> None:
+    """Compare a SHA-1 of every parameter across the replicas that should hold it (dp x cp;
+    expert-data-parallel for expert params); RuntimeError on every rank, naming the differing
+    parameters, if any replica differs. Collective over the whole world."""
+    import hashlib
+
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_param_sync"):  # --overlap-param-gather may still write
+            chunk.finish_param_sync()
+    dense, expert = [], []
+    for index, chunk in enumerate(model_chunks):
+        for name, param in chunk.named_parameters():
+            digest = hashlib.sha1(param.detach().float().cpu().numpy().tobytes()).digest()
+            (expert if is_expert_param(param) else dense).append((f"chunk {index} {name}",
+                                                                  digest))
+    differing = []
+    for entries, group in ((dense, state.dp_cp_group), (expert, state.expert_dp_group)):
+        size = dist.get_world_size(group)
+        if not entries or size == 1:
+            continue
+        local = torch.tensor([list(digest) for _, digest in entries], dtype=torch.uint8,
+                             device=state.device)
+        gathered = torch.empty((size * len(entries), local.shape[1]), dtype=torch.uint8,
+                               device=state.device)
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        replicas = gathered.view(size, len(entries), -1)
+        bad = (replicas != replicas[0]).any(dim=2).any(dim=0).tolist()
+        differing += [name for (name, _), wrong in zip(entries, bad) if wrong]
+    # Replicas of other model-parallel positions must stop too, not wait in a collective.
+    any_differ = torch.tensor([len(differing)], dtype=torch.int32, device=state.device)
+    dist.all_reduce(any_differ, op=dist.ReduceOp.MAX)
+    if any_differ.item():
+        raise RuntimeError(
+            f"Parameter hashes not matching across DP replicas after {iteration} iterations"
+            + (f": {', '.join(differing)}" if differing else " (on other ranks)"))
+    if state.rank == 0:
+        print(f">>> Weight hashes match after {iteration} iterations...", flush=True)
 
 
 class SignalFlag:
@@ -127,4 +180,5 @@ class ExitConditions:
             self.signal_flag.release()
 
 
-__all__ = ["ExitConditions", "SignalFlag", "apply_deterministic_mode", "validate_run_control"]
+__all__ = ["ExitConditions", "SignalFlag", "apply_deterministic_mode", "check_weight_hashes",
+           "validate_run_control"]

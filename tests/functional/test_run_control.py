@@ -291,6 +291,7 @@ def test_run_control_flag_errors():
         "--wandb-project p --save d": "wandb package",
         "--exit-duration-in-mins -1": "--exit-duration-in-mins",
         "--record-memory-history": "needs a CUDA device",
+        "--use-torch-fsdp2 --check-weight-hash-across-dp-replicas-interval 1": "shards",
     }
     if torch.cuda.is_available():
         del cases["--record-memory-history"]
@@ -340,3 +341,39 @@ def test_sigterm_to_one_torchrun_worker_saves_and_every_process_exits_zero(tmp_p
     assert 3 <= iterations[-1] < 400
     assert _tracker(save) == iterations[-1]
     assert output.count("exiting program after receiving SIGTERM") == 1
+
+
+def _hash_check(rank, world_size, argv, perturb_rank=None):
+    """pretrain; `perturb_rank` changes one parameter on that rank in iteration 3's forward."""
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    calls = {"forward": 0}
+
+    def forward(data_iterator, model):
+        calls["forward"] += 1
+        if rank == perturb_rank and calls["forward"] == 5:  # iteration 3, 2 microbatches each
+            with torch.no_grad():
+                model.module.decoder.final_layernorm.weight[0] += 1.0
+        return forward_step(data_iterator, model)
+
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        result = pretrain(train_valid_test_datasets_provider, model_provider, forward, argv=argv)
+    return result.iteration, stdout.getvalue()
+
+
+def test_weight_hash_check_passes_for_replicas_and_stops_every_rank_when_one_differs():
+    flags = ["--check-weight-hash-across-dp-replicas-interval", "2", "--train-iters", "4"]
+    results = run_distributed(_hash_check, 2, args=(ARGV + flags,))
+    assert [iteration for iteration, _ in results] == [4, 4]
+    assert [line for line in results[0][1].splitlines() if line.startswith(">>>")] == [
+        f">>> Weight hashes match after {i} iterations..." for i in (0, 2, 4)]
+    errors = run_distributed(_hash_check, 2, args=(ARGV + flags,), kwargs={"perturb_rank": 1},
+                             allow_errors=True)
+    for error in errors:
+        assert ("Parameter hashes not matching across DP replicas after 4 iterations: "
+                "chunk 0 module.decoder.final_layernorm.weight") in error, error
