@@ -303,3 +303,46 @@ def test_query_key_layer_scaling_changes_nothing_with_sdpa(state):
     for layer_number in (1, 3, 8):
         megatron = _megatron_unfused_fp16_attention(q, k, v, layer_number).double()
         torch.testing.assert_close(ours, megatron, rtol=0, atol=1e-2)
+
+
+# Tensor parallelism ------------------------------------------------------------------------------
+
+
+def _tp_step(rank, world_size):
+    """Loss and the replicated norms' grads of a qk-layernorm / 1p / interleaved-RoPE model
+    at TP = world_size, after the library's TP reduction of partial grads."""
+    from megatron_smp.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from tests.unit.models.common import to_numpy
+
+    state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
+    config = _model_config("--qk-layernorm", "--apply-layernorm-1p", "--normalization",
+                           "RMSNorm", "--position-embedding-type", "rope",
+                           "--rotary-interleaved", "--group-query-attention",
+                           "--num-query-groups", "2")
+    model_parallel_seed(1234, state)
+    torch.manual_seed(0)
+    model = GPTModel(config, state)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    labels = torch.roll(_ids(), 1, dims=1)
+    loss = model(_ids(), labels=labels).mean()
+    loss.backward()
+    allreduce_sequence_parallel_grads([model], state)
+    grads = {n: p.grad for n, p in model.named_parameters() if "layernorm" in n}
+    return to_numpy({"loss": loss.detach(), "grads": grads})
+
+
+def test_qk_layernorm_grads_are_complete_at_tp2():
+    from megatron_smp.testing import run_distributed
+
+    one = run_distributed(_tp_step, 1)[0]
+    two = run_distributed(_tp_step, 2)
+    assert any("q_layernorm" in name for name in one["grads"])
+    for result in two:
+        assert abs(float(result["loss"]) - float(one["loss"])) < 1e-5
+        for name, grad in one["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(result["grads"][name]),
+                                       torch.from_numpy(grad), rtol=1e-4, atol=1e-6)
