@@ -22,6 +22,7 @@ steps. The closing line is the ratio ours / peer of tokens/s.
     python tools/bench/bench_throughput.py --preset llama-1b --micro-batch-sizes 1,2,4
     python tools/bench/bench_throughput.py --preset gpt2-125m --json out.json
     python tools/bench/bench_throughput.py --preset tiny --extra-args "--use-distributed-optimizer"
+    python tools/bench/bench_throughput.py --preset llama-1b --compile   # both sides compiled
 
 Several --micro-batch-sizes run one after the other (global batch = micro-batch unless
 --global-batch-size is given); a size that fails (out of memory) is reported as failed, so
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -146,7 +148,7 @@ def run_ours(preset: Preset, argv: List[str], nproc: int, warmup: int,
 
 def run_peer(preset: Preset, model_config, padded_vocab: int, micro_batch_size: int,
              global_batch_size: int, warmup: int, iters: int, bf16: bool, device,
-             recompute: bool) -> Dict[str, float]:
+             recompute: bool, compile_layers: bool) -> Dict[str, float]:
     """Seconds per timed step of the Hugging Face model + torch AdamW (one device), and its
     peak device memory in GiB (CUDA only, else 0)."""
     import torch
@@ -182,6 +184,11 @@ def run_peer(preset: Preset, model_config, padded_vocab: int, micro_batch_size: 
         )
         model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
     model.to(device).train()
+    if compile_layers:
+        # torchtitan compiles per transformer block, as --torch-compile does for ours.
+        layers = model.model.layers if preset.family == "llama" else model.transformer.h
+        for layer in layers:
+            layer.compile()
     if recompute:
         model.gradient_checkpointing_enable()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -266,6 +273,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="torchrun processes for ours")
     parser.add_argument("--fp32", action="store_true", help="run a bf16 preset in fp32")
     parser.add_argument("--extra-args", default="", help="more entry-script flags for ours")
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with --torch-compile, the peer's decoder layers compiled")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--peer-recompute", action="store_true",
                         help="full activation checkpointing in the peer (HF has no selective)")
@@ -287,13 +296,15 @@ def main() -> None:
     micro_batch_sizes = ([int(x) for x in args.micro_batch_sizes.split(",")]
                          if args.micro_batch_sizes else [preset.micro_batch_size])
     print(f"preset {args.preset} on {name} x{args.nproc}, seq {preset.seq_length}, "
-          f"{'bf16' if bf16 else 'fp32'}, {args.warmup_iters} warm-up + {args.iters} timed "
+          f"{'bf16' if bf16 else 'fp32'}{', compiled' if args.compile else ''}, "
+          f"{args.warmup_iters} warm-up + {args.iters} timed "
           f"iterations, peak {peak if peak else '-'} TFLOP/s")
     results = []
     for micro_batch_size in micro_batch_sizes:
         global_batch_size = args.global_batch_size or micro_batch_size * args.nproc
+        extra = shlex.split(args.extra_args) + (["--torch-compile"] if args.compile else [])
         argv = ours_argv(preset, micro_batch_size, global_batch_size,
-                         args.warmup_iters + args.iters, bf16, shlex.split(args.extra_args))
+                         args.warmup_iters + args.iters, bf16, extra)
         model_config, padded_vocab, flops = model_flops(preset, argv, global_batch_size)
         tokens = global_batch_size * preset.seq_length
         print(f"micro-batch {micro_batch_size}, global batch {global_batch_size}: "
@@ -309,9 +320,14 @@ def main() -> None:
             try:
                 peer = run_peer(preset, model_config, padded_vocab, micro_batch_size,
                                 global_batch_size, args.warmup_iters, args.iters, bf16,
-                                device, args.peer_recompute)
+                                device, args.peer_recompute, args.compile)
             except torch.OutOfMemoryError as exc:
                 print(f"  peer failed: {str(exc).splitlines()[0]}")
+                # The failed step's tensors die with its frames: give their memory back
+                # before the next (larger) run of ours needs it.
+                del exc
+                gc.collect()
+                torch.cuda.empty_cache()
             else:
                 # The peer runs on one device: its FLOPs are the whole iteration's.
                 result["peer"] = figures(peer["seconds_per_step"], tokens, flops, 1, peak)
