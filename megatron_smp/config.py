@@ -687,6 +687,7 @@ class TrainingConfig:
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).
     torch_compile: Optional[str] = None
     log_params_norm: bool = False  # " params norm:" field and params-norm scalar
+    log_progress: bool = False  # <--save>/progress.txt: job starts, saves, throughput
     log_loss_scale_to_tensorboard: bool = True  # loss-scale scalar
     log_world_size_to_tensorboard: bool = False  # world-size scalar
     logging_level: Optional[int] = None  # Python logging's root level (MEGATRON_LOGGING_LEVEL)

@@ -257,6 +257,7 @@ _FLAGS: List[_Flag] = [
     _f("--torch-compile", "training", nargs="?", const="inductor", metavar="BACKEND",
        help="torch.compile each transformer layer (default backend inductor)"),
     _f("--log-params-norm", "training", action="store_true"),
+    _f("--log-progress", "training", action="store_true"),
     _f("--no-log-loss-scale-to-tensorboard", "training", "log_loss_scale_to_tensorboard",
        action="store_false"),
     _f("--log-world-size-to-tensorboard", "training", action="store_true"),
@@ -771,6 +772,8 @@ def _validate_run_flags(configs: Configs) -> None:
     )
     validate_profiling(configs.training, cuda)
     validate_wandb(configs.training, configs.checkpoint.save)
+    if configs.training.log_progress and not configs.checkpoint.save:
+        raise ConfigError("--log-progress writes <--save>/progress.txt: add --save DIR")
 
 
 __all__ = [

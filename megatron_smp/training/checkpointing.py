@@ -123,6 +123,9 @@ def save(run) -> None:
         f"checkpoint of iteration {run.iteration} {how} to {config.save} in "
         f"{time.perf_counter() - start:.2f} s",
     )
+    if getattr(run, "progress_log", None) is not None:  # --log-progress
+        run.progress_log.checkpoint_saved(run.iteration, run.consumed_train_samples,
+                                          config.async_save)
 
 
 def wait_for_staging(run) -> None:

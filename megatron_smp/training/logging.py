@@ -1,7 +1,9 @@
 """Timers, Megatron's per-interval log line, validation line, TensorBoard / wandb scalars."""
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import sys
 import time
 from typing import Dict, Optional
@@ -233,11 +235,79 @@ class TrainingLogger:
             self.wandb = None
 
 
+class ProgressLog:
+    """Megatron's --log-progress: rank 0 appends to <--save>/progress.txt a "Starting job"
+    line per job and a line per saved checkpoint with the job's and the cumulative throughput
+    (since the first job of this world size), floating-point operations and tokens so far.
+
+    Floating-point operations so far are `flops_per_sample x consumed samples` (what
+    Megatron sums iteration by iteration), so resumed jobs continue the count.
+    """
+
+    FILENAME = "progress.txt"
+
+    def __init__(self, save_dir: str, world_size: int, rank: int, flops_per_sample: float,
+                 seq_length: int, consumed_samples: int, start_time: float):
+        self.path = os.path.join(save_dir, self.FILENAME)
+        self.world_size = world_size
+        self.rank = rank
+        self.flops_per_sample = flops_per_sample
+        self.seq_length = seq_length
+        self.start_flops = flops_per_sample * consumed_samples
+        self.start_time = start_time
+
+    def _append(self, text: str) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # the line follows what every rank did
+        if self.rank != 0:
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.path, "a") as handle:
+            handle.write(f"{stamp}\tJob ID: {os.environ.get('SLURM_JOB_ID', '')}\t"
+                         f"# GPUs: {self.world_size}\t{text}\n")
+
+    def job_started(self) -> None:
+        self._append("Starting job")
+
+    def _first_job_of_this_world_size(self):
+        """(start datetime, flops at its start): Megatron's reading of the file."""
+        start, start_flops, latest_flops = None, None, 0.0
+        with open(self.path) as handle:
+            for line in handle:
+                fields = line.strip().split("\t")
+                if fields[3] == "Saved checkpoint":
+                    latest_flops = float(fields[7].split(": ")[1])
+                if int(fields[2].split(": ")[1]) != self.world_size:
+                    start, start_flops = None, None
+                elif fields[3] == "Starting job" and start is None:
+                    start, start_flops = fields[0], latest_flops
+        return datetime.datetime.strptime(start, "%Y-%m-%d %H:%M:%S"), start_flops
+
+    def checkpoint_saved(self, iteration: int, consumed_samples: int, async_save: bool) -> None:
+        flops = self.flops_per_sample * consumed_samples
+        job = (flops - self.start_flops) / (
+            (time.time() - self.start_time) * 1e12 * self.world_size)
+        cumulative = 0.0
+        if self.rank == 0:
+            start, start_flops = self._first_job_of_this_world_size()
+            elapsed = (datetime.datetime.now() - start).total_seconds()
+            cumulative = (flops - start_flops) / (max(elapsed, 1e-9) * 1e12 * self.world_size)
+        what = "Saving async checkpoint" if async_save else "Saved checkpoint"
+        self._append(
+            f"{what}\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
+            f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops:.2e}\t"
+            f"Tokens (in billions): {consumed_samples * self.seq_length / 1e9:.2f}"
+        )
+
+
 def set_logging_level(config: TrainingConfig) -> None:
     """Python logging's root level: --logging-level, else MEGATRON_LOGGING_LEVEL, else
     untouched (Megatron's order)."""
     import logging
-    import os
 
     level = config.logging_level
     if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL") is not None:

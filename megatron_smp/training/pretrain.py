@@ -28,7 +28,7 @@ from megatron_smp.pipeline_parallel.schedules import (
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
 from megatron_smp.training.compile import compile_transformer_layers
 from megatron_smp.training.logging import (
-    Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
+    ProgressLog, Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
 )
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
@@ -99,6 +99,7 @@ class _Run:
         self.skipped_iterations = 0
         self.nan_iterations = 0
         self.exits = None  # run_control.ExitConditions
+        self.progress_log = None  # logging.ProgressLog (--log-progress), told of each save
 
 
 def build_model_chunks(
@@ -338,6 +339,13 @@ def pretrain(
     logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
                             world_size=state.world_size)
     profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
+    if training.log_progress:
+        run.progress_log = ProgressLog(
+            configs.checkpoint.save, state.world_size, state.rank,
+            flops_per_iteration(configs.model, training.seq_length, 1,
+                                configs.model.padded_vocab_size(state.tp_size)),
+            training.seq_length, run.consumed_train_samples, start_time)
+        run.progress_log.job_started()
     result = TrainingResult()
     padded_vocab_size = configs.model.padded_vocab_size(state.tp_size)
     timer = Timer(state.device)

@@ -291,6 +291,7 @@ def test_run_control_flag_errors():
         "--wandb-project p --save d": "wandb package",
         "--exit-duration-in-mins -1": "--exit-duration-in-mins",
         "--record-memory-history": "needs a CUDA device",
+        "--log-progress": "progress.txt: add --save",
         "--use-torch-fsdp2 --check-weight-hash-across-dp-replicas-interval 1": "shards",
     }
     if torch.cuda.is_available():
@@ -377,3 +378,29 @@ def test_weight_hash_check_passes_for_replicas_and_stops_every_rank_when_one_dif
     for error in errors:
         assert ("Parameter hashes not matching across DP replicas after 4 iterations: "
                 "chunk 0 module.decoder.final_layernorm.weight") in error, error
+
+
+def test_log_progress_records_jobs_saves_and_operations_across_a_resume(tmp_path):
+    from megatron_smp.data import build_tokenizer
+    from megatron_smp.training.arguments import parse_args
+    from megatron_smp.training.logging import flops_per_iteration
+
+    save = str(tmp_path / "ckpt")
+    flags = ["--log-progress", "--save", save, "--save-interval", "2"]
+    run_distributed(_run, 2, args=(ARGV + flags + ["--exit-interval", "4"],))
+    run_distributed(_run, 2, args=(ARGV + flags + ["--load", save],))
+    with open(os.path.join(save, "progress.txt")) as handle:
+        fields = [line.rstrip("\n").split("\t") for line in handle]
+    assert [f[3] for f in fields] == ["Starting job", "Saved checkpoint", "Saved checkpoint",
+                                      "Starting job", "Saved checkpoint"]
+    assert all(f[2] == "# GPUs: 2" for f in fields)
+    saves = [dict(item.split(": ", 1) for item in f[4:]) for f in fields
+             if f[3] == "Saved checkpoint"]
+    assert [int(s["Iteration"]) for s in saves] == [2, 4, 6]
+    configs = parse_args(ARGV)
+    configs.model.vocab_size = build_tokenizer(configs.data).vocab_size
+    per_sample = flops_per_iteration(configs.model, 32, 1, configs.model.padded_vocab_size(1))
+    # 8 samples per iteration; the resumed job continues the count from the checkpoint.
+    assert [s["Floating-point operations"] for s in saves] == [
+        f"{per_sample * 8 * i:.2e}" for i in (2, 4, 6)]
+    assert all(float(s["Job throughput"].split()[0]) >= 0 for s in saves)
