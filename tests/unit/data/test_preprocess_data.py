@@ -140,3 +140,24 @@ def test_keep_newlines_keeps_megatrons_output(tmp_path):
     plain = _outputs(tmp_path / "out")
     run(tmp_path, lines, "--keep-newlines")
     assert _outputs(tmp_path / "out") == plain
+
+
+MEGATRON_OUTPUT = os.path.join(REPO, "tests", "fixtures", "data_megatron", "preprocessed")
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("default", []),
+    ("legacy", ["--legacy-tokenizer"]),
+    ("partitions3", ["--workers", "3", "--partitions", "3"]),
+])
+def test_sentencepiece_output_equals_megatrons_preprocess(tmp_path, name, extra):
+    """Byte-identical to Megatron-LM's tools/preprocess_data.py (see the fixture's README):
+    the model's </s> as eod by default, Megatron's appended <EOD> (and special-token text)
+    with --legacy-tokenizer, and the order of a 3-partition run."""
+    assert preprocess_data.main([
+        "--input", os.path.join(MEGATRON_OUTPUT, "corpus.jsonl"),
+        "--output-prefix", str(tmp_path / "ours"), "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", os.path.join(MEGATRON_OUTPUT, "tok.model"), "--append-eod",
+        *extra]) == 0
+    assert _outputs(tmp_path / "ours") == _outputs(os.path.join(MEGATRON_OUTPUT,
+                                                                f"megatron_{name}"))
