@@ -741,6 +741,10 @@ class DataConfig:
     train_data_path: Optional[list] = None
     valid_data_path: Optional[list] = None
     test_data_path: Optional[list] = None
+    # The same lists read from files, for blends too long for a command line: a text file
+    # holding a --data-path list, a JSON file {"train": ..., "valid": ..., "test": ...}.
+    data_args_path: Optional[str] = None
+    per_split_data_args_path: Optional[str] = None
     # Blend components draw this fraction more samples than their share (megatron-core).
     mid_level_dataset_surplus: float = 0.005
     # False: read .bin slices with file reads instead of mmap (--no-mmap-bin-files).

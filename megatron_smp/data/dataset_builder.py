@@ -237,8 +237,34 @@ class _Builder:
         return self.blend(prefixes, weights, matrix, sizes, splits)
 
 
+def _read_text(path: str, flag: str) -> str:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    with open(path, "r", encoding="utf-8") as handle:
+        return handle.read()
+
+
+def whole_data_path(data_config) -> Optional[list]:
+    """--data-path, or the list --data-args-path's file holds (whitespace-separated)."""
+    if data_config.data_args_path:
+        return _read_text(data_config.data_args_path, "--data-args-path").split()
+    return data_config.data_path or None
+
+
 def per_split_data_paths(data_config) -> List[Optional[list]]:
-    """[--train-data-path, --valid-data-path, --test-data-path] (None where not given)."""
+    """[--train-data-path, --valid-data-path, --test-data-path] (None where not given), or the
+    "train"/"valid"/"test" lists (or strings) of --per-split-data-args-path's JSON file."""
+    if data_config.per_split_data_args_path:
+        import json
+
+        path = data_config.per_split_data_args_path
+        try:
+            per_split = json.loads(_read_text(path, "--per-split-data-args-path"))
+            paths = [per_split[name] for name in SPLIT_NAMES]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"--per-split-data-args-path {path}: expected a JSON object with "
+                              f"train, valid and test lists ({error})") from None
+        return [(p.split() if isinstance(p, str) else p) or None for p in paths]
     paths = (data_config.train_data_path, data_config.valid_data_path, data_config.test_data_path)
     return [p or None for p in paths]
 
@@ -285,14 +311,15 @@ def build_train_valid_test_datasets(
 
     builder = _Builder(data_config, seq_length, seed, tokenizer, group)
     per_split = per_split_data_paths(data_config)
-    if data_config.data_path:
+    data_path = whole_data_path(data_config)
+    if data_path:
         if any(per_split):
             raise ConfigError(
                 "--data-path and --train-data-path/--valid-data-path/--test-data-path are "
                 "exclusive; give one or the other"
             )
         matrix = split_matrix(parse_split(data_config.split))
-        return tuple(builder.build(parse_data_path(data_config.data_path), matrix, num_samples))
+        return tuple(builder.build(parse_data_path(data_path), matrix, num_samples))
     if not any(per_split):
         raise ConfigError("--data-path is empty; give a dataset prefix or use --mock-data")
     datasets = [None] * 3

@@ -284,6 +284,8 @@ _FLAGS: List[_Flag] = [
     _f("--train-data-path", "data", nargs="*"),
     _f("--valid-data-path", "data", nargs="*"),
     _f("--test-data-path", "data", nargs="*"),
+    _f("--data-args-path", "data"),
+    _f("--per-split-data-args-path", "data"),
     _f("--mid-level-dataset-surplus", "data", type=float, default=0.005),
     # Megatron has only --no-mmap-bin-files; --mmap-bin-files states the default.
     _f("--mmap-bin-files", "data", "mmap_bin_files", action="store_true", default=None),
@@ -731,13 +733,17 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         )
     per_split_paths = [flag for flag, paths in (
         ("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
-        ("--test-data-path", data.test_data_path)) if paths]
-    if not data.mock_data and not data.data_path and not per_split_paths:
+        ("--test-data-path", data.test_data_path),
+        ("--per-split-data-args-path", data.per_split_data_args_path)) if paths]
+    whole_paths = [flag for flag, paths in (("--data-path", data.data_path),
+                                            ("--data-args-path", data.data_args_path)) if paths]
+    if not data.mock_data and not whole_paths and not per_split_paths:
         raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset), "
                           "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
-    if data.data_path and per_split_paths:
-        raise ConfigError(f"--data-path and {'/'.join(per_split_paths)} are exclusive (Megatron's "
-                          "rule): give one dataset cut by --split, or one dataset per split")
+    if len(whole_paths) > 1 or (whole_paths and per_split_paths):
+        raise ConfigError(f"{' and '.join(whole_paths + per_split_paths)} are exclusive "
+                          "(Megatron's rule): give one dataset cut by --split, or one dataset "
+                          "per split")
     if per_split_paths and getattr(configs.args, "data__split", None) is not None:
         raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
                           "whole (Megatron refuses both too): drop --split")

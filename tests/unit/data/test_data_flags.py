@@ -123,3 +123,29 @@ def test_legacy_tokenizer_flag_reaches_the_data_config(tmp_path):
     assert not data_config(["--mock-data"], tmp_path).legacy_tokenizer
     assert data_config(["--mock-data", "--legacy-tokenizer"], tmp_path).legacy_tokenizer
     torch.manual_seed(0)  # keeps this module free of global RNG side effects on others
+
+
+def test_data_args_files_hold_the_same_lists(corpora, tmp_path):
+    a, b = corpora
+    (tmp_path / "blend.txt").write_text(f"0.3 {a}\n0.7 {b}\n")
+    (tmp_path / "per_split.json").write_text(
+        '{"train": "%s", "valid": ["0.5", "%s", "0.5", "%s"], "test": null}' % (a, a, b))
+    from_file = data_config(["--data-args-path", str(tmp_path / "blend.txt"),
+                             "--split", "90,10,0"], tmp_path)
+    inline = data_config(["--data-path", "0.3", a, "0.7", b, "--split", "90,10,0"], tmp_path)
+    built = [build_train_valid_test_datasets(c, 16, 3, [50, 10, 0], TOKENIZER)
+             for c in (from_file, inline)]
+    for ours, theirs in zip(built[0][:2], built[1][:2]):
+        np.testing.assert_array_equal(all_tokens(ours), all_tokens(theirs))
+    per_file = data_config(["--per-split-data-args-path", str(tmp_path / "per_split.json")],
+                           tmp_path)
+    per_flags = data_config(["--train-data-path", a, "--valid-data-path", "0.5", a, "0.5", b],
+                            tmp_path)
+    built = [build_train_valid_test_datasets(c, 16, 3, [50, 10, 5], TOKENIZER)
+             for c in (per_file, per_flags)]
+    assert built[0][2] is None and built[1][2] is None
+    for ours, theirs in zip(built[0][:2], built[1][:2]):
+        np.testing.assert_array_equal(all_tokens(ours), all_tokens(theirs))
+    with pytest.raises(ConfigError, match="--data-path and --data-args-path are exclusive"):
+        data_config(["--data-path", a, "--data-args-path", str(tmp_path / "blend.txt")],
+                    tmp_path)
