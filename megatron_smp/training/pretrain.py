@@ -313,7 +313,9 @@ def pretrain(
             checkpointing.load(run, tokenizer)
     num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 
-    eval_runs = training.train_iters // training.eval_interval + 1
+    # Megatron sizes the validation set for every evaluation of the run (one with
+    # --skip-train); a different size reshuffles it, so it is matched exactly.
+    eval_runs = 1 if training.skip_train else training.train_iters // training.eval_interval + 1
     num_samples = [
         training.train_samples or training.train_iters * global_batch_size,
         eval_runs * training.eval_iters * global_batch_size,
