@@ -149,3 +149,30 @@ def test_data_args_files_hold_the_same_lists(corpora, tmp_path):
     with pytest.raises(ConfigError, match="--data-path and --data-args-path are exclusive"):
         data_config(["--data-path", a, "--data-args-path", str(tmp_path / "blend.txt")],
                     tmp_path)
+
+
+def _requested_sizes(rank, world_size, argv):
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    asked = []
+
+    def datasets(num_samples, configs, tokenizer):
+        asked.append(list(num_samples))
+        return train_valid_test_datasets_provider(num_samples, configs, tokenizer)
+
+    pretrain(datasets, model_provider, forward_step, argv=argv)
+    return asked[0]
+
+
+def test_pretrain_asks_megatrons_split_sizes():
+    from megatron_smp.testing import run_distributed
+
+    argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 "
+            "--train-iters 6 --eval-interval 4 --eval-iters 2 --lr 1e-3 --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 100").split()
+    # train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs,
+    # eval_iters * gbs; with --skip-train the validation set serves one evaluation.
+    assert run_distributed(_requested_sizes, 1, args=(argv,))[0] == [24, 16, 8]
+    assert run_distributed(_requested_sizes, 1, args=(argv + ["--skip-train"],))[0] == [24, 8, 8]
