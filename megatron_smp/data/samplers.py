@@ -1,7 +1,7 @@
 """Megatron-LM's pretraining sampler and the DataLoader built on it."""
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -73,10 +73,12 @@ def build_pretraining_data_loader(
     data_parallel_rank: int,
     data_parallel_size: int,
     num_workers: int = 0,
+    worker_init_fn: Optional[Callable[[int], None]] = None,
 ) -> Optional[torch.utils.data.DataLoader]:
     """A DataLoader yielding dicts of `[micro_batch_size, ...]` tensors for this DP rank.
 
-    Returns None for a missing split (dataset None).
+    Returns None for a missing split (dataset None). `worker_init_fn(worker_id)` runs in each
+    worker process (with num_workers > 0).
     """
     if dataset is None:
         return None
@@ -93,4 +95,5 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=worker_init_fn,
     )

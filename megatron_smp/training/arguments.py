@@ -357,6 +357,9 @@ IGNORED_FLAGS: Dict[str, str] = {
                           "iteration time is always printed)",
     "--timing-log-option": "which ranks' values of Megatron's per-phase timers are printed "
                            "(max, minmax, all); those timers are not printed here",
+    "--exit-signal-handler-for-dataloader": "Megatron-LM core_v0.16.1 declares it and reads it "
+                                            "nowhere; with --exit-signal-handler the data "
+                                            "loader workers get the handler, as there",
     "--cross-entropy-loss-fusion": "kernel fusion choice: Megatron's fused vocab-parallel "
                                    "cross entropy computes the same loss as the unfused one",
     "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "

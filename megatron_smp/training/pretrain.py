@@ -34,7 +34,7 @@ from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_smp.training.profiling import StepProfiler
 from megatron_smp.training.run_control import (
-    ExitConditions, apply_deterministic_mode, check_weight_hashes,
+    ExitConditions, apply_deterministic_mode, check_weight_hashes, data_worker_init_fn,
 )
 from megatron_smp.training.wandb_logger import init_wandb
 
@@ -328,7 +328,7 @@ def pretrain(
             return None
         return build_pretraining_data_loader(
             dataset, consumed, training.micro_batch_size, state.dp_rank, state.dp_size,
-            configs.data.num_workers,
+            configs.data.num_workers, worker_init_fn=data_worker_init_fn(training),
         )
 
     train_iter = iter(loader(train_ds, run.consumed_train_samples))

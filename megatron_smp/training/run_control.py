@@ -14,10 +14,11 @@ without the final evaluation; the process then exits with code 0, as Megatron's 
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,19 @@ class SignalFlag:
         if self._previous is not None:
             signal.signal(self.sig, self._previous)
             self._previous = None
+
+
+def _record_signal_in_worker(signal_name: str, worker_id: int) -> None:
+    SignalFlag(signal.Signals[signal_name])
+
+
+def data_worker_init_fn(training: TrainingConfig) -> Optional[Callable[[int], None]]:
+    """With --exit-signal-handler, DataLoader workers record --exit-signal instead of dying
+    of it: SLURM signals every process of the job, and a dead worker would fail the main
+    process's next batch before it could save (Megatron's worker_init_fn)."""
+    if not training.exit_signal_handler:
+        return None
+    return functools.partial(_record_signal_in_worker, training.exit_signal)
 
 
 class ExitConditions:

@@ -305,15 +305,25 @@ def test_run_control_flag_errors():
             validate_configs(parse_args(ARGV + ["--profile"]), world_size=1)
 
 
+def _children(pid):
+    """Process ids whose parent is `pid` (started by any of its threads)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as handle:
+            children += [int(child) for child in handle.read().split()]
+    return sorted(children)
+
+
 def test_sigterm_to_one_torchrun_worker_saves_and_every_process_exits_zero(tmp_path):
-    """What SLURM preemption does: the launcher's workers get SIGTERM (here only one does);
-    the run finishes that iteration, saves it, and every process exits with code 0."""
+    """What SLURM preemption does: the job's processes get SIGTERM (here one rank and its
+    DataLoader worker); the run finishes that iteration, saves it, and every process exits
+    with code 0."""
     import subprocess
     import sys
 
     save = str(tmp_path / "ckpt")
     argv = COMMON + ["--train-iters", "400", "--log-interval", "1", "--exit-signal-handler",
-                     "--save", save]
+                     "--save", save, "--num-workers", "1"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -327,10 +337,12 @@ def test_sigterm_to_one_torchrun_worker_saves_and_every_process_exits_zero(tmp_p
             output.append(line)
             if line.startswith(" iteration        3/"):
                 break
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as handle:
-            workers = [int(pid) for pid in handle.read().split()]
+        workers = _children(proc.pid)
         assert len(workers) == 2, workers
-        os.kill(workers[0], signal.SIGTERM)
+        data_workers = _children(workers[0])
+        assert data_workers  # without their handler they would die and fail the next batch
+        for pid in data_workers + workers[:1]:
+            os.kill(pid, signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -404,3 +416,4 @@ def test_log_progress_records_jobs_saves_and_operations_across_a_resume(tmp_path
     assert [s["Floating-point operations"] for s in saves] == [
         f"{per_sample * 8 * i:.2e}" for i in (2, 4, 6)]
     assert all(float(s["Job throughput"].split()[0]) >= 0 for s in saves)
+
