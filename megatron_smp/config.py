@@ -752,6 +752,8 @@ class DataConfig:
     # Megatron's --legacy-tokenizer: megatron/training's tokenizers (SentencePiece appends
     # its own <EOD>) instead of megatron-core's (SentencePiece's eod is the model's eos).
     legacy_tokenizer: bool = False
+    # HuggingFaceTokenizer: keep the bos / template tokens tokenizer(text) adds (legacy's ids).
+    tokenizer_hf_include_special_tokens: bool = False
     # TikTokenizer (--tokenizer-type TikTokenizer).
     tiktoken_pattern: Optional[str] = None
     tiktoken_num_special_tokens: int = 1000

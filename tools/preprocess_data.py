@@ -117,6 +117,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     group.add_argument("--tiktoken-special-tokens", dest="tokenizer_special_tokens", nargs="+",
                        default=None, help="TikTokenizer's named special tokens")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: keep the bos / template tokens the "
+                       "tokenizer adds (Megatron's flag; always so with --legacy-tokenizer)")
     group.add_argument("--legacy-tokenizer", action="store_true",
                        help="megatron/training's tokenizer classes (SentencePieceTokenizer "
                        "appends its own <EOD>, ...) instead of megatron-core's (Megatron's "

@@ -291,6 +291,7 @@ _FLAGS: List[_Flag] = [
     _f("--mmap-bin-files", "data", "mmap_bin_files", action="store_true", default=None),
     _f("--no-mmap-bin-files", "data", "mmap_bin_files", action="store_false", default=None),
     _f("--legacy-tokenizer", "data", action="store_true"),
+    _f("--tokenizer-hf-include-special-tokens", "data", action="store_true"),
     _f("--tokenizer-type", "data", default=None,
        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                 "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",

@@ -29,7 +29,9 @@ def build_tokenizer(data_config) -> MegatronTokenizer:
     """Build the tokenizer `data_config.tokenizer_type` names (a DataConfig or argparse args).
 
     As in Megatron-LM, `legacy_tokenizer` (--legacy-tokenizer) picks megatron/training's
-    tokenizer classes; without it, megatron-core's, which differ for SentencePiece only.
+    tokenizer classes; without it, megatron-core's, which differ for SentencePiece (eod)
+    and Hugging Face tokenizers (no bos / template tokens unless
+    `tokenizer_hf_include_special_tokens`).
     """
     from megatron_smp.config import ConfigError
 
@@ -52,7 +54,9 @@ def build_tokenizer(data_config) -> MegatronTokenizer:
     if kind == "Llama2Tokenizer":
         return Llama2Tokenizer(need_model())
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(need_model())
+        return HuggingFaceTokenizer(need_model(), include_special_tokens=bool(
+            getattr(data_config, "legacy_tokenizer", False)
+            or getattr(data_config, "tokenizer_hf_include_special_tokens", False)))
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
     special_tokens = getattr(data_config, "tokenizer_special_tokens", None)

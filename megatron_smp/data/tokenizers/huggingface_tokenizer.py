@@ -8,7 +8,13 @@ from megatron_smp.data.tokenizers.base import MegatronTokenizer
 
 
 class HuggingFaceTokenizer(MegatronTokenizer):
-    def __init__(self, path: str) -> None:
+    """`include_special_tokens`: ids as `tokenizer(text).input_ids` (with the bos / template
+    tokens the tokenizer adds: Megatron's --legacy-tokenizer or
+    --tokenizer-hf-include-special-tokens); without, the text's own tokens only, as
+    megatron-core's default tokenizer gives them."""
+
+    def __init__(self, path: str, include_special_tokens: bool = True) -> None:
+        self.include_special_tokens = include_special_tokens
         if not os.path.isdir(path):
             from megatron_smp.config import ConfigError
 
@@ -27,7 +33,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
             raise ConfigError(f"--tokenizer-model: the tokenizer in {path} has no eos token")
 
     def tokenize(self, text: str) -> List[int]:
-        return self.tokenizer(text).input_ids
+        if self.include_special_tokens:
+            return self.tokenizer(text).input_ids
+        return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(token) for token in ids])

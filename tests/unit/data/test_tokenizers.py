@@ -182,3 +182,27 @@ def test_eod_mask_loss_masks_every_eod_of_preprocessed_data(sentencepiece_model,
         eods += int((sample["tokens"] == eod).sum())
         masked += int((sample["loss_mask"] == 0).sum())
     assert eods >= len(lines) // 2 and masked == eods
+
+
+def test_huggingface_special_tokens_follow_megatrons_default(byte_level_bpe, tmp_path):
+    """megatron-core's default Hugging Face tokenizer gives the text's tokens only; the bos a
+    Llama-style template adds comes with --legacy-tokenizer or
+    --tokenizer-hf-include-special-tokens."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    trainer, _ = byte_level_bpe
+    backend = Tokenizer.from_str(trainer._tokenizer.to_str())  # a copy: the fixture is shared
+    backend.add_special_tokens(["<s>"])
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                            eos_token="<|endoftext|>").save_pretrained(str(tmp_path / "hf"))
+    settings = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf"))
+    text = SAMPLES[0]
+    plain = build_tokenizer(DataConfig(**settings)).tokenize(text)
+    assert plain == trainer.encode(text).ids and bos not in plain
+    for flag in ("legacy_tokenizer", "tokenizer_hf_include_special_tokens"):
+        assert build_tokenizer(DataConfig(**settings, **{flag: True})).tokenize(text) == \
+            [bos] + plain
