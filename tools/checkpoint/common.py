@@ -32,8 +32,9 @@ ARCHITECTURE_FIELDS = (
     "vocab_size", "max_position_embeddings", "ffn_hidden_size", "add_bias_linear",
     "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts",
 ) + tuple(name for name in FUNCTION_FIELDS
-          # HF has no zero-centred norms: the adapters add the 1 to the weights instead.
-          if name != "layernorm_zero_centered_gamma")
+          # HF has no zero-centred norms nor interleaved RoPE: the adapters add the 1 to
+          # the norm weights and reorder the q/k rows instead.
+          if name not in ("layernorm_zero_centered_gamma", "rotary_interleaved"))
 _LISTED = 20
 
 

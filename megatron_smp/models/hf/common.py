@@ -86,9 +86,9 @@ def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -
     if config.qk_layernorm and family != "qwen3":
         raise ConfigError(f"--qk-layernorm: Hugging Face {family} models have no query/key norms;"
                           " of the converted families only qwen3 has them")
-    if config.rotary_interleaved:
+    if config.rotary_interleaved and family not in ("llama", "qwen3"):
         raise ConfigError(f"--rotary-interleaved: Hugging Face {family} rotates channel halves; "
-                          "converting interleaved RoPE (a q/k row permutation) is not built")
+                          "reordering its q/k rows is built for the Llama-style families only")
     if not config.layernorm_zero_centered_gamma:
         return state_dict
     return {name: value + 1 if name.endswith("layernorm.weight") else value

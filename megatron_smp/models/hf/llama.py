@@ -1,5 +1,7 @@
 """LlamaForCausalLM / MistralForCausalLM / Qwen3ForCausalLM <-> GPTModel (RoPE, RMSNorm, SwiGLU,
 GQA, no biases; Qwen3 adds RMSNorms of each head's query and key, our --qk-layernorm).
+A model trained with --rotary-interleaved exports with its q/k head channels reordered to
+HF's rotate-half pairing (as Meta-format Llama checkpoints are converted).
 
 HF keeps q/k/v and gate/up as separate linears; ours are fused: qkv per query group
 (`pack_qkv`) and fc1 = [gate; up] (split over TP with stride 2). HF's q/k rows are already
@@ -37,6 +39,25 @@ MODEL_TYPES = ("llama", "mistral", "qwen3")
 # Qwen3's per-head query/key RMSNorms.
 _QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
              ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
+
+
+def _rope_order(config: TransformerConfig, to_hf: bool):
+    """Head-channel order taking our --rotary-interleaved q/k rows to HF's rotate-half rows
+    (channels 0, 2, 4, ... then 1, 3, 5, ...: pair (2i, 2i+1) becomes (i, i + d/2); scores
+    q.k do not change when q and k are permuted alike), or back; None for rotate-half."""
+    if not config.rotary_interleaved:
+        return None
+    d = config.kv_channels
+    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    return order if to_hf else torch.argsort(order)
+
+
+def _reorder_heads(rows: torch.Tensor, order) -> torch.Tensor:
+    """rows [n * d, ...] (or a head-dim norm weight [d]) with each head's channels in `order`."""
+    if order is None:
+        return rows
+    d = order.numel()
+    return rows.reshape((-1, d) + tuple(rows.shape[1:]))[:, order].reshape(rows.shape).clone()
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
@@ -156,27 +177,28 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
     """`mlp_from_hf(sd, hf_layer_prefix, our_layer_prefix, layer_index)` converts a layer's
     MLP (default: the gated MLP); the MoE families pass their own."""
     sd = hf_state_dict
+    order = _rope_order(config, to_hf=False)
     out: StateDict = {WORD_EMBEDDINGS: pad_vocab(sd["model.embed_tokens.weight"], config)}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
         out[ours + "input_layernorm.weight"] = sd[hf + "input_layernorm.weight"].clone()
         out[ours + "self_attention.linear_qkv.weight"] = pack_qkv(
-            sd[hf + "self_attn.q_proj.weight"],
-            sd[hf + "self_attn.k_proj.weight"],
+            _reorder_heads(sd[hf + "self_attn.q_proj.weight"], order),
+            _reorder_heads(sd[hf + "self_attn.k_proj.weight"], order),
             sd[hf + "self_attn.v_proj.weight"],
             config,
         )
         if config.add_qkv_bias and not config.add_bias_linear:  # Qwen
             out[ours + "self_attention.linear_qkv.bias"] = pack_qkv(
-                sd[hf + "self_attn.q_proj.bias"],
-                sd[hf + "self_attn.k_proj.bias"],
+                _reorder_heads(sd[hf + "self_attn.q_proj.bias"], order),
+                _reorder_heads(sd[hf + "self_attn.k_proj.bias"], order),
                 sd[hf + "self_attn.v_proj.bias"],
                 config,
             )
         out[ours + "self_attention.linear_proj.weight"] = sd[hf + "self_attn.o_proj.weight"].clone()
         if config.qk_layernorm:  # Qwen3
             for ours_norm, hf_norm in _QK_NORMS:
-                out[ours + ours_norm] = sd[hf + hf_norm].clone()
+                out[ours + ours_norm] = _reorder_heads(sd[hf + hf_norm], order)
         out[ours + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"].clone()
         if mlp_from_hf is None:
             out.update(gated_mlp_from_hf(sd, hf + "mlp.", ours + "mlp."))
@@ -194,24 +216,25 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
     # Only the dense Qwen3 has query/key norms.
     family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
     state_dict = norms_to_hf(state_dict, config, family)
+    order = _rope_order(config, to_hf=True)
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
         q, k, v = unpack_qkv(state_dict[ours + "self_attention.linear_qkv.weight"], config)
-        out[hf + "self_attn.q_proj.weight"] = q
-        out[hf + "self_attn.k_proj.weight"] = k
+        out[hf + "self_attn.q_proj.weight"] = _reorder_heads(q, order)
+        out[hf + "self_attn.k_proj.weight"] = _reorder_heads(k, order)
         out[hf + "self_attn.v_proj.weight"] = v
         if config.add_qkv_bias and not config.add_bias_linear:
             q, k, v = unpack_qkv(state_dict[ours + "self_attention.linear_qkv.bias"], config)
-            out[hf + "self_attn.q_proj.bias"] = q
-            out[hf + "self_attn.k_proj.bias"] = k
+            out[hf + "self_attn.q_proj.bias"] = _reorder_heads(q, order)
+            out[hf + "self_attn.k_proj.bias"] = _reorder_heads(k, order)
             out[hf + "self_attn.v_proj.bias"] = v
         out[hf + "self_attn.o_proj.weight"] = (
             state_dict[ours + "self_attention.linear_proj.weight"].clone()
         )
         if config.qk_layernorm:
             for ours_norm, hf_norm in _QK_NORMS:
-                out[hf + hf_norm] = state_dict[ours + ours_norm].clone()
+                out[hf + hf_norm] = _reorder_heads(state_dict[ours + ours_norm], order)
         if mlp_to_hf is None:
             out.update(gated_mlp_to_hf(state_dict, hf + "mlp.", ours + "mlp."))
         else:

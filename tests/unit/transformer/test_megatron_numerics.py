@@ -56,11 +56,14 @@ def test_apply_layernorm_1p_norms_scale_by_one_plus_weight():
                                * (1 + w), rtol=1e-12, atol=1e-12)
 
 
-def test_apply_layernorm_1p_model_converts_to_hf_llama_with_the_one_added(state):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_layernorm_1p_model_converts_to_hf_llama_with_the_one_added(state, interleaved):
+    """Also --rotary-interleaved: its q/k rows are reordered to HF's rotate-half pairing."""
     config = _model_config("--apply-layernorm-1p", "--normalization", "RMSNorm", "--swiglu",
                            "--position-embedding-type", "rope", "--disable-bias-linear",
                            "--untie-embeddings-and-output-weights",
-                           "--group-query-attention", "--num-query-groups", "2")
+                           "--group-query-attention", "--num-query-groups", "2",
+                           *(["--rotary-interleaved"] if interleaved else []))
     assert config.layernorm_zero_centered_gamma
     torch.manual_seed(0)
     model = GPTModel(config, state).eval()
@@ -189,6 +192,29 @@ def test_rotary_interleaved_flag_reaches_the_model(state):
         parse_args(BASE + ["--rotary-interleaved"]).model.validate(ParallelConfig())
     with pytest.raises(ConfigError, match="--rotary-interleaved"):
         get_adapter("gpt_neox").to_hf(model.state_dict(), config)
+
+
+def test_rotary_interleaved_qk_layernorm_model_exports_to_hf_qwen3(state):
+    """Interleaved RoPE with per-head q/k norms: the norm weights are reordered with the rows."""
+    reference = get_adapter("qwen3").config_from_hf(_qwen3().config)
+    config = reference.replace(rotary_interleaved=True)
+    torch.manual_seed(1)
+    model = GPTModel(config, state).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    from transformers import Qwen3ForCausalLM
+
+    hf_sd = get_adapter("qwen3").to_hf(model.state_dict(), config)
+    hf = Qwen3ForCausalLM(config_to_hf(config, "qwen3")).eval()
+    hf.load_state_dict(hf_sd, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids())[..., :1003], hf(_ids()).logits,
+                                   rtol=1e-5, atol=1e-5)
+    back = get_adapter("qwen3").from_hf(hf_sd, config)
+    for name, value in model.state_dict().items():
+        assert torch.equal(back[name], value), name
 
 
 # --no-position-embedding, --use-rotary-position-embeddings ------------------------------------------
