@@ -1,0 +1,465 @@
+"""Megatron-LM checkpoints (megatron-core 0.16 `GPTModel`): read either format, write legacy.
+
+    {dir}/latest_checkpointed_iteration.txt      "10" (or "release": {dir}/release/)
+    {dir}/iter_0000010/                          "torch_dist" (megatron-core dist_checkpointing)
+        metadata.json, common.pt                 backends; args, iteration, ... (pickled)
+        .metadata, __0_0.distcp ...              DCP; layers stacked: decoder.layers.<name>
+                                                 [num_layers, ...], TE norm names
+    {dir}/iter_0000010/mp_rank_00[_000]/model_optim_rng.pt    legacy "torch": one file per
+                                                 TP[, PP] rank, {args, iteration, model, ...}
+                                                 with stage-local layer numbers and TP shards
+
+megatron-core's parameter names are ours, except the Transformer-Engine spec's fused norms
+(`linear_qkv.layer_norm_weight` is our `input_layernorm.weight`, `linear_fc1.layer_norm_weight`
+our `pre_mlp_layernorm.weight`) and the `_extra_state` entries (FP8 metadata, skipped). The
+layouts are ours too: QKV rows per query group [q heads of the group; k; v], SwiGLU fc1 as
+[gate; up] globally and [gate_r; up_r] per TP shard (partition stride 2). The vocabulary
+tables keep Megatron's padding: `read_model` returns them with their stored rows.
+
+`args` (an argparse.Namespace) is unpickled with `torch.load(weights_only=True)`: Namespace,
+plain types, torch's own safe globals and numpy's RNG state arrays are allowed; megatron's own
+enums (e.g. `AttnBackend`) become inert `OpaqueMegatronValue`s; anything else is an error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_smp.checkpointing.checkpointing import TRACKER_FILENAME
+from megatron_smp.config import TransformerConfig
+from megatron_smp.distributed.checkpoint.storage import CheckpointError
+from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
+
+METADATA_FILENAME = "metadata.json"
+COMMON_PT_FILENAME = "common.pt"
+LEGACY_FILENAME = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# Transformer Engine's fused-norm names -> ours (the local spec's names).
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_NUMPY_GLOBALS = (
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType", "numpy.dtypes.Int64DType",
+    "numpy.dtypes.Float64DType", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+)
+
+
+@dataclasses.dataclass
+class MegatronCheckpoint:
+    """Where a Megatron-LM checkpoint is and what its directory says."""
+
+    path: str  # the iteration directory
+    iteration: int
+    ckpt_format: str  # "torch_dist" | "torch"
+    rank_dirs: Dict[Tuple[int, int, int], str]  # legacy: (tp, pp, ep) rank -> its directory
+
+
+class OpaqueMegatronValue:
+    """Stands for an object of megatron's own classes in pickled args (never executed)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"OpaqueMegatronValue{self.args}"
+
+
+# -- finding ----------------------------------------------------------------------------------
+
+
+def _tracker_iteration(load_dir: str) -> Optional[Tuple[int, str]]:
+    path = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, os.path.join(load_dir, "release")
+    try:
+        iteration = int(text)
+    except ValueError as error:
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from error
+    return iteration, os.path.join(load_dir, f"iter_{iteration:07d}")
+
+
+def find_megatron_checkpoint(load_dir: str) -> Optional[MegatronCheckpoint]:
+    """The Megatron-LM checkpoint the tracker of `load_dir` names, or None when `load_dir`
+    holds none (no tracker, or a megatron_smp checkpoint)."""
+    found = _tracker_iteration(load_dir)
+    if found is None or not os.path.isdir(found[1]):
+        return None
+    iteration, path = found
+    if os.path.isfile(os.path.join(path, METADATA_FILENAME)):
+        return MegatronCheckpoint(path, iteration, "torch_dist", {})
+    rank_dirs = {}
+    for name in os.listdir(path):
+        match = _RANK_DIR.match(name)
+        if match and os.path.isfile(os.path.join(path, name, LEGACY_FILENAME)):
+            tp, pp, ep = (int(g) if g else 0 for g in match.groups())
+            rank_dirs[(tp, pp, ep)] = os.path.join(path, name)
+    if rank_dirs:
+        return MegatronCheckpoint(path, iteration, "torch", rank_dirs)
+    return None
+
+
+# -- restricted unpickling --------------------------------------------------------------------
+
+
+def safe_load(path: str) -> Any:
+    """torch.load with weights_only=True, allowing argparse.Namespace, numpy RNG arrays and
+    (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError."""
+    try:
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except (RuntimeError, OSError, ValueError) as error:
+        raise CheckpointError(f"{path} is not a readable torch file: {error}") from error
+    allowed: List[Any] = [argparse.Namespace]
+    refused = []
+    for name in needed:
+        if name == "argparse.Namespace":
+            continue
+        if name.startswith("megatron."):
+            allowed.append((OpaqueMegatronValue, name))
+        elif name in _NUMPY_GLOBALS:
+            import importlib
+
+            module, _, attr = name.rpartition(".")
+            allowed.append(getattr(importlib.import_module(module), attr))
+        else:
+            refused.append(name)
+    if refused:
+        raise CheckpointError(
+            f"{path} pickles objects that are not plain data ({', '.join(refused)}); it is not "
+            "loaded, since unpickling them could run arbitrary code. Re-save it without them"
+        )
+    with torch.serialization.safe_globals(allowed):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # pickle errors come in many types
+            raise CheckpointError(f"{path} cannot be read: {error}") from error
+
+
+def _common_state(checkpoint: MegatronCheckpoint) -> Dict[str, Any]:
+    """common.pt (torch_dist) or the first rank's file without its tensors' use (legacy)."""
+    if checkpoint.ckpt_format == "torch_dist":
+        path = os.path.join(checkpoint.path, COMMON_PT_FILENAME)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: {checkpoint.path} is incomplete")
+        return safe_load(path)
+    first = checkpoint.rank_dirs[min(checkpoint.rank_dirs)]
+    return safe_load(os.path.join(first, LEGACY_FILENAME))
+
+
+def read_args(checkpoint: MegatronCheckpoint) -> Optional[Dict[str, Any]]:
+    """The checkpoint's Megatron args as a dict, or None when it was saved without them."""
+    args = _common_state(checkpoint).get("args")
+    return None if args is None else dict(vars(args))
+
+
+# -- model shape from Megatron args -----------------------------------------------------------
+
+# Megatron arg -> TransformerConfig field, taken as is when present and not None.
+_SAME_MEANING = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
+    "ffn_hidden_size": "ffn_hidden_size", "max_position_embeddings": "max_position_embeddings",
+    "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
+    "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
+    "rotary_interleaved": "rotary_interleaved", "qk_layernorm": "qk_layernorm",
+    "apply_layernorm_1p": "layernorm_zero_centered_gamma", "add_bias_linear": "add_bias_linear",
+    "add_qkv_bias": "add_qkv_bias",
+    "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
+    "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+    "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+}
+# Megatron args that change the model in ways this reader does not map: refused when set.
+_UNMAPPED = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+             "virtual_pipeline_model_parallel_size", "multi_latent_attention", "mtp_num_layers",
+             "moe_shared_expert_intermediate_size", "moe_grouped_gemm")
+
+
+def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
+    """TransformerConfig fields that Megatron `args` fix (only those it sets)."""
+    unmapped = [f"--{n.replace('_', '-')}={args[n]!r}" for n in _UNMAPPED if args.get(n)]
+    if unmapped:
+        raise CheckpointError(
+            f"the Megatron checkpoint was trained with {', '.join(unmapped)}, which its reader "
+            "does not map; convert it with Megatron-LM's tools to a plain layout first"
+        )
+    fields = {ours: args[theirs] for theirs, ours in _SAME_MEANING.items()
+              if args.get(theirs) is not None}
+    if "num_attention_heads" in fields:
+        grouped = args.get("group_query_attention") and args.get("num_query_groups")
+        fields["num_query_groups"] = (args["num_query_groups"] if grouped
+                                      else fields["num_attention_heads"])
+    if args.get("swiglu"):
+        fields.update(gated_linear_unit=True, activation="silu")
+    elif args.get("squared_relu"):
+        fields.update(gated_linear_unit=False, activation="squared_relu")
+    elif "swiglu" in args:
+        fields.update(gated_linear_unit=False, activation="gelu")
+    position = args.get("position_embedding_type")
+    if args.get("use_rotary_position_embeddings"):
+        position = "rope"
+    if position is not None:
+        fields["position_embedding_type"] = position
+    if args.get("vocab_size"):
+        fields["vocab_size"] = args["vocab_size"]
+    if args.get("bf16"):
+        fields["params_dtype"] = torch.bfloat16
+    elif args.get("fp16"):
+        fields["params_dtype"] = torch.float16
+    return fields
+
+
+def args_from_config(config: TransformerConfig, tp: int, pp: int,
+                     iteration: int) -> argparse.Namespace:
+    """Megatron args describing `config` (what its --use-checkpoint-args and ours read)."""
+    args = {theirs: getattr(config, ours) for theirs, ours in _SAME_MEANING.items()}
+    args.update(
+        num_query_groups=config.num_query_groups,
+        group_query_attention=config.num_query_groups != config.num_attention_heads,
+        swiglu=config.gated_linear_unit and config.activation == "silu",
+        squared_relu=config.activation == "squared_relu",
+        position_embedding_type=config.position_embedding_type,
+        use_rotary_position_embeddings=config.position_embedding_type == "rope",
+        vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size(tp),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        bf16=config.params_dtype == torch.bfloat16, fp16=config.params_dtype == torch.float16,
+        params_dtype=config.params_dtype, ckpt_format="torch", iteration=iteration,
+        seq_length=config.max_position_embeddings,
+    )
+    return argparse.Namespace(**args)
+
+
+# -- reading the model ------------------------------------------------------------------------
+
+
+def _our_name(name: str) -> Optional[str]:
+    """Megatron name (per layer) -> ours; None for entries that hold no weights."""
+    if name.endswith("_extra_state") or "._extra_state" in name:
+        return None
+    match = _LAYER.match(name)
+    if match and match.group(2) in _TE_NAMES:
+        return f"decoder.layers.{match.group(1)}.{_TE_NAMES[match.group(2)]}"
+    return name
+
+
+def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as torch_dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = torch_dcp.FileSystemReader(checkpoint.path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{checkpoint.path}/.metadata cannot be read: {error}") from error
+    stored = {key: torch.empty(info.size, dtype=info.properties.dtype)
+              for key, info in metadata.state_dict_metadata.items()
+              if isinstance(info, TensorStorageMetadata) and "_extra_state" not in key}
+    # Every rank reads on its own: no collective, whatever the caller's process groups.
+    torch_dcp.load(stored, storage_reader=reader, no_dist=True)
+    out = {}
+    for key, tensor in stored.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            if rest.startswith("mlp.experts.local_experts."):
+                tail = rest[len("mlp.experts.local_experts."):]
+                for layer in range(tensor.shape[0]):
+                    for expert in range(tensor.shape[1]):
+                        out[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{tail}"] \
+                            = tensor[layer, expert].clone()
+                continue
+            for layer in range(tensor.shape[0]):  # megatron-core stacks the layers
+                name = _our_name(f"decoder.layers.{layer}.{rest}")
+                if name is not None:
+                    out[name] = tensor[layer].clone()
+        else:
+            name = _our_name(key)
+            if name is not None:
+                out[name] = tensor
+    return out
+
+
+def _read_legacy(checkpoint: MegatronCheckpoint, config: TransformerConfig
+                 ) -> Dict[str, torch.Tensor]:
+    ranks = sorted(checkpoint.rank_dirs)
+    tp = 1 + max(r[0] for r in ranks)
+    pp = 1 + max(r[1] for r in ranks)
+    if max(r[2] for r in ranks) > 0:
+        raise CheckpointError(f"{checkpoint.path}: legacy checkpoints with expert parallelism "
+                              "are not read; save it at expert-parallel size 1")
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+               for t in range(tp) for p in range(pp) if (t, p, 0) not in checkpoint.rank_dirs]
+    if missing:
+        raise CheckpointError(f"{checkpoint.path} lacks {', '.join(missing)}: incomplete")
+    full: Dict[str, torch.Tensor] = {}
+    layer_offset = 0
+    for stage in range(pp):
+        shards = []
+        for rank in range(tp):
+            state = safe_load(os.path.join(checkpoint.rank_dirs[(rank, stage, 0)],
+                                           LEGACY_FILENAME))
+            if "model" not in state:
+                keys = sorted(k for k in state if k.startswith("model"))
+                raise CheckpointError(
+                    f"{checkpoint.rank_dirs[(rank, stage, 0)]} has no 'model' entry (found "
+                    f"{keys}): virtual pipeline stages are not read")
+            shards.append({name: t for name, t in state["model"].items()
+                           if isinstance(t, torch.Tensor) and _our_name(name) is not None})
+        rows = sum(s["embedding.word_embeddings.weight"].shape[0] for s in shards) \
+            if "embedding.word_embeddings.weight" in shards[0] else None
+        if rows is None and "output_layer.weight" in shards[0]:
+            rows = sum(s["output_layer.weight"].shape[0] for s in shards)
+        # Vocab tables are merged as stored: padded rows included, none added or cut.
+        merge_config = config.replace(vocab_size=rows or config.vocab_size,
+                                      make_vocab_size_divisible_by=1)
+        merged = merge_state_dicts(shards, merge_config)
+        layers = set()
+        for name, tensor in merged.items():
+            name = _our_name(name)
+            match = _LAYER.match(name)
+            if match:
+                layers.add(int(match.group(1)))
+                name = f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+            if name == "output_layer.weight" and not config.untie_embeddings_and_output_weights:
+                continue  # the last stage's copy of the tied embedding
+            full[name] = tensor
+        layer_offset += len(layers)
+    return full
+
+
+def read_model(checkpoint: MegatronCheckpoint, config: TransformerConfig
+               ) -> Dict[str, torch.Tensor]:
+    """Full (TP=1, one stage) state dict with our names; vocab tables with the rows stored.
+    `config` gives the SwiGLU layout and tying (its vocab size is not used)."""
+    if checkpoint.ckpt_format == "torch_dist":
+        model = _read_torch_dist(checkpoint)
+    else:
+        model = _read_legacy(checkpoint, config)
+    if not config.untie_embeddings_and_output_weights:
+        model.pop("output_layer.weight", None)
+    return model
+
+
+def trim_vocab_rows(model: Mapping[str, torch.Tensor], vocab_size: int, where: str
+                    ) -> Dict[str, torch.Tensor]:
+    """Vocab tables cut to `vocab_size` rows (Megatron's padding rows dropped)."""
+    out = dict(model)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in out:
+            if out[name].shape[0] < vocab_size:
+                raise CheckpointError(
+                    f"{where}: {name} has {out[name].shape[0]} rows, fewer than the vocabulary "
+                    f"size {vocab_size}; give the tokenizer / --vocab-size it was trained with")
+            out[name] = out[name][:vocab_size].clone()
+    return out
+
+
+def load_megatron_model(load_dir: str, config: TransformerConfig
+                        ) -> Tuple[MegatronCheckpoint, Dict[str, torch.Tensor]]:
+    """The model of the Megatron checkpoint in `load_dir` in checkpoint form (vocab tables of
+    `config.vocab_size` rows), for a model of `config`."""
+    checkpoint = find_megatron_checkpoint(load_dir)
+    if checkpoint is None:
+        raise CheckpointError(f"{load_dir} holds no Megatron-LM checkpoint")
+    return checkpoint, trim_vocab_rows(read_model(checkpoint, config), config.vocab_size,
+                                       checkpoint.path)
+
+
+# -- writing the legacy format ----------------------------------------------------------------
+
+
+def _extra_state_names(names: List[str]) -> List[str]:
+    """megatron-core's local spec keeps an (empty) `_extra_state` beside each linear layer."""
+    out = []
+    for name in names:
+        for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+            if name.endswith(f".{linear}.weight"):
+                out.append(name[: -len("weight")] + "_extra_state")
+    if "output_layer.weight" in names:
+        out.append("output_layer._extra_state")
+    return out
+
+
+def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerConfig,
+                           model: Mapping[str, torch.Tensor], tp: int = 1, pp: int = 1,
+                           extra: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Write `model` (checkpoint form: vocab tables of vocab_size rows) as Megatron-LM's legacy
+    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written."""
+    if config.num_layers % pp:
+        raise CheckpointError(f"pipeline size {pp} does not divide num_layers "
+                              f"{config.num_layers}")
+    per_stage = config.num_layers // pp
+    path = os.path.join(save_dir, f"iter_{iteration:07d}")
+    args = args_from_config(config, tp, pp, iteration)
+    tied = not config.untie_embeddings_and_output_weights
+    written = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        stage_model = {}
+        for name, tensor in model.items():
+            match = _LAYER.match(name)
+            if match:
+                layer = int(match.group(1))
+                if stage * per_stage <= layer < (stage + 1) * per_stage:
+                    stage_model[f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}"] \
+                        = tensor
+            elif name.startswith("embedding.") and first:
+                stage_model[name] = tensor
+            elif not name.startswith("embedding.") and last:
+                stage_model[name] = tensor
+        if tied and last and pp > 1:  # Megatron keeps the output copy on the last stage
+            stage_model["output_layer.weight"] = model["embedding.word_embeddings.weight"]
+        for rank in range(tp):
+            shard = shard_state_dict(stage_model, config, tp, rank)
+            for name in _extra_state_names(list(shard)):
+                shard[name] = None
+            rank_dir = os.path.join(path, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1
+                                                                   else ""))
+            os.makedirs(rank_dir, exist_ok=True)
+            file = os.path.join(rank_dir, LEGACY_FILENAME)
+            torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                        "iteration": iteration, "model": shard, **(extra or {})}, file)
+            written.append(file)
+    with open(os.path.join(save_dir, TRACKER_FILENAME), "w") as f:
+        f.write(str(iteration))
+    return written
+
+
+def describe(checkpoint: MegatronCheckpoint) -> str:
+    layout = ""
+    if checkpoint.ckpt_format == "torch":
+        ranks = checkpoint.rank_dirs
+        layout = f" at TP={1 + max(r[0] for r in ranks)}, PP={1 + max(r[1] for r in ranks)}"
+    return f"Megatron-LM {checkpoint.ckpt_format!r} checkpoint {checkpoint.path}{layout}"
+
+
+__all__ = [
+    "MegatronCheckpoint",
+    "OpaqueMegatronValue",
+    "find_megatron_checkpoint",
+    "safe_load",
+    "read_args",
+    "config_fields_from_args",
+    "args_from_config",
+    "read_model",
+    "trim_vocab_rows",
+    "load_megatron_model",
+    "save_legacy_checkpoint",
+    "describe",
+]
