@@ -30,9 +30,15 @@ from tools.checkpoint.hf_format import (  # noqa: E402
     read_hf_checkpoint,
     write_hf_checkpoint,
 )
+from tools.checkpoint.megatron_format import (  # noqa: E402
+    add_shape_arguments,
+    read_megatron_checkpoint,
+    write_megatron_checkpoint,
+)
 from tools.checkpoint.smp_format import read_smp_checkpoint, write_smp_checkpoint  # noqa: E402
 
-FORMATS = ("hf", "megatron_smp")
+# "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
+FORMATS = ("hf", "megatron_smp", "megatron")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
-                        help="intended TP size (megatron_smp saver); checked against the model")
+                        help="TP size: written (megatron saver) or intended (megatron_smp saver)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
-                        help="intended PP size (megatron_smp saver); checked against the model")
+                        help="PP size: written (megatron saver) or intended (megatron_smp saver)")
+    add_shape_arguments(parser)
     return parser
 
 
@@ -85,7 +92,7 @@ def convert(args: argparse.Namespace) -> None:
     _check_save_dir(args.save_dir, args.load_dir)
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
     if args.saver == "hf" and targets != (None, None):
-        raise ConfigError("--target-*-parallel-size apply to --saver megatron_smp only")
+        raise ConfigError("--target-*-parallel-size apply to --saver megatron_smp / megatron")
 
     source_hf_config: Optional[Dict] = None
     iteration = None
@@ -96,6 +103,9 @@ def convert(args: argparse.Namespace) -> None:
         compare_state_dicts(hf_sd, hf_state_dict_from_framework(family, config, model),
                             f"mapping {args.load_dir} to the framework and back")
         source_hf_config = hf_config.to_diff_dict()
+    elif args.loader == "megatron":
+        config, model, iteration = read_megatron_checkpoint(args.load_dir, family,
+                                                            args.model_type, args)
     else:
         config, model, common = read_smp_checkpoint(args.load_dir, family, args.model_type)
         conversion = common["config"].get("conversion") or {}
@@ -104,6 +114,10 @@ def convert(args: argparse.Namespace) -> None:
 
     if args.saver == "hf":
         write_hf_checkpoint(args.save_dir, family, config, model, source_hf_config)
+    elif args.saver == "megatron":
+        tp, pp = (t or 1 for t in targets)
+        validate_target_layout(config, tp, pp)
+        write_megatron_checkpoint(args.save_dir, config, model, tp, pp, iteration)
     else:
         tp, pp = (t or 1 for t in targets)
         validate_target_layout(config, tp, pp)

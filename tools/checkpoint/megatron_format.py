@@ -1,0 +1,173 @@
+"""Read Megatron-LM checkpoints (torch_dist or legacy torch) and write the legacy format.
+
+The model shape comes from the checkpoint's pickled `args` when it has them. A checkpoint
+saved without them gets what the tensors show (layers, hidden size, FFN size, learned
+positions, biases, LayerNorm vs RMSNorm, tied output) and the rest from Megatron's flags given
+to convert.py (`--num-attention-heads`, `--num-query-groups`, `--swiglu`, `--vocab-size`,
+...); a flag that contradicts the checkpoint's args is an error.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_smp.checkpointing.megatron_format import (
+    config_fields_from_args,
+    describe,
+    find_megatron_checkpoint,
+    read_args,
+    read_model,
+    save_legacy_checkpoint,
+    trim_vocab_rows,
+)
+from megatron_smp.config import ConfigError, TransformerConfig
+from tools.checkpoint.common import (
+    check_family,
+    compare_state_dicts,
+    framework_shapes,
+    listing,
+)
+
+# Megatron shape flags convert.py accepts for checkpoints saved without args: flag -> type.
+SHAPE_FLAGS = {
+    "num_layers": int, "hidden_size": int, "ffn_hidden_size": int, "num_attention_heads": int,
+    "num_query_groups": int, "kv_channels": int, "max_position_embeddings": int,
+    "vocab_size": int, "normalization": str, "norm_epsilon": float,
+    "position_embedding_type": str, "rotary_base": float, "make_vocab_size_divisible_by": int,
+}
+SWITCHES = ("swiglu", "group_query_attention", "untie_embeddings_and_output_weights",
+            "disable_bias_linear", "add_qkv_bias", "squared_relu")
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "model shape (Megatron flags) for a --loader megatron checkpoint saved without args")
+    for name, kind in SHAPE_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    for name in SWITCHES:
+        group.add_argument("--" + name.replace("_", "-"), action="store_true", default=None)
+
+
+def _given_args(cli: argparse.Namespace) -> Dict[str, Any]:
+    """The shape flags the user gave, as Megatron args."""
+    given = {name: getattr(cli, name, None) for name in (*SHAPE_FLAGS, *SWITCHES)}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given.pop("disable_bias_linear", False):
+        given["add_bias_linear"] = False
+    return given
+
+
+def _inferred_args(model: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """Megatron args that the tensors themselves show."""
+    layers = {int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")}
+    word = model["embedding.word_embeddings.weight"]
+    inferred: Dict[str, Any] = {
+        "num_layers": len(layers), "hidden_size": word.shape[1],
+        "add_bias_linear": "decoder.layers.0.self_attention.linear_proj.bias" in model,
+        "normalization": ("LayerNorm" if "decoder.final_layernorm.bias" in model
+                          else "RMSNorm"),
+        "untie_embeddings_and_output_weights": "output_layer.weight" in model,
+    }
+    fc2 = model.get("decoder.layers.0.mlp.linear_fc2.weight")
+    if fc2 is not None:
+        inferred["ffn_hidden_size"] = fc2.shape[1]
+    if "embedding.position_embeddings.weight" in model:
+        inferred["position_embedding_type"] = "learned_absolute"
+        inferred["max_position_embeddings"] = model["embedding.position_embeddings.weight"].shape[0]
+    else:
+        inferred["position_embedding_type"] = "rope"
+    return inferred
+
+
+def _resolve_args(saved: Optional[Dict[str, Any]], given: Dict[str, Any],
+                  model: Mapping[str, torch.Tensor], where: str) -> Dict[str, Any]:
+    if saved is not None:
+        conflicts = [f"--{k.replace('_', '-')} {v!r} (checkpoint: {saved[k]!r})"
+                     for k, v in given.items() if saved.get(k) is not None and saved[k] != v]
+        if conflicts:
+            raise ConfigError(f"{where} was saved with args that differ from the flags: "
+                              f"{listing(conflicts)}; drop those flags")
+        return {**given, **{k: v for k, v in saved.items() if v is not None}}
+    args = {**_inferred_args(model), **given}
+    if "num_attention_heads" not in args:
+        raise ConfigError(
+            f"{where} was saved without args: pass the model's --num-attention-heads (and "
+            "--group-query-attention --num-query-groups, --swiglu, --vocab-size, "
+            "--max-position-embeddings as it was trained)")
+    if args.get("num_query_groups") and args["num_query_groups"] != args["num_attention_heads"]:
+        args["group_query_attention"] = True
+    args.setdefault("max_position_embeddings", args.get("seq_length") or 4096)
+    args.setdefault("swiglu", False)
+    return args
+
+
+def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
+                             cli: argparse.Namespace) -> Tuple[TransformerConfig,
+                                                               Dict[str, torch.Tensor], int]:
+    """-> (TransformerConfig, {name: global tensor} in checkpoint form, iteration)."""
+    checkpoint = find_megatron_checkpoint(load_dir)
+    if checkpoint is None:
+        raise ConfigError(
+            f"--load-dir {load_dir} holds no Megatron-LM checkpoint (latest_checkpointed_"
+            "iteration.txt naming an iter_* directory with metadata.json or mp_rank_*/"
+            f"{'model_optim_rng.pt'})")
+    where = describe(checkpoint)
+    saved = read_args(checkpoint)
+    given = _given_args(cli)
+    # Tying and SwiGLU decide how the tensors are read: settle them first.
+    layout_fields = {
+        "untie_embeddings_and_output_weights": bool(
+            (saved or given).get("untie_embeddings_and_output_weights")),
+    }
+    swiglu = (saved or given).get("swiglu", False)
+    probe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8,
+                              max_position_embeddings=8, gated_linear_unit=bool(swiglu),
+                              activation="silu" if swiglu else "gelu", **layout_fields)
+    stored = read_model(checkpoint, probe)
+    if saved is None and "output_layer.weight" in stored:
+        probe = probe.replace(untie_embeddings_and_output_weights=True)
+        stored = read_model(checkpoint, probe)
+    args = _resolve_args(saved, given, stored, where)
+    fields = config_fields_from_args(args)
+    fields.setdefault("vocab_size", stored["embedding.word_embeddings.weight"].shape[0])
+    fields["params_dtype"] = stored["embedding.word_embeddings.weight"].dtype
+    try:
+        config = TransformerConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: its model shape is incomplete or invalid ({error}); give "
+                          "the missing Megatron flags") from error
+    check_family(config, family, model_type)
+    model = trim_vocab_rows(stored, config.vocab_size, where)
+    expected = framework_shapes(family, config)
+    problems = [f"{k}: missing" for k in sorted(set(expected) - set(model))]
+    problems += [f"{k}: unexpected" for k in sorted(set(model) - set(expected))]
+    problems += [f"{k}: shape {list(model[k].shape)}, the model config says {list(v)}"
+                 for k, v in expected.items() if k in model and model[k].shape != v]
+    if problems:
+        raise ConfigError(f"{where} does not hold the {model_type} its args / flags describe: "
+                          f"{listing(problems)}")
+    return config, model, checkpoint.iteration
+
+
+def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
+                              model: Mapping[str, torch.Tensor], tp: int, pp: int,
+                              iteration: Optional[int]) -> None:
+    """Write the legacy format at TP=`tp`, PP=`pp`, read it back and compare bit for bit."""
+    # Megatron's tracker reads 0 as no checkpoint; a converted model is "iteration 1".
+    iteration = iteration or 1
+    save_legacy_checkpoint(save_dir, iteration, config, {k: v.contiguous()
+                                                         for k, v in model.items()}, tp, pp)
+    checkpoint = find_megatron_checkpoint(save_dir)
+    reread = trim_vocab_rows(read_model(checkpoint, config), config.vocab_size, save_dir)
+    compare_state_dicts(dict(model), reread, f"re-reading {describe(checkpoint)}")
+    saved = config_fields_from_args(read_args(checkpoint))
+    differing = [k for k, v in saved.items() if getattr(config, k) != v]
+    if differing:
+        raise ConfigError(f"verification failed: the args written to {save_dir} differ in "
+                          f"{listing(differing)}")
+
+
+__all__ = ["add_shape_arguments", "read_megatron_checkpoint", "write_megatron_checkpoint",
+           "SHAPE_FLAGS", "SWITCHES"]
