@@ -593,6 +593,9 @@ class OptimizerConfig:
     # Megatron's --calculate-per-token-loss: the step's loss is the global batch's per-token
     # mean (training/per_token_loss.py), not the mean of per-microbatch means.
     calculate_per_token_loss: bool = False
+    # Megatron's --apply-wd-to-qk-layernorm: the --qk-layernorm weights are decayed although
+    # they are 1-D (optimizer.get_param_groups).
+    apply_wd_to_qk_layernorm: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False

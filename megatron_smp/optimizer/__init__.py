@@ -29,6 +29,12 @@ def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+def _no_weight_decay_but_qk_layernorm(name: str, param: torch.nn.Parameter) -> bool:
+    # --apply-wd-to-qk-layernorm (Megatron's, for Qwen3-Next): the per-head q/k norms are decayed.
+    qk_norm = "q_layernorm." in name or "k_layernorm." in name
+    return _default_no_weight_decay(name, param) and not qk_norm
+
+
 def is_embedding_or_output_parameter(name: str) -> bool:
     """The input word embedding and the output layer weight: the params Megatron's
     --decoupled-lr applies to (its `is_embedding_or_output_parameter`; not the position
@@ -52,7 +58,9 @@ def get_param_groups(
     Groups on the default schedule come first and carry `default_config=True` (the learning
     rate the log line reports).
     """
-    condition = no_weight_decay_cond or _default_no_weight_decay
+    condition = no_weight_decay_cond or (
+        _no_weight_decay_but_qk_layernorm if config.apply_wd_to_qk_layernorm
+        else _default_no_weight_decay)
     decoupled = config.decoupled_lr is not None
     by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
     for chunk in model_chunks:

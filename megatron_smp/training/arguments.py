@@ -208,6 +208,8 @@ _FLAGS: List[_Flag] = [
     _f("--decoupled-lr", "optimizer", type=float,
        help="own learning rate for the word embedding and output layer weights"),
     _f("--decoupled-min-lr", "optimizer", type=float),
+    _f("--apply-wd-to-qk-layernorm", "optimizer", action="store_true",
+       help="weight decay on the --qk-layernorm weights (other 1-D params stay undecayed)"),
     _f("--calculate-per-token-loss", "optimizer", action="store_true",
        help="the loss is summed over tokens and divided by the unmasked tokens of the whole "
        "global batch"),
@@ -663,6 +665,9 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
     if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
         raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
     calculator = NumMicrobatchesCalculator(training, data_parallel_size)
+    if optimizer.apply_wd_to_qk_layernorm and not configs.model.qk_layernorm:
+        raise ConfigError("--apply-wd-to-qk-layernorm decays the --qk-layernorm weights; add "
+                          "--qk-layernorm, or drop it")
     if optimizer.calculate_per_token_loss and configs.parallel.use_torch_fsdp2:
         raise ConfigError("--calculate-per-token-loss scales our DDP's grad buffers; with "
                           "--use-torch-fsdp2 it is not supported yet: drop one of them")

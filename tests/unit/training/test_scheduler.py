@@ -172,3 +172,26 @@ def test_recompute_activations_is_selective_recompute():
     configs = parse("--train-iters 10 --recompute-activations".split())
     assert configs.model.recompute_granularity == "selective"
     assert parse("--train-iters 10".split()).model.recompute_granularity is None
+
+
+@pytest.mark.parametrize("apply_wd", [False, True])
+def test_apply_wd_to_qk_layernorm_decays_only_the_qk_norms(apply_wd):
+    flags = "--train-iters 10 --qk-layernorm --weight-decay 0.1"
+    configs = parse((flags + " --apply-wd-to-qk-layernorm" * apply_wd).split())
+    prefix = "decoder.layers.0.self_attention."
+    shapes = {**GPT_PARAMETER_SHAPES, prefix + "q_layernorm.weight": (8,),
+              prefix + "k_layernorm.weight": (8,), "decoder.layers.0.input_layernorm.weight": (4,)}
+    model = module_with_parameters(shapes)
+    optimizer = _Optimizer(get_param_groups([model], configs.optimizer))
+    OptimizerParamScheduler(optimizer, configs.optimizer, 10)
+    decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    decay = {name: decay_of[id(p)] for name, p in model.named_parameters()}
+    qk_decay = 0.1 if apply_wd else 0.0
+    assert decay[prefix + "q_layernorm.weight"] == decay[prefix + "k_layernorm.weight"] == qk_decay
+    assert decay["decoder.layers.0.input_layernorm.weight"] == 0.0
+    assert decay["decoder.linear.bias"] == 0.0 and decay["decoder.linear.weight"] == 0.1
+
+
+def test_apply_wd_to_qk_layernorm_needs_qk_layernorm():
+    with pytest.raises(ConfigError, match="add --qk-layernorm"):
+        parse("--train-iters 10 --apply-wd-to-qk-layernorm".split())
