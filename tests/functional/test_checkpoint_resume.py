@@ -253,9 +253,10 @@ def test_fp16_resume_restores_main_params_and_loss_scale(tmp_path):
     expected = {i: straight[0]["losses"][i] for i in (4, 5, 6)}
     for result in resumed:
         assert result["losses"] == expected
-    scale = [line.split("loss scale:")[1].split("|")[0] for line in straight[0]["log_lines"]]
+    scale = [line.split("loss scale:")[1].split("|")[0] for line in straight[0]["log_lines"]
+             if "loss scale:" in line]  # not the evaluation lines
     resumed_scale = [line.split("loss scale:")[1].split("|")[0]
-                     for line in resumed[0]["log_lines"]]
+                     for line in resumed[0]["log_lines"] if "loss scale:" in line]
     assert scale[-1] == resumed_scale[-1] and float(scale[-1]) > 4096
     distributed = run_distributed(
         _train, 2, args=(FP16 + ["--load", load_dir, "--use-distributed-optimizer"],))
