@@ -1,7 +1,8 @@
 """When a run stops early, and how it makes itself reproducible: Megatron's run-control flags.
 
-    --exit-interval N          stop after the iteration that is a multiple of N
-    --exit-duration-in-mins M  stop once any rank has trained for more than M minutes
+    --exit-interval N          stop after the iteration that is a multiple of N (0: never)
+    --exit-duration-in-mins M  stop once any rank has trained for more than M minutes (0: never,
+                               as in Megatron)
     --exit-signal-handler      stop at the end of the iteration in which any rank received
                                --exit-signal (SIGTERM: what SLURM sends before preemption)
     --deterministic-mode       torch.use_deterministic_algorithms(True)
@@ -38,8 +39,8 @@ def validate_run_control(training: TrainingConfig, use_flash_attn: bool, uses_nc
     if training.exit_duration_in_mins is not None and training.exit_duration_in_mins < 0:
         raise ConfigError(f"--exit-duration-in-mins must be >= 0, got "
                           f"{training.exit_duration_in_mins}")
-    if training.exit_interval is not None and training.exit_interval < 1:
-        raise ConfigError(f"--exit-interval must be >= 1, got {training.exit_interval}")
+    if training.exit_interval is not None and training.exit_interval < 0:
+        raise ConfigError(f"--exit-interval must be >= 0, got {training.exit_interval}")
     interval = training.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval < 1:
         raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got "
@@ -164,7 +165,7 @@ class ExitConditions:
         training = self.training
         local = torch.tensor([
             int(self.signal_flag is not None and self.signal_flag.received),
-            int(training.exit_duration_in_mins is not None
+            int(bool(training.exit_duration_in_mins)
                 and (time.time() - self.start_time) / 60.0 > training.exit_duration_in_mins),
         ], dtype=torch.int32, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -173,12 +174,12 @@ class ExitConditions:
 
     def out_of_time(self) -> bool:
         """Whether any rank has run past --exit-duration-in-mins (a collective when set)."""
-        return self.training.exit_duration_in_mins is not None and self._agreed()[1]
+        return bool(self.training.exit_duration_in_mins) and self._agreed()[1]
 
     def reason_to_exit(self, iteration: int) -> Optional[str]:
         """Why the run stops after `iteration` (a message for the log), or None."""
         training = self.training
-        if self.signal_flag is not None or training.exit_duration_in_mins is not None:
+        if self.signal_flag is not None or training.exit_duration_in_mins:
             signalled, out_of_time = self._agreed()
             if signalled:
                 return f"exiting program after receiving {training.exit_signal}"

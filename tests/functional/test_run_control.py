@@ -16,9 +16,10 @@ from tests.functional.test_training_parity import COMMON
 ARGV = [a if a != "10" else "6" for a in COMMON]  # --train-iters 6
 
 
-def _run(rank, world_size, argv, kill_at=None, fake_wandb=False, keep=False):
+def _run(rank, world_size, argv, kill_at=None, late_at=None, fake_wandb=False, keep=False):
     """pretrain_gpt's run; `kill_at`: (rank, forward call) at which that rank sends itself
-    SIGTERM; `fake_wandb`: a recording `wandb` module; `keep`: also return the model's final
+    SIGTERM; `late_at`: (rank, forward call) from which that rank's clock reads an hour
+    later; `fake_wandb`: a recording `wandb` module; `keep`: also return the model's final
     params norm and the datasets' first samples' independent losses (see _independent)."""
     import importlib.machinery
     import sys
@@ -44,6 +45,11 @@ def _run(rank, world_size, argv, kill_at=None, fake_wandb=False, keep=False):
         seen["deterministic"] = torch.are_deterministic_algorithms_enabled()
         if kill_at is not None and (rank, calls["forward"]) == kill_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if late_at is not None and (rank, calls["forward"]) == late_at:
+            from megatron_smp.training import run_control
+
+            clock = run_control.time.time
+            run_control.time = types.SimpleNamespace(time=lambda: clock() + 3600.0)
         return forward_step(data_iterator, model)
 
     def datasets(num_samples, configs, tokenizer):
@@ -127,14 +133,15 @@ def test_sigterm_saves_the_current_iteration_and_resumes_exactly(tmp_path, unint
 
 def test_exit_duration_and_exit_interval_save_and_skip_final_evaluation(tmp_path):
     save = str(tmp_path / "duration")
-    # 0 minutes: every rank is past it after the first iteration, and after the first batch
-    # of its evaluation, which is abandoned (Megatron's "timelimit reached").
-    flags = ["--exit-duration-in-mins", "0", "--save", save, "--eval-interval", "1",
+    # Rank 1's clock jumps an hour ahead in iteration 1: both ranks stop after it, and after
+    # the first batch of its evaluation, which is abandoned (Megatron's "timelimit reached").
+    flags = ["--exit-duration-in-mins", "30", "--save", save, "--eval-interval", "1",
              "--eval-iters", "3"]
-    results = run_distributed(_run, 2, args=(ARGV + flags,))
+    results = run_distributed(_run, 2, args=(ARGV + flags,), kwargs={"late_at": (1, 2)})
+    # Each rank names its own elapsed time, as Megatron's message does.
+    assert results[1]["exit_reason"].startswith("exiting program after 60.")
     for result in results:
-        assert result["iteration"] == 1 and result["exit_reason"].startswith(
-            "exiting program after 0.")
+        assert result["iteration"] == 1 and result["exit_reason"].endswith(" minutes")
         assert result["final_valid"] == {}
         assert not any("validation loss" in line for line in result["log_lines"])
         assert result["forwards"] == 2 + 2  # 2 microbatches per rank: training, 1 eval batch
@@ -145,6 +152,10 @@ def test_exit_duration_and_exit_interval_save_and_skip_final_evaluation(tmp_path
     assert result["iteration"] == 4 and result["exit_reason"] == "exiting program at iteration 4"
     assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000004",
                                         "latest_checkpointed_iteration.txt"]
+    # 0 means never, as in Megatron (both are tested for truth there).
+    result = run_distributed(_run, 1, args=(ARGV + ["--exit-interval", "0",
+                                                    "--exit-duration-in-mins", "0"],))[0]
+    assert result["iteration"] == 6 and result["exit_reason"] is None
 
 
 @pytest.fixture(scope="module")
