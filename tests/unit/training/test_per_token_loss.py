@@ -118,13 +118,15 @@ def _train(rank, world_size, runs):
     return out
 
 
-@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["dp2", "pp2"])
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"],
+                                    ["--context-parallel-size", "2"]],
+                         ids=["dp2", "pp2", "cp2"])
 def test_pretrain_with_equal_token_counts_matches_the_microbatch_mean(layout):
     """Without masking every microbatch has the same tokens, so the per-token mean is the
     mean of means: pretrain's grad scaling and [sum, count] reporting must give the losses of
-    a run without the flag (DP=2 with 2 microbatches, or PP=2 with 4, where the first stage
-    takes the token count from the last; 3 iterations)."""
+    a run without the flag (DP=2 with 2 microbatches; PP=2 with 4, where the first stage
+    takes the token count from the last; CP=2, each rank counting its half of the tokens;
+    3 iterations)."""
     from tests.functional.test_training_parity import COMMON
 
     argv = COMMON + ["--train-iters", "3"] + layout
