@@ -26,7 +26,10 @@ from megatron_smp.models.hf.common import (
 HF_ARCHITECTURES = ("GPTNeoXForCausalLM",)
 MODEL_TYPES = ("gpt_neox",)
 
-_ACTIVATIONS_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_ACTIVATIONS_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                        "relu2": "squared_relu"}
+_ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh",
+                      "squared_relu": "relu2"}
 
 # (ours, HF) names inside one layer, copied as they are.
 _LAYER_NAMES = (
@@ -84,13 +87,16 @@ def config_to_hf(config: TransformerConfig):
         config.position_embedding_type != "rope"
     ) or config.num_query_groups != config.num_attention_heads or not config.add_bias_linear:
         raise ConfigError("this config is not a GPT-NeoX (LayerNorm, RoPE, MHA, GeLU, biases)")
+    if config.activation not in _ACTIVATIONS_TO_HF:
+        raise ConfigError(f"GPT-NeoX has no {config.activation!r} activation; it takes "
+                          f"{sorted(_ACTIVATIONS_TO_HF)}")
     return GPTNeoXConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         intermediate_size=config.ffn_hidden_size,
-        hidden_act="gelu" if config.activation == "gelu" else "gelu_pytorch_tanh",
+        hidden_act=_ACTIVATIONS_TO_HF[config.activation],
         max_position_embeddings=config.max_position_embeddings,
         layer_norm_eps=config.layernorm_epsilon,
         use_parallel_residual=config.parallel_residual,

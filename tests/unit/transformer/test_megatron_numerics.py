@@ -398,3 +398,25 @@ def test_qwen3_converts_through_the_checkpoint_tool(tmp_path):
     assert result.keys() == source.state_dict().keys()
     for name, value in source.state_dict().items():
         assert torch.equal(result[name], value), name
+
+
+def test_squared_relu_model_converts_to_hf_gpt_neox_relu2(state):
+    """HF's "relu2" activation is relu(x)^2: a --squared-relu NeoX-shaped model exports to it."""
+    from transformers import GPTNeoXForCausalLM
+
+    config = _model_config("--squared-relu", "--position-embedding-type", "rope",
+                           "--rotary-percent", "0.5", "--use-parallel-residual",
+                           "--untie-embeddings-and-output-weights")
+    torch.manual_seed(0)
+    model = GPTModel(config, state).eval()
+    adapter = get_adapter("gpt_neox")
+    hf_config = config_to_hf(config, "gpt_neox")
+    assert hf_config.hidden_act == "relu2"
+    assert adapter.config_from_hf(hf_config).activation == "squared_relu"
+    hf = GPTNeoXForCausalLM(hf_config).eval()
+    hf.load_state_dict(adapter.to_hf(model.state_dict(), config), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids())[..., :1003], hf(_ids()).logits,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="GPT-NeoX has no 'silu'"):
+        config_to_hf(config.replace(activation="silu"), "gpt_neox")
