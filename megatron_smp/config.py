@@ -217,7 +217,8 @@ class TransformerConfig:
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
     layernorm_epsilon: float = 1e-5
     # Megatron's --apply-layernorm-1p: every norm's scale is stored zero-centred,
-    # y = norm(x) * (1 + w), so weight decay pulls the scale towards 1 instead of 0.
+    # y = norm(x) * (1 + w), so where norms are decayed (--apply-wd-to-qk-layernorm) the
+    # decay pulls the scale towards 1 instead of 0.
     layernorm_zero_centered_gamma: bool = False
     # Megatron's --qk-layernorm: `normalization` over each head's query and key (head dim),
     # after the QKV projection and before RoPE.

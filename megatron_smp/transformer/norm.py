@@ -6,8 +6,8 @@ they are marked `sequence_parallel = True`, and their gradients must be all-redu
 tensor-parallel group before the optimizer step.
 
 `zero_centered_gamma` (Megatron's --apply-layernorm-1p) stores the scale as w with
-y = norm(x) * (1 + w): w starts at 0, and weight decay pulls the scale towards 1 rather
-than 0.
+y = norm(x) * (1 + w): w starts at 0, and where norms are decayed (--apply-wd-to-qk-layernorm)
+the decay pulls the scale towards 1 rather than 0.
 """
 from __future__ import annotations
 
