@@ -114,7 +114,9 @@ def _train(rank, world_size, runs):
     for argv in runs:
         result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
                           argv=argv)
-        out.append({i: v["lm loss"] for i, v in result.train_losses.items()})
+        grad_norms = [float(line.split("grad norm:")[1].split("|")[0])
+                      for line in result.log_lines if "grad norm:" in line]
+        out.append(({i: v["lm loss"] for i, v in result.train_losses.items()}, grad_norms))
     return out
 
 
@@ -129,11 +131,14 @@ def test_pretrain_with_equal_token_counts_matches_the_microbatch_mean(layout):
     3 iterations)."""
     from tests.functional.test_training_parity import COMMON
 
-    argv = COMMON + ["--train-iters", "3"] + layout
+    argv = COMMON + ["--train-iters", "3", "--log-interval", "1"] + layout
     results = run_distributed(_train, 2, args=([argv, argv + ["--calculate-per-token-loss"]],),
                               timeout=300)
-    for plain, per_token in results:
+    for (plain, plain_norms), (per_token, per_token_norms) in results:
         assert sorted(plain) == [1, 2, 3]
         for iteration, loss in plain.items():
             assert per_token[iteration] == pytest.approx(loss, rel=1e-5)
         assert len({round(v, 6) for v in plain.values()}) == 3  # training moves the loss
+        # Adam hides a constant factor in the grads from the losses; the norms show it.
+        assert len(plain_norms) == 3
+        assert per_token_norms == pytest.approx(plain_norms, abs=2e-3)
