@@ -45,7 +45,8 @@ GPT3_175B = [
 ]
 
 # examples/llama/train_llama3_8b_h100_fp8.sh @ core_v0.16.1 (its default MOCK data): MODEL_ARGS,
-# TRAINING_ARGS (+ DDP_ARGS), DTYPE_ARGS, MODEL_PARALLEL_ARGS, DATA_ARGS_LIST, EVAL_AND_LOGGING_ARGS.
+# TRAINING_ARGS (+ DDP_ARGS), DTYPE_ARGS, MODEL_PARALLEL_ARGS, DATA_ARGS_LIST,
+# EVAL_AND_LOGGING_ARGS.
 # The unquoted "--split '99,1,0'" array element reaches the script as two words, quotes kept.
 LLAMA3_8B_FP8 = [
     "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
@@ -159,7 +160,8 @@ def _prepare(script: List[str], tmp_path, parallel: Dict[str, str], remove=(), a
     argv = _remove(argv, list(remove) + list(parallel)) + list(add)
     for flag, value in parallel.items():
         argv += [flag, value]
-    paths = {"$CHECKPOINT_PATH": str(tmp_path / "ckpt"), "$DATA_CACHE_PATH": str(tmp_path / "cache"),
+    paths = {"$CHECKPOINT_PATH": str(tmp_path / "ckpt"),
+             "$DATA_CACHE_PATH": str(tmp_path / "cache"),
              "$TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"),
              "${CHECKPOINT_PATH}/tensorboard": str(tmp_path / "ckpt" / "tensorboard")}
     return [paths.get(token, token) for token in argv]

@@ -182,7 +182,8 @@ def test_rotary_interleaved_and_percent_match_complex_rope(interleaved, percent)
 def test_rotary_interleaved_flag_reaches_the_model(state):
     config = _model_config("--position-embedding-type", "rope", "--rotary-interleaved")
     model = GPTModel(config, state)
-    assert model.rotary_pos_emb.interleaved and model.decoder.layers[1].self_attention.rotary_interleaved
+    assert model.rotary_pos_emb.interleaved
+    assert model.decoder.layers[1].self_attention.rotary_interleaved
     torch.manual_seed(0)
     plain = GPTModel(config.replace(rotary_interleaved=False), state)
     plain.load_state_dict(model.state_dict())
@@ -217,7 +218,7 @@ def test_rotary_interleaved_qk_layernorm_model_exports_to_hf_qwen3(state):
         assert torch.equal(back[name], value), name
 
 
-# --no-position-embedding, --use-rotary-position-embeddings ------------------------------------------
+# --no-position-embedding, --use-rotary-position-embeddings -------------------------------------
 
 
 def test_no_position_embedding_is_rope_only_and_changes_nothing_there(state):
@@ -280,7 +281,7 @@ def test_init_method_std_and_scaled_output_projections(state):
         assert abs(values.mean().item()) < 0.03 * target, name
 
 
-# --apply-query-key-layer-scaling (kept in IGNORED_FLAGS) -------------------------------------------
+# --apply-query-key-layer-scaling (kept in IGNORED_FLAGS) ---------------------------------------
 
 
 def _megatron_unfused_fp16_attention(q, k, v, layer_number):
