@@ -394,23 +394,19 @@ _LOW_PRECISION_FLAGS = {"--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-tra
                         "--te-precision-config-file"}
 
 
-def _reject_low_precision(argv: Sequence[str]) -> None:
-    """ConfigError naming the hardware and library the first FP8/FP4 flag in `argv` needs."""
-    for token in argv:
-        flag = token.split("=", 1)[0]
-        if not (flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS):
-            continue
-        try:
-            import transformer_engine  # noqa: F401
+def _low_precision_error(flag: str) -> ConfigError:
+    """The error for an FP8/FP4 flag: the hardware and library it needs."""
+    try:
+        import transformer_engine  # noqa: F401
 
-            have = "Transformer Engine imports here, but megatron_smp has no FP8/FP4 path built"
-        except Exception:  # ImportError, or a build without its CUDA libraries
-            have = "Transformer Engine is not installed here, and megatron_smp has no FP8/FP4 path"
-        raise ConfigError(
-            f"{flag} asks for FP8/FP4 training, which needs NVIDIA Transformer Engine on a "
-            f"Hopper (H100/H200) or Blackwell GPU; {have}. Drop the --fp8-*/--fp4-* flags and "
-            "train in --bf16 (the hardware-only change Megatron's FP8 example scripts allow)"
-        )
+        have = "Transformer Engine imports here, but megatron_smp has no FP8/FP4 path built"
+    except Exception:  # ImportError, or a build without its CUDA libraries
+        have = "Transformer Engine is not installed here, and megatron_smp has no FP8/FP4 path"
+    return ConfigError(
+        f"{flag} asks for FP8/FP4 training, which needs NVIDIA Transformer Engine on a "
+        f"Hopper (H100/H200) or Blackwell GPU; {have}. Drop the --fp8-*/--fp4-* flags and "
+        "train in --bf16 (the hardware-only change Megatron's FP8 example scripts allow)"
+    )
 
 
 def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str, Any]]) -> None:
@@ -444,9 +440,12 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
 
 
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
-    """ConfigError for the first flag in `argv` whose capability does not exist yet."""
+    """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
+    flags included)."""
     for token in argv:
         flag = token.split("=", 1)[0]
+        if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
+            raise _low_precision_error(flag)
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
         if flag.startswith("--moe-") and flag not in _MOE_FLAGS:
