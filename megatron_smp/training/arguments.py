@@ -552,7 +552,6 @@ def parse_args(
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     _reject_not_supported_yet(argv)
-    _reject_low_precision(argv)
     parser = build_parser(extra_args_provider)
     if args_defaults:
         by_field = {}
