@@ -781,3 +781,11 @@ class CheckpointConfig:
     # unless one of these says which side wins.
     override_opt_param_scheduler: bool = False  # the command line wins
     use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint wins
+    # Megatron's handling of key mismatches on load ("unexpected": the model has it, the
+    # checkpoint not; "missing": the reverse): assume_ok_unexpected | log_unexpected | log_all |
+    # raise_unexpected | raise_all | return_unexpected | return_all | ignore_all.
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
+    # Load any format; without it, --ckpt-format torch loads only legacy per-rank files.
+    auto_detect_ckpt_format: bool = False
+    # Optimizer state reshardable over TP/PP/DP (always so in "torch_dist"; "torch" is not).
+    dist_ckpt_optim_fully_reshardable: bool = False

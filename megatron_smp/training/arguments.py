@@ -32,6 +32,11 @@ from megatron_smp.config import (
     TransformerConfig,
     not_supported,
 )
+from megatron_smp.training.checkpointing import (
+    STRICTNESS_CHOICES,
+    check_checkpoint_flags,
+    checkpoint_model_fields,
+)
 
 _SECTIONS = {
     "model": TransformerConfig,
@@ -325,6 +330,11 @@ _FLAGS: List[_Flag] = [
        action="store_true"),
     _f("--use-checkpoint-opt_param-scheduler", "checkpoint",
        "use_checkpoint_opt_param_scheduler", action="store_true"),
+    _f("--dist-ckpt-strictness", "checkpoint", choices=list(STRICTNESS_CHOICES)),
+    _f("--auto-detect-ckpt-format", "checkpoint", action="store_true"),
+    _f("--dist-ckpt-optim-fully-reshardable", "checkpoint", action="store_true"),
+    # Post-processed: the model flags are replaced by the --load checkpoint's.
+    _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true"),
 ]
 
 # Megatron-LM flags accepted and ignored, each with the reason it changes neither results nor
@@ -377,7 +387,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--use-checkpoint-args": "model arguments read from a checkpoint",
 }
 
 
@@ -637,6 +646,8 @@ def parse_args(
                               f"{model['recompute_granularity']})")
         model["recompute_granularity"] = "selective"
 
+    if args.use_checkpoint_args:
+        model.update(checkpoint_model_fields(sections["checkpoint"].get("load")))
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
@@ -767,6 +778,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
             "--use-checkpoint-opt_param-scheduler (the checkpoint's wins) contradict each "
             "other; give one"
         )
+    check_checkpoint_flags(checkpoint)
 
 
 def _validate_run_flags(configs: Configs) -> None:

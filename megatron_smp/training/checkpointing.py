@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -46,15 +46,97 @@ from megatron_smp.checkpointing.sharded_state import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
-from megatron_smp.config import FUNCTION_FIELDS
+from megatron_smp.checkpointing.megatron_format import (
+    config_fields_from_args,
+    describe,
+    find_megatron_checkpoint,
+    read_args,
+    read_model,
+    trim_vocab_rows,
+)
+from megatron_smp.config import FUNCTION_FIELDS, ConfigError
 from megatron_smp.distributed.checkpoint.agreement import (
     collective_device,
     is_distributed,
     raise_if_any_rank_failed,
 )
 from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
+from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
 
 PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")
+# Megatron's --dist-ckpt-strictness values (megatron.core.dist_checkpointing StrictHandling).
+STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                      "raise_all", "return_unexpected", "return_all", "ignore_all")
+# TransformerConfig fields --use-checkpoint-args takes from the checkpoint (shape and function;
+# not the vocabulary, which the tokenizer gives, nor precision, dropout or initialisation).
+CHECKPOINT_ARGS_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "ffn_hidden_size", "add_bias_linear", "add_qkv_bias",
+    "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
+    "qk_layernorm", "make_vocab_size_divisible_by",
+) + FUNCTION_FIELDS
+
+
+def check_checkpoint_flags(config) -> None:
+    """Checkpoint flags that contradict each other (pure; before any collective)."""
+    if config.dist_ckpt_optim_fully_reshardable and config.ckpt_format == "torch":
+        raise ConfigError(
+            "--dist-ckpt-optim-fully-reshardable asks for an optimizer state that loads at any "
+            "TP/PP/DP layout; --ckpt-format torch writes one file per rank, loadable only at "
+            "the saving layout. Use --ckpt-format torch_dist (always fully reshardable here)"
+        )
+
+
+def checkpoint_model_fields(load_dir: Optional[str]) -> Dict[str, Any]:
+    """--use-checkpoint-args: the model fields saved with the checkpoint in `load_dir`
+    (Megatron-LM's pickled args, or our common.json's model config)."""
+    if not load_dir:
+        raise ConfigError("--use-checkpoint-args reads the model shape from the --load "
+                          "checkpoint: add --load DIR")
+    megatron = find_megatron_checkpoint(load_dir)
+    if megatron is not None:
+        args = read_args(megatron)
+        if args is None:
+            raise ConfigError(f"--use-checkpoint-args: {describe(megatron)} was saved without "
+                              "args; give the model flags instead")
+        fields = config_fields_from_args(args)
+    else:
+        if not os.path.isfile(tracker_path(load_dir)):
+            raise ConfigError(f"--use-checkpoint-args: --load {load_dir} holds no checkpoint "
+                              f"({os.path.basename(tracker_path(load_dir))} is missing)")
+        path = os.path.join(checkpoint_dir(load_dir, read_tracker(load_dir)), COMMON_FILENAME)
+        with open(path) as handle:
+            fields = (json.load(handle).get("config") or {}).get("model")
+        if not isinstance(fields, dict):
+            raise ConfigError(f"--use-checkpoint-args: {path} holds no model config")
+        if isinstance(fields.get("window_size"), list):
+            fields["window_size"] = tuple(fields["window_size"])
+    return {name: fields[name] for name in CHECKPOINT_ARGS_FIELDS if name in fields}
+
+
+def check_key_mismatch(strictness: str, unexpected: List[str], missing: List[str],
+                       where: str) -> List[str]:
+    """Megatron's --dist-ckpt-strictness on load. `unexpected`: the model has them, the
+    checkpoint not (they keep their initial values unless that raises); `missing`: the
+    checkpoint has them, the model not. Raises, or returns the warnings to print."""
+    if unexpected and strictness in ("assume_ok_unexpected", "raise_unexpected", "raise_all"):
+        raise CheckpointError(
+            f"{where} lacks tensors the model has: {format_listing(unexpected)}; check the "
+            "model flags, or keep their initial values with --dist-ckpt-strictness "
+            "log_unexpected (or ignore_all)")
+    if missing and strictness == "raise_all":
+        raise CheckpointError(
+            f"{where} holds tensors the model lacks: {format_listing(missing)}; check the "
+            "model flags, or skip them with --dist-ckpt-strictness log_all (or "
+            "assume_ok_unexpected)")
+    warnings = []
+    if unexpected and strictness != "ignore_all":
+        warnings.append(f"WARNING: {where} lacks {format_listing(unexpected)}: they keep "
+                        f"their initial values (--dist-ckpt-strictness {strictness})")
+    if missing and strictness in ("log_all", "return_all"):
+        warnings.append(f"WARNING: {where} holds {format_listing(missing)}, which the model "
+                        f"lacks: not loaded (--dist-ckpt-strictness {strictness})")
+    return warnings
 
 
 def _print_rank_0(run, message: str) -> None:
@@ -225,16 +307,85 @@ def check_architecture_matches(path: str, model_config) -> None:
         )
 
 
+def _check_format(config, found: str, where: str) -> None:
+    """Megatron's rule: --ckpt-format torch loads legacy per-rank files only, unless
+    --auto-detect-ckpt-format (torch_dist, the default, detects the format itself)."""
+    if config.ckpt_format == "torch" and found != "torch" and not config.auto_detect_ckpt_format:
+        raise CheckpointError(
+            f"{where} is in the {found!r} format but --ckpt-format is torch; add "
+            "--auto-detect-ckpt-format (or --ckpt-format torch_dist) to load it")
+
+
+def _load_megatron(run, checkpoint) -> None:
+    """Restore a Megatron-LM checkpoint's weights (any TP/PP layout of ours), and with
+    --no-load-optim its iteration and consumed samples. Every error is raised on every rank
+    alike (each reads the same files) before any collective."""
+    config = run.configs.checkpoint
+    model_config = run.configs.model
+    where = describe(checkpoint)
+    _check_format(config, checkpoint.ckpt_format, where)
+    if not config.finetune and not config.no_load_optim:
+        raise CheckpointError(
+            f"{where}: Megatron-LM's optimizer state does not map onto megatron_smp's; add "
+            "--finetune (its weights, from iteration 0) or --no-load-optim (its weights and "
+            "iteration, a fresh optimizer)")
+    if not config.finetune and not config.no_load_rng:
+        raise CheckpointError(f"{where}: Megatron-LM's RNG states are not restored here; add "
+                              "--no-load-rng (or --finetune)")
+    start = time.perf_counter()
+    args = read_args(checkpoint)
+    if args is not None:
+        saved = config_fields_from_args(args)
+        differing = [f"{name}: checkpoint {saved[name]!r} vs flags "
+                     f"{getattr(model_config, name)!r}" for name in CHECKPOINT_ARGS_FIELDS
+                     if name in saved and saved[name] != getattr(model_config, name)]
+        if differing:
+            raise CheckpointError(
+                f"{where} was trained with a different model; change the flags to match it "
+                f"or add --use-checkpoint-args: {'; '.join(differing)}")
+    full = trim_vocab_rows(read_model(checkpoint, model_config), model_config.vocab_size,
+                           where)
+    views = model_sharded_state_dict(run.model, run.state, model_config.vocab_size)
+    wrong = [f"{name}: checkpoint {list(full[name].shape)} vs model "
+             f"{list(view.global_shape)}" for name, view in views.items()
+             if name in full and full[name].shape != view.global_shape]
+    if wrong:
+        raise CheckpointError(f"{where} does not fit the model: {'; '.join(wrong)}")
+    for line in check_key_mismatch(config.dist_ckpt_strictness,
+                                   sorted(set(views) - set(full)),
+                                   sorted(set(full) - set(views)), where):
+        _print_rank_0(run, line)
+    with torch.no_grad():
+        for name, view in views.items():
+            if name in full:
+                for offsets, local in view.chunks:
+                    index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
+                    local.copy_(full[name][index])
+    run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+    if not config.finetune:
+        run.iteration = checkpoint.iteration
+        run.consumed_train_samples = int((args or {}).get("consumed_train_samples") or 0)
+    _print_rank_0(run, f"loaded {where} in {time.perf_counter() - start:.2f} s; resuming at "
+                       f"iteration {run.iteration}")
+
+
 def load(run, tokenizer=None) -> None:
     """Restore --load into `run` (collective): model always; optimizer, grad scaler and
     scheduler unless --no-load-optim / --finetune; progress counters unless --finetune;
-    RNG states unless --no-load-rng / --finetune (and only at the saving layout)."""
+    RNG states unless --no-load-rng / --finetune (and only at the saving layout). A
+    Megatron-LM checkpoint (torch_dist or legacy) is detected and read as such."""
     config = run.configs.checkpoint
+    megatron = find_megatron_checkpoint(config.load) if config.load else None
+    if megatron is not None:
+        _load_megatron(run, megatron)
+        return
     iteration = _find_iteration(run)
     if iteration is None:
         return
     start = time.perf_counter()
     path = checkpoint_dir(config.load, iteration)
+    with open(os.path.join(path, COMMON_FILENAME)) as handle:
+        _check_format(config, json.load(handle).get("ckpt_format", "torch_dist"), path)
     check_architecture_matches(path, run.configs.model)
     saved = _saved_top_level_keys(path, run.state)
     load_optimizer = not (config.no_load_optim or config.finetune)

@@ -130,7 +130,6 @@ NOT_YET = [
     ("--moe-router-score-function sigmoid", "--moe-router-score-function"),
     ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias"),
     ("--hierarchical-context-parallel-sizes 2 2", "--hierarchical-context-parallel-sizes"),
-    ("--use-checkpoint-args", "--use-checkpoint-args"),
 ]
 
 

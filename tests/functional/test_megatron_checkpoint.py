@@ -1,0 +1,94 @@
+"""pretrain --load of real Megatron-LM checkpoints (megatron-core 0.16.1, tests/fixtures/megatron):
+detected by itself, loaded with --finetune at TP=2 as at TP=1, resumed with --no-load-optim,
+and the flags that decide what happens on a mismatch."""
+import os
+
+import pytest
+
+from megatron_smp.checkpointing import CheckpointError
+from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import _train
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
+# The fixtures' shape: 2 layers, hidden 64, 4 heads, 32 positions, 100 tokens (NullTokenizer:
+# 99 + eod).
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 2 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 99 --hidden-dropout 0 "
+    "--attention-dropout 0 --lr 1e-3 --log-interval 1 --eval-interval 100 --eval-iters 1 "
+    "--seed 7"
+).split()
+GPT = BASE + ["--ffn-hidden-size", "256"]
+LLAMA = BASE + ("--normalization RMSNorm --swiglu --ffn-hidden-size 128 --position-embedding-type "
+                "rope --untie-embeddings-and-output-weights --disable-bias-linear "
+                "--group-query-attention --num-query-groups 2").split()
+CASES = {
+    "gpt_torch_dist": ("pretrain_gpt", GPT),
+    "llama_torch_dist": ("pretrain_llama", LLAMA),
+    "llama_legacy_tp2": ("pretrain_llama", LLAMA),
+}
+
+
+def _losses(world_size, script, argv):
+    return run_distributed(_train, world_size, args=(argv,), kwargs={"script": script},
+                           timeout=240)[0]
+
+
+@pytest.mark.parametrize("fixture", sorted(CASES))
+def test_finetune_from_megatron_checkpoint_tp2_equals_tp1(fixture):
+    script, argv = CASES[fixture]
+    argv = argv + ["--load", os.path.join(FIXTURES, fixture), "--finetune"]
+    tp1 = _losses(1, script, argv)
+    tp2 = _losses(2, script, argv + ["--tensor-model-parallel-size", "2"])
+    scratch = _losses(1, script, CASES[fixture][1])
+    assert len(tp1) == 2
+    assert tp2[0] == pytest.approx(tp1[0], abs=1e-5)
+    # The weights came from the checkpoint: not those a fresh run draws.
+    assert abs(tp1[0] - scratch[0]) > 1e-3
+
+
+def _error_of(rank, world_size, argv, script):
+    try:
+        _train(rank, world_size, argv, script=script)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _error(argv, script="pretrain_llama"):
+    return run_distributed(_error_of, 1, args=(argv, script), timeout=120)[0]
+
+
+def test_resume_needs_finetune_or_no_load_optim_and_no_load_rng():
+    load = ["--load", os.path.join(FIXTURES, "llama_legacy_tp2")]
+    message = _error(LLAMA + load)
+    assert "--finetune" in message and "--no-load-optim" in message
+    message = _error(LLAMA + load + ["--no-load-optim"])
+    assert "--no-load-rng" in message
+
+
+def test_no_load_optim_resumes_at_the_checkpoint_iteration():
+    # The legacy fixture is iteration 5: with --train-iters 7 two iterations remain.
+    argv = LLAMA + ["--load", os.path.join(FIXTURES, "llama_legacy_tp2"), "--no-load-optim",
+                    "--no-load-rng", "--train-iters", "7"]
+    assert len(_losses(1, "pretrain_llama", argv)) == 2
+
+
+def test_ckpt_format_torch_needs_auto_detect_for_torch_dist():
+    load = ["--load", os.path.join(FIXTURES, "llama_torch_dist"), "--finetune"]
+    message = _error(LLAMA + load + ["--ckpt-format", "torch"])
+    assert "--auto-detect-ckpt-format" in message
+    losses = _losses(1, "pretrain_llama", LLAMA + load + ["--ckpt-format", "torch",
+                                                          "--auto-detect-ckpt-format"])
+    assert losses == pytest.approx(_losses(1, "pretrain_llama", LLAMA + load), abs=0)
+
+
+def test_mismatched_model_names_the_fields_and_use_checkpoint_args_fixes_it():
+    load = ["--load", os.path.join(FIXTURES, "llama_torch_dist"), "--finetune"]
+    wrong = [a if a != "128" else "192" for a in LLAMA]  # --ffn-hidden-size 192
+    message = _error(wrong + load)
+    assert "ffn_hidden_size: checkpoint 128 vs flags 192" in message
+    assert "--use-checkpoint-args" in message
+    fixed = _losses(1, "pretrain_llama", wrong + load + ["--use-checkpoint-args"])
+    assert fixed == pytest.approx(_losses(1, "pretrain_llama", LLAMA + load), abs=0)
