@@ -117,18 +117,14 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     saved = read_args(checkpoint)
     given = _given_args(cli)
     # Tying and SwiGLU decide how the tensors are read: settle them first.
-    layout_fields = {
-        "untie_embeddings_and_output_weights": bool(
-            (saved or given).get("untie_embeddings_and_output_weights")),
-    }
+    # Without args, an output layer stored apart from the embedding means untied.
+    untie = saved.get("untie_embeddings_and_output_weights") if saved else True
     swiglu = (saved or given).get("swiglu", False)
     probe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8,
                               max_position_embeddings=8, gated_linear_unit=bool(swiglu),
-                              activation="silu" if swiglu else "gelu", **layout_fields)
+                              activation="silu" if swiglu else "gelu",
+                              untie_embeddings_and_output_weights=bool(untie))
     stored = read_model(checkpoint, probe)
-    if saved is None and "output_layer.weight" in stored:
-        probe = probe.replace(untie_embeddings_and_output_weights=True)
-        stored = read_model(checkpoint, probe)
     args = _resolve_args(saved, given, stored, where)
     fields = config_fields_from_args(args)
     fields.setdefault("vocab_size", stored["embedding.word_embeddings.weight"].shape[0])
