@@ -92,3 +92,20 @@ def test_mismatched_model_names_the_fields_and_use_checkpoint_args_fixes_it():
     assert "--use-checkpoint-args" in message
     fixed = _losses(1, "pretrain_llama", wrong + load + ["--use-checkpoint-args"])
     assert fixed == pytest.approx(_losses(1, "pretrain_llama", LLAMA + load), abs=0)
+
+
+def test_ckpt_fully_parallel_save_holds_both_replicas_write(tmp_path):
+    """What --ckpt-fully-parallel-save asks (and Megatron 0.16.1 does by default): at DP=2 the
+    replicated model is not written by rank 0 alone, each replica writes about half."""
+    save = str(tmp_path / "ckpt")
+    argv = GPT + ["--train-iters", "1", "--save", save, "--ckpt-fully-parallel-save",
+                  "--ckpt-fully-parallel-load"]
+    run_distributed(_train, 2, args=(argv,), kwargs={"script": "pretrain_gpt"}, timeout=240)
+    path = os.path.join(save, "iter_0000001")
+    sizes = {}
+    for name in os.listdir(path):
+        if name.endswith(".distcp"):
+            rank = int(name.split("_")[2])
+            sizes[rank] = sizes.get(rank, 0) + os.path.getsize(os.path.join(path, name))
+    assert sorted(sizes) == [0, 1]
+    assert min(sizes.values()) > 0.3 * sum(sizes.values()), sizes
