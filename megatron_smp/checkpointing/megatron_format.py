@@ -48,6 +48,8 @@ _TE_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
+# DCP names of the (non-grouped-GEMM) experts' weights, stacked [layers, experts, ...].
+_STACKED_EXPERTS = ("mlp.experts.experts.", "mlp.experts.local_experts.")
 _NUMPY_GLOBALS = (
     "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
     "numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType", "numpy.dtypes.Int64DType",
@@ -277,8 +279,10 @@ def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
     for key, tensor in stored.items():
         if key.startswith("decoder.layers."):
             rest = key[len("decoder.layers."):]
-            if rest.startswith("mlp.experts.local_experts."):
-                tail = rest[len("mlp.experts.local_experts."):]
+            # megatron-core stacks the experts too: [layers, experts, ...].
+            expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
+            if expert_prefix is not None:
+                tail = rest[len(expert_prefix):]
                 for layer in range(tensor.shape[0]):
                     for expert in range(tensor.shape[1]):
                         out[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{tail}"] \

@@ -36,6 +36,7 @@ SHAPE_FLAGS = {
     "num_query_groups": int, "kv_channels": int, "max_position_embeddings": int,
     "vocab_size": int, "normalization": str, "norm_epsilon": float,
     "position_embedding_type": str, "rotary_base": float, "make_vocab_size_divisible_by": int,
+    "num_experts": int, "moe_router_topk": int, "moe_ffn_hidden_size": int,
 }
 SWITCHES = ("swiglu", "group_query_attention", "untie_embeddings_and_output_weights",
             "disable_bias_linear", "add_qkv_bias", "squared_relu")
@@ -123,7 +124,8 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     probe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8,
                               max_position_embeddings=8, gated_linear_unit=bool(swiglu),
                               activation="silu" if swiglu else "gelu",
-                              untie_embeddings_and_output_weights=bool(untie))
+                              untie_embeddings_and_output_weights=bool(untie),
+                              num_moe_experts=(saved or given).get("num_experts"))
     stored = read_model(checkpoint, probe)
     args = _resolve_args(saved, given, stored, where)
     fields = config_fields_from_args(args)
