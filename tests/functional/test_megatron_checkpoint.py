@@ -48,6 +48,14 @@ def test_finetune_from_megatron_checkpoint_tp2_equals_tp1(fixture):
     assert abs(tp1[0] - scratch[0]) > 1e-3
 
 
+def test_finetune_tied_gpt_at_pp2_equals_tp1():
+    """The last stage's copy of the tied embedding comes from the checkpoint's table too."""
+    argv = GPT + ["--load", os.path.join(FIXTURES, "gpt_torch_dist"), "--finetune"]
+    tp1 = _losses(1, "pretrain_gpt", argv)
+    pp2 = _losses(2, "pretrain_gpt", argv + ["--pipeline-model-parallel-size", "2"])
+    assert pp2 == pytest.approx(tp1, abs=1e-5)
+
+
 def _error_of(rank, world_size, argv, script):
     try:
         _train(rank, world_size, argv, script=script)
