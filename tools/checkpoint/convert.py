@@ -6,8 +6,15 @@
     python pretrain_llama.py ... --load ckpt/llama-7b --finetune     # at any TP/PP/DP layout
     python tools/checkpoint/convert.py --model-type llama --loader megatron_smp --saver hf \
         --load-dir ckpt/trained --save-dir hf/trained                # from_pretrained-loadable
+    python tools/checkpoint/convert.py --model-type llama --loader megatron --saver hf \
+        --load-dir megatron/ckpt --save-dir hf/llama    # Megatron-LM torch_dist or legacy
+    python tools/checkpoint/convert.py --model-type llama --loader megatron_smp --saver megatron \
+        --load-dir ckpt/trained --save-dir megatron/back \
+        --target-tensor-parallel-size 2                 # Megatron-LM's legacy format, TP=2
 
 A loader gives (TransformerConfig, full model tensors in checkpoint form); a saver writes them.
+A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
+Megatron's flags given here (--num-attention-heads, --num-query-groups, --swiglu, ...).
 Framework checkpoints hold global tensors and reshard when loaded, so the target sizes are
 only validated against the model shape and recorded as the intended layout. Every conversion
 checks the input's names and shapes, maps the result back to compare with the input bit for
