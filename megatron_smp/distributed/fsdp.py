@@ -354,11 +354,14 @@ class FullyShardedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, state, *, param_dtype=None,
-                 reshard_after_forward: bool = True, **kwargs) -> None:
+                 reshard_after_forward: bool = True, config=None, **kwargs) -> None:
         super().__init__()
         self.module = fully_shard_model(module, state, param_dtype=param_dtype,
                                         reshard_after_forward=reshard_after_forward, **kwargs)
         self.state = state
+        # The OptimizerConfig, as our DDP wrapper's `config` (forward steps read e.g.
+        # calculate_per_token_loss from it).
+        self.config = config
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -465,7 +468,7 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
         param_init_fn, check = None, contextlib.nullcontext()
     with check:
         return FullyShardedDataParallel(
-            chunk, state,
+            chunk, state, config=configs.optimizer,
             param_dtype=None if params_dtype == torch.float32 else params_dtype,
             reshard_after_forward=configs.parallel.torch_fsdp2_reshard_after_forward,
             param_init_fn=param_init_fn,

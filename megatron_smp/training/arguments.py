@@ -683,9 +683,6 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
     if optimizer.apply_wd_to_qk_layernorm and not configs.model.qk_layernorm:
         raise ConfigError("--apply-wd-to-qk-layernorm decays the --qk-layernorm weights; add "
                           "--qk-layernorm, or drop it")
-    if optimizer.calculate_per_token_loss and configs.parallel.use_torch_fsdp2:
-        raise ConfigError("--calculate-per-token-loss scales our DDP's grad buffers; with "
-                          "--use-torch-fsdp2 it is not supported yet: drop one of them")
     for flag, value in (("--train-iters", training.train_iters),
                         ("--train-samples", training.train_samples)):
         if value is not None and calculator.train_iters(

@@ -66,7 +66,13 @@ def scale_grads_to_per_token_mean(model_chunks: List[torch.nn.Module], reports, 
         return
     factor = state.dp_cp_size * num_microbatches / tokens
     for chunk in model_chunks:
-        for buffer in chunk.param_and_grad_buffers:
+        buffers = getattr(chunk, "param_and_grad_buffers", None)
+        if buffers is None:  # FSDP2: each param's reduced grad shard (averaged over dp too)
+            for param in chunk.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+            continue
+        for buffer in buffers:
             buffer.grad_data.mul_(factor)
 
 

@@ -121,8 +121,8 @@ def _train(rank, world_size, runs):
 
 
 @pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"],
-                                    ["--context-parallel-size", "2"]],
-                         ids=["dp2", "pp2", "cp2"])
+                                    ["--context-parallel-size", "2"], ["--use-torch-fsdp2"]],
+                         ids=["dp2", "pp2", "cp2", "fsdp2"])
 def test_pretrain_with_equal_token_counts_matches_the_microbatch_mean(layout):
     """Without masking every microbatch has the same tokens, so the per-token mean is the
     mean of means: pretrain's grad scaling and [sum, count] reporting must give the losses of
