@@ -307,6 +307,15 @@ def check_architecture_matches(path: str, model_config) -> None:
         )
 
 
+def _owner(name: str):
+    """The part of the model a parameter belongs to: (layer, expert) or its top module."""
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        expert = parts[parts.index("local_experts") + 1] if "local_experts" in parts else None
+        return int(parts[2]), expert
+    return ".".join(parts[:2]) if parts[0] == "decoder" else parts[0]
+
+
 def _check_format(config, found: str, where: str) -> None:
     """Megatron's rule: --ckpt-format torch loads legacy per-rank files only, unless
     --auto-detect-ckpt-format (torch_dist, the default, detects the format itself)."""
@@ -351,9 +360,12 @@ def _load_megatron(run, checkpoint) -> None:
              if name in full and full[name].shape != view.global_shape]
     if wrong:
         raise CheckpointError(f"{where} does not fit the model: {'; '.join(wrong)}")
+    # This rank judges only the checkpoint tensors of the parts it holds (its layers, experts,
+    # embedding or final norm): the other stages' and experts' are not "missing".
+    held = {_owner(name) for name in views}
+    missing = sorted(name for name in set(full) - set(views) if _owner(name) in held)
     for line in check_key_mismatch(config.dist_ckpt_strictness,
-                                   sorted(set(views) - set(full)),
-                                   sorted(set(full) - set(views)), where):
+                                   sorted(set(views) - set(full)), missing, where):
         _print_rank_0(run, line)
     with torch.no_grad():
         for name, view in views.items():

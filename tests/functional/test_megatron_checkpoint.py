@@ -117,3 +117,36 @@ def test_ckpt_fully_parallel_save_holds_both_replicas_write(tmp_path):
             sizes[rank] = sizes.get(rank, 0) + os.path.getsize(os.path.join(path, name))
     assert sorted(sizes) == [0, 1]
     assert min(sizes.values()) > 0.3 * sum(sizes.values()), sizes
+
+
+def _without_args(tmp_path, fixture):
+    import shutil
+
+    import torch
+
+    from megatron_smp.checkpointing.megatron_format import safe_load
+
+    target = tmp_path / fixture
+    shutil.copytree(os.path.join(FIXTURES, fixture), target)
+    common_path = target / "iter_0000010" / "common.pt"
+    common = safe_load(str(common_path))
+    del common["args"]
+    torch.save(common, common_path)
+    return str(target)
+
+
+def test_dist_ckpt_strictness_decides_about_tensors_the_checkpoint_lacks(tmp_path):
+    """A tied GPT checkpoint (no args) loaded into an untied model: the output layer is an
+    "unexpected" key. The default (assume_ok_unexpected) refuses; log_unexpected keeps the
+    output layer's initial values, so the first loss is the same as with ignore_all."""
+    argv = GPT + ["--load", _without_args(tmp_path, "gpt_torch_dist"), "--finetune",
+                  "--untie-embeddings-and-output-weights"]
+    message = _error(argv, script="pretrain_gpt")
+    assert "lacks tensors the model has: output_layer.weight" in message
+    assert "--dist-ckpt-strictness log_unexpected" in message
+    logged = _losses(1, "pretrain_gpt", argv + ["--dist-ckpt-strictness", "log_unexpected"])
+    ignored = _losses(1, "pretrain_gpt", argv + ["--dist-ckpt-strictness", "ignore_all"])
+    tied = _losses(1, "pretrain_gpt", GPT + ["--load", os.path.join(FIXTURES, "gpt_torch_dist"),
+                                             "--finetune"])
+    assert logged == ignored
+    assert abs(logged[0] - tied[0]) > 1e-3  # the untied head is not the loaded table
