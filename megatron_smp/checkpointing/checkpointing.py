@@ -140,6 +140,7 @@ def save_checkpoint(
     save_rng: bool = True,
     queue: Optional[AsyncCallsQueue] = None,
     stage_in_background: bool = False,
+    extra_files: Optional[Dict[str, Any]] = None,
 ) -> None:
     """Save `state_dict` (or what the callable returns) as iteration `iteration`; collective.
 
@@ -150,6 +151,8 @@ def save_checkpoint(
     `stage_in_background` (with `async_save`): return before that copy, which then runs on the
     writer thread; the tensors must not be modified until `queue.wait_for_staging()` returns.
     `config` (dataclasses, dicts, plain values) is stored as JSON in common.json.
+    `extra_files` ("torch" format): {path relative to the iteration directory: object} this
+    rank also torch.saves there, staged and published with the checkpoint.
     """
     if callable(state_dict):
         state_dict = state_dict()
@@ -163,6 +166,8 @@ def save_checkpoint(
             raise CheckpointError(
                 f"--ckpt-format {ckpt_format!r} is not supported; use one of {CHECKPOINT_FORMATS}"
             )
+        if extra_files and ckpt_format != "torch":
+            raise CheckpointError("extra_files are written with ckpt_format='torch' only")
         if not isinstance(iteration, int) or iteration < 0:
             raise CheckpointError(f"iteration must be a non-negative int, got {iteration!r}")
         check_state_dict(state_dict)
@@ -197,18 +202,21 @@ def save_checkpoint(
         dcp.save(full_state_dict, checkpoint_id=staging_dir)
     else:
         path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
-        payload = _torch_payload(full_state_dict)
+        files = {path: full_state_dict}
+        files.update({os.path.join(staging_dir, name): value
+                      for name, value in (extra_files or {}).items()})
+        payload = _torch_payload(files)
         if async_save:
             schedule_staged_write(
                 payload,
-                lambda staged: _torch_save(staged, path),
+                lambda staged: _torch_save_files(staged),
                 queue,
                 stage_in_background=stage_in_background,
                 finalize_fns=finalize_fns,
                 description=f"asynchronous save of {path}",
             )
             return
-        _agreed(lambda: _torch_save(payload, path), f"saving {staging_dir}")
+        _agreed(lambda: _torch_save_files(payload), f"saving {staging_dir}")
     for fn in finalize_fns:
         fn()
 
@@ -222,6 +230,12 @@ def _torch_payload(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return value
+
+
+def _torch_save_files(files: Dict[str, Any]) -> None:
+    for path, payload in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _torch_save(payload, path)
 
 
 def _torch_save(payload: Any, path: str) -> None:

@@ -98,13 +98,17 @@ def _tracker_iteration(load_dir: str) -> Optional[Tuple[int, str]]:
     return iteration, os.path.join(load_dir, f"iter_{iteration:07d}")
 
 
-def find_megatron_checkpoint(load_dir: str) -> Optional[MegatronCheckpoint]:
+def find_megatron_checkpoint(load_dir: str, prefer_ours: bool = True
+                             ) -> Optional[MegatronCheckpoint]:
     """The Megatron-LM checkpoint the tracker of `load_dir` names, or None when `load_dir`
-    holds none (no tracker, or a megatron_smp checkpoint)."""
+    holds none (no tracker, or -- with `prefer_ours` -- a megatron_smp checkpoint, whose
+    "torch"-format saves also hold the model in Megatron's legacy layout)."""
     found = _tracker_iteration(load_dir)
     if found is None or not os.path.isdir(found[1]):
         return None
     iteration, path = found
+    if prefer_ours and os.path.isfile(os.path.join(path, "common.json")):
+        return None  # ours (its --ckpt-format torch saves hold the legacy layout too)
     if os.path.isfile(os.path.join(path, METADATA_FILENAME)):
         return MegatronCheckpoint(path, iteration, "torch_dist", {})
     rank_dirs = {}
@@ -388,7 +392,7 @@ def load_megatron_model(load_dir: str, config: TransformerConfig
 # -- writing the legacy format ----------------------------------------------------------------
 
 
-def _extra_state_names(names: List[str]) -> List[str]:
+def extra_state_names(names: List[str]) -> List[str]:
     """megatron-core's local spec keeps an (empty) `_extra_state` beside each linear layer."""
     out = []
     for name in names:
@@ -431,7 +435,7 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
             stage_model["output_layer.weight"] = model["embedding.word_embeddings.weight"]
         for rank in range(tp):
             shard = shard_state_dict(stage_model, config, tp, rank)
-            for name in _extra_state_names(list(shard)):
+            for name in extra_state_names(list(shard)):
                 shard[name] = None
             rank_dir = os.path.join(path, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1
                                                                    else ""))
@@ -465,5 +469,6 @@ __all__ = [
     "trim_vocab_rows",
     "load_megatron_model",
     "save_legacy_checkpoint",
+    "extra_state_names",
     "describe",
 ]

@@ -47,8 +47,12 @@ from megatron_smp.checkpointing.sharded_state import (
     optimizer_sharded_state_dict,
 )
 from megatron_smp.checkpointing.megatron_format import (
+    CHECKPOINT_VERSION,
+    LEGACY_FILENAME,
+    args_from_config,
     config_fields_from_args,
     describe,
+    extra_state_names,
     find_megatron_checkpoint,
     read_args,
     read_model,
@@ -198,6 +202,7 @@ def save(run) -> None:
         ckpt_format=config.ckpt_format,
         save_rng=not config.no_save_rng,
         stage_in_background=config.async_save,
+        extra_files=_megatron_legacy_files(run) if config.ckpt_format == "torch" else None,
     )
     how = "scheduled for an asynchronous write" if config.async_save else "saved"
     _print_rank_0(
@@ -208,6 +213,32 @@ def save(run) -> None:
     if getattr(run, "progress_log", None) is not None:  # --log-progress
         run.progress_log.checkpoint_saved(run.iteration, run.consumed_train_samples,
                                           config.async_save)
+
+
+def _megatron_legacy_files(run) -> Dict[str, Any]:
+    """--ckpt-format torch: besides our per-rank files (exact resume), the model in Megatron-LM's
+    legacy layout, written by the first data-/context-parallel replica of each TP x PP (x EP)
+    rank: mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt with args, iteration and the TP-local,
+    stage-local state dict (our names are Megatron's). No optimizer or RNG states in it: it
+    loads in Megatron-LM, or back here, with --finetune / --no-load-optim --no-load-rng."""
+    state = run.state
+    if state.dp_rank != 0 or state.cp_rank != 0:
+        return {}
+    name = f"mp_rank_{state.tp_rank:02d}"
+    if state.pp_size > 1:
+        name += f"_{state.pp_rank:03d}"
+    if state.ep_size > 1:
+        name += f"_{state.ep_rank:03d}"
+    args = args_from_config(run.configs.model, state.tp_size, state.pp_size, run.iteration)
+    args.consumed_train_samples = int(run.consumed_train_samples)
+    content: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                               "iteration": int(run.iteration)}
+    for index, chunk in enumerate(run.model):
+        local = {key: tensor for key, tensor in chunk.state_dict().items()
+                 if isinstance(tensor, torch.Tensor)}
+        local.update({key: None for key in extra_state_names(list(local))})
+        content["model" if len(run.model) == 1 else f"model{index}"] = local
+    return {os.path.join(name, LEGACY_FILENAME): content}
 
 
 def wait_for_staging(run) -> None:

@@ -150,3 +150,28 @@ def test_dist_ckpt_strictness_decides_about_tensors_the_checkpoint_lacks(tmp_pat
                                              "--finetune"])
     assert logged == ignored
     assert abs(logged[0] - tied[0]) > 1e-3  # the untied head is not the loaded table
+
+
+def test_ckpt_format_torch_saves_megatron_legacy_layout_too(tmp_path):
+    """--ckpt-format torch at TP=2 writes mp_rank_0X/model_optim_rng.pt beside our per-rank
+    files; that Megatron-LM layout alone (our files removed) finetunes at TP=1 to the same
+    first loss as our own checkpoint of the run at TP=2."""
+    import shutil
+
+    from megatron_smp.checkpointing.megatron_format import find_megatron_checkpoint, read_args
+
+    save = str(tmp_path / "run")
+    _losses(2, "pretrain_llama", LLAMA + ["--tensor-model-parallel-size", "2", "--save", save,
+                                          "--ckpt-format", "torch", "--train-iters", "1"])
+    legacy = str(tmp_path / "legacy")
+    os.makedirs(os.path.join(legacy, "iter_0000001"))
+    for name in ("mp_rank_00", "mp_rank_01"):
+        shutil.copytree(os.path.join(save, "iter_0000001", name),
+                        os.path.join(legacy, "iter_0000001", name))
+    shutil.copy(os.path.join(save, "latest_checkpointed_iteration.txt"), legacy)
+    found = find_megatron_checkpoint(legacy)
+    assert found.ckpt_format == "torch" and read_args(found)["tensor_model_parallel_size"] == 2
+    ours = _losses(2, "pretrain_llama", LLAMA + ["--tensor-model-parallel-size", "2", "--load",
+                                                 save, "--finetune"])
+    megatron = _losses(1, "pretrain_llama", LLAMA + ["--load", legacy, "--finetune"])
+    assert megatron[0] == pytest.approx(ours[0], abs=1e-5)

@@ -108,7 +108,7 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
                              cli: argparse.Namespace) -> Tuple[TransformerConfig,
                                                                Dict[str, torch.Tensor], int]:
     """-> (TransformerConfig, {name: global tensor} in checkpoint form, iteration)."""
-    checkpoint = find_megatron_checkpoint(load_dir)
+    checkpoint = find_megatron_checkpoint(load_dir, prefer_ours=False)
     if checkpoint is None:
         raise ConfigError(
             f"--load-dir {load_dir} holds no Megatron-LM checkpoint (latest_checkpointed_"
