@@ -177,3 +177,27 @@ def test_moe_checkpoint_reads_megatron_core_tensors_exactly(tmp_path):
     _convert("mixtral", "megatron", "megatron_smp", tmp_path / "back", tmp_path / "again")
     _, again, _ = read_smp_checkpoint(str(tmp_path / "again"), "mixtral", "mixtral")
     assert all(torch.equal(again[name], model[name]) for name in model)
+
+
+@pytest.mark.parametrize("ours", [False, True])
+def test_use_checkpoint_args_takes_the_model_shape(ours, tmp_path):
+    """--use-checkpoint-args: the model flags give way to the checkpoint's (Megatron's pickled
+    args, or our common.json), for every shape and function field."""
+    from megatron_smp.training.arguments import parse_args
+
+    load = os.path.join(FIXTURES, "llama_torch_dist")
+    if ours:
+        _convert("llama", "megatron", "megatron_smp", load, tmp_path / "ours")
+        load = str(tmp_path / "ours")
+    wrong = ("--num-layers 3 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+             "--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --mock-data "
+             "--tokenizer-type NullTokenizer --vocab-size 99 --lr 1e-3 --load").split() + [load]
+    model = parse_args(wrong + ["--use-checkpoint-args"]).model
+    expected = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "num_query_groups": 2, "ffn_hidden_size": 128, "normalization": "RMSNorm",
+                "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False,
+                "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True,
+                "max_position_embeddings": 32}
+    assert {k: getattr(model, k) for k in expected} == expected
+    with pytest.raises(ConfigError, match="--use-checkpoint-args.*add --load"):
+        parse_args(wrong[:-2] + ["--use-checkpoint-args"])
