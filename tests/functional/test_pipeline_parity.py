@@ -51,8 +51,11 @@ def test_pipeline_layout_matches_single_process(layout, tmp_path):
         for rank in range(world_size):
             with open(str(tmp_path / f"timeline.rank{rank}.json")) as handle:
                 events = json.load(handle)["traceEvents"]
-            # 10 iterations x 4 microbatches, each a forward and a backward span
-            assert len([e for e in events if e.get("cat") == "compute"]) == 10 * 4 * 2
+            # 10 iterations x 4 microbatches, each a forward and a backward span, and the
+            # forwards of the validation and test evaluations after training (1 batch each)
+            compute = [e for e in events if e.get("cat") == "compute"]
+            assert len(compute) == 10 * 4 * 2 + 2 * 4
+            assert sum(e["name"].startswith("B") for e in compute) == 10 * 4
 
 
 BAD_LAYOUTS = {
