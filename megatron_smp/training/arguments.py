@@ -324,7 +324,10 @@ _FLAGS: List[_Flag] = [
     _f("--no-save-optim", "checkpoint", action="store_true"),
     _f("--no-save-rng", "checkpoint", action="store_true"),
     _f("--finetune", "checkpoint", action="store_true"),
-    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch"], default="torch_dist"),
+    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor"],
+       default="torch_dist",
+       help="fsdp_dtensor (Megatron-FSDP's DCP format) is accepted with FSDP2 runs and writes "
+       "torch_dist: DCP with global names and shapes, loadable at any layout"),
     _f("--async-save", "checkpoint", action="store_true"),
     _f("--override-opt_param-scheduler", "checkpoint", "override_opt_param_scheduler",
        action="store_true"),
@@ -639,6 +642,14 @@ def parse_args(
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
     _apply_megatron_fsdp(args, sections)
+    if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
+        # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
+        # with global tensor names and shapes, which FSDP2 runs write and read already.
+        if not sections["parallel"].get("use_torch_fsdp2"):
+            raise ConfigError("--ckpt-format fsdp_dtensor is Megatron-FSDP's format: add "
+                              "--use-megatron-fsdp --data-parallel-sharding-strategy "
+                              "optim_grads_params (or --use-torch-fsdp2), or use torch_dist")
+        sections["checkpoint"]["ckpt_format"] = "torch_dist"
     setting_names: Dict[str, str] = {}
     if args.smp_config:
         _apply_smp_config(args.smp_config, sections, setting_names)

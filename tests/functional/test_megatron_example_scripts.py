@@ -242,10 +242,6 @@ def test_llama3_8b_fp8_script_trains_on_two_processes_in_bf16(tmp_path):
     assert losses[6] < losses[1]
 
 
-# Remove the mark when the flag combination lands (strict: a passing test fails until then).
-@pytest.mark.xfail(strict=True, reason="--ckpt-format fsdp_dtensor is not a format here yet, and "
-                   "--calculate-per-token-loss with --use-torch-fsdp2 (what optim_grads_params "
-                   "runs on) is a ConfigError: neither is built yet")
 def test_llama3_8b_fsdp_script_trains_on_two_processes(tmp_path):
     """The llama3 8B script with Megatron-FSDP's switches (full sharding on FSDP2 here)."""
     parallel = {"--tensor-model-parallel-size": "1", "--context-parallel-size": "1"}
@@ -267,16 +263,3 @@ def test_mixtral_8x7b_script_trains_on_two_processes(tmp_path):
         tmp_path, rel=5e-4)
     assert losses[6] < losses[1]
 
-
-def test_llama3_8b_fsdp_script_without_its_unbuilt_flags_trains_on_fsdp2(tmp_path):
-    """The same run less the two flags the test above waits for (--ckpt-format fsdp_dtensor;
-    --calculate-per-token-loss, which with mock data's unmasked, equal-length microbatches
-    scales nothing): Megatron-FSDP's optim_grads_params on FSDP2, grads reduce-scattered in
-    bf16 (--grad-reduce-in-bf16), against one process of plain DDP."""
-    parallel = {"--tensor-model-parallel-size": "1", "--context-parallel-size": "1"}
-    unbuilt = ["--calculate-per-token-loss", "--ckpt-format"]
-    fsdp = [flag for flag in MEGATRON_FSDP if flag not in ("--ckpt-format", "fsdp_dtensor")]
-    losses = _check_against_one_process(
-        "pretrain_gpt.py", lambda p: _remove(_llama(p, parallel, fsdp), unbuilt),
-        lambda p: _remove(_llama(p, SINGLE), unbuilt), tmp_path, rel=5e-4)
-    assert losses[6] < losses[1]

@@ -107,6 +107,14 @@ def test_megatron_fsdp_strategies_map_onto_our_engines():
         parse_args(BASE + ["--data-parallel-sharding-strategy", "optim"])
     with pytest.raises(ConfigError, match="--use-megatron-fsdp and --use-torch-fsdp2"):
         parse_args(BASE + fsdp + ["optim_grads_params", "--use-torch-fsdp2"])
+    # Megatron-FSDP's checkpoint format: FSDP2 runs write our DCP format (global tensors).
+    dtensor = ["--ckpt-format", "fsdp_dtensor"]
+    assert parse_args(BASE + fsdp + ["optim_grads_params"] + dtensor).checkpoint == \
+        parse_args(BASE + ["--use-torch-fsdp2"]).checkpoint
+    assert parse_args(BASE + ["--use-torch-fsdp2"] + dtensor).checkpoint.ckpt_format == \
+        "torch_dist"
+    with pytest.raises(ConfigError, match="--ckpt-format fsdp_dtensor .*optim_grads_params"):
+        parse_args(BASE + dtensor)
 
 
 # --empty-unused-memory-level ---------------------------------------------------------------------
