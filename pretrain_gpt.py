@@ -44,11 +44,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=Non
               per_token: bool = False):
     """Mean per-token loss over the unmasked tokens of the microbatch (over the whole
     sequences with context parallelism: see `masked_mean_over_context_parallel`); with
-    --calculate-per-token-loss (`per_token`) the masked sum, reported as [sum, count]."""
+    --calculate-per-token-loss (`per_token`) the masked sum. Either way this rank's tokens are
+    reported as [sum, count], as Megatron's pretrain_gpt does, so the logged `lm loss` is the
+    token-weighted mean over the global batch (equal to the mean of microbatch means unless
+    the microbatches have different numbers of unmasked tokens)."""
     if per_token:
         loss, reported = masked_sum_and_count(output_tensor, loss_mask)
         return loss, {"lm loss": reported}
-    loss, reported = masked_mean_over_context_parallel(output_tensor, loss_mask, cp_group)
+    loss, _ = masked_mean_over_context_parallel(output_tensor, loss_mask, cp_group)
+    _, reported = masked_sum_and_count(output_tensor.detach(), loss_mask)
     return loss, {"lm loss": reported}
 
 

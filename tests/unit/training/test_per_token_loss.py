@@ -30,7 +30,7 @@ def global_batch():
     return tokens[:, :-1], tokens[:, 1:], mask
 
 
-def _step(rank, world_size):
+def _step(rank, world_size, per_token=True):
     from megatron_smp.distributed import DistributedDataParallel, finalize_model_grads
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.parallel_state import build_parallel_state
@@ -40,7 +40,8 @@ def _step(rank, world_size):
     from megatron_smp.training.pretrain import _reduce_reports
     from pretrain_gpt import forward_step
 
-    configs = parse_args(ARGV)
+    configs = parse_args(ARGV if per_token else
+                         [a for a in ARGV if a != "--calculate-per-token-loss"])
     configs.model.vocab_size = VOCAB
     state = build_parallel_state(configs.parallel)
     models = []
@@ -65,7 +66,8 @@ def _step(rank, world_size):
         forward_step_func=forward_step, data_iterator=microbatches, model=[ddp],
         num_microbatches=len(rows), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
         forward_only=False, hooks=hooks)
-    scale_grads_to_per_token_mean([ddp], reports, state, len(rows))
+    if per_token:
+        scale_grads_to_per_token_mean([ddp], reports, state, len(rows))
     reported = _reduce_reports(reports, state)["lm loss"]
 
     # By hand: the per-token mean over the whole global batch, and the mean of the four
@@ -102,6 +104,16 @@ def test_grads_and_loss_are_the_global_per_token_mean():
     for result in results:
         assert _max_relative(result["ours"], result["per_token"]) < 1e-5
         assert _max_relative(result["mean_of_means"], result["per_token"]) > 1e-2
+        assert result["reported"] == pytest.approx(result["per_token_loss"], rel=1e-6)
+        assert abs(result["mean_of_means_loss"] - result["per_token_loss"]) > 1e-3
+
+
+def test_without_the_flag_grads_are_the_mean_of_means_and_the_log_is_token_weighted():
+    """Megatron without --calculate-per-token-loss: each microbatch back-propagates its own
+    per-token mean (grads: the mean of the microbatch means), but the logged lm loss is
+    reduced from [sum, count] reports, i.e. the token-weighted mean of the global batch."""
+    for result in run_distributed(_step, 2, args=(False,), timeout=180):
+        assert _max_relative(result["ours"], result["mean_of_means"]) < 1e-5
         assert result["reported"] == pytest.approx(result["per_token_loss"], rel=1e-6)
         assert abs(result["mean_of_means_loss"] - result["per_token_loss"]) > 1e-3
 
