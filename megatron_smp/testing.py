@@ -179,4 +179,14 @@ def _format_errors(outcome: Dict[int, Any]) -> str:
     return "".join(parts)
 
 
-__all__ = ["run_distributed", "DistributedTestError"]
+def proc_status_kib(field: str) -> int:
+    """A memory field of this process's /proc/self/status in KiB (Linux): "VmRSS" (resident
+    now), "VmHWM" (peak resident, resettable by writing 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+__all__ = ["run_distributed", "DistributedTestError", "proc_status_kib"]

@@ -30,6 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from megatron_smp.testing import proc_status_kib  # noqa: E402
+
 MIB = 1024 * 1024
 
 
@@ -49,21 +51,14 @@ def _model_config(args, comm_type):
     )
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _return_freed_memory_to_os() -> None:
     import ctypes
 
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 128 * 1024)
-    libc.mallopt(m_trim_threshold, 128 * 1024)
+    from megatron_smp.distributed.param_and_grad_buffer import map_large_host_allocations
+
+    map_large_host_allocations(128 * 1024)
+    m_trim_threshold = -1
+    ctypes.CDLL("libc.so.6").mallopt(m_trim_threshold, 128 * 1024)
 
 
 class _Peak:
@@ -85,7 +80,7 @@ class _Peak:
         else:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-            self.base = _rss_kib("VmRSS") * 1024
+            self.base = proc_status_kib("VmRSS") * 1024
 
     def stop(self) -> int:
         import torch
@@ -93,7 +88,7 @@ class _Peak:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
-        return _rss_kib("VmHWM") * 1024 - self.base
+        return proc_status_kib("VmHWM") * 1024 - self.base
 
 
 def _bench_rank(rank, world_size, args, comm_type):

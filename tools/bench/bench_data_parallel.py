@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_smp.testing import run_distributed  # noqa: E402
+from megatron_smp.testing import proc_status_kib, run_distributed  # noqa: E402
 
 # megatron_smp: our DDP + DistributedOptimizer (reduce-scatter, sharded Adam, all-gather);
 # megatron_smp_ddp: our DDP (bucketed all-reduce overlapped with backward) + full Adam.
@@ -80,12 +80,8 @@ def _optimizer_state_bytes(optimizer) -> int:
     )
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
+def _status_mib(field: str) -> float:
+    return proc_status_kib(field) / 1024.0
 
 
 def _adamw(params, lr: float):
@@ -117,7 +113,7 @@ def _bench(rank, world_size, impl, args):
     import megatron_smp.optimizer  # noqa: F401
 
     torch.optim.AdamW([torch.zeros(1)])
-    baseline_rss_mb = _status_mb("VmRSS")
+    baseline_rss_mb = _status_mib("VmRSS")
     from megatron_smp.parallel_state import build_parallel_state
 
     model = build_model(args["vocab"], args["hidden"], args["layers"], args["seq"])
@@ -226,8 +222,8 @@ def _bench(rank, world_size, impl, args):
     return {
         "step_ms": 1000 * statistics.median(times),
         "cpu_ms": 1000 * statistics.median(cpu_times),
-        "peak_rss_mb": _status_mb("VmHWM"),
-        "peak_above_baseline_mb": _status_mb("VmHWM") - baseline_rss_mb,
+        "peak_rss_mb": _status_mib("VmHWM"),
+        "peak_above_baseline_mb": _status_mib("VmHWM") - baseline_rss_mb,
         "num_params": num_params,
         "first_loss": losses[0],
         "adam": adam_kind,

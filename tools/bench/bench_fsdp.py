@@ -29,26 +29,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from megatron_smp.testing import proc_status_kib  # noqa: E402
+
 MIB = 1024 * 1024
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_kib("VmRSS") * 1024
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return proc_status_kib("VmHWM") * 1024
 
 
 def _hf_llama(layers, hidden, vocab, seq):

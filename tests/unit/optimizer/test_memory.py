@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_smp.config import OptimizerConfig, ParallelConfig
-from megatron_smp.testing import run_distributed
+from megatron_smp.testing import proc_status_kib, run_distributed
 
 HIDDEN, LAYERS = 1024, 16  # 16.8M params: 64 MiB of fp32
 SHARDED_BYTES_PER_PARAM = {torch.float32: 8, torch.bfloat16: 4 + 8}
@@ -20,14 +20,6 @@ SHARDED_BYTES_PER_PARAM = {torch.float32: 8, torch.bfloat16: 4 + 8}
 pytestmark = pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc peak RSS reset"
 )
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
 def _peak_body(rank, world_size, use_distributed_optimizer, dtype):
@@ -40,7 +32,7 @@ def _peak_body(rank, world_size, use_distributed_optimizer, dtype):
     release_freed_host_memory()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM := VmRSS
-    start = _rss_kib("VmRSS")
+    start = proc_status_kib("VmRSS")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -58,7 +50,7 @@ def _peak_body(rank, world_size, use_distributed_optimizer, dtype):
         optimizer.step()
     ddp.finish_param_sync()
     num_params = sum(p.numel() for p in model.parameters())
-    return (_rss_kib("VmHWM") - start) * 1024, num_params
+    return (proc_status_kib("VmHWM") - start) * 1024, num_params
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
