@@ -687,6 +687,11 @@ class TrainingConfig:
     exit_signal: str = "SIGTERM"  # a signal.Signals name
     skip_train: bool = False  # evaluate validation and test sets only
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms(True)
+    # Megatron's result validation (training/result_validation.py): NaN/Inf in each loss and
+    # each bucket's local grad norm stops the run, after an in-place rerun in
+    # "validate_results" mode; "disabled" raises at once.
+    check_for_nan_in_loss_and_grad: bool = True
+    rerun_mode: str = "validate_results"
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).
     torch_compile: Optional[str] = None

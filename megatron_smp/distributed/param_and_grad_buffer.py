@@ -150,6 +150,8 @@ class Bucket:
                 "between steps"
             )
         buffer = self.buffer
+        if buffer.grad_check is not None:  # --check-for-nan-in-loss-and-grad
+            buffer.grad_check(self.grad_data)
         if buffer.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(buffer.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if buffer.average_in_collective else dist.ReduceOp.SUM
@@ -300,6 +302,9 @@ class ParamAndGradBuffer:
         self.param_names = dict(param_names or {})
         # Test/trace hook: called with the bucket whenever its reduction is launched.
         self.on_grad_sync_start = None
+        # Called with each bucket's local grads before its reduction (the training loop's
+        # NaN/Inf check).
+        self.grad_check = None
 
         ordered = list(reversed(list(params)))
         if not ordered:

@@ -271,6 +271,10 @@ _FLAGS: List[_Flag] = [
     _f("--logging-level", "training", type=int,
        help="Python logging's root level (10 DEBUG, 20 INFO, ...); default: the "
        "MEGATRON_LOGGING_LEVEL environment variable, if set"),
+    _f("--no-check-for-nan-in-loss-and-grad", "training", "check_for_nan_in_loss_and_grad",
+       action="store_false", default=True),
+    _f("--rerun-mode", "training", choices=["disabled", "validate_results", "report_stats"],
+       default="validate_results"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -798,6 +802,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
 def _validate_run_flags(configs: Configs) -> None:
     """Run control, profiling and wandb flags (their modules own the checks)."""
     from megatron_smp.training.profiling import validate_profiling
+    from megatron_smp.training.result_validation import validate_result_flags
     from megatron_smp.training.run_control import validate_run_control
     from megatron_smp.training.wandb_logger import validate_wandb
 
@@ -810,6 +815,7 @@ def _validate_run_flags(configs: Configs) -> None:
         sharded_params=configs.parallel.use_torch_fsdp2,
     )
     validate_profiling(configs.training, cuda)
+    validate_result_flags(configs.training)
     validate_wandb(configs.training, configs.checkpoint.save)
     if configs.training.log_progress and not configs.checkpoint.save:
         raise ConfigError("--log-progress writes <--save>/progress.txt: add --save DIR")

@@ -192,6 +192,11 @@ def save(run) -> None:
         scheduler=True,
         progress=True,
     )
+    validator = getattr(run, "validator", None)
+    if validator is not None and validator.rerun_iteration:
+        # --rerun-mode validate_results: the resumed job first reruns this iteration.
+        state_dict["rerun_iteration"] = int(validator.rerun_iteration)
+        state_dict["rerun_device"] = int(validator.rerun_device)
     save_checkpoint(
         run.iteration,
         state_dict,
@@ -449,7 +454,16 @@ def load(run, tokenizer=None) -> None:
         scheduler=load_optimizer and (saved is None or "opt_param_scheduler" in saved),
         progress=load_progress,
     )
+    validator = getattr(run, "validator", None)
+    rerun_pending = (load_progress and validator is not None and saved is not None
+                     and "rerun_iteration" in saved)
+    if rerun_pending:
+        state_dict["rerun_iteration"] = 0
+        state_dict["rerun_device"] = 0
     load_checkpoint(state_dict, config.load, run.state, iteration, load_rng=load_rng)
+    if rerun_pending:
+        validator.rerun_iteration = int(state_dict["rerun_iteration"])
+        validator.rerun_device = int(state_dict["rerun_device"])
 
     if load_optimizer:
         load_grad_scaler(run.optimizer, state_dict["optimizer"])

@@ -33,6 +33,11 @@ from megatron_smp.training.logging import (
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_smp.training.profiling import StepProfiler
+from megatron_smp.training.result_validation import (
+    ReplayIterator,
+    ResultValidator,
+    validation_enabled,
+)
 from megatron_smp.training.run_control import (
     ExitConditions, apply_deterministic_mode, check_weight_hashes, data_worker_init_fn,
 )
@@ -98,6 +103,7 @@ class _Run:
         self.consumed_train_samples = 0
         self.skipped_iterations = 0
         self.nan_iterations = 0
+        self.validator = None  # result_validation.ResultValidator (--rerun-mode)
         self.exits = None  # run_control.ExitConditions
         self.progress_log = None  # logging.ProgressLog (--log-progress), told of each save
 
@@ -176,7 +182,9 @@ def empty_unused_memory(run: _Run, level: int) -> None:
         torch.cuda.empty_cache()
 
 
-def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
+                      num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
+    """Zeroed grads, then the global batch's forward and backward; the loss reports."""
     from megatron_smp.transformer.moe import set_aux_loss_scale
 
     for chunk in run.model:
@@ -185,10 +193,46 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
     set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
+    if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
+        run.validator.check_sharded_grads(run.model)
     if run.configs.optimizer.calculate_per_token_loss:
         from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
 
         scale_grads_to_per_token_mean(run.model, reports, run.state, num_microbatches)
+    return reports
+
+
+def _build_validator(run: _Run):
+    """--check-for-nan-in-loss-and-grad's checker (None when off), hooked into each DDP
+    bucket's grad reduction."""
+    configs, state = run.configs, run.state
+    if not validation_enabled(configs.training, configs.model.fp16, configs.optimizer.loss_scale):
+        return None
+
+    def log(message: str, every_rank: bool = False) -> None:
+        if every_rank or state.rank == 0:
+            print(message, flush=True)
+
+    validator = ResultValidator(configs.training.rerun_mode, state, log)
+    for chunk in run.model:
+        for buffer in getattr(chunk, "param_and_grad_buffers", []):
+            buffer.grad_check = validator.check_grads
+    return validator
+
+
+def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+    validator = run.validator
+    if validator is not None:
+        # --check-for-nan-in-loss-and-grad: losses checked as computed, grads as reduced;
+        # the ranks agree after the backward, before anything is updated.
+        forward_step_func = validator.wrap(forward_step_func)
+        validator.start_iteration(run.iteration + 1, data_iterator)
+    reports = _forward_backward(run, forward_step_func, data_iterator, num_microbatches)
+    if validator is not None:
+        def rerun():
+            reports[:] = _forward_backward(run, forward_step_func, data_iterator,
+                                           num_microbatches)
+        validator.finish_step(run, data_iterator, rerun)
     empty_unused_memory(run, 1)
     if run.configs.checkpoint.async_save:
         from megatron_smp.training.checkpointing import wait_for_staging
@@ -292,6 +336,7 @@ def pretrain(
     run.exits = exits
     run.model = build_model_chunks(model_provider, configs, state)
     run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
+    run.validator = _build_validator(run)
     # --rampup-batch-size changes the global batch (and the microbatches per step) as samples
     # are consumed; --train-samples gives the length in samples (Megatron's update_train_iters).
     batch_sizes = NumMicrobatchesCalculator(training, state.dp_size)
@@ -332,6 +377,8 @@ def pretrain(
         )
 
     train_iter = iter(loader(train_ds, run.consumed_train_samples))
+    if run.validator is not None and run.validator.mode == "validate_results":
+        train_iter = ReplayIterator(train_iter)  # an iteration can be rerun on its batches
     valid_loader = loader(valid_ds, 0)
     valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
 

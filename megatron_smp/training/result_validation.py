@@ -1,0 +1,300 @@
+"""Megatron's result validation: --check-for-nan-in-loss-and-grad (on by default; off with
+--no-check-for-nan-in-loss-and-grad, and off by itself for fp16 with dynamic loss scaling,
+where inf/NaN grads are the loss scaler's signal) under --rerun-mode.
+
+What is checked, as megatron-core 0.16.1: each microbatch's loss on the last pipeline stage
+(NaN, Inf), and the L2 norm of each DDP bucket's local grads before the data-parallel
+reduction (NaN, Inf; under FSDP2, of each rank's grad shards after torch's reduce-scatter).
+The checks only queue device ops; the ranks agree on the outcome with one all-reduce of four
+counts after the step's backward.
+
+--rerun-mode (Megatron's RerunStateMachine, default validate_results):
+
+  disabled          a rejected result stops the run: every rank raises RuntimeError naming
+                    the check, the iteration and how many ranks saw it (before the optimizer
+                    step, so the weights are untouched).
+  validate_results  the job's first iteration after a (re)start is not checked (Megatron
+                    cannot checkpoint before the first optimizer step). A rejected result
+                    reruns the iteration in place (RNG states restored, the same microbatches
+                    replayed). Not reproduced: a possible transient error; the iteration's
+                    starting point is saved (with --save) and the job exits with code 17.
+                    Reproduced: the starting point is saved with the iteration to rerun and
+                    the device it ran on, and the job exits with code 16 so the scheduler
+                    resumes it, preferably elsewhere. The resumed job reruns that iteration
+                    first: on the same node and device it exits 16 again without saving;
+                    elsewhere it exits 17, with "Correct result (but possible Application
+                    error)" if the result is reproduced there and "Possible persistent error!"
+                    if not.
+  report_stats      not supported (a clear error).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import zlib
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+# The checkpoint keys of a pending rerun (present only in checkpoints the rerun wrote).
+RERUN_KEYS = ("rerun_iteration", "rerun_device")
+
+# The four checks, in the order of the counts the ranks all-reduce.
+MESSAGES = (
+    "found NaN in local forward loss calculation",
+    "found Inf in local forward loss calculation",
+    "found NaN in local grad norm in backward pass before data-parallel communication "
+    "collective",
+    "found Inf in local grad norm in backward pass before data-parallel communication "
+    "collective",
+)
+
+
+def validation_enabled(training, fp16: bool, loss_scale: Optional[float]) -> bool:
+    """Whether the checks run: the flag, unless fp16 with dynamic loss scaling."""
+    return training.check_for_nan_in_loss_and_grad and not (fp16 and not loss_scale)
+
+
+def validate_result_flags(training) -> None:
+    """ConfigError for a --rerun-mode that cannot work (pure; every rank)."""
+    if training.rerun_mode not in RERUN_MODES:
+        raise ConfigError(f"--rerun-mode must be one of {', '.join(RERUN_MODES)}, got "
+                          f"{training.rerun_mode!r}")
+    if training.rerun_mode == "report_stats":
+        raise ConfigError("--rerun-mode report_stats (rerun every iteration to measure "
+                          "non-determinism) is not supported yet; use validate_results (the "
+                          "default) or disabled")
+
+
+def device_identity(device: torch.device) -> int:
+    """A number for (node, device): where a reproduced result was found."""
+    index = device.index if device.index is not None else 0
+    return zlib.crc32(f"{os.uname()[1]}:{device.type}:{index}".encode())
+
+
+class ReplayIterator:
+    """Megatron's RerunDataIterator: remembers what this iteration took, to replay it."""
+
+    def __init__(self, iterator: Iterator):
+        self._iterator = iterator
+        self._taken: List[Any] = []
+        self._replay: collections.deque = collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._replay.popleft() if self._replay else next(self._iterator)
+        self._taken.append(item)
+        return item
+
+    def advance(self) -> None:
+        """A new iteration starts: forget what the last one took."""
+        self._taken, self._replay = [], collections.deque()
+
+    def rewind(self) -> None:
+        """Hand this iteration's items out again, in order."""
+        self._replay = collections.deque(self._taken + list(self._replay))
+        self._taken = []
+
+
+class ResultValidator:
+    """One per run; `train_step` drives it (see the module docstring)."""
+
+    def __init__(self, mode: str, state, log: Callable[[str], None]):
+        self.mode = mode
+        self.state = state
+        self.log = log
+        self.iteration = 0
+        self.first_iteration_complete = False
+        # validate_results: the iteration a resumed job must rerun first (0: none).
+        self.rerun_iteration = 0
+        self.rerun_device = 0
+        self._records: List[torch.Tensor] = []
+        self._active = True
+        self.grads_after_reduction = False  # FSDP2: grad shards checked after reduce-scatter
+
+    # -- the checks (device ops only) -------------------------------------------------------
+    def wrap(self, forward_step_func: Callable) -> Callable:
+        """The user's forward step with its loss checked."""
+        def forward_step(data_iterator, model):
+            output, loss_func = forward_step_func(data_iterator, model)
+
+            def checked_loss_func(output_tensor):
+                result = loss_func(output_tensor)
+                self.check_loss(result[0])
+                return result
+            return output, checked_loss_func
+        return forward_step
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        if self._active:
+            value = loss.detach().float()
+            self._records.append(torch.stack([value.isnan(), value.isinf(),
+                                              torch.zeros_like(value, dtype=torch.bool),
+                                              torch.zeros_like(value, dtype=torch.bool)]))
+
+    def check_grads(self, grads: torch.Tensor) -> None:
+        """`grads`: a flat grad buffer (or a norm); checked through its L2 norm."""
+        if self._active:
+            norm = grads.detach().float().norm(2)
+            self._records.append(torch.stack([torch.zeros_like(norm, dtype=torch.bool),
+                                              torch.zeros_like(norm, dtype=torch.bool),
+                                              norm.isnan(), norm.isinf()]))
+
+    def check_sharded_grads(self, model_chunks) -> None:
+        """FSDP2: the local shards of the reduced grads."""
+        if not self._active:
+            return
+        self.grads_after_reduction = True
+        for chunk in model_chunks:
+            norms = []
+            for param in chunk.parameters():
+                grad = param.grad
+                if grad is None:
+                    continue
+                grad = grad.to_local() if hasattr(grad, "to_local") else grad
+                norms.append(grad.detach().float().norm(2))
+            if norms:
+                self.check_grads(torch.stack(norms))
+
+    # -- one iteration ------------------------------------------------------------------------
+    def start_iteration(self, iteration: int, data_iterator) -> None:
+        """Before the first forward of `iteration` (1-based, the one about to run)."""
+        from megatron_smp.checkpointing.rng import get_rng_state
+
+        self.iteration = iteration
+        self._records = []
+        self._rng = None
+        self._active = self.mode == "disabled" or self.first_iteration_complete or (
+            self.rerun_iteration == iteration)
+        if self.mode == "validate_results":
+            self._rng = get_rng_state()
+            if isinstance(data_iterator, ReplayIterator):
+                data_iterator.advance()
+
+    def _outcome(self, compare_with: Optional[torch.Tensor] = None):
+        """(ranks per check, any rank's pattern differs from `compare_with`, this rank's
+        pattern): one all-reduce over all ranks."""
+        device = self.state.device
+        local = (torch.stack(self._records).to(device) if self._records
+                 else torch.zeros(0, 4, dtype=torch.bool, device=device))
+        counts = torch.zeros(5, dtype=torch.float32, device=device)
+        counts[:4] = local.any(dim=0).float() if len(local) else 0.0
+        if compare_with is not None:
+            same = compare_with.shape == local.shape and bool(torch.equal(compare_with, local))
+            counts[4] = 0.0 if same else 1.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        values = counts.tolist()
+        return values[:4], values[4] > 0, local
+
+    def _messages(self):
+        if not self.grads_after_reduction:
+            return MESSAGES
+        return MESSAGES[:2] + tuple(
+            m.replace("before data-parallel communication collective",
+                      "after the data-parallel reduce-scatter (FSDP2)") for m in MESSAGES[2:])
+
+    def _describe(self, counts) -> str:
+        return "; ".join(f"{message} on {int(n)} rank(s)"
+                         for message, n in zip(self._messages(), counts) if n > 0)
+
+    def _log_local(self, local: torch.Tensor) -> None:
+        if len(local) and bool(local.any()):
+            seen = [self._messages()[i] for i in range(4) if bool(local[:, i].any())]
+            self.log(f"Rank {self.state.rank}, node {os.uname()[1]}, device {self.state.device}, "
+                     f"iteration #{self.iteration}: unexpected result "
+                     f"(message='{'; '.join(seen)}')", every_rank=True)
+
+    def finish_step(self, run, data_iterator, rerun: Callable[[], Any]):
+        """After the step's backward (before the optimizer step). Returns when the step may
+        go on; raises RuntimeError (disabled) or SystemExit(16|17) (validate_results)."""
+        from megatron_smp.checkpointing.rng import set_rng_state
+
+        if not self._active:
+            self.first_iteration_complete = True
+            return
+        counts, _, local = self._outcome()
+        rejected = any(n > 0 for n in counts)
+        from_checkpoint = self.mode == "validate_results" and self.rerun_iteration == self.iteration
+        if not rejected and not from_checkpoint:
+            self.first_iteration_complete = True
+            return
+        self._log_local(local)
+        where = f"iteration {self.iteration}: {self._describe(counts)}"
+        if self.mode == "disabled":
+            raise RuntimeError(
+                f"{where} (Megatron's --check-for-nan-in-loss-and-grad, on by default; "
+                "--no-check-for-nan-in-loss-and-grad turns it off, --rerun-mode "
+                "validate_results reruns the iteration to tell a transient fault from a "
+                "reproducible result)")
+        if from_checkpoint:
+            self._second_rerun(run, rejected, where)
+        self.log(f"{where}. Need to rerun step to check reproducibility of initial result")
+        initial = local
+        set_rng_state(self._rng)
+        if isinstance(data_iterator, ReplayIterator):
+            data_iterator.rewind()
+        self._records = []
+        rerun()
+        _, differs, _ = self._outcome(compare_with=initial)
+        set_rng_state(self._rng)
+        if differs:
+            self.log("First rerun: unexpected result is not reproducible within the tolerance. "
+                     "Possible transient error! Exiting now. A checkpoint at the last "
+                     "iteration is being saved if further examination is needed")
+            self._save_and_exit(run, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, pending=False)
+        self.log("First rerun: unexpected result is reproducible within the tolerance. Need to "
+                 "rerun on a different GPU to verify correctness. Saving a checkpoint and "
+                 "exiting now. Please resume the job from the checkpoint to rerun the last "
+                 "iteration and establish a diagnostic")
+        self._save_and_exit(run, EXIT_CODE_RESUME_TO_DISAMBIGUATE, pending=True)
+
+    def _second_rerun(self, run, rejected: bool, where: str) -> None:
+        """The resumed job's rerun of the iteration whose result was reproduced."""
+        same_device = torch.tensor([float(device_identity(self.state.device)
+                                          == self.rerun_device)], device=self.state.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(same_device, op=dist.ReduceOp.MAX)
+        if same_device.item() > 0:
+            self.log("Got rescheduled on the same GPU. Need to resume again from the same "
+                     "checkpoint. Exiting now. Please resume the job from the same checkpoint "
+                     "to rerun the last iteration and establish a diagnostic")
+            raise SystemExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        if rejected:
+            self.log(f"Second rerun: {where}: unexpected result is reproducible on a different "
+                     "GPU, therefore it was likely correct. Correct result (but possible "
+                     "Application error)")
+        else:
+            self.log(f"Second rerun (iteration {self.iteration}): unexpected result is not "
+                     "reproducible on a different GPU, therefore was likely incorrect. "
+                     "Possible persistent error!")
+        self.log("Exiting now. A checkpoint at the last iteration already exists if further "
+                 "examination is needed")
+        raise SystemExit(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+
+    def _save_and_exit(self, run, code: int, pending: bool) -> None:
+        from megatron_smp.training import checkpointing
+
+        if run.configs.checkpoint.save:
+            if pending:
+                self.rerun_iteration = self.iteration
+                self.rerun_device = device_identity(self.state.device)
+            try:
+                checkpointing.save(run)
+                checkpointing.finalize(run)
+            finally:
+                self.rerun_iteration = self.rerun_device = 0
+        raise SystemExit(code)
+
+
+__all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+           "MESSAGES", "RERUN_KEYS", "RERUN_MODES", "ReplayIterator", "ResultValidator",
+           "device_identity", "validate_result_flags", "validation_enabled"]
