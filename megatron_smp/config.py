@@ -193,6 +193,26 @@ FUNCTION_FIELDS = (
 )
 
 
+# Megatron's --recompute-modules choices, and the ones this framework cannot take.
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+_RECOMPUTE_MODULES_NOT_HERE = {
+    "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
+               "which megatron_smp does not have; use mlp for dense layers",
+    "mla_up_proj": "needs multi-latent attention, which megatron_smp does not have",
+    "moe": "recomputing MoE layers is not supported yet",
+    "shared_experts": "recomputing MoE shared experts is not supported yet",
+}
+
+
+def recompute_modules(config) -> tuple:
+    """What selective recompute covers ("core_attn" alone by default); () otherwise."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return ()
+    modules = getattr(config, "recompute_modules", None)
+    return tuple(modules) if modules is not None else ("core_attn",)
+
+
 @dataclass
 class TransformerConfig:
     """Shape and numerics of a decoder-only transformer (GPT, Llama, Mistral, Mixtral).
@@ -259,6 +279,10 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None  # None | "full" | "selective"
     recompute_method: Optional[str] = None  # "uniform" | "block"
     recompute_num_layers: Optional[int] = None
+    # What "selective" recomputes (Megatron's --recompute-modules; None: ["core_attn"]):
+    # "core_attn", "mlp" (dense MLPs), "layernorm" (both norms, outputs discarded until
+    # backward). See recompute_modules().
+    recompute_modules: Optional[list] = None
 
     # Mixture of experts (Megatron's names; None experts: a dense model).
     num_moe_experts: Optional[int] = None
@@ -354,6 +378,7 @@ class TransformerConfig:
             "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
             f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
         )
+        self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         if self.window_size is not None:
             left, right = self.window_size
@@ -402,6 +427,19 @@ class TransformerConfig:
                 f"tensor-model-parallel-size x context-parallel-size ({tp * cp}); use "
                 "--cp-comm-type p2p or all_gather",
             )
+
+    def _validate_recompute_modules(self) -> None:
+        modules = self.recompute_modules
+        if modules is None:
+            return
+        _require(self.recompute_granularity == "selective",
+                 "--recompute-modules chooses what --recompute-granularity selective recomputes: "
+                 "add --recompute-granularity selective (or --recompute-activations), or drop it")
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        _require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; choose from "
+                 f"{', '.join(RECOMPUTE_MODULES)}")
+        for name, reason in _RECOMPUTE_MODULES_NOT_HERE.items():
+            _require(name not in modules, f"--recompute-modules {name}: {reason}")
 
     def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size

@@ -266,7 +266,110 @@ def checkpoint(
     return _CheckpointFunction.apply(function, group, *args)
 
 
+class _RunWithoutGraph(torch.autograd.Function):
+    """Forward of `CheckpointWithoutOutput`: the function runs without recording a graph;
+    backward sends the output grads through the graph its recompute recorded."""
+
+    @staticmethod
+    def forward(ctx, owner, *args):
+        ctx.owner = owner
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.inputs_require_grad = [args[i].requires_grad for i in ctx.tensor_positions]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_positions])
+        owner.ctx = ctx
+        with torch.no_grad():
+            return owner.run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        owner = ctx.owner
+        if ctx.recomputed is None:  # the consumer's hook did not fire: recompute now
+            owner.recompute(None)
+        args, outputs = ctx.recomputed
+        ctx.recomputed = None
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
+class CheckpointWithoutOutput:
+    """Megatron's output-discarding checkpoint (`--recompute-modules layernorm`): the
+    function's output is handed to its consumer (which may save it for backward), then its
+    storage is freed; when the consumer's output gets its grad, the function is rerun under
+    the forward's RNG states and the result written back into the same storage, before the
+    consumer's backward reads it.
+
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, hidden_states)
+        out = attention(normed)
+        ckpt.discard_output_and_register_recompute(out)
+    """
+
+    def __init__(self):
+        self.ctx = None
+        self.outputs = None
+        self.storage_sizes = []
+
+    def checkpoint(self, run_function, *args):
+        self.run_function = run_function
+        self.device = rng_device()
+        self.rng_states = _all_rng_states(self.device)
+        outputs = _RunWithoutGraph.apply(self, *args)
+        self.ctx.recomputed = None
+        self.outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        return outputs
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the outputs' storage; recompute when `hook_tensor`'s grad is computed."""
+        if not hook_tensor.requires_grad:
+            return
+        self.storage_sizes = []
+        for output in self.outputs:
+            self.storage_sizes.append(output.untyped_storage().size())
+            output.untyped_storage().resize_(0)
+        hook_tensor.register_hook(self.recompute)
+
+    def recompute(self, _grad) -> None:
+        ctx = self.ctx
+        if ctx is None or ctx.recomputed is not None:
+            return
+        tensors = ctx.saved_tensors
+        args = list(ctx.non_tensor_args)
+        for position, tensor, requires_grad in zip(ctx.tensor_positions, tensors,
+                                                   ctx.inputs_require_grad):
+            args[position] = tensor.detach().requires_grad_(requires_grad)
+        current = _all_rng_states(self.device)
+        _restore_rng_states(self.rng_states, self.device)
+        try:
+            with torch.enable_grad():
+                outputs = self.run_function(*args)
+        finally:
+            _restore_rng_states(current, self.device)
+        recomputed = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        for index, (output, value) in enumerate(zip(self.outputs, recomputed)):
+            if output.untyped_storage().size() == 0:  # discarded: refill in place
+                size = self.storage_sizes[index]
+                source = value.detach().contiguous().untyped_storage()
+                if source.size() != size:
+                    raise RuntimeError(
+                        f"CheckpointWithoutOutput: the recomputed output holds {source.size()} "
+                        f"bytes, the discarded one {size}; the function must return a fresh "
+                        "contiguous tensor")
+                output.untyped_storage().resize_(size)
+                # Through the storage: the consumer saved `output` at this version.
+                output.untyped_storage().copy_(source)
+        ctx.recomputed = (args, outputs)
+        self.outputs = None
+        self.ctx = None
+
+
 __all__ = [
+    "CheckpointWithoutOutput",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "DATA_PARALLEL_RNG",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -119,6 +120,8 @@ _FLAGS: List[_Flag] = [
        help="Megatron's shorthand for --recompute-granularity selective"),
     _f("--recompute-method", "model", choices=["uniform", "block"]),
     _f("--recompute-num-layers", "model", type=int),
+    # Space- or comma-separated; Megatron's test configs also write "[layernorm mlp]".
+    _f("--recompute-modules", "model", nargs="+"),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -660,6 +663,10 @@ def parse_args(
 
     # Given by --train-samples instead: pretrain derives it (see NumMicrobatchesCalculator).
     training.setdefault("train_iters", None)
+    if model.get("recompute_modules") is not None:
+        model["recompute_modules"] = [
+            name for token in model["recompute_modules"]
+            for name in re.split(r"[\s,\[\]]+", token) if name]
     if args.recompute_activations:
         if model.get("recompute_granularity", "selective") != "selective":
             raise ConfigError("--recompute-activations is --recompute-granularity selective; "
@@ -816,6 +823,10 @@ def _validate_run_flags(configs: Configs) -> None:
     )
     validate_profiling(configs.training, cuda)
     validate_result_flags(configs.training)
+    if configs.training.torch_compile and "layernorm" in (configs.model.recompute_modules or ()):
+        raise ConfigError("--recompute-modules layernorm frees and refills tensor storage "
+                          "between forward and backward, which --torch-compile's graphs do "
+                          "not allow: drop one of them")
     validate_wandb(configs.training, configs.checkpoint.save)
     if configs.training.log_progress and not configs.checkpoint.save:
         raise ConfigError("--log-progress writes <--save>/progress.txt: add --save DIR")

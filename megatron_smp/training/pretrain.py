@@ -379,7 +379,9 @@ def pretrain(
     train_iter = iter(loader(train_ds, run.consumed_train_samples))
     if run.validator is not None and run.validator.mode == "validate_results":
         train_iter = ReplayIterator(train_iter)  # an iteration can be rerun on its batches
-    valid_loader = loader(valid_ds, 0)
+    # --eval-iters 0 evaluates nothing (Megatron's do_valid / do_test): its splits are not
+    # read, and may hold less than one sample.
+    valid_loader = loader(valid_ds, 0) if training.eval_iters > 0 else None
     valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
 
     is_logging_rank = state.rank == state.world_size - 1
@@ -510,7 +512,8 @@ def pretrain(
     ):
         checkpointing.save(run)
     if result.exit_reason is None:
-        _final_evaluation(run, forward_step_func, valid_iter, loader(test_ds, 0),
+        _final_evaluation(run, forward_step_func, valid_iter,
+                          loader(test_ds, 0) if training.eval_iters > 0 else None,
                           num_microbatches, logger, result)
     if checkpointing is not None:
         checkpointing.finalize(run)

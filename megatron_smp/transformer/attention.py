@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron_smp.config import TransformerConfig
+from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -293,7 +293,7 @@ class SelfAttention(torch.nn.Module):
         self.q_per_group = divide(self.num_heads, self.num_query_groups)
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.num_groups_per_partition = divide(self.num_query_groups, tp_size)
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = "core_attn" in recompute_modules(config)
         self.rotary_interleaved = config.rotary_interleaved
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:

@@ -11,9 +11,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_smp.config import TransformerConfig
+from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel.mappings import group_size
-from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.tensor_parallel.random import (
+    CheckpointWithoutOutput,
+    checkpoint,
+    get_rng_tracker,
+)
 from megatron_smp.transformer.attention import (
     DotProductAttention,
     RotaryEmbeddings,
@@ -81,6 +85,12 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(
             submodules.mlp, config, state, layer_number=layer_number, device=device
         )
+        # --recompute-granularity selective --recompute-modules (Megatron's TransformerLayer):
+        # "layernorm" discards both norms' outputs after use and recomputes them in backward;
+        # "mlp" recomputes a dense MLP ("core_attn" is SelfAttention's).
+        modules = recompute_modules(config)
+        self.recompute_layernorm = "layernorm" in modules
+        self.recompute_mlp = "mlp" in modules and isinstance(self.mlp, MLP)
 
     def _dropout_rng(self):
         # With SP each TP rank holds a different sequence shard: draw independent masks.
@@ -101,14 +111,33 @@ class TransformerLayer(torch.nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
-        attention_output = self.self_attention(
-            self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb
-        )
+        recompute = self.training and torch.is_grad_enabled()
+        attention_output = self._normed(self.input_layernorm, hidden_states, recompute,
+                                        lambda x: self.self_attention(x, attention_mask,
+                                                                      rotary_pos_emb))
         if self.parallel_residual:
-            mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
+            mlp_output = self._normed(self.pre_mlp_layernorm, hidden_states, recompute,
+                                      lambda x: self._mlp(x, recompute))
             return hidden_states + self._dropout(attention_output) + self._dropout(mlp_output)
         hidden_states = hidden_states + self._dropout(attention_output)
-        return hidden_states + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden_states)))
+        mlp_output = self._normed(self.pre_mlp_layernorm, hidden_states, recompute,
+                                  lambda x: self._mlp(x, recompute))
+        return hidden_states + self._dropout(mlp_output)
+
+    def _normed(self, norm, hidden_states, recompute: bool, consumer):
+        """consumer(norm(hidden_states)), the norm's output discarded until backward with
+        --recompute-modules layernorm."""
+        if not (recompute and self.recompute_layernorm):
+            return consumer(norm(hidden_states))
+        discarding = CheckpointWithoutOutput()
+        output = consumer(discarding.checkpoint(norm, hidden_states))
+        discarding.discard_output_and_register_recompute(output)
+        return output
+
+    def _mlp(self, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+        if recompute and self.recompute_mlp:
+            return checkpoint(self.mlp, False, x)
+        return self.mlp(x)
 
 
 __all__ = ["TransformerLayer", "default_layer_submodules", "get_gpt_layer_spec"]

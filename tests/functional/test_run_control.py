@@ -444,3 +444,25 @@ def test_log_progress_records_jobs_saves_and_operations_across_a_resume(tmp_path
         f"{per_sample * 8 * i:.2e}" for i in (2, 4, 6)]
     assert all(float(s["Job throughput"].split()[0]) >= 0 for s in saves)
 
+
+
+def _run_with_empty_evaluation_splits(rank, world_size, argv):
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    def datasets(num_samples, configs, tokenizer):
+        train, _, _ = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
+        return train, [], []  # splits too small for one sample
+
+    result = pretrain(datasets, model_provider, forward_step, argv=argv)
+    return sorted(result.train_losses), result.log_lines
+
+
+def test_eval_iters_0_reads_no_evaluation_split():
+    """Megatron evaluates nothing with --eval-iters 0, so empty validation and test splits
+    are fine (they used to stop the run after its last iteration)."""
+    iterations, lines = run_distributed(
+        _run_with_empty_evaluation_splits, 1,
+        args=(ARGV + ["--eval-iters", "0", "--eval-interval", "2", "--train-iters", "4"],))[0]
+    assert iterations == [1, 2, 3, 4]
+    assert not any("validation loss" in line for line in lines)

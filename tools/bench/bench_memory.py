@@ -135,7 +135,7 @@ def pretrain_flags(args, precision: str, distributed: bool) -> List[str]:
         flags += ["--initial-loss-scale", str(args.initial_loss_scale)]
     if distributed:
         flags.append("--use-distributed-optimizer")
-    return flags
+    return flags + list(getattr(args, "extra_flags", []))
 
 
 def run_config(args, precision: str, dp: int, distributed: bool) -> List[int]:
