@@ -171,6 +171,35 @@ def _restore_rng_states(states: tuple, device: torch.device) -> None:
     get_rng_tracker().set_states(tracker_states)
 
 
+def _rerun(run_function, ctx, tensors, rng_states: tuple, device: torch.device):
+    """Recompute: `run_function` on grad-requiring detached copies of the saved inputs
+    (`ctx` holds where the tensors go among the arguments), under the forward's RNG states.
+    Returns (args, outputs)."""
+    args = list(ctx.non_tensor_args)
+    for position, tensor, requires_grad in zip(ctx.tensor_positions, tensors,
+                                               ctx.inputs_require_grad):
+        args[position] = tensor.detach().requires_grad_(requires_grad)
+    current = _all_rng_states(device)
+    _restore_rng_states(rng_states, device)
+    try:
+        with torch.enable_grad():
+            outputs = run_function(*args)
+    finally:
+        _restore_rng_states(current, device)
+    return args, outputs
+
+
+def _backward_through(args, outputs, grad_outputs) -> tuple:
+    """Backward from the recomputed `outputs`; the grads of `args` (None for non-tensors)."""
+    if torch.is_tensor(outputs):
+        outputs = (outputs,)
+    pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+             if torch.is_tensor(out) and out.requires_grad and grad is not None]
+    if pairs:
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    return tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
 class _CheckpointFunction(torch.autograd.Function):
     """Run `function` without keeping its activations; rerun it in backward with the RNG
     states (default and tracker) it saw in forward, so dropout masks are reproduced."""
@@ -218,33 +247,8 @@ class _CheckpointFunction(torch.autograd.Function):
         tensors = list(ctx.saved_tensors)
         if ctx.distribute_group is not None:
             tensors[0] = _gather_first_dim(tensors[0], ctx.distribute_group).view(ctx.first_shape)
-        args = list(ctx.non_tensor_args)
-        for position, tensor, requires_grad in zip(
-            ctx.tensor_positions, tensors, ctx.inputs_require_grad
-        ):
-            args[position] = tensor.detach().requires_grad_(requires_grad)
-
-        current = _all_rng_states(ctx.device)
-        _restore_rng_states(ctx.rng_states, ctx.device)
-        try:
-            with torch.enable_grad():
-                outputs = ctx.run_function(*args)
-        finally:
-            _restore_rng_states(current, ctx.device)
-
-        if torch.is_tensor(outputs):
-            outputs = (outputs,)
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if torch.is_tensor(out) and out.requires_grad and grad is not None
-        ]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        input_grads = tuple(
-            args[i].grad if torch.is_tensor(args[i]) else None for i in range(len(args))
-        )
-        return (None, None) + input_grads
+        args, outputs = _rerun(ctx.run_function, ctx, tensors, ctx.rng_states, ctx.device)
+        return (None, None) + _backward_through(args, outputs, grad_outputs)
 
 
 def checkpoint(
@@ -288,13 +292,7 @@ class _RunWithoutGraph(torch.autograd.Function):
             owner.recompute(None)
         args, outputs = ctx.recomputed
         ctx.recomputed = None
-        if torch.is_tensor(outputs):
-            outputs = (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
-                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+        return (None,) + _backward_through(args, outputs, grad_outputs)
 
 
 class CheckpointWithoutOutput:
@@ -338,18 +336,8 @@ class CheckpointWithoutOutput:
         ctx = self.ctx
         if ctx is None or ctx.recomputed is not None:
             return
-        tensors = ctx.saved_tensors
-        args = list(ctx.non_tensor_args)
-        for position, tensor, requires_grad in zip(ctx.tensor_positions, tensors,
-                                                   ctx.inputs_require_grad):
-            args[position] = tensor.detach().requires_grad_(requires_grad)
-        current = _all_rng_states(self.device)
-        _restore_rng_states(self.rng_states, self.device)
-        try:
-            with torch.enable_grad():
-                outputs = self.run_function(*args)
-        finally:
-            _restore_rng_states(current, self.device)
+        args, outputs = _rerun(self.run_function, ctx, ctx.saved_tensors, self.rng_states,
+                               self.device)
         recomputed = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         for index, (output, value) in enumerate(zip(self.outputs, recomputed)):
             if output.untyped_storage().size() == 0:  # discarded: refill in place
