@@ -133,20 +133,21 @@ class ResultValidator:
             return output, checked_loss_func
         return forward_step
 
-    def check_loss(self, loss: torch.Tensor) -> None:
+    def _record(self, value: torch.Tensor, first_check: int) -> None:
+        """Checks `first_check` (NaN) and the one after it (Inf) of MESSAGES on a scalar."""
         if self._active:
-            value = loss.detach().float()
-            self._records.append(torch.stack([value.isnan(), value.isinf(),
-                                              torch.zeros_like(value, dtype=torch.bool),
-                                              torch.zeros_like(value, dtype=torch.bool)]))
+            flags = torch.zeros(4, dtype=torch.bool, device=value.device)
+            flags[first_check] = value.isnan()
+            flags[first_check + 1] = value.isinf()
+            self._records.append(flags)
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        self._record(loss.detach().float(), 0)
 
     def check_grads(self, grads: torch.Tensor) -> None:
         """`grads`: a flat grad buffer (or a norm); checked through its L2 norm."""
         if self._active:
-            norm = grads.detach().float().norm(2)
-            self._records.append(torch.stack([torch.zeros_like(norm, dtype=torch.bool),
-                                              torch.zeros_like(norm, dtype=torch.bool),
-                                              norm.isnan(), norm.isinf()]))
+            self._record(grads.detach().float().norm(2), 2)
 
     def check_sharded_grads(self, model_chunks) -> None:
         """FSDP2: the local shards of the reduced grads."""
