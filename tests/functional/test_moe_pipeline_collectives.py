@@ -95,15 +95,18 @@ def _baseline(pattern):
 CASES = {
     # stage 1 holds no MoE layer
     "moe_first_pp2": (2, "[1,1,0,0]", "--pipeline-model-parallel-size 2"),
-    # DeepSeek-style dense first layers: stage 0 holds none; EP=2 and sharded optimizer
+    # DeepSeek-style dense first layers: stage 0 holds none; EP=2 and sharded optimizer, with
+    # the checkpoint's and the exit signal's agreements walked too
     "dense_first_pp2_ep2_distopt": (4, "[0,0,1,1]", "--pipeline-model-parallel-size 2 "
-                                    "--expert-model-parallel-size 2 --use-distributed-optimizer"),
+                                    "--expert-model-parallel-size 2 --use-distributed-optimizer "
+                                    "--exit-signal-handler --save-interval 2 --save {save}"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_stage_without_moe_layers_trains_like_one_process(case):
+def test_stage_without_moe_layers_trains_like_one_process(case, tmp_path):
     world_size, pattern, flags = CASES[case]
+    flags = flags.format(save=tmp_path / "checkpoints")
     reference = _baseline(pattern)
     results = run_distributed(_train_and_walk, world_size, args=(_argv(pattern) + flags.split(),),
                               timeout=300, collective_timeout=60)
@@ -116,6 +119,8 @@ def test_stage_without_moe_layers_trains_like_one_process(case):
             assert grad_norm == pytest.approx(want[1], rel=1e-4), (rank, step)
             assert zeros == want[2], (rank, step)
             assert params_norm == pytest.approx(want[3], rel=1e-5), (rank, step)
+    if "--save" in flags:
+        assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
 def test_walk_catches_a_collective_only_some_ranks_issue():
