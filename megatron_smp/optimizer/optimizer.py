@@ -148,11 +148,11 @@ class MegatronOptimizer:
     def _total_norm(self, dense: List[torch.Tensor], expert: List[torch.Tensor],
                     norm_type: float) -> float:
         dense_groups, expert_groups = self._norm_groups()
-        total = grad_norm_power(dense, norm_type, dense_groups)
+        total = grad_norm_power(dense, norm_type, dense_groups, self.state.device)
         # Expert grads exist on every rank or on none (same model); the collective is only
         # issued when they do, so all ranks agree.
         if any(is_expert_param(p) for p, _ in self.param_pairs):
-            expert_total = grad_norm_power(expert, norm_type, expert_groups)
+            expert_total = grad_norm_power(expert, norm_type, expert_groups, self.state.device)
             if norm_type == math.inf:
                 total = torch.maximum(total, expert_total)
             else:
@@ -169,9 +169,9 @@ class MegatronOptimizer:
     def count_zeros(self) -> int:
         dense, expert = self._grads_for_norm()
         dense_groups, expert_groups = self._norm_groups()
-        total = count_zeros_fp32(dense, dense_groups)
+        total = count_zeros_fp32(dense, dense_groups, self.state.device)
         if any(is_expert_param(p) for p, _ in self.param_pairs):
-            total += count_zeros_fp32(expert, expert_groups)
+            total += count_zeros_fp32(expert, expert_groups, self.state.device)
         return total
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
