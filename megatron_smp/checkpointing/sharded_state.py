@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -230,25 +231,36 @@ def _put(target: dict, key: str, value) -> None:
 # -- optimizer ----------------------------------------------------------------------------------
 
 
+def _apex_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """apex's FusedAdam (what `build_torch_optimizer` picks on CUDA where apex imports). It
+    keeps Adam's moments per param, as torch does, but its step count per param *group*
+    (`group["step"]`, an int, or a device tensor when capturable). apex is looked up only if
+    already imported: an optimizer of its class cannot exist otherwise."""
+    module = sys.modules.get("apex.optimizers")
+    fused_adam = getattr(module, "FusedAdam", None)
+    return isinstance(fused_adam, type) and isinstance(optimizer, fused_adam)
+
+
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> Tuple[str, ...]:
-    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or _apex_fused_adam(optimizer):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
     if isinstance(optimizer, torch.optim.SGD):
         return ("momentum_buffer",) if group.get("momentum", 0) else ()
     raise NotImplementedError(
         f"checkpointing the state of {type(optimizer).__name__} is not supported; use torch's "
-        "Adam/AdamW or SGD"
+        "Adam/AdamW or SGD, or apex's FusedAdam"
     )
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state torch would create at the first step (zeros) where it is missing,
     so that a checkpoint can be loaded into it (or one taken before any step saved)."""
+    per_param_step = not (isinstance(optimizer, torch.optim.SGD) or _apex_fused_adam(optimizer))
     for group in optimizer.param_groups:
         keys = _state_keys(optimizer, group)
         for param in group["params"]:
             state = optimizer.state[param]
-            if "step" not in state and not isinstance(optimizer, torch.optim.SGD):
+            if "step" not in state and per_param_step:
                 on_device = group.get("fused") or group.get("capturable")
                 state["step"] = torch.zeros(
                     (), dtype=torch.float32, device=param.device if on_device else "cpu"
@@ -256,6 +268,15 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             for key in keys:
                 if state.get(key) is None:
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _group_step(group: dict) -> torch.Tensor:
+    """apex's per-group step as the 0-dim fp32 CPU tensor torch's Adam keeps per param, so
+    that checkpoints of either optimizer load into the other."""
+    step = group.get("step", 0)
+    if isinstance(step, torch.Tensor):
+        return step.detach().reshape(()).to("cpu", torch.float32)
+    return torch.tensor(float(step), dtype=torch.float32)
 
 
 def _param_ranges(megatron_optimizer) -> Iterator[Tuple[torch.nn.Parameter, torch.Tensor, int]]:
@@ -284,6 +305,10 @@ def optimizer_sharded_state_dict(
     layouts = {id(t): layout for layout, t in model_layouts(model_chunks, state, vocab_size)}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     per_param: Dict[str, dict] = {}
+    group_steps = (
+        {id(group): _group_step(group) for group in optimizer.param_groups}
+        if _apex_fused_adam(optimizer) else {}
+    )
     for model_param, main_param, start in _param_ranges(megatron_optimizer):
         layout = layouts[id(model_param)]
         if layout.tied_copy and not tied_copies:
@@ -301,6 +326,8 @@ def optimizer_sharded_state_dict(
             continue
         if "step" in param_state:
             entry["step"] = param_state["step"]  # the same on every rank: written once
+        elif group_steps:
+            entry["step"] = group_steps[id(group_of[id(main_param)])]
         _put(per_param, layout.key, entry)
     result: dict = {"state": per_param}
     scaler = megatron_optimizer.grad_scaler
@@ -309,10 +336,26 @@ def optimizer_sharded_state_dict(
     return result
 
 
-def load_grad_scaler(megatron_optimizer, loaded: dict) -> None:
+def finish_optimizer_load(megatron_optimizer, loaded: dict) -> None:
+    """After `loaded` (the template `optimizer_sharded_state_dict` gave) was filled: restore
+    what a load cannot fill in place -- the grad scaler's state, and apex FusedAdam's step
+    count, which lives in its param groups (every group steps together, so every saved
+    "step" holds the same count)."""
     scaler = megatron_optimizer.grad_scaler
     if scaler is not None and "grad_scaler" in loaded:
         scaler.load_state_dict(loaded["grad_scaler"])
+    optimizer = megatron_optimizer.optimizer
+    if not _apex_fused_adam(optimizer):
+        return
+    steps = [entry["step"] for entry in loaded.get("state", {}).values() if "step" in entry]
+    if not steps:
+        return
+    count = int(steps[0])
+    for group in optimizer.param_groups:
+        if isinstance(group.get("step"), torch.Tensor):  # capturable: stays on the device
+            group["step"].fill_(count)
+        else:
+            group["step"] = count
 
 
 __all__ = [
@@ -324,5 +367,5 @@ __all__ = [
     "model_sharded_state_dict",
     "init_optimizer_state",
     "optimizer_sharded_state_dict",
-    "load_grad_scaler",
+    "finish_optimizer_load",
 ]

@@ -16,13 +16,14 @@ def _grad_of(param: torch.nn.Parameter):
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _allreduce_coalesced(grads: List[torch.Tensor], group) -> None:
-    """Sum `grads` over `group` with one collective per dtype."""
+def _allreduce_coalesced(grads: List[torch.Tensor], group, device: torch.device) -> None:
+    """Sum `grads` over `group` with one collective per dtype, on `device` (the state's):
+    FSDP2's cpu_offload leaves grads on the CPU, which NCCL does not reduce."""
     by_dtype = {}
     for grad in grads:
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for same_dtype in by_dtype.values():
-        flat = _flatten_dense_tensors(same_dtype)
+        flat = _flatten_dense_tensors(same_dtype).to(device)
         dist.all_reduce(flat, group=group)
         for grad, synced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
             grad.copy_(synced)
@@ -44,7 +45,7 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], s
         and _grad_of(param) is not None
     ]
     if grads:
-        _allreduce_coalesced(grads, state.tp_group)
+        _allreduce_coalesced(grads, state.tp_group, state.device)
 
 
 def _language_model(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -1,6 +1,7 @@
 """Optimizers: fp32, fp16/bf16 with fp32 main params, and the distributed (sharded) one."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -102,7 +103,8 @@ def _fused_supported(device: torch.device) -> bool:
 def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Callable:
     """A factory `groups -> torch optimizer` for `config.optimizer`.
 
-    Uses apex FusedAdam on CUDA when it imports, else torch's fused kernels where the device
+    Uses apex FusedAdam on CUDA when it imports and builds (an apex without its CUDA
+    extensions raises RuntimeError at construction: a warning, then torch's), else torch's fused kernels where the device
     has them (CUDA, and CPU in recent torch, ~3x faster than the loop), else foreach.
     """
     fused = _fused_supported(device)
@@ -122,6 +124,10 @@ def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Call
                     return FusedAdam(groups, adam_w_mode=True, **kwargs)
                 except ImportError:
                     pass
+                except RuntimeError as error:
+                    # An apex built without its CUDA extensions imports, then raises here.
+                    warnings.warn(f"apex's FusedAdam is unusable ({error}); using torch's "
+                                  f"{'fused' if fused else 'foreach'} AdamW instead")
             implementation = {"fused": True} if fused else {"foreach": True}
             return torch.optim.AdamW(groups, **kwargs, **implementation)
         kwargs = dict(lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)

@@ -8,7 +8,7 @@ added (tp x pp, and the DP group when grads are sharded over DP).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,6 @@ def param_is_not_shared(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "shared", False)
 
 
-def _accumulator_device(grads: List[torch.Tensor], device: Optional[torch.device]):
-    if device is not None:
-        return torch.device(device)
-    return grads[0].device if grads else torch.device("cpu")
-
-
 def _reduce(value: torch.Tensor, groups: Sequence, op) -> torch.Tensor:
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
@@ -35,30 +29,27 @@ def _reduce(value: torch.Tensor, groups: Sequence, op) -> torch.Tensor:
 
 
 def grad_norm_power(grads: List[torch.Tensor], norm_type: float, groups: Sequence,
-                    device: Optional[torch.device] = None) -> torch.Tensor:
+                    device: torch.device) -> torch.Tensor:
     """sum |g|^p over `grads` and `groups` (max |g| for p = inf), as a 1-element fp32 tensor
-    on `device`: the collectives' device, which a rank with no grads here (a pipeline stage
-    without experts) or with offloaded grads cannot infer from `grads`."""
-    device = _accumulator_device(grads, device)
-    if norm_type == math.inf:
-        local = max((g.abs().max().float() for g in grads if g.numel()), default=None)
-        value = torch.zeros(1, dtype=torch.float32, device=device)
-        if local is not None:
-            value[0] = local.to(device)
-        return _reduce(value, groups, dist.ReduceOp.MAX)
+    on `device`, the process group's device (the state's): grads may live elsewhere (on the
+    CPU under FSDP2's cpu_offload) or be absent on this rank, and NCCL reduces CUDA only."""
     value = torch.zeros(1, dtype=torch.float32, device=device)
     grads = [g for g in grads if g.numel()]
+    if norm_type == math.inf:
+        if grads:
+            local = torch.stack([g.abs().max().float().to(device) for g in grads]).max()
+            value[0] = local
+        return _reduce(value, groups, dist.ReduceOp.MAX)
     if grads:
         norms = torch._foreach_norm(grads, norm_type)
         value += torch.stack(norms).float().pow(norm_type).sum().to(device)
     return _reduce(value, groups, dist.ReduceOp.SUM)
 
 
-def get_grad_norm_fp32(
-    grads_for_norm: List[torch.Tensor], groups: Sequence, norm_type: float = 2.0,
-    device: Optional[torch.device] = None,
-) -> float:
-    """Norm of the whole model's gradient. grads_for_norm: this rank's share, any shapes."""
+def get_grad_norm_fp32(grads_for_norm: List[torch.Tensor], groups: Sequence,
+                       device: torch.device, norm_type: float = 2.0) -> float:
+    """Norm of the whole model's gradient. grads_for_norm: this rank's share, any shapes;
+    `device`: where the partial sums are reduced (see grad_norm_power)."""
     value = grad_norm_power(grads_for_norm, norm_type, groups, device)
     if norm_type == math.inf:
         return value.item()
@@ -74,10 +65,10 @@ def clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def count_zeros_fp32(grads: List[torch.Tensor], groups: Sequence,
-                     device: Optional[torch.device] = None) -> int:
-    """Number of zero grad elements over this rank's share, summed over `groups`."""
-    value = torch.zeros(1, dtype=torch.float32, device=_accumulator_device(grads, device))
+def count_zeros_fp32(grads: List[torch.Tensor], groups: Sequence, device: torch.device) -> int:
+    """Number of zero grad elements over this rank's share, summed over `groups` on `device`
+    (see grad_norm_power)."""
+    value = torch.zeros(1, dtype=torch.float32, device=device)
     for grad in grads:
-        value += (grad.numel() - torch.count_nonzero(grad)).to(value.device)
+        value += (grad.numel() - torch.count_nonzero(grad)).to(device)
     return int(_reduce(value, groups, dist.ReduceOp.SUM).item())

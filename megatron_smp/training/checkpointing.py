@@ -42,7 +42,7 @@ from megatron_smp.checkpointing import (
     tracker_path,
 )
 from megatron_smp.checkpointing.sharded_state import (
-    load_grad_scaler,
+    finish_optimizer_load,
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
@@ -466,7 +466,7 @@ def load(run, tokenizer=None) -> None:
         validator.rerun_device = int(state_dict["rerun_device"])
 
     if load_optimizer:
-        load_grad_scaler(run.optimizer, state_dict["optimizer"])
+        finish_optimizer_load(run.optimizer, state_dict["optimizer"])
     else:
         run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
     if "opt_param_scheduler" in state_dict:
