@@ -80,8 +80,12 @@ __all__ = [
     "qwen2_moe",
 ]
 
-# SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.
+# translate_smp_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family> (our
+# GPTModel layout), and SMP v1's translate_state_dict_to_hf_<family> /
+# translate_hf_state_dict_to_smdistributed_<family> (v1's DistributedTransformer layout).
+from megatron_smp.models.hf.smp_v1 import *  # noqa: E402,F401,F403
+from megatron_smp.models.hf.smp_v1 import __all__ as _smp_v1_all  # noqa: E402
 from megatron_smp.models.hf.translate import *  # noqa: E402,F401,F403
 from megatron_smp.models.hf.translate import __all__ as _translate_all  # noqa: E402
 
-__all__ += _translate_all
+__all__ += _translate_all + _smp_v1_all

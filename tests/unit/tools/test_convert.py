@@ -124,16 +124,16 @@ def test_errors_are_clear(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "mistral"])
-def test_v1_translate_functions_round_trip(family):
+def test_our_layout_translate_functions_round_trip(family):
     name = family.replace("_", "")
-    to_hf = getattr(hf_adapters, f"translate_state_dict_to_hf_{name}")
+    to_hf = getattr(hf_adapters, f"translate_smp_state_dict_to_hf_{name}")
     to_smp = getattr(hf_adapters, f"translate_hf_state_dict_to_smp_{name}")
     source = build_hf(family)
     hf_sd = source.state_dict()
     full = to_smp(hf_sd, config=source.config)
     config = hf_adapters.get_adapter(family).config_from_hf(source.config)
     assert full["embedding.word_embeddings.weight"].shape[0] == config.padded_vocab_size(1)
-    back = to_hf(full, max_seq_len=None, config=config)
+    back = to_hf(full, config=config)
     assert back.keys() == hf_sd.keys()
     assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
     if family == "gpt_neox":  # shapes read from the tensors: no config needed
