@@ -14,11 +14,11 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
+from megatron_smp.models.hf import gpt2, gpt_neox, gptj, llama, mixtral, qwen2_moe
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
-             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "gpt_neox": gpt_neox, "gptj": gptj, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 
 def _architecture_index() -> dict:
@@ -76,6 +76,7 @@ __all__ = [
     "gpt2",
     "llama",
     "gpt_neox",
+    "gptj",
     "mixtral",
     "qwen2_moe",
 ]

@@ -14,7 +14,7 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.common import to_numpy, to_torch
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
+FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox", "gptj")
 BATCH, SEQ = 2, 12
 
 

@@ -155,3 +155,21 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ConfigError, match="unexpected tensors transformer.seq_layers.0.attention"
                                           ".query.bias"):
         hf_adapters.translate_state_dict_to_hf_gptj(gptj_v1)
+
+
+def test_gptj_model_gives_hf_logits():
+    """GPT-J in the framework (one shared norm, interleaved partial RoPE, unbiased attention,
+    LM-head bias): HF's logits within 1e-5, and no parameter HF does not have."""
+    import megatron_smp as smp
+
+    smp.init({"tensor_parallel_degree": 1})
+    source = build_hf("gptj")
+    model = smp.transform(source)
+    names = set(model.state_dict())
+    assert not any("pre_mlp_layernorm" in n or "linear_qkv.bias" in n or "linear_proj.bias" in n
+                   for n in names)
+    assert any(n.endswith("output_layer.bias") for n in names)
+    ids = torch.randint(0, source.config.vocab_size, (2, 12),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - source(ids).logits).abs().max() < 1e-5
