@@ -240,8 +240,9 @@ def translate_state_dict_to_hf_gptneox(
             out[dst + f"mlp.dense_h_to_4h.{part}"] = v1.take(src + f"output.dense1.{part}")
             out[dst + f"mlp.dense_4h_to_h.{part}"] = v1.take(src + f"output.dense2.{part}")
         inv_freq = v1.take_optional(src + "attention.rotary_emb.inv_freq")
-        if inv_freq is not None and (inv_freq.shape != expected_inv_freq.shape or not torch.allclose(
-                inv_freq.float(), expected_inv_freq, rtol=1e-5, atol=0)):
+        if inv_freq is not None and (
+                inv_freq.shape != expected_inv_freq.shape
+                or not torch.allclose(inv_freq.float(), expected_inv_freq, rtol=1e-5, atol=0)):
             raise ConfigError(
                 f"{v1.what}: {src}attention.rotary_emb.inv_freq ({inv_freq.numel()} frequencies) "
                 f"differs from the config's rotary settings (rotary_pct {config.rotary_percent}, "

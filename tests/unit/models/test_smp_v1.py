@@ -147,7 +147,8 @@ def test_errors_name_what_is_wrong():
         hf_adapters.translate_state_dict_to_hf_gpt2(gpt2_v1, max_seq_len=0)
     missing = dict(gpt2_v1)
     del missing["transformer.seq_layers.1.output.dense2.bias"]
-    with pytest.raises(ConfigError, match="no tensor 'transformer.seq_layers.1.output.dense2.bias'"):
+    with pytest.raises(ConfigError,
+                       match="no tensor 'transformer.seq_layers.1.output.dense2.bias'"):
         hf_adapters.translate_state_dict_to_hf_gpt2(missing)
     # A tensor v1's GPT-J does not have: named.
     gptj_v1 = v1_layout("gptj", build_hf("gptj"))

@@ -17,8 +17,8 @@ from tests.unit.models.test_hf_adapters import build_hf
 from tools.checkpoint.convert import main
 
 warnings.filterwarnings("ignore", message=".*")
-MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
-               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "gptj": "gptj", "llama": "llama",
+               "mistral": "mistral", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
 # config.json entries that are bookkeeping, not the model.
 _BOOKKEEPING = ("transformers_version",)
 

@@ -1,0 +1,94 @@
+"""convert.py --loader smp_v1: the file SMP v1's smp.save({"model_state_dict": sd}, path,
+partial=False) wrote, with sd in v1's layout (built in the test from v1's documented key
+layout) or already translated to HF's, converts to HF with the source model's logits exactly,
+and to our checkpoint and on to HF tensor for tensor; partial checkpoints and a missing HF
+config are clear errors."""
+import warnings
+
+import pytest
+import torch
+
+from tests.unit.models.test_hf_adapters import build_hf
+from tests.unit.models.test_smp_v1 import _logits, v1_layout
+from tests.unit.tools.test_convert import _convert, _convert_ok
+
+warnings.filterwarnings("ignore", message=".*")
+MODEL_TYPES = {"gpt2": "gpt2", "gpt_neox": "gpt_neox", "gptj": "gptj"}
+
+
+def _save_v1(tmp_path, family, prefixed):
+    """SMP v1's full checkpoint file and the model's HF config.json beside it."""
+    source = build_hf(family)
+    state_dict = v1_layout(family, source)
+    if prefixed:  # a wrapped model's keys
+        state_dict = {"module." + k: v for k, v in state_dict.items()}
+    v1_dir = tmp_path / "v1"
+    v1_dir.mkdir()
+    torch.save({"model_state_dict": state_dict}, v1_dir / "checkpoint.pt")
+    source.config.save_pretrained(v1_dir)
+    return source, v1_dir
+
+
+def _same_model(source, save_dir):
+    import transformers
+
+    result = transformers.AutoModelForCausalLM.from_pretrained(save_dir)
+    expected, actual = source.state_dict(), result.state_dict()
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+    assert torch.equal(_logits(result.eval()), _logits(source))
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+def test_v1_checkpoint_converts_to_hf_with_identical_logits(model_type, tmp_path):
+    source, v1_dir = _save_v1(tmp_path, MODEL_TYPES[model_type], prefixed=model_type != "gpt2")
+    _convert_ok(model_type, "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "hf")
+    _same_model(source, tmp_path / "hf")
+
+
+def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
+    # v1 GPT-J -> our checkpoint -> HF: the same tensors (the directory as --load-dir, the
+    # config found beside the file).
+    source, v1_dir = _save_v1(tmp_path, "gptj", prefixed=True)
+    _convert_ok("gptj", "smp_v1", "megatron_smp", v1_dir, tmp_path / "smp")
+    _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
+    _same_model(source, tmp_path / "hf")
+
+    # The migration guide's file: already translated to HF's layout (with v1's mask buffers
+    # and NeoX's old embed_out name), the config given by --hf-config.
+    neox = build_hf("gpt_neox")
+    hf_sd = dict(neox.state_dict())
+    hf_sd["embed_out.weight"] = hf_sd.pop("lm_head.weight")
+    hf_sd["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 32, 32, dtype=torch.uint8)
+    (tmp_path / "guide").mkdir()
+    torch.save({"model_state_dict": hf_sd}, tmp_path / "guide" / "checkpoint.pt")
+    neox.config.save_pretrained(tmp_path / "neox_config")
+    _convert_ok("gpt_neox", "smp_v1", "hf", tmp_path / "guide" / "checkpoint.pt",
+                tmp_path / "hf_neox", "--hf-config", str(tmp_path / "neox_config"))
+    _same_model(neox, tmp_path / "hf_neox")
+
+
+def test_v1_loader_errors_are_clear(tmp_path):
+    source, v1_dir = _save_v1(tmp_path, "gpt2", prefixed=False)
+    # Partial (per-rank) checkpoints: named, with what to do instead.
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for tp_rank in (0, 1):
+        torch.save({"model_state_dict": {"_smp_is_partial": True}}, partial / f"ckpt_0_{tp_rank}")
+    status, stderr = _convert("gpt2", "smp_v1", "hf", partial / "ckpt", tmp_path / "x")
+    assert status == 1 and "partial checkpoint" in stderr and "partial=False" in stderr
+    status, stderr = _convert("gpt2", "smp_v1", "hf", partial, tmp_path / "x")
+    assert status == 1 and "partial checkpoint" in stderr
+    # No HF config beside the file and none given.
+    (v1_dir / "config.json").unlink()
+    status, stderr = _convert("gpt2", "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "x")
+    assert status == 1 and "needs the model's Hugging Face config" in stderr
+    # A config of another shape: the mismatching tensor is named.
+    small = build_hf("gpt2", n_inner=128).config
+    small.save_pretrained(tmp_path / "other")
+    status, stderr = _convert("gpt2", "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "x",
+                              "--hf-config", str(tmp_path / "other"))
+    assert status == 1 and "transformer.h.0.mlp.c_fc.weight: [64, 256], the config says" in stderr
+    status, stderr = _convert("llama", "smp_v1", "hf", v1_dir, tmp_path / "x")
+    assert status == 1 and "use gpt2, gpt_neox or gptj" in stderr
+    assert not (tmp_path / "x").exists()
