@@ -1,0 +1,1 @@
+"""torch.sagemaker.nn: attention modules (`attn`) and HF-specific ones (`huggingface`)."""
