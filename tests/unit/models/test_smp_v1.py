@@ -174,3 +174,18 @@ def test_gptj_model_gives_hf_logits():
                         generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (model(ids) - source(ids).logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_v1_module_paths(family):
+    """A v1 script's import, with `smdistributed.modelparallel.torch` replaced by
+    `megatron_smp.smp`, gives these functions."""
+    name = NAMES[family]
+    script = (f"from smdistributed.modelparallel.torch.nn.huggingface.{name} import "
+              f"translate_state_dict_to_hf_{name}, translate_hf_state_dict_to_smdistributed_{name}")
+    namespace = {}
+    exec(script.replace("smdistributed.modelparallel.torch", "megatron_smp.smp"), namespace)
+    assert namespace[f"translate_state_dict_to_hf_{name}"] is getattr(
+        hf_adapters, f"translate_state_dict_to_hf_{name}")
+    assert namespace[f"translate_hf_state_dict_to_smdistributed_{name}"] is getattr(
+        hf_adapters, f"translate_hf_state_dict_to_smdistributed_{name}")
