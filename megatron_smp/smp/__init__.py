@@ -26,6 +26,7 @@ from megatron_smp.smp.state import SMPState, init, is_initialized, state
 from megatron_smp.smp import transform  # the callable module (see transform.py)
 from megatron_smp.smp.transform import TransformedModel
 from megatron_smp.smp.fsdp import fully_shard
+from megatron_smp.smp import nn  # noqa: F401 (v1 scripts: smp.nn.huggingface.gpt2.translate_...)
 
 __all__ = ["init", "is_initialized", "state", "transform", "TransformedModel", "SMPState",
            "MoEConfig", "fully_shard", "read_smp_keys", "parse_smp_config", "FSDP_SCRIPT_KEYS"]

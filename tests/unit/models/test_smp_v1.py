@@ -189,3 +189,9 @@ def test_v1_module_paths(family):
         hf_adapters, f"translate_state_dict_to_hf_{name}")
     assert namespace[f"translate_hf_state_dict_to_smdistributed_{name}"] is getattr(
         hf_adapters, f"translate_hf_state_dict_to_smdistributed_{name}")
+    # ... and as attributes of the package (`smp.nn.huggingface.gpt2.translate_...`).
+    import megatron_smp.smp as smp
+
+    module = getattr(smp.nn.huggingface, name)
+    assert getattr(module, f"translate_state_dict_to_hf_{name}") is namespace[
+        f"translate_state_dict_to_hf_{name}"]
