@@ -150,9 +150,10 @@ PROBE_SEED = 5
 SEQ = 16
 
 
-def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size):
+def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size, model_argv=None):
     """pretrain_llama from the converted checkpoint at TP=2 for 5 iterations; the full logits
-    of a fixed batch from the trained model, taken when it is saved."""
+    of a fixed batch from the trained model, taken when it is saved. `model_argv` replaces the
+    Llama model flags (and pretrain_llama's defaults by pretrain_gpt's)."""
     from megatron_smp.models.gpt import gather_full_logits
     from megatron_smp.training import checkpointing, pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
@@ -172,16 +173,18 @@ def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size):
         probe["logits"] = gather_full_logits(logits, run.state, vocab_size).numpy().copy()
 
     checkpointing.save = save_and_probe
-    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
-            "--num-query-groups 2 --ffn-hidden-size 96 --max-position-embeddings 32 "
-            "--norm-epsilon 1e-6 --rotary-base 500000 --seq-length 16 --micro-batch-size 2 "
+    llama = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 2 --ffn-hidden-size 96 --max-position-embeddings 32 "
+             "--norm-epsilon 1e-6 --rotary-base 500000")
+    argv = ((model_argv or llama) + " --seq-length 16 --micro-batch-size 2 "
             "--global-batch-size 2 --train-iters 5 --lr 1e-3 --log-interval 5 --mock-data "
             f"--tokenizer-type NullTokenizer --vocab-size {vocab_size - 1} "
             "--tensor-model-parallel-size 2 --finetune").split()
     argv += ["--load", load_dir, "--save", save_dir]
+    defaults = LLAMA_DEFAULTS if model_argv is None else {}
     with contextlib.redirect_stdout(io.StringIO()):
         result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                          args_defaults=LLAMA_DEFAULTS, argv=argv)
+                          args_defaults=defaults, argv=argv)
     return {"losses": [v["lm loss"] for v in result.train_losses.values()], **probe}
 
 

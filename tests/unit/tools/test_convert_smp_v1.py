@@ -10,7 +10,8 @@ import torch
 
 from tests.unit.models.test_hf_adapters import build_hf
 from tests.unit.models.test_smp_v1 import _logits, v1_layout
-from tests.unit.tools.test_convert import _convert, _convert_ok
+from megatron_smp.testing import run_distributed
+from tests.unit.tools.test_convert import PROBE_SEED, SEQ, _convert, _convert_ok, _finetune_tp2
 
 warnings.filterwarnings("ignore", message=".*")
 MODEL_TYPES = {"gpt2": "gpt2", "gpt_neox": "gpt_neox", "gptj": "gptj"}
@@ -53,6 +54,26 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     _convert_ok("gptj", "smp_v1", "megatron_smp", v1_dir, tmp_path / "smp")
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
     _same_model(source, tmp_path / "hf")
+
+    # pretrain_gpt.py takes GPT-J's fields (no Megatron flags) with --use-checkpoint-args and
+    # trains it at TP=2; the trained model exported to HF gives the framework's logits.
+    import transformers
+
+    results = run_distributed(_finetune_tp2, 2, args=(
+        str(tmp_path / "smp"), str(tmp_path / "trained"), source.config.vocab_size,
+        "--num-layers 1 --hidden-size 8 --num-attention-heads 1 --use-checkpoint-args"))
+    losses = results[0]["losses"]
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "trained", tmp_path / "hf_trained")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_trained").eval()
+    for name in ("transformer.h.0.ln_1.weight", "lm_head.bias"):  # the shared norm, the bias
+        assert not torch.equal(trained.state_dict()[name], source.state_dict()[name]), name
+    tokens = torch.randint(0, source.config.vocab_size, (2, SEQ),
+                           generator=torch.Generator().manual_seed(PROBE_SEED))
+    with torch.no_grad():
+        hf_logits = trained(tokens).logits
+    for rank in (0, 1):
+        assert (torch.from_numpy(results[rank]["logits"]) - hf_logits).abs().max() < 1e-4
 
     # The migration guide's file: already translated to HF's layout (with v1's mask buffers
     # and NeoX's old embed_out name), the config given by --hf-config.
