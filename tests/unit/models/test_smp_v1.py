@@ -128,6 +128,10 @@ def test_hf_to_v1_to_hf_is_exact(family):
     assert back.keys() == hf_sd.keys()
     for key in hf_sd:
         assert back[key].dtype == hf_sd[key].dtype and torch.equal(back[key], hf_sd[key]), key
+    if family == "gpt_neox":  # older files (and v1's own output) name the head embed_out
+        old_names = {("embed_out.weight" if k == "lm_head.weight" else k): v
+                     for k, v in hf_sd.items()}
+        assert torch.equal(to_v1(old_names, **kwargs)["lm_head.weight"], hf_sd["lm_head.weight"])
 
 
 def test_errors_name_what_is_wrong():

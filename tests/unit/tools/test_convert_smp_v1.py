@@ -17,15 +17,16 @@ warnings.filterwarnings("ignore", message=".*")
 MODEL_TYPES = {"gpt2": "gpt2", "gpt_neox": "gpt_neox", "gptj": "gptj"}
 
 
-def _save_v1(tmp_path, family, prefixed):
-    """SMP v1's full checkpoint file and the model's HF config.json beside it."""
+def _save_v1(tmp_path, family, prefixed, key="model_state_dict"):
+    """SMP v1's full checkpoint file and the model's HF config.json beside it. `key`: the
+    entry holding the state dict (v1's examples used "model" too; None: the dict itself)."""
     source = build_hf(family)
     state_dict = v1_layout(family, source)
     if prefixed:  # a wrapped model's keys
         state_dict = {"module." + k: v for k, v in state_dict.items()}
     v1_dir = tmp_path / "v1"
     v1_dir.mkdir()
-    torch.save({"model_state_dict": state_dict}, v1_dir / "checkpoint.pt")
+    torch.save(state_dict if key is None else {key: state_dict}, v1_dir / "checkpoint.pt")
     source.config.save_pretrained(v1_dir)
     return source, v1_dir
 
@@ -40,9 +41,11 @@ def _same_model(source, save_dir):
     assert torch.equal(_logits(result.eval()), _logits(source))
 
 
-@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
-def test_v1_checkpoint_converts_to_hf_with_identical_logits(model_type, tmp_path):
-    source, v1_dir = _save_v1(tmp_path, MODEL_TYPES[model_type], prefixed=model_type != "gpt2")
+@pytest.mark.parametrize("model_type,key", [("gpt2", "model_state_dict"), ("gpt_neox", "model"),
+                                            ("gptj", None)])
+def test_v1_checkpoint_converts_to_hf_with_identical_logits(model_type, key, tmp_path):
+    source, v1_dir = _save_v1(tmp_path, MODEL_TYPES[model_type], prefixed=model_type != "gpt2",
+                              key=key)
     _convert_ok(model_type, "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "hf")
     _same_model(source, tmp_path / "hf")
 
@@ -74,6 +77,16 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
         hf_logits = trained(tokens).logits
     for rank in (0, 1):
         assert (torch.from_numpy(results[rank]["logits"]) - hf_logits).abs().max() < 1e-4
+    # Loaded with GPT-2-style flags instead, the GPT-J fields are named.
+    from megatron_smp.config import TransformerConfig
+    from megatron_smp.checkpointing import CheckpointError
+    from megatron_smp.training.checkpointing import check_architecture_matches
+
+    flags = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              vocab_size=1003, max_position_embeddings=32)
+    with pytest.raises(CheckpointError, match="parallel_residual_shared_norm: checkpoint True "
+                                              "vs flags False.*add_output_layer_bias"):
+        check_architecture_matches(str(tmp_path / "smp" / "iter_0000000"), flags)
 
     # The migration guide's file: already translated to HF's layout (with v1's mask buffers
     # and NeoX's old embed_out name), the config given by --hf-config.
