@@ -125,4 +125,9 @@ def test_v1_loader_errors_are_clear(tmp_path):
     assert status == 1 and "transformer.h.0.mlp.c_fc.weight: [64, 256], the config says" in stderr
     status, stderr = _convert("llama", "smp_v1", "hf", v1_dir, tmp_path / "x")
     assert status == 1 and "use gpt2, gpt_neox or gptj" in stderr
+    # Megatron-LM cannot build a GPT-J: said before anything is written.
+    (tmp_path / "j").mkdir()
+    _, gptj_dir = _save_v1(tmp_path / "j", "gptj", prefixed=False)
+    status, stderr = _convert("gptj", "smp_v1", "megatron", gptj_dir, tmp_path / "x")
+    assert status == 1 and "Megatron-LM's GPT model has no parallel_residual_shared_norm" in stderr
     assert not (tmp_path / "x").exists()
