@@ -39,11 +39,11 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
 
 StateDict = Dict[str, torch.Tensor]
 
 _V1_LAYER = re.compile(r"^transformer\.seq_layers\.(\d+)\.")
-_LISTED = 12
 
 
 def strip_module_prefix(state_dict: Mapping[str, Any]) -> StateDict:
@@ -62,14 +62,9 @@ def count_layers(state_dict: Mapping[str, torch.Tensor], pattern: re.Pattern,
     0..n-1."""
     indices = {int(m.group(1)) for m in map(pattern.match, state_dict) if m}
     if not indices or indices != set(range(len(indices))):
-        raise ConfigError(f"{what}: its layer indices {sorted(indices)[:_LISTED]} are not 0..n-1")
+        shown = format_listing([str(i) for i in sorted(indices)])
+        raise ConfigError(f"{what}: its layer indices [{shown}] are not 0..n-1")
     return len(indices)
-
-
-def _listing(names) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
-    return ", ".join(names[:_LISTED]) + more
 
 
 class _Reader:
@@ -90,7 +85,8 @@ class _Reader:
 
     def finish(self) -> None:
         if self.remaining:
-            raise ConfigError(f"{self.what}: unexpected tensors {_listing(self.remaining)}")
+            raise ConfigError(
+                f"{self.what}: unexpected tensors {format_listing(sorted(self.remaining))}")
 
 
 def _check_max_seq_len(max_seq_len: Optional[int]) -> None:
