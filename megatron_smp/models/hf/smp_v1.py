@@ -354,6 +354,27 @@ def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, torch
     return out
 
 
+# v1's older names for the HF -> v1 direction (kept by v1 "for backward compatibility"); they
+# took a max_seq_len that v1 itself did not use.
+def translate_hf_state_dict_to_smdistributed(state_dict, max_seq_len=None) -> StateDict:
+    """v1's old name of `translate_hf_state_dict_to_smdistributed_gpt2`."""
+    _check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_gpt2(state_dict)
+
+
+def translate_hf_gptneox_state_dict_to_smdistributed(state_dict, max_seq_len=None, *,
+                                                     config=None) -> StateDict:
+    """v1's old name of `translate_hf_state_dict_to_smdistributed_gptneox`."""
+    _check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_gptneox(state_dict, config=config)
+
+
+def translate_hf_gptj_state_dict_to_smdistributed(state_dict, max_seq_len=None) -> StateDict:
+    """v1's old name of `translate_hf_state_dict_to_smdistributed_gptj`."""
+    _check_max_seq_len(max_seq_len)
+    return translate_hf_state_dict_to_smdistributed_gptj(state_dict)
+
+
 # v1 family name -> (v1 -> HF, HF -> v1, whether `config=` is required).
 TRANSLATORS = {
     "gpt2": (translate_state_dict_to_hf_gpt2, translate_hf_state_dict_to_smdistributed_gpt2,
@@ -371,4 +392,4 @@ __all__ = [
     "translate_hf_state_dict_to_smdistributed_gpt2",
     "translate_hf_state_dict_to_smdistributed_gptneox",
     "translate_hf_state_dict_to_smdistributed_gptj",
-]
+]  # v1's older names are exported by the mirror modules only (megatron_smp.smp.nn.huggingface)
