@@ -6,8 +6,9 @@ SMP v1 saved a full model with
     smp.save({"model_state_dict": state_dict}, path, partial=False)   # torch.save on rank 0
 
 (v1's example scripts also used the key "model"). The state dict is either v1's own
-DistributedTransformer layout (`word_embedding.weight`, `transformer.seq_layers.N....`), read
-with v1's translators (`models.hf.smp_v1`), or already Hugging Face's (the migration guide
+DistributedTransformer layout (`word_embedding.weight`, `transformer.seq_layers.N....`, or a
+custom GPT-2's `transformer.h.N.attention....`), read with v1's translators
+(`models.hf.smp_v1`), or already Hugging Face's (the migration guide
 translates before saving); `module.`-prefixed keys read as the plain ones. The file is loaded
 with `weights_only=True`. Its shape (heads, rotary fraction, ...) comes from the model's Hugging
 Face config: `--hf-config` (a config.json or a directory holding one), by default the
@@ -31,13 +32,19 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import family_of, get_adapter
-from megatron_smp.models.hf.smp_v1 import TRANSLATORS, strip_module_prefix
+from megatron_smp.models.hf.smp_v1 import (
+    TRANSLATORS,
+    strip_module_prefix,
+    translate_state_dict_to_hf_gpt2_layer,
+)
 from tools.checkpoint.common import listing, meta_hf_model
 
 HEAD = "lm_head.weight"
 # Keys that only v1's own layout has (the HF layouts of these families have none of them).
 _V1_ROOTS = ("word_embedding.", "position_embedding.", "transformer.seq_layers.", "layernorm.")
 _PARTIAL_SUFFIX = re.compile(r"_\d+_\d+(_\d+)?$")
+# v1's custom GPT-2: HF's model with DistributedTransformerLayers in place of its blocks.
+_V1_GPT2_BLOCK = re.compile(r"^transformer\.h\.\d+\.(attention|output)\.")
 
 
 def _partial_error(path: str) -> ConfigError:
@@ -155,6 +162,8 @@ def read_smp_v1_checkpoint(load_dir: str, family: str, model_type: str,
     if any(k.startswith(_V1_ROOTS) for k in state_dict):
         to_hf, _, needs_config = TRANSLATORS[family]
         hf_sd = to_hf(state_dict, **({"config": hf_config} if needs_config else {}))
+    elif family == "gpt2" and any(map(_V1_GPT2_BLOCK.match, state_dict)):
+        hf_sd = translate_state_dict_to_hf_gpt2_layer(state_dict)
     else:  # already translated to HF's layout before saving (the v1 -> v2 migration guide):
         # v1's translators also wrote causal-mask buffers, and NeoX's head as embed_out.
         hf_sd = {("lm_head.weight" if k == "embed_out.weight" else k): v

@@ -112,6 +112,40 @@ def _is_hf_mask_buffer(name: str) -> bool:
 
 # --------------------------------------------------------------------------------- GPT-2
 
+_HF_H_LAYER = re.compile(r"^transformer\.h\.(\d+)\.")  # GPT-2's and GPT-J's HF layers
+_GPT2_LINEARS = (("attention.dense", "attn.c_proj"), ("output.dense1", "mlp.c_fc"),
+                 ("output.dense2", "mlp.c_proj"))
+
+
+def _gpt2_layer_to_hf(v1: _Reader, src: str, dst: str, out: StateDict) -> None:
+    """One v1 DistributedTransformerLayer (names under `src`) -> HF GPT2Block under `dst`."""
+    for part in ("weight", "bias"):
+        out[dst + f"ln_1.{part}"] = v1.take(src + f"attention.pre_layernorm.{part}")
+        out[dst + f"ln_2.{part}"] = v1.take(src + f"output.pre_layernorm.{part}")
+    qkv = [v1.take(src + f"attention.{n}.weight") for n in ("query", "key", "value")]
+    out[dst + "attn.c_attn.weight"] = _linear(torch.cat(qkv, dim=0))
+    qkv = [v1.take(src + f"attention.{n}.bias") for n in ("query", "key", "value")]
+    out[dst + "attn.c_attn.bias"] = torch.cat(qkv, dim=0)
+    for v1_name, hf_name in _GPT2_LINEARS:
+        out[dst + f"{hf_name}.weight"] = _linear(v1.take(src + f"{v1_name}.weight"))
+        out[dst + f"{hf_name}.bias"] = v1.take(src + f"{v1_name}.bias")
+
+
+def _gpt2_layer_from_hf(hf: _Reader, src: str, dst: str, out: StateDict) -> None:
+    """Inverse of `_gpt2_layer_to_hf`."""
+    for part in ("weight", "bias"):
+        out[dst + f"attention.pre_layernorm.{part}"] = hf.take(src + f"ln_1.{part}")
+        out[dst + f"output.pre_layernorm.{part}"] = hf.take(src + f"ln_2.{part}")
+    weight = _linear(hf.take(src + "attn.c_attn.weight"))  # [3h, h]
+    bias = hf.take(src + "attn.c_attn.bias")
+    for n, w, b in zip(("query", "key", "value"), weight.chunk(3, dim=0), bias.chunk(3)):
+        out[dst + f"attention.{n}.weight"] = w.contiguous()
+        out[dst + f"attention.{n}.bias"] = b.contiguous()
+    for v1_name, hf_name in _GPT2_LINEARS:
+        out[dst + f"{v1_name}.weight"] = _linear(hf.take(src + f"{hf_name}.weight"))
+        out[dst + f"{v1_name}.bias"] = hf.take(src + f"{hf_name}.bias")
+
+
 def translate_state_dict_to_hf_gpt2(
     state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None
 ) -> StateDict:
@@ -125,18 +159,7 @@ def translate_state_dict_to_hf_gpt2(
         "transformer.wpe.weight": v1.take("position_embedding.weight"),
     }
     for i in range(num_layers):
-        src, dst = _v1_layer(i), f"transformer.h.{i}."
-        for part in ("weight", "bias"):
-            out[dst + f"ln_1.{part}"] = v1.take(src + f"attention.pre_layernorm.{part}")
-            out[dst + f"ln_2.{part}"] = v1.take(src + f"output.pre_layernorm.{part}")
-        qkv = [v1.take(src + f"attention.{n}.weight") for n in ("query", "key", "value")]
-        out[dst + "attn.c_attn.weight"] = _linear(torch.cat(qkv, dim=0))
-        qkv = [v1.take(src + f"attention.{n}.bias") for n in ("query", "key", "value")]
-        out[dst + "attn.c_attn.bias"] = torch.cat(qkv, dim=0)
-        for v1_name, hf_name in (("attention.dense", "attn.c_proj"), ("output.dense1", "mlp.c_fc"),
-                                 ("output.dense2", "mlp.c_proj")):
-            out[dst + f"{hf_name}.weight"] = _linear(v1.take(src + f"{v1_name}.weight"))
-            out[dst + f"{hf_name}.bias"] = v1.take(src + f"{v1_name}.bias")
+        _gpt2_layer_to_hf(v1, _v1_layer(i), f"transformer.h.{i}.", out)
     last = _v1_layer(num_layers - 1)
     out["transformer.ln_f.weight"] = v1.take(last + "output.layernorm.weight")
     out["transformer.ln_f.bias"] = v1.take(last + "output.layernorm.bias")
@@ -152,25 +175,13 @@ def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, torch
     `translate_state_dict_to_hf_gpt2`)."""
     hf = _Reader(strip_module_prefix(state_dict), "Hugging Face GPT-2 state dict",
                  ignored=_is_hf_mask_buffer)
-    num_layers = count_layers(hf.remaining, re.compile(r"^transformer\.h\.(\d+)\."), hf.what)
+    num_layers = count_layers(hf.remaining, _HF_H_LAYER, hf.what)
     out: StateDict = {
         "word_embedding.weight": hf.take("transformer.wte.weight"),
         "position_embedding.weight": hf.take("transformer.wpe.weight"),
     }
     for i in range(num_layers):
-        src, dst = f"transformer.h.{i}.", _v1_layer(i)
-        for part in ("weight", "bias"):
-            out[dst + f"attention.pre_layernorm.{part}"] = hf.take(src + f"ln_1.{part}")
-            out[dst + f"output.pre_layernorm.{part}"] = hf.take(src + f"ln_2.{part}")
-        weight = _linear(hf.take(src + "attn.c_attn.weight"))  # [3h, h]
-        bias = hf.take(src + "attn.c_attn.bias")
-        for n, w, b in zip(("query", "key", "value"), weight.chunk(3, dim=0), bias.chunk(3)):
-            out[dst + f"attention.{n}.weight"] = w.contiguous()
-            out[dst + f"attention.{n}.bias"] = b.contiguous()
-        for v1_name, hf_name in (("attention.dense", "attn.c_proj"), ("output.dense1", "mlp.c_fc"),
-                                 ("output.dense2", "mlp.c_proj")):
-            out[dst + f"{v1_name}.weight"] = _linear(hf.take(src + f"{hf_name}.weight"))
-            out[dst + f"{v1_name}.bias"] = hf.take(src + f"{hf_name}.bias")
+        _gpt2_layer_from_hf(hf, f"transformer.h.{i}.", _v1_layer(i), out)
     last = _v1_layer(num_layers - 1)
     out[last + "output.layernorm.weight"] = hf.take("transformer.ln_f.weight")
     out[last + "output.layernorm.bias"] = hf.take("transformer.ln_f.bias")
@@ -178,6 +189,45 @@ def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, torch
     out["lm_head.weight"] = out["word_embedding.weight"] if head is None else head
     hf.finish()
     return out
+
+
+# v1's "custom GPT-2": the HF model with only its GPT2Blocks replaced by
+# DistributedTransformerLayers (smp.tp_register), so the layers keep HF's place
+# (transformer.h.N.attention.query.weight, ...) and everything else HF's names.
+_GPT2_OUTSIDE_LAYERS = ("transformer.wte.weight", "transformer.wpe.weight",
+                        "transformer.ln_f.weight", "transformer.ln_f.bias")
+
+
+def _gpt2_layer_translation(state_dict, what: str, to_hf: bool,
+                            ignored=lambda name: False) -> StateDict:
+    source = _Reader(strip_module_prefix(state_dict), what, ignored=ignored)
+    num_layers = count_layers(source.remaining, _HF_H_LAYER, what)
+    out: StateDict = {name: source.take(name) for name in _GPT2_OUTSIDE_LAYERS}
+    translate = _gpt2_layer_to_hf if to_hf else _gpt2_layer_from_hf
+    for i in range(num_layers):
+        translate(source, f"transformer.h.{i}.", f"transformer.h.{i}.", out)
+    head = source.take_optional("lm_head.weight")
+    out["lm_head.weight"] = out["transformer.wte.weight"] if head is None else head
+    source.finish()
+    return out
+
+
+def translate_state_dict_to_hf_gpt2_layer(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None
+) -> StateDict:
+    """SMP v1 custom-GPT-2 state dict (GPT2Blocks replaced by DistributedTransformerLayers)
+    -> GPT2LMHeadModel state dict."""
+    _check_max_seq_len(max_seq_len)
+    return _gpt2_layer_translation(state_dict, "SMP v1 custom GPT-2 state dict", to_hf=True)
+
+
+def translate_hf_state_dict_to_smdistributed_gpt2_layer(
+    state_dict: Mapping[str, torch.Tensor]
+) -> StateDict:
+    """GPT2LMHeadModel state dict -> SMP v1 custom-GPT-2 state dict (inverse of
+    `translate_state_dict_to_hf_gpt2_layer`)."""
+    return _gpt2_layer_translation(state_dict, "Hugging Face GPT-2 state dict", to_hf=False,
+                                   ignored=_is_hf_mask_buffer)
 
 
 # ------------------------------------------------------------------------------ GPT-NeoX
@@ -334,7 +384,7 @@ def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, torch
     `translate_state_dict_to_hf_gptj`)."""
     hf = _Reader(strip_module_prefix(state_dict), "Hugging Face GPT-J state dict",
                  ignored=_is_hf_mask_buffer)
-    num_layers = count_layers(hf.remaining, re.compile(r"^transformer\.h\.(\d+)\."), hf.what)
+    num_layers = count_layers(hf.remaining, _HF_H_LAYER, hf.what)
     out: StateDict = {"word_embedding.weight": hf.take("transformer.wte.weight")}
     for i in range(num_layers):
         src, dst = f"transformer.h.{i}.", _v1_layer(i)
@@ -392,4 +442,6 @@ __all__ = [
     "translate_hf_state_dict_to_smdistributed_gpt2",
     "translate_hf_state_dict_to_smdistributed_gptneox",
     "translate_hf_state_dict_to_smdistributed_gptj",
+    "translate_state_dict_to_hf_gpt2_layer",
+    "translate_hf_state_dict_to_smdistributed_gpt2_layer",
 ]  # v1's older names are exported by the mirror modules only (megatron_smp.smp.nn.huggingface)

@@ -211,3 +211,29 @@ def test_v1_module_paths(family):
     module = getattr(smp.nn.huggingface, name)
     assert getattr(module, f"translate_state_dict_to_hf_{name}") is namespace[
         f"translate_state_dict_to_hf_{name}"]
+
+
+def test_v1_custom_gpt2_layer_layout():
+    """v1's custom GPT-2 (HF GPT-2 with its blocks replaced by DistributedTransformerLayers):
+    the layers' v1 names under HF's transformer.h.N, everything else HF's."""
+    from megatron_smp.smp.nn.huggingface.gpt2 import (
+        translate_hf_state_dict_to_smdistributed_gpt2_layer, translate_state_dict_to_hf_gpt2_layer,
+    )
+
+    source = build_hf("gpt2")
+    full_v1 = v1_layout("gpt2", source)
+    last = f"transformer.seq_layers.{source.config.n_layer - 1}.output.layernorm."
+    custom = {"transformer.wte.weight": full_v1["word_embedding.weight"],
+              "transformer.wpe.weight": full_v1["position_embedding.weight"],
+              "transformer.ln_f.weight": full_v1[last + "weight"],
+              "transformer.ln_f.bias": full_v1[last + "bias"],
+              "lm_head.weight": full_v1["lm_head.weight"]}
+    for name, tensor in full_v1.items():
+        if name.startswith("transformer.seq_layers.") and not name.startswith(last):
+            custom[name.replace("transformer.seq_layers.", "transformer.h.")] = tensor
+    hf_sd = translate_state_dict_to_hf_gpt2_layer(custom)
+    target = build_hf("gpt2", seed=1)
+    target.load_state_dict(hf_sd, strict=True)
+    assert torch.equal(_logits(target), _logits(source))
+    back = translate_hf_state_dict_to_smdistributed_gpt2_layer(source.state_dict())
+    assert back.keys() == custom.keys() and all(torch.equal(back[k], custom[k]) for k in custom)

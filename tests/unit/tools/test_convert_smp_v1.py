@@ -102,6 +102,22 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     _same_model(neox, tmp_path / "hf_neox")
 
 
+def test_v1_custom_gpt2_checkpoint_converts(tmp_path):
+    """v1's custom GPT-2 (its blocks replaced by DistributedTransformerLayers) is recognised."""
+    from megatron_smp.smp.nn.huggingface.gpt2 import (
+        translate_hf_state_dict_to_smdistributed_gpt2_layer,
+    )
+
+    source = build_hf("gpt2")
+    custom = translate_hf_state_dict_to_smdistributed_gpt2_layer(source.state_dict())
+    assert "transformer.h.0.attention.query.weight" in custom  # the layout, tested on its own
+    (tmp_path / "v1").mkdir()
+    torch.save({"model_state_dict": custom}, tmp_path / "v1" / "checkpoint.pt")
+    source.config.save_pretrained(tmp_path / "v1")
+    _convert_ok("gpt2", "smp_v1", "hf", tmp_path / "v1", tmp_path / "hf")
+    _same_model(source, tmp_path / "hf")
+
+
 def test_v1_loader_errors_are_clear(tmp_path):
     source, v1_dir = _save_v1(tmp_path, "gpt2", prefixed=False)
     # Partial (per-rank) checkpoints: named, with what to do instead.
