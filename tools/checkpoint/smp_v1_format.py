@@ -5,7 +5,10 @@ SMP v1 saved a full model with
     state_dict = model.state_dict(gather_to_rank0=True)
     smp.save({"model_state_dict": state_dict}, path, partial=False)   # torch.save on rank 0
 
-(v1's example scripts also used the key "model"). The state dict is either v1's own
+(v1's example scripts also used the key "model"), or with
+`smp.save_checkpoint(path, tag, partial=False, model=model)`: the bare state dict in the file
+`{path}/{tag}` (translated to HF's layout unless `translate_if_full=False`, which marks it
+`_smp_is_partial: False`), its `user_content_{tag}` beside it. The state dict is either v1's own
 DistributedTransformer layout (`word_embedding.weight`, `transformer.seq_layers.N....`, or a
 custom GPT-2's `transformer.h.N.attention....`), read with v1's translators
 (`models.hf.smp_v1`), or already Hugging Face's (the migration guide
@@ -67,8 +70,10 @@ def _checkpoint_file(load_dir: str) -> str:
         if glob.glob(glob.escape(load_dir) + "_*"):
             raise _partial_error(load_dir + "_*")
         raise ConfigError(f"--load-dir {load_dir} does not exist")
+    # config.json, and smp.save_checkpoint's user_content_{tag} beside its {tag} file.
     names = sorted(n for n in os.listdir(load_dir)
-                   if os.path.isfile(os.path.join(load_dir, n)) and not n.endswith(".json"))
+                   if os.path.isfile(os.path.join(load_dir, n)) and not n.endswith(".json")
+                   and not n.startswith("user_content"))
     if len(names) > 1 and all(_PARTIAL_SUFFIX.search(n) for n in names):
         raise _partial_error(os.path.join(load_dir, names[0]))
     if len(names) != 1:
@@ -113,6 +118,10 @@ def _model_state_dict(saved: Any, path: str) -> Dict[str, torch.Tensor]:
     state_dict = strip_module_prefix(saved)
     if state_dict.get("_smp_is_partial"):
         raise _partial_error(path)
+    # v1's bookkeeping: smp.save_checkpoint(partial=False, translate_if_full=False) marks its
+    # full state dict `_smp_is_partial: False`; `_smp_load_info` records the saving layout.
+    state_dict.pop("_smp_is_partial", None)
+    state_dict.pop("_smp_load_info", None)
     others = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if others or not state_dict:
         raise ConfigError(

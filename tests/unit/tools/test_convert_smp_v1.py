@@ -26,6 +26,9 @@ def _save_v1(tmp_path, family, prefixed, key="model_state_dict"):
         state_dict = {"module." + k: v for k, v in state_dict.items()}
     v1_dir = tmp_path / "v1"
     v1_dir.mkdir()
+    if key is None:  # smp.save_checkpoint(path, tag, partial=False, translate_if_full=False)
+        state_dict["_smp_is_partial"] = False
+        torch.save({"epoch": 3}, v1_dir / "user_content_checkpoint.pt")
     torch.save(state_dict if key is None else {key: state_dict}, v1_dir / "checkpoint.pt")
     source.config.save_pretrained(v1_dir)
     return source, v1_dir
@@ -46,7 +49,8 @@ def _same_model(source, save_dir):
 def test_v1_checkpoint_converts_to_hf_with_identical_logits(model_type, key, tmp_path):
     source, v1_dir = _save_v1(tmp_path, MODEL_TYPES[model_type], prefixed=model_type != "gpt2",
                               key=key)
-    _convert_ok(model_type, "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "hf")
+    # The directory as --load-dir: config.json and user_content_<tag> are not the checkpoint.
+    _convert_ok(model_type, "smp_v1", "hf", v1_dir, tmp_path / "hf")
     _same_model(source, tmp_path / "hf")
 
 
