@@ -37,6 +37,7 @@ from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import family_of, get_adapter
 from megatron_smp.models.hf.smp_v1 import (
     TRANSLATORS,
+    is_derived_hf_buffer,
     strip_module_prefix,
     translate_state_dict_to_hf_gpt2_layer,
 )
@@ -176,9 +177,7 @@ def read_smp_v1_checkpoint(load_dir: str, family: str, model_type: str,
     else:  # already translated to HF's layout before saving (the v1 -> v2 migration guide):
         # v1's translators also wrote causal-mask buffers, and NeoX's head as embed_out.
         hf_sd = {("lm_head.weight" if k == "embed_out.weight" else k): v
-                 for k, v in state_dict.items()
-                 if not k.endswith(("attn.bias", "attn.masked_bias", "attention.bias",
-                                    "attention.masked_bias", "rotary_emb.inv_freq"))}
+                 for k, v in state_dict.items() if not is_derived_hf_buffer(k)}
     config = get_adapter(family).config_from_hf(hf_config)
     tied = not config.untie_embeddings_and_output_weights
     if tied:

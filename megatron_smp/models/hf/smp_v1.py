@@ -28,8 +28,9 @@ These are v1's signatures. GPT-NeoX alone takes `config=` (the model's HF config
 how many heads there are (v1 read the count from the model it had built). `max_seq_len` is
 v1's length of GPT-2/NeoX/J's causal-mask buffers (`attn.bias`); transformers 5 builds the
 mask itself and has no such buffer, so there is nothing to write: it is checked (a positive
-int) and changes nothing. Both directions fail on a missing, unexpected or misshapen tensor,
-naming it; `module.`-prefixed keys (a wrapped model's) are read as the plain ones.
+int) and changes nothing. Both directions fail on a missing or unexpected tensor, naming it
+(GPT-NeoX's also on q/k/v rows that do not fit the config); `module.`-prefixed keys (a wrapped
+model's) are read as the plain ones.
 """
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def _v1_layer(i: int) -> str:
     return f"transformer.seq_layers.{i}."
 
 
-def _is_hf_mask_buffer(name: str) -> bool:
-    # Causal-mask buffers of older transformers (and v1's own HF output): derived, not weights.
+def is_derived_hf_buffer(name: str) -> bool:
+    """Buffers older transformers (and v1's translators) put in HF state dicts that are derived
+    from the config, not weights: causal masks and rotary frequencies."""
     return name.endswith((".attn.bias", ".attn.masked_bias", ".attention.bias",
-                          ".attention.masked_bias"))
+                          ".attention.masked_bias", ".rotary_emb.inv_freq"))
 
 
 # --------------------------------------------------------------------------------- GPT-2
@@ -174,7 +176,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, torch
     """GPT2LMHeadModel state dict -> SMP v1 GPT-2 state dict (inverse of
     `translate_state_dict_to_hf_gpt2`)."""
     hf = _Reader(strip_module_prefix(state_dict), "Hugging Face GPT-2 state dict",
-                 ignored=_is_hf_mask_buffer)
+                 ignored=is_derived_hf_buffer)
     num_layers = count_layers(hf.remaining, _HF_H_LAYER, hf.what)
     out: StateDict = {
         "word_embedding.weight": hf.take("transformer.wte.weight"),
@@ -227,7 +229,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2_layer(
     """GPT2LMHeadModel state dict -> SMP v1 custom-GPT-2 state dict (inverse of
     `translate_state_dict_to_hf_gpt2_layer`)."""
     return _gpt2_layer_translation(state_dict, "Hugging Face GPT-2 state dict", to_hf=False,
-                                   ignored=_is_hf_mask_buffer)
+                                   ignored=is_derived_hf_buffer)
 
 
 # ------------------------------------------------------------------------------ GPT-NeoX
@@ -310,7 +312,7 @@ def translate_hf_state_dict_to_smdistributed_gptneox(
     """
     config = _neox_config(config)
     hf = _Reader(strip_module_prefix(state_dict), "Hugging Face GPT-NeoX state dict",
-                 ignored=lambda n: _is_hf_mask_buffer(n) or n.endswith("rotary_emb.inv_freq"))
+                 ignored=is_derived_hf_buffer)
     num_layers = count_layers(hf.remaining, re.compile(r"^gpt_neox\.layers\.(\d+)\."), hf.what)
     heads, head_dim = config.num_attention_heads, config.kv_channels
     out: StateDict = {"word_embedding.weight": hf.take("gpt_neox.embed_in.weight")}
@@ -383,7 +385,7 @@ def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, torch
     """GPTJForCausalLM state dict -> SMP v1 GPT-J state dict (inverse of
     `translate_state_dict_to_hf_gptj`)."""
     hf = _Reader(strip_module_prefix(state_dict), "Hugging Face GPT-J state dict",
-                 ignored=_is_hf_mask_buffer)
+                 ignored=is_derived_hf_buffer)
     num_layers = count_layers(hf.remaining, _HF_H_LAYER, hf.what)
     out: StateDict = {"word_embedding.weight": hf.take("transformer.wte.weight")}
     for i in range(num_layers):
