@@ -237,3 +237,16 @@ def test_v1_custom_gpt2_layer_layout():
     assert torch.equal(_logits(target), _logits(source))
     back = translate_hf_state_dict_to_smdistributed_gpt2_layer(source.state_dict())
     assert back.keys() == custom.keys() and all(torch.equal(back[k], custom[k]) for k in custom)
+
+
+def test_gptj_fields_are_validated():
+    from megatron_smp.config import ParallelConfig, TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
+                max_position_embeddings=8)
+    with pytest.raises(ConfigError, match="parallel_residual_shared_norm .* needs "
+                                          "--use-parallel-residual"):
+        TransformerConfig(parallel_residual_shared_norm=True, **base).validate(ParallelConfig())
+    with pytest.raises(ConfigError, match="--add-qkv-bias .* add_attention_bias=False"):
+        TransformerConfig(add_attention_bias=False, add_bias_linear=False, add_qkv_bias=True,
+                          **base).validate(ParallelConfig())
