@@ -189,7 +189,8 @@ FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
     "window_size", "moe_router_topk", "moe_router_pre_softmax",
-    "layernorm_zero_centered_gamma", "rotary_interleaved",
+    "layernorm_zero_centered_gamma", "rotary_interleaved", "parallel_residual_shared_norm",
+    "add_attention_bias", "add_output_layer_bias",
 )
 
 
@@ -254,6 +255,9 @@ class TransformerConfig:
     rotary_interleaved: bool = False
     # GPT-NeoX: attention and MLP read the same input and add into one residual.
     parallel_residual: bool = False
+    # GPT-J (with parallel_residual): both branches read one norm's output; the layer has no
+    # pre_mlp_layernorm. No Megatron flag: set by the GPT-J adapter, kept in checkpoints.
+    parallel_residual_shared_norm: bool = False
     # Sliding-window attention (Mistral), flash-attention's convention: query i attends to
     # keys i - left .. i + right; left -1 = unbounded. A decoder needs right == 0. Mistral's
     # `sliding_window` W is (W - 1, 0). None: full causal attention.
@@ -263,6 +267,11 @@ class TransformerConfig:
     cp_comm_type: str = "p2p"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
+    # False: the attention's QKV and output projections have no bias, whatever add_bias_linear
+    # says (GPT-J: biased MLP, unbiased attention). No Megatron flag, as below.
+    add_attention_bias: bool = True
+    # A bias on the output layer (the LM head), vocab-parallel like its weight (GPT-J).
+    add_output_layer_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -377,6 +386,16 @@ class TransformerConfig:
             not self.rotary_interleaved or self.position_embedding_type == "rope",
             "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
             f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
+        )
+        _require(
+            not self.parallel_residual_shared_norm or self.parallel_residual,
+            "parallel_residual_shared_norm (one norm for attention and MLP, GPT-J) needs "
+            "--use-parallel-residual",
+        )
+        _require(
+            self.add_attention_bias or not self.add_qkv_bias,
+            "--add-qkv-bias asks for a QKV bias but add_attention_bias=False removes the "
+            "attention's biases; drop one of them",
         )
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))

@@ -202,7 +202,7 @@ class GPTModel(torch.nn.Module):
                     config=config,
                     tp_group=state.tp_group,
                     init_method=init_method_normal(config.init_method_std),
-                    bias=False,
+                    bias=config.add_output_layer_bias,
                     gather_output=False,
                     skip_weight_param_allocation=tied_here,
                     true_output_size=config.vocab_size,

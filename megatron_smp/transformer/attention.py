@@ -316,7 +316,7 @@ class SelfAttention(torch.nn.Module):
             config=config,
             tp_group=tp_group,
             init_method=init_method,
-            bias=config.add_bias_linear or config.add_qkv_bias,
+            bias=config.add_attention_bias and (config.add_bias_linear or config.add_qkv_bias),
             gather_output=False,
             device=device,
         )
@@ -331,7 +331,7 @@ class SelfAttention(torch.nn.Module):
             config=config,
             tp_group=tp_group,
             init_method=output_init,
-            bias=config.add_bias_linear,
+            bias=config.add_attention_bias and config.add_bias_linear,
             input_is_parallel=True,
             device=device,
         )

@@ -56,14 +56,33 @@ def _writer_for(checkpoint_id, storage_writer):
     return storage_writer
 
 
+class PyTorchDistSaveShardedStrategy:
+    """SMP v2's default sharded strategy: PyTorch DCP's own format, which is what `save` and
+    `async_save` write (Megatron names it ("torch_dist", version)). Any other backend is an
+    error; passing this (or nothing) changes nothing."""
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1) -> None:
+        if backend != "torch_dist":
+            raise NotImplementedError(
+                f"PyTorchDistSaveShardedStrategy backend {backend!r} is not supported; "
+                "only 'torch_dist' (PyTorch DCP) is written"
+            )
+        self.backend = backend
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"PyTorchDistSaveShardedStrategy({self.backend!r}, {self.version})"
+
+
 def _check_strategy(sharded_strategy) -> None:
     # SMP's default strategy is DCP itself; Megatron spells it ("torch_dist", version).
-    if sharded_strategy is None:
+    if sharded_strategy is None or isinstance(sharded_strategy, PyTorchDistSaveShardedStrategy):
         return
     if isinstance(sharded_strategy, tuple) and sharded_strategy[:1] == ("torch_dist",):
         return
     raise NotImplementedError(
-        f"sharded_strategy {sharded_strategy!r} is not supported; use None or ('torch_dist', 1)"
+        f"sharded_strategy {sharded_strategy!r} is not supported; use None, "
+        "PyTorchDistSaveShardedStrategy() or ('torch_dist', 1)"
     )
 
 

@@ -14,7 +14,7 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.common import to_numpy, to_torch
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
+FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox", "gptj")
 BATCH, SEQ = 2, 12
 
 
@@ -48,6 +48,10 @@ def build_hf(family, seed=0, device=None, **overrides):
                                    num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
                                    **common)
         cls = tf.Qwen2MoeForCausalLM
+    elif family == "gptj":  # partial interleaved rotary: 8 of each head's 16 channels
+        config = tf.GPTJConfig(vocab_size=1003, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                               rotary_dim=8, bos_token_id=0, eos_token_id=0)
+        cls = tf.GPTJForCausalLM
     else:
         config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
         cls = tf.GPTNeoXForCausalLM
