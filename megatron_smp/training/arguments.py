@@ -754,6 +754,14 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     _validate_training_length(configs, data_parallel_size)
+    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if (configs.checkpoint.async_save and not parallel.use_gloo_process_groups
+            and backend != "gloo"):
+        raise ConfigError(
+            "--async-save writes from a background thread over a gloo process group of its "
+            f"own, which --disable-gloo-process-groups rules out on a {backend} job: drop one "
+            "of the two flags"
+        )
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)
