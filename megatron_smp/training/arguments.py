@@ -401,8 +401,9 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "
                                    "Engine), see --cross-entropy-loss-fusion",
     "--ckpt-fully-parallel-save": "Megatron-LM core_v0.16.1 itself ignores it (deprecated: "
-                                  "parallel saving is its default); here DCP's planner always "
-                                  "spreads the writes of replicated tensors over their ranks",
+                                  "parallel saving is its default); here too DCP's planner "
+                                  "spreads the writes of replicated tensors over their ranks "
+                                  "unless --no-ckpt-fully-parallel-save is given",
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
