@@ -69,6 +69,8 @@ def init_process_group(
     Works under torchrun (env://), under SLURM srun (SLURM_PROCID/SLURM_NTASKS with
     MASTER_ADDR/MASTER_PORT exported by the batch script) and in a plain single process
     (an in-memory store, so collectives are legal no-ops and nothing listens on a port).
+    Under torchrun each restart attempt (--max-restarts) initialises in a namespace of its
+    own in the launcher's store, for every backend (see `_elastic_attempt_store`).
     """
     if dist.is_initialized():
         return

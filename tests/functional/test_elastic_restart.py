@@ -175,7 +175,10 @@ def test_job_killed_during_async_save_resumes_from_last_complete(tmp_path, unint
     """Saves every 2 iterations with --async-save; from iteration 4's forward the writer
     stalls, so iteration 4's save is in flight when the test SIGKILLs torchrun and every
     worker (a lost node). The tracker still names iteration 2, iteration 4 is only an
-    `.incomplete` directory, and a new job (static rendezvous) resumes from 2 exactly."""
+    `.incomplete` directory, and a new job (static rendezvous) resumes from 2 exactly -- also
+    when its rank 3 is SIGKILLed in iteration 5 (--max-restarts 1), with the asynchronous save
+    of iteration 4 in flight or already published: the restarted attempt resumes from 2 or 4,
+    and either way with the uninterrupted run's losses."""
     save = str(tmp_path / "ckpt")
     marker = str(tmp_path / "writing")
     flags = ["--save", save, "--load", save, "--save-interval", "2", "--async-save"]
@@ -189,7 +192,9 @@ def test_job_killed_during_async_save_resumes_from_last_complete(tmp_path, unint
                                         "latest_checkpointed_iteration.txt"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as tracker:
         assert int(tracker.read()) == 2
-    output = _run(tmp_path, flags, rendezvous="static")
+    output = _run(tmp_path, flags, rendezvous="static", max_restarts=1,
+                  env={"TEST_KILL_RANK_AT": "3,5"})
+    assert "attempt1.rank3" in os.listdir(tmp_path / "pids")  # the restart happened
     assert "resuming at iteration 2" in output, output[-4000:]
     resumed = _losses(output)
     assert sorted(resumed) == list(range(3, ITERS + 1))
