@@ -77,6 +77,12 @@ class ParallelConfig:
     torch_fsdp2_reshard_after_forward: bool = True
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: int = 10
+    # Megatron's --disable-gloo-process-groups clears it: no gloo group besides the default
+    # backend's (the only one we would add is the --async-save writer's).
+    use_gloo_process_groups: bool = True
+    # Megatron's --init-model-with-meta-device: every model chunk is built on the meta device
+    # and materialised part by part on its device (with FSDP2: unit by unit while sharding).
+    init_model_with_meta_device: bool = False
     # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
     # (the only layout built: experts split like the dense MLP over the TP group).
     expert_tensor_parallel_size: Optional[int] = None
@@ -713,6 +719,9 @@ class TrainingConfig:
     # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
     # START by INCREMENT over SAMPLES consumed samples (training/num_microbatches.py).
     rampup_batch_size: Optional[List[int]] = None
+    # Megatron-LM main's --step-batch-size-schedule "THRESHOLD:BS ...": the global batch is BS
+    # from THRESHOLD consumed tokens on (K/M/B/T suffixes; training/num_microbatches.py).
+    step_batch_size_schedule: Optional[str] = None
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000
@@ -851,3 +860,7 @@ class CheckpointConfig:
     auto_detect_ckpt_format: bool = False
     # Optimizer state reshardable over TP/PP/DP (always so in "torch_dist"; "torch" is not).
     dist_ckpt_optim_fully_reshardable: bool = False
+    # Megatron's --no-ckpt-fully-parallel-save clears it: a tensor replicated over ranks (the
+    # model weights over data-parallel replicas) is written by the lowest of them instead of
+    # spreading those writes evenly.
+    ckpt_fully_parallel_save: bool = True

@@ -430,7 +430,15 @@ def validate_fsdp_configs(configs) -> None:
             raise ConfigError(f"--use-torch-fsdp2 does not combine with {flag}: {why}")
 
 
-def _accepts_device(model_provider: Callable) -> bool:
+META_DEVICE_PROVIDER_ERROR = (
+    "--init-model-with-meta-device builds the model on the meta device, but the model "
+    "provider takes no device= argument: forward device= to the model (pretrain_gpt.py's "
+    "model_provider does, through **stage), or drop the flag"
+)
+
+
+def provider_accepts_device(model_provider: Callable) -> bool:
+    """Whether `model_provider` takes `device=` (and can therefore build on the meta device)."""
     import inspect
 
     try:
@@ -447,7 +455,8 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
     A provider that forwards `device=` to GPTModel (pretrain_gpt's does, through **stage)
     builds on the meta device and each unit is materialised by DelayedParamIniter just
     before it is sharded: a rank never holds the whole model, and the values equal the eager
-    model's for the same seed. Other providers build eagerly."""
+    model's for the same seed. Other providers build eagerly (an error with
+    --init-model-with-meta-device, which asks for the meta device)."""
     import dataclasses
 
     from megatron_smp.distributed.delayed_init import DelayedParamIniter
@@ -456,7 +465,10 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
     fp32_configs = dataclasses.replace(
         configs, model=dataclasses.replace(configs.model, params_dtype=torch.float32)
     )
-    if _accepts_device(model_provider):
+    meta = configs.parallel.init_model_with_meta_device
+    if meta and not provider_accepts_device(model_provider):
+        raise ConfigError(META_DEVICE_PROVIDER_ERROR)
+    if provider_accepts_device(model_provider):
         chunk = model_provider(fp32_configs, state, pre_process=True, post_process=True,
                                device=torch.device("meta"))
         initer = DelayedParamIniter(chunk, device=state.device)

@@ -187,6 +187,13 @@ _FLAGS: List[_Flag] = [
        "reduce-scatter)"),
     _f("--distributed-backend", "parallel", choices=["nccl", "gloo"]),
     _f("--distributed-timeout-minutes", "parallel", type=int, default=10),
+    _f("--disable-gloo-process-groups", "parallel", "use_gloo_process_groups",
+       action="store_false",
+       help="create no gloo group besides the default backend's (--async-save's writer "
+       "group then uses the default backend: gloo jobs only)"),
+    _f("--init-model-with-meta-device", "parallel", action="store_true",
+       help="build the model on the meta device and materialise it part by part on the "
+       "device (the model provider must take device=)"),
     _f("--smp-config", None, "smp_config", metavar="JSON",
        help="SMP v2 configuration (a JSON file or inline JSON object); its keys override "
        "the matching flags"),
@@ -197,6 +204,9 @@ _FLAGS: List[_Flag] = [
        metavar=("START", "INCREMENT", "SAMPLES"),
        help="grow the global batch from START by INCREMENT over SAMPLES consumed samples "
        "(needs --train-samples)"),
+    _f("--step-batch-size-schedule", "training", metavar="'THRESHOLD:BS ...'",
+       help="Megatron-LM main's step-wise global batch: BS from THRESHOLD consumed tokens on "
+       "(suffixes K M B T; the first threshold is 0; needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
     _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
@@ -343,6 +353,9 @@ _FLAGS: List[_Flag] = [
     _f("--dist-ckpt-strictness", "checkpoint", choices=list(STRICTNESS_CHOICES)),
     _f("--auto-detect-ckpt-format", "checkpoint", action="store_true"),
     _f("--dist-ckpt-optim-fully-reshardable", "checkpoint", action="store_true"),
+    _f("--no-ckpt-fully-parallel-save", "checkpoint", "ckpt_fully_parallel_save",
+       action="store_false",
+       help="replicated tensors are written by their lowest rank, not spread over the ranks"),
     # Post-processed: the model flags are replaced by the --load checkpoint's.
     _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true"),
 ]
@@ -388,8 +401,9 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "
                                    "Engine), see --cross-entropy-loss-fusion",
     "--ckpt-fully-parallel-save": "Megatron-LM core_v0.16.1 itself ignores it (deprecated: "
-                                  "parallel saving is its default); here DCP's planner always "
-                                  "spreads the writes of replicated tensors over their ranks",
+                                  "parallel saving is its default); here too DCP's planner "
+                                  "spreads the writes of replicated tensors over their ranks "
+                                  "unless --no-ckpt-fully-parallel-save is given",
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
@@ -712,7 +726,8 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
             raise ConfigError(f"{flag} {value} is less than one iteration (global batch "
                               f"{calculator.global_batch_size_at(0)})")
     parallel = configs.parallel
-    if (parallel.pipeline_model_parallel_size > 1 and training.rampup_batch_size
+    if (parallel.pipeline_model_parallel_size > 1
+            and (training.rampup_batch_size or training.step_batch_size_schedule)
             and (parallel.virtual_pipeline_model_parallel_size
                  or parallel.num_layers_per_virtual_pipeline_stage)):
         from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
@@ -740,6 +755,14 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     _validate_training_length(configs, data_parallel_size)
+    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if (configs.checkpoint.async_save and not parallel.use_gloo_process_groups
+            and backend != "gloo"):
+        raise ConfigError(
+            "--async-save writes from a background thread over a gloo process group of its "
+            f"own, which --disable-gloo-process-groups rules out on a {backend} job: drop one "
+            "of the two flags"
+        )
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)

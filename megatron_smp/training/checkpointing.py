@@ -208,6 +208,8 @@ def save(run) -> None:
         save_rng=not config.no_save_rng,
         stage_in_background=config.async_save,
         extra_files=_megatron_legacy_files(run) if config.ckpt_format == "torch" else None,
+        fully_parallel=config.ckpt_fully_parallel_save,
+        writer_backend="gloo" if run.configs.parallel.use_gloo_process_groups else None,
     )
     how = "scheduled for an asynchronous write" if config.async_save else "saved"
     _print_rank_0(

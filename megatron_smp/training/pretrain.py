@@ -112,7 +112,8 @@ def build_model_chunks(
     model_provider: Callable, configs: Configs, state: ParallelState
 ) -> List[torch.nn.Module]:
     """This rank's model chunk(s), on the device, wrapped for data parallelism: our DDP, or
-    FSDP2 with --use-torch-fsdp2."""
+    FSDP2 with --use-torch-fsdp2. With --init-model-with-meta-device each chunk is built on
+    the meta device and materialised on the device (the same values)."""
     from megatron_smp.distributed import DistributedDataParallel
 
     if configs.parallel.use_torch_fsdp2:
@@ -123,14 +124,29 @@ def build_model_chunks(
                               "drop one of them")
 
         return [build_fsdp_model_chunk(model_provider, configs, state)]
+    meta = configs.parallel.init_model_with_meta_device
+    if meta:
+        from megatron_smp.distributed.delayed_init import materialize_meta_model
+        from megatron_smp.distributed.fsdp import (
+            META_DEVICE_PROVIDER_ERROR,
+            provider_accepts_device,
+        )
+
+        if not provider_accepts_device(model_provider):
+            raise ConfigError(META_DEVICE_PROVIDER_ERROR)
+    provider_kwargs = {"device": torch.device("meta")} if meta else {}
     if state.pp_size > 1:
         from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
 
-        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state)
+        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state,
+                                                 **provider_kwargs)
     else:
-        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True)]
+        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True,
+                                     **provider_kwargs)]
     chunks = []
     for chunk in raw_chunks:
+        if meta:
+            materialize_meta_model(chunk, state.device)
         chunk.to(state.device)
         if configs.training.torch_compile:
             # torchtitan's order: compile after TP and recompute wrapping, before DP.
