@@ -322,6 +322,9 @@ _FLAGS: List[_Flag] = [
     _f("--eod-mask-loss", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
+    _f("--dataloader-fast-cache-load", "data", action="store_true"),
+    _f("--dataloader-defer-npy-index-mmap", "data", action="store_true"),
+    _f("--per-dataset-sequences-path", "data"),
     # Checkpoints.
     _f("--save", "checkpoint"),
     _f("--load", "checkpoint"),
@@ -740,6 +743,9 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     _validate_training_length(configs, data_parallel_size)
+    from megatron_smp.data.dataset_builder import check_cache_flags
+
+    check_cache_flags(configs.data)
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)
