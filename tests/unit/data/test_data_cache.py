@@ -235,3 +235,50 @@ def test_job_against_prepared_cache_builds_nothing(corpora, tmp_path, monkeypatc
         configs.data, configs.training.seq_length, configs.training.seed, sizes, TOKENIZER)
     for ours, reference in zip(datasets, expected):
         np.testing.assert_array_equal(all_tokens(ours), all_tokens(reference))
+
+
+def _pretrain_losses(rank, world_size, runs):
+    from megatron_smp.data import blended_dataset, gpt_dataset
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    out = []
+    for argv, refuse_builds in runs:
+        if refuse_builds:
+            def refuse(*args, **kwargs):
+                raise AssertionError(f"rank {rank} built an index")
+
+            for module, names in ((gpt_dataset, ("build_document_index", "build_sample_index",
+                                                 "build_shuffle_index")),
+                                  (blended_dataset, ("build_blending_indices",))):
+                for name in names:
+                    setattr(module, name, refuse)
+        result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                          argv=argv)
+        out.append({i: v["lm loss"] for i, v in result.train_losses.items()})
+    return out
+
+
+def test_pretrain_against_prepared_cache_same_losses(corpora, tmp_path):
+    """tools/prepare_cache.py at --world-size 2 (the global batch from micro-batch x DP),
+    then pretrain_gpt at DP=2 with --dataloader-fast-cache-load: nothing is built, and the
+    losses equal those of a job that builds its own caches."""
+    import prepare_cache
+    from tests.functional.test_training_parity import COMMON
+
+    a, b = corpora
+    base = [x for x in COMMON if x != "--mock-data"]
+    for flag in ("--global-batch-size", "--train-iters", "--eval-interval"):
+        index = base.index(flag)
+        del base[index:index + 2]
+    job = base + ["--train-iters", "3", "--eval-interval", "2", "--data-path", "0.4", a,
+                  "0.6", b, "--split", "90,8,2"]
+    prepared = str(tmp_path / "prepared")
+    prepare_cache.main(job + ["--data-cache-path", prepared, "--world-size", "2"])
+    fresh, from_cache = run_distributed(
+        _pretrain_losses, 2, args=([
+            (job + ["--data-cache-path", str(tmp_path / "fresh")], False),
+            (job + ["--data-cache-path", prepared, "--dataloader-fast-cache-load"], True),
+        ],), timeout=300,
+    )[0]
+    assert sorted(fresh) == [1, 2, 3] and from_cache == fresh
