@@ -3,8 +3,8 @@
 Waiting ranks poll instead of sitting in a barrier: a build of hundreds of millions of samples
 may take longer than the collective timeout (--distributed-timeout-minutes), and a barrier
 would time out. Rank 0 says it has finished (or failed) through a key in the process group's
-store; the others look for the files and that key every half second, logging a progress line
-every `PROGRESS_SECONDS`.
+store; the others poll that key (every 0.1 s, backing off to 5 s), and rank 1 of the group
+logs a progress line every `PROGRESS_SECONDS` (at WARNING, so that it shows by default).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.1
+MAX_POLL_SECONDS = 5.0
 PROGRESS_SECONDS = 30.0
 PREPARE_HINT = "build them first with tools/prepare_cache.py and the same flags"
 
@@ -103,10 +104,10 @@ def build_or_load_cached(
     """Return the arrays `names` that `build()` makes for this `description`.
 
     Cached as `{cache_dir}/{hash}-{name}.npy`. Files already there are memory-mapped by every
-    rank at once, with no communication. Otherwise rank 0 of `group` (the default group if
+    rank at once, with no waiting. Otherwise rank 0 of `group` (the default group if
     torch.distributed is initialized) builds and saves them while the other ranks of `group`
-    poll for the files without a collective, so no build is too long for them; every rank of
-    `group` must call this. A rank that cannot see the files when rank 0 is done (node-local
+    poll the store for its word, with no collective, so no build is too long for them; every
+    rank of `group` must call this. A rank that cannot see the files when rank 0 is done (node-local
     cache directories) builds the same arrays itself: the build is deterministic.
     `cache_dir=None` disables the cache (every rank builds).
 
@@ -153,7 +154,7 @@ def build_or_load_cached(
         return arrays
     if cached():
         return _load(paths)
-    status = _wait_for_builder(distributed, paths, cached, description)
+    status = _wait_for_builder(distributed, paths, description)
     if status == "done" and cached():
         return _load(paths)
     if status == "done":
@@ -172,22 +173,28 @@ def _announce(distributed, paths, status: str) -> None:
     distributed[2].set(_store_key(distributed, paths), status)
 
 
-def _wait_for_builder(distributed, paths, cached, description) -> str:
-    """Poll until the files appear or the builder posts its status; never a collective."""
+def _wait_for_builder(distributed, paths, description) -> str:
+    """Poll the store until the builder posts its status; never a collective, so no timeout.
+
+    Polls back off from POLL_SECONDS to MAX_POLL_SECONDS: a thousand waiting ranks then ask
+    the store a few hundred times a second at most, and the file system not at all.
+    """
     key = _store_key(distributed, paths)
     store = distributed[2]
     start = last_report = time.monotonic()
+    interval = POLL_SECONDS
     while True:
         if store.check([key]):
             return store.get(key).decode()
-        if cached():
-            return "done"
         now = time.monotonic()
         if now - last_report >= PROGRESS_SECONDS:
             last_report = now
-            logger.info(
+            # Shown without logging configured (WARNING) by one waiting rank, not by all.
+            logger.log(
+                logging.WARNING if distributed[0] == 1 else logging.INFO,
                 "waiting for rank %d to build the %s %s indices in %s (%.0f s so far)",
                 distributed[1], description.get("split", ""), description.get("class", ""),
                 os.path.dirname(next(iter(paths.values()))), now - start,
             )
-        time.sleep(POLL_SECONDS)
+        time.sleep(interval)
+        interval = min(interval * 1.5, MAX_POLL_SECONDS)

@@ -72,6 +72,8 @@ def _build(compiler: List[str], source: bytes) -> Optional[str]:
                 capture_output=True, text=True, timeout=120,
             )
             if result.returncode != 0:
+                if os.path.exists(tmp_path):
+                    os.remove(tmp_path)
                 errors.append(f"{' '.join(compiler)} failed: {result.stderr.strip()[-500:]}")
                 break  # another directory will not fix the source or the compiler
             os.replace(tmp_path, path)

@@ -21,7 +21,9 @@ CASES = json.loads(str(REFERENCE["cases"]))
 def path(request, monkeypatch):
     """Run the test once with the C helpers and once with the numpy/Python path."""
     if request.param == "compiled":
-        assert compiled.library() is not None, "gcc is on this machine: the helpers must build"
+        if compiled._compiler() is None:
+            pytest.skip("no C compiler here: the fallback is what runs")
+        assert compiled.library() is not None, "a C compiler is here: the helpers must build"
     else:
         monkeypatch.setenv("MEGATRON_SMP_NO_COMPILED_HELPERS", "1")
     return request.param
@@ -59,6 +61,8 @@ def test_equal_megatron_core(path):
 
 def test_compiled_equals_fallback_on_random_inputs(monkeypatch):
     """Ties, empty documents, int64 document indices and zero-sample edge cases."""
+    if compiled._compiler() is None:
+        pytest.skip("no C compiler here: the fallback is what runs")
     assert compiled.library() is not None
     rng = np.random.RandomState(0)
 
@@ -130,6 +134,8 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplo
 
 
 def test_compiles_into_the_cache_dir_once(tmp_path, monkeypatch):
+    if compiled._compiler() is None:
+        pytest.skip("no C compiler here")
     monkeypatch.setattr(compiled, "_loaded", False)
     monkeypatch.setattr(compiled, "_library", None)
     monkeypatch.setenv("MEGATRON_SMP_HELPERS_DIR", str(tmp_path))
