@@ -10,6 +10,9 @@ from megatron_smp.data.cache import build_or_load_cached
 from megatron_smp.data.indices import build_blending_indices, build_exhaustive_blending_indices
 
 
+_COUNT_CHUNK = 1 << 22
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     """Sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
 
@@ -64,7 +67,12 @@ class BlendedDataset(torch.utils.data.Dataset):
         )
         if defer_mmap:
             return  # the draws were checked against the datasets when the cache was built
-        drawn = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        # In chunks: bincount widens int16 to int64, 4x the array at hundreds of millions.
+        drawn = np.zeros(len(self.datasets), dtype=np.int64)
+        for start in range(0, len(self), _COUNT_CHUNK):
+            drawn += np.bincount(
+                self.dataset_index[start:start + _COUNT_CHUNK], minlength=len(self.datasets)
+            )
         for number, (dataset, count) in enumerate(zip(self.datasets, drawn)):
             if count > len(dataset):
                 raise ConfigError(

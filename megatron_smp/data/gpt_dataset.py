@@ -97,7 +97,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_attention_mask = reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
         self.tokens_per_epoch = int(
-            np.asarray(indexed_dataset.sizes)[self.sequence_ids].astype(np.int64).sum()
+            np.asarray(indexed_dataset.sizes)[self.sequence_ids].sum(dtype=np.int64)
         )
         # megatron-core repeats a short split over as many epochs as the samples need; with
         # too few tokens for one sample and no count to reach, it would loop or yield nothing.
