@@ -74,6 +74,10 @@ class DeferredArrays(Mapping):
     def __iter__(self):
         return iter(self.paths)
 
+    def __getstate__(self):
+        # A data loader worker maps the files itself, rather than receiving copies.
+        return {"paths": self.paths, "_arrays": None}
+
     def __len__(self) -> int:
         return len(self.paths)
 

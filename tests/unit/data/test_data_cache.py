@@ -167,6 +167,12 @@ def test_defer_npy_index_mmap_maps_at_first_read(corpora, tmp_path):
     assert not any(m.loaded for m in lazy)  # len() maps nothing
     train[0]
     assert train._arrays.loaded
+    # A data loader worker gets the paths, not copies of the arrays, and maps them itself.
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(train))
+    assert not copy._arrays.loaded and len(pickle.dumps(train._arrays)) < 2000
+    np.testing.assert_array_equal(all_tokens(copy), all_tokens(reference[0]))
     np.testing.assert_array_equal(all_tokens(train), all_tokens(reference[0]))
     np.testing.assert_array_equal(all_tokens(valid), all_tokens(reference[1]))
 
