@@ -148,6 +148,14 @@ def test_cache_flags_need_a_cache_path(corpora, tmp_path):
         configs.model.vocab_size = 1001
         with pytest.raises(ConfigError, match=f"{flag} loads prepared index caches"):
             validate_configs(configs, world_size=1)
+    configs = parse_args(MODEL + ["--mock-data", "--per-dataset-sequences-path", "x.json"])
+    configs.model.vocab_size = 1001
+    with pytest.raises(ConfigError, match="--per-dataset-sequences-path describes data files"):
+        validate_configs(configs, world_size=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 3}')
+    with pytest.raises(ConfigError, match="--per-dataset-sequences-path .*expected a JSON"):
+        _build(["--data-path", corpora[0], "--per-dataset-sequences-path", str(bad)], tmp_path)
 
 
 # --- --dataloader-defer-npy-index-mmap -------------------------------------------------------
