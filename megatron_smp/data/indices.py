@@ -147,7 +147,7 @@ def build_blending_indices(
     """
     size = int(size)
     library = compiled.library()
-    if library is None:
+    if library is None or len(weights) == 0:
         return _greedy_blend(weights, size)
     weights = np.ascontiguousarray(weights, dtype=np.float64)
     dataset_index = np.empty(size, dtype=np.int16)
