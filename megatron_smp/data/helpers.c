@@ -83,14 +83,17 @@ MSMP_TOTAL_TOKENS(msmp_total_tokens_i64, int64_t)
   void NAME(int64_t *sample_index, const int32_t *sizes, const INDEX_T *document_index,      \
             int64_t num_documents, int64_t seq_length, int64_t num_samples,                  \
             int64_t add_extra_token) {                                                       \
+    /* Document k spans tokens [start, end) of the concatenation. */                        \
     int64_t k = 0, start = 0;                                                                \
+    int64_t end = num_documents > 0 ? sizes[document_index[0]] : 0;                          \
     sample_index[0] = 0;                                                                     \
     sample_index[1] = 0;                                                                     \
     for (int64_t i = 1; i <= num_samples; ++i) {                                             \
       int64_t position = i * seq_length, last_read = position - 1 + add_extra_token;         \
-      while (k < num_documents && start + sizes[document_index[k]] <= last_read) {           \
-        start += sizes[document_index[k]];                                                   \
+      while (end <= last_read && k < num_documents) {                                        \
+        start = end;                                                                         \
         k += 1;                                                                              \
+        if (k < num_documents) end += sizes[document_index[k]];                              \
       }                                                                                      \
       sample_index[2 * i] = k;                                                               \
       sample_index[2 * i + 1] = position - start;                                            \
