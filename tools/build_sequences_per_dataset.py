@@ -1,7 +1,7 @@
 """Write the --per-dataset-sequences-path file: each dataset's sequence and document counts.
 
-    python tools/build_sequences_per_dataset.py --data-path 0.7 a_text_document 0.3 b_text_document \
-        --per-dataset-sequences-path blend-sequences.json
+    python tools/build_sequences_per_dataset.py --data-path 0.7 a_text_document \
+        0.3 b_text_document --per-dataset-sequences-path blend-sequences.json
 
 Takes the data flags of the job (--data-path, --train/valid/test-data-path, --data-args-path,
 --per-split-data-args-path) and writes JSON {prefix: [sequence count, document count]} as

@@ -4,7 +4,6 @@ and tools/prepare_cache.py."""
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 
@@ -16,7 +15,7 @@ from megatron_smp.data import build_train_valid_test_datasets, cache, gpt_datase
 from megatron_smp.data.tokenizers import NullTokenizer
 from megatron_smp.testing import run_distributed
 
-from .conftest import random_documents, write_documents
+from .conftest import random_documents
 from .test_data_flags import EOD, MODEL, TOKENIZER, all_tokens, data_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
