@@ -8,6 +8,7 @@ the numpy/Python code here is the reference and the fallback, and tests hold the
 """
 from __future__ import annotations
 
+import array
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -117,8 +118,9 @@ def _greedy_blend(
     weights = [float(w) for w in weights]
     drawn = [0] * len(weights)
     active = list(range(len(weights)))
-    dataset_index = [0] * size
-    dataset_sample_index = [0] * size
+    # Typed arrays, not lists: 10 bytes a sample (the output) instead of ~60.
+    dataset_index = array.array("h", bytes(2 * size))
+    dataset_sample_index = array.array("q", bytes(8 * size))
     # A plain Python loop: the recurrence is sequential, and one numpy call per sample costs
     # more than this loop up to dozens of datasets (measured).
     for sample in range(size):
@@ -133,7 +135,11 @@ def _greedy_blend(
         drawn[best] += 1
         if limits is not None and drawn[best] == limits[best]:
             active.remove(best)
-    return np.asarray(dataset_index, dtype=np.int16), np.asarray(dataset_sample_index, np.int64)
+    # frombuffer shares the arrays' memory (no copy); they stay alive through the views.
+    return (
+        np.frombuffer(dataset_index, dtype=np.int16) if size else np.zeros(0, np.int16),
+        np.frombuffer(dataset_sample_index, dtype=np.int64) if size else np.zeros(0, np.int64),
+    )
 
 
 def build_blending_indices(
