@@ -809,6 +809,14 @@ class DataConfig:
     eod_mask_loss: bool = False
     num_workers: int = 0
     data_cache_path: Optional[str] = None
+    # megatron-core's cache flags: every rank loads prepared caches at once (no rank-0 build,
+    # no waiting), or maps each .npy at its dataset's first read; both need the caches built
+    # (tools/prepare_cache.py) in --data-cache-path.
+    dataloader_fast_cache_load: bool = False
+    dataloader_defer_npy_index_mmap: bool = False
+    # JSON {prefix: [sequence count, document count]}: .idx headers are not read
+    # (tools/build_sequences_per_dataset.py writes it).
+    per_dataset_sequences_path: Optional[str] = None
     # SentencePieceTokenizer: T5-style <extra_id_i> tokens appended to the vocabulary.
     vocab_extra_ids: int = 0
     # Separate datasets per split (Megatron's --train/valid/test-data-path), instead of

@@ -332,6 +332,9 @@ _FLAGS: List[_Flag] = [
     _f("--eod-mask-loss", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
+    _f("--dataloader-fast-cache-load", "data", action="store_true"),
+    _f("--dataloader-defer-npy-index-mmap", "data", action="store_true"),
+    _f("--per-dataset-sequences-path", "data"),
     # Checkpoints.
     _f("--save", "checkpoint"),
     _f("--load", "checkpoint"),
@@ -763,6 +766,9 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
             f"own, which --disable-gloo-process-groups rules out on a {backend} job: drop one "
             "of the two flags"
         )
+    from megatron_smp.data.dataset_builder import check_cache_flags
+
+    check_cache_flags(configs.data)
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)

@@ -317,6 +317,19 @@ def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_l
             to_scalars=not training.skip_train))
 
 
+def dataset_num_samples(training, global_batch_size: int) -> List[int]:
+    """[train, valid, test] samples the datasets must provide (tools/prepare_cache.py asks
+    the same). `training.train_iters` is the run's length after --train-samples."""
+    # Megatron sizes the validation set for every evaluation of the run (one with
+    # --skip-train); a different size reshuffles it, so it is matched exactly.
+    eval_runs = 1 if training.skip_train else training.train_iters // training.eval_interval + 1
+    return [
+        training.train_samples or training.train_iters * global_batch_size,
+        eval_runs * training.eval_iters * global_batch_size,
+        training.eval_iters * global_batch_size,
+    ]
+
+
 def pretrain(
     train_valid_test_datasets_provider: Callable,
     model_provider: Callable,
@@ -374,14 +387,7 @@ def pretrain(
             checkpointing.load(run, tokenizer)
     num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 
-    # Megatron sizes the validation set for every evaluation of the run (one with
-    # --skip-train); a different size reshuffles it, so it is matched exactly.
-    eval_runs = 1 if training.skip_train else training.train_iters // training.eval_interval + 1
-    num_samples = [
-        training.train_samples or training.train_iters * global_batch_size,
-        eval_runs * training.eval_iters * global_batch_size,
-        training.eval_iters * global_batch_size,
-    ]
+    num_samples = dataset_num_samples(training, global_batch_size)
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
 
     def loader(dataset, consumed):
