@@ -66,6 +66,9 @@ class MegatronPretrainingSampler:
                 yield local
 
 
+_WORKER_BASE_SEED = 1234  # the samples never depend on it: the datasets are deterministic
+
+
 def build_pretraining_data_loader(
     dataset,
     consumed_samples: int,
@@ -96,4 +99,8 @@ def build_pretraining_data_loader(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         worker_init_fn=worker_init_fn,
+        # Every new iterator draws a base seed for its workers from `generator`; from the
+        # global generator that draw would shift the dropout masks of a resumed run (on CPU,
+        # dropout draws from that same generator) after its RNG states were restored.
+        generator=torch.Generator().manual_seed(_WORKER_BASE_SEED),
     )

@@ -265,6 +265,25 @@ def test_fp16_resume_restores_main_params_and_loss_scale(tmp_path):
             [expected[i] for i in (4, 5, 6)], rel=1e-4)
 
 
+def test_resume_with_dropout_is_exact(tmp_path):
+    """Dropout masks after a resume are those of the uninterrupted run: the restored RNG
+    states are the next draws' (on CPU dropout and the data loader's worker seed share the
+    global generator; the loader draws from its own now)."""
+    save_dir = str(tmp_path / "dropout")
+    argv = [a for a in COMMON if a != "0"]
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        argv[argv.index(flag) + 1:argv.index(flag) + 1] = ["0.2"]
+    argv += ["--train-iters", "6"]
+    straight = run_distributed(_train, 2, args=(argv + ["--save", save_dir,
+                                                        "--save-interval", "3"],))
+    load_dir = _checkpoint_at(save_dir, 3, tmp_path / "load3")
+    resumed = run_distributed(_train, 2, args=(argv + ["--load", load_dir],))
+    no_dropout = run_distributed(_train, 1, args=(COMMON + ["--train-iters", "6"],))[0]
+    assert straight[0]["losses"][4] != no_dropout["losses"][4]  # dropout is on
+    for result in resumed:
+        assert result["losses"] == {i: straight[0]["losses"][i] for i in (4, 5, 6)}
+
+
 def test_missing_load_dir_starts_from_scratch(tmp_path):
     argv = COMMON + ["--train-iters", "2", "--load", str(tmp_path / "nowhere")]
     result = run_distributed(_train, 1, args=(argv,))[0]
