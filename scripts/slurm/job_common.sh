@@ -20,7 +20,9 @@ run_step() {
   local attempt_log rc
   attempt_log=$(mktemp)
   set +e
-  srun --kill-on-bad-exit=1 "$@" 2>&1 | tee "$attempt_log"
+  # tee ignores SIGTERM: on a requeue or cancel SLURM signals this shell too, and the run's
+  # last lines (its save, "exiting program ...") must still reach the job's output.
+  srun --kill-on-bad-exit=1 "$@" 2>&1 | (trap '' TERM; exec tee "$attempt_log")
   rc=${PIPESTATUS[0]}
   set -e
   if [ "${REQUEUE:-1}" = 1 ] && grep -qE '^exiting program after (receiving|[0-9.]+ minutes)' "$attempt_log"; then

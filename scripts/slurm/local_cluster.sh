@@ -54,7 +54,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # A requeued job waits until its credential expires before it starts again (default 120 s).
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid

@@ -21,7 +21,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
         "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
         "--log-interval 1 --save-interval 1000 --eval-interval 1000 "
         "--eval-iters 0").split()
-ITERS = 150  # long enough that a signal sent at iteration 3 lands mid-run
+ITERS = 80  # long enough that a signal sent at iteration 3 lands mid-run
 # Each launcher's own warm-up flag, shortened to the tiny run.
 SCHEDULE = {"gpt": ["--lr-decay-iters", str(ITERS)], "llama": ["--lr-warmup-iters", "2"]}
 _LINE = re.compile(r"^ iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|", re.M)
@@ -194,18 +194,18 @@ def test_gpt_srun_job_stops_and_a_second_submission_resumes(
     requeued: a deliberate stop), the second resumes: together the uninterrupted losses."""
     reference = _reference("gpt", tmp_path_factory, corpus)
     directives = CPU + ["--ntasks-per-node", "2", "--cpus-per-task", "1"]
-    args = TINY + SCHEDULE["gpt"] + ["--train-iters", str(ITERS), "--exit-interval", "60"]
+    args = TINY + SCHEDULE["gpt"] + ["--train-iters", str(ITERS), "--exit-interval", "40"]
     submit_dir = tmp_path / "srun"
     submit_dir.mkdir()
     env = _environment(corpus["gpt"], tmp_path / "srun_checkpoints")
     first = _submit("pretrain_gpt_srun.sbatch", submit_dir, env, directives, args)
     first_output = _wait(first, submit_dir)
-    assert "exiting program at iteration 60" in first_output and "requeueing" not in first_output
-    assert sorted(_losses(first_output)) == list(range(1, 61))
+    assert "exiting program at iteration 40" in first_output and "requeueing" not in first_output
+    assert sorted(_losses(first_output)) == list(range(1, 41))
     second = _submit("pretrain_gpt_srun.sbatch", submit_dir, env, directives,
                      TINY + SCHEDULE["gpt"] + ["--train-iters", str(ITERS)])
     second_output = _wait(second, submit_dir)
-    assert "resuming at iteration 60" in second_output
+    assert "resuming at iteration 40" in second_output
     losses = {**_losses(first_output), **_losses(second_output)}
     assert sorted(losses) == list(range(1, ITERS + 1))
     assert losses == reference
