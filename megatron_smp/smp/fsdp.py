@@ -13,8 +13,6 @@ from megatron_smp.smp.state import init, is_initialized, state
 def _sync_from_rank0_tp_group(parallel_state):
     """A `before_shard(unit)` that copies each unsharded parameter and buffer of a unit from
     the rank of rank 0's TP group with this rank's TP rank (FSDP's `sync_module_states`)."""
-    import torch.distributed as dist
-
     group = parallel_state.dp_cp_group
     source = min(parallel_state.group_ranks["dp_cp"])
     if source >= parallel_state.tp_size:
@@ -25,18 +23,9 @@ def _sync_from_rank0_tp_group(parallel_state):
         )
 
     def before_shard(unit: torch.nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
+        from megatron_smp.smp.torch_fsdp import broadcast_module_states
 
-        tensors = [t for t in list(unit.parameters()) + list(unit.buffers())
-                   if not isinstance(t, DTensor)]
-        if any(t.is_meta for t in tensors):
-            raise ConfigError(
-                "fully_shard(sync_module_states=True): a module is still on the meta device "
-                "when its weights are copied; pass param_init_fn="
-                "DelayedParamIniter(model).get_param_init_fn()"
-            )
-        for tensor in tensors:
-            dist.broadcast(tensor.data, source, group=group)
+        broadcast_module_states(unit, group, what="fully_shard(sync_module_states=True)")
 
     return before_shard
 

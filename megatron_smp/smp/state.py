@@ -70,6 +70,14 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
             "megatron_smp.optimizer.get_megatron_optimizer(OptimizerConfig("
             "use_distributed_optimizer=True), ...)"
         )
+    pipeline_only = sorted(set(values["v1"]) & {"microbatches", "pipeline"})
+    if pipeline_only:
+        raise ConfigError(
+            f"smp.init: SMP v1 key(s) {pipeline_only} configure v1's pipeline; SMP v2 scripts "
+            "have none (transform needs pipeline_parallel_degree 1): accumulate gradients in "
+            "your script, or train with pretrain_gpt.py --smp-config, which maps them to its "
+            "microbatches and --pipeline-schedule"
+        )
     parallel_state = build_parallel_state(parallel_config)
     model_parallel_seed(values["random_seed"], parallel_state)
 
@@ -92,6 +100,10 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
                 "fsdp_cache_flush_warnings", "allow_empty_shards", "cp_comm_type"):
         setattr(state, key, values[key])
     _initialized = True
+    # torch's own FSDP entry points follow these keys from now on (see smp.torch_fsdp).
+    from megatron_smp.smp.torch_fsdp import install
+
+    install()
 
 
 def is_initialized() -> bool:
