@@ -47,7 +47,8 @@ def fully_shard(
 
     * `hybrid_shard_degree`: 0 shards over all data x context-parallel ranks, 1 replicates,
       N shards within groups of N ranks and replicates across them (on a 2-D mesh).
-    * `allow_empty_shards`: false refuses a parameter some shard rank would hold none of.
+    * `allow_empty_shards`: either value shards as PyTorch does (a trailing rank may hold an
+      empty shard; our checkpoints save and load those), see `smp.torch_fsdp`.
     * `fsdp_cache_flush_warnings`: warn when the CUDA allocator flushed its cache in a step.
     * `activation_offloading` (with checkpointing): `sm_activation_offloading` true moves each
       checkpointed layer's saved inputs to host memory, at most `activation_loading_horizon`
@@ -92,7 +93,7 @@ def fully_shard(
         model, parallel_state, param_dtype=mixed_precision,
         reshard_after_forward=reshard_after_forward, offload_params=cpu_offload,
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-        allow_empty_shards=state.allow_empty_shards, param_init_fn=param_init_fn,
+        param_init_fn=param_init_fn,
         activation_checkpointing=activation_checkpointing or activation_offloading,
         activation_offloader=offloader,
         cache_flush_warnings=state.fsdp_cache_flush_warnings, before_shard=before_shard,

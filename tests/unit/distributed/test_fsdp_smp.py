@@ -254,15 +254,8 @@ def test_delayed_param_initer_validation_and_helpers():
     assert calls == ["LayerNorm"]
 
 
-def test_allow_empty_shards_and_cache_flush_warnings():
-    from megatron_smp.config import ConfigError
-    from megatron_smp.distributed.fsdp import CacheFlushMonitor, check_empty_shards
-
-    model = torch.nn.Linear(4, 3)  # weight 3 rows, bias 3 rows
-    check_empty_shards(model, 2, allow_empty_shards=False)
-    with pytest.raises(ConfigError, match="weight .*allow_empty_shards"):
-        check_empty_shards(model, 4, allow_empty_shards=False)
-    check_empty_shards(model, 4, allow_empty_shards=True)
+def test_cache_flush_warnings():
+    from megatron_smp.distributed.fsdp import CacheFlushMonitor
 
     stats = {"num_alloc_retries": 0}
     monitor = CacheFlushMonitor(torch.device("cuda"), stats_fn=lambda: dict(stats))

@@ -121,3 +121,106 @@ def test_v2_script_with_torch_fsdp_matches_single_hf_process_world4():
             assert diff < 1e-4, (run, result["losses"], result["expected"])
             assert abs(result["padded"][0] - result["padded"][1]) < 1e-4, run
             assert tuple(result["groups"]) == groups, run
+
+
+def _capture(fn):
+    """The ConfigError message `fn()` raises (None if it returns)."""
+    from megatron_smp.config import ConfigError
+
+    try:
+        fn()
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def _keys_worker(rank, world_size):
+    """Each SMP key's effect through torch's own entry points (world 4)."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy, fully_shard
+
+    import megatron_smp.smp as tsm
+
+    cpu = torch.device("cpu")
+    out = {}
+    ids = torch.arange(2 * SEQ).reshape(2, SEQ) % 1003
+    reference = build_hf("llama")
+    with torch.no_grad():
+        expected = reference(ids).logits
+
+    # sync_module_states after load_state_dict_from_rank0: TP=2 x DP=2, rank 0's TP group
+    # has the weights, the other replica is on meta (and would otherwise be random).
+    tsm.init({"tensor_parallel_degree": 2})
+    source = build_hf("llama") if rank == 0 else build_hf("llama", device="meta")
+    model = tsm.transform(source, load_state_dict_from_rank0=True)
+    out["unsynced"] = _capture(lambda: FSDP(model, device_id=cpu, use_orig_params=True))
+    model = FSDP(model, device_id=cpu, use_orig_params=True, sync_module_states=True)
+    with torch.no_grad():
+        out["synced_error"] = (model(ids).logits - expected).abs().max().item()
+    # What torch's FSDP cannot do here is an error on every rank.
+    out["sequence_parallel"] = _capture(lambda: FSDP(
+        tsm.transform(build_hf("llama"), config={"sequence_parallel": True}), device_id=cpu))
+
+    # hybrid_shard_degree 1: NO_SHARD over the data-parallel ranks; FSDP2 replicates.
+    tsm.init({"hybrid_shard_degree": 1})
+    model = FSDP(tsm.transform(build_hf("llama")), device_id=cpu, use_orig_params=True)
+    out["no_shard"] = (model.sharding_strategy.name, model.process_group.size())
+    model = tsm.transform(build_hf("llama"))
+    fully_shard(model)
+    out["no_shard_mesh"] = tuple(next(model.parameters()).device_mesh.shape)
+    out["hsd1_full"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
+                                             sharding_strategy=ShardingStrategy.FULL_SHARD))
+    # hybrid_shard_degree 2: _HYBRID_SHARD_ZERO2 is kept; FULL_SHARD over 2 of 4 ranks is not.
+    tsm.init({"hybrid_shard_degree": 2, "fsdp_cache_flush_warnings": False})
+    model = FSDP(tsm.transform(build_hf("llama")), device_id=cpu, use_orig_params=True,
+                 sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2)
+    out["zero2"] = (model.sharding_strategy.name, model.process_group.size(),
+                    model._inter_node_pg.size(), hasattr(model, "cache_flush_monitor"))
+    out["hsd2_full"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
+                                             sharding_strategy=ShardingStrategy.FULL_SHARD))
+    tsm.init({})
+    out["hsd0_hybrid"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
+                                               sharding_strategy=ShardingStrategy.HYBRID_SHARD))
+    # fsdp_cache_flush_warnings (default true): both roots check the allocator each forward.
+    caught = {}
+    for kind in ("fsdp1", "fsdp2"):
+        retries = {"num_alloc_retries": 0}
+        model = tsm.transform(build_hf("llama"))
+        if kind == "fsdp1":
+            model = FSDP(model, device_id=cpu, use_orig_params=True)
+        else:
+            fully_shard(model)
+        with torch.no_grad():
+            model(ids)  # FSDP2 builds its monitor at the first root forward
+        model.cache_flush_monitor.stats_fn = lambda: dict(retries)
+        model.cache_flush_monitor.retries = 0
+        retries["num_alloc_retries"] = 3
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model(ids)
+        caught[kind] = [str(r.message) for r in records if "flush" in str(r.message)]
+    out["flush_warnings"] = caught
+    tsm.init({"expert_parallel_degree": 2})
+    out["expert_parallel"] = _capture(lambda: FSDP(tsm.transform(build_hf("mixtral")),
+                                                   device_id=cpu))
+    return out
+
+
+def test_smp_keys_act_through_torch_fsdp_entry_points():
+    for out in run_distributed(_keys_worker, 4, timeout=300):
+        assert "sync_module_states=True" in out["unsynced"]
+        assert out["synced_error"] < 1e-4
+        assert tuple(out["no_shard"]) == ("NO_SHARD", 4)
+        assert tuple(out["no_shard_mesh"]) == (4, 1)
+        assert "hybrid_shard_degree 1" in out["hsd1_full"]
+        assert tuple(out["zero2"]) == ("_HYBRID_SHARD_ZERO2", 2, 2, False)
+        assert "HYBRID_SHARD or _HYBRID_SHARD_ZERO2" in out["hsd2_full"]
+        assert "hybrid_shard_degree 0" in out["hsd0_hybrid"]
+        for kind in ("fsdp1", "fsdp2"):
+            assert len(out["flush_warnings"][kind]) == 1, out["flush_warnings"]
+            assert "3 CUDA caching-allocator flush" in out["flush_warnings"][kind][0]
+        assert "sequence parallelism" in out["sequence_parallel"]
+        assert "expert_parallel_degree" in out["expert_parallel"]
