@@ -242,6 +242,15 @@ def transform(
         device = torch.device("meta")
 
     seed = moe_config.random_seed if moe_config is not None else None
+    if moe_config is not None:
+        # SMP: the seed of the random ops in expert-parallel modules, made unique per EP (and
+        # TP) rank; the fresh initialisation below draws from it too.
+        from megatron_smp.tensor_parallel.random import (
+            EXPERT_PARALLEL_RNG, expert_parallel_stream_seed, get_rng_tracker,
+        )
+
+        get_rng_tracker().reseed(EXPERT_PARALLEL_RNG,
+                                 expert_parallel_stream_seed(seed, parallel_state))
     with init_rng_scope(seed):
         module = GPTModel(transformer_config, parallel_state, device=device)
     module.train(model.training)
