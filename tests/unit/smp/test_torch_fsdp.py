@@ -159,6 +159,10 @@ def _keys_worker(rank, world_size):
     model = FSDP(model, device_id=cpu, use_orig_params=True, sync_module_states=True)
     with torch.no_grad():
         out["synced_error"] = (model(ids).logits - expected).abs().max().item()
+    # HF's state dict back from the TP shards (before FSDP), equal to the HF model's.
+    back = tsm.transform(reference).hf_state_dict()
+    out["hf_state_dict_equal"] = all(torch.equal(back[k], v) for k, v in
+                                     reference.state_dict().items())
     # What torch's FSDP cannot do here is an error on every rank.
     out["sequence_parallel"] = _capture(lambda: FSDP(
         tsm.transform(build_hf("llama"), config={"sequence_parallel": True}), device_id=cpu))
@@ -212,7 +216,7 @@ def _keys_worker(rank, world_size):
 def test_smp_keys_act_through_torch_fsdp_entry_points():
     for out in run_distributed(_keys_worker, 4, timeout=300):
         assert "sync_module_states=True" in out["unsynced"]
-        assert out["synced_error"] < 1e-4
+        assert out["synced_error"] < 1e-4 and out["hf_state_dict_equal"]
         assert tuple(out["no_shard"]) == ("NO_SHARD", 4)
         assert tuple(out["no_shard_mesh"]) == (4, 1)
         assert "hybrid_shard_degree 1" in out["hsd1_full"]
