@@ -29,9 +29,8 @@ before or after `init`, and before `init` (or after none) torch behaves as its o
   script applied is replaced) and their saved inputs offloaded by our `ActivationOffloader`
   with `activation_loading_horizon`; false keeps torch's `save_on_cpu` wrapper.
 * `allow_empty_shards`: false is PyTorch's behaviour (uneven dim-0 chunks, a trailing rank may
-  hold an empty shard). SMP's true works around a checkpointing crash on empty shards that
-  our DCP engine does not have (tested: a model with empty shards saves and loads), so both
-  values shard alike.
+  hold an empty shard), which is also what true asks for (empty shards allowed); SMP's true
+  was a workaround inside its own sharding, which we do not have: both values shard alike.
 """
 from __future__ import annotations
 

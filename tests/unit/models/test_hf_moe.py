@@ -107,7 +107,10 @@ def _parallel_worker(rank, world_size, layouts):
             model = smp.transform(hf, config={"sequence_parallel": True})
             with torch.no_grad():
                 error = (model(ids).logits - hf(ids).logits).abs().max().item()
-            out[(tuple(sorted(layout.items())), family)] = error
+                # HF's loss is the global one at TP/EP > 1 too (shifted labels, mean).
+                loss_error = abs(model(ids, labels=ids).loss.item()
+                                 - hf(ids, labels=ids).loss.item())
+            out[(tuple(sorted(layout.items())), family)] = max(error, loss_error)
             out[family] = {k: np.asarray(v.detach()) for k, v in
                            model.module.state_dict().items()}
     out["coords"] = (smp.state.tp_rank, smp.state.parallel_state.ep_rank)
