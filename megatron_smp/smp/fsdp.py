@@ -8,6 +8,7 @@ import torch
 
 from megatron_smp.config import ConfigError
 from megatron_smp.smp.state import init, is_initialized, state
+from megatron_smp.smp.torch_fsdp import mark_states_synced
 
 
 def _sync_from_rank0_tp_group(parallel_state):
@@ -99,6 +100,8 @@ def fully_shard(
         cache_flush_warnings=state.fsdp_cache_flush_warnings, before_shard=before_shard,
     )
     model.activation_offloader = offloader
+    if sync_module_states:
+        mark_states_synced(model)
     if native_offload:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 

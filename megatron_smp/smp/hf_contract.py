@@ -50,8 +50,10 @@ def check_forward_keywords(extra: Dict[str, Any]) -> None:
             )
         unused, why = UNSUPPORTED_FORWARD_KEYWORDS[name]
         allowed = unused if isinstance(unused, tuple) else (unused,)
-        if not any(value is a or (a is not None and value is not None and value == a)
-                   for a in allowed):
+        # A tensor is never the "not used" value (and has no plain truth value).
+        is_unused = not torch.is_tensor(value) and any(
+            value is a or (a is not None and value is not None and value == a) for a in allowed)
+        if not is_unused:
             raise ConfigError(
                 f"transformed model forward: {name}={value!r} is not supported: {why}; "
                 f"{REJECTION_HINT}"

@@ -56,6 +56,10 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     ParallelState, seeds the default and tensor-parallel RNG streams from `random_seed`, and
     fills `smp.state`. Calling it again re-initialises with the new config.
 
+    From then on torch's own FSDP entry points (FullyShardedDataParallel, fully_shard,
+    offload_wrapper) follow the keys: see `smp.torch_fsdp`. SMP v1 keys are mapped or refused
+    by `smp.v1_config`.
+
     `shard_optimizer_state` is honoured by the training scripts (`--smp-config`); a script
     of its own that calls `init` builds the optimizer itself, so there it is an error.
     """

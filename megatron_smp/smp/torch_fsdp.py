@@ -161,6 +161,14 @@ def _sync_module_states(module: torch.nn.Module, process_group, param_init_fn) -
         broadcast_module_states(module, group)
 
 
+def mark_states_synced(module: torch.nn.Module) -> None:
+    """After a sync_module_states broadcast every replica holds rank 0's weights: the
+    transformed model no longer needs one."""
+    for sub in module.modules():
+        if getattr(sub, "loaded_from_rank0", False):
+            sub.loaded_from_rank0 = False
+
+
 def _check_rank0_loading(module: torch.nn.Module, sync: bool, state, what: str) -> None:
     loaded = any(getattr(m, "loaded_from_rank0", False) for m in module.modules())
     if loaded and not sync and state.parallel_state.dp_cp_size > 1:
@@ -207,6 +215,7 @@ def _install_fsdp1() -> None:
         if sync:
             _sync_module_states(module, arguments["process_group"],
                                 arguments.get("param_init_fn"))
+            mark_states_synced(module)
             arguments["sync_module_states"] = False
         group = arguments["process_group"]
         shard, replicas = (group if isinstance(group, tuple) else (group, None))
@@ -257,7 +266,12 @@ def _install_fsdp2() -> None:
             state = _smp_state()
             if state is not None:
                 check_module_for_torch_fsdp(module, state)
-            if state is not None and state.fsdp_cache_flush_warnings:
+                _check_rank0_loading(
+                    module, False, state, "torch's fully_shard has no sync_module_states: use "
+                    "FullyShardedDataParallel(..., sync_module_states=True) or "
+                    "tsm.fully_shard(model, sync_module_states=True)")
+            if (state is not None and state.fsdp_cache_flush_warnings
+                    and not hasattr(module, "cache_flush_monitor")):  # smp.fully_shard's
                 from megatron_smp.distributed.fsdp import CacheFlushMonitor
 
                 monitor = CacheFlushMonitor(state.parallel_state.device)

@@ -157,6 +157,9 @@ def _keys_worker(rank, world_size):
     model = tsm.transform(source, load_state_dict_from_rank0=True)
     out["unsynced"] = _capture(lambda: FSDP(model, device_id=cpu, use_orig_params=True))
     model = FSDP(model, device_id=cpu, use_orig_params=True, sync_module_states=True)
+    unsynced = tsm.transform(source, load_state_dict_from_rank0=True)
+    fully_shard(unsynced)
+    out["unsynced_fsdp2"] = _capture(lambda: unsynced(ids))
     with torch.no_grad():
         out["synced_error"] = (model(ids).logits - expected).abs().max().item()
     # HF's state dict back from the TP shards (before FSDP), equal to the HF model's.
@@ -216,6 +219,7 @@ def _keys_worker(rank, world_size):
 def test_smp_keys_act_through_torch_fsdp_entry_points():
     for out in run_distributed(_keys_worker, 4, timeout=300):
         assert "sync_module_states=True" in out["unsynced"]
+        assert "fully_shard has no sync_module_states" in out["unsynced_fsdp2"]
         assert out["synced_error"] < 1e-4 and out["hf_state_dict_equal"]
         assert tuple(out["no_shard"]) == ("NO_SHARD", 4)
         assert tuple(out["no_shard_mesh"]) == (4, 1)
