@@ -188,6 +188,23 @@ def _keys_worker(rank, world_size):
     out["hsd2_full"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
                                              sharding_strategy=ShardingStrategy.FULL_SHARD))
     tsm.init({})
+    # Delayed initialisation through FSDP1's param_init_fn (the reference's pattern) gives
+    # the values our own FSDP2 step materialises (tested against the eager model elsewhere).
+    from megatron_smp.smp.delayed_param import DelayedParamIniter
+
+    delayed = tsm.transform(build_hf("llama", device="meta"))
+    delayed = FSDP(delayed, device_id=cpu, use_orig_params=True,
+                   param_init_fn=DelayedParamIniter(delayed).get_param_init_fn())
+    ours = tsm.transform(build_hf("llama", device="meta"))
+    ours = tsm.fully_shard(ours, param_init_fn=DelayedParamIniter(ours).get_param_init_fn())
+    with torch.no_grad():
+        out["delayed_error"] = (delayed(ids).logits - ours(ids).logits).abs().max().item()
+    # allow_empty_shards false (the default) is PyTorch's behaviour: 3 rows over 4 ranks
+    # leave rank 3 an empty shard, and it trains.
+    linear = torch.nn.Linear(4, 3)
+    fully_shard(linear)
+    linear(torch.ones(2, 4)).sum().backward()
+    out["local_rows"] = linear.weight.to_local().shape[0]
     out["hsd0_hybrid"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
                                                sharding_strategy=ShardingStrategy.HYBRID_SHARD))
     # fsdp_cache_flush_warnings (default true): both roots check the allocator each forward.
@@ -217,7 +234,8 @@ def _keys_worker(rank, world_size):
 
 
 def test_smp_keys_act_through_torch_fsdp_entry_points():
-    for out in run_distributed(_keys_worker, 4, timeout=300):
+    results = run_distributed(_keys_worker, 4, timeout=300)
+    for out in results:
         assert "sync_module_states=True" in out["unsynced"]
         assert "fully_shard has no sync_module_states" in out["unsynced_fsdp2"]
         assert out["synced_error"] < 1e-4 and out["hf_state_dict_equal"]
@@ -227,8 +245,10 @@ def test_smp_keys_act_through_torch_fsdp_entry_points():
         assert tuple(out["zero2"]) == ("_HYBRID_SHARD_ZERO2", 2, 2, False)
         assert "HYBRID_SHARD or _HYBRID_SHARD_ZERO2" in out["hsd2_full"]
         assert "hybrid_shard_degree 0" in out["hsd0_hybrid"]
+        assert out["delayed_error"] < 1e-5
         for kind in ("fsdp1", "fsdp2"):
             assert len(out["flush_warnings"][kind]) == 1, out["flush_warnings"]
             assert "3 CUDA caching-allocator flush" in out["flush_warnings"][kind][0]
         assert "sequence parallelism" in out["sequence_parallel"]
         assert "expert_parallel_degree" in out["expert_parallel"]
+    assert [out["local_rows"] for out in results] == [1, 1, 1, 0]
