@@ -230,11 +230,25 @@ def _keys_worker(rank, world_size):
     tsm.init({"expert_parallel_degree": 2})
     out["expert_parallel"] = _capture(lambda: FSDP(tsm.transform(build_hf("mixtral")),
                                                    device_id=cpu))
+    # The same EP=2 group checks MoEConfig.random_seed (test_moe_seed.py): one spawn for both.
+    from tests.unit.smp.test_moe_seed import moe_seed_checks
+
+    out["moe_seed"] = moe_seed_checks(ids)
     return out
 
 
+_RESULTS = []
+
+
+def keys_results():
+    """The world-4 run of `_keys_worker`, once per session (two test files read it)."""
+    if not _RESULTS:
+        _RESULTS.append(run_distributed(_keys_worker, 4, timeout=300))
+    return _RESULTS[0]
+
+
 def test_smp_keys_act_through_torch_fsdp_entry_points():
-    results = run_distributed(_keys_worker, 4, timeout=300)
+    results = keys_results()
     for out in results:
         assert "sync_module_states=True" in out["unsynced"]
         assert "fully_shard has no sync_module_states" in out["unsynced_fsdp2"]
