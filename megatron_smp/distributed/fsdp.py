@@ -106,26 +106,6 @@ def _restore_param_attributes(module: torch.nn.Module, attributes: Dict[str, dic
             setattr(param, key, value)
 
 
-def check_empty_shards(module: torch.nn.Module, shard_size: int, allow_empty_shards: bool,
-                       prefix: str = "") -> None:
-    """SMP's `allow_empty_shards: false`: a ConfigError naming the first parameter with fewer
-    dim-0 rows than the shard group has ranks (some rank would hold none of it)."""
-    if allow_empty_shards or shard_size == 1:
-        return
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            continue  # sharded by an inner unit already
-        rows = param.shape[0] if param.dim() else 1
-        # torch.chunk gives trailing ranks nothing once ceil(rows / n) * k >= rows.
-        chunk = -(-rows // shard_size)
-        if chunk * (shard_size - 1) >= rows:
-            raise ConfigError(
-                f"parameter {prefix}{name} ({rows} rows) leaves some of the {shard_size} ranks "
-                "of an FSDP shard group without a shard; set the SMP key allow_empty_shards: "
-                "true, or use a smaller hybrid_shard_degree"
-            )
-
-
 def mixed_precision_policy(param_dtype: Optional[torch.dtype],
                            reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
     """bf16/fp16 compute over fp32 sharded params, grads reduced in `reduce_dtype` (fp32;
@@ -144,7 +124,6 @@ def fully_shard_model(
     offload_params: bool = False,
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
-    allow_empty_shards: bool = True,
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     activation_checkpointing: bool = False,
     activation_offloader=None,
@@ -176,8 +155,9 @@ def fully_shard_model(
     * `before_shard(unit)`: called on every rank for each unit once it is materialised, just
       before it is sharded (e.g. `smp.fully_shard`'s `sync_module_states` broadcast).
 
-    The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a layer with fewer rows
-    than shard ranks is an error unless `allow_empty_shards`.
+    The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a parameter with fewer
+    dim-0 rows than shard ranks leaves trailing ranks an empty shard, as in PyTorch (SMP's
+    `allow_empty_shards` either way, see `smp.torch_fsdp`).
     """
     from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
     from megatron_smp.distributed.param_and_grad_buffer import (
@@ -210,7 +190,6 @@ def fully_shard_model(
     if activation_checkpointing or activation_offloader is not None:
         layers = apply_activation_checkpointing(model, layers, activation_offloader)
     mesh = state.fsdp_mesh
-    shard_size = state.fsdp_shard_size
     common = dict(
         mesh=mesh,
         mp_policy=mixed_precision_policy(param_dtype, reduce_dtype),
@@ -230,7 +209,6 @@ def fully_shard_model(
             )
         if before_shard is not None:
             before_shard(unit)
-        check_empty_shards(unit, shard_size, allow_empty_shards)
         attributes = _param_attributes(unit)
         # The root and the output layer keep their params from forward to backward: their
         # backward starts right after their forward.
@@ -498,7 +476,6 @@ __all__ = [
     "FullyShardedDataParallel",
     "CacheFlushMonitor",
     "fully_shard_model",
-    "check_empty_shards",
     "mixed_precision_policy",
     "language_model",
     "transformer_layers",

@@ -10,6 +10,9 @@ Module tree (each re-exports the framework's one implementation):
   .state                           the SMPState object (the module defines SMPState, init)
   .transform                       callable: `transform(model, ...)`; also TransformedModel
   .keys                            the config keys, their defaults and checks (ours)
+  .v1_config                       SMP v1 keys: mapped with a log line, or refused (ours)
+  .hf_contract                     HF's causal-LM forward/loss/output contract (ours)
+  .torch_fsdp                      torch's FSDP1 / FSDP2 / offload_wrapper follow the keys
   .fsdp                            `fully_shard`: FSDP2 with the `init` keys (ours)
   .nn.attn                         FlashSelfAttention, FlashGroupedQueryAttention
   .nn.huggingface                  HF-specific modules (llama_flashattn, v1 translators)

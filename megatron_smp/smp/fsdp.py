@@ -8,13 +8,12 @@ import torch
 
 from megatron_smp.config import ConfigError
 from megatron_smp.smp.state import init, is_initialized, state
+from megatron_smp.smp.torch_fsdp import mark_states_synced
 
 
 def _sync_from_rank0_tp_group(parallel_state):
     """A `before_shard(unit)` that copies each unsharded parameter and buffer of a unit from
     the rank of rank 0's TP group with this rank's TP rank (FSDP's `sync_module_states`)."""
-    import torch.distributed as dist
-
     group = parallel_state.dp_cp_group
     source = min(parallel_state.group_ranks["dp_cp"])
     if source >= parallel_state.tp_size:
@@ -25,18 +24,9 @@ def _sync_from_rank0_tp_group(parallel_state):
         )
 
     def before_shard(unit: torch.nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
+        from megatron_smp.smp.torch_fsdp import broadcast_module_states
 
-        tensors = [t for t in list(unit.parameters()) + list(unit.buffers())
-                   if not isinstance(t, DTensor)]
-        if any(t.is_meta for t in tensors):
-            raise ConfigError(
-                "fully_shard(sync_module_states=True): a module is still on the meta device "
-                "when its weights are copied; pass param_init_fn="
-                "DelayedParamIniter(model).get_param_init_fn()"
-            )
-        for tensor in tensors:
-            dist.broadcast(tensor.data, source, group=group)
+        broadcast_module_states(unit, group, what="fully_shard(sync_module_states=True)")
 
     return before_shard
 
@@ -58,7 +48,8 @@ def fully_shard(
 
     * `hybrid_shard_degree`: 0 shards over all data x context-parallel ranks, 1 replicates,
       N shards within groups of N ranks and replicates across them (on a 2-D mesh).
-    * `allow_empty_shards`: false refuses a parameter some shard rank would hold none of.
+    * `allow_empty_shards`: either value shards as PyTorch does (a trailing rank may hold an
+      empty shard; our checkpoints save and load those), see `smp.torch_fsdp`.
     * `fsdp_cache_flush_warnings`: warn when the CUDA allocator flushed its cache in a step.
     * `activation_offloading` (with checkpointing): `sm_activation_offloading` true moves each
       checkpointed layer's saved inputs to host memory, at most `activation_loading_horizon`
@@ -103,12 +94,14 @@ def fully_shard(
         model, parallel_state, param_dtype=mixed_precision,
         reshard_after_forward=reshard_after_forward, offload_params=cpu_offload,
         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-        allow_empty_shards=state.allow_empty_shards, param_init_fn=param_init_fn,
+        param_init_fn=param_init_fn,
         activation_checkpointing=activation_checkpointing or activation_offloading,
         activation_offloader=offloader,
         cache_flush_warnings=state.fsdp_cache_flush_warnings, before_shard=before_shard,
     )
     model.activation_offloader = offloader
+    if sync_module_states:
+        mark_states_synced(model)
     if native_offload:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 

@@ -69,7 +69,9 @@ def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tupl
     defaults). Unknown keys, wrong types and keys of capabilities that do not exist yet are a
     ConfigError naming the key; the degrees are checked together by `ParallelConfig.validate`.
     """
-    user = _read_config(config)
+    from megatron_smp.smp.v1_config import translate_v1_keys
+
+    user, v1_settings = translate_v1_keys(_read_config(config))
     unknown = sorted(set(user) - set(_SMP_KEYS))
     if unknown:
         raise ConfigError(
@@ -98,6 +100,16 @@ def read_smp_keys(config: Union[None, str, os.PathLike, Dict[str, Any]]) -> tupl
             "smp config: activation_loading_horizon must be a positive integer, got "
             f"{values['activation_loading_horizon']}"
         )
+    if (values["hybrid_shard_degree"] >= 1
+            and values["context_parallel_degree"] > values["hybrid_shard_degree"]):
+        # The reference: context_parallel_degree <= hybrid_shard_degree (a shard group holds
+        # whole context-parallel groups); 0 means every dp x cp rank, which always does.
+        raise ConfigError(
+            f"smp config: context_parallel_degree ({values['context_parallel_degree']}) must be "
+            f"<= hybrid_shard_degree ({values['hybrid_shard_degree']})"
+        )
+    # SMP v1 settings (see smp.v1_config), normalised; {} for a v2 config.
+    values["v1"] = v1_settings
     return set(user), values
 
 
@@ -120,4 +132,9 @@ def parse_smp_config(
     parallel_config = _parallel_config(values)
     parallel_config.check_supported(SMP_NAMES)
     parallel_config.validate(world_size, names=SMP_NAMES)
+    if values["v1"]:
+        from megatron_smp.smp.v1_config import check_v1_layout
+
+        tp, pp = values["tensor_parallel_degree"], values["pipeline_parallel_degree"]
+        check_v1_layout(values["v1"], {"T": tp, "P": pp, "D": world_size // (tp * pp)})
     return given, values, parallel_config

@@ -56,6 +56,10 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     ParallelState, seeds the default and tensor-parallel RNG streams from `random_seed`, and
     fills `smp.state`. Calling it again re-initialises with the new config.
 
+    From then on torch's own FSDP entry points (FullyShardedDataParallel, fully_shard,
+    offload_wrapper) follow the keys: see `smp.torch_fsdp`. SMP v1 keys are mapped or refused
+    by `smp.v1_config`.
+
     `shard_optimizer_state` is honoured by the training scripts (`--smp-config`); a script
     of its own that calls `init` builds the optimizer itself, so there it is an error.
     """
@@ -69,6 +73,14 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
             "(pretrain_gpt.py --smp-config); in your own script build it with "
             "megatron_smp.optimizer.get_megatron_optimizer(OptimizerConfig("
             "use_distributed_optimizer=True), ...)"
+        )
+    pipeline_only = sorted(set(values["v1"]) & {"microbatches", "pipeline"})
+    if pipeline_only:
+        raise ConfigError(
+            f"smp.init: SMP v1 key(s) {pipeline_only} configure v1's pipeline; SMP v2 scripts "
+            "have none (transform needs pipeline_parallel_degree 1): accumulate gradients in "
+            "your script, or train with pretrain_gpt.py --smp-config, which maps them to its "
+            "microbatches and --pipeline-schedule"
         )
     parallel_state = build_parallel_state(parallel_config)
     model_parallel_seed(values["random_seed"], parallel_state)
@@ -92,6 +104,10 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
                 "fsdp_cache_flush_warnings", "allow_empty_shards", "cp_comm_type"):
         setattr(state, key, values[key])
     _initialized = True
+    # torch's own FSDP entry points follow these keys from now on (see smp.torch_fsdp).
+    from megatron_smp.smp.torch_fsdp import install
+
+    install()
 
 
 def is_initialized() -> bool:

@@ -578,6 +578,47 @@ def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]],
         sections[section][name] = values[key]
         if section == "parallel":
             setting_names[name] = f"{key} (--smp-config)"
+    if values["v1"]:
+        _apply_smp_v1_settings(values["v1"], sections)
+
+
+def _apply_smp_v1_settings(v1: Dict[str, Any], sections: Dict[str, Dict[str, Any]]) -> None:
+    """SMP v1 keys of --smp-config (see megatron_smp.smp.v1_config) on the training scripts'
+    settings: microbatches -> the global batch, pipeline -> --pipeline-schedule, optimize ->
+    --sequence-parallel; ddp and placement_strategy are checked against the degrees."""
+    import logging
+
+    from megatron_smp.parallel_state import launcher_world_size
+    from megatron_smp.smp.v1_config import check_v1_layout
+
+    logger = logging.getLogger("megatron_smp.smp")
+    parallel, training = sections["parallel"], sections["training"]
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    cp = parallel.get("context_parallel_size", 1)
+    world = launcher_world_size()
+    check_v1_layout(v1, {"T": tp, "P": pp, "D": max(1, world // (tp * pp))})
+    if "microbatches" in v1:
+        dp = max(1, world // (tp * pp * cp))
+        micro = training.get("micro_batch_size", 1)
+        global_batch = micro * dp * v1["microbatches"]
+        given = training.get("global_batch_size")
+        if given is not None and given != global_batch:
+            raise ConfigError(
+                f"--smp-config microbatches {v1['microbatches']} means --global-batch-size "
+                f"{global_batch} (--micro-batch-size {micro} x {dp} data-parallel ranks x "
+                f"{v1['microbatches']}), but --global-batch-size {given} was given: drop one"
+            )
+        training["global_batch_size"] = global_batch
+        logger.warning("smp: v1 key microbatches=%d -> --global-batch-size %d (%d microbatches "
+                       "of %d per data-parallel rank)", v1["microbatches"], global_batch,
+                       v1["microbatches"], micro)
+    if "pipeline" in v1:
+        training["pipeline_schedule"] = v1["pipeline"]
+        logger.warning("smp: v1 key pipeline=%r -> --pipeline-schedule %s", v1["pipeline"],
+                       v1["pipeline"])
+    if "sequence_parallel" in v1:
+        sections["model"]["sequence_parallel"] = v1["sequence_parallel"] and tp > 1
 
 
 def parse_args(

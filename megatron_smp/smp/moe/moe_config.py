@@ -18,8 +18,10 @@ class MoEConfig:
     * moe_aux_loss_coeff: the auxiliary loss's coefficient, used with "aux_loss" only;
     * moe_z_loss_coeff: --moe-z-loss-coeff (0 disables the z-loss);
     * moe_all_to_all_dispatcher: --moe-token-dispatcher-type alltoall (else allgather);
-    * random_seed: the seed the transformed model's own initialisation draws from (the
-      weights are the HF model's unless it is on the meta device);
+    * random_seed: seeds the per-expert-parallel-rank stream ("expert-parallel-rng": seed +
+      1024 + 100 * ep_rank + tp_rank, as Megatron derives it) that the random ops of the
+      expert modules (the router's input jitter) draw from, and the transformed model's own
+      initialisation (the weights are the HF model's unless it is on the meta device);
     * smp_moe=False (HF's own MoE blocks) and global_token_shuffle=True are not supported:
       transform always builds the framework's expert-parallel layers, and dropless routing
       makes a shuffle change nothing but the traffic.

@@ -106,14 +106,14 @@ def test_transform_tp1_matches_hf_logits(family):
     ids = _ids(hf.config.vocab_size)
     with torch.no_grad():
         expected = hf(ids).logits
-        logits = model(ids)
+        logits = model(ids).logits
         assert logits.shape == expected.shape
         assert (logits - expected).abs().max() < 1e-4
         # HF-style padding mask: right padding leaves the real tokens' logits unchanged.
         padding = torch.ones(BATCH, SEQ, dtype=torch.long)
         padding[0, -3:] = 0
         expected = hf(ids, attention_mask=padding).logits
-        masked = model(ids, attention_mask=padding)
+        masked = model(ids, attention_mask=padding).logits
         assert (masked[0, :-3] - expected[0, :-3]).abs().max() < 1e-4
         assert (masked[1] - expected[1]).abs().max() < 1e-4
 
@@ -128,14 +128,14 @@ def _transform_worker(rank, world_size):
         ids = _ids(hf.config.vocab_size)
         with torch.no_grad():
             reference = hf(ids).logits
-            outputs = {"local": smp.transform(hf)(ids)}
+            outputs = {"local": smp.transform(hf)(ids).logits}
             if family in ("gpt2", "llama"):  # sequence parallelism as a transformer-config override
                 model = smp.transform(hf, config={"sequence_parallel": True})
-                outputs["sequence_parallel"] = model(ids)
+                outputs["sequence_parallel"] = model(ids).logits
             for mode, other in (("random", lambda: build_hf(family, seed=100)),
                                 ("meta", lambda: build_hf(family, device="meta"))):
                 source = hf if rank == 0 else other()
-                outputs[mode] = smp.transform(source, load_state_dict_from_rank0=True)(ids)
+                outputs[mode] = smp.transform(source, load_state_dict_from_rank0=True)(ids).logits
         results[family] = (reference, outputs)
     return to_numpy(results)
 
@@ -204,7 +204,7 @@ def _head_dim_worker(rank, world_size):
     hf = build_hf("mistral", head_dim=32)  # 4 heads x 32 = 128 != hidden 64
     ids = _ids(hf.config.vocab_size)
     with torch.no_grad():
-        return to_numpy((hf(ids).logits, smp.transform(hf)(ids)))
+        return to_numpy((hf(ids).logits, smp.transform(hf)(ids).logits))
 
 
 def test_head_dim_other_than_hidden_over_heads_keeps_logits():

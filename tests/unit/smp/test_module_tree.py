@@ -13,6 +13,7 @@ REFERENCE_IMPORTS = [
     (".transform", ["transform"]),
     (".state", ["SMPState"]),
     (".nn.attn", ["FlashSelfAttention", "FlashGroupedQueryAttention"]),
+    (".nn.huggingface.llama_flashattn", ["LlamaFlashAttention"]),
     (".moe.moe_config", ["MoEConfig"]),
     (".delayed_param", ["DelayedParamIniter"]),
     (".utils.module_utils", ["empty_module_params", "move_buffers_to_device"]),
