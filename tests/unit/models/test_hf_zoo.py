@@ -32,7 +32,8 @@ def test_round_trips_are_exact(family):
     config = adapter.config_from_hf(hf.config)
     assert config.kv_channels == 24 != config.hidden_size // config.num_attention_heads
     if family == "llama31":
-        assert config.use_rope_scaling and config.rope_scaling_original_max_position_embeddings < SEQ
+        assert config.use_rope_scaling
+        assert config.rope_scaling_original_max_position_embeddings < SEQ
     if family == "qwen2":
         assert config.add_qkv_bias and not config.add_bias_linear
         assert config.position_embedding_type == "yarn"
