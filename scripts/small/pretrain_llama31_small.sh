@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A small Llama 3.1-style model on CPU in about a minute: GQA, SwiGLU, Llama 3.1 RoPE scaling
-# with an original context of 64 under a 256-token sequence, TP=2 with sequence parallelism,
-# mock data. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
+# A small Llama 3.1-style model on CPU (a few minutes on 2 cores): GQA, SwiGLU, Llama 3.1 RoPE
+# scaling with an original context of 64 under a 256-token sequence, TP=2 with sequence
+# parallelism, mock data. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1

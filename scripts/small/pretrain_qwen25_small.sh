@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A small Qwen2.5-style model on CPU in about a minute: GQA, q/k/v biases only, RMSNorm,
+# A small Qwen2.5-style model on CPU (a few minutes on 2 cores): GQA, q/k/v biases only, RMSNorm,
 # SwiGLU, tied head (Qwen2.5 up to 3B; pretrain_gpt.py, since pretrain_llama.py unties), YaRN
 # over an original context of 64 under a 256-token sequence, context parallelism 2, mock data.
 # Extra arguments go to pretrain_gpt.py (e.g. --train-iters 50).

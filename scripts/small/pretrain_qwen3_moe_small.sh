@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A small Qwen3-MoE-style model on CPU in about a minute: per-head query/key norms, head dim 48
-# (8 x 48 != 256), 8 experts top-2 renormalised in every layer with the load-balancing loss,
-# expert parallelism 2 with all-to-all dispatch, mock data, per-layer router losses in
-# TensorBoard. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
+# A small Qwen3-MoE-style model on CPU (a few minutes on 2 cores): per-head query/key norms,
+# head dim 48 (8 x 48 != 256), 8 experts top-2 renormalised in every layer with the
+# load-balancing loss, expert parallelism 2 with all-to-all dispatch, mock data, per-layer
+# router losses in TensorBoard. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
