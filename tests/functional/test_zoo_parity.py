@@ -1,9 +1,10 @@
 """A small Qwen3-MoE-style model (q/k norms, head dim 24 != 64 / 4 heads, GQA, one MoE and one
-dense layer, renormalised top-2 of 4 experts with the load-balancing and z losses, YaRN RoPE whose
-original context, 16, is half the sequence) trains 10 iterations under pretrain_gpt.py with the
-single-process losses (fp32, 1e-4) at TP=2+SP, EP=2, PP=2, CP=2, CP=2 x EP=2 (the experts'
-groups take in the context-parallel ranks) and DP=2 with the distributed optimizer. All
-layouts run one after the other in one spawned pair of processes."""
+dense layer, renormalised top-2 of 4 experts with the load-balancing and z losses, YaRN RoPE
+whose original context, 16, is half the sequence) trains 10 iterations under pretrain_gpt.py
+with the single-process losses (fp32, 1e-4) at TP=2+SP, EP=2, PP=2, CP=2 (with the distributed
+optimizer), CP=2 x EP=2 (the experts' groups take in the context-parallel ranks) and DP=2 with
+the distributed optimizer. All layouts run one after the other in one spawned pair of
+processes."""
 import pytest
 
 from megatron_smp.testing import run_distributed
@@ -22,7 +23,8 @@ LAYOUTS = {
     "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
     "ep2": "--expert-model-parallel-size 2",
     "pp2": "--pipeline-model-parallel-size 2",
-    "cp2": "--context-parallel-size 2",
+    # Expert grads and optimizer state sharded over the CP ranks (expert-data-parallel group).
+    "cp2_distopt": "--context-parallel-size 2 --use-distributed-optimizer",
     "cp2_ep2": "--context-parallel-size 2 --expert-model-parallel-size 2 --cp-comm-type a2a",
     "dp2_distopt": "--use-distributed-optimizer",
 }
