@@ -1,6 +1,7 @@
 """The example launch scripts (scripts/pretrain_*.sh and the CPU-sized scripts/small/) pass
-flags that parse and validate at their world size and build the model they say (checked without a launch: a stub interpreter, PYTHON for
-scripts/launch_env.sh, records the launcher's command line)."""
+flags that parse and validate at their world size and build the model they say (checked
+without a launch: a stub interpreter, PYTHON for scripts/launch_env.sh, records the
+launcher's command line)."""
 import os
 import stat
 import subprocess
