@@ -1,6 +1,7 @@
 """Context-parallel core attention equals the single-rank attention: output and the grads of
 query, key and value, for every comm type, at CP=2 and CP=4, MHA and GQA (and with ALiBi or a
-sliding window, whose masks come from global positions)."""
+sliding window, whose masks come from global positions; or with attention sinks, whose grads
+of the CP ranks add up to the single-rank grad)."""
 import pytest
 import torch
 
@@ -13,6 +14,8 @@ CASES = [
     ("gqa", 8, 4, {}),
     ("alibi", 4, 4, {"position_embedding_type": "alibi"}),
     ("window", 4, 2, {"window_size": (5, 0)}),
+    # gpt-oss: learned sinks (enter the merge once) with a window; GQA.
+    ("sinks", 8, 4, {"softmax_type": "learnable", "window_size": (5, 0)}),
 ]
 COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
@@ -63,12 +66,20 @@ def _max_diffs(rank, world_size):
                 continue
             config = _config(heads, groups, comm_type, extra)
             q, k, v, grad = _inputs(heads, groups)
-            reference = _run(DotProductAttention(config, _NoTP(state)), q, k, v, grad)
+            single = DotProductAttention(config, _NoTP(state))
+            reference = _run(single, q, k, v, grad)
             module = build_module(core_attention_spec(config, state), config, state)
             assert type(module).__name__ != "DotProductAttention"
             local = [split_for_context_parallel(t, 0, world_size, rank) for t in (q, k, v, grad)]
+            if single.softmax_offset is not None:
+                with torch.no_grad():
+                    module.softmax_offset.copy_(single.softmax_offset)
             got = _run(module, *local)
             expected = [split_for_context_parallel(t, 0, world_size, rank) for t in reference]
+            if single.softmax_offset is not None:
+                sink_grad = module.softmax_offset.grad.clone()
+                torch.distributed.all_reduce(sink_grad, group=state.cp_group)
+                got, expected = got + (sink_grad,), expected + [single.softmax_offset.grad]
             diffs[(name, comm_type)] = max(
                 float((a - b).abs().max()) for a, b in zip(got, expected)
             )
