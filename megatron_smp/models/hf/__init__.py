@@ -14,11 +14,12 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
+from megatron_smp.models.hf import gpt2, gpt_neox, gpt_oss, llama, mixtral, qwen2_moe
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
-             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
+             "gpt_oss": gpt_oss}
 
 
 def _architecture_index() -> dict:
@@ -78,6 +79,7 @@ __all__ = [
     "gpt_neox",
     "mixtral",
     "qwen2_moe",
+    "gpt_oss",
 ]
 
 # SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.
