@@ -191,6 +191,11 @@ FUNCTION_FIELDS = (
     "window_size", "moe_router_topk", "moe_router_pre_softmax",
     "layernorm_zero_centered_gamma", "rotary_interleaved", "window_attn_skip_freq",
     "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
+    "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
 )
 
 # Megatron's --softmax-type: "vanilla" softmax, "off-by-one" (a zero logit in every
@@ -257,9 +262,27 @@ class TransformerConfig:
     # Megatron's --activation-func-clamp-value C: before the gated unit, gate <= C and
     # -C <= up <= C (gpt-oss's swiglu_limit).
     activation_func_clamp_value: Optional[float] = None
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute"|"rope"|"alibi"|"none"
+    # "learned_absolute" | "rope" | "yarn" (RoPE with YaRN's scaling) | "alibi" | "none"
+    position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # Llama 3.x's RoPE frequency scaling (Megatron's --use-rope-scaling, --rope-scaling-factor;
+    # the other three are fixed at these values in Megatron and read from HF configs here).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    # YaRN, with position_embedding_type "yarn" (Megatron's config names; flags
+    # --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast,
+    # --yarn-beta-slow, --mscale, --mscale-all-dim, --[no-]yarn-correction-range-round-to-int).
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     # Megatron's --rotary-interleaved: RoPE rotates channel pairs (2i, 2i + 1) (RoFormer, Meta's
     # Llama) instead of (i, i + d/2) (GPT-NeoX, Hugging Face's Llama).
     rotary_interleaved: bool = False
@@ -384,15 +407,16 @@ class TransformerConfig:
             f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}",
         )
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "alibi", "none"),
-            "--position-embedding-type must be one of learned_absolute, rope, alibi, none; got "
-            f"{self.position_embedding_type!r}",
+            self.position_embedding_type in ("learned_absolute", "rope", "yarn", "alibi", "none"),
+            "--position-embedding-type must be one of learned_absolute, rope, yarn, alibi, none;"
+            f" got {self.position_embedding_type!r}",
         )
+        self._validate_rope_scaling()
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
         _require(
-            not self.rotary_interleaved or self.position_embedding_type == "rope",
+            not self.rotary_interleaved or self.uses_rotary_embedding(),
             "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
             f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
         )
@@ -422,6 +446,37 @@ class TransformerConfig:
                 f"--seq-length ({seq_length}) must be divisible by tensor-model-parallel-size"
                 f" x context-parallel-size ({tp * parallel.context_parallel_size}) with "
                 "--sequence-parallel",
+            )
+
+    def uses_rotary_embedding(self) -> bool:
+        """RoPE, plain or scaled (position_embedding_type "rope" or "yarn")."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.use_rope_scaling:
+            _require(
+                self.position_embedding_type == "rope",
+                "--use-rope-scaling (Llama 3.x) scales RoPE: it needs --position-embedding-type "
+                f"rope (got {self.position_embedding_type}; yarn has its own scaling)",
+            )
+            _require(
+                self.rope_scaling_factor >= 1.0
+                and 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+                and self.rope_scaling_original_max_position_embeddings >= 1,
+                f"--rope-scaling-factor ({self.rope_scaling_factor}) must be >= 1 and the "
+                f"low/high frequency factors ({self.rope_scaling_low_freq_factor}, "
+                f"{self.rope_scaling_high_freq_factor}) positive and increasing",
+            )
+        if self.position_embedding_type == "yarn":
+            _require(
+                self.yarn_rotary_scaling_factor > 0
+                and self.yarn_original_max_position_embeddings >= 1
+                and self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                "--position-embedding-type yarn needs --rotary-scaling-factor > 0, "
+                "--yarn-original-max-position-embeddings >= 1 and positive --yarn-beta-fast / "
+                f"--yarn-beta-slow (got {self.yarn_rotary_scaling_factor}, "
+                f"{self.yarn_original_max_position_embeddings}, {self.yarn_beta_fast}, "
+                f"{self.yarn_beta_slow})",
             )
 
     def _validate_context_parallel(self, tp: int, cp: int, seq_length: Optional[int],

@@ -74,7 +74,7 @@ def _int_pair(text: str):
         raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
 
 
-_CHOICES_POSITION = ["learned_absolute", "rope", "alibi", "none"]
+_CHOICES_POSITION = ["learned_absolute", "rope", "yarn", "alibi", "none"]
 
 _FLAGS: List[_Flag] = [
     # Model shape.
@@ -97,6 +97,27 @@ _FLAGS: List[_Flag] = [
        action="store_true"),
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
+    # Llama 3.x's RoPE scaling (Megatron's flags; the last three are fixed in Megatron).
+    _f("--use-rope-scaling", "model", action="store_true"),
+    _f("--rope-scaling-factor", "model", type=float),
+    _f("--rope-scaling-low-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths above original context / this are divided by "
+       "the factor (default 1, Llama 3.1's)"),
+    _f("--rope-scaling-high-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths below original context / this are kept "
+       "(default 4)"),
+    _f("--rope-scaling-original-max-position-embeddings", "model", type=int,
+       help="--use-rope-scaling: the pretraining context (default 8192)"),
+    # YaRN, with --position-embedding-type yarn (Megatron's flags and defaults).
+    _f("--rotary-scaling-factor", "model", "yarn_rotary_scaling_factor", type=float),
+    _f("--yarn-original-max-position-embeddings", "model", type=int),
+    _f("--yarn-beta-fast", "model", type=float),
+    _f("--yarn-beta-slow", "model", type=float),
+    _f("--mscale", "model", "yarn_mscale", type=float),
+    _f("--mscale-all-dim", "model", "yarn_mscale_all_dim", type=float),
+    _f("--yarn-correction-range-round-to-int", "model", action="store_true", default=None),
+    _f("--no-yarn-correction-range-round-to-int", "model",
+       "yarn_correction_range_round_to_int", action="store_false", default=None),
     # Model numerics (Megatron's semantics; see README "Model numerics flags").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
@@ -406,6 +427,28 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 }
 
 
+# Flags that only mean something with Llama 3.x scaling or with YaRN.
+_LLAMA3_ROPE_FLAGS = ("--rope-scaling-factor", "--rope-scaling-low-freq-factor",
+                      "--rope-scaling-high-freq-factor",
+                      "--rope-scaling-original-max-position-embeddings")
+_YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
+               "--yarn-beta-fast", "--yarn-beta-slow", "--mscale", "--mscale-all-dim",
+               "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
+
+
+def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> None:
+    """Scaling flags without the RoPE they scale are an error, never silently unused."""
+    given = {token.split("=", 1)[0] for token in argv}
+    llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
+    if llama3 and not model.get("use_rope_scaling"):
+        raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
+                          "--use-rope-scaling, or drop them")
+    yarn = sorted(given & set(_YARN_FLAGS))
+    if yarn and model.get("position_embedding_type") != "yarn":
+        raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
+                          "yarn, or drop them")
+
+
 # The --moe-* flags that exist; any other is an error (never silently ignored).
 _MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
 
@@ -604,6 +647,7 @@ def parse_args(
         raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
+    _check_rope_scaling_flags(argv, model)
     if args.squared_relu:
         if args.swiglu or args.openai_gelu:
             raise ConfigError("--squared-relu picks the MLP activation, as do --swiglu and "

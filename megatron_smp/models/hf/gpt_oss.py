@@ -26,7 +26,7 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import llama
-from megatron_smp.models.hf.common import StateDict
+from megatron_smp.models.hf.common import StateDict, rope_fields_from_hf
 from megatron_smp.models.hf.mixtral import check_moe_config
 from megatron_smp.models.hf.mxfp4 import dequantize_state_dict
 
@@ -94,7 +94,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.intermediate_size,
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
-        **llama.rope_config_from_hf(hf_config),
+        **rope_fields_from_hf(hf_config),
     )
 
 

@@ -24,7 +24,7 @@ BATCH, SEQ = 2, 12
 
 
 def build_gpt_oss(seed=0, **overrides):
-    """A small random GptOssForCausalLM: 2 layers (sliding window 5 < SEQ, then full), 4
+    """A small random GptOssForCausalLM: 2 layers (sliding window 5 < SEQ, then full), YaRN, 4
     experts top-2, GQA 4/2 heads of dim 12 (hidden 64), a swiglu_limit the activations reach,
     and biases, sinks and norms moved off HF's zero / one init."""
     import transformers as tf
@@ -33,7 +33,11 @@ def build_gpt_oss(seed=0, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                   num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                   max_position_embeddings=32, swiglu_limit=0.3, initializer_range=0.05,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+                  # YaRN as published (factor 32, truncate False), from an original context
+                  # of 8 positions: SEQ reaches beyond it.
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                   "original_max_position_embeddings": 8})
     fields.update(overrides)
     torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(tf.GptOssConfig(**fields)).eval()
@@ -55,6 +59,8 @@ def test_round_trips_are_exact():
     assert config.window_layer_pattern() == [1, 0] and config.window_attn_skip_freq == 2
     assert (config.softmax_type, config.activation, config.glu_linear_offset,
             config.activation_func_clamp_value) == ("learnable", "quick_gelu", 1.0, 0.3)
+    assert (config.position_embedding_type, config.yarn_rotary_scaling_factor,
+            config.yarn_correction_range_round_to_int) == ("yarn", 4.0, False)
     hf_sd = hf.state_dict()
     full = adapter.from_hf(hf_sd, config)
     back = adapter.to_hf(full, config)
