@@ -48,3 +48,65 @@ def test_gpt_oss_layouts_match_single_process():
         for layout, losses in zip(LAYOUTS, per_rank):
             for step, (got, want) in enumerate(zip(losses, reference)):
                 assert got == pytest.approx(want, rel=1e-4), (layout, step, got, want)
+
+
+def _script_argv(name, **values):
+    """The pretrain_gpt.py flags of scripts/NAME as bash would pass them: ${VAR:-default} ->
+    its default (or `values[VAR]`), ${VAR:+...} -> nothing, ${VAR:?...} / "$VAR" -> values."""
+    import os
+    import re
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "scripts", name)) as handle:
+        text = handle.read().replace("\\\n", " ")
+    flags = text[text.index("pretrain_gpt.py") + len("pretrain_gpt.py"):].split('"$@"')[0]
+    flags = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: values.get(m.group(1), m.group(2)), flags)
+    flags = re.sub(r"\$\{\w+:\+[^}]*\}", "", flags)
+    flags = re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: values[m.group(1)], flags)
+    flags = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], flags)
+    return shlex.split(flags)
+
+
+def test_gpt_oss_20b_script_is_the_published_shape():
+    """scripts/pretrain_gpt_oss_20b.sh parses into openai/gpt-oss-20b's model (20.9B
+    parameters, the published count) and validates at its default layout (EP=8 of 8)."""
+    from megatron_smp.models.hf import config_to_hf
+    from megatron_smp.training.arguments import parse_args
+
+    argv = _script_argv("pretrain_gpt_oss_20b.sh", DATA_PATH="data", TOKENIZER_MODEL="tok",
+                        CHECKPOINT_PATH="ckpt")
+    configs = parse_args(argv)
+    model = configs.model.replace(vocab_size=201088)
+    model.validate(configs.parallel, configs.training.seq_length)
+    configs.parallel.validate(8)
+    assert configs.parallel.expert_model_parallel_size == 8
+    hf = config_to_hf(model, "gpt_oss")  # it is a gpt-oss, as HF spells it
+    assert (hf.num_hidden_layers, hf.num_local_experts, hf.sliding_window) == (24, 32, 128)
+    assert hf.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert hf.rope_parameters["factor"] == 32 and hf.rope_parameters["truncate"] is False
+    h, heads, groups, d, f, e = 2880, 64, 8, 64, 2880, 32
+    layer = (h * (heads + 2 * groups) * d + (heads + 2 * groups) * d  # qkv
+             + heads * d * h + h + heads  # proj, sinks
+             + e * (h * 2 * f + 2 * f + f * h + h) + e * h + e  # experts, router
+             + 2 * h)  # norms
+    total = 24 * layer + 2 * 201088 * h + h
+    assert round(total / 1e9, 1) == 20.9
+
+
+def test_gpt_oss_small_script_trains(tmp_path):
+    """scripts/pretrain_gpt_oss_small.sh runs as written (EP=2 on 2 processes); its loss
+    falls."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt_oss_small.sh", "--train-iters", "6",
+                           "--log-interval", "1", "--eval-iters", "0"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
