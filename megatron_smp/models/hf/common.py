@@ -81,13 +81,18 @@ def unpack_qkv(
     )
 
 
+# HF families with per-head query/key RMSNorms (our --qk-layernorm).
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+
 def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -> StateDict:
     """Our full state dict with its norm weights as HF stores them: + 1 when they are stored
     zero-centred (--apply-layernorm-1p, y = norm(x) * (1 + w)); HF has no such setting.
     Raises ConfigError for numerics `family` cannot express."""
-    if config.qk_layernorm and family != "qwen3":
+    if config.qk_layernorm and family not in QK_NORM_FAMILIES:
         raise ConfigError(f"--qk-layernorm: Hugging Face {family} models have no query/key norms;"
-                          " of the converted families only qwen3 has them")
+                          f" of the converted families only {', '.join(QK_NORM_FAMILIES)} have "
+                          "them")
     if config.rotary_interleaved and family not in ("llama", "qwen3"):
         raise ConfigError(f"--rotary-interleaved: Hugging Face {family} rotates channel halves; "
                           "reordering its q/k rows is built for the Llama-style families only")

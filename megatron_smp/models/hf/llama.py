@@ -12,7 +12,7 @@ attends to keys i - W + 1 .. i, as in Hugging Face's sliding-window mask.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -212,10 +212,12 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
-          mlp_to_hf=None) -> StateDict:
-    """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`."""
-    # Only the dense Qwen3 has query/key norms.
-    family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
+          mlp_to_hf=None, family: Optional[str] = None) -> StateDict:
+    """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`;
+    `family` names the HF family for the numerics check (default: qwen3 for a dense model with
+    query/key norms, else llama)."""
+    if family is None:
+        family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
     state_dict = norms_to_hf(state_dict, config, family)
     order = _rope_order(config, to_hf=True)
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
