@@ -195,3 +195,25 @@ def test_convert_mxfp4_checkpoint_to_tp2_and_back_to_bf16_hf(tmp_path):
         else:
             want = stored[name] if name in stored else stored["model.embed_tokens.weight"]
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want), name
+
+
+def test_megatron_legacy_format_round_trip_at_tp2(tmp_path):
+    """HF -> ours -> Megatron-LM (legacy, TP=2, its args carrying --softmax-type,
+    --window-size, --window-attn-skip-freq, --quick-geglu, the GLU offset and clamp) -> ours:
+    the same config and bit-identical tensors."""
+    from tests.unit.tools.test_convert import _convert_ok
+    from tools.checkpoint.common import architecture
+    from tools.checkpoint.smp_format import read_smp_checkpoint
+
+    build_gpt_oss().save_pretrained(tmp_path / "hf")
+    _convert_ok("gpt_oss", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "ours")
+    _convert_ok("gpt_oss", "megatron_smp", "megatron", tmp_path / "ours", tmp_path / "megatron",
+                "--target-tensor-parallel-size", "2")
+    _convert_ok("gpt_oss", "megatron", "megatron_smp", tmp_path / "megatron", tmp_path / "back")
+    config, first, _ = read_smp_checkpoint(str(tmp_path / "ours"), "gpt_oss", "gpt_oss")
+    config_back, back, _ = read_smp_checkpoint(str(tmp_path / "back"), "gpt_oss", "gpt_oss")
+    # Megatron's args hold the architecture (not dropout or init).
+    assert architecture(config_back) == architecture(config) and sorted(back) == sorted(first)
+    assert config_back.window_attn_skip_freq == 2 and config_back.softmax_type == "learnable"
+    differing = [name for name in first if not torch.equal(back[name], first[name])]
+    assert not differing, differing
