@@ -105,9 +105,10 @@ def test_context_parallel_attention_matches_single_rank(world_size):
 
 
 def _ring_dropout_checks(rank, world_size, module_name):
-    """fp64 ring / all-gather attention with attention dropout 0.3: with the RNG state
-    rewound before each call the function is deterministic, so its custom backward must
-    match central differences along a random direction, for q, k and v."""
+    """fp64 ring / all-gather attention with attention dropout 0.3 and attention sinks: with
+    the RNG state rewound before each call the function is deterministic, so its custom
+    backward must match central differences along a random direction, for q, k, v and the
+    sinks (the same direction on every rank: one parameter)."""
     from megatron_smp.config import ParallelConfig
     from megatron_smp.context_parallel import attention, split_for_context_parallel
     from megatron_smp.parallel_state import build_parallel_state
@@ -115,9 +116,9 @@ def _ring_dropout_checks(rank, world_size, module_name):
 
     state = build_parallel_state(ParallelConfig(context_parallel_size=world_size))
     model_parallel_seed(5, state)
-    config = _config(8, 4, "p2p", {})
+    config = _config(8, 4, "p2p", {"softmax_type": "learnable"})
     config.attention_dropout = 0.3
-    ring = getattr(attention, module_name)(config, state).train()
+    ring = getattr(attention, module_name)(config, state).train().double()
     inputs = [split_for_context_parallel(t, 0, world_size, rank).double()
               for t in _inputs(8, 4)]
     q, k, v, grad = inputs
@@ -144,6 +145,20 @@ def _ring_dropout_checks(rank, world_size, module_name):
         for t in (numeric, analytic):
             torch.distributed.all_reduce(t, group=state.cp_group)
         errors.append(float((numeric - analytic).abs().max() / analytic.abs().max()))
+    sinks = ring.softmax_offset
+    direction = torch.randn(sinks.shape, generator=torch.Generator().manual_seed(9),
+                            dtype=torch.float64)
+    values = []
+    with torch.no_grad():
+        for sign in (1, -1):
+            sinks.add_(sign * 1e-6 * direction)
+            values.append(f(q, k, v))
+            sinks.sub_(sign * 1e-6 * direction)
+    numeric = torch.stack([(values[0] - values[1]) / 2e-6])
+    analytic = torch.stack([(sinks.grad * direction).sum()])
+    for t in (numeric, analytic):
+        torch.distributed.all_reduce(t, group=state.cp_group)
+    errors.append(float((numeric - analytic).abs().max() / analytic.abs().max()))
     with torch.no_grad():
         get_rng_tracker().set_states(start)
         dropped = ring(q, k, v)
