@@ -355,6 +355,9 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.window_size is not None:  # JSON (common.json, --smp-config) gives a list
             self.window_size = tuple(int(v) for v in self.window_size)
+        if isinstance(self.window_attn_skip_freq, str):  # the flag's text: one stored form
+            self.window_attn_skip_freq = parse_moe_layer_freq(self.window_attn_skip_freq,
+                                                              "--window-attn-skip-freq")
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 

@@ -35,19 +35,47 @@ def _train_layouts(rank, world_size, argvs):
     for argv in argvs:
         result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
                           pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
-        runs.append([[result.train_losses[i][k] for k in keys]
+        runs.append([[result.train_losses[i].get(k) for k in keys]
                      for i in sorted(result.train_losses)])
     return runs
 
 
-def test_gpt_oss_layouts_match_single_process():
+# The model of tests/unit/models/test_hf_gpt_oss.build_gpt_oss, as flags (NullTokenizer adds
+# its EOD to --vocab-size: 1003 tokens).
+HF_SHAPE = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 40 --num-attention-heads 4 "
+    "--kv-channels 12 --group-query-attention --num-query-groups 2 --seq-length 32 "
+    "--max-position-embeddings 32 --vocab-size 1002 --normalization RMSNorm "
+    "--untie-embeddings-and-output-weights --softmax-type learnable --window-size 4,0 "
+    "--window-attn-skip-freq 2 --position-embedding-type yarn --rotary-base 150000 "
+    "--rotary-scaling-factor 4 --yarn-original-max-position-embeddings 8 "
+    "--no-yarn-correction-range-round-to-int --quick-geglu --glu-linear-offset 1 "
+    "--activation-func-clamp-value 0.3 --num-experts 4 --moe-router-topk 2 "
+    "--moe-ffn-hidden-size 40 --moe-aux-loss-coeff 0.01 --micro-batch-size 2 "
+    "--global-batch-size 8 --train-iters 3 --mock-data --tokenizer-type NullTokenizer "
+    "--lr 1e-4 --eval-iters 0 --finetune --expert-model-parallel-size 2"
+).split()
+
+
+def test_gpt_oss_layouts_match_single_process(tmp_path):
+    """The layouts, and (in the same spawned group) an HF gpt-oss converted by convert.py
+    fine-tuned under the gpt-oss flags at EP=2: the flags and the checkpoint agree."""
+    from tests.unit.models.test_hf_gpt_oss import build_gpt_oss
+    from tests.unit.tools.test_convert import _convert_ok
+
+    build_gpt_oss().save_pretrained(tmp_path / "hf")
+    _convert_ok("gpt_oss", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "converted")
     reference = run_distributed(_train_layouts, 1, args=([COMMON + GPT_OSS],), timeout=300)[0][0]
     assert len(reference) == 10 and reference[-1][0] < reference[0][0]
     argvs = [COMMON + GPT_OSS + layout.split() for layout in LAYOUTS]
+    argvs.append(HF_SHAPE + ["--load", str(tmp_path / "converted")])
     for per_rank in run_distributed(_train_layouts, 2, args=(argvs,), timeout=400):
         for layout, losses in zip(LAYOUTS, per_rank):
             for step, (got, want) in enumerate(zip(losses, reference)):
                 assert got == pytest.approx(want, rel=1e-4), (layout, step, got, want)
+        finetuned = [loss[0] for loss in per_rank[-1]]
+        # Converted random weights (std 0.05) predict roughly uniformly over 1003 tokens.
+        assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
 
 
 def _script_argv(name, **values):
