@@ -40,9 +40,9 @@ from megatron_smp.transformer.attention import (
     DotProductAttention,
     alibi_bias,
     alibi_slopes,
+    build_softmax_offset,
     register_softmax_offset,
     sliding_window_mask,
-    softmax_offset,
 )
 from megatron_smp.transformer.spec import ModuleSpec
 
@@ -70,8 +70,8 @@ class _ContextParallelCore(torch.nn.Module):
         self.attention_dropout = config.attention_dropout
         window = config.layer_window_size(layer_number)
         self.window_size = window if window is not None and window[0] >= 0 else None
-        register_softmax_offset(self, softmax_offset(config, state.tp_group, self.num_heads,
-                                                     device))
+        register_softmax_offset(self, build_softmax_offset(config, state.tp_group,
+                                                           self.num_heads, device))
         self.register_buffer("alibi_slopes", None, persistent=False)
         if config.position_embedding_type == "alibi":
             start = group_rank(state.tp_group) * self.num_heads

@@ -177,8 +177,9 @@ def sliding_window_mask(
 # Core attention ----------------------------------------------------------------------------------
 
 
-def softmax_offset(config: TransformerConfig, tp_group: ProcessGroup, num_local_heads: int,
-                   device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+def build_softmax_offset(config: TransformerConfig, tp_group: ProcessGroup,
+                         num_local_heads: int,
+                         device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
     """The per-head logit every softmax denominator also holds (Megatron's `softmax_offset`,
     --softmax-type): a Parameter [nh_local] of this rank's heads for "learnable" (gpt-oss's
     attention sinks; the full [nh] drawn on the CPU, N(0, init_method_std), then this rank's
@@ -301,7 +302,7 @@ class DotProductAttention(torch.nn.Module):
         # keep SDPA's causal kernel for it.
         window = config.layer_window_size(layer_number)
         self.window_size = window if (window or (-1,))[0] >= 0 else None
-        register_softmax_offset(self, softmax_offset(
+        register_softmax_offset(self, build_softmax_offset(
             config, tp_group, self.num_heads_per_partition, device))
         self.use_alibi = config.position_embedding_type == "alibi"
         if self.use_alibi:
@@ -567,7 +568,7 @@ __all__ = [
     "alibi_bias",
     "sliding_window_mask",
     "core_attention",
-    "softmax_offset",
+    "build_softmax_offset",
     "register_softmax_offset",
     "DotProductAttention",
     "SelfAttention",

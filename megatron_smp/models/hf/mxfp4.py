@@ -81,7 +81,9 @@ def dequantize_state_dict(state_dict: Mapping[str, torch.Tensor],
     other tensors kept. A lone half of a pair is an error naming it."""
     out: Dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in state_dict:
+        paired_scales = (name.endswith(SCALES_SUFFIX)
+                         and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in state_dict)
+        if paired_scales:
             continue
         if not name.endswith(BLOCKS_SUFFIX):
             out[name] = tensor
