@@ -62,6 +62,7 @@ class MegatronOptimizer:
         self.grad_scaler = grad_scaler
         self.param_pairs: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=state.device)
+        self._experts_in_model: Optional[bool] = None
 
     # Interface used by the training loop ---------------------------------------------------------
     @property
@@ -149,9 +150,7 @@ class MegatronOptimizer:
                     norm_type: float) -> float:
         dense_groups, expert_groups = self._norm_groups()
         total = grad_norm_power(dense, norm_type, dense_groups)
-        # Expert grads exist on every rank or on none (same model); the collective is only
-        # issued when they do, so all ranks agree.
-        if any(is_expert_param(p) for p, _ in self.param_pairs):
+        if self._model_has_experts():
             expert_total = grad_norm_power(expert, norm_type, expert_groups)
             if norm_type == math.inf:
                 total = torch.maximum(total, expert_total)
@@ -160,6 +159,19 @@ class MegatronOptimizer:
         if norm_type == math.inf:
             return total.item()
         return total.item() ** (1.0 / norm_type)
+
+    def _model_has_experts(self) -> bool:
+        """Whether any stage of the model holds expert params (asked once). The expert-norm
+        collectives span the model-parallel group, so a stage without MoE layers (a
+        --moe-layer-freq pattern under pipeline parallelism) joins them with zero."""
+        if self._experts_in_model is None:
+            local = any(is_expert_param(p) for p, _ in self.param_pairs)
+            flag = torch.tensor([float(local)], device=self.state.device)
+            group = self.state.model_parallel_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            self._experts_in_model = bool(flag.item())
+        return self._experts_in_model
 
     def clip_grad_norm(self, max_norm: float) -> float:
         grad_norm = self.get_grad_norm()
@@ -170,7 +182,7 @@ class MegatronOptimizer:
         dense, expert = self._grads_for_norm()
         dense_groups, expert_groups = self._norm_groups()
         total = count_zeros_fp32(dense, dense_groups)
-        if any(is_expert_param(p) for p, _ in self.param_pairs):
+        if self._model_has_experts():
             total += count_zeros_fp32(expert, expert_groups)
         return total
 
