@@ -1,5 +1,5 @@
 """The example scripts of the new families (scripts/pretrain_{llama31_8b,qwen25_7b,
-qwen3_moe_30b_a3b}.sh and scripts/small/) pass flags that parse and validate at their world
+qwen3_moe_30b_a3b,gpt_oss_20b}.sh and scripts/small/) pass flags that parse and validate at their world
 size and build the model they say (checked without a launch: a stub torchrun records the
 command line)."""
 import os
@@ -27,6 +27,12 @@ SCRIPTS = {
         untie_embeddings_and_output_weights=False),
     "small/pretrain_qwen3_moe_small.sh": dict(qk_layernorm=True, kv_channels=48,
                                               num_moe_experts=8),
+    "pretrain_gpt_oss_20b.sh": dict(softmax_type="learnable", window_attn_skip_freq=2,
+                                    activation="quick_gelu", glu_linear_offset=1.0,
+                                    activation_func_clamp_value=7.0, num_moe_experts=32,
+                                    position_embedding_type="yarn"),
+    "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
+                                            activation="quick_gelu", num_moe_experts=4),
 }
 
 
