@@ -1,7 +1,7 @@
 """The example scripts of the new families (scripts/pretrain_{llama31_8b,qwen25_7b,
-qwen3_moe_30b_a3b,gpt_oss_20b}.sh and scripts/small/) pass flags that parse and validate at their world
-size and build the model they say (checked without a launch: a stub torchrun records the
-command line)."""
+qwen3_moe_30b_a3b,gpt_oss_20b}.sh and scripts/small/) pass flags that parse and validate at
+their world size and build the model they say (checked without a launch: a stub torchrun
+records the command line)."""
 import os
 import stat
 import subprocess
