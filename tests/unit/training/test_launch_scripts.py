@@ -30,6 +30,12 @@ SCRIPTS = {
         untie_embeddings_and_output_weights=False),
     "small/pretrain_qwen3_moe_small.sh": dict(qk_layernorm=True, kv_channels=48,
                                               num_moe_experts=8),
+    "pretrain_gpt_oss_20b.sh": dict(softmax_type="learnable", window_attn_skip_freq=2,
+                                    activation="quick_gelu", glu_linear_offset=1.0,
+                                    activation_func_clamp_value=7.0, num_moe_experts=32,
+                                    position_embedding_type="yarn"),
+    "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
+                                            activation="quick_gelu", num_moe_experts=4),
 }
 
 
