@@ -15,7 +15,7 @@ the framework side for every family.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -236,3 +236,41 @@ __all__ = [
     "shard_state_dict",
     "merge_state_dicts",
 ]
+
+
+def windows_from_hf(hf_config, family: str) -> Tuple[Optional[Tuple[int, int]],
+                                                     Union[None, int, List[int]]]:
+    """(--window-size, --window-attn-skip-freq) of an HF config's sliding windows: on the
+    layers its `layer_types` name `sliding_attention` (gpt-oss, Qwen2), or on every layer
+    when it has a `sliding_window` and no `layer_types` (Qwen3-MoE). HF's window W lets a
+    token see itself and the W - 1 before it: our (W - 1, 0)."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        pattern = [int(window is not None)] * hf_config.num_hidden_layers
+    else:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ConfigError(f"{family} layer_types {unknown} are not supported "
+                              "(sliding_attention, full_attention)")
+        pattern = [int(kind == "sliding_attention") for kind in types]
+    if window is None or not any(pattern):
+        return None, None
+    # --window-attn-skip-freq 2: sliding on the first layer of each pair (gpt-oss's layout).
+    alternating = [int((index + 1) % 2 != 0) for index in range(len(pattern))]
+    skip_freq = None if all(pattern) else 2 if pattern == alternating else pattern
+    return (window - 1, 0), skip_freq
+
+
+def windows_to_hf(config: TransformerConfig) -> dict:
+    """HF's `sliding_window` and `layer_types` of our per-layer windows (see windows_from_hf);
+    a window that also looks ahead, or does not reach back, has no HF form."""
+    pattern = config.window_layer_pattern()
+    if any(pattern) and (config.window_size[1] != 0 or config.window_size[0] < 0):
+        raise ConfigError(f"--window-size {config.window_size}: Hugging Face sliding windows "
+                          "look back only, (W - 1, 0)")
+    return {
+        "sliding_window": config.window_size[0] + 1 if any(pattern) else None,
+        "layer_types": ["sliding_attention" if window else "full_attention"
+                        for window in pattern],
+    }

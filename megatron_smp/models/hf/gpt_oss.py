@@ -20,13 +20,15 @@ dequantizes them on read.
 """
 from __future__ import annotations
 
-from typing import List, Mapping
+from typing import Mapping
 
 import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import llama
-from megatron_smp.models.hf.common import StateDict, rope_fields_from_hf
+from megatron_smp.models.hf.common import (
+    StateDict, rope_fields_from_hf, windows_from_hf, windows_to_hf,
+)
 from megatron_smp.models.hf.mixtral import check_moe_config
 from megatron_smp.models.hf.mxfp4 import dequantize_state_dict
 
@@ -36,16 +38,6 @@ MODEL_TYPES = ("gpt_oss",)
 SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
 # The sigmoid gain of gpt-oss's GLU; Megatron's quick_gelu has it built in.
 QUICK_GELU_ALPHA = 1.702
-
-
-def _window_pattern(hf_config) -> List[int]:
-    types = list(getattr(hf_config, "layer_types", None)
-                 or ["full_attention"] * hf_config.num_hidden_layers)
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ConfigError(f"gpt-oss layer_types {unknown} are not supported "
-                          "(sliding_attention, full_attention)")
-    return [int(kind == "sliding_attention") for kind in types]
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
@@ -58,14 +50,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
                           "router have biases, and so do the attention projections here "
                           "(add_bias_linear)")
     heads = hf_config.num_attention_heads
-    pattern = _window_pattern(hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or not any(pattern):
-        window_size, skip_freq = None, None
-    else:
-        window_size = (window - 1, 0)
-        alternating = [int((index + 1) % 2 != 0) for index in range(len(pattern))]
-        skip_freq = None if all(pattern) else 2 if pattern == alternating else pattern
+    window_size, skip_freq = windows_from_hf(hf_config, "gpt-oss")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -120,15 +105,13 @@ def config_to_hf(config: TransformerConfig):
                         "full RoPE")
     if problems:
         raise ConfigError("this config is not a gpt-oss model: it needs " + "; ".join(problems))
-    pattern = config.window_layer_pattern()
     kwargs = llama.hf_config_kwargs(config)
     kwargs.update(
         num_local_experts=config.num_moe_experts,
         num_experts_per_tok=config.moe_router_topk,
         router_aux_loss_coef=config.moe_aux_loss_coeff,
         swiglu_limit=config.activation_func_clamp_value,
-        sliding_window=config.window_size[0] + 1 if any(pattern) else None,
-        layer_types=["sliding_attention" if window else "full_attention" for window in pattern],
+        **windows_to_hf(config),
         attention_bias=True,
     )
     return GptOssConfig(**kwargs)

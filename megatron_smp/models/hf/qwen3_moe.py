@@ -15,9 +15,8 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import llama
-from megatron_smp.models.hf.common import StateDict
+from megatron_smp.models.hf.common import StateDict, windows_from_hf, windows_to_hf
 from megatron_smp.models.hf.mixtral import check_moe_config, experts_from_hf, experts_to_hf
-from megatron_smp.models.hf.qwen2 import check_full_attention
 from megatron_smp.models.hf.qwen2_moe import hf_moe_layers
 
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -25,11 +24,14 @@ MODEL_TYPES = ("qwen3_moe",)
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
-    check_full_attention(hf_config, "Qwen3-MoE")
+    window_size, skip_freq = windows_from_hf(hf_config, "Qwen3-MoE")
+    if skip_freq is not None:
+        raise ConfigError("Qwen3-MoE: sliding windows on only some layers (layer_types) are "
+                          "not a Qwen3-MoE layout (its window covers every layer)")
     pattern = hf_moe_layers(hf_config)
     return llama.config_from_hf(hf_config).replace(
         qk_layernorm=True,
-        window_size=None,
+        window_size=window_size,
         num_moe_experts=hf_config.num_experts,
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
@@ -44,12 +46,14 @@ def config_to_hf(config: TransformerConfig):
 
     check_moe_config(config, "Qwen3-MoE")
     if (not config.qk_layernorm or config.moe_shared_expert_intermediate_size is not None
-            or config.moe_input_jitter_eps or config.window_size is not None
-            or config.add_qkv_bias or config.add_bias_linear):
+            or config.moe_input_jitter_eps or config.add_qkv_bias or config.add_bias_linear
+            or 0 < sum(config.window_layer_pattern()) < config.num_layers):
         raise ConfigError(
             "this config is not a Qwen3-MoE: it needs query/key norms (--qk-layernorm), no "
-            "shared expert, no input jitter, no sliding window and no biases"
+            "shared expert, no input jitter, no biases, and a sliding window on every layer "
+            "or on none"
         )
+    window = windows_to_hf(config)["sliding_window"]
     pattern = config.moe_layer_pattern()
     return Qwen3MoeConfig(
         attention_bias=False,
@@ -60,8 +64,8 @@ def config_to_hf(config: TransformerConfig):
         router_aux_loss_coef=config.moe_aux_loss_coeff,
         decoder_sparse_step=1,
         mlp_only_layers=[index for index, moe in enumerate(pattern) if not moe],
-        use_sliding_window=False,
-        **llama.hf_config_kwargs(config),
+        **{**llama.hf_config_kwargs(config), "use_sliding_window": window is not None,
+           "sliding_window": window},
     )
 
 

@@ -67,11 +67,44 @@ def test_round_trips_are_exact(family):
         assert all(torch.equal(merged[k], full[k]) for k in full), (tp, ep)
 
 
+def _windowed(family):
+    """Qwen2 with a window of 5 on layers 2-3 of 4 (from max_window_layers on), or Qwen3-MoE
+    with its window on every layer; sequences of 12 reach past the window."""
+    import transformers as tf
+
+    common = dict(vocab_size=1003, num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, head_dim=24,
+                  max_position_embeddings=32, use_sliding_window=True, sliding_window=5)
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(max_window_layers=2, **common)).eval()
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common)).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_sliding_windows_match_hf(family):
+    import megatron_smp as smp
+
+    smp.init({"random_seed": 3})
+    hf = _windowed(family)
+    config = get_adapter(hf).config_from_hf(hf.config)
+    assert config.window_size == (4, 0)
+    assert config.window_layer_pattern() == ([0, 0, 1, 1] if family == "qwen2" else [1] * 4)
+    back = config_to_hf(config, family)
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
+        assert getattr(back, key, None) == getattr(hf.config, key, None), key
+    assert getattr(back, "layer_types", None) == getattr(hf.config, "layer_types", None)
+    ids = torch.randint(0, 1003, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (smp.transform(hf)(ids).logits - expected).abs().max() < 2e-4
+        # the windows are in the logits: without them the model differs
+        unwindowed = smp.transform(
+            hf, config={"window_size": None, "window_attn_skip_freq": None})
+        assert (unwindowed(ids).logits - expected).abs().max() > 1e-3
+
+
 def test_unsupported_configs_are_clear_errors():
-    hf = build_hf("qwen2")
-    hf.config.use_sliding_window = True
-    with pytest.raises(ConfigError, match="use_sliding_window"):
-        get_adapter(hf).config_from_hf(hf.config)
     config = get_adapter("qwen2").config_from_hf(build_hf("qwen2").config)
     with pytest.raises(ConfigError, match="not a Qwen2"):
         config_to_hf(config.replace(add_qkv_bias=False), "qwen2")
