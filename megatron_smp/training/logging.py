@@ -121,6 +121,8 @@ class TrainingLogger:
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar to every sink: wandb gets the TensorBoard scalars, at the same steps."""
+        if isinstance(value, torch.Tensor):  # a device value: read only when written
+            value = value.item()
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
         if self.wandb is not None:
@@ -135,13 +137,14 @@ class TrainingLogger:
         iteration: int,
         learning_rate: float,
         global_batch_size: int,
-        losses: Dict[str, float],
-        loss_scale: float,
+        losses: Dict[str, torch.Tensor],
+        loss_scale: torch.Tensor,
         grad_norm: Optional[float],
         num_zeros_in_grad: Optional[int],
         params_norm: Optional[float] = None,
     ) -> None:
-        """One iteration's own values, every --tensorboard-log-interval iterations."""
+        """One iteration's own values, every --tensorboard-log-interval iterations (losses
+        and loss scale may be device tensors: read on the host only when written)."""
         if not self.writes_scalars or iteration % self.config.tensorboard_log_interval:
             return
         add = self.add_scalar

@@ -96,7 +96,7 @@ class _DeviceModule(types.ModuleType):
         self._rng = {}
 
     def is_available(self) -> bool:
-        return True
+        return _ACTIVE
 
     def device_count(self) -> int:
         return 1
@@ -148,6 +148,20 @@ class _DeviceModule(types.ModuleType):
 
 
 _REGISTERED = False
+# Available (torch.accelerator, rng_device) only inside a FakeDevice session: the rest of a
+# pytest process keeps seeing a CPU-only machine.
+_ACTIVE = False
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return _ACTIVE
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
 
 
 def register_fake_device() -> torch.device:
@@ -156,9 +170,20 @@ def register_fake_device() -> torch.device:
     if not _REGISTERED:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule())
+        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_DeviceModule(),
+                                                hook=_Hooks())
         _REGISTERED = True
     return torch.device(DEVICE_TYPE, 0)
+
+
+@contextlib.contextmanager
+def _active():
+    global _ACTIVE
+    _ACTIVE = True
+    try:
+        yield
+    finally:
+        _ACTIVE = False
 
 
 def _on_device(value) -> bool:
@@ -280,6 +305,20 @@ def _data_property() -> property:
     return property(get, set)
 
 
+def _via_cpu(construct):
+    """torch.tensor(data, device=fakegpu) allocates on the backend below the Python modes
+    (no kernels there): build on the CPU, then move."""
+    def build(data, *args, device=None, requires_grad=False, **kwargs):
+        if device is not None and torch.device(device).type == DEVICE_TYPE:
+            moved = construct(data, *args, **kwargs).to(device)
+            return moved.requires_grad_() if requires_grad else moved
+        if requires_grad:
+            kwargs["requires_grad"] = True
+        return construct(data, *args, device=device, **kwargs)
+
+    return build
+
+
 def _swap_or_set_data(swap):
     """nn.Module.to swaps a FakeTensor param with its converted copy, which fails on the weak
     references the fake mode keeps; `.data =` does what swapping would for a parameter."""
@@ -380,7 +419,15 @@ class FakeDevice(contextlib.AbstractContextManager):
     def __enter__(self) -> "FakeDevice":
         import megatron_smp.parallel_state as parallel_state
 
+        from megatron_smp.tensor_parallel.random import get_rng_tracker
+
         stack = self._stack
+        stack.enter_context(_active())
+        # The process-wide RNG tracker gets fakegpu streams inside: give back the old ones.
+        tracker = get_rng_tracker()
+        saved = (dict(tracker.states), set(tracker.seeds), tracker.device)
+        stack.callback(lambda: setattr(tracker, "states", saved[0]) or setattr(
+            tracker, "seeds", saved[1]) or setattr(tracker, "device", saved[2]))
         patch = _Patcher(stack)
         patch(parallel_state, "default_device", lambda: self.device)
         for name, function in _collectives().items():
@@ -390,6 +437,8 @@ class FakeDevice(contextlib.AbstractContextManager):
         stack.enter_context(fake_mode)
         stack.enter_context(self._shadows)
         patch(FakeTensor, "data", _data_property())
+        for name in ("tensor", "as_tensor"):
+            patch(torch, name, _via_cpu(getattr(torch, name)))
         patch(torch.utils, "swap_tensors", _swap_or_set_data(torch.utils.swap_tensors))
         for name in _LIST_READS:
             patch(FakeTensor, name, _list_read(self._shadows, self._record, name))

@@ -40,7 +40,7 @@ def tracked_metrics(config: TransformerConfig) -> List[str]:
 def moe_metrics(
     model_chunks: Iterable[torch.nn.Module], config: TransformerConfig, state,
     num_microbatches: int,
-) -> Dict[str, float]:
+) -> Dict[str, torch.Tensor]:
     """{"load_balancing_loss", "z_loss"} of the last iteration (those the config enables),
     each without its coefficient, averaged over microbatches, MoE layers and data-parallel
     replicas (Megatron's tracker); resets the routers' accumulators. A collective over the
@@ -61,7 +61,8 @@ def moe_metrics(
         dist.all_reduce(values, group=state.dp_cp_group)
         values /= state.dp_cp_size
     values /= num_microbatches * max(1, sum(config.moe_layer_pattern()))
-    return {name: float(values[METRIC_NAMES.index(name)]) for name in names}
+    # 0-dim device tensors: the training loop reads them on the host at the log line.
+    return {name: values[METRIC_NAMES.index(name)] for name in names}
 
 
 __all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics"]

@@ -1,0 +1,102 @@
+"""Whole training runs on a fake accelerator (see harness.py): every model family, precision
+and optimizer trains through `pretrain` with no device mismatch, and each steady-state step
+reads the device on the host exactly as often as its budget says.
+
+Known limits (the harness's): `device.type == "cuda"` branches (apex, CUDA streams and events,
+flash / efficient SDPA, fused kernels) are not exercised; one rank only, so collectives are
+identities and per-rank differences in which collectives run are not seen; kernel selection
+is not CUDA's; data-dependent MoE shapes come from the real CPU shadow (no ShapeEnv needed).
+
+Megatron-LM (core_v0.16.1) per dense step: the grad norm (`clip_grads.py`), the loss scale read
+for logging (`training.py` `optimizer.get_loss_scale().item()`), and with its default
+--check-for-nan-in-loss-and-grad two reads per microbatch (loss NaN, Inf) and two per grad
+bucket; fp16 adds the found-inf read. Ours: the grad norm, plus one read for the NaN/Inf
+agreement of the whole step when the check is on, plus found-inf for fp16. Per MoE layer and
+microbatch both read twice: the permutation's data-dependent shape (Megatron's masked_select,
+our nonzero) and the tokens per expert for the experts' split (Megatron's `.cpu()` copy).
+"""
+import pytest
+import torch
+
+from tests.fake_device.harness import DeviceMismatchError, FakeDevice, pretrain_on_fake_device
+
+COMMON = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --lr 1e-3 --log-interval 100 "
+    "--eval-interval 100 --eval-iters 0 --seed 7"
+).split()
+MICROBATCHES, LAYERS = 2, 2
+LLAMA = "--group-query-attention --num-query-groups 2 --window-size 7,0".split()
+MIXTRAL = ("--group-query-attention --num-query-groups 2 --num-experts 4 --moe-router-topk 2 "
+           "--moe-aux-loss-coeff 0.01").split()
+QWEN2_MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-pre-softmax "
+             "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate "
+             "--add-qkv-bias").split()
+
+GRAD_NORM = "scalar read at megatron_smp/optimizer/optimizer.py _total_norm"
+NAN_CHECK = "list read at megatron_smp/training/result_validation.py _outcome"
+FOUND_INF = "scalar read at megatron_smp/optimizer/optimizer.py _unscale_main_grads_and_check_for_nan"
+MOE = {"data-dependent shape at megatron_smp/transformer/moe/token_dispatcher.py permute":
+       LAYERS * MICROBATCHES,
+       "list read at megatron_smp/transformer/moe/token_dispatcher.py dispatch":
+       LAYERS * MICROBATCHES}
+
+CASES = {
+    "gpt_fp32_no_nan_check": ("pretrain_gpt", ["--no-check-for-nan-in-loss-and-grad"],
+                              {GRAD_NORM: 1}),
+    "gpt_bf16_distributed": ("pretrain_gpt", ["--bf16", "--use-distributed-optimizer"],
+                             {NAN_CHECK: 1, GRAD_NORM: 1}),
+    "llama_gqa_window_fp16_distributed": (
+        "pretrain_llama",
+        LLAMA + ["--fp16", "--initial-loss-scale", "4096", "--use-distributed-optimizer"],
+        {FOUND_INF: 1, GRAD_NORM: 1}),
+    "mixtral_bf16_distributed": ("pretrain_llama",
+                                 MIXTRAL + ["--bf16", "--use-distributed-optimizer"],
+                                 {NAN_CHECK: 1, GRAD_NORM: 1, **MOE}),
+    "qwen2_moe_fp32": ("pretrain_llama", QWEN2_MOE, {NAN_CHECK: 1, GRAD_NORM: 1, **MOE}),
+}
+
+
+def _by_site(step) -> dict:
+    counts = {}
+    for sync in step.syncs:
+        path, _, function = sync.where.partition(" ")
+        key = f"{sync.kind} at {path.rsplit(':', 1)[0]} {function}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_training_step_on_the_fake_device_keeps_its_sync_budget(case):
+    script, flags, budget = CASES[case]
+    step = pretrain_on_fake_device(script, COMMON + flags)
+    assert len(step.losses) == 3
+    assert all(4.0 < loss < 5.5 for loss in step.losses), step.losses  # ~ln(128) = 4.85
+    assert _by_site(step) == budget, "\n".join(map(str, step.syncs))
+
+
+def test_the_harness_sees_mismatches_and_syncs():
+    """Each check of the harness fails when it should: a CPU tensor meeting a device tensor,
+    a CPU tensor handed to a collective (NCCL's "No backend type associated with device type
+    cpu"), and each kind of host read is recorded."""
+    import torch.distributed as dist
+
+    with FakeDevice() as device:
+        x = torch.arange(6.0).reshape(2, 3).to(device.device)
+        with pytest.raises(RuntimeError, match="same device"):
+            x + torch.ones(2, 3)
+        assert (x + torch.tensor(1.0)).device == device.device  # a CPU scalar is legal
+        with pytest.raises(DeviceMismatchError, match="all_reduce got a tensor on cpu"):
+            dist.all_reduce(torch.zeros(1))
+        dist.all_reduce(x)
+        assert device.syncs == []
+        assert x.sum().item() == 15.0
+        assert x[0].tolist() == [0.0, 1.0, 2.0]
+        assert bool(x[1, 0] > 2)
+        assert (x > 1).nonzero().shape == (4, 2)
+        assert x.cpu().shape == (2, 3)
+        x.to("cpu", non_blocking=True)  # not a sync
+    kinds = [sync.kind for sync in device.syncs]
+    assert kinds == ["scalar read", "list read", "scalar read", "data-dependent shape",
+                     "device->host copy"], kinds
