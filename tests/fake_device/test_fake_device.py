@@ -100,3 +100,31 @@ def test_the_harness_sees_mismatches_and_syncs():
     kinds = [sync.kind for sync in device.syncs]
     assert kinds == ["scalar read", "list read", "scalar read", "data-dependent shape",
                      "device->host copy"], kinds
+
+
+def test_alltoall_dispatch_reads_its_counts_once(monkeypatch):
+    """Expert parallelism (the alltoall dispatcher at EP=2, here one process whose peer sends
+    back what it was sent): one read of all the counts per dispatch (Megatron's one copy) plus
+    the permutation's data-dependent shape; the round trip gives each token its weighted
+    experts' outputs."""
+    from types import SimpleNamespace
+
+    from megatron_smp.transformer.moe import token_dispatcher
+    from megatron_smp.transformer.moe.moe_utils import topk_routing
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(6, 8, generator=generator)
+    logits = torch.randn(6, 4, generator=generator)
+    with FakeDevice() as device:
+        monkeypatch.setattr(token_dispatcher, "group_size", lambda g: 2 if g == "ep" else 1)
+        dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher(
+            4, [0, 1], SimpleNamespace(tp_group="tp", ep_group="ep"))
+        probs, routing_map = topk_routing(logits.to(device.device), 2)
+        rows, tokens_per_expert = dispatcher.dispatch(tokens.to(device.device), probs,
+                                                      routing_map)
+        kinds = [sync.kind for sync in device.syncs]
+        output = device.real(dispatcher.combine(rows * 2.0))
+    assert kinds == ["data-dependent shape", "list read"], device.syncs
+    assert sum(tokens_per_expert) == 12  # 6 tokens x top-2, all come back
+    real_probs = torch.softmax(logits.topk(2).values, dim=-1).sum(-1, keepdim=True)
+    torch.testing.assert_close(output, 2.0 * tokens * real_probs)
