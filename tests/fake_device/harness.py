@@ -56,6 +56,7 @@ _SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 _LIST_READS = ("tolist", "numpy")
 _COPIES = {aten._to_copy.default, aten.copy_.default}
 _SHADOW = "_fake_device_shadow"
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 class DeviceMismatchError(RuntimeError):
@@ -113,6 +114,12 @@ class _DeviceModule(types.ModuleType):
     def _is_in_bad_fork(self) -> bool:
         return False
 
+    def is_initialized(self) -> bool:
+        return True
+
+    def _lazy_init(self) -> None:
+        pass
+
     def get_amp_supported_dtype(self):
         return [torch.float16, torch.bfloat16]
 
@@ -135,6 +142,54 @@ class _DeviceModule(types.ModuleType):
             raise RuntimeError(f"{DEVICE_TYPE} RNG state must be 16 bytes, got {state.numel()}")
         with _disable_current_modes():
             self._rng[0] = state.clone()
+
+    # Streams and events (FSDP2 overlaps its all-gathers on them): one ordered stream.
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            return event or _DeviceModule.Event()
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    def current_stream(self, device=None):
+        return self.Stream()
+
+    default_stream = current_stream
+
+    def set_stream(self, stream) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        yield
 
     class device:  # noqa: N801 - torch's name
         def __init__(self, index):
@@ -231,6 +286,10 @@ class _Shadows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
+        if any(isinstance(v, torch.Tensor) and type(v) not in _PLAIN for v in flat):
+            # A wrapper subclass (DTensor): it unwraps and dispatches its local tensors,
+            # which come back here.
+            return NotImplemented
         involved = any(isinstance(v, FakeTensor) for v in flat) or any(
             (isinstance(v, torch.device) and v.type == DEVICE_TYPE)
             or (isinstance(v, str) and v.startswith(DEVICE_TYPE)) for v in flat)
@@ -437,6 +496,9 @@ class FakeDevice(contextlib.AbstractContextManager):
         stack.enter_context(fake_mode)
         stack.enter_context(self._shadows)
         patch(FakeTensor, "data", _data_property())
+        # Pinned host memory needs a C++ allocator hook: host memory stays pageable here.
+        patch(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+        patch(torch.Tensor, "is_pinned", lambda self, *args, **kwargs: False)
         for name in ("tensor", "as_tensor"):
             patch(torch, name, _via_cpu(getattr(torch, name)))
         patch(torch.utils, "swap_tensors", _swap_or_set_data(torch.utils.swap_tensors))

@@ -1,6 +1,6 @@
 """Whole training runs on a fake accelerator (see harness.py): every model family, precision
-and optimizer trains through `pretrain` with no device mismatch, and each steady-state step
-reads the device on the host exactly as often as its budget says.
+and optimizer (plain, distributed, FSDP2) trains through `pretrain` with no device mismatch,
+and each steady-state step reads the device on the host exactly as often as its budget says.
 
 Known limits (the harness's): `device.type == "cuda"` branches (apex, CUDA streams and events,
 flash / efficient SDPA, fused kernels) are not exercised; one rank only, so collectives are
@@ -51,6 +51,8 @@ CASES = {
         "pretrain_llama",
         LLAMA + ["--fp16", "--initial-loss-scale", "4096", "--use-distributed-optimizer"],
         {FOUND_INF: 1, GRAD_NORM: 1}),
+    "llama_gqa_window_bf16_fsdp2": ("pretrain_llama", LLAMA + ["--bf16", "--use-torch-fsdp2"],
+                                    {NAN_CHECK: 1, GRAD_NORM: 1}),
     "mixtral_bf16_distributed": ("pretrain_llama",
                                  MIXTRAL + ["--bf16", "--use-distributed-optimizer"],
                                  {NAN_CHECK: 1, GRAD_NORM: 1, **MOE}),
@@ -128,3 +130,42 @@ def test_alltoall_dispatch_reads_its_counts_once(monkeypatch):
     assert sum(tokens_per_expert) == 12  # 6 tokens x top-2, all come back
     real_probs = torch.softmax(logits.topk(2).values, dim=-1).sum(-1, keepdim=True)
     torch.testing.assert_close(output, 2.0 * tokens * real_probs)
+
+
+def test_fsdp2_cpu_offload_step_on_the_fake_device():
+    """FSDP2 with CPUOffloadPolicy (sharded params, grads and optimizer state on the host):
+    forward, backward and the optimizer step run with the accelerator's tensors where they
+    belong; the step reads the grad norm only (the offload copies are made at sharding)."""
+    import torch.distributed as dist
+
+    from megatron_smp.config import OptimizerConfig, ParallelConfig
+    from megatron_smp.distributed.fsdp import fully_shard_model
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.optimizer import get_megatron_optimizer
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from tests.unit.distributed.test_fsdp import _model_config
+
+    try:
+        with FakeDevice() as device:
+            state = build_parallel_state(ParallelConfig())
+            model_parallel_seed(7, state)
+            model = GPTModel(_model_config("llama"), state)
+            fully_shard_model(model, state, offload_params=True)
+            assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=1.0),
+                                               [model], state)
+            tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+            positions = torch.arange(16).expand(2, 16)
+            setup = len(device.syncs)
+            loss = model(tokens.to(device.device), position_ids=positions.to(device.device),
+                         labels=tokens.to(device.device)).float().mean()
+            loss.backward()
+            updated, grad_norm, _ = optimizer.step()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert updated and grad_norm > 0
+    assert [sync.where.split(":")[0] + " " + sync.where.split(" ")[-1]
+            for sync in device.syncs[setup:]] == [
+        "megatron_smp/optimizer/optimizer.py _total_norm"], device.syncs[setup:]
