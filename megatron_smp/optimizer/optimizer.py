@@ -62,6 +62,7 @@ class MegatronOptimizer:
         self.grad_scaler = grad_scaler
         self.param_pairs: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=state.device)
+        self._model_has_expert_params: Optional[bool] = None
 
     # Interface used by the training loop ---------------------------------------------------------
     @property
@@ -145,14 +146,29 @@ class MegatronOptimizer:
         element counted once across tp / pp / dp / ep ranks. Collective over those groups."""
         return self._total_norm(*self._params_for_norm(), 2.0)
 
+    @property
+    def model_has_expert_params(self) -> bool:
+        """Whether any rank of this model holds expert params. A pipeline stage without MoE
+        layers (`--moe-layer-freq [1,1,0,0]`, DeepSeek's dense first layers) holds none but
+        must still join the expert norms' collectives over the model-parallel group, or the
+        stages disagree on the number of collectives and hang. Decided once, collectively
+        (every rank builds the optimizer), on the first call."""
+        if self._model_has_expert_params is None:
+            local = any(is_expert_param(p) for p, _ in self.param_pairs)
+            flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.state.device)
+            group = self.state.model_parallel_group
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            self._model_has_expert_params = bool(flag.item())
+        return self._model_has_expert_params
+
     def _total_norm(self, dense: List[torch.Tensor], expert: List[torch.Tensor],
                     norm_type: float) -> float:
         dense_groups, expert_groups = self._norm_groups()
-        total = grad_norm_power(dense, norm_type, dense_groups, self.state.device)
-        # Expert grads exist on every rank or on none (same model); the collective is only
-        # issued when they do, so all ranks agree.
-        if any(is_expert_param(p) for p, _ in self.param_pairs):
-            expert_total = grad_norm_power(expert, norm_type, expert_groups, self.state.device)
+        device = self.state.device
+        total = grad_norm_power(dense, norm_type, dense_groups, device)
+        if self.model_has_expert_params:
+            expert_total = grad_norm_power(expert, norm_type, expert_groups, device)
             if norm_type == math.inf:
                 total = torch.maximum(total, expert_total)
             else:
@@ -170,7 +186,7 @@ class MegatronOptimizer:
         dense, expert = self._grads_for_norm()
         dense_groups, expert_groups = self._norm_groups()
         total = count_zeros_fp32(dense, dense_groups, self.state.device)
-        if any(is_expert_param(p) for p, _ in self.param_pairs):
+        if self.model_has_expert_params:
             total += count_zeros_fp32(expert, expert_groups, self.state.device)
         return total
 
