@@ -339,6 +339,7 @@ def _broadcast_from_last_stage(values: Dict[str, torch.Tensor], keys: Sequence[s
 
 
 def _to_host(values: Optional[Dict[str, torch.Tensor]]) -> Optional[Dict[str, float]]:
+    """Evaluation losses as floats (one host read; evaluations are not per step)."""
     if values is None:
         return None
     return dict(zip(values, torch.stack([v.double() for v in values.values()]).tolist())

@@ -19,14 +19,23 @@ How it works
   `__float__`, `__int__` (aten._local_scalar_dense / is_nonzero), `tolist`, `numpy`,
   blocking device->host copies (`.cpu()`, `.to("cpu")`), and ops whose output shape depends
   on values (nonzero, masked_select, unique, repeat_interleave without output_size, ...).
-  Each is recorded with the first stack frame inside megatron_smp.
+  Each is recorded with the innermost frame of our code (megatron_smp, an entry script, a
+  test).
 * Tensor collectives (torch.distributed, one rank) are checked to get fakegpu tensors -- the
   NCCL error "No backend type associated with device type cpu" -- and act as identities.
+* Wrapper subclasses (FSDP2's DTensor) dispatch their local tensors, which are fake.
+
+What torch 2.13's Python PrivateUse1 backend lacks, and is patched inside a session: kernels
+(so tensors on it can only be fake), `torch.tensor(..., device=)` (built on the CPU, then
+moved), pinned host memory (C++ allocator hook only: host memory stays pageable),
+`nn.Module.to`'s swap of fake parameters (weak references: `.data =` instead), and the
+`.data` / `tolist` paths that bypass the dispatcher (they carry or read the shadow).
 
 Known limits: `device.type == "cuda"` branches (apex, torch.cuda streams and events, fused
 kernels, flash/efficient SDPA) are not exercised; one rank only (collectives are identities,
 so per-rank differences in *which* collectives run are not seen); the kernel an op would take
-on CUDA is not CUDA's; non-blocking copies are taken to be free.
+on CUDA is not CUDA's; streams and events are no-ops and non-blocking copies are taken to be
+free, so overlap is not checked.
 """
 from __future__ import annotations
 
