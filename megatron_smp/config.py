@@ -77,6 +77,12 @@ class ParallelConfig:
     torch_fsdp2_reshard_after_forward: bool = True
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: int = 10
+    # Megatron's --disable-gloo-process-groups clears it: no gloo group besides the default
+    # backend's (the only one we would add is the --async-save writer's).
+    use_gloo_process_groups: bool = True
+    # Megatron's --init-model-with-meta-device: every model chunk is built on the meta device
+    # and materialised part by part on its device (with FSDP2: unit by unit while sharding).
+    init_model_with_meta_device: bool = False
     # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
     # (the only layout built: experts split like the dense MLP over the TP group).
     expert_tensor_parallel_size: Optional[int] = None
@@ -148,9 +154,9 @@ class ParallelConfig:
                 f"{self.data_parallel_size}",
             )
         _require(
-            data_parallel % self.expert_model_parallel_size == 0,
+            (data_parallel * cp) % self.expert_model_parallel_size == 0,
             f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
-            f"divide the data-parallel size ({data_parallel})",
+            f"divide data-parallel x context-parallel size ({data_parallel} x {cp})",
         )
         if pp == 1:
             pipeline_only = {
@@ -189,7 +195,13 @@ FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
     "window_size", "moe_router_topk", "moe_router_pre_softmax",
-    "layernorm_zero_centered_gamma", "rotary_interleaved",
+    "layernorm_zero_centered_gamma", "rotary_interleaved", "parallel_residual_shared_norm",
+    "add_attention_bias", "add_output_layer_bias",
+    "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
 )
 
 
@@ -246,14 +258,35 @@ class TransformerConfig:
     # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU) | "squared_relu" (relu(x)^2)
     activation: str = "gelu"
     gated_linear_unit: bool = False
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute"|"rope"|"alibi"|"none"
+    # "learned_absolute" | "rope" | "yarn" (RoPE with YaRN's scaling) | "alibi" | "none"
+    position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # Llama 3.x's RoPE frequency scaling (Megatron's --use-rope-scaling, --rope-scaling-factor;
+    # the other three are fixed at these values in Megatron and read from HF configs here).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    # YaRN, with position_embedding_type "yarn" (Megatron's config names; flags
+    # --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast,
+    # --yarn-beta-slow, --mscale, --mscale-all-dim, --[no-]yarn-correction-range-round-to-int).
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     # Megatron's --rotary-interleaved: RoPE rotates channel pairs (2i, 2i + 1) (RoFormer, Meta's
     # Llama) instead of (i, i + d/2) (GPT-NeoX, Hugging Face's Llama).
     rotary_interleaved: bool = False
     # GPT-NeoX: attention and MLP read the same input and add into one residual.
     parallel_residual: bool = False
+    # GPT-J (with parallel_residual): both branches read one norm's output; the layer has no
+    # pre_mlp_layernorm. No Megatron flag: set by the GPT-J adapter, kept in checkpoints.
+    parallel_residual_shared_norm: bool = False
     # Sliding-window attention (Mistral), flash-attention's convention: query i attends to
     # keys i - left .. i + right; left -1 = unbounded. A decoder needs right == 0. Mistral's
     # `sliding_window` W is (W - 1, 0). None: full causal attention.
@@ -263,6 +296,11 @@ class TransformerConfig:
     cp_comm_type: str = "p2p"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
+    # False: the attention's QKV and output projections have no bias, whatever add_bias_linear
+    # says (GPT-J: biased MLP, unbiased attention). No Megatron flag, as below.
+    add_attention_bias: bool = True
+    # A bias on the output layer (the LM head), vocab-parallel like its weight (GPT-J).
+    add_output_layer_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -366,17 +404,28 @@ class TransformerConfig:
             f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}",
         )
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "alibi", "none"),
-            "--position-embedding-type must be one of learned_absolute, rope, alibi, none; got "
-            f"{self.position_embedding_type!r}",
+            self.position_embedding_type in ("learned_absolute", "rope", "yarn", "alibi", "none"),
+            "--position-embedding-type must be one of learned_absolute, rope, yarn, alibi, none;"
+            f" got {self.position_embedding_type!r}",
         )
+        self._validate_rope_scaling()
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
         _require(
-            not self.rotary_interleaved or self.position_embedding_type == "rope",
+            not self.rotary_interleaved or self.uses_rotary_embedding(),
             "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
             f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
+        )
+        _require(
+            not self.parallel_residual_shared_norm or self.parallel_residual,
+            "parallel_residual_shared_norm (one norm for attention and MLP, GPT-J) needs "
+            "--use-parallel-residual",
+        )
+        _require(
+            self.add_attention_bias or not self.add_qkv_bias,
+            "--add-qkv-bias asks for a QKV bias but add_attention_bias=False removes the "
+            "attention's biases; drop one of them",
         )
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
@@ -403,6 +452,37 @@ class TransformerConfig:
                 f"--seq-length ({seq_length}) must be divisible by tensor-model-parallel-size"
                 f" x context-parallel-size ({tp * parallel.context_parallel_size}) with "
                 "--sequence-parallel",
+            )
+
+    def uses_rotary_embedding(self) -> bool:
+        """RoPE, plain or scaled (position_embedding_type "rope" or "yarn")."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.use_rope_scaling:
+            _require(
+                self.position_embedding_type == "rope",
+                "--use-rope-scaling (Llama 3.x) scales RoPE: it needs --position-embedding-type "
+                f"rope (got {self.position_embedding_type}; yarn has its own scaling)",
+            )
+            _require(
+                self.rope_scaling_factor >= 1.0
+                and 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+                and self.rope_scaling_original_max_position_embeddings >= 1,
+                f"--rope-scaling-factor ({self.rope_scaling_factor}) must be >= 1 and the "
+                f"low/high frequency factors ({self.rope_scaling_low_freq_factor}, "
+                f"{self.rope_scaling_high_freq_factor}) positive and increasing",
+            )
+        if self.position_embedding_type == "yarn":
+            _require(
+                self.yarn_rotary_scaling_factor > 0
+                and self.yarn_original_max_position_embeddings >= 1
+                and self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                "--position-embedding-type yarn needs --rotary-scaling-factor > 0, "
+                "--yarn-original-max-position-embeddings >= 1 and positive --yarn-beta-fast / "
+                f"--yarn-beta-slow (got {self.yarn_rotary_scaling_factor}, "
+                f"{self.yarn_original_max_position_embeddings}, {self.yarn_beta_fast}, "
+                f"{self.yarn_beta_slow})",
             )
 
     def _validate_context_parallel(self, tp: int, cp: int, seq_length: Optional[int],
@@ -512,13 +592,6 @@ class TransformerConfig:
             tp == 1 or self.sequence_parallel,
             "mixture-of-experts layers with --tensor-model-parallel-size > 1 need "
             "--sequence-parallel (as in Megatron-LM)",
-        )
-        _require(
-            parallel.context_parallel_size == 1,
-            f"mixture-of-experts layers with {name['context_parallel_size']} "
-            f"{parallel.context_parallel_size} are not supported yet (the experts' grads are "
-            "reduced over expert-data-parallel groups without the context-parallel ranks); "
-            "use context parallelism with a dense model",
         )
         etp = parallel.expert_tensor_parallel_size
         _require(
@@ -694,6 +767,9 @@ class TrainingConfig:
     # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
     # START by INCREMENT over SAMPLES consumed samples (training/num_microbatches.py).
     rampup_batch_size: Optional[List[int]] = None
+    # Megatron-LM main's --step-batch-size-schedule "THRESHOLD:BS ...": the global batch is BS
+    # from THRESHOLD consumed tokens on (K/M/B/T suffixes; training/num_microbatches.py).
+    step_batch_size_schedule: Optional[str] = None
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 1000
@@ -737,6 +813,8 @@ class TrainingConfig:
     log_progress: bool = False  # <--save>/progress.txt: job starts, saves, throughput
     log_loss_scale_to_tensorboard: bool = True  # loss-scale scalar
     log_world_size_to_tensorboard: bool = False  # world-size scalar
+    # Megatron's --moe-per-layer-logging: moe/<loss>_layer_<i> scalars per MoE layer.
+    moe_per_layer_logging: bool = False
     logging_level: Optional[int] = None  # Python logging's root level (MEGATRON_LOGGING_LEVEL)
     # torch.profiler trace of iterations profile_step_start..profile_step_end-1 (Megatron's
     # --profile --use-pytorch-profiler) on the global ranks in profile_ranks.
@@ -781,6 +859,14 @@ class DataConfig:
     eod_mask_loss: bool = False
     num_workers: int = 0
     data_cache_path: Optional[str] = None
+    # megatron-core's cache flags: every rank loads prepared caches at once (no rank-0 build,
+    # no waiting), or maps each .npy at its dataset's first read; both need the caches built
+    # (tools/prepare_cache.py) in --data-cache-path.
+    dataloader_fast_cache_load: bool = False
+    dataloader_defer_npy_index_mmap: bool = False
+    # JSON {prefix: [sequence count, document count]}: .idx headers are not read
+    # (tools/build_sequences_per_dataset.py writes it).
+    per_dataset_sequences_path: Optional[str] = None
     # SentencePieceTokenizer: T5-style <extra_id_i> tokens appended to the vocabulary.
     vocab_extra_ids: int = 0
     # Separate datasets per split (Megatron's --train/valid/test-data-path), instead of
@@ -832,3 +918,7 @@ class CheckpointConfig:
     auto_detect_ckpt_format: bool = False
     # Optimizer state reshardable over TP/PP/DP (always so in "torch_dist"; "torch" is not).
     dist_ckpt_optim_fully_reshardable: bool = False
+    # Megatron's --no-ckpt-fully-parallel-save clears it: a tensor replicated over ranks (the
+    # model weights over data-parallel replicas) is written by the lowest of them instead of
+    # spreading those writes evenly.
+    ckpt_fully_parallel_save: bool = True

@@ -4,8 +4,11 @@ Ranks are laid out in Megatron's order tp-cp-ep-dp-pp (tp varies fastest):
 
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
-Expert parallelism splits the data-parallel dimension: dp_rank = ep_rank + EP * expert_dp_rank,
-so the ranks of one expert-parallel group are consecutive data-parallel replicas.
+Expert parallelism splits the data x context-parallel dimension, as Megatron's expert grid
+folds cp into it: dp_cp_rank = cp_rank + CP * dp_rank = ep_rank + EP * expert_dp_rank, so the
+ranks of one expert-parallel group are consecutive members of a dp x cp group, and the
+expert-data-parallel group (the ranks holding the same experts, whose grads are reduced
+together) takes in the context-parallel ranks.
 
 Nothing in the library reads a global group: a module that needs a group takes the
 `ParallelState` (or the group itself) in its constructor.
@@ -21,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from megatron_smp.config import ParallelConfig
 
@@ -68,6 +72,8 @@ def init_process_group(
     Works under torchrun (env://), under SLURM srun (SLURM_PROCID/SLURM_NTASKS with
     MASTER_ADDR/MASTER_PORT exported by the batch script) and in a plain single process
     (an in-memory store, so collectives are legal no-ops and nothing listens on a port).
+    Under torchrun each restart attempt (--max-restarts) initialises in a namespace of its
+    own in the launcher's store, for every backend (see `_elastic_attempt_store`).
     """
     if dist.is_initialized():
         return
@@ -85,9 +91,38 @@ def init_process_group(
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    store = _elastic_attempt_store(world_size, rank, timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        return
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, **kwargs
     )
+
+
+def _elastic_attempt_store(
+    world_size: int, rank: int, timeout: Optional[datetime.timedelta]
+) -> Optional[dist.Store]:
+    """Under torchrun (TORCHELASTIC_RESTART_COUNT set): the launcher's store, with every key
+    under this restart attempt's prefix; else None (plain env:// initialisation).
+
+    torchrun's agent keeps one TCPStore for the whole job, and `env://` initialisation reuses
+    key names, so after a restart (--max-restarts) the new workers read the dead attempt's
+    keys and wait in init_process_group until the timeout. A per-attempt prefix gives each
+    attempt a clean namespace. When the agent does not host the store
+    (TORCHELASTIC_USE_AGENT_STORE != True) rank 0 hosts it, as env:// would.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or attempt == "":
+        return None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout if timeout is not None else default_pg_timeout,
+        multi_tenant=not agent_hosts_store,
+    )
+    return dist.PrefixStore(f"attempt_{attempt}", store)
 
 
 def _rank_of(coords: Dict[str, int], sizes: Dict[str, int]) -> int:
@@ -189,6 +224,11 @@ class ParallelState:
     @property
     def cp_group(self) -> dist.ProcessGroup:
         return self.groups["cp"]
+
+    @property
+    def tp_cp_group(self) -> dist.ProcessGroup:
+        """Ranks splitting one sequence: tensor- (sequence-) and context-parallel."""
+        return self.groups["tp_cp"]
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup:
@@ -384,12 +424,12 @@ def build_parallel_state(
     create("mp", rank_groups(sizes, ["tp", "pp"]))
     create("tp_cp", rank_groups(sizes, ["tp", "cp"]))
 
-    # Expert parallelism: consecutive data-parallel replicas form one ep group; replicas with
-    # the same ep rank hold the same experts.
-    dp_groups = rank_groups(sizes, ["dp"])
+    # Expert parallelism: consecutive members of a dp x cp group (cp fastest) form one ep
+    # group; members with the same ep rank hold the same experts. Every context-parallel rank
+    # routes its own tokens, so the experts see tokens of all of them.
     ep_groups, expert_dp_groups = [], []
-    for members in dp_groups:
-        for start in range(0, dp, ep):
+    for members in rank_groups(sizes, ["cp", "dp"]):
+        for start in range(0, dp * cp, ep):
             ep_groups.append(members[start : start + ep])
         for offset in range(ep):
             expert_dp_groups.append(members[offset::ep])

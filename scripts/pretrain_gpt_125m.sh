@@ -4,8 +4,7 @@
 #        bash scripts/pretrain_gpt_125m.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
+source scripts/launch_env.sh
 TP=${TP:-1}
 PP=${PP:-1}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt_125m}
@@ -31,6 +30,4 @@ OUTPUT_ARGS=(
   --save-interval 1000 --save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH"
   --tensorboard-dir "$CHECKPOINT_PATH/tensorboard"
 )
-exec .venv/bin/torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
-  ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
-  pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+exec "${LAUNCH[@]}" pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

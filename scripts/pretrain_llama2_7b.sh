@@ -2,12 +2,9 @@
 # Llama-2 7B shape (TP=2 by default). Usage: DATA_PATH=... TOKENIZER_MODEL=tokenizer.model bash scripts/pretrain_llama2_7b.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
+source scripts/launch_env.sh
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/llama2_7b}
-exec .venv/bin/torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
-  ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
-  pretrain_llama.py \
+exec "${LAUNCH[@]}" pretrain_llama.py \
   --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 \
   --seq-length 4096 --max-position-embeddings 4096 --norm-epsilon 1e-5 \
   --tensor-model-parallel-size "${TP:-2}" --pipeline-model-parallel-size "${PP:-1}" --sequence-parallel \

@@ -5,12 +5,9 @@
 # Knobs: EP (expert-parallel size), TP (with --sequence-parallel), PP, DISPATCHER (alltoall|allgather).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
+source scripts/launch_env.sh
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/mixtral_8x7b}
-exec .venv/bin/torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
-  ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
-  pretrain_llama.py \
+exec "${LAUNCH[@]}" pretrain_llama.py \
   --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 \
   --group-query-attention --num-query-groups 8 \
   --seq-length 4096 --max-position-embeddings 32768 --norm-epsilon 1e-5 --rotary-base 1000000 \

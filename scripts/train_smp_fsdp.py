@@ -90,10 +90,10 @@ def main(argv=None) -> None:
         start = int(loaded["step"])
     generator = torch.Generator().manual_seed(1234 + state.dp_rank)
     for step in range(start, args.steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
         tokens = tokens.to(state.device)
         optimizer.zero_grad()
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
+        loss = model(input_ids=tokens, labels=tokens)["loss"]  # HF's shifted mean loss
         loss.backward()
         finalize_model_grads([model], state)
         _, grad_norm, _ = optimizer.step()

@@ -40,7 +40,11 @@ from megatron_smp.distributed.checkpoint.state_dict_saver import (
     check_state_dict,
     schedule_staged_write,
 )
-from megatron_smp.distributed.checkpoint.storage import CheckpointError, maybe_test_write_delay
+from megatron_smp.distributed.checkpoint.storage import (
+    CheckpointError,
+    HookedSavePlanner,
+    maybe_test_write_delay,
+)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.json"
@@ -141,6 +145,8 @@ def save_checkpoint(
     queue: Optional[AsyncCallsQueue] = None,
     stage_in_background: bool = False,
     extra_files: Optional[Dict[str, Any]] = None,
+    fully_parallel: bool = True,
+    writer_backend: Optional[str] = "gloo",
 ) -> None:
     """Save `state_dict` (or what the callable returns) as iteration `iteration`; collective.
 
@@ -153,6 +159,10 @@ def save_checkpoint(
     `config` (dataclasses, dicts, plain values) is stored as JSON in common.json.
     `extra_files` ("torch" format): {path relative to the iteration directory: object} this
     rank also torch.saves there, staged and published with the checkpoint.
+    `fully_parallel` ("torch_dist"): a tensor several ranks hold (replicated) is written by
+    the rank with the least to write so far; False: always by the lowest of them (Megatron's
+    --no-ckpt-fully-parallel-save). `writer_backend`: that of the process group the
+    asynchronous "torch_dist" writer uses (None: the default backend's).
     """
     if callable(state_dict):
         state_dict = state_dict()
@@ -193,13 +203,15 @@ def save_checkpoint(
         finalize_fns.append(finalize_fn)
 
     if ckpt_format == "torch_dist":
+        planner = HookedSavePlanner(dedup_save_to_lowest_rank=not fully_parallel)
         if async_save:
             dcp.async_save(
-                full_state_dict, checkpoint_id=staging_dir, queue=queue,
+                full_state_dict, checkpoint_id=staging_dir, queue=queue, planner=planner,
                 finalize_fns=finalize_fns, stage_in_background=stage_in_background,
+                writer_backend=writer_backend,
             )
             return
-        dcp.save(full_state_dict, checkpoint_id=staging_dir)
+        dcp.save(full_state_dict, checkpoint_id=staging_dir, planner=planner)
     else:
         path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
         files = {path: full_state_dict}

@@ -10,6 +10,9 @@ from megatron_smp.data.cache import build_or_load_cached
 from megatron_smp.data.indices import build_blending_indices, build_exhaustive_blending_indices
 
 
+_COUNT_CHUNK = 1 << 22
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     """Sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
 
@@ -27,6 +30,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         cache_dir: Optional[str] = None,
         description: Optional[Dict] = None,
         group=None,
+        fast_load: bool = False,
+        defer_mmap: bool = False,
     ) -> None:
         from megatron_smp.config import ConfigError
 
@@ -55,13 +60,19 @@ class BlendedDataset(torch.utils.data.Dataset):
                 indices = build_blending_indices(self.weights, self.size)
             return dict(zip(("dataset_index", "dataset_sample_index"), indices))
 
-        arrays = build_or_load_cached(
+        # A mapping: with defer_mmap the .npy files are mapped at the first sample read.
+        self._arrays = build_or_load_cached(
             cache_dir, full_description, ("dataset_index", "dataset_sample_index"), build,
-            group=group,
+            group=group, fast_load=fast_load, defer_mmap=defer_mmap,
         )
-        self.dataset_index = arrays["dataset_index"]
-        self.dataset_sample_index = arrays["dataset_sample_index"]
-        drawn = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        if defer_mmap:
+            return  # the draws were checked against the datasets when the cache was built
+        # In chunks: bincount widens int16 to int64, 4x the array at hundreds of millions.
+        drawn = np.zeros(len(self.datasets), dtype=np.int64)
+        for start in range(0, len(self), _COUNT_CHUNK):
+            drawn += np.bincount(
+                self.dataset_index[start:start + _COUNT_CHUNK], minlength=len(self.datasets)
+            )
         for number, (dataset, count) in enumerate(zip(self.datasets, drawn)):
             if count > len(dataset):
                 raise ConfigError(
@@ -70,8 +81,16 @@ class BlendedDataset(torch.utils.data.Dataset):
                     "(e.g. to 0.05)"
                 )
 
+    @property
+    def dataset_index(self) -> np.ndarray:
+        return self._arrays["dataset_index"]
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray:
+        return self._arrays["dataset_sample_index"]
+
     def __len__(self) -> int:
-        return int(self.dataset_index.shape[0])
+        return self.size if self.size is not None else int(sum(self.weights))
 
     def __getitem__(self, index: int):
         dataset = self.datasets[int(self.dataset_index[index])]

@@ -151,6 +151,15 @@ class _Builder:
         self.group = group
         self.surplus = float(getattr(data_config, "mid_level_dataset_surplus", 0.005))
         self.mmap = bool(getattr(data_config, "mmap_bin_files", True))
+        self.cache_flags = dict(
+            fast_load=bool(getattr(data_config, "dataloader_fast_cache_load", False)),
+            defer_mmap=bool(getattr(data_config, "dataloader_defer_npy_index_mmap", False)),
+        )
+        self.sequences = read_sequences_per_dataset(data_config)
+        # megatron-core picks the token dtype from the vocabulary when headers go unread.
+        self.token_dtype = (
+            np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+        )
         self.masks = dict(
             reset_position_ids=data_config.reset_position_ids,
             reset_attention_mask=data_config.reset_attention_mask,
@@ -160,7 +169,18 @@ class _Builder:
 
     def mid_level_splits(self, prefix, matrix, sizes):
         """One GPTDataset per split of `prefix` (None where `matrix` has no split)."""
-        indexed = IndexedDataset(prefix, mmap=self.mmap)
+        if self.sequences is None:
+            indexed = IndexedDataset(prefix, mmap=self.mmap)
+        else:
+            if prefix not in self.sequences:
+                raise ConfigError(
+                    f"--per-dataset-sequences-path {self.data_config.per_dataset_sequences_path}"
+                    f" has no entry for {prefix}; rebuild it with "
+                    "tools/build_sequences_per_dataset.py and the same data flags"
+                )
+            indexed = IndexedDataset(
+                prefix, mmap=self.mmap, counts=self.sequences[prefix], dtype=self.token_dtype
+            )
         if self.cache_dir is None:
             self.cache_dir = default_cache_dir(
                 prefix, getattr(self.data_config, "data_cache_path", None)
@@ -184,6 +204,7 @@ class _Builder:
                     indexed, np.arange(begin, end, dtype=np.int32), sizes[i], self.seq_length,
                     self.seed, self.tokenizer.eod, SPLIT_NAMES[i], cache_dir=self.cache_dir,
                     description=dataset_description(prefix), group=self.group, **self.masks,
+                    **self.cache_flags,
                 )
             )
         return datasets
@@ -226,7 +247,7 @@ class _Builder:
                     "prefixes": [dataset_description(p) for p in prefixes],
                     "seq_length": self.seq_length, "seed": self.seed,
                 },
-                group=self.group,
+                group=self.group, **self.cache_flags,
             )
         return blended
 
@@ -235,6 +256,46 @@ class _Builder:
         if len(prefixes) == 1 and weights is None:
             return self.mid_level_splits(prefixes[0], matrix, sizes)
         return self.blend(prefixes, weights, matrix, sizes, splits)
+
+
+def read_sequences_per_dataset(data_config) -> Optional[dict]:
+    """--per-dataset-sequences-path's JSON {prefix: [sequence count, document count]}."""
+    path = getattr(data_config, "per_dataset_sequences_path", None)
+    if not path:
+        return None
+    import json
+
+    flag = "--per-dataset-sequences-path"
+    try:
+        table = json.loads(_read_text(path, flag))
+        return {
+            str(prefix): (int(counts[0]), int(counts[1])) for prefix, counts in table.items()
+        }
+    except (ValueError, TypeError, IndexError, AttributeError) as error:
+        raise ConfigError(
+            f"{flag} {path}: expected a JSON object {{prefix: [sequence count, document "
+            f"count]}}, as tools/build_sequences_per_dataset.py writes ({error})"
+        ) from None
+
+
+def check_cache_flags(data_config) -> None:
+    """The cache flags' requirements, raised before anything is built (on every rank)."""
+    for flag, field in (
+        ("--dataloader-fast-cache-load", "dataloader_fast_cache_load"),
+        ("--dataloader-defer-npy-index-mmap", "dataloader_defer_npy_index_mmap"),
+    ):
+        if not getattr(data_config, field, False):
+            continue
+        if data_config.mock_data:
+            raise ConfigError(f"{flag} loads prepared index caches; --mock-data has none")
+        if not data_config.data_cache_path:
+            raise ConfigError(
+                f"{flag} needs --data-cache-path: the directory tools/prepare_cache.py built "
+                "the index caches in"
+            )
+    if getattr(data_config, "per_dataset_sequences_path", None) and data_config.mock_data:
+        raise ConfigError("--per-dataset-sequences-path describes data files; --mock-data has "
+                          "none")
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -287,6 +348,7 @@ def build_train_valid_test_datasets(
     """
     if seq_length < 1:
         raise ConfigError(f"--seq-length must be positive, got {seq_length}")
+    check_cache_flags(data_config)
     num_samples = list(train_val_test_num_samples) + [None] * (3 - len(train_val_test_num_samples))
     masks = dict(
         reset_position_ids=data_config.reset_position_ids,

@@ -83,6 +83,8 @@ class GPTDataset(torch.utils.data.Dataset):
         cache_dir: Optional[str] = None,
         description: Optional[Dict] = None,
         group=None,
+        fast_load: bool = False,
+        defer_mmap: bool = False,
     ) -> None:
         self.indexed_dataset = indexed_dataset
         self.sequence_ids = np.asarray(sequence_ids)
@@ -95,7 +97,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_attention_mask = reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
         self.tokens_per_epoch = int(
-            np.asarray(indexed_dataset.sizes)[self.sequence_ids].astype(np.int64).sum()
+            np.asarray(indexed_dataset.sizes)[self.sequence_ids].sum(dtype=np.int64)
         )
         # megatron-core repeats a short split over as many epochs as the samples need; with
         # too few tokens for one sample and no count to reach, it would loop or yield nothing.
@@ -123,16 +125,28 @@ class GPTDataset(torch.utils.data.Dataset):
             }
         )
         self.cache_key = description_hash(full_description)
-        arrays = build_or_load_cached(
+        # A mapping: with defer_mmap the .npy files are mapped at the first sample read.
+        self._arrays = build_or_load_cached(
             cache_dir,
             full_description,
             ("document_index", "sample_index", "shuffle_index"),
             self._build_indices,
             group=group,
+            fast_load=fast_load,
+            defer_mmap=defer_mmap,
         )
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+
+    @property
+    def document_index(self) -> np.ndarray:
+        return self._arrays["document_index"]
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        return self._arrays["sample_index"]
+
+    @property
+    def shuffle_index(self) -> np.ndarray:
+        return self._arrays["shuffle_index"]
 
     def num_epochs(self) -> int:
         if self.num_samples is None:
@@ -173,7 +187,9 @@ class GPTDataset(torch.utils.data.Dataset):
         }
 
     def __len__(self) -> int:
-        return self.sample_index.shape[0] - 1
+        # From the token count, as build_sample_index sizes it, so that a deferred dataset
+        # need not map its sample index to answer.
+        return max((self.num_epochs() * self.tokens_per_epoch - 1) // self.seq_length, 0)
 
     def sample_tokens(self, index: int) -> np.ndarray:
         """The `seq_length + 1` token ids of sample `index` (before shuffling)."""

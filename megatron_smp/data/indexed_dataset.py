@@ -158,9 +158,16 @@ class IndexedDataset:
     --no-mmap-bin-files, for file systems where mmap is slow or counted against memory), then
     each `get` reads its slice with a seek and a read.
     `dataset[i]` is sequence i as a numpy array; `get(i, offset, length)` reads a slice of it.
+
+    `counts` = (sequence count, document count) and `dtype` skip reading the index header
+    (Megatron's --per-dataset-sequences-path, for blends of thousands of files on a slow file
+    system); the file sizes must then agree with them exactly.
     """
 
-    def __init__(self, prefix: str, mmap: bool = True) -> None:
+    def __init__(
+        self, prefix: str, mmap: bool = True, counts: Optional[Sequence[int]] = None,
+        dtype=None,
+    ) -> None:
         from megatron_smp.config import ConfigError
 
         self.prefix = prefix
@@ -171,6 +178,9 @@ class IndexedDataset:
                     f"--data-path: {path} not found; give the prefix of a dataset made by "
                     "tools/preprocess_data.py (without .bin/.idx), e.g. out_text_document"
                 )
+        if counts is not None:
+            self._from_counts(prefix, mmap, counts, dtype)
+            return
         with open(idx_path, "rb") as index_file:
             header = index_file.read(len(INDEX_HEADER))
             if header != INDEX_HEADER:
@@ -195,6 +205,40 @@ class IndexedDataset:
             raise ConfigError(
                 f"{idx_path} is truncated: {actual} bytes, the header promises {expected}"
             )
+        self._map(idx_path, bin_path, mmap, sequence_count, document_count, offset)
+
+    def _from_counts(self, prefix, mmap, counts, dtype) -> None:
+        from megatron_smp.config import ConfigError
+
+        flag = "--per-dataset-sequences-path"
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        sequence_count, document_count = (int(c) for c in counts)
+        self.dtype = np.dtype(dtype)
+        offset = len(INDEX_HEADER) + 8 + 1 + 8 + 8
+        expected = offset + sequence_count * (4 + 8) + document_count * 8
+        actual = os.path.getsize(idx_path)
+        if actual != expected:
+            raise ConfigError(
+                f"{flag}: {prefix} has {sequence_count} sequences and {document_count} "
+                f"document indices there, which make a {expected}-byte {idx_path}, but it has "
+                f"{actual} bytes; rebuild the file with tools/build_sequences_per_dataset.py"
+            )
+        self._map(idx_path, bin_path, mmap, sequence_count, document_count, offset,
+                  check_bin=False)
+        if sequence_count:
+            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * (
+                self.dtype.itemsize)
+            if end != os.path.getsize(bin_path):
+                raise ConfigError(
+                    f"{flag}: {bin_path} does not hold {self.dtype} tokens (the dtype the "
+                    f"tokenizer's vocabulary implies: uint16 up to 65536 ids, else int32); "
+                    f"drop {flag} for this data"
+                )
+
+    def _map(self, idx_path, bin_path, mmap, sequence_count, document_count, offset,
+             check_bin: bool = True) -> None:
+        from megatron_smp.config import ConfigError
+
         self._index_map = np.memmap(idx_path, mode="r", order="C")
         self.sequence_lengths = np.frombuffer(
             self._index_map, dtype="<i4", count=sequence_count, offset=offset
@@ -208,7 +252,7 @@ class IndexedDataset:
             self._index_map, dtype="<i8", count=document_count, offset=offset
         )
         data_bytes = os.path.getsize(bin_path)
-        if sequence_count:
+        if sequence_count and check_bin:
             last_length = int(self.sequence_lengths[-1])
             end = int(self.sequence_pointers[-1]) + last_length * self.dtype.itemsize
             if end > data_bytes:

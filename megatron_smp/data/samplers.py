@@ -96,4 +96,9 @@ def build_pretraining_data_loader(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         worker_init_fn=worker_init_fn,
+        # Each iter() draws the workers' base seed from this generator; from the default one
+        # it would shift the dropout stream (the CPU generator on a CPU-only machine), and a
+        # run resumed from a checkpoint, which restores that stream before building the
+        # loaders, would no longer follow the uninterrupted run.
+        generator=torch.Generator().manual_seed(0),
     )

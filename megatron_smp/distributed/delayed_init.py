@@ -149,6 +149,17 @@ def _replay_module(module: torch.nn.Module, device: torch.device) -> int:
     return sum(p.numel() for p in own)
 
 
+def materialize_meta_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Materialise a model built on the meta device on `device`, in place, with the values
+    the same model built eagerly has (seeded part by part, see the module docstring), and
+    check that no parameter or buffer is left on meta. Returns `model`."""
+    initer = DelayedParamIniter(model, device=device)
+    with initer.validate_params_and_buffers_inited():
+        initer.get_param_init_fn()(model)
+        initer.get_post_param_init_fn()(model)
+    return model
+
+
 class DelayedParamIniter:
     """SMP v2's delayed parameter initialiser for a model built on the meta device.
 

@@ -106,26 +106,6 @@ def _restore_param_attributes(module: torch.nn.Module, attributes: Dict[str, dic
             setattr(param, key, value)
 
 
-def check_empty_shards(module: torch.nn.Module, shard_size: int, allow_empty_shards: bool,
-                       prefix: str = "") -> None:
-    """SMP's `allow_empty_shards: false`: a ConfigError naming the first parameter with fewer
-    dim-0 rows than the shard group has ranks (some rank would hold none of it)."""
-    if allow_empty_shards or shard_size == 1:
-        return
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            continue  # sharded by an inner unit already
-        rows = param.shape[0] if param.dim() else 1
-        # torch.chunk gives trailing ranks nothing once ceil(rows / n) * k >= rows.
-        chunk = -(-rows // shard_size)
-        if chunk * (shard_size - 1) >= rows:
-            raise ConfigError(
-                f"parameter {prefix}{name} ({rows} rows) leaves some of the {shard_size} ranks "
-                "of an FSDP shard group without a shard; set the SMP key allow_empty_shards: "
-                "true, or use a smaller hybrid_shard_degree"
-            )
-
-
 def mixed_precision_policy(param_dtype: Optional[torch.dtype],
                            reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
     """bf16/fp16 compute over fp32 sharded params, grads reduced in `reduce_dtype` (fp32;
@@ -144,7 +124,6 @@ def fully_shard_model(
     offload_params: bool = False,
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
-    allow_empty_shards: bool = True,
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     activation_checkpointing: bool = False,
     activation_offloader=None,
@@ -176,8 +155,9 @@ def fully_shard_model(
     * `before_shard(unit)`: called on every rank for each unit once it is materialised, just
       before it is sharded (e.g. `smp.fully_shard`'s `sync_module_states` broadcast).
 
-    The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a layer with fewer rows
-    than shard ranks is an error unless `allow_empty_shards`.
+    The shard group is `state.fsdp_mesh` (`hybrid_shard_degree`); a parameter with fewer
+    dim-0 rows than shard ranks leaves trailing ranks an empty shard, as in PyTorch (SMP's
+    `allow_empty_shards` either way, see `smp.torch_fsdp`).
     """
     from megatron_smp.distributed.activation_offload import apply_activation_checkpointing
     from megatron_smp.distributed.param_and_grad_buffer import (
@@ -210,7 +190,6 @@ def fully_shard_model(
     if activation_checkpointing or activation_offloader is not None:
         layers = apply_activation_checkpointing(model, layers, activation_offloader)
     mesh = state.fsdp_mesh
-    shard_size = state.fsdp_shard_size
     common = dict(
         mesh=mesh,
         mp_policy=mixed_precision_policy(param_dtype, reduce_dtype),
@@ -230,7 +209,6 @@ def fully_shard_model(
             )
         if before_shard is not None:
             before_shard(unit)
-        check_empty_shards(unit, shard_size, allow_empty_shards)
         attributes = _param_attributes(unit)
         # The root and the output layer keep their params from forward to backward: their
         # backward starts right after their forward.
@@ -430,7 +408,15 @@ def validate_fsdp_configs(configs) -> None:
             raise ConfigError(f"--use-torch-fsdp2 does not combine with {flag}: {why}")
 
 
-def _accepts_device(model_provider: Callable) -> bool:
+META_DEVICE_PROVIDER_ERROR = (
+    "--init-model-with-meta-device builds the model on the meta device, but the model "
+    "provider takes no device= argument: forward device= to the model (pretrain_gpt.py's "
+    "model_provider does, through **stage), or drop the flag"
+)
+
+
+def provider_accepts_device(model_provider: Callable) -> bool:
+    """Whether `model_provider` takes `device=` (and can therefore build on the meta device)."""
     import inspect
 
     try:
@@ -447,7 +433,8 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
     A provider that forwards `device=` to GPTModel (pretrain_gpt's does, through **stage)
     builds on the meta device and each unit is materialised by DelayedParamIniter just
     before it is sharded: a rank never holds the whole model, and the values equal the eager
-    model's for the same seed. Other providers build eagerly."""
+    model's for the same seed. Other providers build eagerly (an error with
+    --init-model-with-meta-device, which asks for the meta device)."""
     import dataclasses
 
     from megatron_smp.distributed.delayed_init import DelayedParamIniter
@@ -456,7 +443,10 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
     fp32_configs = dataclasses.replace(
         configs, model=dataclasses.replace(configs.model, params_dtype=torch.float32)
     )
-    if _accepts_device(model_provider):
+    meta = configs.parallel.init_model_with_meta_device
+    if meta and not provider_accepts_device(model_provider):
+        raise ConfigError(META_DEVICE_PROVIDER_ERROR)
+    if provider_accepts_device(model_provider):
         chunk = model_provider(fp32_configs, state, pre_process=True, post_process=True,
                                device=torch.device("meta"))
         initer = DelayedParamIniter(chunk, device=state.device)
@@ -486,7 +476,6 @@ __all__ = [
     "FullyShardedDataParallel",
     "CacheFlushMonitor",
     "fully_shard_model",
-    "check_empty_shards",
     "mixed_precision_policy",
     "language_model",
     "transformer_layers",

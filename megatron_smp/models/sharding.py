@@ -23,7 +23,7 @@ Layout = Dict[str, Tuple[int, int]]  # name pattern -> (partition_dim, stride)
 
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.\d+\.")
 _EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
-VOCAB_PARALLEL_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
+VOCAB_PARALLEL_SUFFIXES = ("word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
 def _pattern(name: str) -> str:
@@ -45,6 +45,7 @@ def default_layout(config: TransformerConfig) -> Layout:
     layout: Layout = {
         "embedding.word_embeddings.weight": (0, 1),
         "output_layer.weight": (0, 1),
+        "output_layer.bias": (0, 1),
         "decoder.layers.*.self_attention.linear_qkv.weight": (0, 1),
         "decoder.layers.*.self_attention.linear_qkv.bias": (0, 1),
         "decoder.layers.*.self_attention.linear_proj.weight": (1, 1),

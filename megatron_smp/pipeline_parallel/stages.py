@@ -172,9 +172,10 @@ def validate_pipeline_configs(configs, pipeline_size: int,
 
 
 def build_pipeline_model_chunks(
-    model_provider: Callable, configs, state
+    model_provider: Callable, configs, state, **provider_kwargs
 ) -> List[torch.nn.Module]:
-    """This rank's model chunks (one, or v with virtual stages), in virtual-stage order.
+    """This rank's model chunks (one, or v with virtual stages), in virtual-stage order;
+    `provider_kwargs` (e.g. device=) go to every `model_provider` call.
 
     Every chunk on every stage is built from the same CPU default-generator state, the one
     `model_parallel_seed` gives pipeline rank 0 (--seed): a model that draws a base seed at
@@ -198,7 +199,7 @@ def build_pipeline_model_chunks(
         post_process = state.is_pipeline_last_stage and chunk_index == len(chunks_here) - 1
         module = model_provider(
             configs, state, pre_process=pre_process, post_process=post_process,
-            layer_offset=layer_offset, num_layers=num_layers,
+            layer_offset=layer_offset, num_layers=num_layers, **provider_kwargs,
         )
         module.pipeline_stage = StageSpec(
             state=state, chunk_index=chunk_index, layer_offset=layer_offset,

@@ -80,6 +80,7 @@ class RNGStatesTracker:
     def reset(self) -> None:
         self.states: Dict[str, torch.Tensor] = {}
         self.seeds: set = set()
+        self.seed_of: Dict[str, int] = {}
         self.device: Optional[torch.device] = None
 
     def is_initialized(self) -> bool:
@@ -107,6 +108,15 @@ class RNGStatesTracker:
         self.states[name] = get_device_rng_state(self.device)
         set_device_rng_state(saved, self.device)
         self.seeds.add(seed)
+        self.seed_of[name] = seed
+
+    def reseed(self, name: str, seed: int) -> None:
+        """Start the existing stream `name` again from `seed` (e.g. SMP's
+        MoEConfig.random_seed for the expert-parallel stream)."""
+        if name in self.states:
+            self.seeds.discard(self.seed_of.pop(name, None))
+            del self.states[name]
+        self.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -148,11 +158,15 @@ def model_parallel_seed(seed: int, state: Any) -> None:
     tracker = get_rng_tracker()
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, base + _TENSOR_PARALLEL_SEED_OFFSET + state.tp_rank)
-    tracker.add(
-        EXPERT_PARALLEL_RNG,
-        base + _EXPERT_PARALLEL_SEED_OFFSET + _PIPELINE_SEED_STRIDE * state.ep_rank + state.tp_rank,
-    )
+    tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_stream_seed(seed, state))
     tracker.add(DATA_PARALLEL_RNG, base)
+
+
+def expert_parallel_stream_seed(seed: int, state: Any) -> int:
+    """The "expert-parallel-rng" stream's seed of this rank: seed + 100 * pp_rank + 1024 +
+    100 * ep_rank + tp_rank (Megatron's), unique per expert- and tensor-parallel rank."""
+    return (seed + _PIPELINE_SEED_STRIDE * state.pp_rank + _EXPERT_PARALLEL_SEED_OFFSET
+            + _PIPELINE_SEED_STRIDE * state.ep_rank + state.tp_rank)
 
 
 # Activation recompute. ---------------------------------------------------------------------------
@@ -360,6 +374,7 @@ __all__ = [
     "CheckpointWithoutOutput",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
+    "expert_parallel_stream_seed",
     "DATA_PARALLEL_RNG",
     "RNGStatesTracker",
     "get_rng_tracker",

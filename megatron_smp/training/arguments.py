@@ -74,7 +74,7 @@ def _int_pair(text: str):
         raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
 
 
-_CHOICES_POSITION = ["learned_absolute", "rope", "alibi", "none"]
+_CHOICES_POSITION = ["learned_absolute", "rope", "yarn", "alibi", "none"]
 
 _FLAGS: List[_Flag] = [
     # Model shape.
@@ -97,6 +97,27 @@ _FLAGS: List[_Flag] = [
        action="store_true"),
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
+    # Llama 3.x's RoPE scaling (Megatron's flags; the last three are fixed in Megatron).
+    _f("--use-rope-scaling", "model", action="store_true"),
+    _f("--rope-scaling-factor", "model", type=float),
+    _f("--rope-scaling-low-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths above original context / this are divided by "
+       "the factor (default 1, Llama 3.1's)"),
+    _f("--rope-scaling-high-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths below original context / this are kept "
+       "(default 4)"),
+    _f("--rope-scaling-original-max-position-embeddings", "model", type=int,
+       help="--use-rope-scaling: the pretraining context (default 8192)"),
+    # YaRN, with --position-embedding-type yarn (Megatron's flags and defaults).
+    _f("--rotary-scaling-factor", "model", "yarn_rotary_scaling_factor", type=float),
+    _f("--yarn-original-max-position-embeddings", "model", type=int),
+    _f("--yarn-beta-fast", "model", type=float),
+    _f("--yarn-beta-slow", "model", type=float),
+    _f("--mscale", "model", "yarn_mscale", type=float),
+    _f("--mscale-all-dim", "model", "yarn_mscale_all_dim", type=float),
+    _f("--yarn-correction-range-round-to-int", "model", action="store_true", default=None),
+    _f("--no-yarn-correction-range-round-to-int", "model",
+       "yarn_correction_range_round_to_int", action="store_false", default=None),
     # Model numerics (Megatron's semantics; see README "Model numerics flags").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
@@ -142,6 +163,9 @@ _FLAGS: List[_Flag] = [
     _f("--moe-grouped-gemm", "model", action="store_true"),
     _f("--moe-shared-expert-intermediate-size", "model", type=int),
     _f("--moe-shared-expert-gate", "model", action="store_true"),
+    _f("--moe-per-layer-logging", "training", action="store_true",
+       help="also write each MoE layer's load_balancing_loss / z_loss to TensorBoard and "
+       "W&B (moe/<name>_layer_<i>)"),
     _f("--expert-tensor-parallel-size", "parallel", type=int),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
@@ -187,6 +211,13 @@ _FLAGS: List[_Flag] = [
        "reduce-scatter)"),
     _f("--distributed-backend", "parallel", choices=["nccl", "gloo"]),
     _f("--distributed-timeout-minutes", "parallel", type=int, default=10),
+    _f("--disable-gloo-process-groups", "parallel", "use_gloo_process_groups",
+       action="store_false",
+       help="create no gloo group besides the default backend's (--async-save's writer "
+       "group then uses the default backend: gloo jobs only)"),
+    _f("--init-model-with-meta-device", "parallel", action="store_true",
+       help="build the model on the meta device and materialise it part by part on the "
+       "device (the model provider must take device=)"),
     _f("--smp-config", None, "smp_config", metavar="JSON",
        help="SMP v2 configuration (a JSON file or inline JSON object); its keys override "
        "the matching flags"),
@@ -197,6 +228,9 @@ _FLAGS: List[_Flag] = [
        metavar=("START", "INCREMENT", "SAMPLES"),
        help="grow the global batch from START by INCREMENT over SAMPLES consumed samples "
        "(needs --train-samples)"),
+    _f("--step-batch-size-schedule", "training", metavar="'THRESHOLD:BS ...'",
+       help="Megatron-LM main's step-wise global batch: BS from THRESHOLD consumed tokens on "
+       "(suffixes K M B T; the first threshold is 0; needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
     _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
@@ -322,6 +356,9 @@ _FLAGS: List[_Flag] = [
     _f("--eod-mask-loss", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
+    _f("--dataloader-fast-cache-load", "data", action="store_true"),
+    _f("--dataloader-defer-npy-index-mmap", "data", action="store_true"),
+    _f("--per-dataset-sequences-path", "data"),
     # Checkpoints.
     _f("--save", "checkpoint"),
     _f("--load", "checkpoint"),
@@ -343,6 +380,9 @@ _FLAGS: List[_Flag] = [
     _f("--dist-ckpt-strictness", "checkpoint", choices=list(STRICTNESS_CHOICES)),
     _f("--auto-detect-ckpt-format", "checkpoint", action="store_true"),
     _f("--dist-ckpt-optim-fully-reshardable", "checkpoint", action="store_true"),
+    _f("--no-ckpt-fully-parallel-save", "checkpoint", "ckpt_fully_parallel_save",
+       action="store_false",
+       help="replicated tensors are written by their lowest rank, not spread over the ranks"),
     # Post-processed: the model flags are replaced by the --load checkpoint's.
     _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true"),
 ]
@@ -388,8 +428,9 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--cross-entropy-fusion-impl": "which fused cross-entropy kernel (native or Transformer "
                                    "Engine), see --cross-entropy-loss-fusion",
     "--ckpt-fully-parallel-save": "Megatron-LM core_v0.16.1 itself ignores it (deprecated: "
-                                  "parallel saving is its default); here DCP's planner always "
-                                  "spreads the writes of replicated tensors over their ranks",
+                                  "parallel saving is its default); here too DCP's planner "
+                                  "spreads the writes of replicated tensors over their ranks "
+                                  "unless --no-ckpt-fully-parallel-save is given",
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
@@ -404,6 +445,28 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
 }
+
+
+# Flags that only mean something with Llama 3.x scaling or with YaRN.
+_LLAMA3_ROPE_FLAGS = ("--rope-scaling-factor", "--rope-scaling-low-freq-factor",
+                      "--rope-scaling-high-freq-factor",
+                      "--rope-scaling-original-max-position-embeddings")
+_YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
+               "--yarn-beta-fast", "--yarn-beta-slow", "--mscale", "--mscale-all-dim",
+               "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
+
+
+def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> None:
+    """Scaling flags without the RoPE they scale are an error, never silently unused."""
+    given = {token.split("=", 1)[0] for token in argv}
+    llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
+    if llama3 and not model.get("use_rope_scaling"):
+        raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
+                          "--use-rope-scaling, or drop them")
+    yarn = sorted(given & set(_YARN_FLAGS))
+    if yarn and model.get("position_embedding_type") != "yarn":
+        raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
+                          "yarn, or drop them")
 
 
 # The --moe-* flags that exist; any other is an error (never silently ignored).
@@ -561,6 +624,47 @@ def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]],
         sections[section][name] = values[key]
         if section == "parallel":
             setting_names[name] = f"{key} (--smp-config)"
+    if values["v1"]:
+        _apply_smp_v1_settings(values["v1"], sections)
+
+
+def _apply_smp_v1_settings(v1: Dict[str, Any], sections: Dict[str, Dict[str, Any]]) -> None:
+    """SMP v1 keys of --smp-config (see megatron_smp.smp.v1_config) on the training scripts'
+    settings: microbatches -> the global batch, pipeline -> --pipeline-schedule, optimize ->
+    --sequence-parallel; ddp and placement_strategy are checked against the degrees."""
+    import logging
+
+    from megatron_smp.parallel_state import launcher_world_size
+    from megatron_smp.smp.v1_config import check_v1_layout
+
+    logger = logging.getLogger("megatron_smp.smp")
+    parallel, training = sections["parallel"], sections["training"]
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    cp = parallel.get("context_parallel_size", 1)
+    world = launcher_world_size()
+    check_v1_layout(v1, {"T": tp, "P": pp, "D": max(1, world // (tp * pp))})
+    if "microbatches" in v1:
+        dp = max(1, world // (tp * pp * cp))
+        micro = training.get("micro_batch_size", 1)
+        global_batch = micro * dp * v1["microbatches"]
+        given = training.get("global_batch_size")
+        if given is not None and given != global_batch:
+            raise ConfigError(
+                f"--smp-config microbatches {v1['microbatches']} means --global-batch-size "
+                f"{global_batch} (--micro-batch-size {micro} x {dp} data-parallel ranks x "
+                f"{v1['microbatches']}), but --global-batch-size {given} was given: drop one"
+            )
+        training["global_batch_size"] = global_batch
+        logger.warning("smp: v1 key microbatches=%d -> --global-batch-size %d (%d microbatches "
+                       "of %d per data-parallel rank)", v1["microbatches"], global_batch,
+                       v1["microbatches"], micro)
+    if "pipeline" in v1:
+        training["pipeline_schedule"] = v1["pipeline"]
+        logger.warning("smp: v1 key pipeline=%r -> --pipeline-schedule %s", v1["pipeline"],
+                       v1["pipeline"])
+    if "sequence_parallel" in v1:
+        sections["model"]["sequence_parallel"] = v1["sequence_parallel"] and tp > 1
 
 
 def parse_args(
@@ -604,6 +708,7 @@ def parse_args(
         raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
+    _check_rope_scaling_flags(argv, model)
     if args.squared_relu:
         if args.swiglu or args.openai_gelu:
             raise ConfigError("--squared-relu picks the MLP activation, as do --swiglu and "
@@ -712,7 +817,8 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
             raise ConfigError(f"{flag} {value} is less than one iteration (global batch "
                               f"{calculator.global_batch_size_at(0)})")
     parallel = configs.parallel
-    if (parallel.pipeline_model_parallel_size > 1 and training.rampup_batch_size
+    if (parallel.pipeline_model_parallel_size > 1
+            and (training.rampup_batch_size or training.step_batch_size_schedule)
             and (parallel.virtual_pipeline_model_parallel_size
                  or parallel.num_layers_per_virtual_pipeline_stage)):
         from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
@@ -740,6 +846,17 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     _validate_training_length(configs, data_parallel_size)
+    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if (configs.checkpoint.async_save and not parallel.use_gloo_process_groups
+            and backend != "gloo"):
+        raise ConfigError(
+            "--async-save writes from a background thread over a gloo process group of its "
+            f"own, which --disable-gloo-process-groups rules out on a {backend} job: drop one "
+            "of the two flags"
+        )
+    from megatron_smp.data.dataset_builder import check_cache_flags
+
+    check_cache_flags(configs.data)
     from megatron_smp.distributed.fsdp import validate_fsdp_configs
 
     validate_fsdp_configs(configs)
@@ -766,6 +883,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     ]
     if logging_to_tensorboard and not training.tensorboard_dir:
         raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
+    if training.moe_per_layer_logging:
+        if not (training.tensorboard_dir or training.wandb_project):
+            raise ConfigError("--moe-per-layer-logging writes TensorBoard / W&B scalars: add "
+                              "--tensorboard-dir DIR or --wandb-project NAME")
+        if configs.model.num_moe_experts is None:
+            raise ConfigError("--moe-per-layer-logging needs a mixture-of-experts model "
+                              "(--num-experts)")
     data = configs.data
     if (data.reset_attention_mask and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):

@@ -168,7 +168,8 @@ def build_model_chunks(
     model_provider: Callable, configs: Configs, state: ParallelState
 ) -> List[torch.nn.Module]:
     """This rank's model chunk(s), on the device, wrapped for data parallelism: our DDP, or
-    FSDP2 with --use-torch-fsdp2."""
+    FSDP2 with --use-torch-fsdp2. With --init-model-with-meta-device each chunk is built on
+    the meta device and materialised on the device (the same values)."""
     from megatron_smp.distributed import DistributedDataParallel
 
     if configs.parallel.use_torch_fsdp2:
@@ -179,14 +180,29 @@ def build_model_chunks(
                               "drop one of them")
 
         return [build_fsdp_model_chunk(model_provider, configs, state)]
+    meta = configs.parallel.init_model_with_meta_device
+    if meta:
+        from megatron_smp.distributed.delayed_init import materialize_meta_model
+        from megatron_smp.distributed.fsdp import (
+            META_DEVICE_PROVIDER_ERROR,
+            provider_accepts_device,
+        )
+
+        if not provider_accepts_device(model_provider):
+            raise ConfigError(META_DEVICE_PROVIDER_ERROR)
+    provider_kwargs = {"device": torch.device("meta")} if meta else {}
     if state.pp_size > 1:
         from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
 
-        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state)
+        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state,
+                                                 **provider_kwargs)
     else:
-        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True)]
+        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True,
+                                     **provider_kwargs)]
     chunks = []
     for chunk in raw_chunks:
+        if meta:
+            materialize_meta_model(chunk, state.device)
         chunk.to(state.device)
         if configs.training.torch_compile:
             # torchtitan's order: compile after TP and recompute wrapping, before DP.
@@ -248,7 +264,8 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
     run.optimizer.zero_grad()
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
     # A device tensor: a float() here would wait for the device before every forward.
-    set_aux_loss_scale(run.model, run.optimizer.get_loss_scale()[0] / num_microbatches)
+    set_aux_loss_scale(run.model, run.optimizer.get_loss_scale()[0] * run.state.cp_size
+                       / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
         run.validator.check_sharded_grads(run.model)
@@ -369,6 +386,19 @@ def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_l
             to_scalars=not training.skip_train))
 
 
+def dataset_num_samples(training, global_batch_size: int) -> List[int]:
+    """[train, valid, test] samples the datasets must provide (tools/prepare_cache.py asks
+    the same). `training.train_iters` is the run's length after --train-samples."""
+    # Megatron sizes the validation set for every evaluation of the run (one with
+    # --skip-train); a different size reshuffles it, so it is matched exactly.
+    eval_runs = 1 if training.skip_train else training.train_iters // training.eval_interval + 1
+    return [
+        training.train_samples or training.train_iters * global_batch_size,
+        eval_runs * training.eval_iters * global_batch_size,
+        training.eval_iters * global_batch_size,
+    ]
+
+
 def pretrain(
     train_valid_test_datasets_provider: Callable,
     model_provider: Callable,
@@ -426,14 +456,7 @@ def pretrain(
             checkpointing.load(run, tokenizer)
     num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 
-    # Megatron sizes the validation set for every evaluation of the run (one with
-    # --skip-train); a different size reshuffles it, so it is matched exactly.
-    eval_runs = 1 if training.skip_train else training.train_iters // training.eval_interval + 1
-    num_samples = [
-        training.train_samples or training.train_iters * global_batch_size,
-        eval_runs * training.eval_iters * global_batch_size,
-        training.eval_iters * global_batch_size,
-    ]
+    num_samples = dataset_num_samples(training, global_batch_size)
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
 
     def loader(dataset, consumed):
@@ -504,13 +527,17 @@ def pretrain(
             run.skipped_iterations += 1
         losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)
         # load_balancing_loss / z_loss of MoE models (Megatron's log fields).
-        losses.update(moe_metrics(run.model, configs.model, state, num_microbatches))
+        metrics = moe_metrics(run.model, configs.model, state, num_microbatches,
+                              per_layer=training.moe_per_layer_logging)
+        # --moe-per-layer-logging's values go to TensorBoard / W&B only, as in Megatron.
+        per_layer = {key: metrics.pop(key) for key in list(metrics) if key.startswith("moe/")}
+        losses.update(metrics)
         pending.add(run.iteration, losses)  # read on the host at the log line
         lr = run.optimizer.param_groups[0]["lr"]
         loss_scale = run.optimizer.get_loss_scale()[0]  # a device tensor, read when logged
         params_norm = run.optimizer.get_params_norm() if training.log_params_norm else None
         logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
-                                 grad_norm, num_zeros_in_grad, params_norm)
+                                 grad_norm, num_zeros_in_grad, params_norm, per_layer)
         interval_iters += 1
 
         if run.iteration % training.log_interval == 0 or run.iteration == training.train_iters:

@@ -31,6 +31,7 @@ from megatron_smp.tensor_parallel import (
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
@@ -46,6 +47,8 @@ class RotaryEmbedding(torch.nn.Module):
     By default the rotated channels use the "rotate half" pairing (channel i with i + d/2),
     as in GPT-NeoX and Hugging Face's Llama, so their q/k weights load without a permutation;
     `interleaved` pairs channels 2i and 2i + 1 (Megatron's --rotary-interleaved).
+    `scaling` (see `transformer.rope`): Llama 3.x's frequency scaling or YaRN, whose
+    attention scaling multiplies the returned cos and sin.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_base: float = 10000.0,
         device: Optional[torch.device] = None,
         interleaved: bool = False,
+        scaling: Optional[RopeScaling] = None,
     ) -> None:
         super().__init__()
         self.interleaved = interleaved
@@ -65,8 +69,8 @@ class RotaryEmbedding(torch.nn.Module):
                 " must be even and >= 2"
             )
         self.dim = dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (rotary_base ** exponents)
+        self.scaling = scaling
+        inv_freq, self.attention_scaling = rope_frequencies(dim, rotary_base, scaling)
         if device is not None and torch.device(device).type != "meta":
             inv_freq = inv_freq.to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -87,6 +91,8 @@ class RotaryEmbedding(torch.nn.Module):
             emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:  # YaRN's mscale, on cos and sin as HF applies it
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
 
 
@@ -370,7 +376,7 @@ class SelfAttention(torch.nn.Module):
             config=config,
             tp_group=tp_group,
             init_method=init_method,
-            bias=config.add_bias_linear or config.add_qkv_bias,
+            bias=config.add_attention_bias and (config.add_bias_linear or config.add_qkv_bias),
             gather_output=False,
             device=device,
         )
@@ -385,7 +391,7 @@ class SelfAttention(torch.nn.Module):
             config=config,
             tp_group=tp_group,
             init_method=output_init,
-            bias=config.add_bias_linear,
+            bias=config.add_attention_bias and config.add_bias_linear,
             input_is_parallel=True,
             device=device,
         )

@@ -2,6 +2,7 @@
 
     sequential (GPT, Llama):  x = x + drop(attn(ln1(x)));  x = x + drop(mlp(ln2(x)))
     parallel residual (NeoX): x = x + drop(attn(ln1(x))) + drop(mlp(ln2(x)))
+    parallel, one norm (GPT-J): x = x + (drop(attn(ln1(x))) + drop(mlp(ln1(x))))
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = build_module(
             submodules.self_attention, config, state, layer_number=layer_number, device=device
         )
-        self.pre_mlp_layernorm = build_norm(
+        self.pre_mlp_layernorm = None if config.parallel_residual_shared_norm else build_norm(
             config, sequence_parallel=self.sequence_parallel, device=device
         )
         self.mlp = build_module(
@@ -112,6 +113,14 @@ class TransformerLayer(torch.nn.Module):
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
         recompute = self.training and torch.is_grad_enabled()
+        if self.pre_mlp_layernorm is None:  # GPT-J: one norm's output feeds both branches
+            def both_branches(x):
+                attention_output = self.self_attention(x, attention_mask, rotary_pos_emb)
+                mlp_output = self._mlp(x, recompute)
+                return self._dropout(attention_output) + self._dropout(mlp_output)
+
+            return hidden_states + self._normed(self.input_layernorm, hidden_states, recompute,
+                                                both_branches)
         attention_output = self._normed(self.input_layernorm, hidden_states, recompute,
                                         lambda x: self.self_attention(x, attention_mask,
                                                                       rotary_pos_emb))

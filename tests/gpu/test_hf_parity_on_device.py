@@ -18,7 +18,7 @@ def _logits(family: str, device: str, dtype: torch.dtype):
     ids = torch.randint(0, hf.config.vocab_size, (BATCH, SEQ),
                         generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():
-        return hf(ids).logits.float(), model(ids).float()
+        return hf(ids).logits.float(), model(ids).logits.float()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,6 +11,8 @@
     python tools/checkpoint/convert.py --model-type llama --loader megatron_smp --saver megatron \
         --load-dir ckpt/trained --save-dir megatron/back \
         --target-tensor-parallel-size 2                 # Megatron-LM's legacy format, TP=2
+    python tools/checkpoint/convert.py --model-type gptj --loader smp_v1 --saver hf \
+        --load-dir v1/checkpoint.pt --hf-config v1/ --save-dir hf/gptj   # SMP v1's smp.save file
 
 A loader gives (TransformerConfig, full model tensors in checkpoint form); a saver writes them.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
@@ -43,17 +45,25 @@ from tools.checkpoint.megatron_format import (  # noqa: E402
     write_megatron_checkpoint,
 )
 from tools.checkpoint.smp_format import read_smp_checkpoint, write_smp_checkpoint  # noqa: E402
+from tools.checkpoint.smp_v1_format import read_smp_v1_checkpoint  # noqa: E402
 
 # "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
 FORMATS = ("hf", "megatron_smp", "megatron")
+# "smp_v1": the full-model file SMP v1's smp.save(..., partial=False) wrote (read only).
+LOADERS = FORMATS + ("smp_v1",)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model-type", required=True, choices=sorted(MODEL_TYPES))
-    parser.add_argument("--loader", required=True, choices=FORMATS)
+    parser.add_argument("--loader", required=True, choices=LOADERS)
     parser.add_argument("--saver", required=True, choices=FORMATS)
-    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--load-dir", required=True,
+                        help="the checkpoint directory (--loader smp_v1: the file smp.save "
+                        "wrote, or a directory holding it)")
+    parser.add_argument("--hf-config", default=None,
+                        help="--loader smp_v1: the model's Hugging Face config.json (or its "
+                        "directory); default: config.json beside the checkpoint file")
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--target-tensor-parallel-size", type=int, default=None,
                         help="TP size: written (megatron saver) or intended (megatron_smp saver)")
@@ -94,7 +104,10 @@ def _check_save_dir(save_dir: str, load_dir: str) -> None:
 
 def convert(args: argparse.Namespace) -> None:
     family = family_for(args.model_type)
-    if not os.path.isdir(args.load_dir):
+    if args.hf_config is not None and args.loader != "smp_v1":
+        raise ConfigError("--hf-config gives the model's shape to --loader smp_v1 only; the "
+                          f"{args.loader} loader reads it from the checkpoint")
+    if args.loader != "smp_v1" and not os.path.isdir(args.load_dir):
         raise ConfigError(f"--load-dir {args.load_dir} does not exist")
     _check_save_dir(args.save_dir, args.load_dir)
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
@@ -103,8 +116,12 @@ def convert(args: argparse.Namespace) -> None:
 
     source_hf_config: Optional[Dict] = None
     iteration = None
-    if args.loader == "hf":
-        hf_config, config, hf_sd = read_hf_checkpoint(args.load_dir, family, args.model_type)
+    if args.loader in ("hf", "smp_v1"):
+        if args.loader == "hf":
+            hf_config, config, hf_sd = read_hf_checkpoint(args.load_dir, family, args.model_type)
+        else:
+            hf_config, config, hf_sd = read_smp_v1_checkpoint(args.load_dir, family,
+                                                               args.model_type, args.hf_config)
         model = framework_from_hf_state_dict(family, config, hf_sd)
         # The mapping must be invertible on this very input.
         compare_state_dicts(hf_sd, hf_state_dict_from_framework(family, config, model),

@@ -149,10 +149,24 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     return config, model, checkpoint.iteration
 
 
+# TransformerConfig fields Megatron-LM has no flag for (GPT-J's), with the value Megatron's
+# model always has: a model that differs could not be rebuilt from the written args.
+_NO_MEGATRON_FLAG = {"parallel_residual_shared_norm": False, "add_attention_bias": True,
+                     "add_output_layer_bias": False}
+
+
 def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
                               model: Mapping[str, torch.Tensor], tp: int, pp: int,
                               iteration: Optional[int]) -> None:
     """Write the legacy format at TP=`tp`, PP=`pp`, read it back and compare bit for bit."""
+    unexpressible = [f"{name}={getattr(config, name)!r}" for name, megatron in
+                     _NO_MEGATRON_FLAG.items() if getattr(config, name) != megatron]
+    if unexpressible:
+        raise ConfigError(
+            f"--saver megatron: Megatron-LM's GPT model has no {', '.join(unexpressible)} "
+            "(GPT-J's shared norm, unbiased attention and LM-head bias); write --saver hf or "
+            "--saver megatron_smp instead"
+        )
     # Megatron's tracker reads 0 as no checkpoint; a converted model is "iteration 1".
     iteration = iteration or 1
     save_legacy_checkpoint(save_dir, iteration, config, {k: v.contiguous()

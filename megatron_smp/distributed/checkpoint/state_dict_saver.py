@@ -56,14 +56,33 @@ def _writer_for(checkpoint_id, storage_writer):
     return storage_writer
 
 
+class PyTorchDistSaveShardedStrategy:
+    """SMP v2's default sharded strategy: PyTorch DCP's own format, which is what `save` and
+    `async_save` write (Megatron names it ("torch_dist", version)). Any other backend is an
+    error; passing this (or nothing) changes nothing."""
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1) -> None:
+        if backend != "torch_dist":
+            raise NotImplementedError(
+                f"PyTorchDistSaveShardedStrategy backend {backend!r} is not supported; "
+                "only 'torch_dist' (PyTorch DCP) is written"
+            )
+        self.backend = backend
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"PyTorchDistSaveShardedStrategy({self.backend!r}, {self.version})"
+
+
 def _check_strategy(sharded_strategy) -> None:
     # SMP's default strategy is DCP itself; Megatron spells it ("torch_dist", version).
-    if sharded_strategy is None:
+    if sharded_strategy is None or isinstance(sharded_strategy, PyTorchDistSaveShardedStrategy):
         return
     if isinstance(sharded_strategy, tuple) and sharded_strategy[:1] == ("torch_dist",):
         return
     raise NotImplementedError(
-        f"sharded_strategy {sharded_strategy!r} is not supported; use None or ('torch_dist', 1)"
+        f"sharded_strategy {sharded_strategy!r} is not supported; use None, "
+        "PyTorchDistSaveShardedStrategy() or ('torch_dist', 1)"
     )
 
 
@@ -157,8 +176,11 @@ def _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_erro
 _CHECKPOINT_GROUPS: Dict[Tuple[int, Tuple[int, ...]], dist.ProcessGroup] = {}
 
 
-def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A gloo group with the ranks of `process_group`, used only by the writer thread.
+def _checkpoint_group(
+    process_group: Optional[dist.ProcessGroup], backend: Optional[str] = "gloo"
+) -> Optional[dist.ProcessGroup]:
+    """A group with the ranks of `process_group`, used only by the writer thread: gloo, or
+    with `backend=None` the default backend's (Megatron's --disable-gloo-process-groups).
 
     Created on first use, which is collective over `process_group` (async_save is).
     """
@@ -166,10 +188,10 @@ def _checkpoint_group(process_group: Optional[dist.ProcessGroup]) -> Optional[di
         return None
     ranks = tuple(global_ranks(process_group))
     # Keyed by the default group too: a re-initialised job must not reuse dead groups.
-    key = (id(dist.group.WORLD), ranks)
+    key = (id(dist.group.WORLD), ranks, backend)
     if key not in _CHECKPOINT_GROUPS:
         _CHECKPOINT_GROUPS[key] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True
+            list(ranks), backend=backend, use_local_synchronization=True
         )
     return _CHECKPOINT_GROUPS[key]
 
@@ -327,6 +349,7 @@ def async_save(
     s3client_config=None,
     finalize_fns: Optional[List[Callable[[], None]]] = None,
     stage_in_background: bool = False,
+    writer_backend: Optional[str] = "gloo",
 ) -> None:
     """Like `save`, but returns once the tensors are copied to CPU memory; collective.
 
@@ -338,6 +361,9 @@ def async_save(
     runs on the writer thread. The tensors must not be modified until `wait_for_staging()`
     (same `queue`) returns -- a training loop calls it just before `optimizer.step()`. The
     state dict's structure and plain values are captured before this returns.
+
+    `writer_backend` (our extension): the backend of the writer thread's own process group;
+    None: the default group's.
     """
     reject_s3(s3_region, s3client_config)
     _check_strategy(sharded_strategy)
@@ -346,7 +372,7 @@ def async_save(
     writer = _prepare(
         state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what
     )
-    writer_group = _checkpoint_group(process_group)
+    writer_group = _checkpoint_group(process_group, writer_backend)
     planner = planner or HookedSavePlanner()
 
     def write(staged) -> None:

@@ -5,8 +5,8 @@
     full = adapter.from_hf(hf_model.state_dict(), config)    # TP=1 GPTModel state dict
     shard = shard_state_dict(full, config, tp_size, tp_rank)
 
-A new family is one more module listed in `_FAMILIES` (Mixtral and Qwen2-MoE carry experts:
-their full state dicts name every expert by its global index).
+A new family is one more module listed in `_FAMILIES` (Mixtral, Qwen2-MoE and Qwen3-MoE carry
+experts: their full state dicts name every expert by its global index).
 """
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
+from megatron_smp.models.hf import (
+    gpt2, gpt_neox, gptj, llama, mixtral, qwen2, qwen2_moe, qwen3_moe,
+)
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
-             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "gpt_neox": gpt_neox, "gptj": gptj, "mixtral": mixtral, "qwen2": qwen2,
+             "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
 
 
 def _architecture_index() -> dict:
@@ -76,12 +79,19 @@ __all__ = [
     "gpt2",
     "llama",
     "gpt_neox",
+    "gptj",
     "mixtral",
+    "qwen2",
     "qwen2_moe",
+    "qwen3_moe",
 ]
 
-# SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.
+# translate_smp_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family> (our
+# GPTModel layout), and SMP v1's translate_state_dict_to_hf_<family> /
+# translate_hf_state_dict_to_smdistributed_<family> (v1's DistributedTransformer layout).
+from megatron_smp.models.hf.smp_v1 import *  # noqa: E402,F401,F403
+from megatron_smp.models.hf.smp_v1 import __all__ as _smp_v1_all  # noqa: E402
 from megatron_smp.models.hf.translate import *  # noqa: E402,F401,F403
 from megatron_smp.models.hf.translate import __all__ as _translate_all  # noqa: E402
 
-__all__ += _translate_all
+__all__ += _translate_all + _smp_v1_all

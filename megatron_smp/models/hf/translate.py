@@ -1,46 +1,37 @@
-"""SMP v1's state-dict translation functions, as thin wrappers over the family adapters.
+"""State-dict translation between our own full `GPTModel` layout and Hugging Face's, as
+functions in SMP v1's style, thin wrappers over the family adapters:
 
-SMP v1 moved a model to Hugging Face Transformers with
+    hf_state_dict = translate_smp_state_dict_to_hf_gptneox(full_state_dict)
+    full_state_dict = translate_hf_state_dict_to_smp_gptneox(hf_state_dict)
 
-    state_dict = model.state_dict(gather_to_rank0=True)        # full model
-    hf_state_dict = translate_state_dict_to_hf_gptneox(state_dict, max_seq_len=None)
+The full state dict is the TP=1 `GPTModel` one (`merge_state_dicts` of the shards, or the
+"model" entry of a converted checkpoint), and the key mapping is the adapter's
+(`models.hf.<family>`): nothing is mapped twice. SMP v1's own names
+(`translate_state_dict_to_hf_<family>`, `translate_hf_state_dict_to_smdistributed_<family>`)
+take v1's DistributedTransformer layout: they are in `models.hf.smp_v1`.
 
-and back with `translate_hf_state_dict_to_smdistributed_<family>`. Here the full state dict is
-the TP=1 `GPTModel` one (`merge_state_dicts` of the shards, or the "model" entry of a converted
-checkpoint), and the key mapping is the adapter's (`models.hf.<family>`): nothing is mapped
-twice.
-
-`config` (keyword, optional; v1 had none) is a `TransformerConfig` or the model's Hugging Face
+`config` (keyword, optional) is a `TransformerConfig` or the model's Hugging Face
 config. Without it the shapes are read from the tensors, which works for GPT-NeoX only: GPT-2,
 Llama and Mistral need the head count to (un)fuse q/k/v, and no tensor shape tells it. Without a
 config the vocabulary is the table's row count (no padding added or removed); with one, tables
 are padded to `config.padded_vocab_size(1)` on the way in and trimmed to `vocab_size` on the
 way out, so either way a round trip is exact.
-
-`max_seq_len` is accepted for v1 compatibility and unused: v1 wrote GPT-2's / GPT-NeoX's causal
-mask buffers (`attn.bias`), which transformers now rebuilds itself and ignores when loading.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
 import megatron_smp.models.hf as hf_adapters  # get_adapter, looked up at call time
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf.common import OUTPUT_LAYER, WORD_EMBEDDINGS, StateDict
+from megatron_smp.models.hf.smp_v1 import count_layers
 
 _FRAMEWORK_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _NEOX_LAYER = re.compile(r"^gpt_neox\.layers\.(\d+)\.")
 _NEOX_EMBEDDINGS = "gpt_neox.embed_in.weight"
-
-
-def _num_layers(state_dict: Mapping[str, torch.Tensor], pattern: re.Pattern) -> int:
-    indices = {int(m.group(1)) for m in map(pattern.match, state_dict) if m}
-    if not indices or indices != set(range(len(indices))):
-        raise ConfigError(f"the state dict's layer indices {sorted(indices)} are not 0..n-1")
-    return len(indices)
 
 
 def _tied(hf_state_dict: Mapping[str, torch.Tensor], embeddings: str) -> bool:
@@ -54,12 +45,12 @@ def _tied(hf_state_dict: Mapping[str, torch.Tensor], embeddings: str) -> bool:
 def _inferred_neox_config(state_dict: Mapping[str, torch.Tensor], hf_side: bool):
     if hf_side:
         table = state_dict[_NEOX_EMBEDDINGS]
-        num_layers = _num_layers(state_dict, _NEOX_LAYER)
+        num_layers = count_layers(state_dict, _NEOX_LAYER)
         fc1 = state_dict["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"]
         untied = not _tied(state_dict, _NEOX_EMBEDDINGS)
     else:
         table = state_dict[WORD_EMBEDDINGS]
-        num_layers = _num_layers(state_dict, _FRAMEWORK_LAYER)
+        num_layers = count_layers(state_dict, _FRAMEWORK_LAYER)
         fc1 = state_dict["decoder.layers.0.mlp.linear_fc1.weight"]
         untied = OUTPUT_LAYER in state_dict
     rows, hidden = table.shape
@@ -97,29 +88,29 @@ def _from_hf(family: str, state_dict, config) -> StateDict:
     return hf_adapters.get_adapter(family).from_hf(state_dict, config)
 
 
-def translate_state_dict_to_hf_gpt2(
-    state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None, *, config=None
+def translate_smp_state_dict_to_hf_gpt2(
+    state_dict: Mapping[str, torch.Tensor], *, config=None
 ) -> StateDict:
     """Full GPTModel state dict -> GPT2LMHeadModel state dict (HF names and shapes)."""
     return _to_hf("gpt2", state_dict, config)
 
 
-def translate_state_dict_to_hf_llama(
-    state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None, *, config=None
+def translate_smp_state_dict_to_hf_llama(
+    state_dict: Mapping[str, torch.Tensor], *, config=None
 ) -> StateDict:
     """Full GPTModel state dict -> LlamaForCausalLM state dict."""
     return _to_hf("llama", state_dict, config)
 
 
-def translate_state_dict_to_hf_mistral(
-    state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None, *, config=None
+def translate_smp_state_dict_to_hf_mistral(
+    state_dict: Mapping[str, torch.Tensor], *, config=None
 ) -> StateDict:
     """Full GPTModel state dict -> MistralForCausalLM state dict."""
     return _to_hf("mistral", state_dict, config)
 
 
-def translate_state_dict_to_hf_gptneox(
-    state_dict: Mapping[str, torch.Tensor], max_seq_len: Optional[int] = None, *, config=None
+def translate_smp_state_dict_to_hf_gptneox(
+    state_dict: Mapping[str, torch.Tensor], *, config=None
 ) -> StateDict:
     """Full GPTModel state dict -> GPTNeoXForCausalLM state dict (config optional)."""
     return _to_hf("gpt_neox", state_dict, config)
@@ -149,23 +140,13 @@ def translate_hf_state_dict_to_smp_gptneox(
     return _from_hf("gpt_neox", state_dict, config)
 
 
-# SMP v1's names for the reverse direction.
-translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smp_gpt2
-translate_hf_state_dict_to_smdistributed_llama = translate_hf_state_dict_to_smp_llama
-translate_hf_state_dict_to_smdistributed_mistral = translate_hf_state_dict_to_smp_mistral
-translate_hf_state_dict_to_smdistributed_gptneox = translate_hf_state_dict_to_smp_gptneox
-
 __all__ = [
-    "translate_state_dict_to_hf_gpt2",
-    "translate_state_dict_to_hf_llama",
-    "translate_state_dict_to_hf_mistral",
-    "translate_state_dict_to_hf_gptneox",
+    "translate_smp_state_dict_to_hf_gpt2",
+    "translate_smp_state_dict_to_hf_llama",
+    "translate_smp_state_dict_to_hf_mistral",
+    "translate_smp_state_dict_to_hf_gptneox",
     "translate_hf_state_dict_to_smp_gpt2",
     "translate_hf_state_dict_to_smp_llama",
     "translate_hf_state_dict_to_smp_mistral",
     "translate_hf_state_dict_to_smp_gptneox",
-    "translate_hf_state_dict_to_smdistributed_gpt2",
-    "translate_hf_state_dict_to_smdistributed_llama",
-    "translate_hf_state_dict_to_smdistributed_mistral",
-    "translate_hf_state_dict_to_smdistributed_gptneox",
 ]

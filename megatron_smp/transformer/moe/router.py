@@ -15,6 +15,7 @@ loss_scale / num_microbatches) and are accumulated in `metrics` for the log line
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel import init_method_normal
 from megatron_smp.tensor_parallel.mappings import group_size
+from megatron_smp.tensor_parallel.random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from megatron_smp.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_capacity,
@@ -53,9 +55,10 @@ class TopKRouter(torch.nn.Module):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.routing_type = config.moe_router_load_balancing_type
-        # The ranks that split one sequence (sequence parallelism): losses are partial sums
-        # over them and the token counts are summed over them.
-        self.sequence_group = state.tp_group
+        # The ranks that split one sequence (sequence parallelism, context parallelism: Megatron's
+        # tp_cp group): losses are partial sums over them and the token counts are summed over
+        # them.
+        self.sequence_group = state.tp_cp_group if state.cp_size > 1 else state.tp_group
         self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
         master = torch.empty(self.num_experts, config.hidden_size)
         init_method_normal(config.init_method_std)(master)  # CPU draw: layout-independent
@@ -107,7 +110,13 @@ class TopKRouter(torch.nn.Module):
         eps = self.config.moe_input_jitter_eps
         if not eps or not self.training:
             return tokens
-        noise = torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
+        # Random ops of the expert-parallel modules draw from the per-EP-rank stream (seeded
+        # by the init seed, or SMP's MoEConfig.random_seed) when it exists.
+        tracker = get_rng_tracker()
+        scope = (tracker.fork(EXPERT_PARALLEL_RNG) if EXPERT_PARALLEL_RNG in tracker.states
+                 else contextlib.nullcontext())
+        with scope:
+            noise = torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
         return tokens * noise
 
     def _z_loss(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """smp.transform under context_parallel_degree 2: whole sequences in, HF's logits out (every
-comm type, learned positions / RoPE+GQA / partial RoPE, a padding mask with all_gather), and
+comm type, learned positions / RoPE+GQA / partial RoPE / YaRN / Llama 3.1 scaling, a padding
+mask with all_gather), and
 the CP ranks' parameter grads add up to HF's."""
 import warnings
 
@@ -13,7 +14,10 @@ from tests.unit.models.test_hf_adapters import _ids, build_hf
 warnings.filterwarnings("ignore", message=".*")
 
 # family -> cp_comm_type; SEQ 12 splits into 4 chunks of 3.
-COMM_TYPES = {"gpt2": "all_gather", "llama": "p2p", "gpt_neox": "a2a"}
+# qwen2's YaRN and llama31's Llama 3.1 scaling have original contexts of 8 < 12: the CP ranks'
+# global positions reach past them.
+COMM_TYPES = {"gpt2": "all_gather", "llama": "p2p", "gpt_neox": "a2a", "qwen2": "a2a",
+              "llama31": "p2p"}
 
 
 def _worker(rank, world_size):
@@ -29,21 +33,22 @@ def _worker(rank, world_size):
         model = smp.transform(hf, cp_comm_type=comm_type)
         core = model.module.decoder.layers[0].self_attention.core_attention
         with torch.no_grad():
-            out = {"core": type(core).__name__, "logits": (model(ids), hf(ids).logits)}
+            out = {"core": type(core).__name__, "logits": (model(ids).logits, hf(ids).logits)}
             if comm_type == "all_gather":
                 padding = torch.ones_like(ids)
                 padding[0, -3:] = 0
-                out["padded"] = (model(ids, attention_mask=padding)[0, :-3],
+                out["padded"] = (model(ids, attention_mask=padding).logits[0, :-3],
                                  hf(ids, attention_mask=padding).logits[0, :-3])
         if family == "llama":
-            labels = torch.roll(ids, -1, dims=1)
-            model(ids, labels=labels).mean().backward()
+            # HF's loss (labels shifted inside, one fewer position scored) on both sides.
+            loss = model(ids, labels=ids).loss
             hf.train()
-            logits = hf(ids).logits
-            torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+            expected_loss = hf(ids, labels=ids).loss
+            expected_loss.backward()
+            loss.backward()
+            out["loss"] = (loss.detach(), expected_loss.detach())
             expected = get_adapter(hf).from_hf(
-                {name: p.grad for name, p in hf.named_parameters()}, model.config)
+                {name: p.grad for name, p in hf.named_parameters()}, model.transformer_config)
             diffs = []
             for name, param in model.module.named_parameters():
                 grad = param.grad.clone()
@@ -61,7 +66,7 @@ def test_transform_context_parallel_matches_hf():
             out = rank_results[family]
             assert out["core"] == {"p2p": "RingAttention", "all_gather": "AllGatherAttention",
                                    "a2a": "AllToAllAttention"}[comm_type]
-            for key in ("logits", "padded"):
+            for key in ("logits", "padded", "loss"):
                 if key in out:
                     got, expected = out[key]
                     assert got.shape == expected.shape

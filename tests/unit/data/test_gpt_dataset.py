@@ -177,7 +177,7 @@ def _build_on_two_ranks(rank, world_size, prefix, cache_dir):
     import torch.distributed as dist
 
     data_config = DataConfig(data_path=[prefix], split="1,0,0", data_cache_path=cache_dir)
-    # Rank 1 finds the cache already written by rank 0 when it gets past the barrier.
+    # Rank 1 waits for rank 0 to post that the cache is written, then maps the files.
     train, _, _ = build_train_valid_test_datasets(data_config, 16, 9, [50, 0, 0], TOKENIZER)
     written_before = sorted(os.listdir(cache_dir))
     dist.barrier()

@@ -42,7 +42,7 @@ def _train_transformed(rank, world_size, smp_config, shard_kwargs):
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     for tokens, labels in _batches(hf.config.vocab_size):
         optimizer.zero_grad()
-        loss = model(tokens[rows], labels=labels[rows]).mean()
+        loss = model(tokens[rows], shift_labels=labels[rows]).loss
         loss.backward()
         finalize_model_grads([model], parallel_state)
         _, norm, _ = optimizer.step()
@@ -119,7 +119,7 @@ def _rank0_weights_worker(rank, world_size):
     model = smp.fully_shard(model, sync_module_states=True)
     ids = torch.arange(2 * 8).reshape(2, 8) % 1003
     with torch.no_grad():
-        logits = model(ids)
+        logits = model(ids).logits
     return {"tp_rank": parallel_state.tp_rank, "on_meta": on_meta, "refused": refused,
             "logits": to_numpy(logits)}
 
@@ -254,15 +254,8 @@ def test_delayed_param_initer_validation_and_helpers():
     assert calls == ["LayerNorm"]
 
 
-def test_allow_empty_shards_and_cache_flush_warnings():
-    from megatron_smp.config import ConfigError
-    from megatron_smp.distributed.fsdp import CacheFlushMonitor, check_empty_shards
-
-    model = torch.nn.Linear(4, 3)  # weight 3 rows, bias 3 rows
-    check_empty_shards(model, 2, allow_empty_shards=False)
-    with pytest.raises(ConfigError, match="weight .*allow_empty_shards"):
-        check_empty_shards(model, 4, allow_empty_shards=False)
-    check_empty_shards(model, 4, allow_empty_shards=True)
+def test_cache_flush_warnings():
+    from megatron_smp.distributed.fsdp import CacheFlushMonitor
 
     stats = {"num_alloc_retries": 0}
     monitor = CacheFlushMonitor(torch.device("cuda"), stats_fn=lambda: dict(stats))

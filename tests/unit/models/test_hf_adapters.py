@@ -14,8 +14,20 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.common import to_numpy, to_torch
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
+# llama31: a Llama with Llama 3.1 RoPE scaling; qwen2: q/k/v biases, tied head, YaRN.
+FAMILIES = ("gpt2", "llama", "llama31", "mistral", "gpt_neox", "gptj", "qwen2")
+# The adapter family (config_to_hf's name) of each test family.
+HF_FAMILY = {"llama31": "llama"}
 BATCH, SEQ = 2, 12
+
+
+# Scaled RoPE with original contexts below SEQ, their ramps inside a head dim of 24.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 0.5, "high_freq_factor": 2.0,
+               "original_max_position_embeddings": 8}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 0.25,
+             "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
 
 
 def build_hf(family, seed=0, device=None, **overrides):
@@ -42,12 +54,31 @@ def build_hf(family, seed=0, device=None, **overrides):
         config = tf.MixtralConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=48,
                                   num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
+    elif family == "llama31":  # Llama 3.1 scaling; SEQ reaches past the original context
+        config = tf.LlamaConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                head_dim=24, rope_parameters=dict(LLAMA3_ROPE), **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "qwen2":  # q/k/v biases, tied head, head_dim != hidden / heads, YaRN
+        config = tf.Qwen2Config(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                head_dim=24, tie_word_embeddings=True,
+                                rope_parameters=dict(YARN_ROPE), **common)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3_moe":  # q/k norms, renormalised top-k, layer 1 dense
+        config = tf.Qwen3MoeConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                   head_dim=24, moe_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2, norm_topk_prob=True,
+                                   mlp_only_layers=[1], **common)
+        cls = tf.Qwen3MoeForCausalLM
     elif family == "qwen2_moe":  # layer 1 dense, softmax before top-k, gated shared expert
         config = tf.Qwen2MoeConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
                                    moe_intermediate_size=32, shared_expert_intermediate_size=80,
                                    num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
                                    **common)
         cls = tf.Qwen2MoeForCausalLM
+    elif family == "gptj":  # partial interleaved rotary: 8 of each head's 16 channels
+        config = tf.GPTJConfig(vocab_size=1003, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                               rotary_dim=8, bos_token_id=0, eos_token_id=0)
+        cls = tf.GPTJForCausalLM
     else:
         config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, **common)
         cls = tf.GPTNeoXForCausalLM
@@ -91,6 +122,7 @@ def test_state_dict_round_trips_are_exact(family):
         for name in full:
             assert torch.equal(merged[name], full[name]), (tp_size, name)
     # Config translation round trip.
+    family = HF_FAMILY.get(family, family)
     assert get_adapter(family).config_from_hf(config_to_hf(config, family)) == config
 
 
@@ -102,14 +134,14 @@ def test_transform_tp1_matches_hf_logits(family):
     ids = _ids(hf.config.vocab_size)
     with torch.no_grad():
         expected = hf(ids).logits
-        logits = model(ids)
+        logits = model(ids).logits
         assert logits.shape == expected.shape
         assert (logits - expected).abs().max() < 1e-4
         # HF-style padding mask: right padding leaves the real tokens' logits unchanged.
         padding = torch.ones(BATCH, SEQ, dtype=torch.long)
         padding[0, -3:] = 0
         expected = hf(ids, attention_mask=padding).logits
-        masked = model(ids, attention_mask=padding)
+        masked = model(ids, attention_mask=padding).logits
         assert (masked[0, :-3] - expected[0, :-3]).abs().max() < 1e-4
         assert (masked[1] - expected[1]).abs().max() < 1e-4
 
@@ -124,14 +156,14 @@ def _transform_worker(rank, world_size):
         ids = _ids(hf.config.vocab_size)
         with torch.no_grad():
             reference = hf(ids).logits
-            outputs = {"local": smp.transform(hf)(ids)}
+            outputs = {"local": smp.transform(hf)(ids).logits}
             if family in ("gpt2", "llama"):  # sequence parallelism as a transformer-config override
                 model = smp.transform(hf, config={"sequence_parallel": True})
-                outputs["sequence_parallel"] = model(ids)
+                outputs["sequence_parallel"] = model(ids).logits
             for mode, other in (("random", lambda: build_hf(family, seed=100)),
                                 ("meta", lambda: build_hf(family, device="meta"))):
                 source = hf if rank == 0 else other()
-                outputs[mode] = smp.transform(source, load_state_dict_from_rank0=True)(ids)
+                outputs[mode] = smp.transform(source, load_state_dict_from_rank0=True)(ids).logits
         results[family] = (reference, outputs)
     return to_numpy(results)
 
@@ -200,7 +232,7 @@ def _head_dim_worker(rank, world_size):
     hf = build_hf("mistral", head_dim=32)  # 4 heads x 32 = 128 != hidden 64
     ids = _ids(hf.config.vocab_size)
     with torch.no_grad():
-        return to_numpy((hf(ids).logits, smp.transform(hf)(ids)))
+        return to_numpy((hf(ids).logits, smp.transform(hf)(ids).logits))
 
 
 def test_head_dim_other_than_hidden_over_heads_keeps_logits():

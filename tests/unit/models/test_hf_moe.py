@@ -1,5 +1,5 @@
-"""Mixtral and Qwen2-MoE: exact state-dict and config round trips (TP and EP shards too),
-smp.transform gives HF's logits at TP=1, TP=2 (+SP), EP=2 and TP=2 x EP=2, MoEConfig maps
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: exact state-dict and config round trips (TP and EP shards
+too), smp.transform gives HF's logits at TP=1, TP=2 (+SP), EP=2 and TP=2 x EP=2, MoEConfig maps
 onto Megatron's settings, and HF -> framework (TP=2, EP=2) -> HF is tensor-exact."""
 import warnings
 
@@ -19,7 +19,7 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.test_hf_adapters import _ids, build_hf
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("mixtral", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -67,11 +67,11 @@ def test_transform_tp1_matches_hf_logits(family):
     ids = _ids(hf.config.vocab_size)
     with torch.no_grad():
         expected = hf(ids).logits
-        assert (smp.transform(hf)(ids) - expected).abs().max() < 1e-4
+        assert (smp.transform(hf)(ids).logits - expected).abs().max() < 1e-4
         model = smp.transform(hf, config=smp.MoEConfig(moe_load_balancing="aux_loss",
                                                        moe_all_to_all_dispatcher=False))
-        assert (model(ids) - expected).abs().max() < 1e-4
-    config = model.config
+        assert (model(ids).logits - expected).abs().max() < 1e-4
+    config = model.transformer_config
     assert config.moe_router_load_balancing_type == "aux_loss"
     assert config.moe_token_dispatcher_type == "allgather"
     assert (config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (0.001, 0.001)
@@ -106,8 +106,11 @@ def _parallel_worker(rank, world_size, layouts):
             ids = _ids(hf.config.vocab_size)
             model = smp.transform(hf, config={"sequence_parallel": True})
             with torch.no_grad():
-                error = (model(ids) - hf(ids).logits).abs().max().item()
-            out[(tuple(sorted(layout.items())), family)] = error
+                error = (model(ids).logits - hf(ids).logits).abs().max().item()
+                # HF's loss is the global one at TP/EP > 1 too (shifted labels, mean).
+                loss_error = abs(model(ids, labels=ids).loss.item()
+                                 - hf(ids, labels=ids).loss.item())
+            out[(tuple(sorted(layout.items())), family)] = max(error, loss_error)
             out[family] = {k: np.asarray(v.detach()) for k, v in
                            model.module.state_dict().items()}
     out["coords"] = (smp.state.tp_rank, smp.state.parallel_state.ep_rank)
@@ -118,7 +121,7 @@ def test_transform_tp2_and_ep2_match_hf_logits():
     layouts = ({"tensor_parallel_degree": 2}, {"expert_parallel_degree": 2})
     for result in run_distributed(_parallel_worker, 2, args=(layouts,), timeout=300):
         errors = {k: v for k, v in result.items() if isinstance(k, tuple)}
-        assert len(errors) == 4 and max(errors.values()) < 1e-4, errors
+        assert len(errors) == 2 * len(FAMILIES) and max(errors.values()) < 1e-4, errors
 
 
 def test_tp2_ep2_back_to_hf_is_exact():

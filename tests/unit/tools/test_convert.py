@@ -17,8 +17,10 @@ from tests.unit.models.test_hf_adapters import build_hf
 from tools.checkpoint.convert import main
 
 warnings.filterwarnings("ignore", message=".*")
-MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
-               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+# --model-type -> the test model family (llama31: Llama with Llama 3.1 RoPE scaling).
+MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "gptj": "gptj", "llama": "llama",
+               "mistral": "mistral", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen2": "qwen2",
+               "qwen3_moe": "qwen3_moe", "llama:llama31": "llama31"}
 # config.json entries that are bookkeeping, not the model.
 _BOOKKEEPING = ("transformers_version",)
 
@@ -49,6 +51,7 @@ def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     from megatron_smp.distributed.checkpoint import read_dcp_metadata
 
     family = MODEL_TYPES[model_type]
+    model_type = model_type.split(":")[0]
     source = build_hf(family)  # vocab 1003 / 1000: padded to 1024 inside the framework
     source.save_pretrained(tmp_path / "hf")
     _convert_ok(model_type, "hf", "megatron_smp", tmp_path / "hf", tmp_path / "smp",
@@ -59,7 +62,7 @@ def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     assert (tmp_path / "smp" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     iter_dir = tmp_path / "smp" / "iter_0000000"
     common = json.loads((iter_dir / "common.json").read_text())
-    config = hf_adapters.get_adapter(family).config_from_hf(source.config)
+    config = hf_adapters.get_adapter(source).config_from_hf(source.config)
     saved_model = common["config"]["model"]
     for name in ("num_layers", "hidden_size", "num_query_groups", "vocab_size", "rotary_percent",
                  "parallel_residual", "untie_embeddings_and_output_weights"):
@@ -124,16 +127,16 @@ def test_errors_are_clear(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "mistral"])
-def test_v1_translate_functions_round_trip(family):
+def test_our_layout_translate_functions_round_trip(family):
     name = family.replace("_", "")
-    to_hf = getattr(hf_adapters, f"translate_state_dict_to_hf_{name}")
+    to_hf = getattr(hf_adapters, f"translate_smp_state_dict_to_hf_{name}")
     to_smp = getattr(hf_adapters, f"translate_hf_state_dict_to_smp_{name}")
     source = build_hf(family)
     hf_sd = source.state_dict()
     full = to_smp(hf_sd, config=source.config)
-    config = hf_adapters.get_adapter(family).config_from_hf(source.config)
+    config = hf_adapters.get_adapter(source).config_from_hf(source.config)
     assert full["embedding.word_embeddings.weight"].shape[0] == config.padded_vocab_size(1)
-    back = to_hf(full, max_seq_len=None, config=config)
+    back = to_hf(full, config=config)
     assert back.keys() == hf_sd.keys()
     assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
     if family == "gpt_neox":  # shapes read from the tensors: no config needed
@@ -150,9 +153,10 @@ PROBE_SEED = 5
 SEQ = 16
 
 
-def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size):
+def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size, model_argv=None):
     """pretrain_llama from the converted checkpoint at TP=2 for 5 iterations; the full logits
-    of a fixed batch from the trained model, taken when it is saved."""
+    of a fixed batch from the trained model, taken when it is saved. `model_argv` replaces the
+    Llama model flags (and pretrain_llama's defaults by pretrain_gpt's)."""
     from megatron_smp.models.gpt import gather_full_logits
     from megatron_smp.training import checkpointing, pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
@@ -172,16 +176,18 @@ def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size):
         probe["logits"] = gather_full_logits(logits, run.state, vocab_size).numpy().copy()
 
     checkpointing.save = save_and_probe
-    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
-            "--num-query-groups 2 --ffn-hidden-size 96 --max-position-embeddings 32 "
-            "--norm-epsilon 1e-6 --rotary-base 500000 --seq-length 16 --micro-batch-size 2 "
+    llama = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 2 --ffn-hidden-size 96 --max-position-embeddings 32 "
+             "--norm-epsilon 1e-6 --rotary-base 500000")
+    argv = ((model_argv or llama) + " --seq-length 16 --micro-batch-size 2 "
             "--global-batch-size 2 --train-iters 5 --lr 1e-3 --log-interval 5 --mock-data "
             f"--tokenizer-type NullTokenizer --vocab-size {vocab_size - 1} "
             "--tensor-model-parallel-size 2 --finetune").split()
     argv += ["--load", load_dir, "--save", save_dir]
+    defaults = LLAMA_DEFAULTS if model_argv is None else {}
     with contextlib.redirect_stdout(io.StringIO()):
         result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                          args_defaults=LLAMA_DEFAULTS, argv=argv)
+                          args_defaults=defaults, argv=argv)
     return {"losses": [v["lm loss"] for v in result.train_losses.values()], **probe}
 
 

@@ -359,7 +359,8 @@ MOE_ERRORS = [
     (["--expert-model-parallel-size", "2"], 2,
      r"--expert-model-parallel-size 2 needs a mixture-of-experts model"),
     (MOE + ["--expert-model-parallel-size", "4"], 2,
-     r"--expert-model-parallel-size \(4\) must divide the data-parallel size \(2\)"),
+     r"--expert-model-parallel-size \(4\) must divide data-parallel x context-parallel "
+     r"size \(2 x 1\)"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, r"need --sequence-parallel"),
     (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--expert-tensor-parallel-size", "1"], 2, r"--expert-tensor-parallel-size 1"),

@@ -7,6 +7,10 @@ Megatron's update_train_iters 3 ramp iterations + (40 - 16) // 8 = 6 iterations.
 run's losses must equal those of the same batches trained without a ramp: a --global-batch-size
 4 run for two iterations, resumed from its checkpoint with --global-batch-size 8. With --save
 the ramped run also saves where its batch grows (after iteration 2), as Megatron's loop does.
+
+Megatron-LM main's --step-batch-size-schedule "0:4 0.256K:8" (thresholds in tokens: 256 tokens
+of --seq-length 32 are 8 samples) gives the same batches, hence the same losses and learning
+rates, and by main's update_train_iters (whole batches until --train-samples) 6 iterations.
 """
 import os
 import re
@@ -72,12 +76,14 @@ def runs(tmp_path_factory):
                     "--lr-decay-iters", "10", "--save", save]
     rest = BASE + ["--train-iters", "6", "--global-batch-size", "8", "--lr-warmup-iters", "1",
                    "--lr-decay-iters", "5", "--load", save]
-    results = run_distributed(_train, 2, args=([ramped, first, rest],), timeout=600)
+    stepped = BASE + ["--train-samples", "40", "--step-batch-size-schedule", "0:4 0.256K:8",
+                      "--lr-warmup-samples", "8"]
+    results = run_distributed(_train, 2, args=([ramped, first, rest, stepped],), timeout=600)
     return results, sorted(os.listdir(ramped_save))
 
 
 def test_batch_sizes_consumed_samples_and_lr_follow_megatron(runs):
-    for ramped, _, _ in runs[0]:
+    for ramped, _, _, _ in runs[0]:
         consumed, expected = 0, {}
         for iteration, batch in enumerate(BATCHES, start=1):
             consumed += batch
@@ -91,7 +97,7 @@ def test_batch_sizes_consumed_samples_and_lr_follow_megatron(runs):
 
 
 def test_ramped_losses_equal_the_same_batches_without_a_ramp(runs):
-    for ramped, first, rest in runs[0]:
+    for ramped, first, rest, _ in runs[0]:
         assert sorted(first["losses"]) == [1, 2] and sorted(rest["losses"]) == [3, 4, 5, 6]
         assert rest["consumed"] == 40
         unramped = {**first["losses"], **rest["losses"]}
@@ -104,3 +110,28 @@ def test_ramped_losses_equal_the_same_batches_without_a_ramp(runs):
 def test_a_checkpoint_is_saved_where_the_batch_size_changes(runs):
     # As Megatron: the batch grows from 4 to 8 after iteration 2; the run ends at 6.
     assert runs[1] == ["iter_0000002", "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+
+def test_step_batch_size_schedule_gives_the_same_batches_and_losses(runs):
+    for ramped, _, _, stepped in runs[0]:
+        assert stepped["logged"] == ramped["logged"]  # batch, consumed samples, lr, length
+        assert stepped["losses"] == ramped["losses"]
+        assert stepped["consumed"] == 40
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train-samples", "40", "--step-batch-size-schedule", "1K:4 2K:8"], "first threshold"),
+    (["--train-samples", "40", "--step-batch-size-schedule", "0:4 0:8"], "strictly increasing"),
+    (["--train-samples", "40", "--step-batch-size-schedule", "0:4 x:8"], "not a number"),
+    (["--train-samples", "40", "--step-batch-size-schedule", "0:3"], "does not divide"),
+    (["--train-samples", "40", "--step-batch-size-schedule", "0:4", "--global-batch-size", "4"],
+     "--global-batch-size"),
+    (["--train-iters", "4", "--step-batch-size-schedule", "0:4"], "--train-samples"),
+])
+def test_step_batch_size_schedule_errors_name_the_flag(flags, message):
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    with pytest.raises(ConfigError, match="--step-batch-size-schedule") as error:
+        validate_configs(parse_args(BASE + flags), world_size=2)
+    assert message in str(error.value)

@@ -1,0 +1,1 @@
+"""torch.sagemaker.distributed.checkpoint: `state_dict_saver` and `state_dict_loader`."""

@@ -1,0 +1,341 @@
+"""PyTorch's own FSDP follows the SMP keys after `init`, as in SMP v2 (which hooks torch's FSDP
+entry points when it initialises). `init` installs these hooks once; each reads `smp.state`
+when it runs, so a script's `from torch.distributed.fsdp import ...` works whether it ran
+before or after `init`, and before `init` (or after none) torch behaves as its own.
+
+* FSDP1 `FullyShardedDataParallel(model, ...)` without `process_group` / `device_mesh`: the
+  process group and sharding strategy come from the SMP keys (SMP v2's reference rules):
+    - hybrid_shard_degree 0: the script's strategy (default FULL_SHARD) over every data x
+      context-parallel rank (all ranks at TP=1: PyTorch's native behaviour), never across
+      tensor-parallel peers; HYBRID_SHARD / _HYBRID_SHARD_ZERO2 there need a degree: error.
+    - 1: NO_SHARD over the data x context-parallel ranks (any other explicit strategy is
+      an error).
+    - N >= 2: shard within groups of N of those ranks, replicate across the groups; an unset
+      strategy becomes HYBRID_SHARD, HYBRID_SHARD / _HYBRID_SHARD_ZERO2 are kept, FULL_SHARD /
+      SHARD_GRAD_OP only where N is every data x context-parallel rank.
+  Nested units built by `auto_wrap_policy` inherit the root's resolved group.
+  `sync_module_states=True` copies the weights of the first rank of the process group (and
+  then across the replicas): after `transform(load_state_dict_from_rank0=True)` that is
+  rank 0's TP group. We broadcast ourselves before FSDP flattens the model (torch's own
+  broadcast refuses CPU tensors); meta modules are materialised first by `param_init_fn`
+  (default `DelayedParamIniter`).
+* FSDP2 `fully_shard(module)` without `mesh`: the mesh is `state.parallel_state.fsdp_mesh`
+  (1-D over the data x context-parallel ranks, or 2-D replicate x shard for N >= 2;
+  N = 1 replicates).
+* `fsdp_cache_flush_warnings`: both roots check the CUDA allocator's flush count at each
+  forward (`distributed.fsdp.CacheFlushMonitor`).
+* `offload_wrapper(model)` (torch's) with `sm_activation_offloading` true: the model's
+  transformer layers are checkpointed with our checkpoint (a torch `checkpoint_wrapper` the
+  script applied is replaced) and their saved inputs offloaded by our `ActivationOffloader`
+  with `activation_loading_horizon`; false keeps torch's `save_on_cpu` wrapper.
+* `allow_empty_shards`: false is PyTorch's behaviour (uneven dim-0 chunks, a trailing rank may
+  hold an empty shard), which is also what true asks for (empty shards allowed); SMP's true
+  was a workaround inside its own sharding, which we do not have: both values shard alike.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_installed: Dict[str, Any] = {}
+
+
+def _smp_state():
+    from megatron_smp.smp.state import is_initialized, state
+
+    return state if is_initialized() else None
+
+
+# FSDP1 ------------------------------------------------------------------------------------------
+
+
+def resolve_fsdp1_arguments(arguments: Dict[str, Any], state) -> Dict[str, Any]:
+    """The SMP keys' process group and sharding strategy for an FSDP1 root's arguments (a
+    dict of FullyShardedDataParallel.__init__'s parameters; a new dict is returned)."""
+    from torch.distributed.fsdp import ShardingStrategy as S
+
+    parallel_state = state.parallel_state
+    if parallel_state.ep_size > 1:
+        raise ConfigError(
+            "torch's FullyShardedDataParallel / fully_shard with expert_parallel_degree > 1 "
+            "would average different experts' grads over the data-parallel ranks; use "
+            "expert_parallel_degree 1 with torch's FSDP, or our DDP for expert parallelism"
+        )
+    if parallel_state.pp_size > 1:
+        raise ConfigError(
+            "torch's FSDP with pipeline_parallel_degree > 1 is not supported; use 1"
+        )
+    degree = state.hybrid_shard_degree
+    strategy = arguments.get("sharding_strategy")
+    dp_cp = parallel_state.dp_cp_size
+    hybrid = (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2)
+    out = dict(arguments)
+    if degree == 0:
+        if strategy in hybrid:
+            raise ConfigError(
+                f"FullyShardedDataParallel(sharding_strategy={strategy.name}) with "
+                "hybrid_shard_degree 0: set the SMP key hybrid_shard_degree to the size of the "
+                "shard groups"
+            )
+        out["process_group"] = parallel_state.dp_cp_group
+        out["sharding_strategy"] = strategy or S.FULL_SHARD
+    elif degree == 1:
+        if strategy not in (None, S.NO_SHARD):
+            raise ConfigError(
+                f"FullyShardedDataParallel(sharding_strategy={strategy.name}) with "
+                "hybrid_shard_degree 1 (which means NO_SHARD): drop sharding_strategy, or set "
+                "hybrid_shard_degree 0 / N"
+            )
+        out["process_group"] = parallel_state.dp_cp_group
+        out["sharding_strategy"] = S.NO_SHARD
+    else:
+        strategy = strategy or S.HYBRID_SHARD
+        if strategy in hybrid:
+            out["process_group"] = (parallel_state.fsdp_shard_group,
+                                    parallel_state.groups["fsdp_replicate"])
+        elif strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP) and degree == dp_cp:
+            out["process_group"] = parallel_state.dp_cp_group
+        else:
+            raise ConfigError(
+                f"FullyShardedDataParallel(sharding_strategy={strategy.name}) with "
+                f"hybrid_shard_degree {degree}: shard groups of {degree} of the {dp_cp} "
+                "data-parallel ranks need HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (or no "
+                "sharding_strategy)"
+            )
+        out["sharding_strategy"] = strategy
+    return out
+
+
+def broadcast_module_states(module: torch.nn.Module, group,
+                            what: str = "sync_module_states") -> None:
+    """Copy every unsharded parameter and buffer of `module` from the first rank of `group`
+    (FSDP's `sync_module_states`); tensors an inner FSDP2 unit already sharded are skipped."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())
+               if not isinstance(t, DTensor)]
+    if any(t.is_meta for t in tensors):
+        raise ConfigError(
+            f"{what}: a module is still on the meta device when its weights are copied; "
+            "pass param_init_fn=DelayedParamIniter(model).get_param_init_fn()"
+        )
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0)
+    for tensor in tensors:
+        dist.broadcast(tensor.data, source, group=group)
+
+
+def check_module_for_torch_fsdp(module: torch.nn.Module, state) -> None:
+    """What torch's FSDP cannot do on a transformed model: sequence-parallel norm weights get
+    partial grads per TP rank that our training loop all-reduces (finalize_model_grads) and
+    torch's FSDP does not."""
+    if state.parallel_state.tp_size > 1 and any(
+            getattr(p, "sequence_parallel", False) for p in module.parameters()):
+        raise ConfigError(
+            "torch's FullyShardedDataParallel / fully_shard on a model transformed with "
+            "sequence parallelism at tensor_parallel_degree > 1 would leave the norm weights' "
+            "grads partial per TP rank; use smp.fully_shard with "
+            "megatron_smp.distributed.finalize_model_grads, or sequence_parallel False "
+            "(MoE models need it at TP > 1: train them with tensor_parallel_degree 1 here)"
+        )
+
+
+def _sync_module_states(module: torch.nn.Module, process_group, param_init_fn) -> None:
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        if param_init_fn is None:
+            from megatron_smp.distributed.delayed_init import DelayedParamIniter
+
+            param_init_fn = DelayedParamIniter(module).get_param_init_fn()
+        param_init_fn(module)
+    groups = process_group if isinstance(process_group, tuple) else (process_group,)
+    for group in groups:  # within the shard group, then across the replicas
+        broadcast_module_states(module, group)
+
+
+def mark_states_synced(module: torch.nn.Module) -> None:
+    """After a sync_module_states broadcast every replica holds rank 0's weights: the
+    transformed model no longer needs one."""
+    for sub in module.modules():
+        if getattr(sub, "loaded_from_rank0", False):
+            sub.loaded_from_rank0 = False
+
+
+def _check_rank0_loading(module: torch.nn.Module, sync: bool, state, what: str) -> None:
+    loaded = any(getattr(m, "loaded_from_rank0", False) for m in module.modules())
+    if loaded and not sync and state.parallel_state.dp_cp_size > 1:
+        raise ConfigError(
+            "the model was transformed with load_state_dict_from_rank0=True, so only rank 0's "
+            f"tensor-parallel group holds its weights: {what}"
+        )
+
+
+def _attach_cache_flush_monitor(module: torch.nn.Module, state) -> None:
+    from megatron_smp.distributed.fsdp import CacheFlushMonitor
+
+    if not state.fsdp_cache_flush_warnings or hasattr(module, "cache_flush_monitor"):
+        return
+    monitor = CacheFlushMonitor(state.parallel_state.device)
+    module.cache_flush_monitor = monitor
+
+    def check_before_forward(mod, args) -> None:  # a returned value would replace args
+        monitor.check()
+
+    module.register_forward_pre_hook(check_before_forward)
+
+
+def _install_fsdp1() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    original = FullyShardedDataParallel.__init__
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        state = _smp_state()
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        is_root = (arguments.get("process_group") is None
+                   and arguments.get("device_mesh") is None)
+        if state is None or not is_root:
+            return original(*bound.args, **bound.kwargs)
+        arguments = resolve_fsdp1_arguments(arguments, state)
+        module = arguments["module"]
+        check_module_for_torch_fsdp(module, state)
+        sync = arguments.get("sync_module_states", False)
+        _check_rank0_loading(module, sync, state, "pass sync_module_states=True to "
+                             "FullyShardedDataParallel so the other data-parallel ranks get them")
+        if sync:
+            _sync_module_states(module, arguments["process_group"],
+                                arguments.get("param_init_fn"))
+            mark_states_synced(module)
+            arguments["sync_module_states"] = False
+        group = arguments["process_group"]
+        shard, replicas = (group if isinstance(group, tuple) else (group, None))
+        logger.info(
+            "smp: FullyShardedDataParallel %s over %d rank(s)%s (hybrid_shard_degree=%d, "
+            "tensor_parallel_degree=%d)", arguments["sharding_strategy"].name, shard.size(),
+            f", replicated over {replicas.size()}" if replicas is not None else "",
+            state.hybrid_shard_degree, state.tensor_parallel_degree,
+        )
+        del arguments["self"]
+        original(self, **arguments)
+        _attach_cache_flush_monitor(self, state)
+
+    __init__.__wrapped__ = original
+    __init__.__doc__ = original.__doc__
+    FullyShardedDataParallel.__init__ = __init__
+    _installed["fsdp1"] = (FullyShardedDataParallel, original)
+
+
+# FSDP2 ------------------------------------------------------------------------------------------
+
+
+def _install_fsdp2() -> None:
+    from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    # fully_shard looks its default mesh up in its module's globals at each call.
+    original_mesh = fully_shard_module._init_default_mesh
+
+    def default_mesh(*args, **kwargs):
+        state = _smp_state()
+        if state is None:
+            return original_mesh(*args, **kwargs)
+        resolve_fsdp1_arguments({}, state)  # the same EP / PP checks
+        return state.parallel_state.fsdp_mesh
+
+    fully_shard_module._init_default_mesh = default_mesh
+    original_root_pre_forward = FSDPState._root_pre_forward
+
+    def _root_pre_forward(self, module, args, kwargs):
+        context = getattr(self, "_state_ctx", None)
+        if context is not None and context.iter_forward_root is not None:
+            # Not the root's forward (the root's pre-forward already ran this step).
+            return original_root_pre_forward(self, module, args, kwargs)
+        monitor = getattr(self, "_smp_cache_flush_monitor", None)
+        if not getattr(self, "_smp_checked", False):
+            self._smp_checked = True
+            state = _smp_state()
+            if state is not None:
+                check_module_for_torch_fsdp(module, state)
+                _check_rank0_loading(
+                    module, False, state, "torch's fully_shard has no sync_module_states: use "
+                    "FullyShardedDataParallel(..., sync_module_states=True) or "
+                    "tsm.fully_shard(model, sync_module_states=True)")
+            if (state is not None and state.fsdp_cache_flush_warnings
+                    and not hasattr(module, "cache_flush_monitor")):  # smp.fully_shard's
+                from megatron_smp.distributed.fsdp import CacheFlushMonitor
+
+                monitor = CacheFlushMonitor(state.parallel_state.device)
+                self._smp_cache_flush_monitor = monitor
+                module.cache_flush_monitor = monitor
+        if monitor is not None:
+            monitor.check()
+        return original_root_pre_forward(self, module, args, kwargs)
+
+    FSDPState._root_pre_forward = _root_pre_forward
+    _installed["fsdp2"] = (fully_shard_module, original_mesh, FSDPState,
+                           original_root_pre_forward)
+
+
+# Activation offloading --------------------------------------------------------------------------
+
+
+def _install_offload_wrapper() -> None:
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrappers
+
+    original = wrappers.OffloadWrapper
+
+    class OffloadWrapper(original):  # torch's name: scripts and tests may check it
+        """torch's OffloadWrapper; with `sm_activation_offloading` (after `init`) the
+        wrapped model's transformer layers are checkpointed and their inputs offloaded by
+        our ActivationOffloader (horizon `activation_loading_horizon`) instead of
+        `save_on_cpu` moving every saved tensor."""
+
+        def __init__(self, mod: torch.nn.Module) -> None:
+            super().__init__(mod)
+            self.activation_offloader = None
+            state = _smp_state()
+            if state is None or not state.sm_activation_offloading:
+                return
+            from megatron_smp.distributed.activation_offload import (
+                ActivationOffloader, apply_activation_checkpointing,
+            )
+            from megatron_smp.distributed.fsdp import language_model
+
+            decoder_layers = language_model(mod).decoder.layers
+            for position, layer in enumerate(decoder_layers):
+                # A torch checkpoint_wrapper the script applied: ours checkpoints instead.
+                inner = getattr(layer, "_checkpoint_wrapped_module", None)
+                if inner is not None:
+                    decoder_layers[position] = inner
+            self.activation_offloader = ActivationOffloader(state.activation_loading_horizon)
+            apply_activation_checkpointing(mod, list(decoder_layers), self.activation_offloader)
+
+        def forward(self, *args, **kwargs):
+            if self.activation_offloader is None:
+                return super().forward(*args, **kwargs)
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+    wrappers.OffloadWrapper = OffloadWrapper
+    _installed["offload"] = (wrappers, original)
+
+
+def install() -> None:
+    """Hook torch's FSDP1, FSDP2 and offload_wrapper entry points (once per process)."""
+    if _installed:
+        return
+    _install_fsdp1()
+    _install_fsdp2()
+    _install_offload_wrapper()
+
+
+__all__ = ["install", "resolve_fsdp1_arguments", "broadcast_module_states"]

@@ -1,0 +1,299 @@
+"""`megatron_smp.smp.transform` (torch.sagemaker.transform): an HF causal LM into the
+framework's tensor/context/expert-parallel implementation.
+
+This module is callable: `tsm.transform(model)` calls `transform` below, while
+`from megatron_smp.smp.transform import TransformedModel` imports from it, whichever happens
+first (an attribute `transform` on the package would otherwise be replaced by the submodule
+the first time it is imported).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.distributed.checkpoint.agreement import collective_device
+from megatron_smp.smp.moe.moe_config import MoEConfig
+from megatron_smp.smp.state import init, is_initialized, state
+
+
+class TransformedModel(torch.nn.Module):
+    """What `transform` returns: the framework's tensor/context/expert-parallel `GPTModel`
+    (`.module`) behind the Hugging Face causal LM's contract (see `smp.hf_contract`).
+
+    forward(input_ids [b, s], attention_mask=None, position_ids=None, labels=None,
+            return_dict=None, *, shift_labels=None, num_items_in_batch=None,
+            return_logits=None)
+      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or our bool
+        [b, 1, s, s] (True = masked); None = causal.
+      * labels: HF's, unshifted, -100 = ignored; the loss is HF's (shift by one, mean over
+        the scored positions, or sum / `num_items_in_batch`). `shift_labels`: already
+        shifted targets instead (as HF takes them).
+      * returns HF's `CausalLMOutputWithPast` (`MoeCausalLMOutputWithPast` for MoE models):
+        `.loss`, `.logits`, `out["loss"]`; return_dict=False gives HF's tuple.
+      * The loss is the whole sequence's on every rank of the TP/CP/EP groups (the
+        vocab-parallel cross entropy, then the per-token losses gathered over CP); each
+        data-parallel rank's is its own batch's, as with HF under FSDP.
+      * Logits: without labels, the full [b, s, vocab] (gathered over TP and CP, padding
+        columns sliced off). With labels they are not formed (`.logits` is None: gathering
+        the vocabulary costs memory the loss does not need) unless `return_logits=True`.
+      * Keywords it cannot honour (past_key_values, use_cache=True, inputs_embeds,
+        output_attentions=True, output_hidden_states=True, ...) are a ConfigError naming them.
+    `config` is the HF model's config, `generation_config` its generation config,
+    `transformer_config` ours; `hf_state_dict()` gives HF's state dict back (collective over
+    the TP and EP groups).
+    """
+
+    def __init__(self, module: torch.nn.Module, family: str, hf_config=None,
+                 generation_config=None) -> None:
+        super().__init__()
+        self.module = module
+        self.family = family
+        self.transformer_config: TransformerConfig = module.config
+        self.config = hf_config if hf_config is not None else module.config
+        self.generation_config = generation_config
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        return_dict: Optional[bool] = None,
+        *,
+        shift_labels: Optional[torch.Tensor] = None,
+        num_items_in_batch: Optional[Any] = None,
+        return_logits: Optional[bool] = None,
+        **unsupported: Any,
+    ):
+        from megatron_smp.models.gpt import gather_full_logits
+        from megatron_smp.smp import hf_contract
+        from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+        hf_contract.check_forward_keywords(unsupported)
+        if input_ids is None:
+            raise ConfigError("transformed model forward: input_ids is required")
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
+        targets = keep = None
+        if shift_labels is None and labels is not None:
+            shift_labels = hf_contract.shift_labels(labels)
+        if shift_labels is not None:
+            targets, keep = hf_contract.targets_and_keep(shift_labels)
+        parallel_state = self.module.state
+        batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
+                 "targets": targets}
+        if parallel_state.cp_size > 1:
+            # This rank's share of the sequence in, the whole sequence's outputs back.
+            from megatron_smp.context_parallel import (
+                gather_from_context_parallel, get_batch_on_this_cp_rank,
+            )
+
+            batch = get_batch_on_this_cp_rank(batch, parallel_state.cp_size,
+                                              parallel_state.cp_rank)
+        local_logits = self.module(batch["tokens"], position_ids=batch["position_ids"],
+                                   attention_mask=batch["attention_mask"])  # [b, s/cp, v/tp]
+        loss = None
+        if targets is not None:
+            per_token = vocab_parallel_cross_entropy(
+                local_logits, batch["targets"], parallel_state.tp_group,
+                vocab_size=self.transformer_config.vocab_size,
+            )
+            if parallel_state.cp_size > 1:
+                per_token = gather_from_context_parallel(per_token, parallel_state.cp_group)
+            loss = hf_contract.causal_lm_loss(per_token, keep, num_items_in_batch)
+        logits = None
+        if targets is None or return_logits:
+            if parallel_state.cp_size > 1:
+                local_logits = gather_from_context_parallel(local_logits,
+                                                            parallel_state.cp_group)
+            logits = gather_full_logits(local_logits, parallel_state,
+                                        self.transformer_config.vocab_size)
+        moe = self.transformer_config.num_moe_experts is not None
+        return hf_contract.causal_lm_output(loss, logits, return_dict, moe)
+
+    def generate(self, *args, **kwargs):
+        """Not available: the transformed model keeps no key/value cache."""
+        raise ConfigError(
+            "transformed model: generate() is not supported (no key/value cache); "
+            "load hf_state_dict() into the Hugging Face model and generate with it"
+        )
+
+    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        """HF's full state dict of the current weights, on every rank: this rank's TP (and EP)
+        shards gathered and merged, then the family adapter's `to_hf`. Collective over the
+        TP and EP groups; call it before FSDP shards the model (or on the unsharded model)."""
+        from megatron_smp.models.hf import get_adapter
+        from megatron_smp.models.sharding import expert_parallel_merge, merge_state_dicts
+
+        parallel_state = self.module.state
+        config = self.transformer_config
+        local = {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()
+                 if not name.endswith("_extra_state")}
+        full = local
+        if parallel_state.tp_size > 1:
+            shards = [None] * parallel_state.tp_size
+            dist.all_gather_object(shards, local, group=parallel_state.tp_group)
+            full = merge_state_dicts(shards, config)
+        if config.num_moe_experts is not None and parallel_state.ep_size > 1:
+            shards = [None] * parallel_state.ep_size
+            dist.all_gather_object(shards, full, group=parallel_state.ep_group)
+            full = expert_parallel_merge(shards, config.num_moe_experts)
+        return get_adapter(self.family).to_hf(full, config)
+
+
+def _has_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _broadcast_state_dict(full: Optional[Dict[str, torch.Tensor]], src: int, group,
+                          device: torch.device) -> Dict[str, torch.Tensor]:
+    """Broadcast a state dict from global rank `src` over `group` (metadata, then tensors)."""
+    meta = [None]
+    if dist.get_rank() == src:
+        meta = [[(name, tuple(t.shape), t.dtype) for name, t in full.items()]]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        if dist.get_rank() == src:
+            tensor = full[name].to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        out[name] = tensor.cpu()
+    return out
+
+
+def transform(
+    model: torch.nn.Module,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+    config: Union[None, Dict[str, Any], MoEConfig] = None,
+    load_state_dict_from_rank0: bool = False,
+    cp_comm_type: Optional[str] = None,
+) -> TransformedModel:
+    """Convert an HF GPT2LMHeadModel / LlamaForCausalLM / MistralForCausalLM /
+    GPTNeoXForCausalLM into the framework's tensor-parallel implementation.
+
+    * The weights are the HF model's, sharded over `smp.state.tp_process_group`. With
+      `load_state_dict_from_rank0`, rank 0's weights are broadcast over rank 0's TP group
+      (other ranks' HF models may be random or on the meta device); other TP groups load
+      their own HF model's weights, or keep a fresh init when those are on the meta device.
+    * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}), or
+      for a Mixtral / Qwen2-MoE model an SMP `MoEConfig`. MoE models are split over
+      `expert_parallel_degree` (each rank holds E / ep experts) as well as TP.
+    * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
+    * `cp_comm_type`: context parallelism's attention ("p2p", "all_gather", "a2a"; default
+      the `init` key). With context_parallel_degree > 1 the model takes and returns whole
+      sequences; inside, each rank of the CP group runs its share (chunks i and 2N-1-i), and
+      the parameters' grads of the CP ranks add up to the whole-sequence grads.
+    """
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.models.hf import family_of, get_adapter
+    from megatron_smp.models.sharding import expert_parallel_shard, shard_state_dict
+    from megatron_smp.transformer.utils import init_rng_scope
+
+    if not is_initialized():
+        init()
+    parallel_state = state.parallel_state
+    if parallel_state.pp_size > 1:
+        raise ConfigError(
+            "transform supports tensor, context (and data) parallelism; "
+            "pipeline_parallel_degree must be 1 here"
+        )
+    adapter = get_adapter(model)
+    family = family_of(model)
+    transformer_config = adapter.config_from_hf(model.config)
+    moe_config = config if isinstance(config, MoEConfig) else None
+    if moe_config is not None:
+        if transformer_config.num_moe_experts is None:
+            raise ConfigError(
+                f"transform(config=MoEConfig(...)): {type(model).__name__} has no experts; "
+                "pass a dict of TransformerConfig overrides for a dense model"
+            )
+        config = moe_config.transformer_overrides()
+    overrides = dict(config or {})
+    unknown = sorted(k for k in overrides if not hasattr(transformer_config, k))
+    if unknown:
+        raise ConfigError(f"transform: unknown transformer config key(s) {unknown}")
+    if dtype is None:
+        source = next(model.parameters(), None)
+        dtype = source.dtype if source is not None and source.is_floating_point() else torch.float32
+    overrides.setdefault("cp_comm_type", cp_comm_type or state.config.get("cp_comm_type", "p2p"))
+    if "sequence_parallel" in state.config.get("v1", {}):  # v1's optimize: memory | speed
+        overrides.setdefault("sequence_parallel",
+                             state.config["v1"]["sequence_parallel"] and parallel_state.tp_size > 1)
+    overrides.setdefault("params_dtype", dtype)
+    overrides.setdefault("bf16", dtype == torch.bfloat16)
+    overrides.setdefault("fp16", dtype == torch.float16)
+    transformer_config = transformer_config.replace(**overrides)
+    device = torch.device(device) if device is not None else parallel_state.device
+    outside_rank0_tp_group = 0 not in parallel_state.group_ranks["tp"]
+    if _has_meta(model) and (not load_state_dict_from_rank0 or outside_rank0_tp_group):
+        # Delayed initialisation: the transformed model stays on the meta device too, and
+        # DelayedParamIniter materialises it shard by shard (see smp.fully_shard); with
+        # load_state_dict_from_rank0, fully_shard(sync_module_states=True) then gives these
+        # ranks rank 0's TP group's weights.
+        device = torch.device("meta")
+
+    seed = moe_config.random_seed if moe_config is not None else None
+    if moe_config is not None:
+        # SMP: the seed of the random ops in expert-parallel modules, made unique per EP (and
+        # TP) rank; the fresh initialisation below draws from it too.
+        from megatron_smp.tensor_parallel.random import (
+            EXPERT_PARALLEL_RNG, expert_parallel_stream_seed, get_rng_tracker,
+        )
+
+        get_rng_tracker().reseed(EXPERT_PARALLEL_RNG,
+                                 expert_parallel_stream_seed(seed, parallel_state))
+    with init_rng_scope(seed):
+        module = GPTModel(transformer_config, parallel_state, device=device)
+    module.train(model.training)
+
+    full = None
+    if load_state_dict_from_rank0:
+        tp_ranks = parallel_state.group_ranks["tp"]
+        if 0 in tp_ranks:
+            if state.rank == 0:
+                if _has_meta(model):
+                    raise ConfigError(
+                        "transform(load_state_dict_from_rank0=True): rank 0's model has "
+                        "parameters on the meta device; rank 0 must hold real weights"
+                    )
+                full = adapter.from_hf(model.state_dict(), transformer_config)
+            full = _broadcast_state_dict(
+                full, 0, parallel_state.tp_group, collective_device(parallel_state.tp_group)
+            )
+        elif not _has_meta(model):
+            full = adapter.from_hf(model.state_dict(), transformer_config)
+    elif not _has_meta(model):
+        full = adapter.from_hf(model.state_dict(), transformer_config)
+
+    if full is not None:
+        shard = shard_state_dict(
+            full, transformer_config, parallel_state.tp_size, parallel_state.tp_rank
+        )
+        if transformer_config.num_moe_experts is not None:
+            shard = expert_parallel_shard(shard, transformer_config.num_moe_experts,
+                                          parallel_state.ep_size, parallel_state.ep_rank)
+        module.load_state_dict(shard, strict=True)
+
+    transformed = TransformedModel(module, family, model.config,
+                                   getattr(model, "generation_config", None))
+    transformed.loaded_from_rank0 = load_state_dict_from_rank0
+    return transformed
+
+
+class _CallableModule(types.ModuleType):
+    """The module type of this file: calling the module calls `transform`."""
+
+    def __call__(self, *args, **kwargs):
+        return self.transform(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

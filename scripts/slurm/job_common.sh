@@ -1,0 +1,36 @@
+# Sourced by the batch jobs in scripts/slurm/ (inside the job): finds the clone, sets the
+# rendezvous, and runs the training step so that a preempted run is requeued.
+#
+# The caller sets `repo`, the clone (see the batch scripts).
+cd "$repo"
+export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+# One port per job, so two jobs sharing a node do not meet in one rendezvous.
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+export NNODES=$SLURM_NNODES
+echo "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, clone $repo," \
+  "rendezvous $MASTER_ADDR:$MASTER_PORT"
+
+# run_step CMD...: srun CMD; if the run stopped early to be continued (it prints Megatron's
+# "exiting program after receiving SIGTERM" when --exit-signal-handler saw SLURM's --signal
+# before the time limit or a `scancel --signal=TERM`, or "exiting program after N minutes" for
+# --exit-duration-in-mins), requeue the job: it resumes from the checkpoint that exit saved
+# (REQUEUE=0: don't). --exit-interval is a deliberate stop and is not requeued. `scontrol requeue` by hand needs nothing here: SLURM sends
+# SIGTERM, waits KillWait seconds while the run saves, and requeues the job itself.
+run_step() {
+  local attempt_log rc
+  attempt_log=$(mktemp)
+  set +e
+  # tee ignores SIGTERM: on a requeue or cancel SLURM signals this shell too, and the run's
+  # last lines (its save, "exiting program ...") must still reach the job's output.
+  srun --kill-on-bad-exit=1 "$@" 2>&1 | (trap '' TERM; exec tee "$attempt_log")
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "${REQUEUE:-1}" = 1 ] && grep -qE '^exiting program after (receiving|[0-9.]+ minutes)' "$attempt_log"; then
+    echo "run stopped early ($(grep -m1 '^exiting program' "$attempt_log")): requeueing job $SLURM_JOB_ID"
+    rm -f "$attempt_log"
+    scontrol requeue "$SLURM_JOB_ID"
+    return 0
+  fi
+  rm -f "$attempt_log"
+  return "$rc"
+}
