@@ -8,16 +8,14 @@
 # Knobs: TP (with --sequence-parallel), PP, CP, YARN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
+source scripts/launch_env.sh
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/qwen25_7b}
 ROPE=(--position-embedding-type rope)
 if [ -n "${YARN:-}" ]; then
   ROPE=(--position-embedding-type yarn --rotary-scaling-factor 4
         --yarn-original-max-position-embeddings 32768)
 fi
-exec ${TORCHRUN:-.venv/bin/torchrun} --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
-  ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
+exec "${LAUNCH[@]}" \
   pretrain_llama.py \
   --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28 \
   --group-query-attention --num-query-groups 4 --add-qkv-bias \

@@ -9,11 +9,9 @@
 # DISPATCHER (alltoall|allgather).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
+source scripts/launch_env.sh
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/qwen3_moe_30b_a3b}
-exec ${TORCHRUN:-.venv/bin/torchrun} --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
-  ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
+exec "${LAUNCH[@]}" \
   pretrain_llama.py \
   --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 \
   --kv-channels 128 --group-query-attention --num-query-groups 4 --qk-layernorm \

@@ -198,6 +198,10 @@ _SAME_MEANING = {
     "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow",
     "mscale": "yarn_mscale", "mscale_all_dim": "yarn_mscale_all_dim",
     "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+    # gpt-oss: sinks, per-layer windows, the clamped GLU's offset and limit.
+    "softmax_type": "softmax_type", "window_size": "window_size",
+    "window_attn_skip_freq": "window_attn_skip_freq", "glu_linear_offset": "glu_linear_offset",
+    "activation_func_clamp_value": "activation_func_clamp_value",
 }
 # Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
 _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
@@ -225,6 +229,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
                                       else fields["num_attention_heads"])
     if args.get("swiglu"):
         fields.update(gated_linear_unit=True, activation="silu")
+    elif args.get("quick_geglu"):
+        fields.update(gated_linear_unit=True, activation="quick_gelu")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
     elif "swiglu" in args:
@@ -260,6 +266,7 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
         num_query_groups=config.num_query_groups,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         swiglu=config.gated_linear_unit and config.activation == "silu",
+        quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
         squared_relu=config.activation == "squared_relu",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",

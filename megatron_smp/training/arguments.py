@@ -130,6 +130,19 @@ _FLAGS: List[_Flag] = [
     _f("--window-size", "model", type=_int_pair, metavar="LEFT,RIGHT",
        help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (Mistral's "
        "sliding_window W is W-1,0)"),
+    _f("--window-attn-skip-freq", "model", metavar="N|PATTERN",
+       help="which layers use --window-size: every N-th layer attends fully, or a 0/1 list "
+       "per layer (1 = window) such as \"[1,0]*2\" (gpt-oss: 2)"),
+    _f("--softmax-type", "model", choices=["vanilla", "off-by-one", "learnable"],
+       default="vanilla",
+       help="learnable: a learned logit per head in every attention softmax (gpt-oss's sinks)"),
+    _f("--quick-geglu", None, "quick_geglu", action="store_true",
+       help="gated MLP with x * sigmoid(1.702 x) (gpt-oss's experts)"),
+    _f("--glu-linear-offset", "model", type=float, default=0.0,
+       help="gated unit act(gate) * (up + OFFSET) (gpt-oss: 1)"),
+    _f("--activation-func-clamp-value", "model", type=float,
+       help="clamp the gate from above and up on both sides before the gated unit "
+       "(gpt-oss's swiglu_limit, 7)"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--attention-dropout", "model", type=float, default=0.1),
@@ -709,11 +722,17 @@ def parse_args(
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
     _check_rope_scaling_flags(argv, model)
+    activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
+                                            ("--swiglu", args.swiglu),
+                                            ("--openai-gelu", args.openai_gelu),
+                                            ("--quick-geglu", args.quick_geglu)) if given]
+    if len(activations) > 1:
+        raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
     if args.squared_relu:
-        if args.swiglu or args.openai_gelu:
-            raise ConfigError("--squared-relu picks the MLP activation, as do --swiglu and "
-                              "--openai-gelu; give one")
         model["activation"] = "squared_relu"
+    if args.quick_geglu:  # Megatron: quick_gelu gated, ffn size as given (no 2/3 rule)
+        model["gated_linear_unit"] = True
+        model["activation"] = "quick_gelu"
     if args.swiglu:
         model["gated_linear_unit"] = True
         model["activation"] = "silu"
@@ -721,8 +740,6 @@ def parse_args(
             # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
-        if args.swiglu:
-            raise ConfigError("--openai-gelu and --swiglu are mutually exclusive; pick one")
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
     if args.disable_bias_linear:
         model["add_bias_linear"] = False

@@ -4,8 +4,9 @@
 # parallelism, mock data. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
-exec ${TORCHRUN:-.venv/bin/torchrun} --standalone --nproc-per-node 2 pretrain_llama.py \
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # a CPU-sized run: 2 processes
+source scripts/launch_env.sh
+exec "${LAUNCH[@]}" pretrain_llama.py \
   --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
   --group-query-attention --num-query-groups 2 \
   --seq-length 256 --max-position-embeddings 1024 --rotary-base 500000 \

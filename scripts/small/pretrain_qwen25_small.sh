@@ -5,8 +5,9 @@
 # Extra arguments go to pretrain_gpt.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
-exec ${TORCHRUN:-.venv/bin/torchrun} --standalone --nproc-per-node 2 pretrain_gpt.py \
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # a CPU-sized run: 2 processes
+source scripts/launch_env.sh
+exec "${LAUNCH[@]}" pretrain_gpt.py \
   --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
   --group-query-attention --num-query-groups 2 \
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear --add-qkv-bias \

@@ -5,9 +5,10 @@
 # router losses in TensorBoard. Extra arguments go to pretrain_llama.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # a CPU-sized run: 2 processes
+source scripts/launch_env.sh
 OUT=${OUT:-checkpoints/qwen3_moe_small}
-exec ${TORCHRUN:-.venv/bin/torchrun} --standalone --nproc-per-node 2 pretrain_llama.py \
+exec "${LAUNCH[@]}" pretrain_llama.py \
   --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
   --kv-channels 48 --group-query-attention --num-query-groups 2 --qk-layernorm \
   --seq-length 256 --max-position-embeddings 1024 --norm-epsilon 1e-6 --rotary-base 1000000 \

@@ -10,9 +10,18 @@ Writing assigns the converted tensors to the HF model built on the meta device (
 calls `save_pretrained` (config.json, generation_config.json, safetensors, the file names of
 the installed transformers); then the directory is loaded back with `from_pretrained` and
 compared bit for bit, and mapped back to the framework and compared again.
+
+An MXFP4 checkpoint (`quantization_config.quant_method: mxfp4`, the published gpt-oss) is read
+from its safetensors files directly: each `*_blocks` + `*_scales` pair is dequantized to the
+dtype of the other tensors, bf16 in the published checkpoints (`models.hf.mxfp4`), the names
+and shapes are checked against the HF model of the config like any other checkpoint, and the
+config loses its `quantization_config`, so what is written back (HF export) is the bf16 model;
+`quantize_hf_experts` (convert.py --mxfp4-experts) writes the experts in MXFP4 instead.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 from typing import Dict, Mapping, Optional
 
@@ -20,6 +29,14 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import config_to_hf, family_of, get_adapter
+from megatron_smp.models.hf.mxfp4 import (
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    dequantize_mxfp4,
+    dequantize_state_dict,
+    is_mxfp4,
+    quantize_mxfp4,
+)
 from tools.checkpoint.common import (
     architecture,
     compare_state_dicts,
@@ -67,15 +84,52 @@ def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
             f"{load_dir}/config.json is a {found!r} model but --model-type is {model_type}; "
             "pass the model type of the checkpoint"
         )
-    model = _from_pretrained(load_dir, "--load-dir")
-    config = get_adapter(family).config_from_hf(model.config)
-    hf_sd = dict(model.state_dict())
+    hf_config = AutoConfig.from_pretrained(load_dir)
+    if is_mxfp4(hf_config):
+        hf_config, hf_sd = _read_mxfp4(load_dir, hf_config)
+    else:
+        model = _from_pretrained(load_dir, "--load-dir")
+        hf_config, hf_sd = model.config, dict(model.state_dict())
+    config = get_adapter(family).config_from_hf(hf_config)
     if not config.untie_embeddings_and_output_weights:
         del hf_sd[HEAD]
     dtypes = {t.dtype for t in hf_sd.values()}
     if len(dtypes) == 1:
         config = config.replace(params_dtype=dtypes.pop())
-    return model.config, config, hf_sd
+    return hf_config, config, hf_sd
+
+
+def _read_mxfp4(load_dir: str, hf_config):
+    """(the config without its quantization, the bf16 state dict) of an MXFP4 checkpoint, its
+    names and shapes checked against the HF model of that config."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(load_dir, "*.safetensors")))
+    if not files:
+        raise ConfigError(f"--load-dir {load_dir}: config.json says MXFP4 (quantization_config) "
+                          "but there are no *.safetensors files")
+    raw: Dict[str, torch.Tensor] = {}
+    for path in files:
+        raw.update(load_file(path))
+    # To the dtype of the tensors stored plainly (bf16 in the published checkpoints).
+    plain = {t.dtype for k, t in raw.items() if t.is_floating_point()}
+    dtype = plain.pop() if len(plain) == 1 else torch.bfloat16
+    try:
+        hf_sd = dequantize_state_dict(raw, dtype)
+    except ValueError as error:
+        raise ConfigError(f"--load-dir {load_dir}: {error}") from error
+    del hf_config.quantization_config
+    expected = meta_hf_model(hf_config).state_dict()
+    if hf_config.tie_word_embeddings:  # the file need not hold the tied head
+        hf_sd.setdefault(HEAD, hf_sd.get("model.embed_tokens.weight"))
+    problems = [f"{k}: missing" for k in sorted(set(expected) - set(hf_sd))]
+    problems += [f"{k}: unexpected" for k in sorted(set(hf_sd) - set(expected))]
+    problems += [f"{k}: shape {list(hf_sd[k].shape)}, expected {list(v.shape)}"
+                 for k, v in expected.items() if k in hf_sd and hf_sd[k].shape != v.shape]
+    if problems:
+        raise ConfigError(f"--load-dir {load_dir} does not match its config.json (MXFP4 "
+                          f"dequantized): {listing(problems)}")
+    return hf_config, hf_sd
 
 
 def hf_state_dict_from_framework(family: str, config: TransformerConfig,
@@ -132,3 +186,58 @@ def write_hf_checkpoint(save_dir: str, family: str, config: TransformerConfig,
     compare_state_dicts(model, framework_from_hf_state_dict(family, config, reloaded),
                         f"mapping {save_dir} back to the framework")
     return hf_model.config
+
+
+# The expert projections gpt-oss checkpoints store in MXFP4, and what stays bf16 (the
+# published checkpoints' quantization_config).
+MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                       "model.embed_tokens", "lm_head"]
+
+
+def quantize_hf_experts(save_dir: str) -> None:
+    """Rewrite a written gpt-oss HF checkpoint with its expert projections in MXFP4 (as the
+    published checkpoints store them): each `P` of every safetensors file becomes `P_blocks`
+    + `P_scales` (the index updated), config.json gains the quantization_config; then the
+    directory is read back through the MXFP4 reader and compared bit for bit with the
+    dequantized quantization of the tensors it replaced."""
+    from safetensors.torch import load_file, save_file
+
+    expected: Dict[str, torch.Tensor] = {}
+    renames: Dict[str, str] = {}
+    for path in sorted(glob.glob(os.path.join(save_dir, "*.safetensors"))):
+        tensors = load_file(path)
+        for name in [k for k in tensors if k.endswith(MXFP4_EXPERTS)]:
+            weight = tensors.pop(name)
+            if weight.shape[1] % 32:
+                raise ConfigError(f"--mxfp4-experts: {name} has {weight.shape[1]} inputs, not a "
+                                  "multiple of 32 (MXFP4's block); export without it")
+            blocks, scales = quantize_mxfp4(weight)
+            tensors[name + BLOCKS_SUFFIX], tensors[name + SCALES_SUFFIX] = blocks, scales
+            expected[name] = dequantize_mxfp4(blocks, scales, weight.dtype)
+            renames[name] = os.path.basename(path)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if not expected:
+        raise ConfigError(f"--mxfp4-experts: {save_dir} holds no gpt-oss expert projections")
+    index_path = os.path.join(save_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as handle:
+            index = json.load(handle)
+        for name, file in renames.items():
+            del index["weight_map"][name]
+            index["weight_map"][name + BLOCKS_SUFFIX] = file
+            index["weight_map"][name + SCALES_SUFFIX] = file
+        with open(index_path, "w") as handle:
+            json.dump(index, handle, indent=2)
+    config_path = os.path.join(save_dir, "config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=2)
+    from transformers import AutoConfig
+
+    _, reread = _read_mxfp4(save_dir, AutoConfig.from_pretrained(save_dir))
+    compare_state_dicts(expected, {k: reread[k] for k in expected},
+                        f"reading the MXFP4 experts written to {save_dir}")

@@ -187,7 +187,7 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
             sd[hf + "self_attn.v_proj.weight"],
             config,
         )
-        if config.add_qkv_bias and not config.add_bias_linear:  # Qwen
+        if config.add_qkv_bias or config.add_bias_linear:  # Qwen, gpt-oss
             out[ours + "self_attention.linear_qkv.bias"] = pack_qkv(
                 _reorder_heads(sd[hf + "self_attn.q_proj.bias"], order),
                 _reorder_heads(sd[hf + "self_attn.k_proj.bias"], order),
@@ -195,6 +195,8 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
                 config,
             )
         out[ours + "self_attention.linear_proj.weight"] = sd[hf + "self_attn.o_proj.weight"].clone()
+        if config.add_bias_linear:  # gpt-oss
+            out[ours + "self_attention.linear_proj.bias"] = sd[hf + "self_attn.o_proj.bias"].clone()
         if config.qk_layernorm:  # Qwen3
             for ours_norm, hf_norm in _QK_NORMS:
                 out[ours + ours_norm] = _reorder_heads(sd[hf + hf_norm], order)
@@ -225,7 +227,7 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
         out[hf + "self_attn.q_proj.weight"] = _reorder_heads(q, order)
         out[hf + "self_attn.k_proj.weight"] = _reorder_heads(k, order)
         out[hf + "self_attn.v_proj.weight"] = v
-        if config.add_qkv_bias and not config.add_bias_linear:
+        if config.add_qkv_bias or config.add_bias_linear:
             q, k, v = unpack_qkv(state_dict[ours + "self_attention.linear_qkv.bias"], config)
             out[hf + "self_attn.q_proj.bias"] = _reorder_heads(q, order)
             out[hf + "self_attn.k_proj.bias"] = _reorder_heads(k, order)
@@ -233,6 +235,10 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
         out[hf + "self_attn.o_proj.weight"] = (
             state_dict[ours + "self_attention.linear_proj.weight"].clone()
         )
+        if config.add_bias_linear:
+            out[hf + "self_attn.o_proj.bias"] = (
+                state_dict[ours + "self_attention.linear_proj.bias"].clone()
+            )
         if config.qk_layernorm:
             for ours_norm, hf_norm in _QK_NORMS:
                 out[hf + hf_norm] = _reorder_heads(state_dict[ours + ours_norm], order)

@@ -1,7 +1,7 @@
-"""The example scripts of the new families (scripts/pretrain_{llama31_8b,qwen25_7b,
-qwen3_moe_30b_a3b}.sh and scripts/small/) pass flags that parse and validate at their world
-size and build the model they say (checked without a launch: a stub torchrun records the
-command line)."""
+"""The example launch scripts (scripts/pretrain_*.sh and the CPU-sized scripts/small/) pass
+flags that parse and validate at their world size and build the model they say (checked
+without a launch: a stub interpreter, PYTHON for scripts/launch_env.sh, records the
+launcher's command line)."""
 import os
 import stat
 import subprocess
@@ -13,6 +13,9 @@ from megatron_smp.training.arguments import parse_args, validate_configs
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))))
 SCRIPTS = {
+    "pretrain_gpt_125m.sh": dict(num_layers=12, hidden_size=768),
+    "pretrain_llama2_7b.sh": dict(num_layers=32, ffn_hidden_size=11008),
+    "pretrain_mixtral_8x7b.sh": dict(num_moe_experts=8, moe_router_topk=2, num_query_groups=8),
     "pretrain_llama31_8b.sh": dict(use_rope_scaling=True, rope_scaling_factor=8.0,
                                    rotary_base=500000.0, num_query_groups=8),
     "pretrain_qwen25_7b.sh": dict(add_qkv_bias=True, add_bias_linear=False,
@@ -27,15 +30,22 @@ SCRIPTS = {
         untie_embeddings_and_output_weights=False),
     "small/pretrain_qwen3_moe_small.sh": dict(qk_layernorm=True, kv_channels=48,
                                               num_moe_experts=8),
+    "pretrain_gpt_oss_20b.sh": dict(softmax_type="learnable", window_attn_skip_freq=2,
+                                    activation="quick_gelu", glu_linear_offset=1.0,
+                                    activation_func_clamp_value=7.0, num_moe_experts=32,
+                                    position_embedding_type="yarn"),
+    "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
+                                            activation="quick_gelu", num_moe_experts=4),
 }
 
 
 def _command_line(script, tmp_path, env=()):
-    stub = tmp_path / "torchrun"
+    stub = tmp_path / "python"
     stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STUB_OUT"\n')
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "argv.txt"
-    environment = dict(os.environ, TORCHRUN=str(stub), STUB_OUT=str(out), DATA_PATH="data",
+    environment = dict(os.environ, PYTHON=str(stub), GPUS_PER_NODE="8", STUB_OUT=str(out),
+                       DATA_PATH="data", VOCAB="vocab.json", MERGES="merges.txt",
                        TOKENIZER_MODEL="tokenizer", CHECKPOINT_PATH=str(tmp_path / "ckpt"),
                        OUT=str(tmp_path / "out"), **dict(env))
     subprocess.run(["bash", os.path.join(ROOT, "scripts", script)], env=environment,
@@ -66,3 +76,33 @@ def test_qwen25_yarn_knob(tmp_path):
     configs = parse_args(flags[flags.index("pretrain_llama.py") + 1:])
     assert configs.model.position_embedding_type == "yarn"
     assert configs.model.yarn_original_max_position_embeddings == 32768
+
+
+def _launch(env, tmp_path):
+    """LAUNCH as scripts/launch_env.sh resolves it in `env` (no nvidia-smi on PATH)."""
+    script = f'source "{ROOT}/scripts/launch_env.sh"; printf "%s\\n" "${{LAUNCH[@]}}"'
+    environment = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}
+    out = subprocess.run(["bash", "-c", script], env=environment, capture_output=True,
+                         text=True, timeout=30, check=True)
+    return out.stdout.splitlines()
+
+
+def test_launch_environment_resolution(tmp_path):
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("#!/bin/sh\n")
+    (venv / "python").chmod(0o755)
+    # No GPU anywhere: the CPUs SLURM gave the task, gloo processes, the active environment.
+    launch = _launch({"SLURM_CPUS_PER_TASK": "3", "VIRTUAL_ENV": str(venv.parent)}, tmp_path)
+    assert launch[:3] == [str(venv / "python"), "-m", "torch.distributed.run"]
+    assert launch[launch.index("--nproc-per-node") + 1] == "3" and "--standalone" in launch
+    # SLURM's --gpus-per-node with a type, and the rendezvous through MASTER_ADDR.
+    launch = _launch({"SLURM_GPUS_PER_NODE": "h100:4", "MASTER_ADDR": "node1",
+                      "MASTER_PORT": "23456", "NNODES": "2", "PYTHON": "/x/python"}, tmp_path)
+    assert launch[launch.index("--nproc-per-node") + 1] == "4"
+    assert launch[launch.index("--nnodes") + 1] == "2"
+    assert launch[launch.index("--rdzv-endpoint") + 1] == "node1:23456"
+    # One SLURM task per rank: the interpreter alone.
+    assert _launch({"LAUNCHER": "srun", "PYTHON": "/x/python"}, tmp_path) == ["/x/python"]
+    with pytest.raises(subprocess.CalledProcessError):
+        _launch({"LAUNCHER": "mpirun", "PYTHON": "/x/python"}, tmp_path)
