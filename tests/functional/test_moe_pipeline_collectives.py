@@ -54,11 +54,11 @@ def _train_and_walk(rank, world_size, argv):
     original_scalars = training_logging.TrainingLogger.iteration_scalars
 
     def record_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm, zeros,
-                       params_norm, extra_scalars=None):
+                       params_norm, *args, **kwargs):
         # The loop hands device tensors over (read here, the test's own host sync).
         scalars[iteration] = (float(losses["lm loss"]), grad_norm, zeros, params_norm)
         return original_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm,
-                                zeros, params_norm, extra_scalars)
+                                zeros, params_norm, *args, **kwargs)
 
     training_logging.TrainingLogger.iteration_scalars = record_scalars
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
