@@ -192,4 +192,21 @@ def proc_status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-__all__ = ["run_distributed", "DistributedTestError", "proc_status_kib"]
+def assert_follows_trajectory(losses: Sequence[float], reference: Sequence[float],
+                              tolerance: float, what: str = "") -> float:
+    """Each loss within `tolerance` (relative) of the reference run's, where the tolerance
+    is derived from a measured error and must stay a tenth of the reference's own movement
+    (max_i |ref_i - ref_0| / |ref_0|): a run that did not train, or trained another model,
+    then fails. Returns the largest relative error (for the closing figures)."""
+    assert len(losses) == len(reference), (what, losses, reference)
+    movement = max(abs(r - reference[0]) for r in reference) / abs(reference[0])
+    assert tolerance <= movement / 10, (
+        f"{what}: tolerance {tolerance:.1e} is not small against the trajectory's movement "
+        f"{movement:.1e}; a run that does not train would pass")
+    errors = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    assert max(errors) <= tolerance, (what, max(errors), tolerance, losses, reference)
+    return max(errors)
+
+
+__all__ = ["run_distributed", "DistributedTestError", "proc_status_kib",
+           "assert_follows_trajectory"]

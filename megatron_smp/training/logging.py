@@ -133,6 +133,8 @@ class TrainingLogger:
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar to every sink: wandb gets the TensorBoard scalars, at the same steps."""
+        if isinstance(value, torch.Tensor):  # a device value: read only when written
+            value = value.item()
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
         if self.wandb is not None:
@@ -147,15 +149,17 @@ class TrainingLogger:
         iteration: int,
         learning_rate: float,
         global_batch_size: int,
-        losses: Dict[str, float],
-        loss_scale: float,
+        losses: Dict[str, torch.Tensor],
+        loss_scale: torch.Tensor,
         grad_norm: Optional[float],
         num_zeros_in_grad: Optional[int],
         params_norm: Optional[float] = None,
         extra_scalars: Optional[Dict[str, float]] = None,
     ) -> None:
         """One iteration's own values, every --tensorboard-log-interval iterations
-        (`extra_scalars`: scalars written as they are, e.g. per-layer MoE losses)."""
+        (`extra_scalars`: scalars written as they are, e.g. per-layer MoE losses). Losses,
+        loss scale and extra scalars may be device tensors: read on the host only when
+        written."""
         if not self.writes_scalars or iteration % self.config.tensorboard_log_interval:
             return
         add = self.add_scalar

@@ -62,10 +62,10 @@ class TrainingResult:
 
 def _reduce_reports(
     reports: Sequence[Dict[str, torch.Tensor]], state: ParallelState
-) -> Dict[str, float]:
+) -> Dict[str, torch.Tensor]:
     """Mean of each reported value over microbatches, then over data/context-parallel ranks;
     a two-element `[sum, count]` report (Megatron's, e.g. with --calculate-per-token-loss) is
-    summed over both and reduced to sum / count."""
+    summed over both and reduced to sum / count. 0-dim tensors on the device: no host sync."""
     if not reports:
         return {}
     keys = sorted(reports[0])
@@ -81,7 +81,45 @@ def _reduce_reports(
     if state.dp_cp_size > 1:
         dist.all_reduce(stacked, group=state.dp_cp_group)
     values = stacked[:, 0] / stacked[:, 1].clamp(min=1.0)
-    return {k: float(v) for k, v in zip(keys, values.tolist())}
+    return dict(zip(keys, values.unbind()))
+
+
+class _PendingLosses:
+    """Each iteration's losses stay on the device until they are needed on the host -- the
+    log line, a checkpoint's nan-iteration count, the end of training -- and are then read
+    with one host sync for all of them (Megatron, too, reads its losses at the log interval).
+    `read()` fills `result.train_losses` and counts NaN/Inf iterations into the run."""
+
+    def __init__(self, result: "TrainingResult") -> None:
+        self.result = result
+        self.entries: List[Any] = []  # (iteration, keys, [keys] tensor)
+        self.nan_iterations = 0
+        self.interval_sums: Dict[str, float] = {}  # since the last log line
+
+    def add(self, iteration: int, losses: Dict[str, torch.Tensor]) -> None:
+        keys = list(losses)
+        values = (torch.stack([v.reshape(()).double() for v in losses.values()]) if keys
+                  else None)
+        self.entries.append((iteration, keys, values))
+
+    def read(self) -> List[Dict[str, float]]:
+        """The pending iterations' losses, in order (one host sync)."""
+        if not self.entries:
+            return []
+        tensors = [values for _, _, values in self.entries if values is not None]
+        flat = torch.cat(tensors).tolist() if tensors else []
+        out, position = [], 0
+        for iteration, keys, _ in self.entries:
+            losses = dict(zip(keys, flat[position:position + len(keys)]))
+            position += len(keys)
+            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
+                self.nan_iterations += 1
+            self.result.train_losses[iteration] = losses
+            for key, value in losses.items():
+                self.interval_sums[key] = self.interval_sums.get(key, 0.0) + value
+            out.append(losses)
+        self.entries = []
+        return out
 
 
 def _cyclic(loader) -> Iterator:
@@ -102,10 +140,28 @@ class _Run:
         self.iteration = 0
         self.consumed_train_samples = 0
         self.skipped_iterations = 0
-        self.nan_iterations = 0
+        self.pending_losses: Optional[_PendingLosses] = None
+        self._nan_iterations = 0
         self.validator = None  # result_validation.ResultValidator (--rerun-mode)
         self.exits = None  # run_control.ExitConditions
         self.progress_log = None  # logging.ProgressLog (--log-progress), told of each save
+
+    @property
+    def nan_iterations(self) -> int:
+        """Iterations with a NaN/Inf loss; reading it reads the pending losses first."""
+        pending = self.pending_losses
+        if pending is not None:
+            pending.read()
+            return self._nan_iterations + pending.nan_iterations
+        return self._nan_iterations
+
+    @nan_iterations.setter
+    def nan_iterations(self, value: int) -> None:
+        pending = self.pending_losses
+        if pending is not None:
+            pending.read()
+            pending.nan_iterations = 0
+        self._nan_iterations = value
 
 
 def build_model_chunks(
@@ -207,7 +263,8 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
-    set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) * run.state.cp_size
+    # A device tensor: a float() here would wait for the device before every forward.
+    set_aux_loss_scale(run.model, run.optimizer.get_loss_scale()[0] * run.state.cp_size
                        / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
@@ -284,15 +341,26 @@ def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: 
     return None if all_reports is None else _reduce_reports(all_reports, run.state)
 
 
-def _broadcast_from_last_stage(values: Dict[str, float], keys: Sequence[str],
-                               state: ParallelState) -> Dict[str, float]:
-    """Losses live on the last pipeline stage; share them so every rank returns them."""
+def _broadcast_from_last_stage(values: Dict[str, torch.Tensor], keys: Sequence[str],
+                               state: ParallelState) -> Dict[str, torch.Tensor]:
+    """Losses live on the last pipeline stage; share them so every rank returns them
+    (0-dim device tensors, no host sync)."""
     if state.pp_size == 1:
         return values
-    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64,
-                          device=state.device)
+    tensor = torch.zeros(len(keys), dtype=torch.float64, device=state.device)
+    for index, key in enumerate(keys):
+        if key in values:
+            tensor[index] = values[key]
     dist.broadcast(tensor, src=state.group_ranks["pp"][-1], group=state.pp_group)
-    return dict(zip(keys, tensor.tolist()))
+    return dict(zip(keys, tensor.unbind()))
+
+
+def _to_host(values: Optional[Dict[str, torch.Tensor]]) -> Optional[Dict[str, float]]:
+    """Evaluation losses as floats (one host read; evaluations are not per step)."""
+    if values is None:
+        return None
+    return dict(zip(values, torch.stack([v.double() for v in values.values()]).tolist())
+                if values else {})
 
 
 def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_loader,
@@ -310,7 +378,7 @@ def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_l
         losses = evaluate(run, forward_step_func, iterator, training.eval_iters, num_microbatches)
         if losses is None:
             return
-        losses = _broadcast_from_last_stage(losses, ["lm loss"], run.state)
+        losses = _to_host(_broadcast_from_last_stage(losses, ["lm loss"], run.state))
         setattr(result, "final_valid_losses" if dataset == "validation" else "test_losses",
                 losses)
         result.log_lines.append(logger.validation_line(
@@ -423,9 +491,9 @@ def pretrain(
     result = TrainingResult()
     padded_vocab_size = configs.model.padded_vocab_size(state.tp_size)
     timer = Timer(state.device)
-    interval_losses: Dict[str, float] = {}
     interval_iters = 0
     loss_keys = ["lm loss"]
+    run.pending_losses = pending = _PendingLosses(result)
 
     if training.manual_gc:
         # Megatron's --manual-gc: no automatic collections in the middle of a step.
@@ -464,21 +532,19 @@ def pretrain(
         # --moe-per-layer-logging's values go to TensorBoard / W&B only, as in Megatron.
         per_layer = {key: metrics.pop(key) for key in list(metrics) if key.startswith("moe/")}
         losses.update(metrics)
-        if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
-            run.nan_iterations += 1
-        result.train_losses[run.iteration] = losses
+        pending.add(run.iteration, losses)  # read on the host at the log line
         lr = run.optimizer.param_groups[0]["lr"]
-        loss_scale = float(run.optimizer.get_loss_scale())
+        loss_scale = run.optimizer.get_loss_scale()[0]  # a device tensor, read when logged
         params_norm = run.optimizer.get_params_norm() if training.log_params_norm else None
         logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
                                  grad_norm, num_zeros_in_grad, params_norm, per_layer)
-        for key, value in losses.items():
-            interval_losses[key] = interval_losses.get(key, 0.0) + value
         interval_iters += 1
 
         if run.iteration % training.log_interval == 0 or run.iteration == training.train_iters:
+            pending.read()
+            loss_scale = float(loss_scale)
             elapsed = timer.stop() / interval_iters
-            averaged = {k: v / interval_iters for k, v in interval_losses.items()}
+            averaged = {k: v / interval_iters for k, v in pending.interval_sums.items()}
             tokens_per_second = global_batch_size * training.seq_length / elapsed
             # This iteration's batch, as Megatron counts it (batch ramp-up changes it).
             flops = flops_per_iteration(configs.model, training.seq_length, global_batch_size,
@@ -491,7 +557,7 @@ def pretrain(
                 params_norm=params_norm,
             )
             result.log_lines.append(line)
-            interval_losses, interval_iters = {}, 0
+            pending.interval_sums, interval_iters = {}, 0
             timer.start()
 
         if hash_interval is not None and run.iteration % hash_interval == 0:
@@ -507,7 +573,7 @@ def pretrain(
             if training.manual_gc and training.manual_gc_eval:
                 gc.collect()
             if valid is not None:
-                valid = _broadcast_from_last_stage(valid, loss_keys, state)
+                valid = _to_host(_broadcast_from_last_stage(valid, loss_keys, state))
                 result.valid_losses[run.iteration] = valid
                 result.log_lines.append(logger.validation_line("validation", run.iteration,
                                                                valid))
@@ -530,6 +596,7 @@ def pretrain(
             break
     profiler.close()
     exits.close()
+    pending.read()
 
     # An early exit saves too (Megatron saves on every exit condition), then skips the
     # evaluations below.

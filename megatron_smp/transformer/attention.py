@@ -6,15 +6,16 @@ the rows over TP ranks therefore gives each rank whole groups (and their queries
 communication is needed before the core attention. With multi-head attention
 (q_per_group = 1) this is exactly GPT-NeoX's per-head [q, k, v] layout.
 
-Core attention is `torch.nn.functional.scaled_dot_product_attention`, which picks the flash
-or memory-efficient kernel on GPUs and a fused CPU kernel otherwise; it sees `[b, n, s, d]`
-views, never materialises the attention probabilities itself, and uses `is_causal` when no
-explicit mask is given.
+Core attention is `torch.nn.functional.scaled_dot_product_attention`, called so that a GPU
+runs the flash or memory-efficient kernel, never the math one (`sdpa_plan`: grouped k/v are
+repeated to the query heads where flash cannot take the call), and a fused CPU kernel
+otherwise; it sees `[b, n, s, d]` views, never materialises the attention probabilities
+itself, and uses `is_causal` when no explicit mask is given.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,59 @@ def sliding_window_mask(
 # Core attention ----------------------------------------------------------------------------------
 
 
+class SdpaPlan(NamedTuple):
+    """How core_attention calls SDPA: `expand_kv` repeats k/v to the query heads (instead of
+    `enable_gqa`); `kernel` is the backend torch's rules pick for the call on CUDA."""
+
+    expand_kv: bool
+    kernel: str  # "flash", "efficient", or "math" (off CUDA: "device default")
+
+
+def sdpa_plan(device_type: str, dtype: torch.dtype, head_dim: int, grouped: bool,
+              masked: bool, capability: Tuple[int, int] = (9, 0)) -> SdpaPlan:
+    """Choose the SDPA call for one attention, from torch's CUDA selection rules (flash first,
+    then memory-efficient, then math; cuDNN only on request):
+
+    * flash: no attn_mask, fp16/bf16, head_dim <= 256 and a multiple of 8, sm80+; takes
+      grouped-query attention (`enable_gqa`) natively.
+    * memory-efficient: takes masks (bool or additive) and fp32, but not `enable_gqa`.
+    * math: everything else -- it materialises [b, heads, s, s] scores in fp32.
+
+    So grouped-query attention keeps `enable_gqa` only where flash takes the call; with a
+    mask (sliding window, ALiBi, --reset-attention-mask), in fp32 or where flash cannot run,
+    k/v are repeated to the query heads ([b, nq, s, d], far smaller than the scores) so the
+    memory-efficient kernel takes it instead of math. Off CUDA the call is left as it is
+    (`enable_gqa`; the CPU kernels take masks and groups alike).
+    """
+    if device_type != "cuda":
+        return SdpaPlan(False, "device default")
+    flash = (not masked and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+             and head_dim % 8 == 0 and capability >= (8, 0))
+    if flash:
+        return SdpaPlan(False, "flash")
+    return SdpaPlan(grouped, "efficient")
+
+
+def _repeat_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int):
+    """k/v [b, nkv, s, d] -> [b, num_heads, s, d]: query head h reads group h // (nq / nkv)."""
+    groups = num_heads // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
+_CAPABILITY = {}
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def build_softmax_offset(config: TransformerConfig, tp_group: ProcessGroup,
                          num_local_heads: int,
                          device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
@@ -214,9 +268,7 @@ def register_softmax_offset(module: torch.nn.Module, offset: Optional[torch.Tens
 def _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale):
     """softmax over [scores, sink] per row, the sink column dropped: q [b, nq, sq, d],
     k/v [b, nkv, sk, d], sinks [nq], mask additive float [.., sq, sk] or None."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    key, value = _repeat_kv(key, value, query.shape[1])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     if mask is not None:
@@ -243,9 +295,9 @@ def core_attention(
 
     `attention_mask` is bool, True = masked, broadcastable to [b, nq, s, s]; `bias` an
     additive float bias (ALiBi). Without either, `causal` uses the kernel's own causal path.
-    `sinks` [nq]: one more logit per head in every softmax denominator (no value); SDPA has
-    no such input, so these are computed with explicit scores (like HF's eager gpt-oss).
-    Returns [b, nq, s, d].
+    The SDPA call follows `sdpa_plan`. `sinks` [nq]: one more logit per head in every softmax
+    denominator (no value); SDPA has no such input, so these are computed with explicit
+    scores (like HF's eager gpt-oss). Returns [b, nq, s, d].
     """
     if sinks is not None:
         mask = bias
@@ -259,7 +311,13 @@ def core_attention(
             mask = base.masked_fill(attention_mask, float("-inf"))
         return _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale)
     gqa = query.shape[1] != key.shape[1]
-    if attention_mask is None and bias is None:
+    masked = attention_mask is not None or bias is not None
+    plan = sdpa_plan(query.device.type, query.dtype, query.shape[-1], gqa, masked,
+                     _capability(query.device))
+    if gqa and plan.expand_kv:
+        key, value = _repeat_kv(key, value, query.shape[1])
+        gqa = False
+    if not masked:
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=causal, scale=scale,
             enable_gqa=gqa,
@@ -567,6 +625,8 @@ __all__ = [
     "alibi_slopes",
     "alibi_bias",
     "sliding_window_mask",
+    "SdpaPlan",
+    "sdpa_plan",
     "core_attention",
     "build_softmax_offset",
     "register_softmax_offset",

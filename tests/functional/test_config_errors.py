@@ -37,7 +37,9 @@ def test_not_yet_supported_setting_stops_every_rank(case):
     output = proc.stdout + proc.stderr
     assert output.count(message) == 1, output[-3000:]  # printed once (rank 0), every rank exits
     assert "megatron_smp/" not in output  # no stack trace of ours (torchrun prints its own)
-    assert time.monotonic() - start < 120
+    # Every rank stops at the configuration check, long before the collective timeout a
+    # hanging rank would hit (the subprocess limit above is only the harness's backstop).
+    assert time.monotonic() - start < 60
 
 
 def test_kv_channels_model_trains_at_every_tensor_parallel_size():

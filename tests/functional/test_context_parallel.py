@@ -3,7 +3,7 @@ CP=2, CP=4, CP2 x TP2 + SP, CP2 x PP2 and CP2 x DP2 with the distributed optimiz
 --cp-comm-type among them; and a checkpoint saved at CP=2 resumes at CP=1 and back."""
 import pytest
 
-from megatron_smp.testing import run_distributed
+from megatron_smp.testing import assert_follows_trajectory, run_distributed
 from tests.functional.test_training_parity import COMMON, LLAMA, _train, baseline
 
 # (world size, flags) per layout; each model runs each layout with one comm type, so every
@@ -54,15 +54,17 @@ def test_context_parallel_with_virtual_pipeline_stages():
 
 
 def test_context_parallel_bf16_follows_single_process_bf16():
-    """bf16 parameters and activations at CP=2 (a2a): the bf16 single-process losses, to
-    bf16's resolution (the order of the sums differs)."""
+    """bf16 parameters and activations at CP=2 (a2a): the bf16 single-process losses (the
+    order of the sums differs: measured at most 1.7e-5 relative; the bound is ten times
+    that, far inside the trajectory's movement)."""
     flags = COMMON + LLAMA + ["--bf16"]
     reference = run_distributed(_train, 1, args=(flags,))[0]
     results = run_distributed(_train, 2, args=(flags + "--context-parallel-size 2 "
                                                "--cp-comm-type a2a".split(),), timeout=300)
     assert reference[-1] < reference[0]
     for losses in results:
-        assert losses == pytest.approx(reference, rel=2e-2), (losses, reference)
+        error = assert_follows_trajectory(losses, reference, 2e-4, "cp2 bf16")
+        print(f"\nCP=2 bf16 vs single-process bf16: max relative loss error {error:.2e}")
 
 
 @pytest.mark.parametrize("save_cp, load_cp", [(2, 1), (1, 2)])

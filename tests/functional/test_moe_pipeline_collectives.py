@@ -55,7 +55,8 @@ def _train_and_walk(rank, world_size, argv):
 
     def record_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm, zeros,
                        params_norm, *args, **kwargs):
-        scalars[iteration] = (losses["lm loss"], grad_norm, zeros, params_norm)
+        # The loop hands device tensors over (read here, the test's own host sync).
+        scalars[iteration] = (float(losses["lm loss"]), grad_norm, zeros, params_norm)
         return original_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm,
                                 zeros, params_norm, *args, **kwargs)
 

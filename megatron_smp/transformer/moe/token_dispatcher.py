@@ -119,16 +119,27 @@ class MoEAlltoAllTokenDispatcher:
             return rows, send_counts[0].tolist()
         receive_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(receive_counts, send_counts.contiguous(), group=self.ep_group)
-        self._input_splits = send_counts.sum(dim=1).tolist()
-        self._output_splits = receive_counts.sum(dim=1).tolist()
+        # Every count the all-to-alls and the experts need, read on the host at once: one
+        # device sync per dispatch (Megatron's one copy of its counts), not one per list.
+        local = self.num_local_experts
+        counts = torch.cat([send_counts.flatten(), receive_counts.flatten()]).tolist()
+        sent, received_counts = counts[:len(counts) // 2], counts[len(counts) // 2:]
+        # [source][expert]: rows received from each EP rank for each local expert.
+        sizes = [received_counts[source * local:(source + 1) * local]
+                 for source in range(self.ep_size)]
+        self._input_splits = [sum(sent[rank * local:(rank + 1) * local])
+                              for rank in range(self.ep_size)]
+        self._output_splits = [sum(row) for row in sizes]
         received = all_to_all(rows, self.ep_group, self._output_splits, self._input_splits)
         # Received blocks are (source rank, expert); the experts want (expert, source rank).
-        self._chunk_sizes = receive_counts.tolist()
-        chunks = torch.split(received, receive_counts.flatten().tolist())
-        by_expert = [chunks[source * self.num_local_experts + expert]
-                     for expert in range(self.num_local_experts)
+        self._chunk_sizes = sizes
+        chunks = torch.split(received, received_counts)
+        by_expert = [chunks[source * local + expert]
+                     for expert in range(local)
                      for source in range(self.ep_size)]
-        return torch.cat(by_expert, dim=0), receive_counts.sum(dim=0).tolist()
+        tokens_per_expert = [sum(sizes[source][expert] for source in range(self.ep_size))
+                             for expert in range(local)]
+        return torch.cat(by_expert, dim=0), tokens_per_expert
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         if self._chunk_sizes is not None:

@@ -41,7 +41,7 @@ def tracked_metrics(config: TransformerConfig) -> List[str]:
 def moe_metrics(
     model_chunks: Iterable[torch.nn.Module], config: TransformerConfig, state,
     num_microbatches: int, per_layer: bool = False,
-) -> Dict[str, float]:
+) -> Dict[str, torch.Tensor]:
     """{"load_balancing_loss", "z_loss"} of the last iteration (those the config enables),
     each without its coefficient, averaged over microbatches, MoE layers and data-parallel
     replicas (Megatron's tracker); with `per_layer` (--moe-per-layer-logging) also
@@ -70,13 +70,14 @@ def moe_metrics(
     values /= num_microbatches
     pattern = config.moe_layer_pattern()
     totals = values.sum(dim=0) / max(1, sum(pattern))
-    out = {name: float(totals[METRIC_NAMES.index(name)]) for name in names}
+    # 0-dim device tensors: the training loop reads them on the host at the log line (and
+    # TensorBoard / W&B when they write).
+    out = {name: totals[METRIC_NAMES.index(name)] for name in names}
     if per_layer:
         for index, moe in enumerate(pattern):
             if moe:
                 for name in names:
-                    out[f"moe/{name}_layer_{index}"] = float(
-                        values[index, METRIC_NAMES.index(name)])
+                    out[f"moe/{name}_layer_{index}"] = values[index, METRIC_NAMES.index(name)]
     return out
 
 

@@ -63,11 +63,20 @@ def test_context_parallel_settings_that_cannot_work_are_config_errors(model, tp,
 
 
 def test_context_parallel_settings_that_work():
+    """Sliding window and attention dropout work with every --cp-comm-type; each accepted
+    setting sits next to one that the same validation rejects (so it is really checked)."""
     for comm_type in ("p2p", "all_gather", "a2a"):
         parallel = ParallelConfig(tensor_model_parallel_size=1, context_parallel_size=2)
-        _model(cp_comm_type=comm_type, window_size=(7, 0)).validate(parallel, 32)
+        windowed = _model(cp_comm_type=comm_type, window_size=(7, 0))
+        assert windowed.validate(parallel, 32) is None
+        with pytest.raises(ConfigError, match=r"--seq-length \(30\) must be divisible"):
+            windowed.validate(parallel, 30)
     for comm_type in ("p2p", "all_gather", "a2a"):
-        _model(cp_comm_type=comm_type, attention_dropout=0.1, num_query_groups=4).validate(
+        parallel = ParallelConfig(context_parallel_size=4)
+        assert _model(cp_comm_type=comm_type, attention_dropout=0.1,
+                      num_query_groups=4).validate(parallel, 64) is None
+    with pytest.raises(ConfigError, match=r"--num-query-groups \(2\) must be divisible"):
+        _model(cp_comm_type="a2a", attention_dropout=0.1, num_query_groups=2).validate(
             ParallelConfig(context_parallel_size=4), 64)
 
 

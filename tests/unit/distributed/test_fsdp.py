@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_smp.testing import run_distributed
+from megatron_smp.testing import assert_follows_trajectory, run_distributed
 
 ITERS = 10
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 96
@@ -134,8 +134,10 @@ def test_fsdp_world2_matches_single_process(family):
             assert losses == pytest.approx(reference, rel=1e-4), layout
             # The clipped norm counts every element once over the shards.
             assert norms == pytest.approx(reference_norms, rel=1e-4), layout
-        # bf16 compute over fp32 sharded params, fp32 reduction.
-        assert out["dp2_bf16"][0] == pytest.approx(reference, rel=1e-2)
+        # bf16 compute over fp32 sharded params, fp32 reduction: measured at most 5e-5
+        # relative to the fp32 run; ten times that, far inside the trajectory's movement.
+        error = assert_follows_trajectory(out["dp2_bf16"][0], reference, 5e-4, "dp2_bf16")
+        print(f"\nFSDP2 bf16 vs fp32 ({family}): max relative loss error {error:.2e}")
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])

@@ -30,8 +30,15 @@ def test_non_shape_architecture_change_is_an_error(tmp_path):
 
 
 def test_checkpoint_without_model_config_is_not_checked(tmp_path):
+    """A checkpoint that recorded no configuration (a converted one) loads under any flags;
+    the same flags against a recorded configuration are an error."""
+    flags = _config(normalization="RMSNorm")
     (tmp_path / COMMON_FILENAME).write_text(json.dumps({"config": None}))
-    check_architecture_matches(str(tmp_path), _config())
+    check_architecture_matches(str(tmp_path), flags)
+    recorded = {"config": {"model": {"normalization": "LayerNorm"}}}
+    (tmp_path / COMMON_FILENAME).write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match="normalization: checkpoint 'LayerNorm' vs flags"):
+        check_architecture_matches(str(tmp_path), flags)
 
 
 def test_sliding_window_is_part_of_the_architecture(tmp_path):

@@ -68,7 +68,7 @@ def _step(rank, world_size, per_token=True):
         forward_only=False, hooks=hooks)
     if per_token:
         scale_grads_to_per_token_mean([ddp], reports, state, len(rows))
-    reported = _reduce_reports(reports, state)["lm loss"]
+    reported = float(_reduce_reports(reports, state)["lm loss"])  # a device tensor
 
     # By hand: the per-token mean over the whole global batch, and the mean of the four
     # microbatch means (what the run would do without the flag).

@@ -126,6 +126,22 @@ def test_pre_softmax_and_sinkhorn_routing():
     full = torch.softmax(logits, dim=-1)
     torch.testing.assert_close(probs, full * routing_map)
     router = _router(moe_router_load_balancing_type="sinkhorn")
-    probs, routing_map = router(torch.randn(10, 1, 16))
-    assert routing_map.sum(1).tolist() == [2] * 10
-    assert torch.all((probs > 0) == routing_map)
+    hidden = torch.randn(10, 1, 16, generator=torch.Generator().manual_seed(3))
+    hidden[:, :, 0] = 5.0
+    with torch.no_grad():  # every token prefers expert 0 by a wide margin
+        router.weight[:, 0] = 0.0
+        router.weight[0, 0] = 2.0
+    probs, routing_map = router(hidden)
+    # Independently: Sinkhorn-Knopp balances exp(logits) by alternating column and row
+    # normalisation; the row scales do not change a row's top-k, the column scales do.
+    logits = (hidden[:, 0] @ router.weight.detach().t()).double()
+    balanced = logits.exp()
+    for _ in range(2000):
+        balanced = balanced / balanced.sum(0, keepdim=True)
+        balanced = balanced / balanced.sum(1, keepdim=True)
+    expected = torch.zeros(10, 4, dtype=torch.bool).scatter(
+        1, balanced.topk(2, dim=1).indices, True)
+    plain = torch.zeros(10, 4, dtype=torch.bool).scatter(1, logits.topk(2, dim=1).indices, True)
+    assert plain[:, 0].all() and not expected[:, 0].all()  # balancing changes the routing
+    assert torch.equal(routing_map, expected)
+    torch.testing.assert_close(probs, torch.softmax(logits.float(), dim=-1) * expected)
