@@ -162,9 +162,22 @@ def _reference(family, tmp_path_factory, corpus):
     return _REFERENCES[family]
 
 
-def _signal_at_iteration_3(job, submit_dir, action):
+def _interrupted(family, tmp_path, corpus, action, name):
+    """Submit the family's batch script, run `action` on the job at iteration 3, wait until
+    it has left the queue; its output, after checking that it saved at the signal, resumed
+    from there and logged each iteration once."""
+    script = "pretrain_gpt.sbatch" if family == "gpt" else "pretrain_llama.sbatch"
+    job, submit_dir, _ = _run(script, tmp_path, corpus[family], CPU + ["--cpus-per-task", "2"],
+                              TINY + SCHEDULE[family] + ["--train-iters", str(ITERS)], name)
     _wait(job, submit_dir, until=lambda out: " iteration        3/" in out)
     subprocess.run(action + [job], check=True, timeout=30)
+    output = _wait(job, submit_dir)
+    assert "exiting program after receiving SIGTERM" in output
+    resumed = re.search(r"resuming at iteration (\d+)", output)
+    assert resumed and 3 <= int(resumed.group(1)) < ITERS, output[-3000:]
+    assert f"job {job} attempt 1" in output
+    assert sorted(_losses(output)) == list(range(1, ITERS + 1))
+    return job, output
 
 
 def test_gpt_job_requeues_itself_after_scancel_signal_and_resumes_exactly(
@@ -172,20 +185,10 @@ def test_gpt_job_requeues_itself_after_scancel_signal_and_resumes_exactly(
     """`scancel --signal=TERM` (what --signal=TERM@N sends before the time limit): the run
     saves and exits, the job requeues itself, attempt 1 resumes with the same losses."""
     reference = _reference("gpt", tmp_path_factory, corpus)
-    job, submit_dir, _ = _run("pretrain_gpt.sbatch", tmp_path, corpus["gpt"],
-                              CPU + ["--cpus-per-task", "2"],
-                              TINY + SCHEDULE["gpt"] + ["--train-iters", str(ITERS)],
-                              "signalled")
-    _signal_at_iteration_3(job, submit_dir, ["scancel", "--signal=TERM"])
-    output = _wait(job, submit_dir)
-    assert "exiting program after receiving SIGTERM" in output
+    job, output = _interrupted("gpt", tmp_path, corpus, ["scancel", "--signal=TERM"],
+                               "signalled")
     assert f"requeueing job {job}" in output
-    resumed = re.search(r"resuming at iteration (\d+)", output)
-    assert resumed and 3 <= int(resumed.group(1)) < ITERS, output[-3000:]
-    assert f"job {job} attempt 1" in output
-    losses = _losses(output)
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    assert losses == reference
+    assert _losses(output) == reference
 
 
 def test_gpt_srun_job_stops_and_a_second_submission_resumes(
@@ -215,18 +218,8 @@ def test_llama_job_survives_scontrol_requeue(slurm, corpus, tmp_path, tmp_path_f
     """`scontrol requeue` (preemption by the scheduler): SIGTERM, the run saves within
     KillWait, SLURM requeues the job, and it resumes with the uninterrupted losses."""
     reference = _reference("llama", tmp_path_factory, corpus)
-    job, submit_dir, _ = _run("pretrain_llama.sbatch", tmp_path, corpus["llama"],
-                              CPU + ["--cpus-per-task", "2"],
-                              TINY + SCHEDULE["llama"] + ["--train-iters", str(ITERS)],
-                              "requeued")
-    _signal_at_iteration_3(job, submit_dir, ["scontrol", "requeue"])
-    output = _wait(job, submit_dir)
-    assert "exiting program after receiving SIGTERM" in output
-    resumed = re.search(r"resuming at iteration (\d+)", output)
-    assert resumed and 3 <= int(resumed.group(1)) < ITERS, output[-3000:]
-    losses = _losses(output)
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    assert losses == reference
+    _, output = _interrupted("llama", tmp_path, corpus, ["scontrol", "requeue"], "requeued")
+    assert _losses(output) == reference
 
 
 def test_scripts_open_their_output_in_the_submit_directory():
