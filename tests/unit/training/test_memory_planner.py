@@ -1,0 +1,154 @@
+"""The memory planner: parameter / gradient / optimizer bytes counted on meta equal a real
+built model's (TP=2 x PP=2; TP=2 x EP=2 MoE with the distributed optimizer), the activation
+formula equals the bytes autograd saves in a real CPU forward, the in-flight counts follow the
+schedules, and --report-memory prints the table before training."""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_smp.testing import run_distributed
+
+SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+         "--vocab-size", "200", "--mock-data", "--tokenizer-type", "NullTokenizer",
+         "--train-iters", "1", "--bf16"]
+TP_PP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+         "--num-experts", "4", "--moe-router-topk", "2", "--use-distributed-optimizer",
+         "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "4"]
+
+
+def _real_bytes(rank, world_size, flags):
+    """(pp rank, param bytes, grad-buffer bytes without padding, optimizer-state bytes) of
+    this rank's real model and optimizer after one step."""
+    from megatron_smp.optimizer import get_megatron_optimizer
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from megatron_smp.training.arguments import parse_args, validate_configs
+    from megatron_smp.training.pretrain import build_model_chunks
+    from pretrain_gpt import model_provider
+
+    configs = parse_args(flags)
+    configs.model.vocab_size = 200
+    validate_configs(configs)
+    state = build_parallel_state(configs.parallel)
+    model_parallel_seed(1234, state)
+    chunks = build_model_chunks(model_provider, configs, state)
+    optimizer = get_megatron_optimizer(configs.optimizer, chunks, state)
+    params = {id(p): p for chunk in chunks for p in chunk.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    grad_bytes = sum(buffer.numel_unpadded * buffer.grad_data.element_size()
+                     for chunk in chunks for buffer in chunk.param_and_grad_buffers)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.main_grad.fill_(1e-3)
+    optimizer.step()
+    state_bytes = sum(t.numel() * t.element_size()
+                      for s in optimizer.optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+    main_bytes = sum(p.numel() * p.element_size()
+                     for group in optimizer.optimizer.param_groups for p in group["params"]
+                     if id(p) not in params and p.dtype == torch.float32)
+    return state.pp_rank, param_bytes, grad_bytes, state_bytes + main_bytes
+
+
+def _planned(flags, world_size):
+    from megatron_smp.training.memory_planner import report_from_argv
+    from pretrain_gpt import model_provider
+
+    return report_from_argv(flags, world_size, model_provider, device_type="cpu")
+
+
+@pytest.mark.parametrize("layout", [TP_PP, TP_EP], ids=["tp2_pp2", "tp2_ep2_moe_distopt"])
+def test_state_bytes_equal_a_real_model(layout):
+    flags = SHAPE + layout
+    report = _planned(flags, 4)
+    real = run_distributed(_real_bytes, 4, args=(flags,), timeout=240)
+    for pp_rank, params, grads, optimizer in real:
+        planned = report.ranks[pp_rank]
+        assert planned.params == params
+        assert planned.grads == grads
+        # The distributed optimizer's shards are padded per bucket to a multiple of dp.
+        assert abs(planned.optimizer - optimizer) <= 12 * 64, (planned.optimizer, optimizer)
+
+
+def _saved_bytes(extra, layers):
+    """Bytes of the distinct storages autograd saves in one CPU forward of GPTModel."""
+    import torch.distributed as dist
+
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from megatron_smp.training.arguments import parse_args
+    from megatron_smp.training.memory_planner import fake_layout
+
+    configs = parse_args(SHAPE[:-1] + ["--hidden-size", "128", "--seq-length", "64",
+                                      "--max-position-embeddings", "64"] + extra)
+    configs.model.vocab_size = 200
+    model_config = dataclasses.replace(configs.model, num_layers=layers)
+    with fake_layout(configs.parallel, 1, 0) as state:
+        model_parallel_seed(1234, state)
+        torch.manual_seed(0)
+        model = GPTModel(model_config, state)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, 200, (2, 64)))
+    assert not dist.is_initialized()
+    return sum(saved.values()), configs
+
+
+@pytest.mark.parametrize("extra", [
+    ["--hidden-dropout", "0", "--attention-dropout", "0"],
+    ["--attention-dropout", "0", "--normalization", "RMSNorm", "--swiglu",
+     "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"],
+    ["--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
+     "selective", "--recompute-modules", "core_attn", "mlp"],
+    ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "4",
+     "--moe-router-topk", "2"],
+], ids=["gpt", "llama_gqa_rope", "selective_mlp", "moe"])
+def test_layer_formula_matches_saved_tensors(extra):
+    from megatron_smp.config import recompute_modules
+    from megatron_smp.training.memory_planner import layer_activation_bytes
+
+    one, configs = _saved_bytes(extra, 1)
+    two, _ = _saved_bytes(extra, 2)
+    model = configs.model
+    parts = layer_activation_bytes(model, 64, 2, 1, 1, bool(model.num_moe_experts), "cpu",
+                                   list(recompute_modules(model)) or None)
+    # One more layer adds what the formula says, within 3% (small router/norm statistics).
+    assert sum(parts.values()) == pytest.approx(two - one, rel=0.03)
+
+
+def test_in_flight_microbatches_follow_the_schedules():
+    from megatron_smp.training.memory_planner import in_flight_microbatches
+
+    assert [in_flight_microbatches("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches("1f1b", 4, 0, 2, 1) == 2
+    assert in_flight_microbatches("gpipe", 4, 3, 8, 1) == 8
+    # Interleaved: Megatron's warm-up (pp - r - 1) * 2 + (v - 1) * pp, plus the steady one.
+    assert in_flight_microbatches("interleaved_1f1b", 4, 0, 8, 2) == 11
+    assert in_flight_microbatches("interleaved_1f1b", 4, 3, 8, 2) == 5
+
+
+def test_report_memory_prints_the_table_first(capsys):
+    """--report-memory on a plain single-process pretrain: the table, then training."""
+    from megatron_smp.training import pretrain
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    argv = SHAPE[:-1] + ["--report-memory", "--eval-iters", "0", "--lr", "1e-4",
+                         "--log-interval", "1"]
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    out = capsys.readouterr().out
+    assert out.index("memory estimate per rank (TP1 PP1 CP1 DP1 EP1") < out.index("iteration")
+    assert "largest: pipeline rank 0" in out
