@@ -189,8 +189,18 @@ FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
     "window_size", "moe_router_topk", "moe_router_pre_softmax",
-    "layernorm_zero_centered_gamma", "rotary_interleaved",
+    "layernorm_zero_centered_gamma", "rotary_interleaved", "window_attn_skip_freq",
+    "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
+    "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
 )
+
+# Megatron's --softmax-type: "vanilla" softmax, "off-by-one" (a zero logit in every
+# denominator) or "learnable" (a learned logit per head: gpt-oss's attention sinks).
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 # Megatron's --recompute-modules choices, and the ones this framework cannot take.
@@ -244,11 +254,35 @@ class TransformerConfig:
     # after the QKV projection and before RoPE.
     qk_layernorm: bool = False
     # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU) | "squared_relu" (relu(x)^2)
+    # | "quick_gelu" (x * sigmoid(1.702 x); gated: Megatron's --quick-geglu, gpt-oss's GLU)
     activation: str = "gelu"
     gated_linear_unit: bool = False
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute"|"rope"|"alibi"|"none"
+    # Megatron's --glu-linear-offset: the gated unit is act(gate) * (up + offset) (gpt-oss: 1).
+    glu_linear_offset: float = 0.0
+    # Megatron's --activation-func-clamp-value C: before the gated unit, gate <= C and
+    # -C <= up <= C (gpt-oss's swiglu_limit).
+    activation_func_clamp_value: Optional[float] = None
+    # "learned_absolute" | "rope" | "yarn" (RoPE with YaRN's scaling) | "alibi" | "none"
+    position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # Llama 3.x's RoPE frequency scaling (Megatron's --use-rope-scaling, --rope-scaling-factor;
+    # the other three are fixed at these values in Megatron and read from HF configs here).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    # YaRN, with position_embedding_type "yarn" (Megatron's config names; flags
+    # --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast,
+    # --yarn-beta-slow, --mscale, --mscale-all-dim, --[no-]yarn-correction-range-round-to-int).
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     # Megatron's --rotary-interleaved: RoPE rotates channel pairs (2i, 2i + 1) (RoFormer, Meta's
     # Llama) instead of (i, i + d/2) (GPT-NeoX, Hugging Face's Llama).
     rotary_interleaved: bool = False
@@ -258,6 +292,13 @@ class TransformerConfig:
     # keys i - left .. i + right; left -1 = unbounded. A decoder needs right == 0. Mistral's
     # `sliding_window` W is (W - 1, 0). None: full causal attention.
     window_size: Optional[Tuple[int, int]] = None
+    # Megatron's --window-attn-skip-freq: which layers use `window_size`. An int N: every N-th
+    # layer attends fully, the others through the window (gpt-oss: 2, sliding first); a 0/1
+    # list per layer (1 = window), or its pattern text "([1]*3+[0]*1)*2". None: every layer.
+    window_attn_skip_freq: Optional[Union[int, List[int], str]] = None
+    # Megatron's --softmax-type (SOFTMAX_TYPES): "learnable" adds one learned logit per head
+    # to every softmax denominator (attention sinks; `core_attention.softmax_offset`).
+    softmax_type: str = "vanilla"
     # Context parallelism's attention (Megatron's --cp-comm-type): "p2p" ring attention,
     # "all_gather" of keys/values, or "a2a" (all-to-all of heads and sequence, Ulysses).
     cp_comm_type: str = "p2p"
@@ -314,6 +355,9 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.window_size is not None:  # JSON (common.json, --smp-config) gives a list
             self.window_size = tuple(int(v) for v in self.window_size)
+        if isinstance(self.window_attn_skip_freq, str):  # the flag's text: one stored form
+            self.window_attn_skip_freq = parse_moe_layer_freq(self.window_attn_skip_freq,
+                                                              "--window-attn-skip-freq")
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
@@ -366,20 +410,22 @@ class TransformerConfig:
             f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}",
         )
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "alibi", "none"),
-            "--position-embedding-type must be one of learned_absolute, rope, alibi, none; got "
-            f"{self.position_embedding_type!r}",
+            self.position_embedding_type in ("learned_absolute", "rope", "yarn", "alibi", "none"),
+            "--position-embedding-type must be one of learned_absolute, rope, yarn, alibi, none;"
+            f" got {self.position_embedding_type!r}",
         )
+        self._validate_rope_scaling()
         _require(
             not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
         _require(
-            not self.rotary_interleaved or self.position_embedding_type == "rope",
+            not self.rotary_interleaved or self.uses_rotary_embedding(),
             "--rotary-interleaved only applies to rotary embeddings: add --position-embedding-type"
             f" rope, or drop it (got --position-embedding-type {self.position_embedding_type})",
         )
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
+        self._validate_gpt_oss_numerics()
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -405,6 +451,37 @@ class TransformerConfig:
                 "--sequence-parallel",
             )
 
+    def uses_rotary_embedding(self) -> bool:
+        """RoPE, plain or scaled (position_embedding_type "rope" or "yarn")."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.use_rope_scaling:
+            _require(
+                self.position_embedding_type == "rope",
+                "--use-rope-scaling (Llama 3.x) scales RoPE: it needs --position-embedding-type "
+                f"rope (got {self.position_embedding_type}; yarn has its own scaling)",
+            )
+            _require(
+                self.rope_scaling_factor >= 1.0
+                and 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+                and self.rope_scaling_original_max_position_embeddings >= 1,
+                f"--rope-scaling-factor ({self.rope_scaling_factor}) must be >= 1 and the "
+                f"low/high frequency factors ({self.rope_scaling_low_freq_factor}, "
+                f"{self.rope_scaling_high_freq_factor}) positive and increasing",
+            )
+        if self.position_embedding_type == "yarn":
+            _require(
+                self.yarn_rotary_scaling_factor > 0
+                and self.yarn_original_max_position_embeddings >= 1
+                and self.yarn_beta_fast > 0 and self.yarn_beta_slow > 0,
+                "--position-embedding-type yarn needs --rotary-scaling-factor > 0, "
+                "--yarn-original-max-position-embeddings >= 1 and positive --yarn-beta-fast / "
+                f"--yarn-beta-slow (got {self.yarn_rotary_scaling_factor}, "
+                f"{self.yarn_original_max_position_embeddings}, {self.yarn_beta_fast}, "
+                f"{self.yarn_beta_slow})",
+            )
+
     def _validate_context_parallel(self, tp: int, cp: int, seq_length: Optional[int],
                                    name: dict) -> None:
         cp_flag = name["context_parallel_size"]
@@ -427,6 +504,48 @@ class TransformerConfig:
                 f"tensor-model-parallel-size x context-parallel-size ({tp * cp}); use "
                 "--cp-comm-type p2p or all_gather",
             )
+
+    def _validate_gpt_oss_numerics(self) -> None:
+        _require(self.softmax_type in SOFTMAX_TYPES,
+                 f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got "
+                 f"{self.softmax_type!r}")
+        gated_only = [flag for flag, given in (
+            ("--glu-linear-offset", self.glu_linear_offset != 0.0),
+            ("--activation-func-clamp-value", self.activation_func_clamp_value is not None))
+            if given]
+        _require(not gated_only or self.gated_linear_unit,
+                 f"{', '.join(gated_only)} shape the gated linear unit: add --swiglu or "
+                 "--quick-geglu, or drop them")
+        clamp = self.activation_func_clamp_value
+        _require(clamp is None or (math.isfinite(clamp) and clamp > 0),
+                 f"--activation-func-clamp-value must be finite and > 0, got {clamp}")
+        if self.window_attn_skip_freq is not None:
+            _require(self.window_size is not None,
+                     "--window-attn-skip-freq chooses the layers that use --window-size: add "
+                     "--window-size LEFT,0, or drop it")
+            self.window_layer_pattern()  # raises for a malformed or wrong-length pattern
+
+    def window_layer_pattern(self) -> List[int]:
+        """1 for each (0-based) layer that attends through `window_size`, 0 for a layer with
+        full attention (Megatron's is_layer_window_attention)."""
+        if self.window_size is None or self.window_size[0] < 0:
+            return [0] * self.num_layers
+        if self.window_attn_skip_freq is None:
+            return [1] * self.num_layers
+        freq = parse_moe_layer_freq(self.window_attn_skip_freq, "--window-attn-skip-freq")
+        if isinstance(freq, int):
+            _require(freq >= 1, f"--window-attn-skip-freq must be >= 1, got {freq}")
+            return [int((index + 1) % freq != 0) for index in range(self.num_layers)]
+        _require(
+            len(freq) == self.num_layers and set(freq) <= {0, 1},
+            f"--window-attn-skip-freq pattern {freq} must hold one 0 or 1 per layer "
+            f"(--num-layers {self.num_layers})",
+        )
+        return list(freq)
+
+    def layer_window_size(self, layer_number: int) -> Optional[Tuple[int, int]]:
+        """The sliding window of global 1-based layer `layer_number`; None: full attention."""
+        return self.window_size if self.window_layer_pattern()[layer_number - 1] else None
 
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules
@@ -552,10 +671,11 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
 
-def parse_moe_layer_freq(text: Union[str, int, List[int]]) -> Union[int, List[int]]:
-    """Megatron's --moe-layer-freq: an int N (every N-th layer) or a 0/1 pattern such as
-    "([1]*3+[0]*1)*2" or "[1,0,1,0]", evaluated without `eval` (list displays of integers,
-    `+` and `*` only)."""
+def parse_moe_layer_freq(text: Union[str, int, List[int]],
+                         flag: str = "--moe-layer-freq") -> Union[int, List[int]]:
+    """Megatron's --moe-layer-freq (and --window-attn-skip-freq, `flag`, the same type): an
+    int N (every N-th layer) or a 0/1 pattern such as "([1]*3+[0]*1)*2" or "[1,0,1,0]",
+    evaluated without `eval` (list displays of integers, `+` and `*` only)."""
     import ast
 
     if isinstance(text, (int, list)):
@@ -591,7 +711,7 @@ def parse_moe_layer_freq(text: Union[str, int, List[int]]) -> Union[int, List[in
         pattern = None
     if not isinstance(pattern, (int, list)):
         raise ConfigError(
-            f"--moe-layer-freq {text!r}: give an integer N (every N-th layer is MoE) or a 0/1 "
+            f"{flag} {text!r}: give an integer N (every N-th layer) or a 0/1 "
             "list per layer such as \"([1]*3+[0]*1)*2\""
         )
     return pattern

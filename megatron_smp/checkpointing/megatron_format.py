@@ -191,7 +191,22 @@ _SAME_MEANING = {
     "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
     "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
     "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "use_rope_scaling": "use_rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
+    # YaRN: Megatron's flags without the yarn_ prefix fill its config's yarn_* fields.
+    "rotary_scaling_factor": "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow",
+    "mscale": "yarn_mscale", "mscale_all_dim": "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+    # gpt-oss: sinks, per-layer windows, the clamped GLU's offset and limit.
+    "softmax_type": "softmax_type", "window_size": "window_size",
+    "window_attn_skip_freq": "window_attn_skip_freq", "glu_linear_offset": "glu_linear_offset",
+    "activation_func_clamp_value": "activation_func_clamp_value",
 }
+# Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
+_MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
+                          "rope_scaling_high_freq_factor": 4.0,
+                          "rope_scaling_original_max_position_embeddings": 8192}
 # Megatron args that change the model in ways this reader does not map: refused when set.
 _UNMAPPED = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
              "virtual_pipeline_model_parallel_size", "multi_latent_attention", "mtp_num_layers",
@@ -214,6 +229,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
                                       else fields["num_attention_heads"])
     if args.get("swiglu"):
         fields.update(gated_linear_unit=True, activation="silu")
+    elif args.get("quick_geglu"):
+        fields.update(gated_linear_unit=True, activation="quick_gelu")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
     elif "swiglu" in args:
@@ -235,11 +252,21 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
 def args_from_config(config: TransformerConfig, tp: int, pp: int,
                      iteration: int) -> argparse.Namespace:
     """Megatron args describing `config` (what its --use-checkpoint-args and ours read)."""
+    if config.use_rope_scaling:
+        differing = [f"{name}={getattr(config, name)}" for name, value in
+                     _MEGATRON_LLAMA3_FIXED.items() if getattr(config, name) != value]
+        if differing:
+            raise CheckpointError(
+                f"Megatron-LM's Llama 3.x RoPE scaling has low/high frequency factors 1/4 and "
+                f"an original context of 8192 built in; this model has {', '.join(differing)}:"
+                " save it in our format (or HF) instead"
+            )
     args = {theirs: getattr(config, ours) for theirs, ours in _SAME_MEANING.items()}
     args.update(
         num_query_groups=config.num_query_groups,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         swiglu=config.gated_linear_unit and config.activation == "silu",
+        quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
         squared_relu=config.activation == "squared_relu",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",

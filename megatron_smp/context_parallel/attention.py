@@ -40,12 +40,15 @@ from megatron_smp.transformer.attention import (
     DotProductAttention,
     alibi_bias,
     alibi_slopes,
+    build_softmax_offset,
+    register_softmax_offset,
     sliding_window_mask,
 )
 from megatron_smp.transformer.spec import ModuleSpec
 
 class _ContextParallelCore(torch.nn.Module):
-    """What every context-parallel core attention knows: heads, group, window, ALiBi."""
+    """What every context-parallel core attention knows: heads, group, window, ALiBi, sinks
+    (`softmax_offset`, the same parameter as `DotProductAttention`'s)."""
 
     def __init__(
         self,
@@ -65,8 +68,10 @@ class _ContextParallelCore(torch.nn.Module):
         self.cp_rank = group_rank(state.cp_group)
         self.cp_global_ranks = state.group_ranks["cp"]
         self.attention_dropout = config.attention_dropout
-        window = config.window_size
+        window = config.layer_window_size(layer_number)
         self.window_size = window if window is not None and window[0] >= 0 else None
+        register_softmax_offset(self, build_softmax_offset(config, state.tp_group,
+                                                           self.num_heads, device))
         self.register_buffer("alibi_slopes", None, persistent=False)
         if config.position_embedding_type == "alibi":
             start = group_rank(state.tp_group) * self.num_heads
@@ -274,6 +279,25 @@ class _Blocks:
         return dk, dv
 
 
+def _merge_sinks(out, lse, sinks):
+    """The attention sinks enter the merged result once, after every block: the sink is one
+    more logit of the row's softmax with no value, so out scales by exp(lse - lse') with
+    lse' = logaddexp(lse, sink), and backward's probabilities use lse'."""
+    if sinks is None:
+        return out, lse
+    merged = torch.logaddexp(lse, sinks)
+    return out * torch.exp(lse - merged)[..., None], merged
+
+
+def _sinks_grad(sinks, lse, delta):
+    """d loss / d sink [1, ng, qpg, 1]: the sink column's softmax backward, p_sink * (0 -
+    rowsum(dO * O)) summed over this rank's rows (the CP ranks' shares add up in the grad
+    reduction over data x context-parallel ranks)."""
+    if sinks is None:
+        return None
+    return -(torch.exp(sinks - lse) * delta).sum(dim=(0, 3), keepdim=True)
+
+
 def _begin(q, dropout_p):
     rng_states = get_rng_tracker().get_states() if dropout_p > 0.0 else None
     out = torch.zeros_like(q)
@@ -287,7 +311,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     it, each rank adding its queries' share, until they are back with their owner."""
 
     @staticmethod
-    def forward(ctx, q, k, v, core, dropout_p):
+    def forward(ctx, q, k, v, sinks, core, dropout_p):
         rng_states, out, lse = _begin(q, dropout_p)
         blocks = _Blocks(core, q, dropout_p, rng_states)
         size, rank = core.cp_size, core.cp_rank
@@ -302,13 +326,14 @@ class _RingAttentionFunction(torch.autograd.Function):
             if requests:
                 kv = incoming
         blocks.finish_forward()
+        out, lse = _merge_sinks(out, lse, sinks)
         ctx.core, ctx.dropout_p, ctx.rng_states = core, dropout_p, rng_states
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         core = ctx.core
         blocks = _Blocks(core, q, ctx.dropout_p, ctx.rng_states)
         size, rank = core.cp_size, core.cp_rank
@@ -335,7 +360,7 @@ class _RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         _wait(dkv_requests)
         # After N hops the partial sums are home: the owner's keys, every rank's share.
-        return dq, dkv_incoming[0], dkv_incoming[1], None, None
+        return dq, dkv_incoming[0], dkv_incoming[1], _sinks_grad(sinks, lse, delta), None, None
 
 
 class _AllGatherAttentionFunction(torch.autograd.Function):
@@ -344,20 +369,21 @@ class _AllGatherAttentionFunction(torch.autograd.Function):
     skipped halves as the ring); backward reduce-scatters dK/dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, core, dropout_p, mask):
+    def forward(ctx, q, k, v, sinks, core, dropout_p, mask):
         rng_states, out, lse = _begin(q, dropout_p)
         blocks = _Blocks(core, q, dropout_p, rng_states, mask)
         gathered = _gather_first_dim(torch.stack([k, v]).unsqueeze(0), core.cp_group)
         for owner in range(core.cp_size):
             blocks.forward(owner, gathered[owner][0], gathered[owner][1], out, lse)
         blocks.finish_forward()
+        out, lse = _merge_sinks(out, lse, sinks)
         ctx.core, ctx.dropout_p, ctx.rng_states, ctx.mask = core, dropout_p, rng_states, mask
-        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.save_for_backward(q, gathered, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, gathered, out, lse = ctx.saved_tensors
+        q, gathered, out, lse, sinks = ctx.saved_tensors
         core = ctx.core
         blocks = _Blocks(core, q, ctx.dropout_p, ctx.rng_states, ctx.mask)
         grad_out = grad_out.contiguous()
@@ -369,7 +395,7 @@ class _AllGatherAttentionFunction(torch.autograd.Function):
                                      grad_out, delta, dq)
             d_gathered[owner] = torch.stack([dk, dv])
         dkv = _reduce_scatter_first_dim(d_gathered, core.cp_group)[0]
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq, dkv[0], dkv[1], _sinks_grad(sinks, lse, delta), None, None, None
 
 
 class RingAttention(_ContextParallelCore):
@@ -402,7 +428,11 @@ def _attend(core, function, query, key, value, attention_mask):
     v = value.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)
     dropout_p = core.attention_dropout if core.training else 0.0
     extra = () if function is _RingAttentionFunction else (attention_mask,)
-    out = function.apply(q.contiguous(), k.contiguous(), v.contiguous(), core, dropout_p, *extra)
+    sinks = None
+    if core.softmax_offset is not None:  # [nh] -> [1, ng, qpg, 1], beside lse [b, ng, qpg, s]
+        sinks = core.softmax_offset.to(dtype).view(1, core.num_groups, qpg, 1)
+    out = function.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, core, dropout_p,
+                         *extra)
     out = out.reshape(b, core.num_heads, s, core.head_dim).to(query.dtype)
     return out.permute(2, 0, 1, 3).reshape(s, b, core.num_heads * core.head_dim)
 
@@ -474,7 +504,11 @@ class AllToAllAttention(_ContextParallelCore):
     def __init__(self, config, state, layer_number=1, device=None):
         super().__init__(config, state, layer_number, device)
         heads = self.num_heads // self.cp_size
-        self.inner = DotProductAttention(config, state, layer_number, device)
+        # The sinks are this module's (same name as without CP); the inner attention takes
+        # this CP rank's share of them each forward.
+        self.inner = DotProductAttention(config.replace(softmax_type="vanilla"), state,
+                                         layer_number, device)
+        self.head_share = slice(self.cp_rank * heads, (self.cp_rank + 1) * heads)
         # The inner attention sees this CP rank's slice of the TP rank's heads.
         self.inner.num_heads_per_partition = heads
         if self.inner.use_alibi:
@@ -492,7 +526,8 @@ class AllToAllAttention(_ContextParallelCore):
         order = gathered_order(q.shape[0], self.cp_size, q.device)
         to_global = torch.argsort(order)
         q, k, v = (t.index_select(0, to_global) for t in (q, k, v))
-        context = self.inner(q, k, v)  # [s, b, nh/N * d], causal over the whole sequence
+        sinks = None if self.softmax_offset is None else self.softmax_offset[self.head_share]
+        context = self.inner(q, k, v, None, sinks)  # [s, b, nh/N * d], causal, whole sequence
         context = context.index_select(0, order)
         s, b = context.shape[:2]
         context = context.reshape(s, b, self.num_heads // self.cp_size, self.head_dim)

@@ -33,6 +33,7 @@ from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.random import get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
+from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
 from megatron_smp.transformer.layer import get_gpt_layer_spec
 from megatron_smp.transformer.moe.moe_layer import moe_layer_spec
@@ -168,10 +169,10 @@ class GPTModel(torch.nn.Module):
                 self.embedding = LanguageModelEmbedding(config, state, device=device)
 
         self.rotary_pos_emb = None
-        if config.position_embedding_type == "rope":
+        if config.uses_rotary_embedding():
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base, device=device,
-                interleaved=config.rotary_interleaved,
+                interleaved=config.rotary_interleaved, scaling=rope_scaling_of(config),
             )
 
         self.decoder = TransformerBlock(

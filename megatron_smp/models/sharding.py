@@ -51,6 +51,8 @@ def default_layout(config: TransformerConfig) -> Layout:
         "decoder.layers.*.mlp.linear_fc1.weight": (0, fc1_stride),
         "decoder.layers.*.mlp.linear_fc1.bias": (0, fc1_stride),
         "decoder.layers.*.mlp.linear_fc2.weight": (1, 1),
+        # Attention sinks (--softmax-type learnable): one per head, split with the heads.
+        "decoder.layers.*.self_attention.core_attention.softmax_offset": (0, 1),
     }
     if config.num_moe_experts is not None:
         for mlp in ("mlp.experts.local_experts.*.", "mlp.shared_experts."):

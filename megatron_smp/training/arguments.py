@@ -74,7 +74,7 @@ def _int_pair(text: str):
         raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
 
 
-_CHOICES_POSITION = ["learned_absolute", "rope", "alibi", "none"]
+_CHOICES_POSITION = ["learned_absolute", "rope", "yarn", "alibi", "none"]
 
 _FLAGS: List[_Flag] = [
     # Model shape.
@@ -97,6 +97,27 @@ _FLAGS: List[_Flag] = [
        action="store_true"),
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
+    # Llama 3.x's RoPE scaling (Megatron's flags; the last three are fixed in Megatron).
+    _f("--use-rope-scaling", "model", action="store_true"),
+    _f("--rope-scaling-factor", "model", type=float),
+    _f("--rope-scaling-low-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths above original context / this are divided by "
+       "the factor (default 1, Llama 3.1's)"),
+    _f("--rope-scaling-high-freq-factor", "model", type=float,
+       help="--use-rope-scaling: wavelengths below original context / this are kept "
+       "(default 4)"),
+    _f("--rope-scaling-original-max-position-embeddings", "model", type=int,
+       help="--use-rope-scaling: the pretraining context (default 8192)"),
+    # YaRN, with --position-embedding-type yarn (Megatron's flags and defaults).
+    _f("--rotary-scaling-factor", "model", "yarn_rotary_scaling_factor", type=float),
+    _f("--yarn-original-max-position-embeddings", "model", type=int),
+    _f("--yarn-beta-fast", "model", type=float),
+    _f("--yarn-beta-slow", "model", type=float),
+    _f("--mscale", "model", "yarn_mscale", type=float),
+    _f("--mscale-all-dim", "model", "yarn_mscale_all_dim", type=float),
+    _f("--yarn-correction-range-round-to-int", "model", action="store_true", default=None),
+    _f("--no-yarn-correction-range-round-to-int", "model",
+       "yarn_correction_range_round_to_int", action="store_false", default=None),
     # Model numerics (Megatron's semantics; see README "Model numerics flags").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
@@ -109,6 +130,19 @@ _FLAGS: List[_Flag] = [
     _f("--window-size", "model", type=_int_pair, metavar="LEFT,RIGHT",
        help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (Mistral's "
        "sliding_window W is W-1,0)"),
+    _f("--window-attn-skip-freq", "model", metavar="N|PATTERN",
+       help="which layers use --window-size: every N-th layer attends fully, or a 0/1 list "
+       "per layer (1 = window) such as \"[1,0]*2\" (gpt-oss: 2)"),
+    _f("--softmax-type", "model", choices=["vanilla", "off-by-one", "learnable"],
+       default="vanilla",
+       help="learnable: a learned logit per head in every attention softmax (gpt-oss's sinks)"),
+    _f("--quick-geglu", None, "quick_geglu", action="store_true",
+       help="gated MLP with x * sigmoid(1.702 x) (gpt-oss's experts)"),
+    _f("--glu-linear-offset", "model", type=float, default=0.0,
+       help="gated unit act(gate) * (up + OFFSET) (gpt-oss: 1)"),
+    _f("--activation-func-clamp-value", "model", type=float,
+       help="clamp the gate from above and up on both sides before the gated unit "
+       "(gpt-oss's swiglu_limit, 7)"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--attention-dropout", "model", type=float, default=0.1),
@@ -409,6 +443,28 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 }
 
 
+# Flags that only mean something with Llama 3.x scaling or with YaRN.
+_LLAMA3_ROPE_FLAGS = ("--rope-scaling-factor", "--rope-scaling-low-freq-factor",
+                      "--rope-scaling-high-freq-factor",
+                      "--rope-scaling-original-max-position-embeddings")
+_YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
+               "--yarn-beta-fast", "--yarn-beta-slow", "--mscale", "--mscale-all-dim",
+               "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
+
+
+def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> None:
+    """Scaling flags without the RoPE they scale are an error, never silently unused."""
+    given = {token.split("=", 1)[0] for token in argv}
+    llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
+    if llama3 and not model.get("use_rope_scaling"):
+        raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
+                          "--use-rope-scaling, or drop them")
+    yarn = sorted(given & set(_YARN_FLAGS))
+    if yarn and model.get("position_embedding_type") != "yarn":
+        raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
+                          "yarn, or drop them")
+
+
 # The --moe-* flags that exist; any other is an error (never silently ignored).
 _MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
 
@@ -607,11 +663,18 @@ def parse_args(
         raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
+    _check_rope_scaling_flags(argv, model)
+    activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
+                                            ("--swiglu", args.swiglu),
+                                            ("--openai-gelu", args.openai_gelu),
+                                            ("--quick-geglu", args.quick_geglu)) if given]
+    if len(activations) > 1:
+        raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
     if args.squared_relu:
-        if args.swiglu or args.openai_gelu:
-            raise ConfigError("--squared-relu picks the MLP activation, as do --swiglu and "
-                              "--openai-gelu; give one")
         model["activation"] = "squared_relu"
+    if args.quick_geglu:  # Megatron: quick_gelu gated, ffn size as given (no 2/3 rule)
+        model["gated_linear_unit"] = True
+        model["activation"] = "quick_gelu"
     if args.swiglu:
         model["gated_linear_unit"] = True
         model["activation"] = "silu"
@@ -619,8 +682,6 @@ def parse_args(
             # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
-        if args.swiglu:
-            raise ConfigError("--openai-gelu and --swiglu are mutually exclusive; pick one")
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
     if args.disable_bias_linear:
         model["add_bias_linear"] = False

@@ -52,20 +52,32 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     scores and values 2*q*s (the causal mask halves the full square 4*q*s), output projection
     2*q*h, MLP 2*h*f*(3 if gated else 2), for an MoE layer topk routed experts of
     moe_ffn_hidden_size plus the shared expert; plus the logits 2*h*V.
+    Beyond Megatron (whose formula has no sliding windows): a layer attending through a
+    window of W keys (--window-size, --window-attn-skip-freq) counts 2*q*(2*W - W^2/s) for
+    scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
+    (W keys each once the window is full); W >= s is the causal term. A gated MLP counts 3
+    GEMMs for --quick-geglu too (Megatron counts 3 only for --swiglu).
     Returns FLOPs for `global_batch_size` sequences of `seq_length` tokens.
     """
     h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     kv = config.num_query_groups * config.kv_channels
     mlp_factor = 3 if config.gated_linear_unit else 2
-    attention = h * (q + 2 * kv) + q * seq_length + q * h
+    windowed_layers = sum(config.window_layer_pattern())
+    keys = seq_length  # twice the mean keys per query of causal attention (s / 2)
+    if windowed_layers and config.window_size[0] + 1 < seq_length:
+        window = config.window_size[0] + 1
+        keys = 2 * window - window * window / seq_length
+    core = q * (seq_length * (config.num_layers - windowed_layers) + keys * windowed_layers)
+    attention = h * (q + 2 * kv) + q * h
     num_moe_layers = sum(config.moe_layer_pattern())
     num_dense_layers = config.num_layers - num_moe_layers
     mlp = config.ffn_hidden_size * num_dense_layers
     if num_moe_layers:
         shared = config.moe_shared_expert_intermediate_size or 0
         mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
-    per_token = (mlp_factor * h * mlp + config.num_layers * attention + h * padded_vocab_size)
+    per_token = (mlp_factor * h * mlp + config.num_layers * attention + core
+                 + h * padded_vocab_size)
     return 6.0 * per_token * seq_length * global_batch_size
 
 

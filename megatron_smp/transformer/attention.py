@@ -29,7 +29,9 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
@@ -45,6 +47,8 @@ class RotaryEmbedding(torch.nn.Module):
     By default the rotated channels use the "rotate half" pairing (channel i with i + d/2),
     as in GPT-NeoX and Hugging Face's Llama, so their q/k weights load without a permutation;
     `interleaved` pairs channels 2i and 2i + 1 (Megatron's --rotary-interleaved).
+    `scaling` (see `transformer.rope`): Llama 3.x's frequency scaling or YaRN, whose
+    attention scaling multiplies the returned cos and sin.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_base: float = 10000.0,
         device: Optional[torch.device] = None,
         interleaved: bool = False,
+        scaling: Optional[RopeScaling] = None,
     ) -> None:
         super().__init__()
         self.interleaved = interleaved
@@ -64,8 +69,8 @@ class RotaryEmbedding(torch.nn.Module):
                 " must be even and >= 2"
             )
         self.dim = dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (rotary_base ** exponents)
+        self.scaling = scaling
+        inv_freq, self.attention_scaling = rope_frequencies(dim, rotary_base, scaling)
         if device is not None and torch.device(device).type != "meta":
             inv_freq = inv_freq.to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -86,6 +91,8 @@ class RotaryEmbedding(torch.nn.Module):
             emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:  # YaRN's mscale, on cos and sin as HF applies it
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
 
 
@@ -170,6 +177,57 @@ def sliding_window_mask(
 # Core attention ----------------------------------------------------------------------------------
 
 
+def build_softmax_offset(config: TransformerConfig, tp_group: ProcessGroup,
+                         num_local_heads: int,
+                         device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """The per-head logit every softmax denominator also holds (Megatron's `softmax_offset`,
+    --softmax-type): a Parameter [nh_local] of this rank's heads for "learnable" (gpt-oss's
+    attention sinks; the full [nh] drawn on the CPU, N(0, init_method_std), then this rank's
+    contiguous heads, so it does not depend on TP), zeros for "off-by-one", None for "vanilla".
+    """
+    if config.softmax_type == "vanilla":
+        return None
+    start = group_rank(tp_group) * num_local_heads
+    if config.softmax_type == "off-by-one":
+        zeros = torch.zeros(num_local_heads, dtype=config.params_dtype)
+        return zeros if device is None or torch.device(device).type == "meta" else zeros.to(device)
+    master = torch.empty(config.num_attention_heads)
+    init_method_normal(config.init_method_std)(master)
+    offset = torch.nn.Parameter(
+        torch.empty(num_local_heads, dtype=config.params_dtype, device=device))
+    if offset.device.type != "meta":
+        with torch.no_grad():
+            offset.copy_(master[start : start + num_local_heads])
+    set_tensor_model_parallel_attributes(offset, True, 0, 1)
+    return offset
+
+
+def register_softmax_offset(module: torch.nn.Module, offset: Optional[torch.Tensor]) -> None:
+    """`module.softmax_offset`: a parameter (learnable), a non-persistent buffer (the fixed
+    zeros of off-by-one), or None."""
+    if isinstance(offset, torch.nn.Parameter) or offset is None:
+        module.softmax_offset = offset
+    else:
+        module.register_buffer("softmax_offset", offset, persistent=False)
+
+
+def _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale):
+    """softmax over [scores, sink] per row, the sink column dropped: q [b, nq, sq, d],
+    k/v [b, nkv, sk, d], sinks [nq], mask additive float [.., sq, sk] or None."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(value.dtype), value)
+
+
 def core_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -179,13 +237,27 @@ def core_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     bias: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """SDPA over q [b, nq, s, d], k/v [b, nkv, s, d] (nkv divides nq: grouped-query).
 
     `attention_mask` is bool, True = masked, broadcastable to [b, nq, s, s]; `bias` an
     additive float bias (ALiBi). Without either, `causal` uses the kernel's own causal path.
+    `sinks` [nq]: one more logit per head in every softmax denominator (no value); SDPA has
+    no such input, so these are computed with explicit scores (like HF's eager gpt-oss).
     Returns [b, nq, s, d].
     """
+    if sinks is not None:
+        mask = bias
+        if attention_mask is None and causal:
+            s_q, s_k = query.shape[-2], key.shape[-2]
+            attention_mask = torch.ones(s_q, s_k, dtype=torch.bool,
+                                        device=query.device).triu(1)
+        if attention_mask is not None:
+            base = mask if mask is not None else torch.zeros(
+                attention_mask.shape, dtype=query.dtype, device=query.device)
+            mask = base.masked_fill(attention_mask, float("-inf"))
+        return _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale)
     gqa = query.shape[1] != key.shape[1]
     if attention_mask is None and bias is None:
         return F.scaled_dot_product_attention(
@@ -206,7 +278,8 @@ def core_attention(
 
 class DotProductAttention(torch.nn.Module):
     """Core attention of this rank's heads: softmax(q k^T / sqrt(d) + mask) v, through SDPA,
-    with sliding window, ALiBi and attention dropout.
+    with sliding window (this layer's, `layer_window_size`), ALiBi, attention sinks
+    (`softmax_offset`, --softmax-type) and attention dropout.
 
     forward(query [s, b, nh_local, d], key/value [s, b, ng_local, d], attention_mask=None)
     -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked;
@@ -225,8 +298,12 @@ class DotProductAttention(torch.nn.Module):
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
-        # (-1, 0) is plain causal attention: keep SDPA's causal kernel for it.
-        self.window_size = config.window_size if (config.window_size or (-1,))[0] >= 0 else None
+        # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
+        # keep SDPA's causal kernel for it.
+        window = config.layer_window_size(layer_number)
+        self.window_size = window if (window or (-1,))[0] >= 0 else None
+        register_softmax_offset(self, build_softmax_offset(
+            config, tp_group, self.num_heads_per_partition, device))
         self.use_alibi = config.position_embedding_type == "alibi"
         if self.use_alibi:
             # Slopes of the full head set, then this rank's heads (contiguous, like the qkv split).
@@ -237,7 +314,11 @@ class DotProductAttention(torch.nn.Module):
                 slopes = slopes.to(device)
             self.register_buffer("alibi_slopes", slopes, persistent=False)
 
-    def forward(self, query, key, value, attention_mask=None):
+    def forward(self, query, key, value, attention_mask=None, softmax_offset=None):
+        """`softmax_offset` [nh_local]: the sinks of these heads when an outer module owns
+        them (Ulysses' head share); default this module's own (--softmax-type)."""
+        if softmax_offset is None:
+            softmax_offset = self.softmax_offset
         s, b = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -254,9 +335,10 @@ class DotProductAttention(torch.nn.Module):
             # Heads are split over TP ranks: each rank drops its own heads' probabilities.
             with get_rng_tracker().fork():
                 context = core_attention(query, key, value, attention_mask, True, dropout_p,
-                                         None, bias)
+                                         None, bias, softmax_offset)
         else:
-            context = core_attention(query, key, value, attention_mask, True, 0.0, None, bias)
+            context = core_attention(query, key, value, attention_mask, True, 0.0, None, bias,
+                                     softmax_offset)
         # [b, n, s, d] -> [s, b, n * d]
         width = self.num_heads_per_partition * self.head_dim
         return context.permute(2, 0, 1, 3).reshape(s, b, width)
@@ -486,6 +568,8 @@ __all__ = [
     "alibi_bias",
     "sliding_window_mask",
     "core_attention",
+    "build_softmax_offset",
+    "register_softmax_offset",
     "DotProductAttention",
     "SelfAttention",
     "FlashSelfAttention",

@@ -29,8 +29,12 @@ def _squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(F.relu(x), 2)  # Megatron's squared_relu (Primer, So et al. 2021)
 
 
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)  # Megatron's quick_gelu (gpt-oss's GLU, alpha 1.702)
+
+
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu,
-                "squared_relu": _squared_relu}
+                "squared_relu": _squared_relu, "quick_gelu": _quick_gelu}
 
 
 def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -39,6 +43,20 @@ def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
             f"activation {name!r} is not supported; use one of {sorted(_ACTIVATIONS)}"
         )
     return _ACTIVATIONS[name]
+
+
+def gated_linear_unit(intermediate: torch.Tensor, activation: Callable, config) -> torch.Tensor:
+    """[..., 2f] = [gate, up] -> activation(gate) * (up + glu_linear_offset) [..., f], the
+    gate clamped from above and up on both sides by `activation_func_clamp_value` if set
+    (gpt-oss's clamped SwiGLU). Shared by the dense MLP and the experts."""
+    gate, up = intermediate.chunk(2, dim=-1)
+    limit = config.activation_func_clamp_value
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    if config.glu_linear_offset:
+        up = up + config.glu_linear_offset
+    return activation(gate) * up
 
 
 class MLP(torch.nn.Module):
@@ -55,6 +73,7 @@ class MLP(torch.nn.Module):
         """`tp_group` overrides `state.tp_group` (e.g. for an expert's own TP group)."""
         super().__init__()
         tp_group = state.tp_group if tp_group is None else tp_group
+        self.config = config
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         init_method = init_method_normal(config.init_method_std)
@@ -89,12 +108,11 @@ class MLP(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden_states)
         if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation(gate) * up
+            intermediate = gated_linear_unit(intermediate, self.activation, self.config)
         else:
             intermediate = self.activation(intermediate)
         output, _ = self.linear_fc2(intermediate)
         return output
 
 
-__all__ = ["MLP", "activation_function"]
+__all__ = ["MLP", "activation_function", "gated_linear_unit"]

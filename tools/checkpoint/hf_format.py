@@ -10,9 +10,16 @@ Writing assigns the converted tensors to the HF model built on the meta device (
 calls `save_pretrained` (config.json, generation_config.json, safetensors, the file names of
 the installed transformers); then the directory is loaded back with `from_pretrained` and
 compared bit for bit, and mapped back to the framework and compared again.
+
+An MXFP4 checkpoint (`quantization_config.quant_method: mxfp4`, the published gpt-oss) is read
+from its safetensors files directly: each `*_blocks` + `*_scales` pair is dequantized to bf16
+(`models.hf.mxfp4`), the names and shapes are checked against the HF model of the config like
+any other checkpoint, and the config loses its `quantization_config`, so what is written back
+(HF export) is the bf16 model.
 """
 from __future__ import annotations
 
+import glob
 import os
 from typing import Dict, Mapping, Optional
 
@@ -20,6 +27,7 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import config_to_hf, family_of, get_adapter
+from megatron_smp.models.hf.mxfp4 import dequantize_state_dict, is_mxfp4
 from tools.checkpoint.common import (
     architecture,
     compare_state_dicts,
@@ -67,15 +75,49 @@ def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
             f"{load_dir}/config.json is a {found!r} model but --model-type is {model_type}; "
             "pass the model type of the checkpoint"
         )
-    model = _from_pretrained(load_dir, "--load-dir")
-    config = get_adapter(family).config_from_hf(model.config)
-    hf_sd = dict(model.state_dict())
+    hf_config = AutoConfig.from_pretrained(load_dir)
+    if is_mxfp4(hf_config):
+        hf_config, hf_sd = _read_mxfp4(load_dir, hf_config)
+    else:
+        model = _from_pretrained(load_dir, "--load-dir")
+        hf_config, hf_sd = model.config, dict(model.state_dict())
+    config = get_adapter(family).config_from_hf(hf_config)
     if not config.untie_embeddings_and_output_weights:
         del hf_sd[HEAD]
     dtypes = {t.dtype for t in hf_sd.values()}
     if len(dtypes) == 1:
         config = config.replace(params_dtype=dtypes.pop())
-    return model.config, config, hf_sd
+    return hf_config, config, hf_sd
+
+
+def _read_mxfp4(load_dir: str, hf_config):
+    """(the config without its quantization, the bf16 state dict) of an MXFP4 checkpoint, its
+    names and shapes checked against the HF model of that config."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(load_dir, "*.safetensors")))
+    if not files:
+        raise ConfigError(f"--load-dir {load_dir}: config.json says MXFP4 (quantization_config) "
+                          "but there are no *.safetensors files")
+    raw: Dict[str, torch.Tensor] = {}
+    for path in files:
+        raw.update(load_file(path))
+    try:
+        hf_sd = dequantize_state_dict(raw)
+    except ValueError as error:
+        raise ConfigError(f"--load-dir {load_dir}: {error}") from error
+    del hf_config.quantization_config
+    expected = meta_hf_model(hf_config).state_dict()
+    if hf_config.tie_word_embeddings:  # the file need not hold the tied head
+        hf_sd.setdefault(HEAD, hf_sd.get("model.embed_tokens.weight"))
+    problems = [f"{k}: missing" for k in sorted(set(expected) - set(hf_sd))]
+    problems += [f"{k}: unexpected" for k in sorted(set(hf_sd) - set(expected))]
+    problems += [f"{k}: shape {list(hf_sd[k].shape)}, expected {list(v.shape)}"
+                 for k, v in expected.items() if k in hf_sd and hf_sd[k].shape != v.shape]
+    if problems:
+        raise ConfigError(f"--load-dir {load_dir} does not match its config.json (MXFP4 "
+                          f"dequantized): {listing(problems)}")
+    return hf_config, hf_sd
 
 
 def hf_state_dict_from_framework(family: str, config: TransformerConfig,

@@ -117,12 +117,13 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     where = describe(checkpoint)
     saved = read_args(checkpoint)
     given = _given_args(cli)
-    # Tying and SwiGLU decide how the tensors are read: settle them first.
+    # Tying and a gated MLP decide how the tensors are read: settle them first.
     # Without args, an output layer stored apart from the embedding means untied.
     untie = saved.get("untie_embeddings_and_output_weights") if saved else True
     swiglu = (saved or given).get("swiglu", False)
+    gated = swiglu or (saved or given).get("quick_geglu", False)  # gpt-oss's gated MLP
     probe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8,
-                              max_position_embeddings=8, gated_linear_unit=bool(swiglu),
+                              max_position_embeddings=8, gated_linear_unit=bool(gated),
                               activation="silu" if swiglu else "gelu",
                               untie_embeddings_and_output_weights=bool(untie),
                               num_moe_experts=(saved or given).get("num_experts"))

@@ -5,7 +5,7 @@
     full = adapter.from_hf(hf_model.state_dict(), config)    # TP=1 GPTModel state dict
     shard = shard_state_dict(full, config, tp_size, tp_rank)
 
-A new family is one more module listed in `_FAMILIES` (Mixtral and Qwen2-MoE carry experts:
+A new family is one more module listed in `_FAMILIES` (Mixtral, Qwen2-MoE and Qwen3-MoE carry experts:
 their full state dicts name every expert by its global index).
 """
 from __future__ import annotations
@@ -14,11 +14,14 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, llama, mixtral, qwen2_moe
+from megatron_smp.models.hf import (
+    gpt2, gpt_neox, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3_moe,
+)
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
-             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "gpt_neox": gpt_neox, "mixtral": mixtral, "qwen2": qwen2, "qwen2_moe": qwen2_moe,
+             "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
 
 
 def _architecture_index() -> dict:
@@ -77,7 +80,10 @@ __all__ = [
     "llama",
     "gpt_neox",
     "mixtral",
+    "qwen2",
     "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
 ]
 
 # SMP v1's translate_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family>.

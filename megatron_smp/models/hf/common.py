@@ -1,5 +1,6 @@
 """Pieces shared by the Hugging Face adapters: vocabulary padding, fused QKV packing,
-rope-parameter reading, and the framework's parameter names.
+RoPE parameters both ways (`rope_fields_from_hf`, `rope_parameters_to_hf`: default, Llama 3.x
+and YaRN), and the framework's parameter names.
 
 Every adapter module (gpt2, llama, gpt_neox, ...) provides
 
@@ -20,6 +21,7 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict  # noqa: F401
+from megatron_smp.transformer.rope import YarnRopeScaling, rope_scaling_of
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -79,13 +81,18 @@ def unpack_qkv(
     )
 
 
+# HF families with per-head query/key RMSNorms (our --qk-layernorm).
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+
 def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -> StateDict:
     """Our full state dict with its norm weights as HF stores them: + 1 when they are stored
     zero-centred (--apply-layernorm-1p, y = norm(x) * (1 + w)); HF has no such setting.
     Raises ConfigError for numerics `family` cannot express."""
-    if config.qk_layernorm and family != "qwen3":
+    if config.qk_layernorm and family not in QK_NORM_FAMILIES:
         raise ConfigError(f"--qk-layernorm: Hugging Face {family} models have no query/key norms;"
-                          " of the converted families only qwen3 has them")
+                          f" of the converted families only {', '.join(QK_NORM_FAMILIES)} have "
+                          "them")
     if config.rotary_interleaved and family not in ("llama", "qwen3"):
         raise ConfigError(f"--rotary-interleaved: Hugging Face {family} rotates channel halves; "
                           "reordering its q/k rows is built for the Llama-style families only")
@@ -105,19 +112,106 @@ def norms_from_hf(state_dict: StateDict, config: TransformerConfig) -> StateDict
 
 
 def rope_parameters(hf_config) -> dict:
-    """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes."""
+    """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes
+    (`rope_theta`, `rope_scaling`). The plain dict, with rope_type and rope_theta set."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if "rope_theta" not in params and hasattr(hf_config, "rope_theta"):
-        params["rope_theta"] = hf_config.rope_theta
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
     if legacy_scaling and "rope_type" not in params:
+        params.update(legacy_scaling)
         params["rope_type"] = legacy_scaling.get("rope_type", legacy_scaling.get("type"))
+    if "rope_theta" not in params and hasattr(hf_config, "rope_theta"):
+        params["rope_theta"] = hf_config.rope_theta
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", 10000.0)
-    if params["rope_type"] != "default":
-        raise ConfigError(
-            f"RoPE scaling {params['rope_type']!r} is not supported; only the default RoPE "
-            "(rope_type='default') converts"
+    return params
+
+
+def _get(params: dict, key: str, default):
+    value = params.get(key)
+    return default if value is None else value
+
+
+def rope_fields_from_hf(hf_config) -> dict:
+    """TransformerConfig fields of an HF config's RoPE: rotary_base, and Llama 3.x scaling
+    (rope_type "llama3": use_rope_scaling, rope_scaling_*) or YaRN (rope_type "yarn":
+    position_embedding_type "yarn", yarn_*). ConfigError for other rope types."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    fields = {"position_embedding_type": "rope", "rotary_base": float(params["rope_theta"])}
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "default":
+        return fields
+    if rope_type == "llama3":
+        fields.update(
+            use_rope_scaling=True,
+            rope_scaling_factor=float(params["factor"]),
+            rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
+            rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
+            rope_scaling_original_max_position_embeddings=int(
+                original or hf_config.max_position_embeddings),
+        )
+        return fields
+    if rope_type == "yarn":
+        original = int(original or hf_config.max_position_embeddings)
+        factor = params.get("factor")
+        if factor is None:  # DeepSeek-style: the ratio of the contexts
+            factor = hf_config.max_position_embeddings / original
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if not (mscale and mscale_all_dim):
+            # HF then uses 0.1 ln(factor) + 1 alone: Megatron's ratio with (1, 0).
+            mscale, mscale_all_dim = 1.0, 0.0
+        fields.update(
+            position_embedding_type="yarn",
+            yarn_rotary_scaling_factor=float(factor),
+            yarn_original_max_position_embeddings=original,
+            yarn_beta_fast=float(_get(params, "beta_fast", 32.0) or 32.0),
+            yarn_beta_slow=float(_get(params, "beta_slow", 1.0) or 1.0),
+            yarn_mscale=float(mscale),
+            yarn_mscale_all_dim=float(mscale_all_dim),
+            yarn_correction_range_round_to_int=bool(_get(params, "truncate", True)),
+        )
+        attention_factor = params.get("attention_factor")
+        if attention_factor is not None:
+            derived = YarnRopeScaling(factor=float(factor), mscale=float(mscale),
+                                      mscale_all_dim=float(mscale_all_dim)).attention_scaling()
+            if abs(float(attention_factor) - derived) > 1e-9:
+                raise ConfigError(
+                    f"YaRN attention_factor {attention_factor} differs from the one its factor "
+                    f"and mscale give ({derived}); Megatron's YaRN (and ours) derive it, so an "
+                    "explicit attention_factor does not convert"
+                )
+        return fields
+    raise ConfigError(
+        f"RoPE scaling {rope_type!r} is not supported; default, llama3 (Llama 3.x) and yarn "
+        "convert"
+    )
+
+
+def rope_parameters_to_hf(config: TransformerConfig) -> dict:
+    """The HF `rope_parameters` dict of `config`'s RoPE (inverse of `rope_fields_from_hf`)."""
+    params = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.position_embedding_type == "yarn":
+        params.update(
+            rope_type="yarn",
+            factor=config.yarn_rotary_scaling_factor,
+            original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+            beta_fast=config.yarn_beta_fast,
+            beta_slow=config.yarn_beta_slow,
+            truncate=config.yarn_correction_range_round_to_int,
+        )
+        if config.yarn_mscale and config.yarn_mscale_all_dim:
+            params.update(mscale=config.yarn_mscale, mscale_all_dim=config.yarn_mscale_all_dim)
+        elif (config.yarn_mscale, config.yarn_mscale_all_dim) != (1.0, 0.0):
+            # A ratio HF's mscale fields cannot express: state the factor itself.
+            params["attention_factor"] = rope_scaling_of(config).attention_scaling()
+    elif config.use_rope_scaling:
+        params.update(
+            rope_type="llama3",
+            factor=config.rope_scaling_factor,
+            low_freq_factor=config.rope_scaling_low_freq_factor,
+            high_freq_factor=config.rope_scaling_high_freq_factor,
+            original_max_position_embeddings=(
+                config.rope_scaling_original_max_position_embeddings),
         )
     return params
 
@@ -134,6 +228,8 @@ __all__ = [
     "pack_qkv",
     "unpack_qkv",
     "rope_parameters",
+    "rope_fields_from_hf",
+    "rope_parameters_to_hf",
     "norms_to_hf",
     "norms_from_hf",
     "shard_state_dict",

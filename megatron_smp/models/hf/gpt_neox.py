@@ -19,7 +19,9 @@ from megatron_smp.models.hf.common import (
     norms_from_hf,
     norms_to_hf,
     pad_vocab,
+    rope_fields_from_hf,
     rope_parameters,
+    rope_parameters_to_hf,
     unpad_vocab,
 )
 
@@ -68,9 +70,8 @@ def config_from_hf(hf_config) -> TransformerConfig:
         normalization="LayerNorm",
         layernorm_epsilon=hf_config.layer_norm_eps,
         activation=_ACTIVATIONS_FROM_HF[hf_config.hidden_act],
-        position_embedding_type="rope",
-        rotary_base=float(rope["rope_theta"]),
         rotary_percent=float(rotary_percent),
+        **rope_fields_from_hf(hf_config),
         parallel_residual=hf_config.use_parallel_residual,
         add_bias_linear=True,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
@@ -84,7 +85,7 @@ def config_to_hf(config: TransformerConfig):
     from transformers import GPTNeoXConfig
 
     if config.gated_linear_unit or config.normalization != "LayerNorm" or (
-        config.position_embedding_type != "rope"
+        not config.uses_rotary_embedding()
     ) or config.num_query_groups != config.num_attention_heads or not config.add_bias_linear:
         raise ConfigError("this config is not a GPT-NeoX (LayerNorm, RoPE, MHA, GeLU, biases)")
     if config.activation not in _ACTIVATIONS_TO_HF:
@@ -104,11 +105,8 @@ def config_to_hf(config: TransformerConfig):
         attention_dropout=config.attention_dropout,
         initializer_range=config.init_method_std,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": config.rotary_base,
-            "partial_rotary_factor": config.rotary_percent,
-        },
+        rope_parameters=dict(rope_parameters_to_hf(config),
+                             partial_rotary_factor=config.rotary_percent),
         bos_token_id=0,
         eos_token_id=min(2, config.vocab_size - 1),
     )

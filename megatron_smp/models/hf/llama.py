@@ -12,7 +12,7 @@ attends to keys i - W + 1 .. i, as in Hugging Face's sliding-window mask.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -27,7 +27,8 @@ from megatron_smp.models.hf.common import (
     norms_to_hf,
     pack_qkv,
     pad_vocab,
-    rope_parameters,
+    rope_fields_from_hf,
+    rope_parameters_to_hf,
     unpack_qkv,
     unpad_vocab,
 )
@@ -65,7 +66,6 @@ def config_from_hf(hf_config) -> TransformerConfig:
         raise ConfigError(f"Llama hidden_act {hf_config.hidden_act!r} is not supported (silu)")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise ConfigError("Llama attention_bias / mlp_bias are not supported; set them False")
-    rope = rope_parameters(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     sliding_window = getattr(hf_config, "sliding_window", None)
@@ -88,8 +88,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         layernorm_epsilon=hf_config.rms_norm_eps,
         activation="silu",
         gated_linear_unit=True,
-        position_embedding_type="rope",
-        rotary_base=float(rope["rope_theta"]),
+        **rope_fields_from_hf(hf_config),
         window_size=None if sliding_window is None else (sliding_window - 1, 0),
         add_bias_linear=False,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
@@ -105,7 +104,7 @@ def config_to_hf(config: TransformerConfig, family: str = "llama"):
     from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     if not (config.gated_linear_unit and config.activation == "silu"
-            and config.normalization == "RMSNorm" and config.position_embedding_type == "rope"
+            and config.normalization == "RMSNorm" and config.uses_rotary_embedding()
             and config.rotary_percent == 1.0 and not config.add_bias_linear
             and not config.add_qkv_bias and config.num_moe_experts is None):
         raise ConfigError(
@@ -147,7 +146,7 @@ def hf_config_kwargs(config: TransformerConfig) -> dict:
         initializer_range=config.init_method_std,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         attention_dropout=config.attention_dropout,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base},
+        rope_parameters=rope_parameters_to_hf(config),
         bos_token_id=min(1, config.vocab_size - 1),
         eos_token_id=min(2, config.vocab_size - 1),
     )
@@ -188,7 +187,7 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
             sd[hf + "self_attn.v_proj.weight"],
             config,
         )
-        if config.add_qkv_bias and not config.add_bias_linear:  # Qwen
+        if config.add_qkv_bias or config.add_bias_linear:  # Qwen, gpt-oss
             out[ours + "self_attention.linear_qkv.bias"] = pack_qkv(
                 _reorder_heads(sd[hf + "self_attn.q_proj.bias"], order),
                 _reorder_heads(sd[hf + "self_attn.k_proj.bias"], order),
@@ -196,6 +195,8 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
                 config,
             )
         out[ours + "self_attention.linear_proj.weight"] = sd[hf + "self_attn.o_proj.weight"].clone()
+        if config.add_bias_linear:  # gpt-oss
+            out[ours + "self_attention.linear_proj.bias"] = sd[hf + "self_attn.o_proj.bias"].clone()
         if config.qk_layernorm:  # Qwen3
             for ours_norm, hf_norm in _QK_NORMS:
                 out[ours + ours_norm] = _reorder_heads(sd[hf + hf_norm], order)
@@ -211,10 +212,12 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
-          mlp_to_hf=None) -> StateDict:
-    """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`."""
-    # Only the dense Qwen3 has query/key norms.
-    family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
+          mlp_to_hf=None, family: Optional[str] = None) -> StateDict:
+    """Inverse of `from_hf`; `mlp_to_hf(state_dict, hf_prefix, our_prefix, layer_index)`;
+    `family` names the HF family for the numerics check (default: qwen3 for a dense model with
+    query/key norms, else llama)."""
+    if family is None:
+        family = "qwen3" if config.qk_layernorm and mlp_to_hf is None else "llama"
     state_dict = norms_to_hf(state_dict, config, family)
     order = _rope_order(config, to_hf=True)
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(state_dict[WORD_EMBEDDINGS], config)}
@@ -224,7 +227,7 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
         out[hf + "self_attn.q_proj.weight"] = _reorder_heads(q, order)
         out[hf + "self_attn.k_proj.weight"] = _reorder_heads(k, order)
         out[hf + "self_attn.v_proj.weight"] = v
-        if config.add_qkv_bias and not config.add_bias_linear:
+        if config.add_qkv_bias or config.add_bias_linear:
             q, k, v = unpack_qkv(state_dict[ours + "self_attention.linear_qkv.bias"], config)
             out[hf + "self_attn.q_proj.bias"] = _reorder_heads(q, order)
             out[hf + "self_attn.k_proj.bias"] = _reorder_heads(k, order)
@@ -232,6 +235,10 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig,
         out[hf + "self_attn.o_proj.weight"] = (
             state_dict[ours + "self_attention.linear_proj.weight"].clone()
         )
+        if config.add_bias_linear:
+            out[hf + "self_attn.o_proj.bias"] = (
+                state_dict[ours + "self_attention.linear_proj.bias"].clone()
+            )
         if config.qk_layernorm:
             for ours_norm, hf_norm in _QK_NORMS:
                 out[hf + hf_norm] = _reorder_heads(state_dict[ours + ours_norm], order)

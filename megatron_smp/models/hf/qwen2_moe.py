@@ -22,7 +22,9 @@ HF_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
 MODEL_TYPES = ("qwen2_moe",)
 
 
-def _hf_moe_layers(hf_config) -> List[int]:
+def hf_moe_layers(hf_config) -> List[int]:
+    """1 per MoE layer, 0 per dense one, from `mlp_only_layers` and `decoder_sparse_step`
+    (Qwen2-MoE and Qwen3-MoE)."""
     skip = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     return [int(index not in skip and (index + 1) % step == 0)
@@ -35,7 +37,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
                           "not supported; set it False")
     if not hf_config.shared_expert_intermediate_size:
         raise ConfigError("Qwen2-MoE shared_expert_intermediate_size must be > 0")
-    pattern = _hf_moe_layers(hf_config)
+    pattern = hf_moe_layers(hf_config)
     return llama.config_from_hf(hf_config).replace(
         add_qkv_bias=bool(getattr(hf_config, "qkv_bias", True)),
         window_size=None,

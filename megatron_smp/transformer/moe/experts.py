@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.utils import mark_expert_param
-from megatron_smp.transformer.mlp import MLP, activation_function
+from megatron_smp.transformer.mlp import MLP, activation_function, gated_linear_unit
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
 
 
@@ -61,6 +61,7 @@ class MoEExperts(torch.nn.Module):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
+        self.config = config
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         self.use_grouped_gemm = config.moe_grouped_gemm
@@ -85,8 +86,7 @@ class MoEExperts(torch.nn.Module):
 
     def _activate(self, intermediate: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            return self.activation(gate) * up
+            return gated_linear_unit(intermediate, self.activation, self.config)
         return self.activation(intermediate)
 
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ METRIC_NAMES = ("load_balancing_loss", "z_loss")
 
 
 class TopKRouter(torch.nn.Module):
-    """The gate [E, h] (replicated on every rank) and the routing rule of one MoE layer."""
+    """The gate [E, h] (and with `add_bias_linear` its bias [E]; replicated on every rank)
+    and the routing rule of one MoE layer."""
 
     def __init__(
         self,
@@ -63,11 +64,22 @@ class TopKRouter(torch.nn.Module):
             torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
                         device=device)
         )
+        self.bias = None
+        if config.add_bias_linear:
+            # Megatron's router has a bias with the linear layers' (gpt-oss: router.bias).
+            bias_master = torch.empty(self.num_experts)
+            init_method_normal(config.init_method_std)(bias_master)
+            self.bias = torch.nn.Parameter(
+                torch.empty(self.num_experts, dtype=config.params_dtype, device=device))
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 self.weight.copy_(master)
+                if self.bias is not None:
+                    self.bias.copy_(bias_master)
         # Each tensor-parallel rank routes its own sequence shard: the gate's grad is partial.
         self.weight.sequence_parallel = self.sequence_parallel
+        if self.bias is not None:
+            self.bias.sequence_parallel = self.sequence_parallel
         device = self.weight.device if self.weight.device.type != "meta" else None
         # Not buffers: neither is part of the model's state.
         self.aux_loss_scale = torch.ones((), dtype=torch.float32, device=device)
@@ -172,7 +184,7 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits = F.linear(self._jitter(tokens), self.weight)
+        logits = F.linear(self._jitter(tokens), self.weight, self.bias)
         logits = self._z_loss(logits)
         probs, routing_map = self.routing(logits, hidden_states.shape)
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """Context-parallel core attention equals the single-rank attention: output and the grads of
 query, key and value, for every comm type, at CP=2 and CP=4, MHA and GQA (and with ALiBi or a
-sliding window, whose masks come from global positions)."""
+sliding window, whose masks come from global positions; or with attention sinks, whose grads
+of the CP ranks add up to the single-rank grad)."""
 import pytest
 import torch
 
@@ -13,6 +14,8 @@ CASES = [
     ("gqa", 8, 4, {}),
     ("alibi", 4, 4, {"position_embedding_type": "alibi"}),
     ("window", 4, 2, {"window_size": (5, 0)}),
+    # gpt-oss: learned sinks (enter the merge once) with a window; GQA.
+    ("sinks", 8, 4, {"softmax_type": "learnable", "window_size": (5, 0)}),
 ]
 COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
@@ -63,12 +66,20 @@ def _max_diffs(rank, world_size):
                 continue
             config = _config(heads, groups, comm_type, extra)
             q, k, v, grad = _inputs(heads, groups)
-            reference = _run(DotProductAttention(config, _NoTP(state)), q, k, v, grad)
+            single = DotProductAttention(config, _NoTP(state))
+            reference = _run(single, q, k, v, grad)
             module = build_module(core_attention_spec(config, state), config, state)
             assert type(module).__name__ != "DotProductAttention"
             local = [split_for_context_parallel(t, 0, world_size, rank) for t in (q, k, v, grad)]
+            if single.softmax_offset is not None:
+                with torch.no_grad():
+                    module.softmax_offset.copy_(single.softmax_offset)
             got = _run(module, *local)
             expected = [split_for_context_parallel(t, 0, world_size, rank) for t in reference]
+            if single.softmax_offset is not None:
+                sink_grad = module.softmax_offset.grad.clone()
+                torch.distributed.all_reduce(sink_grad, group=state.cp_group)
+                got, expected = got + (sink_grad,), expected + [single.softmax_offset.grad]
             diffs[(name, comm_type)] = max(
                 float((a - b).abs().max()) for a, b in zip(got, expected)
             )
@@ -94,9 +105,10 @@ def test_context_parallel_attention_matches_single_rank(world_size):
 
 
 def _ring_dropout_checks(rank, world_size, module_name):
-    """fp64 ring / all-gather attention with attention dropout 0.3: with the RNG state
-    rewound before each call the function is deterministic, so its custom backward must
-    match central differences along a random direction, for q, k and v."""
+    """fp64 ring / all-gather attention with attention dropout 0.3 and attention sinks: with
+    the RNG state rewound before each call the function is deterministic, so its custom
+    backward must match central differences along a random direction, for q, k, v and the
+    sinks (the same direction on every rank: one parameter)."""
     from megatron_smp.config import ParallelConfig
     from megatron_smp.context_parallel import attention, split_for_context_parallel
     from megatron_smp.parallel_state import build_parallel_state
@@ -104,9 +116,9 @@ def _ring_dropout_checks(rank, world_size, module_name):
 
     state = build_parallel_state(ParallelConfig(context_parallel_size=world_size))
     model_parallel_seed(5, state)
-    config = _config(8, 4, "p2p", {})
+    config = _config(8, 4, "p2p", {"softmax_type": "learnable"})
     config.attention_dropout = 0.3
-    ring = getattr(attention, module_name)(config, state).train()
+    ring = getattr(attention, module_name)(config, state).train().double()
     inputs = [split_for_context_parallel(t, 0, world_size, rank).double()
               for t in _inputs(8, 4)]
     q, k, v, grad = inputs
@@ -133,6 +145,20 @@ def _ring_dropout_checks(rank, world_size, module_name):
         for t in (numeric, analytic):
             torch.distributed.all_reduce(t, group=state.cp_group)
         errors.append(float((numeric - analytic).abs().max() / analytic.abs().max()))
+    sinks = ring.softmax_offset
+    direction = torch.randn(sinks.shape, generator=torch.Generator().manual_seed(9),
+                            dtype=torch.float64)
+    values = []
+    with torch.no_grad():
+        for sign in (1, -1):
+            sinks.add_(sign * 1e-6 * direction)
+            values.append(f(q, k, v))
+            sinks.sub_(sign * 1e-6 * direction)
+    numeric = torch.stack([(values[0] - values[1]) / 2e-6])
+    analytic = torch.stack([(sinks.grad * direction).sum()])
+    for t in (numeric, analytic):
+        torch.distributed.all_reduce(t, group=state.cp_group)
+    errors.append(float((numeric - analytic).abs().max() / analytic.abs().max()))
     with torch.no_grad():
         get_rng_tracker().set_states(start)
         dropped = ring(q, k, v)

@@ -18,6 +18,15 @@ FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
 BATCH, SEQ = 2, 12
 
 
+# Scaled RoPE with original contexts below SEQ, their ramps inside a head dim of 24.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 0.5, "high_freq_factor": 2.0,
+               "original_max_position_embeddings": 8}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 0.25,
+             "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
+
+
 def build_hf(family, seed=0, device=None, **overrides):
     """A small random HF causal LM; vocab sizes are not multiples of 128. `overrides` go to
     the HF config (e.g. head_dim)."""
@@ -42,6 +51,21 @@ def build_hf(family, seed=0, device=None, **overrides):
         config = tf.MixtralConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=48,
                                   num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
+    elif family == "llama31":  # Llama 3.1 scaling; SEQ reaches past the original context
+        config = tf.LlamaConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                head_dim=24, rope_parameters=dict(LLAMA3_ROPE), **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "qwen2":  # q/k/v biases, tied head, head_dim != hidden / heads, YaRN
+        config = tf.Qwen2Config(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                head_dim=24, tie_word_embeddings=True,
+                                rope_parameters=dict(YARN_ROPE), **common)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3_moe":  # q/k norms, renormalised top-k, layer 1 dense
+        config = tf.Qwen3MoeConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
+                                   head_dim=24, moe_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2, norm_topk_prob=True,
+                                   mlp_only_layers=[1], **common)
+        cls = tf.Qwen3MoeForCausalLM
     elif family == "qwen2_moe":  # layer 1 dense, softmax before top-k, gated shared expert
         config = tf.Qwen2MoeConfig(vocab_size=1003, num_key_value_heads=2, intermediate_size=96,
                                    moe_intermediate_size=32, shared_expert_intermediate_size=80,

@@ -17,8 +17,10 @@ from tests.unit.models.test_hf_adapters import build_hf
 from tools.checkpoint.convert import main
 
 warnings.filterwarnings("ignore", message=".*")
+# --model-type -> the test model family (llama31: Llama with Llama 3.1 RoPE scaling).
 MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "llama": "llama", "mistral": "mistral",
-               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+               "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen2": "qwen2",
+               "qwen3_moe": "qwen3_moe", "llama:llama31": "llama31"}
 # config.json entries that are bookkeeping, not the model.
 _BOOKKEEPING = ("transformers_version",)
 
@@ -49,6 +51,7 @@ def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     from megatron_smp.distributed.checkpoint import read_dcp_metadata
 
     family = MODEL_TYPES[model_type]
+    model_type = model_type.split(":")[0]
     source = build_hf(family)  # vocab 1003 / 1000: padded to 1024 inside the framework
     source.save_pretrained(tmp_path / "hf")
     _convert_ok(model_type, "hf", "megatron_smp", tmp_path / "hf", tmp_path / "smp",
@@ -59,7 +62,7 @@ def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     assert (tmp_path / "smp" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     iter_dir = tmp_path / "smp" / "iter_0000000"
     common = json.loads((iter_dir / "common.json").read_text())
-    config = hf_adapters.get_adapter(family).config_from_hf(source.config)
+    config = hf_adapters.get_adapter(source).config_from_hf(source.config)
     saved_model = common["config"]["model"]
     for name in ("num_layers", "hidden_size", "num_query_groups", "vocab_size", "rotary_percent",
                  "parallel_residual", "untie_embeddings_and_output_weights"):
@@ -131,7 +134,7 @@ def test_v1_translate_functions_round_trip(family):
     source = build_hf(family)
     hf_sd = source.state_dict()
     full = to_smp(hf_sd, config=source.config)
-    config = hf_adapters.get_adapter(family).config_from_hf(source.config)
+    config = hf_adapters.get_adapter(source).config_from_hf(source.config)
     assert full["embedding.word_embeddings.weight"].shape[0] == config.padded_vocab_size(1)
     back = to_hf(full, max_seq_len=None, config=config)
     assert back.keys() == hf_sd.keys()

@@ -56,3 +56,18 @@ def test_causal_attention_counts_half_the_square():
     long = flops_per_iteration(config, 64, 1, 128)
     # per token at s: c + 6*L*q*s; long = 64*(c + 6*2*64*64), short = 32*(c + 6*2*64*32)
     assert long - 2 * short == 64 * 6 * 2 * 64 * 64 - 2 * 32 * 6 * 2 * 64 * 32
+
+
+def test_sliding_window_layers_count_the_keys_in_their_window():
+    """gpt-oss-style: window 128 on every other layer of 4 at s = 1024: each such layer's
+    core term is 6*q*(2*128 - 128^2/1024) per token instead of 6*q*1024."""
+    common = dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+                  gated_linear_unit=True, activation="quick_gelu", vocab_size=1000)
+    full = flops_per_iteration(_config(**common), 1024, 2, 1024)
+    windowed = _config(**common, window_size=(127, 0), window_attn_skip_freq=2)
+    q = 256
+    saved = 2 * 1024 * 2 * 6 * q * (1024 - (2 * 128 - 128 * 128 / 1024))
+    assert flops_per_iteration(windowed, 1024, 2, 1024) == full - saved
+    # A window at least as long as the sequence is plain causal attention.
+    wide = _config(**common, window_size=(1023, 0), window_attn_skip_freq=2)
+    assert flops_per_iteration(wide, 1024, 2, 1024) == full
