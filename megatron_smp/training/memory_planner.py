@@ -205,7 +205,7 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     return parts
 
 
-def moe_capacity_tokens(model_config, tokens_per_rank: float, ep: int) -> Optional[float]:
+def moe_capacity_tokens(model_config, tokens_per_rank: float) -> Optional[float]:
     """Tokens the local experts of one rank process per layer and micro-batch: with
     --moe-expert-capacity-factor c at most c x tokens x top-k (exactly that when padded to
     capacity); dropless: tokens x top-k under balanced routing (an estimate: a skewed router
@@ -313,7 +313,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
         modules = list(active_modules(model))
     tokens = training.seq_length // cp * training.micro_batch_size
     sp = tp if (model.sequence_parallel and tp > 1) else 1
-    capacity = moe_capacity_tokens(model, tokens / sp, ep) if model.num_moe_experts else None
+    capacity = moe_capacity_tokens(model, tokens / sp) if model.num_moe_experts else None
     if model.num_moe_experts and capacity is None:
         notes.append("MoE dropless: routed tokens assume balanced routing (tokens x top-k per "
                      f"rank); a skewed router can send up to {ep}x that to one rank")

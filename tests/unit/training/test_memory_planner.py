@@ -152,3 +152,52 @@ def test_report_memory_prints_the_table_first(capsys):
     out = capsys.readouterr().out
     assert out.index("memory estimate per rank (TP1 PP1 CP1 DP1 EP1") < out.index("iteration")
     assert "largest: pipeline rank 0" in out
+
+
+LLAMA2_7B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+             "--num-attention-heads", "32", "--seq-length", "4096",
+             "--max-position-embeddings", "4096", "--vocab-size", "32000",
+             "--tensor-model-parallel-size", "2",
+             "--sequence-parallel", "--micro-batch-size", "1", "--global-batch-size", "32",
+             "--bf16", "--recompute-granularity", "selective", "--mock-data",
+             "--train-iters", "1", "--tokenizer-type", "NullTokenizer"]
+
+
+def test_megatron_theoretical_memory_fixture():
+    """Megatron-LM's own report (recorded once, tests/fixtures/megatron_memory) for Llama-2-7B
+    at TP=2 + SP, DP=4: the weight and optimizer bytes equal ours within 0.1% (Megatron
+    counts parameters by formula, ours on the built model). Activations differ by design: Megatron's formula
+    (Korthikanti et al., 18 + 4 f / h bytes per s b h) assumes an ungated MLP and LayerNorm;
+    ours counts this implementation's tensors for SwiGLU (4 f: the 2 f-wide fc1 output, the
+    activation, the fc2 input), RMSNorm (its input and normalised output) and RoPE's rotated
+    q and k, so ours is larger by that breakdown, term by term."""
+    import json
+    import os
+
+    from megatron_smp.training.arguments import parse_args
+    from megatron_smp.training.memory_planner import (
+        MIB, layer_activation_bytes, report_from_argv,
+    )
+    from pretrain_llama import LLAMA_DEFAULTS, model_provider
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "megatron_memory",
+                           "megatron_memory.json")
+    megatron = json.load(open(fixture))["cases"]["llama2_7b_tp2_dp4_sp_selective"]
+    defaults = dict(LLAMA_DEFAULTS, tokenizer_type="NullTokenizer")
+    report = report_from_argv(LLAMA2_7B, 8, model_provider, defaults, "cuda")
+    ours = report.ranks[0]
+    assert (ours.params + ours.grads + ours.optimizer) / MIB == pytest.approx(
+        megatron["weight_and_optimizer_mib"], rel=1e-3)
+    # Per layer: Megatron's (18 + 4 f / h) s b h / tp bytes vs our terms, in units of
+    # s b h / tp bf16 elements: Megatron 9 + 2 f / h; ours 6 (RMSNorm in x 2, outputs x 2)
+    # + 3 (q, k, v) + 1 (context) + 2 (RoPE q, k) + 4 f / h (SwiGLU) + log-sum-exp.
+    configs = parse_args(LLAMA2_7B, None, defaults)
+    configs.model.vocab_size = 32000
+    parts = layer_activation_bytes(configs.model, 4096, 1, 2, 1, False, "cuda", ["core_attn"])
+    unit = 4096 * 4096 * 2 / 2  # s b h / tp, bf16
+    f_over_h = 11008 / 4096
+    assert parts["replicated"] / unit == pytest.approx(6)
+    assert parts["attention"] / unit == pytest.approx(3 + 1 + 2)
+    assert parts["mlp"] / unit == pytest.approx(4 * f_over_h)
+    megatron_layer = 9 + 2 * f_over_h
+    assert (6 + 6 + 4 * f_over_h) - megatron_layer == pytest.approx(3 + 2 * f_over_h)
