@@ -19,7 +19,8 @@ activation dtype,
                                        RoPE's rotated q/k (a + g) d, or the contiguous q copy
                                        of grouped-query attention a d; log-sum-exp (fp32, a)
                                        dense MLP 2 f (4 f gated)
-                                       MoE: top-k x (3 h + 2 f (4 f gated)) routed tokens
+                                       MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
+                                       token of the whole sequence (gathered over TP)
     CPU math attention (dropout > 0):  13 bytes per score a s_q s_k
 
 then selective recompute removes what it recomputes (`core_attn`: the log-sum-exp and the
@@ -193,11 +194,12 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
                                         * (seq_length // cp) / tp)
     gated = 2 if m.gated_linear_unit else 1
     if moe:
-        routed = tokens / sp * m.moe_router_topk
+        # The dispatchers gather the sequence-parallel shards over TP first: every TP rank
+        # routes all the tokens, its experts holding f / tp of each (expert TP = TP).
+        routed = tokens * m.moe_router_topk
         if moe_capacity_tokens is not None:
             routed = moe_capacity_tokens
-        etp = getattr(m, "expert_tensor_parallel_size", None) or 1
-        parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / etp) * p
+        parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / tp) * p
         if m.moe_shared_expert_intermediate_size:
             parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
     elif "mlp" not in modules:
@@ -313,7 +315,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
         modules = list(active_modules(model))
     tokens = training.seq_length // cp * training.micro_batch_size
     sp = tp if (model.sequence_parallel and tp > 1) else 1
-    capacity = moe_capacity_tokens(model, tokens / sp) if model.num_moe_experts else None
+    capacity = moe_capacity_tokens(model, tokens) if model.num_moe_experts else None
     if model.num_moe_experts and capacity is None:
         notes.append("MoE dropless: routed tokens assume balanced routing (tokens x top-k per "
                      f"rank); a skewed router can send up to {ep}x that to one rank")

@@ -73,8 +73,10 @@ def test_state_bytes_equal_a_real_model(layout):
         assert abs(planned.optimizer - optimizer) <= 12 * 64, (planned.optimizer, optimizer)
 
 
-def _saved_bytes(extra, layers):
-    """Bytes of the distinct storages autograd saves in one CPU forward of GPTModel."""
+def _saved_bytes(extra, layers, world_size=1):
+    """Bytes of the distinct storages autograd saves in one CPU forward of GPTModel at tensor
+    parallel rank 0 of `world_size` (the fake group's collectives move nothing, so values are
+    meaningless but every shape, hence every saved byte, is the real layout's)."""
     import torch.distributed as dist
 
     from megatron_smp.models.gpt import GPTModel
@@ -86,7 +88,7 @@ def _saved_bytes(extra, layers):
                                       "--max-position-embeddings", "64"] + extra)
     configs.model.vocab_size = 200
     model_config = dataclasses.replace(configs.model, num_layers=layers)
-    with fake_layout(configs.parallel, 1, 0) as state:
+    with fake_layout(configs.parallel, world_size, 0) as state:
         model_parallel_seed(1234, state)
         torch.manual_seed(0)
         model = GPTModel(model_config, state)
@@ -113,15 +115,19 @@ def _saved_bytes(extra, layers):
      "selective", "--recompute-modules", "core_attn", "mlp"],
     ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "4",
      "--moe-router-topk", "2"],
-], ids=["gpt", "llama_gqa_rope", "selective_mlp", "moe"])
+    ["--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2"],
+    ["--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
+     "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+], ids=["gpt", "llama_gqa_rope", "selective_mlp", "moe", "tp2", "moe_tp2_sp"])
 def test_layer_formula_matches_saved_tensors(extra):
     from megatron_smp.config import recompute_modules
     from megatron_smp.training.memory_planner import layer_activation_bytes
 
-    one, configs = _saved_bytes(extra, 1)
-    two, _ = _saved_bytes(extra, 2)
+    tp = 2 if "--tensor-model-parallel-size" in extra else 1
+    one, configs = _saved_bytes(extra, 1, tp)
+    two, _ = _saved_bytes(extra, 2, tp)
     model = configs.model
-    parts = layer_activation_bytes(model, 64, 2, 1, 1, bool(model.num_moe_experts), "cpu",
+    parts = layer_activation_bytes(model, 64, 2, tp, 1, bool(model.num_moe_experts), "cpu",
                                    list(recompute_modules(model)) or None)
     # One more layer adds what the formula says, within 3% (small router/norm statistics).
     assert sum(parts.values()) == pytest.approx(two - one, rel=0.03)
