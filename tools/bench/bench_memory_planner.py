@@ -14,6 +14,7 @@ rank's prediction and measurement and their ratio; --check fails when any ratio 
 [0.9, 1.1].
 
     python tools/bench/bench_memory_planner.py [--only NAME ...] [--json out.json] [--check]
+    python tools/bench/bench_memory_planner.py --megatron   # ours beside Megatron's report
 """
 from __future__ import annotations
 
@@ -125,6 +126,57 @@ def measure(entry: str, world: int, flags, python: str, timeout: float):
     return [peaks[r] for r in range(world)]
 
 
+# Our flags for the configurations of tests/fixtures/megatron_memory (Megatron-LM's own
+# theoretical_memory_usage.py numbers, recorded once), all with pretrain_llama.py's defaults.
+_LLAMA = ["--group-query-attention", "--seq-length", "4096", "--micro-batch-size", "1",
+          "--bf16", "--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer"]
+MEGATRON_CASES = {
+    "llama3_70b_tp8_pp4_dp4_distopt_sp_selective": (128, _LLAMA + [
+        "--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672",
+        "--num-attention-heads", "64", "--num-query-groups", "8", "--vocab-size", "128256",
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+        "--sequence-parallel", "--global-batch-size", "128", "--use-distributed-optimizer",
+        "--recompute-granularity", "selective"]),
+    "llama2_7b_tp2_dp4_sp_selective": (8, _LLAMA + [
+        "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+        "--num-attention-heads", "32", "--num-query-groups", "32", "--vocab-size", "32000",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "32",
+        "--recompute-granularity", "selective"]),
+    "mixtral_8x7b_ep8_dp8_distopt_full_recompute": (8, _LLAMA + [
+        "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+        "--num-attention-heads", "32", "--num-query-groups", "8", "--vocab-size", "32000",
+        "--num-experts", "8", "--moe-ffn-hidden-size", "14336", "--moe-router-topk", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "8",
+        "--global-batch-size", "256", "--use-distributed-optimizer",
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]),
+}
+
+
+def compare_with_megatron() -> None:
+    """Ours (largest rank, CUDA kernels) beside Megatron-LM's theoretical report, MiB.
+    Megatron's report is for its most loaded rank (the first pipeline stage) and leaves out
+    recompute and the transient buffers; its activation formula assumes an ungated MLP and
+    LayerNorm (see tests/unit/training/test_memory_planner.py for the term-by-term
+    difference)."""
+    from megatron_smp.training.memory_planner import report_from_argv
+    from tools.estimate_memory import entry_script
+
+    fixture = os.path.join(REPO, "tests", "fixtures", "megatron_memory", "megatron_memory.json")
+    megatron = json.load(open(fixture))["cases"]
+    provider, defaults = entry_script("llama")
+    print(f"{'configuration':<46} {'weights+optim':>21} {'activations':>21} {'total':>21}")
+    print(f"{'':<46} {'ours':>10} {'Megatron':>10} {'ours':>10} {'Megatron':>10} "
+          f"{'ours':>10} {'Megatron':>10}")
+    for name, (world, flags) in MEGATRON_CASES.items():
+        rank = report_from_argv(flags, world, provider, defaults, "cuda").ranks[0]
+        theirs = megatron[name]
+        state = (rank.params + rank.grads + rank.optimizer) / MIB
+        print(f"{name:<46} {state:>10.0f} {theirs['weight_and_optimizer_mib']:>10.0f} "
+              f"{rank.activations / MIB:>10.0f} {theirs['activation_mib']:>10.0f} "
+              f"{rank.total / MIB:>10.0f} {theirs['total_mib']:>10.0f}", flush=True)
+
+
 def rank_stage(rank: int, world: int, flags) -> int:
     """Pipeline rank of a global rank (pp is the slowest-varying dimension)."""
     pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1]) \
@@ -139,7 +191,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--megatron", action="store_true",
+                        help="only print ours beside Megatron-LM's theoretical report")
     args = parser.parse_args()
+    if args.megatron:
+        compare_with_megatron()
+        return 0
     imports = baseline_rss_bytes(args.python)
     baseline = max(measure("gpt", 2, TINY, args.python, args.timeout))
     print(f"baseline: tiny run {baseline / MIB:.0f} MiB (imports alone {imports / MIB:.0f} MiB); "
