@@ -4,9 +4,10 @@ for a flag set at a target layout, computed without allocating (`--report-memory
 
 Parameters, gradients and optimizer state are counted, not modelled: the entry script's own
 `model_provider` builds each pipeline stage on the meta device inside a fake process group
-of the target world size (torch's `fake` backend: ranks and sizes, no communication), so a
-671B configuration is counted on a laptop. Every rank of a pipeline stage holds the same
-shapes (TP, CP, DP and EP split evenly), so one build per stage gives every rank's count.
+of the target world size (torch's `fake` backend: ranks and sizes, no communication), so
+Qwen3-235B-A22B at 256 ranks is counted in seconds without allocating a parameter. Every
+rank of a pipeline stage holds the same shapes (TP, CP, DP and EP split evenly), so one
+build per stage gives every rank's count.
 
 Activations are a formula per micro-batch (`layer_activation_bytes`), written for this
 implementation's saved tensors (checked against the tensors autograd saves in a real CPU
@@ -29,20 +30,19 @@ checkpointed group plus one group being recomputed; the first/last stage add the
 and the output layer's input and logits. A pipeline rank holds `in_flight` micro-batches
 (1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
 peak adds the transient logits and cross-entropy buffers of one micro-batch and one
-parameter's gradient.
+parameter's gradient. Not modelled: communication buffers, the allocator's fragmentation,
+the CUDA context, all_gather CP's gathered keys/values, and the fp32 copies of q/k/v the
+context-parallel attention of a bf16 model makes.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-
-from megatron_smp.config import ConfigError
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2

@@ -14,7 +14,8 @@ SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--vocab-size", "200", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--train-iters", "1", "--bf16"]
 TP_PP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--expert-model-parallel-size", "2",
          "--num-experts", "4", "--moe-router-topk", "2", "--use-distributed-optimizer",
          "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "4"]
 
@@ -172,9 +173,9 @@ LLAMA2_7B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size",
 def test_megatron_theoretical_memory_fixture():
     """Megatron-LM's own report (recorded once, tests/fixtures/megatron_memory) for Llama-2-7B
     at TP=2 + SP, DP=4: the weight and optimizer bytes equal ours within 0.1% (Megatron
-    counts parameters by formula, ours on the built model). Activations differ by design: Megatron's formula
-    (Korthikanti et al., 18 + 4 f / h bytes per s b h) assumes an ungated MLP and LayerNorm;
-    ours counts this implementation's tensors for SwiGLU (4 f: the 2 f-wide fc1 output, the
+    counts parameters by formula, ours on the built model). Activations differ by design:
+    Megatron's formula (Korthikanti et al., 18 + 4 f / h bytes per s b h) assumes an ungated
+    MLP and LayerNorm; ours counts this implementation's tensors for SwiGLU (4 f: the 2 f-wide fc1 output, the
     activation, the fc2 input), RMSNorm (its input and normalised output) and RoPE's rotated
     q and k, so ours is larger by that breakdown, term by term."""
     import json
