@@ -245,12 +245,12 @@ class _Blocks:
         return rows, cols, k_positions, causal
 
     def _fused_inputs(self, rows, cols, k, v, k_positions, causal):
-        """q rows [b, nh, sr, d], the block's k / v expanded to the query heads, the
-        additive bias (ALiBi with its causal part) or None, and is_causal for the kernel."""
+        """q rows [b, nh, sr, d], the block's k / v [b, ng, sc, d] (the kernel maps query
+        head i to key/value head i // (nh / ng), our grouping), the additive bias (ALiBi with
+        its causal part) or None, and is_causal for the kernel."""
         b, ng, qpg, _, d = self.q.shape
         q = self.q[..., rows, :].reshape(b, ng * qpg, -1, d)
-        k_heads, v_heads = (t[..., cols, :].expand(b, ng, qpg, -1, d).reshape(b, ng * qpg, -1, d)
-                            for t in (k, v))
+        k_heads, v_heads = (t[..., cols, :].squeeze(2) for t in (k, v))
         bias = None
         if self.core.alibi_slopes is not None:
             bias = self.core.positional_bias(self.q_positions[rows], k_positions[cols], causal)
@@ -318,8 +318,8 @@ class _Blocks:
                     attn_mask=bias, scale=core.scale)
             b, ng, qpg, _, d = self.q.shape
             dq[..., block_rows, :] += dq_block.reshape(b, ng, qpg, -1, d)
-            dk[..., block_cols, :] += dk_block.reshape(b, ng, qpg, -1, d).sum(2, True)
-            dv[..., block_cols, :] += dv_block.reshape(b, ng, qpg, -1, d).sum(2, True)
+            dk[..., block_cols, :] += dk_block.unsqueeze(2)
+            dv[..., block_cols, :] += dv_block.unsqueeze(2)
             return dk, dv
         for rows, cols in _tiles(self.q, block_rows, block_cols, causal):
             scores = self._scores(rows, cols, k, k_positions, causal)

@@ -1,5 +1,5 @@
 """The memory planner: parameter / gradient / optimizer bytes counted on meta equal a real
-built model's (TP=2 x PP=2; TP=2 x EP=2 MoE with the distributed optimizer), the activation
+built model's (TP=2 x PP=2; EP=2 MoE with the distributed optimizer), the activation
 formula equals the bytes autograd saves in a real CPU forward, the in-flight counts follow the
 schedules, and --report-memory prints the table before training."""
 import dataclasses
@@ -14,10 +14,9 @@ SHAPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--vocab-size", "200", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--train-iters", "1", "--bf16"]
 TP_PP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-         "--expert-model-parallel-size", "2",
-         "--num-experts", "4", "--moe-router-topk", "2", "--use-distributed-optimizer",
-         "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "4"]
+EP = ["--expert-model-parallel-size", "2", "--num-experts", "4", "--moe-router-topk", "2",
+      "--use-distributed-optimizer", "--moe-token-dispatcher-type", "alltoall",
+      "--global-batch-size", "4"]
 
 
 def _real_bytes(rank, world_size, flags):
@@ -61,11 +60,12 @@ def _planned(flags, world_size):
     return report_from_argv(flags, world_size, model_provider, device_type="cpu")
 
 
-@pytest.mark.parametrize("layout", [TP_PP, TP_EP], ids=["tp2_pp2", "tp2_ep2_moe_distopt"])
-def test_state_bytes_equal_a_real_model(layout):
+@pytest.mark.parametrize("layout,world_size", [(TP_PP, 4), (EP, 2)],
+                         ids=["tp2_pp2", "ep2_moe_distopt"])
+def test_state_bytes_equal_a_real_model(layout, world_size):
     flags = SHAPE + layout
-    report = _planned(flags, 4)
-    real = run_distributed(_real_bytes, 4, args=(flags,), timeout=240)
+    report = _planned(flags, world_size)
+    real = run_distributed(_real_bytes, world_size, args=(flags,), timeout=240)
     for pp_rank, params, grads, optimizer in real:
         planned = report.ranks[pp_rank]
         assert planned.params == params
