@@ -26,8 +26,9 @@ activation dtype,
 
 then selective recompute removes what it recomputes (`core_attn`: the log-sum-exp and the
 scores; `mlp`: the dense MLP; `layernorm`: 3 h), full recompute keeps one layer input per
-checkpointed group plus one group being recomputed; the first/last stage add the embedding
-and the output layer's input and logits. A pipeline rank holds `in_flight` micro-batches
+checkpointed group (and, in backward, the group being recomputed: a transient that never
+meets the logits); the first/last stage add the embedding and the output layer's input and
+logits. A pipeline rank holds `in_flight` micro-batches
 (1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
 peak adds the transient logits and cross-entropy buffers of one micro-batch and one
 parameter's gradient. Not modelled: communication buffers, the allocator's fragmentation,
@@ -336,6 +337,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
                 optimizer = (stage.dense_numel * opt_bytes / (dp * cp)
                              + stage.expert_numel * opt_bytes / expert_dp)
         per_chunk = []
+        recompute_peak = 0.0
         for chunk in stage.chunks:
             acts = 0.0
             layer_parts = [layer_activation_bytes(model, training.seq_length,
@@ -345,13 +347,17 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
             layer_bytes = [sum(parts.values()) for parts in layer_parts]
             layer_input = tokens * model.hidden_size * p / sp
             if model.recompute_granularity == "full":
+                # Held: the checkpointed inputs. The group being recomputed exists only in
+                # backward, after the logits and the loss buffers are gone: a transient.
                 n = model.recompute_num_layers or 1
                 if model.recompute_method == "block":
-                    acts += sum(layer_input for _ in layer_bytes[:n]) + sum(layer_bytes[n:])
-                    acts += max(layer_bytes[:n], default=0)  # one layer being recomputed
+                    acts += layer_input * len(layer_bytes[:n]) + sum(layer_bytes[n:])
+                    recompute_peak = max(recompute_peak, max(layer_bytes[:n], default=0))
                 else:
                     groups = [layer_bytes[i:i + n] for i in range(0, len(layer_bytes), n)]
-                    acts += layer_input * len(groups) + max((sum(g) for g in groups), default=0)
+                    acts += layer_input * len(groups)
+                    recompute_peak = max(recompute_peak,
+                                         max((sum(g) for g in groups), default=0))
             else:
                 acts += sum(layer_bytes)
             if chunk["pre"] and model.hidden_dropout > 0:
@@ -365,11 +371,15 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
         mean_chunk = sum(per_chunk) / len(per_chunk)
         activations = mean_chunk * in_flight if num_chunks > 1 else per_chunk[0] * in_flight
         per_microbatch = sum(per_chunk)
-        transient = stage.largest_param_numel * grad_bytes
+        logits = 0.0
         if any(c["post"] for c in stage.chunks):
-            transient += tokens * vocab / tp * (p + 4)  # logits, fp32 copy for the loss
+            logits = tokens * vocab / tp * (p + 4)  # logits, fp32 copy for the loss
         if parallel.use_torch_fsdp2:
-            transient += stage.largest_unit_numel * (p + 4)  # one gathered unit + its grads
+            # One gathered unit and its unsharded grads (which include the largest grad).
+            transient = stage.largest_unit_numel * (p + 4)
+        else:
+            transient = stage.largest_param_numel * grad_bytes
+        transient += max(logits, recompute_peak)
         ranks.append(RankMemory(stage.pp_rank, params, grads, int(optimizer), per_microbatch,
                                 in_flight, activations, transient))
     layout = f"TP{tp} PP{pp} CP{cp} DP{dp} EP{ep}"

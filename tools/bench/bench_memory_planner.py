@@ -15,6 +15,7 @@ rank's prediction and measurement and their ratio; --check fails when any ratio 
 
     python tools/bench/bench_memory_planner.py [--only NAME ...] [--json out.json] [--check]
     python tools/bench/bench_memory_planner.py --megatron   # ours beside Megatron's report
+    python tools/bench/bench_memory_planner.py --measured out.json  # new predictions, old peaks
 """
 from __future__ import annotations
 
@@ -191,16 +192,26 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--measured", help="reuse the peaks of an earlier run's --json")
     parser.add_argument("--megatron", action="store_true",
                         help="only print ours beside Megatron-LM's theoretical report")
     args = parser.parse_args()
     if args.megatron:
         compare_with_megatron()
         return 0
-    imports = baseline_rss_bytes(args.python)
-    baseline = max(measure("gpt", 2, TINY, args.python, args.timeout))
-    print(f"baseline: tiny run {baseline / MIB:.0f} MiB (imports alone {imports / MIB:.0f} MiB); "
-          "MiB per rank above it")
+    stored = None
+    if args.measured:
+        # Peaks of an earlier run (its --json): only the predictions are computed again.
+        with open(args.measured) as f:
+            stored = json.load(f)
+        baseline = stored["baseline_bytes"]
+        stored = {row["config"]: row["measured_bytes"] for row in stored["rows"]}
+        print(f"measured peaks from {args.measured}; MiB per rank above its baseline")
+    else:
+        imports = baseline_rss_bytes(args.python)
+        baseline = max(measure("gpt", 2, TINY, args.python, args.timeout))
+        print(f"baseline: tiny run {baseline / MIB:.0f} MiB (imports alone "
+              f"{imports / MIB:.0f} MiB); MiB per rank above it")
     print(f"{'config':<20} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'trans':>7} "
           f"{'predicted':>9} {'measured':>9} {'ratio':>6}")
     rows, worst = [], 0.0
@@ -208,8 +219,11 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         report = predict(entry, world, flags)
-        measured = [m - baseline for m in measure(entry, world, flags, args.python,
-                                                  args.timeout)]
+        if stored is not None:
+            measured = stored[name]
+        else:
+            measured = [m - baseline for m in measure(entry, world, flags, args.python,
+                                                      args.timeout)]
         per_rank = [report.ranks[rank_stage(r, world, flags)] for r in range(world)]
         largest = max(range(world), key=lambda r: measured[r])
         predicted = per_rank[largest]
