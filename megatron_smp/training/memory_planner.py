@@ -267,18 +267,21 @@ class MemoryReport:
         return max(self.ranks, key=lambda r: r.total)
 
     def table(self) -> str:
-        """The per-rank table, in GiB, naming the largest rank."""
-        lines = [f"memory estimate per rank ({self.layout}, world size {self.world_size}), GiB:",
+        """The per-rank table (GiB, or MiB below 1 GiB), naming the largest rank."""
+        largest = self.largest
+        unit, scale = ("GiB", GIB) if largest.total >= GIB else ("MiB", MIB)
+        lines = [f"memory estimate per rank ({self.layout}, world size {self.world_size}), "
+                 f"{unit}:",
                  f"{'pp rank':>7} {'params':>9} {'grads':>9} {'optim':>9} {'act/mb':>9} "
                  f"{'in-flight':>9} {'acts':>9} {'transient':>9} {'total':>9}"]
         for r in self.ranks:
-            lines.append(f"{r.pp_rank:>7} {r.params / GIB:>9.3f} {r.grads / GIB:>9.3f} "
-                         f"{r.optimizer / GIB:>9.3f} {r.activations_per_microbatch / GIB:>9.3f} "
-                         f"{r.in_flight:>9g} {r.activations / GIB:>9.3f} "
-                         f"{r.transient / GIB:>9.3f} {r.total / GIB:>9.3f}")
-        largest = self.largest
+            lines.append(f"{r.pp_rank:>7} {r.params / scale:>9.3f} {r.grads / scale:>9.3f} "
+                         f"{r.optimizer / scale:>9.3f} "
+                         f"{r.activations_per_microbatch / scale:>9.3f} {r.in_flight:>9g} "
+                         f"{r.activations / scale:>9.3f} {r.transient / scale:>9.3f} "
+                         f"{r.total / scale:>9.3f}")
         lines.append(f"largest: pipeline rank {largest.pp_rank} (every tp/cp/dp/ep rank of that "
-                     f"stage), {largest.total / GIB:.3f} GiB")
+                     f"stage), {largest.total / scale:.3f} {unit}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -208,3 +208,21 @@ def test_megatron_theoretical_memory_fixture():
     assert parts["mlp"] / unit == pytest.approx(4 * f_over_h)
     megatron_layer = 9 + 2 * f_over_h
     assert (6 + 6 + 4 * f_over_h) - megatron_layer == pytest.approx(3 + 2 * f_over_h)
+
+
+def test_estimate_memory_tool(capsys):
+    """tools/estimate_memory.py: the table for a layout (no data flags needed), and a clear
+    error naming the flags for a world size that does not fit the layout."""
+    from tools.estimate_memory import main
+
+    shape = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--vocab-size", "100"]
+    assert main(shape + ["--world-size", "8", "--entry", "llama",
+                         "--pipeline-model-parallel-size", "2",
+                         "--tensor-model-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(TP2 PP2 CP1 DP2 EP1, world size 8), MiB:" in out
+    # The last stage holds the untied output layer besides its layers and the logits.
+    assert "largest: pipeline rank 1" in out
+    assert main(shape + ["--world-size", "6", "--tensor-model-parallel-size", "4"]) == 1
+    assert "--tensor-model-parallel-size (4)" in capsys.readouterr().err
