@@ -148,9 +148,9 @@ class ParallelConfig:
                 f"{self.data_parallel_size}",
             )
         _require(
-            data_parallel % self.expert_model_parallel_size == 0,
+            (data_parallel * cp) % self.expert_model_parallel_size == 0,
             f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
-            f"divide the data-parallel size ({data_parallel})",
+            f"divide data-parallel x context-parallel size ({data_parallel} x {cp})",
         )
         if pp == 1:
             pipeline_only = {
@@ -632,13 +632,6 @@ class TransformerConfig:
             "mixture-of-experts layers with --tensor-model-parallel-size > 1 need "
             "--sequence-parallel (as in Megatron-LM)",
         )
-        _require(
-            parallel.context_parallel_size == 1,
-            f"mixture-of-experts layers with {name['context_parallel_size']} "
-            f"{parallel.context_parallel_size} are not supported yet (the experts' grads are "
-            "reduced over expert-data-parallel groups without the context-parallel ranks); "
-            "use context parallelism with a dense model",
-        )
         etp = parallel.expert_tensor_parallel_size
         _require(
             etp is None or etp == tp,
@@ -857,6 +850,8 @@ class TrainingConfig:
     log_progress: bool = False  # <--save>/progress.txt: job starts, saves, throughput
     log_loss_scale_to_tensorboard: bool = True  # loss-scale scalar
     log_world_size_to_tensorboard: bool = False  # world-size scalar
+    # Megatron's --moe-per-layer-logging: moe/<loss>_layer_<i> scalars per MoE layer.
+    moe_per_layer_logging: bool = False
     logging_level: Optional[int] = None  # Python logging's root level (MEGATRON_LOGGING_LEVEL)
     # torch.profiler trace of iterations profile_step_start..profile_step_end-1 (Megatron's
     # --profile --use-pytorch-profiler) on the global ranks in profile_ranks.

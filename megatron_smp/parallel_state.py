@@ -4,8 +4,11 @@ Ranks are laid out in Megatron's order tp-cp-ep-dp-pp (tp varies fastest):
 
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
-Expert parallelism splits the data-parallel dimension: dp_rank = ep_rank + EP * expert_dp_rank,
-so the ranks of one expert-parallel group are consecutive data-parallel replicas.
+Expert parallelism splits the data x context-parallel dimension, as Megatron's expert grid
+folds cp into it: dp_cp_rank = cp_rank + CP * dp_rank = ep_rank + EP * expert_dp_rank, so the
+ranks of one expert-parallel group are consecutive members of a dp x cp group, and the
+expert-data-parallel group (the ranks holding the same experts, whose grads are reduced
+together) takes in the context-parallel ranks.
 
 Nothing in the library reads a global group: a module that needs a group takes the
 `ParallelState` (or the group itself) in its constructor.
@@ -189,6 +192,11 @@ class ParallelState:
     @property
     def cp_group(self) -> dist.ProcessGroup:
         return self.groups["cp"]
+
+    @property
+    def tp_cp_group(self) -> dist.ProcessGroup:
+        """Ranks splitting one sequence: tensor- (sequence-) and context-parallel."""
+        return self.groups["tp_cp"]
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup:
@@ -384,12 +392,12 @@ def build_parallel_state(
     create("mp", rank_groups(sizes, ["tp", "pp"]))
     create("tp_cp", rank_groups(sizes, ["tp", "cp"]))
 
-    # Expert parallelism: consecutive data-parallel replicas form one ep group; replicas with
-    # the same ep rank hold the same experts.
-    dp_groups = rank_groups(sizes, ["dp"])
+    # Expert parallelism: consecutive members of a dp x cp group (cp fastest) form one ep
+    # group; members with the same ep rank hold the same experts. Every context-parallel rank
+    # routes its own tokens, so the experts see tokens of all of them.
     ep_groups, expert_dp_groups = [], []
-    for members in dp_groups:
-        for start in range(0, dp, ep):
+    for members in rank_groups(sizes, ["cp", "dp"]):
+        for start in range(0, dp * cp, ep):
             ep_groups.append(members[start : start + ep])
         for offset in range(ep):
             expert_dp_groups.append(members[offset::ep])

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt_oss_20b}
-exec .venv/bin/torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
+exec ${TORCHRUN:-.venv/bin/torchrun} --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" \
   ${MASTER_ADDR:+--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"} \
   pretrain_gpt.py \
   --num-layers 24 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 \

@@ -176,6 +176,9 @@ _FLAGS: List[_Flag] = [
     _f("--moe-grouped-gemm", "model", action="store_true"),
     _f("--moe-shared-expert-intermediate-size", "model", type=int),
     _f("--moe-shared-expert-gate", "model", action="store_true"),
+    _f("--moe-per-layer-logging", "training", action="store_true",
+       help="also write each MoE layer's load_balancing_loss / z_loss to TensorBoard and "
+       "W&B (moe/<name>_layer_<i>)"),
     _f("--expert-tensor-parallel-size", "parallel", type=int),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
@@ -830,6 +833,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     ]
     if logging_to_tensorboard and not training.tensorboard_dir:
         raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
+    if training.moe_per_layer_logging:
+        if not (training.tensorboard_dir or training.wandb_project):
+            raise ConfigError("--moe-per-layer-logging writes TensorBoard / W&B scalars: add "
+                              "--tensorboard-dir DIR or --wandb-project NAME")
+        if configs.model.num_moe_experts is None:
+            raise ConfigError("--moe-per-layer-logging needs a mixture-of-experts model "
+                              "(--num-experts)")
     data = configs.data
     if (data.reset_attention_mask and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):

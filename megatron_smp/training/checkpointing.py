@@ -227,7 +227,9 @@ def _megatron_legacy_files(run) -> Dict[str, Any]:
     stage-local state dict (our names are Megatron's). No optimizer or RNG states in it: it
     loads in Megatron-LM, or back here, with --finetune / --no-load-optim --no-load-rng."""
     state = run.state
-    if state.dp_rank != 0 or state.cp_rank != 0:
+    # The first dp x cp member of each expert-parallel group (ep ranks are consecutive there):
+    # dp_rank = cp_rank = 0 without experts.
+    if state.dp_cp_rank >= state.ep_size:
         return {}
     name = f"mp_rank_{state.tp_rank:02d}"
     if state.pp_size > 1:

@@ -152,8 +152,10 @@ class TrainingLogger:
         grad_norm: Optional[float],
         num_zeros_in_grad: Optional[int],
         params_norm: Optional[float] = None,
+        extra_scalars: Optional[Dict[str, float]] = None,
     ) -> None:
-        """One iteration's own values, every --tensorboard-log-interval iterations."""
+        """One iteration's own values, every --tensorboard-log-interval iterations
+        (`extra_scalars`: scalars written as they are, e.g. per-layer MoE losses)."""
         if not self.writes_scalars or iteration % self.config.tensorboard_log_interval:
             return
         add = self.add_scalar
@@ -174,6 +176,8 @@ class TrainingLogger:
         if self.config.log_memory_to_tensorboard:
             for key, value in memory_scalars(self.device).items():
                 add(key, value, iteration)
+        for key, value in (extra_scalars or {}).items():
+            add(key, value, iteration)
 
     def training_line(
         self,

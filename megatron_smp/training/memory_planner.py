@@ -78,7 +78,7 @@ class StageCount:
     pp_rank: int
     param_bytes: int = 0
     dense_numel: int = 0  # trainable, grads reduced over dp x cp
-    expert_numel: int = 0  # trainable, grads reduced over the expert data-parallel group
+    expert_numel: int = 0  # trainable, grads reduced over expert-data-parallel (dp x cp / ep)
     fsdp_shard_numel: int = 0  # trainable numel one FSDP2 shard holds (rows padded)
     largest_param_numel: int = 0
     largest_unit_numel: int = 0  # the largest transformer layer (FSDP2's gather unit)
@@ -336,7 +336,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
             grads = trainable * grad_bytes
             optimizer = trainable * opt_bytes
             if configs.optimizer.use_distributed_optimizer:
-                expert_dp = max(dp // ep, 1)
+                expert_dp = max(dp * cp // ep, 1)  # expert grids fold cp in (Megatron's)
                 optimizer = (stage.dense_numel * opt_bytes / (dp * cp)
                              + stage.expert_numel * opt_bytes / expert_dp)
         per_chunk = []

@@ -191,7 +191,8 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
-    set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) / num_microbatches)
+    set_aux_loss_scale(run.model, float(run.optimizer.get_loss_scale()) * run.state.cp_size
+                       / num_microbatches)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
         run.validator.check_sharded_grads(run.model)
@@ -452,7 +453,11 @@ def pretrain(
             run.skipped_iterations += 1
         losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)
         # load_balancing_loss / z_loss of MoE models (Megatron's log fields).
-        losses.update(moe_metrics(run.model, configs.model, state, num_microbatches))
+        metrics = moe_metrics(run.model, configs.model, state, num_microbatches,
+                              per_layer=training.moe_per_layer_logging)
+        # --moe-per-layer-logging's values go to TensorBoard / W&B only, as in Megatron.
+        per_layer = {key: metrics.pop(key) for key in list(metrics) if key.startswith("moe/")}
+        losses.update(metrics)
         if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
             run.nan_iterations += 1
         result.train_losses[run.iteration] = losses
@@ -460,7 +465,7 @@ def pretrain(
         loss_scale = float(run.optimizer.get_loss_scale())
         params_norm = run.optimizer.get_params_norm() if training.log_params_norm else None
         logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
-                                 grad_norm, num_zeros_in_grad, params_norm)
+                                 grad_norm, num_zeros_in_grad, params_norm, per_layer)
         for key, value in losses.items():
             interval_losses[key] = interval_losses.get(key, 0.0) + value
         interval_iters += 1

@@ -20,7 +20,7 @@ LAYOUTS = (
     "--tensor-model-parallel-size 2 --sequence-parallel",
     "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
     "--pipeline-model-parallel-size 2",
-    # "--context-parallel-size 2 --cp-comm-type p2p",
+    "--context-parallel-size 2 --cp-comm-type p2p",
     "--use-distributed-optimizer",
 )
 
@@ -78,33 +78,15 @@ def test_gpt_oss_layouts_match_single_process(tmp_path):
         assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
 
 
-def _script_argv(name, **values):
-    """The pretrain_gpt.py flags of scripts/NAME as bash would pass them: ${VAR:-default} ->
-    its default (or `values[VAR]`), ${VAR:+...} -> nothing, ${VAR:?...} / "$VAR" -> values."""
-    import os
-    import re
-    import shlex
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "scripts", name)) as handle:
-        text = handle.read().replace("\\\n", " ")
-    flags = text[text.index("pretrain_gpt.py") + len("pretrain_gpt.py"):].split('"$@"')[0]
-    flags = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: values.get(m.group(1), m.group(2)), flags)
-    flags = re.sub(r"\$\{\w+:\+[^}]*\}", "", flags)
-    flags = re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: values[m.group(1)], flags)
-    flags = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], flags)
-    return shlex.split(flags)
-
-
-def test_gpt_oss_20b_script_is_the_published_shape():
+def test_gpt_oss_20b_script_is_the_published_shape(tmp_path):
     """scripts/pretrain_gpt_oss_20b.sh parses into openai/gpt-oss-20b's model (20.9B
     parameters, the published count) and validates at its default layout (EP=8 of 8)."""
     from megatron_smp.models.hf import config_to_hf
     from megatron_smp.training.arguments import parse_args
+    from tests.unit.training.test_zoo_scripts import _command_line
 
-    argv = _script_argv("pretrain_gpt_oss_20b.sh", DATA_PATH="data", TOKENIZER_MODEL="tok",
-                        CHECKPOINT_PATH="ckpt")
-    configs = parse_args(argv)
+    argv = _command_line("pretrain_gpt_oss_20b.sh", tmp_path)
+    configs = parse_args(argv[argv.index("pretrain_gpt.py") + 1:])
     model = configs.model.replace(vocab_size=201088)
     model.validate(configs.parallel, configs.training.seq_length)
     configs.parallel.validate(8)
@@ -123,17 +105,18 @@ def test_gpt_oss_20b_script_is_the_published_shape():
 
 
 def test_gpt_oss_small_script_trains(tmp_path):
-    """scripts/pretrain_gpt_oss_small.sh runs as written (EP=2 on 2 processes); its loss
-    falls."""
+    """scripts/small/pretrain_gpt_oss_small.sh runs as written (EP=2 on 2 processes); its
+    loss falls."""
     import os
     import re
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "scripts/pretrain_gpt_oss_small.sh", "--train-iters", "6",
-                           "--log-interval", "1", "--eval-iters", "0"],
+    env = dict(os.environ, TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+               PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "scripts/small/pretrain_gpt_oss_small.sh",
+                           "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]

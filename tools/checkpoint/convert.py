@@ -34,6 +34,7 @@ from tools.checkpoint.common import MODEL_TYPES, compare_state_dicts, family_for
 from tools.checkpoint.hf_format import (  # noqa: E402
     framework_from_hf_state_dict,
     hf_state_dict_from_framework,
+    quantize_hf_experts,
     read_hf_checkpoint,
     write_hf_checkpoint,
 )
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TP size: written (megatron saver) or intended (megatron_smp saver)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                         help="PP size: written (megatron saver) or intended (megatron_smp saver)")
+    parser.add_argument("--mxfp4-experts", action="store_true",
+                        help="--saver hf, gpt_oss: store the expert projections in MXFP4 "
+                        "(*_blocks + *_scales, as the published checkpoints; lossy) instead "
+                        "of the model's dtype")
     add_shape_arguments(parser)
     return parser
 
@@ -100,6 +105,9 @@ def convert(args: argparse.Namespace) -> None:
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
     if args.saver == "hf" and targets != (None, None):
         raise ConfigError("--target-*-parallel-size apply to --saver megatron_smp / megatron")
+    if args.mxfp4_experts and (args.saver != "hf" or family != "gpt_oss"):
+        raise ConfigError("--mxfp4-experts writes a gpt-oss HF checkpoint's experts in MXFP4: "
+                          "it needs --saver hf and --model-type gpt_oss")
 
     source_hf_config: Optional[Dict] = None
     iteration = None
@@ -121,6 +129,8 @@ def convert(args: argparse.Namespace) -> None:
 
     if args.saver == "hf":
         write_hf_checkpoint(args.save_dir, family, config, model, source_hf_config)
+        if args.mxfp4_experts:
+            quantize_hf_experts(args.save_dir)
     elif args.saver == "megatron":
         tp, pp = (t or 1 for t in targets)
         validate_target_layout(config, tp, pp)

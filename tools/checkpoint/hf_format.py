@@ -12,14 +12,16 @@ the installed transformers); then the directory is loaded back with `from_pretra
 compared bit for bit, and mapped back to the framework and compared again.
 
 An MXFP4 checkpoint (`quantization_config.quant_method: mxfp4`, the published gpt-oss) is read
-from its safetensors files directly: each `*_blocks` + `*_scales` pair is dequantized to bf16
-(`models.hf.mxfp4`), the names and shapes are checked against the HF model of the config like
-any other checkpoint, and the config loses its `quantization_config`, so what is written back
-(HF export) is the bf16 model.
+from its safetensors files directly: each `*_blocks` + `*_scales` pair is dequantized to the
+dtype of the other tensors, bf16 in the published checkpoints (`models.hf.mxfp4`), the names
+and shapes are checked against the HF model of the config like any other checkpoint, and the
+config loses its `quantization_config`, so what is written back (HF export) is the bf16 model;
+`quantize_hf_experts` (convert.py --mxfp4-experts) writes the experts in MXFP4 instead.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 from typing import Dict, Mapping, Optional
 
@@ -27,7 +29,14 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import config_to_hf, family_of, get_adapter
-from megatron_smp.models.hf.mxfp4 import dequantize_state_dict, is_mxfp4
+from megatron_smp.models.hf.mxfp4 import (
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    dequantize_mxfp4,
+    dequantize_state_dict,
+    is_mxfp4,
+    quantize_mxfp4,
+)
 from tools.checkpoint.common import (
     architecture,
     compare_state_dicts,
@@ -102,8 +111,11 @@ def _read_mxfp4(load_dir: str, hf_config):
     raw: Dict[str, torch.Tensor] = {}
     for path in files:
         raw.update(load_file(path))
+    # To the dtype of the tensors stored plainly (bf16 in the published checkpoints).
+    plain = {t.dtype for k, t in raw.items() if t.is_floating_point()}
+    dtype = plain.pop() if len(plain) == 1 else torch.bfloat16
     try:
-        hf_sd = dequantize_state_dict(raw)
+        hf_sd = dequantize_state_dict(raw, dtype)
     except ValueError as error:
         raise ConfigError(f"--load-dir {load_dir}: {error}") from error
     del hf_config.quantization_config
@@ -174,3 +186,58 @@ def write_hf_checkpoint(save_dir: str, family: str, config: TransformerConfig,
     compare_state_dicts(model, framework_from_hf_state_dict(family, config, reloaded),
                         f"mapping {save_dir} back to the framework")
     return hf_model.config
+
+
+# The expert projections gpt-oss checkpoints store in MXFP4, and what stays bf16 (the
+# published checkpoints' quantization_config).
+MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                       "model.embed_tokens", "lm_head"]
+
+
+def quantize_hf_experts(save_dir: str) -> None:
+    """Rewrite a written gpt-oss HF checkpoint with its expert projections in MXFP4 (as the
+    published checkpoints store them): each `P` of every safetensors file becomes `P_blocks`
+    + `P_scales` (the index updated), config.json gains the quantization_config; then the
+    directory is read back through the MXFP4 reader and compared bit for bit with the
+    dequantized quantization of the tensors it replaced."""
+    from safetensors.torch import load_file, save_file
+
+    expected: Dict[str, torch.Tensor] = {}
+    renames: Dict[str, str] = {}
+    for path in sorted(glob.glob(os.path.join(save_dir, "*.safetensors"))):
+        tensors = load_file(path)
+        for name in [k for k in tensors if k.endswith(MXFP4_EXPERTS)]:
+            weight = tensors.pop(name)
+            if weight.shape[1] % 32:
+                raise ConfigError(f"--mxfp4-experts: {name} has {weight.shape[1]} inputs, not a "
+                                  "multiple of 32 (MXFP4's block); export without it")
+            blocks, scales = quantize_mxfp4(weight)
+            tensors[name + BLOCKS_SUFFIX], tensors[name + SCALES_SUFFIX] = blocks, scales
+            expected[name] = dequantize_mxfp4(blocks, scales, weight.dtype)
+            renames[name] = os.path.basename(path)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if not expected:
+        raise ConfigError(f"--mxfp4-experts: {save_dir} holds no gpt-oss expert projections")
+    index_path = os.path.join(save_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as handle:
+            index = json.load(handle)
+        for name, file in renames.items():
+            del index["weight_map"][name]
+            index["weight_map"][name + BLOCKS_SUFFIX] = file
+            index["weight_map"][name + SCALES_SUFFIX] = file
+        with open(index_path, "w") as handle:
+            json.dump(index, handle, indent=2)
+    config_path = os.path.join(save_dir, "config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=2)
+    from transformers import AutoConfig
+
+    _, reread = _read_mxfp4(save_dir, AutoConfig.from_pretrained(save_dir))
+    compare_state_dicts(expected, {k: reread[k] for k in expected},
+                        f"reading the MXFP4 experts written to {save_dir}")

@@ -5,8 +5,8 @@
     full = adapter.from_hf(hf_model.state_dict(), config)    # TP=1 GPTModel state dict
     shard = shard_state_dict(full, config, tp_size, tp_rank)
 
-A new family is one more module listed in `_FAMILIES` (Mixtral, Qwen2-MoE and Qwen3-MoE carry experts:
-their full state dicts name every expert by its global index).
+A new family is one more module listed in `_FAMILIES` (Mixtral, Qwen2-MoE and Qwen3-MoE carry
+experts: their full state dicts name every expert by its global index).
 """
 from __future__ import annotations
 

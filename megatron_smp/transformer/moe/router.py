@@ -54,9 +54,10 @@ class TopKRouter(torch.nn.Module):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.routing_type = config.moe_router_load_balancing_type
-        # The ranks that split one sequence (sequence parallelism): losses are partial sums
-        # over them and the token counts are summed over them.
-        self.sequence_group = state.tp_group
+        # The ranks that split one sequence (sequence parallelism, context parallelism: Megatron's
+        # tp_cp group): losses are partial sums over them and the token counts are summed over
+        # them.
+        self.sequence_group = state.tp_cp_group if state.cp_size > 1 else state.tp_group
         self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
         master = torch.empty(self.num_experts, config.hidden_size)
         init_method_normal(config.init_method_std)(master)  # CPU draw: layout-independent

@@ -20,8 +20,9 @@ def _routers(model_chunks: Iterable[torch.nn.Module]) -> List[TopKRouter]:
 
 
 def set_aux_loss_scale(model_chunks: Iterable[torch.nn.Module], scale: float) -> None:
-    """Gradient of every auxiliary loss := `scale` (loss_scale / num_microbatches, as the
-    schedule scales each microbatch's language-model loss)."""
+    """Gradient of every auxiliary loss := `scale` (loss_scale x cp / num_microbatches, as
+    the schedule scales each microbatch's language-model loss; Megatron's factor cp makes up
+    for the average of grads over dp x cp, as the lm loss's x cp does)."""
     for router in _routers(model_chunks):
         router.aux_loss_scale.fill_(scale)
 
@@ -39,29 +40,44 @@ def tracked_metrics(config: TransformerConfig) -> List[str]:
 
 def moe_metrics(
     model_chunks: Iterable[torch.nn.Module], config: TransformerConfig, state,
-    num_microbatches: int,
+    num_microbatches: int, per_layer: bool = False,
 ) -> Dict[str, float]:
     """{"load_balancing_loss", "z_loss"} of the last iteration (those the config enables),
     each without its coefficient, averaged over microbatches, MoE layers and data-parallel
-    replicas (Megatron's tracker); resets the routers' accumulators. A collective over the
-    TP, PP and DP groups: call it on every rank."""
+    replicas (Megatron's tracker); with `per_layer` (--moe-per-layer-logging) also
+    "moe/<name>_layer_<i>" per MoE layer i (0-based global layer index), that layer's value
+    averaged over microbatches and replicas. Resets the routers' accumulators. A collective
+    over the TP, PP and DP x CP groups: call it on every rank."""
     names = tracked_metrics(config)
     if not names:
         return {}
-    routers = _routers(model_chunks)
-    values = torch.zeros(len(METRIC_NAMES), dtype=torch.float32, device=state.device)
-    for router in routers:
-        values += torch.stack([router.metrics[name] for name in METRIC_NAMES]).to(values.device)
+    # Row per global layer: each stage fills its own layers' rows.
+    values = torch.zeros(config.num_layers, len(METRIC_NAMES), dtype=torch.float32,
+                         device=state.device)
+    for router in _routers(model_chunks):
+        values[router.layer_number - 1] += torch.stack(
+            [router.metrics[name] for name in METRIC_NAMES]).to(values.device)
         router.reset_metrics()
     # Each TP rank holds its sequence shard's partial sum; each stage its own layers.
     for group in (state.tp_group, state.pp_group):
         if dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
+    # Context-parallel ranks hold partial sums too (their tokens' share), data-parallel
+    # replicas whole values: sum over dp x cp, average over dp.
     if state.dp_cp_size > 1:
         dist.all_reduce(values, group=state.dp_cp_group)
-        values /= state.dp_cp_size
-    values /= num_microbatches * max(1, sum(config.moe_layer_pattern()))
-    return {name: float(values[METRIC_NAMES.index(name)]) for name in names}
+        values /= state.dp_cp_size // state.cp_size
+    values /= num_microbatches
+    pattern = config.moe_layer_pattern()
+    totals = values.sum(dim=0) / max(1, sum(pattern))
+    out = {name: float(totals[METRIC_NAMES.index(name)]) for name in names}
+    if per_layer:
+        for index, moe in enumerate(pattern):
+            if moe:
+                for name in names:
+                    out[f"moe/{name}_layer_{index}"] = float(
+                        values[index, METRIC_NAMES.index(name)])
+    return out
 
 
 __all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics"]

@@ -1,5 +1,6 @@
 """smp.transform under context_parallel_degree 2: whole sequences in, HF's logits out (every
-comm type, learned positions / RoPE+GQA / partial RoPE, a padding mask with all_gather), and
+comm type, learned positions / RoPE+GQA / partial RoPE / YaRN / Llama 3.1 scaling, a padding
+mask with all_gather), and
 the CP ranks' parameter grads add up to HF's."""
 import warnings
 
@@ -13,7 +14,10 @@ from tests.unit.models.test_hf_adapters import _ids, build_hf
 warnings.filterwarnings("ignore", message=".*")
 
 # family -> cp_comm_type; SEQ 12 splits into 4 chunks of 3.
-COMM_TYPES = {"gpt2": "all_gather", "llama": "p2p", "gpt_neox": "a2a"}
+# qwen2's YaRN and llama31's Llama 3.1 scaling have original contexts of 8 < 12: the CP ranks'
+# global positions reach past them.
+COMM_TYPES = {"gpt2": "all_gather", "llama": "p2p", "gpt_neox": "a2a", "qwen2": "a2a",
+              "llama31": "p2p"}
 
 
 def _worker(rank, world_size):

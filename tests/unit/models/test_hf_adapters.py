@@ -14,7 +14,10 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.common import to_numpy, to_torch
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("gpt2", "llama", "mistral", "gpt_neox")
+# llama31: a Llama with Llama 3.1 RoPE scaling; qwen2: q/k/v biases, tied head, YaRN.
+FAMILIES = ("gpt2", "llama", "llama31", "mistral", "gpt_neox", "qwen2")
+# The adapter family (config_to_hf's name) of each test family.
+HF_FAMILY = {"llama31": "llama"}
 BATCH, SEQ = 2, 12
 
 
@@ -115,6 +118,7 @@ def test_state_dict_round_trips_are_exact(family):
         for name in full:
             assert torch.equal(merged[name], full[name]), (tp_size, name)
     # Config translation round trip.
+    family = HF_FAMILY.get(family, family)
     assert get_adapter(family).config_from_hf(config_to_hf(config, family)) == config
 
 

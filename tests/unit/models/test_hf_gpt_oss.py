@@ -153,28 +153,22 @@ def test_transform_tp2_and_ep2_match_hf_logits_and_tp2_shards_merge_to_hf():
 def _quantized_checkpoint(hf, path):
     """`hf` saved in bf16 as the published checkpoints are: experts as MXFP4 blocks + scales,
     everything else bf16, quantization_config in config.json."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from tools.checkpoint.hf_format import quantize_hf_experts
 
     hf.to(torch.bfloat16).save_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    for name in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
-        blocks, scales = quantize_mxfp4(tensors.pop(name).float())
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                "model.layers.*.mlp.router",
-                                                                "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(config))
-    return tensors
+    quantize_hf_experts(str(path))
+    return load_file(path / "model.safetensors")
 
 
 def test_convert_mxfp4_checkpoint_to_tp2_and_back_to_bf16_hf(tmp_path):
+    """MXFP4 in (dequantized as transformers does), bf16 out by default, MXFP4 out with
+    --mxfp4-experts (the same values)."""
     import transformers
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tests.unit.tools.test_convert import _config_json, _convert_ok
+    from tests.unit.tools.test_convert import _config_json, _convert, _convert_ok
 
     hf = build_gpt_oss(intermediate_size=64)  # MXFP4 blocks of 32 along both inputs
     stored = _quantized_checkpoint(hf, tmp_path / "hf")
@@ -195,6 +189,18 @@ def test_convert_mxfp4_checkpoint_to_tp2_and_back_to_bf16_hf(tmp_path):
         else:
             want = stored[name] if name in stored else stored["model.embed_tokens.weight"]
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want), name
+
+    # Asked for, the export stores the experts in MXFP4 again: the same values.
+    _convert_ok("gpt_oss", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf3",
+                "--mxfp4-experts")
+    assert _config_json(tmp_path / "hf3") == _config_json(tmp_path / "hf")
+    from tools.checkpoint.hf_format import read_hf_checkpoint
+
+    _, _, requantized = read_hf_checkpoint(str(tmp_path / "hf3"), "gpt_oss", "gpt_oss")
+    assert all(torch.equal(requantized[name], actual[name]) for name in requantized)
+    status, stderr = _convert("gpt_oss", "hf", "megatron_smp", tmp_path / "hf",
+                              tmp_path / "bad", "--mxfp4-experts")
+    assert status == 1 and "--mxfp4-experts writes a gpt-oss HF checkpoint" in stderr
 
 
 def test_megatron_legacy_format_round_trip_at_tp2(tmp_path):

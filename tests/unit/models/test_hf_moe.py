@@ -1,5 +1,5 @@
-"""Mixtral and Qwen2-MoE: exact state-dict and config round trips (TP and EP shards too),
-smp.transform gives HF's logits at TP=1, TP=2 (+SP), EP=2 and TP=2 x EP=2, MoEConfig maps
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: exact state-dict and config round trips (TP and EP shards
+too), smp.transform gives HF's logits at TP=1, TP=2 (+SP), EP=2 and TP=2 x EP=2, MoEConfig maps
 onto Megatron's settings, and HF -> framework (TP=2, EP=2) -> HF is tensor-exact."""
 import warnings
 
@@ -19,7 +19,7 @@ from megatron_smp.testing import run_distributed
 from tests.unit.models.test_hf_adapters import _ids, build_hf
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("mixtral", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -118,7 +118,7 @@ def test_transform_tp2_and_ep2_match_hf_logits():
     layouts = ({"tensor_parallel_degree": 2}, {"expert_parallel_degree": 2})
     for result in run_distributed(_parallel_worker, 2, args=(layouts,), timeout=300):
         errors = {k: v for k, v in result.items() if isinstance(k, tuple)}
-        assert len(errors) == 4 and max(errors.values()) < 1e-4, errors
+        assert len(errors) == 2 * len(FAMILIES) and max(errors.values()) < 1e-4, errors
 
 
 def test_tp2_ep2_back_to_hf_is_exact():

@@ -109,3 +109,23 @@ def test_flags():
     config = configs.model.replace(yarn_rotary_scaling_factor=0.0)
     with pytest.raises(ConfigError, match="--rotary-scaling-factor"):
         config.validate(ParallelConfig())
+
+
+@pytest.mark.parametrize("rope", [LLAMA3, YARN_DEFAULTS], ids=["llama3", "yarn"])
+def test_scaled_partial_rope_of_gpt_neox_matches_hf(rope):
+    """The scaling applies to the rotated channels only (HF: dim = head_dim x
+    partial_rotary_factor; ours: --rotary-percent)."""
+    import transformers as tf
+
+    smp.init({"random_seed": 3})
+    config = tf.GPTNeoXConfig(vocab_size=1003, intermediate_size=128, num_hidden_layers=2,
+                              hidden_size=64, num_attention_heads=2, max_position_embeddings=64,
+                              rope_parameters=dict(rope, partial_rotary_factor=0.5))
+    torch.manual_seed(0)
+    hf = tf.GPTNeoXForCausalLM(config).eval()
+    ids = torch.randint(0, 1003, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (smp.transform(hf)(ids) - hf(ids).logits).abs().max() < 2e-4
+    ours = get_adapter(hf).config_from_hf(hf.config)
+    assert ours.rotary_percent == 0.5
+    assert get_adapter(hf).config_from_hf(config_to_hf(ours, "gpt_neox")) == ours

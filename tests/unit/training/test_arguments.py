@@ -241,7 +241,8 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
                       "global_batch_size": "num_microbatches",
                       "moe_layer_freq": "moe_layer_pattern",
                       "expert_tensor_parallel_size": "validate",
-                      "recompute_modules": "recompute_modules"}
+                      "recompute_modules": "recompute_modules",
+                      "window_attn_skip_freq": "layer_window_size"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:
@@ -359,7 +360,8 @@ MOE_ERRORS = [
     (["--expert-model-parallel-size", "2"], 2,
      r"--expert-model-parallel-size 2 needs a mixture-of-experts model"),
     (MOE + ["--expert-model-parallel-size", "4"], 2,
-     r"--expert-model-parallel-size \(4\) must divide the data-parallel size \(2\)"),
+     r"--expert-model-parallel-size \(4\) must divide data-parallel x context-parallel "
+     r"size \(2 x 1\)"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, r"need --sequence-parallel"),
     (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--expert-tensor-parallel-size", "1"], 2, r"--expert-tensor-parallel-size 1"),

@@ -38,6 +38,18 @@ CASES = [
           ffn_hidden_size=512, gated_linear_unit=True, activation="silu", vocab_size=1000,
           num_moe_experts=4, moe_layer_freq="[0,1,1,0]", moe_router_topk=1),
      1024, 32, 3, 1528823808),
+    # Qwen2.5-7B: GQA 28 heads / 4 groups, q/k/v biases (not counted, as in Megatron),
+    # SwiGLU 18944, vocab 152064, seq 4096, batch 1.
+    (dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+          ffn_hidden_size=18944, gated_linear_unit=True, activation="silu",
+          add_bias_linear=False, add_qkv_bias=True, vocab_size=152064),
+     152064, 4096, 1, 183861107490816),
+    # Qwen3-30B-A3B: head dim 128 (32 x 128 = 4096 wider than hidden 2048), 4 groups, 48 MoE
+    # layers of 128 experts, top-8 of width 768, q/k norms (not counted), vocab 151936.
+    (dict(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+          kv_channels=128, ffn_hidden_size=6144, gated_linear_unit=True, activation="silu",
+          qk_layernorm=True, vocab_size=151936, num_moe_experts=128, moe_router_topk=8,
+          moe_ffn_hidden_size=768), 151936, 4096, 1, 94233729957888),
 ]
 
 

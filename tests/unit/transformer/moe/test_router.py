@@ -10,7 +10,7 @@ from megatron_smp.models.llama import llama_config
 from megatron_smp.transformer.moe.moe_utils import apply_capacity, topk_routing
 from megatron_smp.transformer.moe.router import TopKRouter
 
-STATE = SimpleNamespace(tp_group=None, tp_size=1)  # one process, no groups
+STATE = SimpleNamespace(tp_group=None, tp_size=1, cp_size=1)  # one process, no groups
 
 
 def _router(**moe):

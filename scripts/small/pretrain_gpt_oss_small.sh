@@ -5,11 +5,9 @@
 # pretrain_gpt.py (e.g. --train-iters 50, or --tensor-model-parallel-size 2
 # --sequence-parallel instead of EP).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-.venv/bin/python}
+cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
-  pretrain_gpt.py \
+exec ${TORCHRUN:-.venv/bin/torchrun} --standalone --nproc-per-node 2 pretrain_gpt.py \
   --num-layers 4 --hidden-size 128 --ffn-hidden-size 128 --num-attention-heads 8 \
   --kv-channels 24 --group-query-attention --num-query-groups 2 \
   --normalization RMSNorm --untie-embeddings-and-output-weights \
