@@ -54,10 +54,10 @@ def _train_and_walk(rank, world_size, argv):
     original_scalars = training_logging.TrainingLogger.iteration_scalars
 
     def record_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm, zeros,
-                       params_norm):
+                       params_norm, *rest):
         scalars[iteration] = (losses["lm loss"], grad_norm, zeros, params_norm)
         return original_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm,
-                                zeros, params_norm)
+                                zeros, params_norm, *rest)
 
     training_logging.TrainingLogger.iteration_scalars = record_scalars
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
