@@ -146,18 +146,26 @@ def test_in_flight_microbatches_follow_the_schedules():
 
 
 def test_report_memory_prints_the_table_first(capsys):
-    """--report-memory on a plain single-process pretrain: the table, then training."""
+    """--report-memory on a plain single-process pretrain: the table, then training with the
+    losses of the run without it (the meta builds draw nothing from the run's generator)."""
+    import torch.distributed as dist
+
     from megatron_smp.training import pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
 
-    argv = SHAPE[:-1] + ["--report-memory", "--eval-iters", "0", "--lr", "1e-4",
-                         "--log-interval", "1"]
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    argv = SHAPE[:-1] + ["--eval-iters", "0", "--lr", "1e-4", "--log-interval", "1",
+                         "--train-iters", "2"]
+    losses = []
+    for extra in ([], ["--report-memory"]):
+        result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                          argv=argv + extra)
+        dist.destroy_process_group()
+        losses.append(result.train_losses)
+    assert losses[0] == losses[1]
     out = capsys.readouterr().out
-    assert out.index("memory estimate per rank (TP1 PP1 CP1 DP1 EP1") < out.index("iteration")
+    assert out.count("memory estimate per rank (TP1 PP1 CP1 DP1 EP1") == 1
+    reported = out.index("memory estimate per rank")
+    assert reported < out.index("iteration", reported)
     assert "largest: pipeline rank 0" in out
 
 
