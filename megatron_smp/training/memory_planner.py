@@ -93,9 +93,23 @@ def _layer_kinds(model_config, offset: int, count: int) -> List[bool]:
     return [bool(pattern[i]) for i in range(offset, offset + count)]
 
 
+def check_model_provider(model_provider: Callable) -> None:
+    """The planner builds on meta through the provider's `device=`; a clear error if it
+    takes none (pure: every rank can check before any collective)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.distributed.fsdp import _accepts_device
+
+    if not _accepts_device(model_provider):
+        raise ConfigError("--report-memory counts the model built on the meta device: the "
+                          "entry script's model_provider must take device= (or **kwargs) and "
+                          "pass it to the model, as pretrain_gpt.py's does")
+
+
 def count_stages(configs, world_size: int, model_provider: Callable) -> List[StageCount]:
     """Build every pipeline stage on meta at the target layout and count its parameters."""
     from megatron_smp.pipeline_parallel.stages import layout_from_configs
+
+    check_model_provider(model_provider)
 
     parallel = configs.parallel
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
@@ -412,6 +426,6 @@ def report_from_argv(argv: List[str], world_size: int, model_provider: Callable,
 
 
 __all__ = [
-    "fake_layout", "count_stages", "layer_activation_bytes", "in_flight_microbatches",
-    "estimate_memory", "report_from_argv", "MemoryReport", "RankMemory",
+    "fake_layout", "check_model_provider", "count_stages", "layer_activation_bytes",
+    "in_flight_microbatches", "moe_capacity_tokens", "estimate_memory", "report_from_argv", "MemoryReport", "RankMemory",
 ]

@@ -307,8 +307,9 @@ def _report_memory(configs: Configs, model_provider: Callable) -> None:
     group exists (the planner counts inside a fake one); the other ranks go on to wait for
     rank 0 in the rendezvous."""
     from megatron_smp.parallel_state import launcher_rank, launcher_world_size
-    from megatron_smp.training.memory_planner import estimate_memory
+    from megatron_smp.training.memory_planner import check_model_provider, estimate_memory
 
+    check_model_provider(model_provider)  # on every rank, before any collective
     if launcher_rank() != 0:
         return
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -218,6 +218,17 @@ def test_megatron_theoretical_memory_fixture():
     assert (6 + 6 + 4 * f_over_h) - megatron_layer == pytest.approx(3 + 2 * f_over_h)
 
 
+def test_provider_without_device_is_a_clear_error():
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.memory_planner import report_from_argv
+
+    def provider(configs, state, pre_process=True, post_process=True):
+        raise AssertionError("never built")
+
+    with pytest.raises(ConfigError, match="model_provider must take device="):
+        report_from_argv(SHAPE, 1, provider)
+
+
 def test_estimate_memory_tool(capsys):
     """tools/estimate_memory.py: the table for a layout (no data flags needed), and a clear
     error naming the flags for a world size that does not fit the layout."""
