@@ -427,5 +427,6 @@ def report_from_argv(argv: List[str], world_size: int, model_provider: Callable,
 
 __all__ = [
     "fake_layout", "check_model_provider", "count_stages", "layer_activation_bytes",
-    "in_flight_microbatches", "moe_capacity_tokens", "estimate_memory", "report_from_argv", "MemoryReport", "RankMemory",
+    "in_flight_microbatches", "moe_capacity_tokens", "estimate_memory", "report_from_argv",
+    "MemoryReport", "RankMemory",
 ]

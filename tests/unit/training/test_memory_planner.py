@@ -183,9 +183,9 @@ def test_megatron_theoretical_memory_fixture():
     at TP=2 + SP, DP=4: the weight and optimizer bytes equal ours within 0.1% (Megatron
     counts parameters by formula, ours on the built model). Activations differ by design:
     Megatron's formula (Korthikanti et al., 18 + 4 f / h bytes per s b h) assumes an ungated
-    MLP and LayerNorm; ours counts this implementation's tensors for SwiGLU (4 f: the 2 f-wide fc1 output, the
-    activation, the fc2 input), RMSNorm (its input and normalised output) and RoPE's rotated
-    q and k, so ours is larger by that breakdown, term by term."""
+    MLP and LayerNorm; ours counts this implementation's tensors for SwiGLU (4 f: the 2 f-wide
+    fc1 output, the activation, the fc2 input), RMSNorm (its input and normalised output) and
+    RoPE's rotated q and k, so ours is larger by that breakdown, term by term."""
     import json
     import os
 
