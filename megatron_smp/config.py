@@ -892,6 +892,8 @@ class TrainingConfig:
     # at each --log-interval (torch.cuda.memory._snapshot(), for pytorch.org/memory_viz).
     record_memory_history: bool = False
     memory_snapshot_path: str = "snapshot.pickle"
+    # --report-memory: rank 0 prints training/memory_planner.py's per-rank estimate first.
+    report_memory: bool = False
     # Weights & Biases logging of the TensorBoard scalars on the last rank (wandb optional).
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None

@@ -201,6 +201,23 @@ def _dropout_masks(dropout_p: float, rng_states):
     return draw
 
 
+# The blocks' attention kernel: "auto" uses the fused one where `fused_blocks_supported`
+# allows, "math" always the tiled matmul path (the fallback, kept tested).
+BLOCK_KERNEL = "auto"
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def fused_blocks_supported(core, q, dropout_p, mask) -> bool:
+    """Whether a block can run on aten's fused CPU flash-attention op, which returns the
+    log-sum-exp the merge needs (public SDPA does not): on CPU, fp32/fp64, without attention
+    dropout (its masks must be redrawn in backward, which the op cannot), without an explicit
+    mask or sliding window (rows that see no key need the math path's -inf handling).
+    ALiBi enters as an additive bias; attention sinks merge after the blocks either way."""
+    return (BLOCK_KERNEL == "auto" and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+            and dropout_p == 0.0 and mask is None and core.window_size is None
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
 class _Blocks:
     """Attention of this rank's queries against key/value blocks of other ranks, one block
     at a time, tiled; shared by the ring and the all-gather functions.
@@ -216,14 +233,29 @@ class _Blocks:
         self.local_length = q.shape[-2]
         self.q_positions = core.positions(self.local_length, q.device)
         self.dropout = _dropout_masks(dropout_p, rng_states)
+        self.fused = fused_blocks_supported(core, q, dropout_p, mask)
 
     def _plan(self, owner: int):
-        """The tiles of the block of rank `owner`, its positions and whether it is causal."""
+        """The block of rank `owner`: its (query rows, key columns), key positions and
+        whether it is causal."""
         core = self.core
         step = (core.cp_rank - owner) % core.cp_size
         k_positions = core.positions(self.local_length, self.q.device, owner)
-        return _tiles(self.q, *_ring_block(step, core.cp_rank, self.local_length)), \
-            k_positions, step == 0
+        rows, cols, causal = _ring_block(step, core.cp_rank, self.local_length)
+        return rows, cols, k_positions, causal
+
+    def _fused_inputs(self, rows, cols, k, v, k_positions, causal):
+        """q rows [b, nh, sr, d], the block's k / v [b, ng, sc, d] (the kernel maps query
+        head i to key/value head i // (nh / ng), our grouping), the additive bias (ALiBi with
+        its causal part) or None, and is_causal for the kernel."""
+        b, ng, qpg, _, d = self.q.shape
+        q = self.q[..., rows, :].reshape(b, ng * qpg, -1, d)
+        k_heads, v_heads = (t[..., cols, :].squeeze(2) for t in (k, v))
+        bias = None
+        if self.core.alibi_slopes is not None:
+            bias = self.core.positional_bias(self.q_positions[rows], k_positions[cols], causal)
+            bias = bias.to(q.dtype)
+        return q, k_heads, v_heads, bias, causal and bias is None
 
     def _scores(self, rows, cols, k, k_positions, causal):
         mask = None
@@ -234,33 +266,62 @@ class _Blocks:
 
     def forward(self, owner, k, v, out, lse) -> None:
         """Add the block of rank `owner` (its k, v) into `out` / `lse`."""
-        tiles, k_positions, causal = self._plan(owner)
-        for rows, cols in tiles:
+        block_rows, block_cols, k_positions, causal = self._plan(owner)
+        if self.fused:
+            q, k_heads, v_heads, bias, is_causal = self._fused_inputs(
+                block_rows, block_cols, k, v, k_positions, causal)
+            block_out, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k_heads, v_heads, 0.0, is_causal, attn_mask=bias, scale=self.core.scale)
+            self._merge(block_rows, block_out.reshape(self.q[..., block_rows, :].shape),
+                        block_lse.reshape(lse[..., block_rows].shape).to(lse.dtype), out, lse)
+            return
+        for rows, cols in _tiles(self.q, block_rows, block_cols, causal):
             scores = self._scores(rows, cols, k, k_positions, causal)
             block_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - _finite(block_lse)[..., None])
             if self.dropout is not None:
                 probs = probs * self.dropout(probs)
             block_out = torch.matmul(probs, v[..., cols, :])
-            # Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block.
-            old_lse = lse[..., rows]
-            new_lse = torch.logaddexp(old_lse, block_lse)
-            keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
-            take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
-            out[..., rows, :] = out[..., rows, :] * keep[..., None] + block_out * take[..., None]
-            lse[..., rows] = new_lse
+            self._merge(rows, block_out, block_lse, out, lse)
+
+    @staticmethod
+    def _merge(rows, block_out, block_lse, out, lse) -> None:
+        """Merge by log-sum-exp: out = sum_blocks exp(lse_block - lse) * out_block."""
+        old_lse = lse[..., rows]
+        new_lse = torch.logaddexp(old_lse, block_lse)
+        keep = torch.exp(old_lse - _finite(new_lse)).nan_to_num(0.0)
+        take = torch.exp(block_lse - _finite(new_lse)).nan_to_num(0.0)
+        out[..., rows, :] = out[..., rows, :] * keep[..., None] + block_out * take[..., None]
+        lse[..., rows] = new_lse
 
     def finish_forward(self) -> None:
         if self.dropout is not None:
             # The stream moves on as if the masks had been drawn in one go, as SDPA's would.
             get_rng_tracker().set_states(self.dropout.states)
 
-    def backward(self, owner, k, v, lse, grad_out, delta, dq):
-        """Add the block's share of dq (in place); return its dk, dv."""
+    def backward(self, owner, k, v, out, lse, grad_out, delta, dq):
+        """Add the block's share of dq (in place); return its dk, dv. `out` / `lse` are
+        the merged (final) ones: each block's probabilities are exp(scores - lse), so the
+        kernel's backward of one block with them gives that block's exact share."""
         core = self.core
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        tiles, k_positions, causal = self._plan(owner)
-        for rows, cols in tiles:
+        block_rows, block_cols, k_positions, causal = self._plan(owner)
+        if self.fused:
+            q, k_heads, v_heads, bias, is_causal = self._fused_inputs(
+                block_rows, block_cols, k, v, k_positions, causal)
+            shape = q.shape
+            dq_block, dk_block, dv_block = \
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad_out[..., block_rows, :].reshape(shape), q, k_heads, v_heads,
+                    out[..., block_rows, :].reshape(shape),
+                    lse[..., block_rows].reshape(shape[:-1]).contiguous(), 0.0, is_causal,
+                    attn_mask=bias, scale=core.scale)
+            b, ng, qpg, _, d = self.q.shape
+            dq[..., block_rows, :] += dq_block.reshape(b, ng, qpg, -1, d)
+            dk[..., block_cols, :] += dk_block.unsqueeze(2)
+            dv[..., block_cols, :] += dv_block.unsqueeze(2)
+            return dk, dv
+        for rows, cols in _tiles(self.q, block_rows, block_cols, causal):
             scores = self._scores(rows, cols, k, k_positions, causal)
             probs = torch.exp(scores - _finite(lse[..., rows])[..., None])
             d_out = grad_out[..., rows, :]
@@ -347,8 +408,8 @@ class _RingAttentionFunction(torch.autograd.Function):
             if step + 1 < size:
                 incoming = torch.empty_like(kv)
                 kv_requests = _ring_exchange(kv, incoming, core)
-            dk, dv = blocks.backward((rank - step) % size, kv[0], kv[1], lse, grad_out,
-                                     delta, dq)
+            dk, dv = blocks.backward((rank - step) % size, kv[0], kv[1], out, lse,
+                                     grad_out, delta, dq)
             # The dK/dV partial sums of the visiting block arrive from the previous rank
             # (it added its share one step earlier); add ours and pass them on.
             _wait(dkv_requests)
@@ -391,7 +452,7 @@ class _AllGatherAttentionFunction(torch.autograd.Function):
         dq = torch.zeros_like(q)
         d_gathered = torch.empty_like(gathered)
         for owner in range(core.cp_size):
-            dk, dv = blocks.backward(owner, gathered[owner][0], gathered[owner][1], lse,
+            dk, dv = blocks.backward(owner, gathered[owner][0], gathered[owner][1], out, lse,
                                      grad_out, delta, dq)
             d_gathered[owner] = torch.stack([dk, dv])
         dkv = _reduce_scatter_first_dim(d_gathered, core.cp_group)[0]

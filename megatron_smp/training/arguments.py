@@ -296,6 +296,9 @@ _FLAGS: List[_Flag] = [
     _f("--log-timers-to-tensorboard", "training", action="store_true"),
     _f("--log-validation-ppl-to-tensorboard", "training", action="store_true"),
     _f("--log-memory-to-tensorboard", "training", action="store_true"),
+    _f("--report-memory", "training", action="store_true",
+       help="rank 0 prints the memory planner's per-rank table (params, grads, optimizer "
+       "state, activations) before the model is built"),
     _f("--log-num-zeros-in-grad", "optimizer", action="store_true"),
     _f("--manual-gc", "training", action="store_true"),
     _f("--manual-gc-interval", "training", type=int, default=0),

@@ -399,6 +399,21 @@ def dataset_num_samples(training, global_batch_size: int) -> List[int]:
     ]
 
 
+def _report_memory(configs: Configs, model_provider: Callable) -> None:
+    """--report-memory: rank 0 prints the planner's per-rank table. Runs before the process
+    group exists (the planner counts inside a fake one); the other ranks go on to wait for
+    rank 0 in the rendezvous."""
+    from megatron_smp.parallel_state import launcher_rank, launcher_world_size
+    from megatron_smp.training.memory_planner import check_model_provider, estimate_memory
+
+    check_model_provider(model_provider)  # on every rank, before any collective
+    if launcher_rank() != 0:
+        return
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    report = estimate_memory(configs, launcher_world_size(), model_provider, device_type)
+    print(report.table(), flush=True)
+
+
 def pretrain(
     train_valid_test_datasets_provider: Callable,
     model_provider: Callable,
@@ -422,6 +437,8 @@ def pretrain(
     tokenizer = build_tokenizer(configs.data)
     configs.model.vocab_size = tokenizer.vocab_size
     validate_configs(configs)
+    if configs.training.report_memory:
+        _report_memory(configs, model_provider)
     timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
     state = build_parallel_state(configs.parallel, timeout=timeout)
     training = configs.training

@@ -16,6 +16,11 @@ ring attention replaces SDPA inside the context); the script prints whether it r
 
     python tools/bench/bench_context_parallel.py                       # seq 8192, CP 1/2/4
     python tools/bench/bench_context_parallel.py --seq-length 4096 --cp-sizes 1 2 --json out.json
+    python tools/bench/bench_context_parallel.py --cp-sizes 1 2 --block-kernels auto math
+
+p2p and all_gather attend block by block on aten's fused flash-attention op where it applies
+(`fused_blocks_supported`; "vs a2a" is the step time over a2a's at the same CP size);
+`--block-kernels math` also runs them on the tiled math fallback.
 """
 from __future__ import annotations
 
@@ -91,8 +96,12 @@ class _Peak:
         return proc_status_kib("VmHWM") * 1024 - self.base
 
 
-def _bench_rank(rank, world_size, args, comm_type):
+def _bench_rank(rank, world_size, args, comm_type, block_kernel="auto"):
     import torch
+
+    from megatron_smp.context_parallel import attention
+
+    attention.BLOCK_KERNEL = block_kernel  # p2p / all_gather blocks: fused kernel or math
 
     from megatron_smp.config import ParallelConfig
     from megatron_smp.context_parallel import (
@@ -177,6 +186,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--block-kernels", nargs="+", default=["auto"], choices=["auto", "math"],
+                        help="p2p / all_gather block kernels to run: auto (aten's fused "
+                        "flash-attention op where supported) and/or math (the fallback)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -184,11 +196,15 @@ def main(argv=None) -> dict:
 
     results = {"shape": vars(args).copy(), "runs": []}
     for cp in args.cp_sizes:
-        for comm_type in (["p2p"] if cp == 1 else args.comm_types):
-            ranks = run_distributed(_bench_rank, cp, args=(args, comm_type), timeout=1800,
-                                    collective_timeout=600)
+        runs = [("p2p", "auto")] if cp == 1 else [
+            (comm_type, kernel) for comm_type in args.comm_types
+            for kernel in (args.block_kernels if comm_type != "a2a" else ["auto"])]
+        for comm_type, kernel in runs:
+            ranks = run_distributed(_bench_rank, cp, args=(args, comm_type, kernel),
+                                    timeout=1800, collective_timeout=600)
+            label = comm_type if kernel == "auto" else f"{comm_type}/{kernel}"
             row = {
-                "cp": cp, "comm_type": "-" if cp == 1 else comm_type,
+                "cp": cp, "comm_type": "-" if cp == 1 else label,
                 "loss": ranks[0]["loss"],
                 "activation_mib_max_rank": max(r["activation_mib"] for r in ranks),
                 "step_ms": max(r["step_ms"] for r in ranks),
@@ -199,13 +215,17 @@ def main(argv=None) -> dict:
     print(f"\nseq {args.seq_length}, {args.num_layers} layers x hidden {args.hidden_size}, "
           f"{args.num_heads} heads / {args.num_query_groups} groups, mb "
           f"{args.micro_batch_size}, fp32")
-    print(f"{'cp':>3} {'comm':>10} {'act MiB/rank':>13} {'vs CP=1':>8} {'goal 1/N+10%':>12} "
-          f"{'step ms':>9} {'loss':>9}")
+    print(f"{'cp':>3} {'comm':>14} {'act MiB/rank':>13} {'vs CP=1':>8} {'goal 1/N+10%':>12} "
+          f"{'step ms':>9} {'vs a2a':>7} {'loss':>9}")
+    a2a_ms = {row["cp"]: row["step_ms"] for row in results["runs"] if row["comm_type"] == "a2a"}
     for row in results["runs"]:
         ratio = row["activation_mib_max_rank"] / baseline
         goal = 1 / row["cp"] + 0.10
-        print(f"{row['cp']:>3} {row['comm_type']:>10} {row['activation_mib_max_rank']:>13.1f} "
-              f"{ratio:>8.3f} {goal:>12.3f} {row['step_ms']:>9.1f} {row['loss']:>9.5f}")
+        vs_a2a = (f"{row['step_ms'] / a2a_ms[row['cp']]:>7.2f}" if row["cp"] in a2a_ms
+                  else f"{'-':>7}")
+        print(f"{row['cp']:>3} {row['comm_type']:>14} {row['activation_mib_max_rank']:>13.1f} "
+              f"{ratio:>8.3f} {goal:>12.3f} {row['step_ms']:>9.1f} {vs_a2a} "
+              f"{row['loss']:>9.5f}")
     if max(args.cp_sizes) > 1:
         cp = max(args.cp_sizes)
         torch_cp = run_distributed(_torch_context_parallel_rank, cp, args=(args,), timeout=900)

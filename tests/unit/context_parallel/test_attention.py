@@ -16,7 +16,12 @@ CASES = [
     ("window", 4, 2, {"window_size": (5, 0)}),
     # gpt-oss: learned sinks (enter the merge once) with a window; GQA.
     ("sinks", 8, 4, {"softmax_type": "learnable", "window_size": (5, 0)}),
+    # Sinks without a window: the ring's blocks run on the fused kernel.
+    ("sinks_full", 8, 4, {"softmax_type": "learnable"}),
 ]
+# Cases whose p2p / all_gather blocks run on the fused CPU kernel (returns the log-sum-exp);
+# the others (sliding window) use the tiled math path.
+FUSED_CASES = {"mha", "gqa", "alibi", "sinks_full"}
 COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
 
@@ -46,7 +51,7 @@ def _run(module, q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _max_diffs(rank, world_size):
+def _max_diffs(rank, world_size, kernel="auto"):
     from megatron_smp.config import ParallelConfig
     from megatron_smp.context_parallel import core_attention_spec, split_for_context_parallel
     from megatron_smp.parallel_state import build_parallel_state
@@ -58,6 +63,15 @@ def _max_diffs(rank, world_size):
     # Small tiles, so the ring's blocks are taken in several query tiles (and the causal
     # block skips the keys after each tile).
     attention._TILE_ELEMENTS = 1024
+    attention.BLOCK_KERNEL = kernel
+    fused_calls = []
+    supported = attention.fused_blocks_supported
+
+    def recording(*args):
+        fused_calls.append(supported(*args))
+        return fused_calls[-1]
+
+    attention.fused_blocks_supported = recording
     state = build_parallel_state(ParallelConfig(context_parallel_size=world_size))
     diffs = {}
     for name, heads, groups, extra in CASES:
@@ -74,7 +88,13 @@ def _max_diffs(rank, world_size):
             if single.softmax_offset is not None:
                 with torch.no_grad():
                     module.softmax_offset.copy_(single.softmax_offset)
+            fused_calls.clear()
             got = _run(module, *local)
+            if comm_type != "a2a":
+                # Which kernel the blocks ran on, forward and backward.
+                assert fused_calls and all(
+                    fused_calls[0] == f for f in fused_calls), fused_calls
+                assert fused_calls[0] == (kernel == "auto" and name in FUSED_CASES), name
             expected = [split_for_context_parallel(t, 0, world_size, rank) for t in reference]
             if single.softmax_offset is not None:
                 sink_grad = module.softmax_offset.grad.clone()
@@ -94,9 +114,10 @@ class _NoTP:
         self.tp_group = state.tp_group
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_context_parallel_attention_matches_single_rank(world_size):
-    results = run_distributed(_max_diffs, world_size, timeout=300)
+@pytest.mark.parametrize("world_size,kernel", [(2, "auto"), (4, "auto"), (2, "math")])
+def test_context_parallel_attention_matches_single_rank(world_size, kernel):
+    """Fused blocks where supported ("auto"), and the math fallback for every case."""
+    results = run_distributed(_max_diffs, world_size, args=(kernel,), timeout=300)
     for rank_diffs in results:
         assert len(rank_diffs) >= 10
         for case, diff in rank_diffs.items():

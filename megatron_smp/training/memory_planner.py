@@ -1,0 +1,432 @@
+"""Memory planner: bytes per rank of parameters, gradients, optimizer state and activations
+for a flag set at a target layout, computed without allocating (`--report-memory`,
+`tools/estimate_memory.py`).
+
+Parameters, gradients and optimizer state are counted, not modelled: the entry script's own
+`model_provider` builds each pipeline stage on the meta device inside a fake process group
+of the target world size (torch's `fake` backend: ranks and sizes, no communication), so
+Qwen3-235B-A22B at 256 ranks is counted in seconds without allocating a parameter. Every
+rank of a pipeline stage holds the same shapes (TP, CP, DP and EP split evenly), so one
+build per stage gives every rank's count.
+
+Activations are a formula per micro-batch (`layer_activation_bytes`), written for this
+implementation's saved tensors (checked against the tensors autograd saves in a real CPU
+forward, `tests/unit/training/test_memory_planner.py`): per layer and token, in units of the
+activation dtype,
+
+    replicated over TP (split by SP):  norm inputs (LayerNorm 1 h, RMSNorm 2 h each),
+                                       the two norm outputs (2 h), hidden-dropout masks (2 h)
+    split over TP:                     fused QKV (a + 2g) d, context a d,
+                                       RoPE's rotated q/k (a + g) d, or the contiguous q copy
+                                       of grouped-query attention a d; log-sum-exp (fp32, a)
+                                       dense MLP 2 f (4 f gated)
+                                       MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
+                                       token of the whole sequence (gathered over TP)
+    CPU math attention (dropout > 0):  13 bytes per score a s_q s_k
+
+then selective recompute removes what it recomputes (`core_attn`: the log-sum-exp and the
+scores; `mlp`: the dense MLP; `layernorm`: 3 h), full recompute keeps one layer input per
+checkpointed group (and, in backward, the group being recomputed: a transient that never
+meets the logits); the first/last stage add the embedding and the output layer's input and
+logits. A pipeline rank holds `in_flight` micro-batches
+(1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
+peak adds the transient logits and cross-entropy buffers of one micro-batch and one
+parameter's gradient. Not modelled: communication buffers, the allocator's fragmentation,
+the CUDA context, all_gather CP's gathered keys/values, and the fp32 copies of q/k/v the
+context-parallel attention of a bf16 model makes.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+
+# Bytes per attention score element the CPU math path keeps for backward when attention
+# dropout is on (fp32 scores, fp32 probabilities, the dropped probabilities, a bool mask).
+CPU_MATH_BYTES_PER_SCORE = 13
+
+
+@contextlib.contextmanager
+def fake_layout(parallel_config, world_size: int, rank: int):
+    """A `ParallelState` for `rank` of `world_size` over torch's fake process group: every
+    size and rank is real, no collective communicates. For counting only (meta builds)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_smp.parallel_state import build_parallel_state
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_layout needs torch.distributed uninitialised (the memory "
+                           "report runs before the process group is created)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield build_parallel_state(parallel_config)
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class StageCount:
+    """What one pipeline rank's model chunks hold, counted on meta."""
+
+    pp_rank: int
+    param_bytes: int = 0
+    dense_numel: int = 0  # trainable, grads reduced over dp x cp
+    expert_numel: int = 0  # trainable, grads reduced over expert-data-parallel (dp x cp / ep)
+    fsdp_shard_numel: int = 0  # trainable numel one FSDP2 shard holds (rows padded)
+    largest_param_numel: int = 0
+    largest_unit_numel: int = 0  # the largest transformer layer (FSDP2's gather unit)
+    chunks: List[dict] = field(default_factory=list)  # per chunk: layers, pre/post
+
+
+def _layer_kinds(model_config, offset: int, count: int) -> List[bool]:
+    """Whether each layer of a chunk is an MoE layer."""
+    if not model_config.num_moe_experts:
+        return [False] * count
+    pattern = model_config.moe_layer_pattern()
+    return [bool(pattern[i]) for i in range(offset, offset + count)]
+
+
+def check_model_provider(model_provider: Callable) -> None:
+    """The planner builds on meta through the provider's `device=`; a clear error if it
+    takes none (pure: every rank can check before any collective)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.distributed.fsdp import _accepts_device
+
+    if not _accepts_device(model_provider):
+        raise ConfigError("--report-memory counts the model built on the meta device: the "
+                          "entry script's model_provider must take device= (or **kwargs) and "
+                          "pass it to the model, as pretrain_gpt.py's does")
+
+
+def count_stages(configs, world_size: int, model_provider: Callable) -> List[StageCount]:
+    """Build every pipeline stage on meta at the target layout and count its parameters."""
+    from megatron_smp.pipeline_parallel.stages import layout_from_configs
+
+    check_model_provider(model_provider)
+
+    parallel = configs.parallel
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    dp = parallel.data_parallel_size_for(world_size)
+    layout = (layout_from_configs(configs, pp) if pp > 1
+              else [[(0, configs.model.num_layers)]])
+    shard = parallel.fsdp_shard_size(world_size) if parallel.use_torch_fsdp2 else 1
+    stages = []
+    # Building draws from the default generator (init seeds): the run's own draws must not
+    # move when --report-memory counts first.
+    with torch.random.fork_rng(devices=[]):
+        for pp_rank in range(pp):
+            stages.append(_count_stage(configs, world_size, model_provider, layout, pp_rank,
+                                       tp * cp * dp, shard))
+    return stages
+
+
+def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per_stage,
+                 shard) -> StageCount:
+    """One pipeline rank's chunks built on meta (at tp = cp = dp = 0 of the stage), counted."""
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    pp = len(layout)
+    parallel = configs.parallel
+    rank = pp_rank * ranks_per_stage  # tp = cp = dp = 0 of this stage
+    count = StageCount(pp_rank)
+    with fake_layout(parallel, world_size, rank) as state:
+        chunks = []
+        for index, (offset, num_layers) in enumerate(layout[pp_rank]):
+            pre = pp_rank == 0 and index == 0
+            post = pp_rank == pp - 1 and index == len(layout[pp_rank]) - 1
+            stage = {} if pp == 1 else {"layer_offset": offset, "num_layers": num_layers}
+            chunks.append(model_provider(configs, state, pre_process=pre, post_process=post,
+                                         device=torch.device("meta"), **stage))
+            count.chunks.append({"pre": pre, "post": post,
+                                 "moe": _layer_kinds(configs.model, offset, num_layers)})
+    seen = set()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            numel = param.numel()
+            count.param_bytes += numel * param.element_size()
+            count.largest_param_numel = max(count.largest_param_numel, numel)
+            if not param.requires_grad:
+                continue
+            if is_expert_param(param):
+                count.expert_numel += numel
+            else:
+                count.dense_numel += numel
+            if param.dim() > 0:
+                rows = math.ceil(param.shape[0] / shard)
+                count.fsdp_shard_numel += rows * (numel // max(param.shape[0], 1))
+            else:
+                count.fsdp_shard_numel += numel
+        layers = [m for m in chunk.modules() if type(m).__name__.endswith("TransformerLayer")]
+        for layer in layers:
+            count.largest_unit_numel = max(count.largest_unit_numel,
+                                           sum(p.numel() for p in layer.parameters()))
+    return count
+
+
+def _act_bytes(model_config) -> int:
+    return torch.tensor([], dtype=model_config.params_dtype).element_size()
+
+
+def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int, tp: int,
+                           cp: int, moe: bool, device_type: str = "cuda",
+                           recompute_modules: Optional[List[str]] = None,
+                           moe_capacity_tokens: Optional[float] = None) -> Dict[str, float]:
+    """Bytes one transformer layer keeps for backward per micro-batch on one rank, by part
+    (see the module docstring for the terms). `recompute_modules` are the selective-recompute
+    modules in effect (None: no selective recompute)."""
+    m = model_config
+    p = _act_bytes(m)
+    tokens = seq_length // cp * micro_batch_size
+    sp = tp if (m.sequence_parallel and tp > 1) else 1
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
+    modules = set(recompute_modules or ())
+    norms_in = (2 if m.normalization == "RMSNorm" else 1) * 2
+    replicated = norms_in + 2 + (2 if m.hidden_dropout > 0 else 0)
+    if "layernorm" in modules:
+        replicated -= 3
+    parts = {"replicated": tokens * h * replicated * p / sp}
+    attention = (a + 2 * g) * d + a * d
+    if m.position_embedding_type == "rope":
+        attention += (a + g) * d
+    elif 1 < g < a:
+        attention += a * d
+    parts["attention"] = tokens * attention * p / tp
+    if "core_attn" not in modules:
+        parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
+        if device_type == "cpu" and m.attention_dropout > 0:
+            parts["core_attention"] += (CPU_MATH_BYTES_PER_SCORE * a * tokens
+                                        * (seq_length // cp) / tp)
+    gated = 2 if m.gated_linear_unit else 1
+    if moe:
+        # The dispatchers gather the sequence-parallel shards over TP first: every TP rank
+        # routes all the tokens, its experts holding f / tp of each (expert TP = TP).
+        routed = tokens * m.moe_router_topk
+        if moe_capacity_tokens is not None:
+            routed = moe_capacity_tokens
+        parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / tp) * p
+        if m.moe_shared_expert_intermediate_size:
+            parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
+    elif "mlp" not in modules:
+        parts["mlp"] = tokens * 2 * gated * m.ffn_hidden_size * p / tp
+    return parts
+
+
+def moe_capacity_tokens(model_config, tokens_per_rank: float) -> Optional[float]:
+    """Tokens the local experts of one rank process per layer and micro-batch: with
+    --moe-expert-capacity-factor c at most c x tokens x top-k (exactly that when padded to
+    capacity); dropless: tokens x top-k under balanced routing (an estimate: a skewed router
+    sends up to ep times as many to one rank)."""
+    m = model_config
+    routed = tokens_per_rank * m.moe_router_topk
+    if m.moe_expert_capacity_factor is None:
+        return None
+    factor = m.moe_expert_capacity_factor
+    return routed * (factor if m.moe_pad_expert_input_to_capacity else min(factor, 1.0))
+
+
+def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatches: int,
+                           num_chunks: int) -> int:
+    """Micro-batch forwards (chunk forwards with virtual stages) whose activations one
+    pipeline rank holds at its peak under our schedules."""
+    from megatron_smp.pipeline_parallel.schedules import interleaved_num_warmup
+
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return num_microbatches * num_chunks
+    if schedule == "interleaved_1f1b":
+        total = num_microbatches * num_chunks
+        return min(total, interleaved_num_warmup(num_microbatches, pp, pp_rank, num_chunks) + 1)
+    return min(pp - pp_rank, num_microbatches)
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's bytes (every tp/cp/dp/ep position of the stage is the same)."""
+
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations_per_microbatch: float
+    in_flight: float
+    activations: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+@dataclass
+class MemoryReport:
+    world_size: int
+    layout: str
+    ranks: List[RankMemory]
+    notes: List[str]
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def table(self) -> str:
+        """The per-rank table (GiB, or MiB below 1 GiB), naming the largest rank."""
+        largest = self.largest
+        unit, scale = ("GiB", GIB) if largest.total >= GIB else ("MiB", MIB)
+        lines = [f"memory estimate per rank ({self.layout}, world size {self.world_size}), "
+                 f"{unit}:",
+                 f"{'pp rank':>7} {'params':>9} {'grads':>9} {'optim':>9} {'act/mb':>9} "
+                 f"{'in-flight':>9} {'acts':>9} {'transient':>9} {'total':>9}"]
+        for r in self.ranks:
+            lines.append(f"{r.pp_rank:>7} {r.params / scale:>9.3f} {r.grads / scale:>9.3f} "
+                         f"{r.optimizer / scale:>9.3f} "
+                         f"{r.activations_per_microbatch / scale:>9.3f} {r.in_flight:>9g} "
+                         f"{r.activations / scale:>9.3f} {r.transient / scale:>9.3f} "
+                         f"{r.total / scale:>9.3f}")
+        lines.append(f"largest: pipeline rank {largest.pp_rank} (every tp/cp/dp/ep rank of that "
+                     f"stage), {largest.total / scale:.3f} {unit}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _optimizer_bytes_per_param(configs) -> int:
+    optimizer = configs.optimizer
+    half = configs.model.params_dtype != torch.float32
+    state = 8 if optimizer.optimizer == "adam" else (4 if optimizer.sgd_momentum else 0)
+    return state + (4 if half else 0)  # + fp32 main params of bf16/fp16 models
+
+
+def estimate_memory(configs, world_size: int, model_provider: Callable,
+                    device_type: str = "cuda") -> MemoryReport:
+    """The per-rank memory of `configs` at `world_size`; `configs.model.vocab_size` must be
+    set (the tokenizer's). `device_type` picks the attention kernels modelled ("cpu": SDPA's
+    math path with attention dropout)."""
+    from megatron_smp.pipeline_parallel.schedules import schedule_name
+
+    parallel, model, training = configs.parallel, configs.model, configs.training
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
+    dp = parallel.data_parallel_size_for(world_size)
+    stages = count_stages(configs, world_size, model_provider)
+    notes = []
+    p = _act_bytes(model)
+    grad_bytes = 4 if configs.optimizer.accumulate_allreduce_grads_in_fp32 else p
+    opt_bytes = _optimizer_bytes_per_param(configs)
+    num_mb = training.num_microbatches(dp)
+    num_chunks = len(stages[0].chunks)
+    schedule = schedule_name(training.pipeline_schedule, num_chunks) if pp > 1 else "none"
+    modules = None
+    if model.recompute_granularity == "selective":
+        from megatron_smp.config import recompute_modules as active_modules
+
+        modules = list(active_modules(model))
+    tokens = training.seq_length // cp * training.micro_batch_size
+    sp = tp if (model.sequence_parallel and tp > 1) else 1
+    capacity = moe_capacity_tokens(model, tokens) if model.num_moe_experts else None
+    if model.num_moe_experts and capacity is None:
+        notes.append("MoE dropless: routed tokens assume balanced routing (tokens x top-k per "
+                     f"rank); a skewed router can send up to {ep}x that to one rank")
+    vocab = model.padded_vocab_size(tp)
+    ranks = []
+    for stage in stages:
+        trainable = stage.dense_numel + stage.expert_numel
+        if parallel.use_torch_fsdp2:
+            params = stage.fsdp_shard_numel * 4  # fp32 shards are the main params
+            grads = stage.fsdp_shard_numel * 4
+            optimizer = stage.fsdp_shard_numel * (opt_bytes - (4 if p != 4 else 0))
+        else:
+            params = stage.param_bytes
+            grads = trainable * grad_bytes
+            optimizer = trainable * opt_bytes
+            if configs.optimizer.use_distributed_optimizer:
+                expert_dp = max(dp * cp // ep, 1)  # expert grids fold cp in (Megatron's)
+                optimizer = (stage.dense_numel * opt_bytes / (dp * cp)
+                             + stage.expert_numel * opt_bytes / expert_dp)
+        per_chunk = []
+        recompute_peak = 0.0
+        for chunk in stage.chunks:
+            acts = 0.0
+            layer_parts = [layer_activation_bytes(model, training.seq_length,
+                                                  training.micro_batch_size, tp, cp, moe,
+                                                  device_type, modules, capacity)
+                           for moe in chunk["moe"]]
+            layer_bytes = [sum(parts.values()) for parts in layer_parts]
+            layer_input = tokens * model.hidden_size * p / sp
+            if model.recompute_granularity == "full":
+                # Held: the checkpointed inputs. The group being recomputed exists only in
+                # backward, after the logits and the loss buffers are gone: a transient.
+                n = model.recompute_num_layers or 1
+                if model.recompute_method == "block":
+                    acts += layer_input * len(layer_bytes[:n]) + sum(layer_bytes[n:])
+                    recompute_peak = max(recompute_peak, max(layer_bytes[:n], default=0))
+                else:
+                    groups = [layer_bytes[i:i + n] for i in range(0, len(layer_bytes), n)]
+                    acts += layer_input * len(groups)
+                    recompute_peak = max(recompute_peak,
+                                         max((sum(g) for g in groups), default=0))
+            else:
+                acts += sum(layer_bytes)
+            if chunk["pre"] and model.hidden_dropout > 0:
+                acts += layer_input  # the embedding dropout's mask
+            if chunk["post"]:
+                # final norm input and output layer input; cross entropy's fp32 softmax
+                acts += 2 * layer_input + tokens * vocab / tp * 4
+            per_chunk.append(acts)
+        in_flight = in_flight_microbatches(schedule, pp, stage.pp_rank, num_mb, num_chunks)
+        # Chunks of a rank take turns: the in-flight chunk forwards spread evenly over them.
+        mean_chunk = sum(per_chunk) / len(per_chunk)
+        activations = mean_chunk * in_flight if num_chunks > 1 else per_chunk[0] * in_flight
+        per_microbatch = sum(per_chunk)
+        logits = 0.0
+        if any(c["post"] for c in stage.chunks):
+            logits = tokens * vocab / tp * (p + 4)  # logits, fp32 copy for the loss
+        if parallel.use_torch_fsdp2:
+            # One gathered unit and its unsharded grads (which include the largest grad).
+            transient = stage.largest_unit_numel * (p + 4)
+        else:
+            transient = stage.largest_param_numel * grad_bytes
+        transient += max(logits, recompute_peak)
+        ranks.append(RankMemory(stage.pp_rank, params, grads, int(optimizer), per_microbatch,
+                                in_flight, activations, transient))
+    layout = f"TP{tp} PP{pp} CP{cp} DP{dp} EP{ep}"
+    if num_chunks > 1:
+        layout += f" VPP{num_chunks}"
+    if parallel.use_torch_fsdp2:
+        layout += " FSDP2"
+    elif configs.optimizer.use_distributed_optimizer:
+        layout += " distributed-optimizer"
+    return MemoryReport(world_size, layout, ranks, notes)
+
+
+def report_from_argv(argv: List[str], world_size: int, model_provider: Callable,
+                     args_defaults: Optional[dict] = None,
+                     device_type: Optional[str] = None) -> MemoryReport:
+    """Parse entry-script flags (with the entry script's defaults), build the tokenizer for
+    the vocabulary size, validate at `world_size` and estimate."""
+    from megatron_smp.data import build_tokenizer
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    configs = parse_args(argv, None, args_defaults)
+    configs.model.vocab_size = build_tokenizer(configs.data).vocab_size
+    validate_configs(configs, world_size)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return estimate_memory(configs, world_size, model_provider, device_type)
+
+
+__all__ = [
+    "fake_layout", "check_model_provider", "count_stages", "layer_activation_bytes",
+    "in_flight_microbatches", "moe_capacity_tokens", "estimate_memory", "report_from_argv",
+    "MemoryReport", "RankMemory",
+]
