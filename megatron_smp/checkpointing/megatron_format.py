@@ -191,6 +191,12 @@ _SAME_MEANING = {
     "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
     "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
     "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    # DeepSeek-V3 routing; the expert bias is the router's `expert_bias` in both layouts.
+    "moe_router_score_function": "moe_router_score_function",
+    "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+    "moe_router_num_groups": "moe_router_num_groups",
+    "moe_router_group_topk": "moe_router_group_topk",
+    "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
 }
 # Megatron args that change the model in ways this reader does not map: refused when set.
 _UNMAPPED = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
