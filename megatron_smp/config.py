@@ -198,7 +198,7 @@ FUNCTION_FIELDS = (
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor",
     "layernorm_zero_centered_gamma", "rotary_interleaved", "parallel_residual_shared_norm",
-    "add_attention_bias", "add_output_layer_bias",
+    "add_attention_bias", "add_output_layer_bias", "multi_latent_attention",
 )
 
 
@@ -208,7 +208,8 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 _RECOMPUTE_MODULES_NOT_HERE = {
     "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
                "which megatron_smp does not have; use mlp for dense layers",
-    "mla_up_proj": "needs multi-latent attention, which megatron_smp does not have",
+    "mla_up_proj": "recomputing multi-latent attention's up-projections is not supported yet; "
+                   "use core_attn",
     "moe": "recomputing MoE layers is not supported yet",
     "shared_experts": "recomputing MoE shared experts is not supported yet",
 }
@@ -241,6 +242,16 @@ class TransformerConfig:
     # Head dim; None: hidden_size // num_attention_heads, which must then divide evenly. Set it
     # for models whose heads x head dim differs from hidden_size (Mistral-style head_dim).
     kv_channels: Optional[int] = None
+    # Multi-latent attention (DeepSeek-V2/V3, transformer/mla.py): q (optionally through a
+    # q_lora_rank latent) and k/v through a kv_lora_rank latent; each head's query/key is
+    # qk_head_dim channels without position plus qk_pos_emb_head_dim with RoPE (the positional
+    # key shared by all heads); values are v_head_dim wide.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: a plain q projection
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     make_vocab_size_divisible_by: int = 128
 
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
@@ -418,6 +429,8 @@ class TransformerConfig:
         )
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
+        if self.multi_latent_attention:
+            self._validate_mla(parallel)
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -465,6 +478,31 @@ class TransformerConfig:
                 f"tensor-model-parallel-size x context-parallel-size ({tp * cp}); use "
                 "--cp-comm-type p2p or all_gather",
             )
+
+    def _validate_mla(self, parallel: ParallelConfig) -> None:
+        """--multi-latent-attention: what transformer/mla.py builds, and what it does not yet."""
+        _require(self.position_embedding_type == "rope",
+                 "--multi-latent-attention rotates its positional channels: add "
+                 "--position-embedding-type rope")
+        for flag, value in (("--kv-lora-rank", self.kv_lora_rank),
+                            ("--qk-head-dim", self.qk_head_dim),
+                            ("--v-head-dim", self.v_head_dim),
+                            ("--q-lora-rank", 1 if self.q_lora_rank is None
+                             else self.q_lora_rank)):
+            _require(value >= 1, f"{flag} must be >= 1, got {value}")
+        _require(self.qk_pos_emb_head_dim >= 2 and self.qk_pos_emb_head_dim % 2 == 0,
+                 f"--qk-pos-emb-head-dim must be even and >= 2, got {self.qk_pos_emb_head_dim}")
+        _require(self.rotary_percent == 1.0,
+                 "--rotary-percent: multi-latent attention rotates all --qk-pos-emb-head-dim "
+                 "channels and none of the others; drop --rotary-percent")
+        unsupported = [flag for flag, on in (
+            ("--context-parallel-size > 1", parallel.context_parallel_size > 1),
+            ("--qk-layernorm (MLA has its own latent norms)", self.qk_layernorm),
+            ("--window-size", self.window_size is not None),
+            ("--group-query-attention", self.num_query_groups != self.num_attention_heads),
+        ) if on]
+        _require(not unsupported, "--multi-latent-attention does not support "
+                 f"{', '.join(unsupported)} yet")
 
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules

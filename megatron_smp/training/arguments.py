@@ -122,6 +122,13 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-num-layers", "model", type=int),
     # Space- or comma-separated; Megatron's test configs also write "[layernorm mlp]".
     _f("--recompute-modules", "model", nargs="+"),
+    # Multi-latent attention (Megatron's flags; see README "Multi-latent attention").
+    _f("--multi-latent-attention", "model", action="store_true"),
+    _f("--q-lora-rank", "model", type=int),
+    _f("--kv-lora-rank", "model", type=int, default=32),
+    _f("--qk-head-dim", "model", type=int, default=128),
+    _f("--qk-pos-emb-head-dim", "model", type=int, default=64),
+    _f("--v-head-dim", "model", type=int, default=128),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
