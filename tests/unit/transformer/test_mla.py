@@ -102,3 +102,22 @@ def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
         for name, (got, want) in result.items():
             torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want),
                                        rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("settings, parallel, message", [
+    (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
+    (dict(num_query_groups=2), {}, "--group-query-attention"),
+    ({}, dict(context_parallel_size=2), "--context-parallel-size > 1"),
+    (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
+    (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), {},
+     "mla_up_proj"),
+])
+def test_mla_flag_errors(settings, parallel, message):
+    from megatron_smp.config import ConfigError, ParallelConfig
+    from megatron_smp.models.llama import llama_config
+
+    settings = dict(dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, vocab_size=10,
+                         multi_latent_attention=True, **DIMS), **settings)
+    config = llama_config(**settings)
+    with pytest.raises(ConfigError, match=message):
+        config.validate(ParallelConfig(**parallel))
