@@ -14,11 +14,12 @@ from types import ModuleType
 from typing import Any
 
 from megatron_smp.config import ConfigError
-from megatron_smp.models.hf import gpt2, gpt_neox, gptj, llama, mixtral, qwen2_moe
+from megatron_smp.models.hf import deepseek_v3, gpt2, gpt_neox, gptj, llama, mixtral, qwen2_moe
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
-             "gpt_neox": gpt_neox, "gptj": gptj, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "gpt_neox": gpt_neox, "gptj": gptj, "mixtral": mixtral, "qwen2_moe": qwen2_moe,
+             "deepseek_v3": deepseek_v3}
 
 
 def _architecture_index() -> dict:
@@ -79,6 +80,7 @@ __all__ = [
     "gptj",
     "mixtral",
     "qwen2_moe",
+    "deepseek_v3",
 ]
 
 # translate_smp_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family> (our
