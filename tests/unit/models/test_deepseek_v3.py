@@ -1,6 +1,6 @@
 """HF DeepseekV3ForCausalLM (random weights, odd sizes: q latent set and unset, non-zero expert
 bias, group-limited routing, a dense first layer, shared experts) through `smp.transform` gives
-HF's logits at TP=1 and TP=2+SP; the state dict and config round-trip exactly."""
+HF's logits at TP=1, TP=2+SP and EP=2; the state dict and config round-trip exactly."""
 import pytest
 import torch
 
@@ -58,18 +58,20 @@ def test_round_trip_and_tp1_logits(q_lora_rank):
     assert (logits - expected).abs().max() < 2e-4
 
 
-def _tp2(rank, world_size):
-    smp.init({"tensor_parallel_degree": 2})
+def _tp2(rank, world_size, degrees):
+    smp.init(degrees)
     hf = build_hf()
     with torch.no_grad():
         # MoE under TP needs sequence parallelism (as in Megatron-LM).
-        return to_numpy({"hf": hf(_ids()).logits,
-                         "sp": smp.transform(hf, config={"sequence_parallel": True})(_ids())})
+        config = {"sequence_parallel": True} if "tensor_parallel_degree" in degrees else None
+        return to_numpy({"hf": hf(_ids()).logits, "ours": smp.transform(hf, config=config)(_ids())})
 
 
-def test_tp2_logits():
-    for result in to_torch(run_distributed(_tp2, 2, timeout=180)):
-        assert (result["sp"] - result["hf"]).abs().max() < 2e-4
+@pytest.mark.parametrize("degrees", [{"tensor_parallel_degree": 2},
+                                     {"expert_parallel_degree": 2}])
+def test_tp2_and_ep2_logits(degrees):
+    for result in to_torch(run_distributed(_tp2, 2, args=(degrees,), timeout=180)):
+        assert (result["ours"] - result["hf"]).abs().max() < 2e-4
 
 
 def test_convert_hf_to_ours_tp2_to_hf_is_exact(tmp_path):
