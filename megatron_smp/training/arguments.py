@@ -435,6 +435,8 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
+    "--mtp-num-layers": "multi-token prediction (DeepSeek-V3's MTP layers)",
+    "--mtp-loss-scaling-factor": "multi-token prediction (DeepSeek-V3's MTP layers)",
 }
 
 
