@@ -194,9 +194,11 @@ def name_of(names: Optional[dict]) -> dict:
 FUNCTION_FIELDS = (
     "normalization", "layernorm_epsilon", "activation", "gated_linear_unit",
     "position_embedding_type", "rotary_base", "rotary_percent", "parallel_residual",
-    "window_size", "moe_router_topk", "moe_router_pre_softmax",
+    "window_size", "moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
     "layernorm_zero_centered_gamma", "rotary_interleaved", "parallel_residual_shared_norm",
-    "add_attention_bias", "add_output_layer_bias",
+    "add_attention_bias", "add_output_layer_bias", "multi_latent_attention",
     "window_attn_skip_freq", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
     "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
@@ -216,7 +218,8 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 _RECOMPUTE_MODULES_NOT_HERE = {
     "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
                "which megatron_smp does not have; use mlp for dense layers",
-    "mla_up_proj": "needs multi-latent attention, which megatron_smp does not have",
+    "mla_up_proj": "recomputing multi-latent attention's up-projections is not supported yet; "
+                   "use core_attn",
     "moe": "recomputing MoE layers is not supported yet",
     "shared_experts": "recomputing MoE shared experts is not supported yet",
 }
@@ -249,6 +252,16 @@ class TransformerConfig:
     # Head dim; None: hidden_size // num_attention_heads, which must then divide evenly. Set it
     # for models whose heads x head dim differs from hidden_size (Mistral-style head_dim).
     kv_channels: Optional[int] = None
+    # Multi-latent attention (DeepSeek-V2/V3, transformer/mla.py): q (optionally through a
+    # q_lora_rank latent) and k/v through a kv_lora_rank latent; each head's query/key is
+    # qk_head_dim channels without position plus qk_pos_emb_head_dim with RoPE (the positional
+    # key shared by all heads); values are v_head_dim wide.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: a plain q projection
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     make_vocab_size_divisible_by: int = 128
 
     normalization: str = "LayerNorm"  # "LayerNorm" | "RMSNorm"
@@ -348,6 +361,17 @@ class TransformerConfig:
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_router_topk: int = 2
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (Qwen-MoE)
+    # softmax | sigmoid (DeepSeek-V3: sigmoid scores, the chosen ones renormalised).
+    moe_router_score_function: str = "softmax"
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the
+    # choice only, moved by +-rate after each step towards equal token counts.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    # Group-limited routing: experts in num_groups groups, each token picks group_topk groups.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None  # routed_scaling_factor
+    moe_router_dtype: Optional[str] = None  # None (params dtype) | fp32 | fp64: router logits
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|sinkhorn|none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
@@ -451,6 +475,8 @@ class TransformerConfig:
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         self._validate_gpt_oss_numerics()
+        if self.multi_latent_attention:
+            self._validate_mla(parallel)
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -572,6 +598,31 @@ class TransformerConfig:
         """The sliding window of global 1-based layer `layer_number`; None: full attention."""
         return self.window_size if self.window_layer_pattern()[layer_number - 1] else None
 
+    def _validate_mla(self, parallel: ParallelConfig) -> None:
+        """--multi-latent-attention: what transformer/mla.py builds, and what it does not yet."""
+        _require(self.position_embedding_type == "rope",
+                 "--multi-latent-attention rotates its positional channels: add "
+                 "--position-embedding-type rope")
+        for flag, value in (("--kv-lora-rank", self.kv_lora_rank),
+                            ("--qk-head-dim", self.qk_head_dim),
+                            ("--v-head-dim", self.v_head_dim),
+                            ("--q-lora-rank", 1 if self.q_lora_rank is None
+                             else self.q_lora_rank)):
+            _require(value >= 1, f"{flag} must be >= 1, got {value}")
+        _require(self.qk_pos_emb_head_dim >= 2 and self.qk_pos_emb_head_dim % 2 == 0,
+                 f"--qk-pos-emb-head-dim must be even and >= 2, got {self.qk_pos_emb_head_dim}")
+        _require(self.rotary_percent == 1.0,
+                 "--rotary-percent: multi-latent attention rotates all --qk-pos-emb-head-dim "
+                 "channels and none of the others; drop --rotary-percent")
+        unsupported = [flag for flag, on in (
+            ("--context-parallel-size > 1", parallel.context_parallel_size > 1),
+            ("--qk-layernorm (MLA has its own latent norms)", self.qk_layernorm),
+            ("--window-size", self.window_size is not None),
+            ("--group-query-attention", self.num_query_groups != self.num_attention_heads),
+        ) if on]
+        _require(not unsupported, "--multi-latent-attention does not support "
+                 f"{', '.join(unsupported)} yet")
+
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules
         if modules is None:
@@ -617,6 +668,7 @@ class TransformerConfig:
         for flag, (value, allowed) in choices.items():
             _require(value in allowed,
                      f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
+        self._check_router(experts)
         _require(
             not (self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff),
             "--moe-router-load-balancing-type sinkhorn balances without an auxiliary loss; "
@@ -665,6 +717,47 @@ class TransformerConfig:
             f"({tp})",
         )
         self.moe_layer_pattern()  # raises for a malformed or wrong-length pattern
+
+    def _check_router(self, experts: int) -> None:
+        """The DeepSeek-V3 router flags (sigmoid scores, expert bias, group-limited top-k)."""
+        _require(self.moe_router_score_function in ("softmax", "sigmoid"),
+                 f"--moe-router-score-function must be softmax or sigmoid, got "
+                 f"{self.moe_router_score_function!r}")
+        _require(self.moe_router_dtype in (None, "fp32", "fp64"),
+                 f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        _require(not (sigmoid and self.moe_router_pre_softmax),
+                 "--moe-router-pre-softmax applies to softmax scores; drop it with "
+                 "--moe-router-score-function sigmoid")
+        _require(not self.moe_router_enable_expert_bias or sigmoid,
+                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                 "(as in Megatron-LM)")
+        _require(self.moe_router_bias_update_rate >= 0,
+                 f"--moe-router-bias-update-rate must be >= 0, got "
+                 f"{self.moe_router_bias_update_rate}")
+        special = [flag for flag, on in (
+            ("--moe-router-score-function sigmoid", sigmoid),
+            ("--moe-router-num-groups", self.moe_router_num_groups is not None),
+            ("--moe-router-topk-scaling-factor",
+             self.moe_router_topk_scaling_factor is not None)) if on]
+        _require(not (special and self.moe_router_load_balancing_type == "sinkhorn"),
+                 f"{', '.join(special)} apply to top-k routing; --moe-router-load-balancing-type "
+                 "sinkhorn chooses experts its own way (use aux_loss, seq_aux_loss or none)")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        _require((groups is None) == (group_topk is None),
+                 "--moe-router-num-groups and --moe-router-group-topk go together")
+        if groups is not None:
+            topk = self.moe_router_topk
+            _require(groups >= 1 and experts % groups == 0,
+                     f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts})")
+            _require(1 <= group_topk <= groups,
+                     f"--moe-router-group-topk ({group_topk}) must be between 1 and "
+                     f"--moe-router-num-groups ({groups})")
+            # Each group is scored by the sum of its topk/group_topk best experts (Megatron's).
+            _require(topk % group_topk == 0 and topk <= group_topk * (experts // groups),
+                     f"--moe-router-topk ({topk}) must be a multiple of --moe-router-group-topk "
+                     f"({group_topk}) and at most group_topk x experts per group "
+                     f"({group_topk * (experts // groups)})")
 
     def moe_layer_pattern(self) -> List[int]:
         """1 for each (0-based) layer that is a mixture of experts, 0 for a dense one."""

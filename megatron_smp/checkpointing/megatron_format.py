@@ -202,6 +202,12 @@ _SAME_MEANING = {
     "softmax_type": "softmax_type", "window_size": "window_size",
     "window_attn_skip_freq": "window_attn_skip_freq", "glu_linear_offset": "glu_linear_offset",
     "activation_func_clamp_value": "activation_func_clamp_value",
+    # DeepSeek-V3 routing; the expert bias is the router's `expert_bias` in both layouts.
+    "moe_router_score_function": "moe_router_score_function",
+    "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
+    "moe_router_num_groups": "moe_router_num_groups",
+    "moe_router_group_topk": "moe_router_group_topk",
+    "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
 }
 # Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
 _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,

@@ -36,6 +36,7 @@ from megatron_smp.transformer.attention import RotaryEmbedding
 from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
 from megatron_smp.transformer.layer import get_gpt_layer_spec
+from megatron_smp.transformer.mla import MLASelfAttention
 from megatron_smp.transformer.moe.moe_layer import moe_layer_spec
 from megatron_smp.transformer.spec import LayerSpec, ModuleSpec
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
@@ -50,6 +51,8 @@ def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) 
     so the entry scripts, `smp.transform` and tests all build the same layers."""
     spec = get_gpt_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
+    if config.multi_latent_attention:
+        spec.submodules.self_attention = ModuleSpec(MLASelfAttention)
     return moe_layer_spec(config, spec)
 
 
@@ -170,8 +173,11 @@ class GPTModel(torch.nn.Module):
 
         self.rotary_pos_emb = None
         if config.uses_rotary_embedding():
+            # Multi-latent attention rotates only its positional channels.
+            rotary_dim = (config.qk_pos_emb_head_dim if config.multi_latent_attention
+                          else config.kv_channels)
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base, device=device,
+                rotary_dim, config.rotary_percent, config.rotary_base, device=device,
                 interleaved=config.rotary_interleaved, scaling=rope_scaling_of(config),
             )
 

@@ -55,6 +55,9 @@ def default_layout(config: TransformerConfig) -> Layout:
         # Attention sinks (--softmax-type learnable): one per head, split with the heads.
         "decoder.layers.*.self_attention.core_attention.softmax_offset": (0, 1),
     }
+    if config.multi_latent_attention:  # heads split; down-projections replicated
+        for proj in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"):
+            layout[f"decoder.layers.*.self_attention.{proj}.weight"] = (0, 1)
     if config.num_moe_experts is not None:
         for mlp in ("mlp.experts.local_experts.*.", "mlp.shared_experts."):
             layout[f"decoder.layers.*.{mlp}linear_fc1.weight"] = (0, fc1_stride)

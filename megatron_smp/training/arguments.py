@@ -156,6 +156,13 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-num-layers", "model", type=int),
     # Space- or comma-separated; Megatron's test configs also write "[layernorm mlp]".
     _f("--recompute-modules", "model", nargs="+"),
+    # Multi-latent attention (Megatron's flags; see README "Multi-latent attention").
+    _f("--multi-latent-attention", "model", action="store_true"),
+    _f("--q-lora-rank", "model", type=int),
+    _f("--kv-lora-rank", "model", type=int, default=32),
+    _f("--qk-head-dim", "model", type=int, default=128),
+    _f("--qk-pos-emb-head-dim", "model", type=int, default=64),
+    _f("--v-head-dim", "model", type=int, default=128),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -163,6 +170,14 @@ _FLAGS: List[_Flag] = [
     _f("--moe-ffn-hidden-size", "model", type=int),
     _f("--moe-router-topk", "model", type=int, default=2),
     _f("--moe-router-pre-softmax", "model", action="store_true"),
+    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid"],
+       default="softmax"),
+    _f("--moe-router-enable-expert-bias", "model", action="store_true"),
+    _f("--moe-router-bias-update-rate", "model", type=float, default=1e-3),
+    _f("--moe-router-num-groups", "model", type=int),
+    _f("--moe-router-group-topk", "model", type=int),
+    _f("--moe-router-topk-scaling-factor", "model", type=float),
+    _f("--moe-router-dtype", "model", choices=["fp32", "fp64"]),
     _f("--moe-router-load-balancing-type", "model",
        choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss"),
     _f("--moe-aux-loss-coeff", "model", type=float, default=0.0),
@@ -460,6 +475,8 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
+    "--mtp-num-layers": "multi-token prediction (DeepSeek-V3's MTP layers)",
+    "--mtp-loss-scaling-factor": "multi-token prediction (DeepSeek-V3's MTP layers)",
 }
 
 

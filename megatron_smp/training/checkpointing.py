@@ -78,6 +78,7 @@ CHECKPOINT_ARGS_FIELDS = (
     "max_position_embeddings", "ffn_hidden_size", "add_bias_linear", "add_qkv_bias",
     "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
     "qk_layernorm", "make_vocab_size_divisible_by",
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
 ) + FUNCTION_FIELDS
 
 

@@ -43,6 +43,23 @@ class Timer:
         return value
 
 
+def mla_attention_terms(config: TransformerConfig, seq_length: int) -> float:
+    """Multiply-adds per token of one multi-latent attention layer, Megatron-LM's count: the
+    q path (plain, or down + norm + up), the kv down-projection with its positional key, norm
+    and up-projection, the output projection, and the causal core attention (scores over
+    qk_head_dim + pos channels, values over v_head_dim, each half the square)."""
+    h, n = config.hidden_size, config.num_attention_heads
+    q_width = n * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    if config.q_lora_rank is None:
+        q_term = h * q_width
+    else:
+        q_term = config.q_lora_rank * (h + q_width + 1)
+    kv_term = (config.kv_lora_rank * (h + n * (config.qk_head_dim + config.v_head_dim) + 1)
+               + h * config.qk_pos_emb_head_dim)
+    core = seq_length * q_width / 2 + seq_length * n * config.v_head_dim / 2
+    return q_term + kv_term + n * config.v_head_dim * h + core
+
+
 def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,
                         padded_vocab_size: int) -> float:
     """Model FLOPs of one training iteration, as Megatron-LM (core_v0.16.1) prints them.
@@ -70,6 +87,8 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
         keys = 2 * window - window * window / seq_length
     core = q * (seq_length * (config.num_layers - windowed_layers) + keys * windowed_layers)
     attention = h * (q + 2 * kv) + q * h
+    if config.multi_latent_attention:  # its core attention is in its terms (no windows)
+        attention, core = mla_attention_terms(config, seq_length), 0.0
     num_moe_layers = sum(config.moe_layer_pattern())
     num_dense_layers = config.num_layers - num_moe_layers
     mlp = config.ffn_hidden_size * num_dense_layers

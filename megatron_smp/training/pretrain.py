@@ -212,8 +212,6 @@ def build_model_chunks(
 
 
 def _schedule_hooks(run: _Run) -> ScheduleHooks:
-    from megatron_smp.distributed import finalize_model_grads
-
     optimizer = run.optimizer
     model = run.model
 
@@ -224,8 +222,18 @@ def _schedule_hooks(run: _Run) -> ScheduleHooks:
     return ScheduleHooks(
         grad_scale_func=optimizer.scale_loss,
         no_sync_func=no_sync,
-        finalize_model_grads_func=lambda chunks: finalize_model_grads(chunks, run.state),
+        finalize_model_grads_func=lambda chunks: _finalize(chunks, run),
     )
+
+
+def _finalize(chunks, run: _Run) -> None:
+    """After the last backward: the grad reductions, then the aux-loss-free expert-bias update
+    (Megatron does both in finalize_model_grads)."""
+    from megatron_smp.distributed import finalize_model_grads
+    from megatron_smp.transformer.moe import update_expert_bias
+
+    finalize_model_grads(chunks, run.state)
+    update_expert_bias(chunks, run.configs.model, run.state)
 
 
 def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,

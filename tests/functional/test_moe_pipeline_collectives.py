@@ -17,7 +17,10 @@ from tests.functional.test_training_parity import COMMON, LLAMA
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "broadcast", "all_to_all_single", "barrier")
 FEATURES = ("--log-interval 1 --log-num-zeros-in-grad --log-params-norm "
-            "--check-weight-hash-across-dp-replicas-interval 2 --train-iters 4").split()
+            "--check-weight-hash-across-dp-replicas-interval 2 --train-iters 4 "
+            # the aux-loss-free expert-bias update reduces token counts after each step
+            "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+            "--moe-router-bias-update-rate 0.01").split()
 
 
 def _argv(pattern):

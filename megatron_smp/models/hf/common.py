@@ -93,8 +93,8 @@ def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -
         raise ConfigError(f"--qk-layernorm: Hugging Face {family} models have no query/key norms;"
                           f" of the converted families only {', '.join(QK_NORM_FAMILIES)} have "
                           "them")
-    # GPT-J's own RoPE is interleaved: nothing to reorder.
-    if config.rotary_interleaved and family not in ("llama", "qwen3", "gptj"):
+    # GPT-J's own RoPE is interleaved, DeepSeek-V3's (rope_interleave): nothing to reorder.
+    if config.rotary_interleaved and family not in ("llama", "qwen3", "gptj", "deepseek_v3"):
         raise ConfigError(f"--rotary-interleaved: Hugging Face {family} rotates channel halves; "
                           "reordering its q/k rows is built for the Llama-style families only")
     if not config.layernorm_zero_centered_gamma:

@@ -11,6 +11,7 @@ from megatron_smp.transformer.moe.token_dispatcher import (
 from megatron_smp.transformer.moe.training import (
     moe_metrics,
     set_aux_loss_scale,
+    update_expert_bias,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "grouped_gemm_supported",
     "set_aux_loss_scale",
     "moe_metrics",
+    "update_expert_bias",
 ]

@@ -120,26 +120,93 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
 
 
+def group_limited_topk(
+    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k restricted to `group_topk` of `num_groups` equal expert groups (DeepSeek-V3's
+    node-limited routing). scores [T, E] -> (values [T, k], indices [T, k]).
+
+    A group's score is the sum of its topk // group_topk highest scores (Megatron's; with
+    DeepSeek-V3's 8 of 4 groups that is HF's top-2 sum); experts outside the chosen groups
+    are masked to -inf before the final top-k.
+    """
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
+
+
 def topk_routing(
-    logits: torch.Tensor, topk: int, pre_softmax: bool = False
+    logits: torch.Tensor,
+    topk: int,
+    pre_softmax: bool = False,
+    score_function: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router logits [T, E] -> (probs [T, E] fp32, zero off the map,
-    routing_map [T, E] bool).
+    routing_map [T, E] bool). Megatron's `topk_routing_with_score_function`.
 
-    Default: softmax over the k chosen logits (Mixtral); `pre_softmax`: softmax over all
-    experts, then the k largest probabilities, not renormalised (Qwen-MoE).
+    softmax (default): softmax over the k chosen logits (Mixtral); `pre_softmax`: softmax over
+    all experts, then the k largest probabilities, not renormalised (Qwen-MoE).
+    sigmoid (DeepSeek-V3): sigmoid scores; the choice is made on scores + `expert_bias` (the
+    aux-loss-free bias steers the choice only), the chosen unbiased scores are renormalised
+    to sum to 1 when k > 1. With `num_groups` the choice is group-limited
+    (`group_limited_topk`); `scaling_factor` multiplies the final probs.
     """
-    if pre_softmax:
-        scores = torch.softmax(logits.float(), dim=-1)
-        top_probs, top_indices = torch.topk(scores, k=topk, dim=-1)
+    def choose(scores):
+        if num_groups:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=-1)
+
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float()).to(logits.dtype)
+        if expert_bias is not None:
+            _, top_indices = choose(scores + expert_bias.to(scores.dtype))
+            top_probs = torch.gather(scores, 1, top_indices)
+        else:
+            top_probs, top_indices = choose(scores)
+        if topk > 1:
+            top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+    elif pre_softmax:
+        scores = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
+        top_probs, top_indices = choose(scores)
     else:
-        top_logits, top_indices = torch.topk(logits, k=topk, dim=-1)
-        top_probs = torch.softmax(top_logits.float(), dim=-1)
+        top_logits, top_indices = choose(logits)
+        top_probs = torch.softmax(top_logits.float(), dim=-1).to(logits.dtype)
+    if scaling_factor:
+        top_probs = top_probs * scaling_factor
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    probs = probs.scatter(1, top_indices, top_probs)
+    probs = probs.scatter(1, top_indices, top_probs.float())
     routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     routing_map = routing_map.scatter(1, top_indices, True)
     return probs, routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str = "softmax") -> torch.Tensor:
+    """The fp32 scores [T, E] the load-balancing losses see: softmax, or sigmoid normalised
+    over the experts (DeepSeek-V3's sequence-wise loss; Megatron's
+    `compute_routing_scores_for_aux_loss`). Neither bias nor groups enter."""
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.softmax(logits.float(), dim=-1)
+
+
+def updated_expert_bias(
+    tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float
+) -> torch.Tensor:
+    """bias + rate * sign(mean count - count) per expert (arXiv 2408.15664; Megatron's
+    `get_updated_expert_bias` after its all-reduce). tokens_per_expert / expert_bias
+    [..., E], the counts already summed over every replica."""
+    counts = tokens_per_expert.float()
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    return expert_bias + torch.sign(offset).to(expert_bias.dtype) * update_rate
 
 
 def apply_capacity(
@@ -182,6 +249,9 @@ __all__ = [
     "z_loss",
     "sinkhorn",
     "expert_capacity",
+    "group_limited_topk",
     "topk_routing",
+    "scores_for_aux_loss",
+    "updated_expert_bias",
     "apply_capacity",
 ]

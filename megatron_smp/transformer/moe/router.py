@@ -8,6 +8,12 @@ T = s(/tp) * b this rank's tokens. Load balancing (`moe_router_load_balancing_ty
 * sinkhorn      experts chosen on Sinkhorn-balanced scores (training), probs from softmax;
 * none          plain top-k.
 
+Scores (`moe_router_score_function`) are softmax or DeepSeek-V3's sigmoid; top-k may be
+group-limited and scaled (see `topk_routing`). With `moe_router_enable_expert_bias` the
+persistent buffer `expert_bias` [E] (fp32, saved with the model) steers the choice; the
+tokens each expert got while training accumulate in `local_tokens_per_expert` and
+`training.update_expert_bias` moves the bias once per step.
+
 With `moe_z_loss_coeff` the logits also carry the z-loss; with a capacity factor tokens
 beyond an expert's capacity are dropped (`moe_token_drop_policy`). The losses enter backward
 through `MoEAuxLossAutoScaler` scaled by `aux_loss_scale` (set by the training loop to
@@ -29,6 +35,7 @@ from megatron_smp.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_capacity,
     reduce_token_counts,
+    scores_for_aux_loss,
     sequence_load_balancing_loss,
     sinkhorn,
     switch_load_balancing_loss,
@@ -91,6 +98,18 @@ class TopKRouter(torch.nn.Module):
         }
         # Tokens this rank sent to each expert since the last `reset_metrics` (debugging).
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        self.enable_expert_bias = config.moe_router_enable_expert_bias
+        if self.enable_expert_bias:
+            # Megatron's names; the bias is state (checkpointed), the counts are not.
+            self.register_buffer("expert_bias", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device),
+                persistent=False)
+        else:
+            self.expert_bias = None
+        self.logits_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            config.moe_router_dtype)
 
     def _apply(self, fn, recurse=True):
         # Keep the loss bookkeeping on the parameters' device when the module moves.
@@ -154,11 +173,13 @@ class TopKRouter(torch.nn.Module):
         return activation(logits) * routing_map, routing_map
 
     def _load_balancing_loss(self, logits: torch.Tensor, shape) -> Optional[torch.Tensor]:
-        coeff = self.config.moe_aux_loss_coeff
+        config = self.config
+        coeff = config.moe_aux_loss_coeff
         if not coeff or not self._losses_enabled():
             return None
-        # The loss sees the routing before any capacity drop (as Megatron's).
-        scores = torch.softmax(logits.float(), dim=-1)
+        # The loss sees the routing before any capacity drop (as Megatron's), and neither
+        # the expert bias nor the groups.
+        scores = scores_for_aux_loss(logits, config.moe_router_score_function)
         _, top = torch.topk(scores, k=self.topk, dim=-1)
         loss_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
         partitions = group_size(self.sequence_group)
@@ -178,7 +199,15 @@ class TopKRouter(torch.nn.Module):
         config = self.config
         if self.routing_type == "sinkhorn":
             return self._sinkhorn(logits)
-        probs, routing_map = topk_routing(logits, self.topk, config.moe_router_pre_softmax)
+        probs, routing_map = topk_routing(
+            logits, self.topk, config.moe_router_pre_softmax, config.moe_router_score_function,
+            self.expert_bias, config.moe_router_num_groups, config.moe_router_group_topk,
+            config.moe_router_topk_scaling_factor,
+        )
+        if self.enable_expert_bias and self._losses_enabled():
+            # Counted before capacity drops (Megatron's); only training steps move the bias.
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
         if config.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_capacity(
                 probs, routing_map, self.topk, config.moe_expert_capacity_factor,
@@ -193,7 +222,13 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits = F.linear(self._jitter(tokens), self.weight, self.bias)
+        weight = self.weight
+        if self.logits_dtype is not None:  # --moe-router-dtype: logits and routing in it
+            tokens, weight = tokens.to(self.logits_dtype), weight.to(self.logits_dtype)
+        bias = self.bias
+        if self.logits_dtype is not None and bias is not None:
+            bias = bias.to(self.logits_dtype)
+        logits = F.linear(self._jitter(tokens), weight, bias)
         logits = self._z_loss(logits)
         probs, routing_map = self.routing(logits, hidden_states.shape)
         with torch.no_grad():

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel.mappings import group_size
+from megatron_smp.transformer.moe.moe_utils import updated_expert_bias
 from megatron_smp.transformer.moe.router import METRIC_NAMES, TopKRouter
 
 
@@ -81,4 +83,34 @@ def moe_metrics(
     return out
 
 
-__all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics"]
+def update_expert_bias(model_chunks: Iterable[torch.nn.Module], config: TransformerConfig,
+                       state) -> None:
+    """Aux-loss-free balancing: move every router's `expert_bias` by
+    +-`moe_router_bias_update_rate` towards equal token counts, from the counts of the whole
+    global batch, then zero the counts. Called once per step after the last backward (where
+    Megatron's finalize_model_grads does it).
+
+    The counts are summed over the tensor- and data/context-parallel groups (Megatron's
+    TP x DP x CP group; expert-parallel ranks are data-parallel replicas of the router), so
+    every replica computes the same bias. Those groups hold ranks of one pipeline stage,
+    which hold the same layers: a stage without MoE layers issues nothing, and so do all
+    its peers.
+    """
+    if config.num_moe_experts is None or not config.moe_router_enable_expert_bias:
+        return
+    routers = [r for r in _routers(model_chunks) if r.enable_expert_bias]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    for group in (state.tp_group, state.dp_cp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+    biases = updated_expert_bias(counts, torch.stack([r.expert_bias for r in routers]),
+                                 config.moe_router_bias_update_rate)
+    with torch.no_grad():
+        for router, bias in zip(routers, biases):
+            router.expert_bias.copy_(bias)
+            router.local_tokens_per_expert.zero_()
+
+
+__all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics", "update_expert_bias"]

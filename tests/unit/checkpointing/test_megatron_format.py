@@ -201,3 +201,22 @@ def test_use_checkpoint_args_takes_the_model_shape(ours, tmp_path):
     assert {k: getattr(model, k) for k in expected} == expected
     with pytest.raises(ConfigError, match="--use-checkpoint-args.*add --load"):
         parse_args(wrong[:-2] + ["--use-checkpoint-args"])
+
+
+def test_deepseek_router_args_round_trip():
+    """Megatron args carry the DeepSeek-V3 router settings both ways (a sigmoid, biased,
+    group-limited checkpoint never loads as a softmax router)."""
+    from megatron_smp.checkpointing.megatron_format import (
+        args_from_config, config_fields_from_args)
+    from megatron_smp.models.llama import llama_config
+
+    config = llama_config(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
+                          num_moe_experts=8, moe_router_topk=4,
+                          moe_router_score_function="sigmoid",
+                          moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                          moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5)
+    fields = config_fields_from_args(vars(args_from_config(config, 1, 1, 0)))
+    for name in ("moe_router_score_function", "moe_router_enable_expert_bias",
+                 "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_topk_scaling_factor"):
+        assert fields[name] == getattr(config, name), name

@@ -127,8 +127,7 @@ def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
 # No silent no-ops ------------------------------------------------------------------------------
 
 NOT_YET = [
-    ("--moe-router-score-function sigmoid", "--moe-router-score-function"),
-    ("--moe-router-enable-expert-bias", "--moe-router-enable-expert-bias"),
+    ("--mtp-num-layers 1", "--mtp-num-layers"),
     ("--hierarchical-context-parallel-sizes 2 2", "--hierarchical-context-parallel-sizes"),
 ]
 

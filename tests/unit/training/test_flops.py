@@ -83,3 +83,14 @@ def test_sliding_window_layers_count_the_keys_in_their_window():
     # A window at least as long as the sequence is plain causal attention.
     wide = _config(**common, window_size=(1023, 0), window_attn_skip_freq=2)
     assert flops_per_iteration(wide, 1024, 2, 1024) == full
+
+
+def test_multi_latent_attention_count_is_megatrons():
+    """MLA, Megatron's terms by hand (L=2, h=64, 4 heads, q_lora 32, kv_lora 16, qk 8, pos 4,
+    v 8, seq 32): q 32*(64+48+1) = 3616, kv 16*(64+4*16+1) + 64*4 = 2320, out 4*8*64 = 2048,
+    core 32*48/2 + 32*32/2 = 1280; per token 2*64*128*2 + 2*9264 + 64*128 = 59488."""
+    config = _config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                     vocab_size=128, multi_latent_attention=True, q_lora_rank=32,
+                     kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+                     position_embedding_type="rope")
+    assert flops_per_iteration(config, 32, 1, 128) == 6 * 59488 * 32

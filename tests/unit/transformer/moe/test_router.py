@@ -145,3 +145,108 @@ def test_pre_softmax_and_sinkhorn_routing():
     assert plain[:, 0].all() and not expected[:, 0].all()  # balancing changes the routing
     assert torch.equal(routing_map, expected)
     torch.testing.assert_close(probs, torch.softmax(logits.float(), dim=-1) * expected)
+
+
+def _hf_deepseek_router(weight, bias, topk, groups, group_topk, scaling):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=weight.shape[0],
+                              num_experts_per_tok=topk, n_group=groups, topk_group=group_topk,
+                              routed_scaling_factor=scaling, norm_topk_prob=True)
+    hf = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        hf.e_score_correction_bias.copy_(bias)
+    return hf
+
+
+def test_sigmoid_group_limited_biased_routing_equals_hf_deepseek_v3():
+    """DeepSeek-V3's gate: sigmoid scores, choice on scores + bias within the best groups,
+    the unbiased scores of the chosen experts renormalised and scaled."""
+    router = _router(num_moe_experts=8, moe_router_topk=4, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                     moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5)
+    bias = torch.randn(8) * 0.3  # large enough to change choices
+    router.expert_bias.copy_(bias)
+    hidden = torch.randn(7, 3, 16)
+    probs, routing_map = router(hidden)
+    hf = _hf_deepseek_router(router.weight.detach(), bias, 4, 4, 2, 2.5)
+    _, weights, indices = hf(hidden)
+    hf_map = torch.zeros(21, 8, dtype=torch.bool).scatter(1, indices, True)
+    assert torch.equal(routing_map, hf_map)
+    hf_probs = torch.zeros(21, 8).scatter(1, indices, weights)
+    torch.testing.assert_close(probs, hf_probs, rtol=1e-6, atol=1e-7)
+    # The bias changed decisions (the test would not see it otherwise), and the counts for
+    # the update are accumulated in training.
+    unbiased = _hf_deepseek_router(router.weight.detach(), torch.zeros(8), 4, 4, 2, 2.5)
+    assert not torch.equal(torch.zeros(21, 8, dtype=torch.bool).scatter(
+        1, unbiased(hidden)[2], True), hf_map)
+    assert torch.equal(router.local_tokens_per_expert, hf_map.sum(0).float())
+    assert "expert_bias" in router.state_dict()
+    assert "local_tokens_per_expert" not in router.state_dict()
+
+
+def test_seq_aux_loss_with_sigmoid_scores_is_deepseek_v3s():
+    """Sequence-wise loss on sigmoid scores normalised over the experts (DeepSeek-V3 eq. 17-20):
+    E/(k s) counts per sequence . mean normalised score, averaged over sequences."""
+    router = _router(moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss",
+                     moe_router_score_function="sigmoid")
+    hidden = torch.randn(5, 2, 16)
+    router(hidden)
+    scores = torch.sigmoid(hidden @ router.weight.detach().t())
+    scores = scores / scores.sum(-1, keepdim=True)
+    top = torch.topk(scores, 2, dim=-1).indices
+    losses = []
+    for b in range(2):
+        counts = torch.zeros(4).scatter_add(0, top[:, b].flatten(), torch.ones(10))
+        losses.append((counts * 4 / (5 * 2) * scores[:, b].mean(0)).sum())
+    expected = torch.stack(losses).mean()
+    assert router.metrics["load_balancing_loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_router_dtype_computes_logits_in_fp32():
+    """--moe-router-dtype fp32 with bf16 params: the logits (hence choices and probs) are the
+    fp32 product of the bf16 values, not the bf16 product."""
+    router = _router(moe_router_dtype="fp32", params_dtype=torch.bfloat16, bf16=True)
+    hidden = torch.randn(16, 2, 16).to(torch.bfloat16)
+    probs, _ = router(hidden)
+    logits32 = hidden.reshape(-1, 16).float() @ router.weight.detach().float().t()
+    torch.testing.assert_close(probs, topk_routing(logits32, 2)[0], rtol=1e-6, atol=1e-7)
+    plain = _router(params_dtype=torch.bfloat16, bf16=True)
+    with torch.no_grad():
+        plain.weight.copy_(router.weight)
+    assert not torch.equal(plain(hidden)[0], probs)
+
+
+def test_expert_bias_update_is_megatrons_formula():
+    from megatron_smp.transformer.moe import update_expert_bias
+
+    router = _router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.05)
+    router.expert_bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.0]))
+    router.local_tokens_per_expert.copy_(torch.tensor([5.0, 3.0, 3.0, 1.0]))  # mean 3
+    update_expert_bias([router], router.config, STATE_GROUPS)
+    torch.testing.assert_close(router.expert_bias, torch.tensor([0.05, 0.0, -0.2, 0.05]))
+    assert not router.local_tokens_per_expert.any()
+
+
+STATE_GROUPS = SimpleNamespace(tp_group=None, dp_cp_group=None)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(moe_router_enable_expert_bias=True), "needs --moe-router-score-function sigmoid"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), "must divide --num-experts"),
+    (dict(moe_router_num_groups=2), "go together"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=3), "between 1 and"),
+    (dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True), "pre-softmax"),
+    (dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="sinkhorn"),
+     "sinkhorn"),
+])
+def test_router_flag_errors(settings, message):
+    from megatron_smp.config import ConfigError, ParallelConfig
+
+    config = llama_config(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
+                          num_moe_experts=4, moe_router_topk=2, **settings)
+    with pytest.raises(ConfigError, match=message):
+        config.validate(ParallelConfig())

@@ -1,0 +1,190 @@
+"""Multi-latent attention (DeepSeek-V2/V3), a self-attention chosen through the layer spec
+(`--multi-latent-attention`), with megatron-core's parameter names.
+
+    q:  hidden -> linear_q_down_proj [q_lora_rank] -> q_layernorm -> linear_q_up_proj
+        (or hidden -> linear_q_proj without --q-lora-rank); per head [qk_head_dim | pos]
+    kv: hidden -> linear_kv_down_proj [kv_lora_rank | pos]; the latent -> kv_layernorm ->
+        linear_kv_up_proj, per head [qk_head_dim (key) | v_head_dim (value)]; the pos part is
+        the one positional key all heads share
+    RoPE rotates the pos channels of q and of the shared key (cos/sin of
+    qk_pos_emb_head_dim channels from the model's RotaryEmbedding); the core attention sees
+    q/k of qk_head_dim + pos channels and values of v_head_dim, scaled 1/sqrt(q/k width).
+
+Tensor parallelism splits the heads (the up-projections and linear_proj, whole heads per rank
+because their rows are laid out per head); the down-projections and latent norms are
+replicated (Megatron's choice: they are small). With sequence parallelism they run on the
+rank's sequence shard, so their grads are partial and summed over TP (`sequence_parallel`
+mark); the up-projections gather the latents, the shared positional key is gathered alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig, recompute_modules
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron_smp.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_size,
+)
+from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.transformer.attention import (
+    RotaryEmbeddings,
+    apply_rotary_pos_emb,
+    core_attention,
+)
+from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.spec import SelfAttentionSubmodules
+
+
+class _ReplicatedLinear(torch.nn.Module):
+    """A bias-free linear layer every TP rank holds whole (the MLA down-projections).
+
+    Drawn on the CPU from the init scope's generator, so every layout holds the same values;
+    `sequence_parallel` marks the weight for the TP sum of its grad when each rank feeds it
+    another sequence shard."""
+
+    def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
+                 sequence_parallel: bool, device: Optional[torch.device]) -> None:
+        super().__init__()
+        master = torch.empty(output_size, input_size)
+        init_method_normal(config.init_method_std)(master)
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if self.weight.device.type != "meta":
+            with torch.no_grad():
+                self.weight.copy_(master)
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MLASelfAttention(torch.nn.Module):
+    """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
+    -> [s(/tp), b, h]; rotary_pos_emb: cos/sin over qk_pos_emb_head_dim channels."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        state,
+        layer_number: int = 1,
+        submodules: Optional[SelfAttentionSubmodules] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp_group = state.tp_group
+        self.tp_group = tp_group
+        tp_size = group_size(tp_group)
+        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        self.num_heads = config.num_attention_heads
+        self.num_heads_per_partition = divide(self.num_heads, tp_size)
+        self.qk_head_dim = config.qk_head_dim
+        self.pos_dim = config.qk_pos_emb_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_head_width = self.qk_head_dim + self.pos_dim
+        self.softmax_scale = 1.0 / math.sqrt(self.q_head_width)
+        self.attention_dropout = config.attention_dropout
+        self.rotary_interleaved = config.rotary_interleaved
+        self.selective_recompute = "core_attn" in recompute_modules(config)
+        init_method = init_method_normal(config.init_method_std)
+        output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
+                       if config.use_scaled_init_method else init_method)
+
+        def column(input_size, output_size):
+            return ColumnParallelLinear(input_size, output_size, config=config, tp_group=tp_group,
+                                        init_method=init_method, bias=False,
+                                        gather_output=False, device=device)
+
+        q_width = self.num_heads * self.q_head_width
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column(config.hidden_size, q_width)
+        else:
+            self.linear_q_down_proj = _ReplicatedLinear(
+                config.hidden_size, config.q_lora_rank, config, self.sequence_parallel, device)
+            # Replicated norm on the rank's own tokens: a partial grad under SP (as a
+            # sequence-parallel layer norm's).
+            self.q_layernorm = build_norm(config, config.q_lora_rank, self.sequence_parallel,
+                                          device)
+            self.linear_q_up_proj = column(config.q_lora_rank, q_width)
+        self.linear_kv_down_proj = _ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.pos_dim, config,
+            self.sequence_parallel, device)
+        self.kv_layernorm = build_norm(config, self.kv_lora_rank, self.sequence_parallel, device)
+        self.linear_kv_up_proj = column(self.kv_lora_rank,
+                                        self.num_heads * (self.qk_head_dim + self.v_head_dim))
+        self.linear_proj = RowParallelLinear(
+            self.num_heads * self.v_head_dim, config.hidden_size, config=config,
+            tp_group=tp_group, init_method=output_init,
+            bias=config.add_attention_bias and config.add_bias_linear, input_is_parallel=True,
+            device=device)
+
+    def _core_attention(self, query, key, value, attention_mask):
+        """q/k [s, b, n, dq], v [s, b, n, dv] -> context [s, b, n * dv]."""
+        s, b = query.shape[:2]
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if dropout_p > 0.0:
+            with get_rng_tracker().fork():
+                context = core_attention(query, key, value, attention_mask, True, dropout_p,
+                                         self.softmax_scale)
+        else:
+            context = core_attention(query, key, value, attention_mask, True, 0.0,
+                                     self.softmax_scale)
+        return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[RotaryEmbeddings] = None,
+    ) -> torch.Tensor:
+        if hasattr(self, "linear_q_proj"):
+            query, _ = self.linear_q_proj(hidden_states)
+        else:
+            query, _ = self.linear_q_up_proj(self.q_layernorm(
+                self.linear_q_down_proj(hidden_states)))
+        s, b = query.shape[:2]
+        query = query.view(s, b, self.num_heads_per_partition, self.q_head_width)
+        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
+
+        latent, k_pos = torch.split(self.linear_kv_down_proj(hidden_states),
+                                    [self.kv_lora_rank, self.pos_dim], dim=-1)
+        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
+        kv = kv.view(s, b, self.num_heads_per_partition, self.qk_head_dim + self.v_head_dim)
+        k_nope, value = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        # The shared positional key feeds this rank's heads only: its grad is partial over TP
+        # (summed by the gather's reduce-scatter under SP, by the copy's all-reduce otherwise).
+        if self.sequence_parallel:
+            k_pos = gather_from_sequence_parallel_region(k_pos, self.tp_group)
+        else:
+            k_pos = copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
+        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
+
+        if rotary_pos_emb is not None:
+            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
+            k_pos = apply_rotary_pos_emb(k_pos, rotary_pos_emb, self.rotary_interleaved)
+        query = torch.cat((q_nope, q_pos), dim=-1)
+        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        if self.selective_recompute and self.training:
+            context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
+        else:
+            context = self._core_attention(query, key, value, attention_mask)
+        output, _ = self.linear_proj(context)
+        return output
+
+
+__all__ = ["MLASelfAttention"]

@@ -1,0 +1,125 @@
+"""Multi-latent attention equals Hugging Face's DeepseekV3Attention (random weights, odd sizes,
+interleaved RoPE on the positional channels, q through a latent or not): output, input grad and
+the replicated down-projection's grad, at TP=1 and at TP=2 with sequence parallelism."""
+import pytest
+import torch
+
+from megatron_smp.testing import run_distributed
+
+S, B, H, HEADS = 6, 2, 24, 4
+DIMS = dict(kv_lora_rank=10, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+
+
+def _hf_attention(q_lora_rank):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention, DeepseekV3RotaryEmbedding)
+
+    config = DeepseekV3Config(
+        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        q_lora_rank=q_lora_rank, kv_lora_rank=DIMS["kv_lora_rank"],
+        qk_nope_head_dim=DIMS["qk_head_dim"], qk_rope_head_dim=DIMS["qk_pos_emb_head_dim"],
+        v_head_dim=DIMS["v_head_dim"], rms_norm_eps=1e-6, attention_bias=False,
+        max_position_embeddings=64, rope_interleave=True)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attention = DeepseekV3Attention(config, layer_idx=0)
+    with torch.no_grad():
+        for name, param in attention.named_parameters():
+            if "layernorm" in name:
+                param.normal_(1.0, 0.2)
+    return attention, DeepseekV3RotaryEmbedding(config)
+
+
+_NAMES = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj",
+          "q_a_layernorm": "q_layernorm", "q_b_proj": "linear_q_up_proj",
+          "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_a_layernorm": "kv_layernorm",
+          "kv_b_proj": "linear_kv_up_proj", "o_proj": "linear_proj"}
+_COLUMN = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+
+
+def _mla_against_hf(rank, world_size, q_lora_rank):
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+    from megatron_smp.models.llama import llama_config
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.attention import RotaryEmbedding
+    from megatron_smp.transformer.mla import MLASelfAttention
+    from tests.unit.models.common import to_numpy
+
+    state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
+    sp = world_size > 1
+    config = llama_config(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
+                          vocab_size=10, multi_latent_attention=True, q_lora_rank=q_lora_rank,
+                          rotary_interleaved=True, layernorm_epsilon=1e-6,
+                          sequence_parallel=sp, **DIMS)
+    hf, hf_rotary = _hf_attention(q_lora_rank)
+    ours = MLASelfAttention(config, state)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            module, leaf = name.split(".")
+            target = ours.get_submodule(_NAMES[module]).get_parameter(leaf)
+            if _NAMES[module] in _COLUMN:
+                value = param.chunk(world_size, dim=0)[rank]
+            elif _NAMES[module] == "linear_proj":
+                value = param.chunk(world_size, dim=1)[rank]
+            else:
+                value = param
+            target.copy_(value)
+
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(S)[None].expand(B, -1)
+    x_hf = x.clone().requires_grad_()
+    want = hf(x_hf, hf_rotary(x_hf, positions), None)[0]
+    want.square().sum().backward()
+
+    x_ours = x.transpose(0, 1).contiguous()  # [s, b, h]
+    if sp:
+        x_ours = x_ours.chunk(world_size, dim=0)[rank].contiguous()
+    x_ours.requires_grad_()
+    rotary = RotaryEmbedding(DIMS["qk_pos_emb_head_dim"], interleaved=True)(S)
+    got = ours(x_ours, None, rotary)
+    # The loss is a sum over this rank's shard: the shards' grads add up to the whole one's.
+    got.square().sum().backward()
+    allreduce_sequence_parallel_grads([ours], state)
+    want_out = want.detach().transpose(0, 1)
+    want_grad = x_hf.grad.transpose(0, 1)
+    if sp:
+        want_out = want_out.chunk(world_size, dim=0)[rank]
+        want_grad = want_grad.chunk(world_size, dim=0)[rank]
+    return to_numpy({
+        "out": (got.detach(), want_out),
+        "x_grad": (x_ours.grad, want_grad),
+        "down_grad": (ours.linear_kv_down_proj.weight.grad, hf.kv_a_proj_with_mqa.weight.grad),
+        "norm_grad": (ours.kv_layernorm.weight.grad, hf.kv_a_layernorm.weight.grad),
+    })
+
+
+@pytest.mark.parametrize("world_size, q_lora_rank", [(1, 7), (1, None), (2, 7)])
+def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
+    # One process runs in this one (a spawned child costs ~10 s of imports here).
+    results = ([_mla_against_hf(0, 1, q_lora_rank)] if world_size == 1 else
+               run_distributed(_mla_against_hf, world_size, args=(q_lora_rank,), timeout=120))
+    for result in results:
+        for name, (got, want) in result.items():
+            torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want),
+                                       rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("settings, parallel, message", [
+    (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
+    (dict(num_query_groups=2), {}, "--group-query-attention"),
+    ({}, dict(context_parallel_size=2), "--context-parallel-size > 1"),
+    (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
+    (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), {},
+     "mla_up_proj"),
+])
+def test_mla_flag_errors(settings, parallel, message):
+    from megatron_smp.config import ConfigError, ParallelConfig
+    from megatron_smp.models.llama import llama_config
+
+    settings = dict(dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, vocab_size=10,
+                         multi_latent_attention=True, **DIMS), **settings)
+    config = llama_config(**settings)
+    with pytest.raises(ConfigError, match=message):
+        config.validate(ParallelConfig(**parallel))
