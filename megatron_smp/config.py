@@ -807,6 +807,9 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # Megatron's --sft: --data-path is conversations with a loss mask
+    # (tools/preprocess_sft_data.py), packed several per sequence with a document mask.
+    sft: bool = False
     num_workers: int = 0
     data_cache_path: Optional[str] = None
     # megatron-core's cache flags: every rank loads prepared caches at once (no rank-0 build,

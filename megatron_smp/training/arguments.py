@@ -330,6 +330,7 @@ _FLAGS: List[_Flag] = [
     _f("--reset-position-ids", "data", action="store_true"),
     _f("--reset-attention-mask", "data", action="store_true"),
     _f("--eod-mask-loss", "data", action="store_true"),
+    _f("--sft", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
     _f("--dataloader-fast-cache-load", "data", action="store_true"),
@@ -796,6 +797,12 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     if logging_to_tensorboard and not training.tensorboard_dir:
         raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
     data = configs.data
+    if data.sft and parallel.context_parallel_size > 1:
+        raise ConfigError(
+            f"--sft with --context-parallel-size {parallel.context_parallel_size}: packed "
+            "sequences are not split across context-parallel ranks yet; use "
+            "--context-parallel-size 1"
+        )
     if (data.reset_attention_mask and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):
         raise ConfigError(
