@@ -411,6 +411,12 @@ def pretrain(
              if is_logging_rank else None)
     logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
                             world_size=state.world_size)
+    for split, dataset in zip(("train", "validation", "test"), (train_ds, valid_ds, test_ds)):
+        # --sft packs conversations: report what the packing pays for padding.
+        if getattr(dataset, "efficiency", None) is not None:
+            logger.print(f" > --sft {split}: {dataset.sequence_ids.size} conversations in "
+                         f"{len(dataset.packs)} packs, packing efficiency "
+                         f"{dataset.efficiency:.4f} (tokens used / tokens paid)")
     profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
     if training.log_progress:
         run.progress_log = ProgressLog(

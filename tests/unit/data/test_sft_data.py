@@ -18,23 +18,11 @@ from megatron_smp.data.sft_dataset import (
     packing_efficiency,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__)))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import preprocess_sft_data  # noqa: E402
-
-# ChatML; {% generation %} marks what HF's return_assistant_tokens_mask reports, the
-# reference our own span finding is checked against.
-CHATML = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from tests.unit.data.sft_common import (
+    ROOT,
+    make_chat_tokenizer,
+    make_sft_data,
+    preprocess_sft_data,
 )
 
 CONVERSATIONS = [
@@ -56,38 +44,15 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
-    """A byte-level BPE trained in about a second, saved with the ChatML template."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    directory = tmp_path_factory.mktemp("chat_tok")
-    corpus = [json.dumps(c) for c in CONVERSATIONS] * 4 + ["the quick brown fox jumps"] * 4
-    trainer = ByteLevelBPETokenizer()
-    trainer.train_from_iterator(corpus, vocab_size=400, show_progress=False,
-                                special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    hf = PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer,
-                                 eos_token="<|endoftext|>")
-    hf.chat_template = CHATML
-    hf.save_pretrained(str(directory / "with"))
-    hf.chat_template = None
-    PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>") \
-        .save_pretrained(str(directory / "without"))
-    return str(directory)
+    directory = str(tmp_path_factory.mktemp("chat_tok"))
+    make_chat_tokenizer(directory, CONVERSATIONS)
+    return directory
 
 
 @pytest.fixture(scope="module")
 def sft_data(chat_tokenizer, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("sft_data")
-    source = directory / "chat.jsonl"
-    source.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    prefix = str(directory / "chat")
-    args = preprocess_sft_data.get_args([
-        "--input", str(source), "--output-prefix", prefix,
-        "--tokenizer-model", os.path.join(chat_tokenizer, "with"),
-    ])
-    counts = preprocess_sft_data.preprocess(args)
-    assert counts["conversations"] == len(CONVERSATIONS)
-    return prefix + "_text_document"
+    return make_sft_data(os.path.join(chat_tokenizer, "with"),
+                         str(tmp_path_factory.mktemp("sft_data")), CONVERSATIONS)
 
 
 def test_loss_mask_is_the_templates_assistant_tokens(chat_tokenizer, sft_data):
@@ -216,7 +181,7 @@ def test_packed_losses_equal_conversations_one_at_a_time(sft_data):
         total += float((hand * mask[a:b]).sum())
         count += float(mask[a:b].sum())
     assert count > 0 and len(pieces) >= 2
-    assert float((packed * mask).sum() / mask.sum()) == pytest.approx(total / count, abs=1e-5)
+    assert float((packed * mask).sum().detach() / mask.sum()) == pytest.approx(total / count, abs=1e-5)
     (sum(pieces) / mask.sum()).backward()
     for packed_grad, param in zip(packed_grads, model.parameters()):
         assert torch.allclose(packed_grad, param.grad, atol=1e-6)

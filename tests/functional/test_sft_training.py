@@ -1,0 +1,67 @@
+"""pretrain_gpt.py --sft: packed conversations train the same at DP=2 and TP=2 as in one
+process, on the bundled tiny chat set."""
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.unit.data.sft_common import make_chat_tokenizer, make_sft_data, tiny_chat_records
+
+ITERS = 6
+
+
+def _train(rank, world_size, argv):
+    import pretrain_gpt
+    from megatron_smp.training import pretrain
+
+    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                      pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
+
+
+def _train_logged(rank, world_size, argv):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = _train(rank, world_size, argv)
+    return losses, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sft_argv(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("sft_run"))
+    records = tiny_chat_records()
+    tokenizer = make_chat_tokenizer(directory, records)
+    prefix = make_sft_data(tokenizer, directory, records)
+    return (
+        f"--sft --data-path {prefix} --split 90,10,0 --tokenizer-type HuggingFaceTokenizer "
+        f"--tokenizer-model {tokenizer} --num-layers 2 --hidden-size 64 "
+        "--num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+        f"--micro-batch-size 2 --global-batch-size 4 --train-iters {ITERS} --hidden-dropout 0 "
+        "--attention-dropout 0 --lr 1e-3 --log-interval 1 --eval-interval 100 "
+        f"--eval-iters 1 --seed 7 --data-cache-path {directory}/cache"
+    ).split()
+
+
+def test_sft_layouts_match_single_process(sft_argv):
+    reference, log = run_distributed(_train_logged, 1, args=(sft_argv,), timeout=300)[0]
+    assert " > --sft train: 86 conversations in " in log and "packing efficiency 0." in log
+    assert len(reference) == ITERS and reference[-1] < reference[0]
+    for flags in ("", "--tensor-model-parallel-size 2"):
+        for losses in run_distributed(_train, 2, args=(sft_argv + flags.split(),), timeout=300):
+            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
+
+
+def test_sft_refuses_context_parallel_and_mock_data(sft_argv):
+    from megatron_smp.config import ConfigError
+    from megatron_smp.data import build_train_valid_test_datasets
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    configs = parse_args(sft_argv + ["--context-parallel-size", "2"])
+    configs.model.vocab_size = 400  # the tokenizer's, as pretrain sets it before validating
+    with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2"):
+        validate_configs(configs, world_size=2)
+    configs = parse_args(sft_argv)
+    configs.data.mock_data = True
+    with pytest.raises(ConfigError, match="--sft .* --mock-data"):
+        build_train_valid_test_datasets(configs.data, 96, 7, [8, 1, 0], None)
