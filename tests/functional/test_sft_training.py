@@ -47,7 +47,8 @@ def test_sft_layouts_match_single_process(sft_argv):
     reference, log = run_distributed(_train_logged, 1, args=(sft_argv,), timeout=300)[0]
     assert " > --sft train: 86 conversations in " in log and "packing efficiency 0." in log
     assert len(reference) == ITERS and reference[-1] < reference[0]
-    for flags in ("", "--tensor-model-parallel-size 2"):
+    for flags in ("", "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+                  "--tensor-model-parallel-size 2 --sequence-parallel"):
         for losses in run_distributed(_train, 2, args=(sft_argv + flags.split(),), timeout=300):
             assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
 
