@@ -723,6 +723,13 @@ class TrainingConfig:
     # from THRESHOLD consumed tokens on (K/M/B/T suffixes; training/num_microbatches.py).
     step_batch_size_schedule: Optional[str] = None
     seed: int = 1234
+    # LoRA fine-tuning (Megatron-Bridge's names and defaults): --lora-rank > 0 attaches
+    # adapters to --lora-target-modules and freezes the rest (tensor_parallel/lora.py).
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: List[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     log_interval: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10

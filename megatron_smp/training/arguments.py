@@ -249,6 +249,11 @@ _FLAGS: List[_Flag] = [
     _f("--train-iters", "training", type=int),
     _f("--train-samples", "training", type=int),
     _f("--seed", "training", type=int, default=1234),
+    _f("--lora-rank", "training", type=int, default=0),
+    _f("--lora-alpha", "training", type=float, default=32.0),
+    _f("--lora-dropout", "training", type=float, default=0.0),
+    _f("--lora-target-modules", "training", nargs="+",
+       default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
     _f("--log-interval", "training", type=int, default=100),
     _f("--eval-interval", "training", type=int, default=1000),
     _f("--eval-iters", "training", type=int, default=100),
@@ -796,6 +801,14 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     ]
     if logging_to_tensorboard and not training.tensorboard_dir:
         raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
+    if training.lora_rank:
+        from megatron_smp.tensor_parallel.lora import check_lora_flags
+
+        check_lora_flags(training.lora_rank, training.lora_alpha, training.lora_dropout,
+                         training.lora_target_modules)
+        if parallel.use_torch_fsdp2:
+            raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
+                              "DDP or --use-distributed-optimizer")
     data = configs.data
     if data.sft and parallel.context_parallel_size > 1:
         raise ConfigError(

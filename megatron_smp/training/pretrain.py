@@ -148,6 +148,12 @@ def build_model_chunks(
         if meta:
             materialize_meta_model(chunk, state.device)
         chunk.to(state.device)
+        if configs.training.lora_rank:
+            from megatron_smp.tensor_parallel.lora import apply_lora
+
+            # Before DDP: only the adapters get grad buffers and optimizer state.
+            apply_lora(chunk, configs.training.lora_rank, configs.training.lora_alpha,
+                       configs.training.lora_dropout, configs.training.lora_target_modules)
         if configs.training.torch_compile:
             # torchtitan's order: compile after TP and recompute wrapping, before DP.
             compile_transformer_layers(chunk, configs.training.torch_compile)

@@ -1,6 +1,7 @@
 """pretrain_gpt.py --sft: packed conversations train the same at DP=2 and TP=2 as in one
 process, on the bundled tiny chat set."""
 import pytest
+import torch
 
 from megatron_smp.testing import run_distributed
 from tests.unit.data.sft_common import make_chat_tokenizer, make_sft_data, tiny_chat_records
@@ -66,3 +67,50 @@ def test_sft_refuses_context_parallel_and_mock_data(sft_argv):
     configs.data.mock_data = True
     with pytest.raises(ConfigError, match="--sft .* --mock-data"):
         build_train_valid_test_datasets(configs.data, 96, 7, [8, 1, 0], None)
+
+
+LLAMA = ("--normalization RMSNorm --swiglu --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --disable-bias-linear "
+         "--group-query-attention --num-query-groups 2").split()
+LORA = "--lora-rank 4 --lora-alpha 8 --lr 1e-2".split()
+
+
+def _train_lora(rank, world_size, argv):
+    """Losses, and the bytes of optimizer state next to the adapters' bytes (this rank)."""
+    import megatron_smp.optimizer as optimizer_module
+
+    built = {}
+    original = optimizer_module.get_megatron_optimizer
+
+    def capture(config, chunks, state, *args, **kwargs):
+        built["optimizer"] = original(config, chunks, state, *args, **kwargs)
+        built["adapter_bytes"] = sum(p.numel() * p.element_size() for c in chunks
+                                     for p in c.parameters() if p.requires_grad)
+        built["trainable"] = sorted({n.split(".lora.")[-1] for c in chunks
+                                     for n, p in c.named_parameters() if p.requires_grad})
+        return built["optimizer"]
+
+    optimizer_module.get_megatron_optimizer = capture
+    losses = _train(rank, world_size, argv)
+    state_bytes = sum(value.numel() * value.element_size()
+                      for per_param in built["optimizer"].optimizer.state.values()
+                      for value in per_param.values()
+                      if isinstance(value, torch.Tensor) and value.dim() > 0)
+    return losses, state_bytes, built["adapter_bytes"], built["trainable"]
+
+
+def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv):
+    argv = sft_argv + LLAMA + LORA
+    (reference, state_bytes, adapter_bytes, trainable), = run_distributed(
+        _train_lora, 1, args=(argv,), timeout=300)
+    assert reference[-1] < reference[0] - 0.1, reference
+    assert trainable == ["lora_A", "lora_B"]
+    # Adam: exp_avg and exp_avg_sq of the adapters only, nothing for the frozen base.
+    assert state_bytes == 2 * adapter_bytes
+    for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
+                  "--use-distributed-optimizer"):
+        results = run_distributed(_train_lora, 2, args=(argv + flags.split(),), timeout=300)
+        for losses, _, _, _ in results:
+            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
+        if flags == "--use-distributed-optimizer":  # the state is split over the 2 ranks
+            assert sum(r[1] for r in results) == state_bytes
