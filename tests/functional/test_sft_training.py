@@ -114,3 +114,25 @@ def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv):
             assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
         if flags == "--use-distributed-optimizer":  # the state is split over the 2 ranks
             assert sum(r[1] for r in results) == state_bytes
+
+
+def test_lora_finetunes_from_a_base_checkpoint(sft_argv, tmp_path):
+    """--finetune --load of a checkpoint without adapters: the base loads, the adapters start
+    at B = 0, so the first loss is the base model's (that of a full fine-tune from it)."""
+    base = sft_argv + LLAMA + ["--train-iters", "2", "--save", str(tmp_path / "base")]
+    run_distributed(_train, 1, args=(base,), timeout=300)
+    load = ["--load", str(tmp_path / "base"), "--finetune", "--train-iters", "3"]
+    full = run_distributed(_train, 1, args=(sft_argv + LLAMA + load,), timeout=300)[0]
+    lora = run_distributed(_train, 1, args=(sft_argv + LLAMA + LORA + load,), timeout=300)[0]
+    assert lora[0] == pytest.approx(full[0], rel=1e-6)
+    assert lora[1] != pytest.approx(full[1], rel=1e-6)
+
+
+def test_lora_resume_mid_run_is_exact(sft_argv, tmp_path):
+    argv = sft_argv + LLAMA + LORA + ["--train-iters", "4", "--save", str(tmp_path / "ckpt")]
+    whole = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
+    # Stopped after iteration 2 (--exit-interval saves), then resumed to the end.
+    run_distributed(_train, 1, args=(argv + ["--exit-interval", "2"],), timeout=300)
+    resumed = run_distributed(_train, 1, args=(argv + ["--load", str(tmp_path / "ckpt")],),
+                              timeout=300)[0]
+    assert resumed == whole[2:]
