@@ -810,6 +810,21 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
     data = configs.data
+    if data.sft:
+        # Packing is computed in memory from the conversation lengths; these flags shape
+        # pretraining samples only, and the loss mask comes from the data.
+        ignored = [flag for flag, on in (
+            ("--eod-mask-loss", data.eod_mask_loss),
+            ("--data-cache-path", data.data_cache_path),
+            ("--per-dataset-sequences-path", data.per_dataset_sequences_path),
+            ("--dataloader-fast-cache-load", data.dataloader_fast_cache_load),
+            ("--dataloader-defer-npy-index-mmap", data.dataloader_defer_npy_index_mmap),
+        ) if on]
+        if ignored:
+            raise ConfigError(
+                f"--sft with {', '.join(ignored)}: SFT packs conversations in memory and trains "
+                "on the loss mask tools/preprocess_sft_data.py wrote; drop "
+                f"{'it' if len(ignored) == 1 else 'them'}")
     if data.sft and parallel.context_parallel_size > 1:
         raise ConfigError(
             f"--sft with --context-parallel-size {parallel.context_parallel_size}: packed "

@@ -40,7 +40,7 @@ def sft_argv(tmp_path_factory):
         "--num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
         f"--micro-batch-size 2 --global-batch-size 4 --train-iters {ITERS} --hidden-dropout 0 "
         "--attention-dropout 0 --lr 1e-3 --log-interval 1 --eval-interval 100 "
-        f"--eval-iters 1 --seed 7 --data-cache-path {directory}/cache"
+        "--eval-iters 1 --seed 7"
     ).split()
 
 
@@ -63,6 +63,10 @@ def test_sft_refuses_context_parallel_and_mock_data(sft_argv):
     configs.model.vocab_size = 400  # the tokenizer's, as pretrain sets it before validating
     with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2"):
         validate_configs(configs, world_size=2)
+    configs = parse_args(sft_argv + ["--eod-mask-loss"])
+    configs.model.vocab_size = 400
+    with pytest.raises(ConfigError, match="--sft with --eod-mask-loss: .* drop it"):
+        validate_configs(configs, world_size=1)
     configs = parse_args(sft_argv)
     configs.data.mock_data = True
     with pytest.raises(ConfigError, match="--sft .* --mock-data"):
