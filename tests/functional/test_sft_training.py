@@ -1,5 +1,6 @@
-"""pretrain_gpt.py --sft: packed conversations train the same at DP=2 and TP=2 as in one
-process, on the bundled tiny chat set."""
+"""pretrain_gpt.py --sft (and LoRA): packed conversations train the same at DP=2, PP=2 and
+TP=2+SP as in one process, on the bundled tiny chat set; LoRA trains only its adapters,
+starts from a base checkpoint and resumes exactly."""
 import pytest
 import torch
 
@@ -48,7 +49,7 @@ def test_sft_layouts_match_single_process(sft_argv):
     reference, log = run_distributed(_train_logged, 1, args=(sft_argv,), timeout=300)[0]
     assert " > --sft train: 86 conversations in " in log and "packing efficiency 0." in log
     assert len(reference) == ITERS and reference[-1] < reference[0]
-    for flags in ("", "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+    for flags in ("", "--pipeline-model-parallel-size 2",
                   "--tensor-model-parallel-size 2 --sequence-parallel"):
         for losses in run_distributed(_train, 2, args=(sft_argv + flags.split(),), timeout=300):
             assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
