@@ -37,6 +37,8 @@ def loss_mask_prefix(prefix: str) -> str:
 def pack_best_fit(lengths, capacity: int) -> List[List[int]]:
     """Best-fit decreasing bin packing: lists of indices into `lengths`, each list's lengths
     summing to at most `capacity`. Deterministic (ties keep the original order)."""
+    if len(lengths) and int(max(lengths)) > capacity:
+        raise ValueError(f"a length of {int(max(lengths))} does not fit a pack of {capacity}")
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     packs: List[List[int]] = []
     # (free space, pack number) kept sorted: the fullest pack that still fits wins.

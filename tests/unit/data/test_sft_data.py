@@ -101,6 +101,8 @@ def test_best_fit_packing_and_efficiency():
     assert all(sum(lengths[i] for i in pack) <= 10 for pack in packs)
     assert len(packs) == 4  # 34 tokens need at least 4 packs of 10
     assert packing_efficiency(lengths, packs, 10) == pytest.approx(34 / 40)
+    with pytest.raises(ValueError, match="11 does not fit"):
+        pack_best_fit([3, 11], 10)
 
 
 def _dataset(prefix, seq_length, num_samples=None):
