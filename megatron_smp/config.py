@@ -929,6 +929,13 @@ class TrainingConfig:
     # from THRESHOLD consumed tokens on (K/M/B/T suffixes; training/num_microbatches.py).
     step_batch_size_schedule: Optional[str] = None
     seed: int = 1234
+    # LoRA fine-tuning (Megatron-Bridge's names and defaults): --lora-rank > 0 attaches
+    # adapters to --lora-target-modules and freezes the rest (tensor_parallel/lora.py).
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: List[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     log_interval: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -1017,6 +1024,9 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # Megatron's --sft: --data-path is conversations with a loss mask
+    # (tools/preprocess_sft_data.py), packed several per sequence with a document mask.
+    sft: bool = False
     num_workers: int = 0
     data_cache_path: Optional[str] = None
     # megatron-core's cache flags: every rank loads prepared caches at once (no rank-0 build,

@@ -356,6 +356,9 @@ def build_train_valid_test_datasets(
         eod_mask_loss=data_config.eod_mask_loss,
     )
 
+    if data_config.mock_data and getattr(data_config, "sft", False):
+        raise ConfigError("--sft trains on conversations from --data-path "
+                          "(tools/preprocess_sft_data.py); --mock-data has none")
     if data_config.mock_data:
         split_weights = parse_split(data_config.split)
         mock = MockIndexedDataset(_MOCK_NUM_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, seed)
@@ -370,6 +373,9 @@ def build_train_valid_test_datasets(
             else None
             for i in range(3)
         )
+
+    if getattr(data_config, "sft", False):
+        return _build_sft(data_config, seq_length, seed, num_samples, tokenizer)
 
     builder = _Builder(data_config, seq_length, seed, tokenizer, group)
     per_split = per_split_data_paths(data_config)
@@ -399,3 +405,24 @@ def build_train_valid_test_datasets(
             raise ConfigError(str(error).replace("--data-path", f"--{SPLIT_NAMES[i]}-data-path"))
         datasets[i] = builder.build(blend, matrix, sizes, splits=(i,))[i]
     return tuple(datasets)
+
+
+def _build_sft(data_config, seq_length, seed, num_samples, tokenizer):
+    """--sft: packed conversations of one --data-path prefix, cut by --split."""
+    from megatron_smp.data.sft_dataset import build_sft_splits
+
+    data_path = whole_data_path(data_config)
+    if any(per_split_data_paths(data_config)) or not data_path:
+        raise ConfigError("--sft reads one --data-path prefix cut by --split; "
+                          "--train/valid/test-data-path are not supported with --sft")
+    prefixes, weights = parse_data_path(data_path)
+    if len(prefixes) != 1:
+        raise ConfigError(f"--sft reads one --data-path prefix, got {len(prefixes)} "
+                          "(blends of SFT data are not supported)")
+    pad = getattr(tokenizer, "pad", None)
+    pad = tokenizer.eod if pad is None or pad < 0 else pad
+    return tuple(build_sft_splits(
+        prefixes[0], split_matrix(parse_split(data_config.split)), num_samples, seq_length,
+        seed, pad, split_range, SPLIT_NAMES, mmap=bool(getattr(data_config, "mmap_bin_files",
+                                                               True)),
+    ))

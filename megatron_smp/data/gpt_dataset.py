@@ -19,6 +19,35 @@ from megatron_smp.data.indices import (
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
+def document_masks_and_position_ids(
+    document_starts, seq_length: int, reset_position_ids: bool, reset_attention_mask: bool,
+):
+    """Position ids [s] int64 and, with `reset_attention_mask`, the document-causal
+    attention_mask [1, s, s] bool (True = masked out) of a sequence whose documents begin at
+    `document_starts` (increasing positions in [0, s); position 0 is implied).
+
+    The one implementation of document masking: pretraining with --reset-attention-mask /
+    --reset-position-ids and packed SFT sequences both build their masks here.
+    """
+    position_ids = torch.arange(seq_length, dtype=torch.int64)
+    attention_mask = None
+    if reset_attention_mask:
+        attention_mask = torch.ones(seq_length, seq_length, dtype=torch.bool).triu_(1)
+    if reset_position_ids or reset_attention_mask:
+        previous_start = 0
+        for start in document_starts:
+            start = int(start)
+            if start <= 0 or start >= seq_length:
+                continue
+            # Nothing may attend across a document boundary.
+            if reset_attention_mask:
+                attention_mask[start:, :start] = True
+            if reset_position_ids:
+                position_ids[start:] -= start - previous_start
+                previous_start = start
+    return position_ids, (attention_mask.unsqueeze(0) if attention_mask is not None else None)
+
+
 def get_ltor_masks_and_position_ids(
     tokens: torch.Tensor,
     eod_token: int,
@@ -36,26 +65,14 @@ def get_ltor_masks_and_position_ids(
     loss_mask = torch.ones(seq_length, dtype=torch.float32)
     if eod_mask_loss:
         loss_mask[tokens == eod_token] = 0.0
-    position_ids = torch.arange(seq_length, dtype=torch.int64)
-    attention_mask = None
-    if reset_attention_mask:
-        attention_mask = torch.ones(seq_length, seq_length, dtype=torch.bool).triu_(1)
+    document_starts = []
     if reset_position_ids or reset_attention_mask:
-        # A document starts after each eod; nothing may attend across that boundary.
-        eod_positions = (tokens == eod_token).nonzero(as_tuple=True)[0].tolist()
-        previous_start = 0
-        for eod_position in eod_positions:
-            start = eod_position + 1
-            if start >= seq_length:
-                break
-            if reset_attention_mask:
-                attention_mask[start:, :start] = True
-            if reset_position_ids:
-                position_ids[start:] -= start - previous_start
-                previous_start = start
-    return loss_mask, position_ids, (
-        attention_mask.unsqueeze(0) if attention_mask is not None else None
+        # A document starts after each eod.
+        document_starts = ((tokens == eod_token).nonzero(as_tuple=True)[0] + 1).tolist()
+    position_ids, attention_mask = document_masks_and_position_ids(
+        document_starts, seq_length, reset_position_ids, reset_attention_mask
     )
+    return loss_mask, position_ids, attention_mask
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -275,5 +292,6 @@ __all__ = [
     "GPTDataset",
     "MockIndexedDataset",
     "IndexedDataset",
+    "document_masks_and_position_ids",
     "get_ltor_masks_and_position_ids",
 ]

@@ -226,6 +226,8 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         _mark_expert(self, is_expert)
+        # A LoRAAdapter set by tensor_parallel.lora.apply_lora, else None.
+        self.lora = None
         if not _is_meta(device):
             self.reset_parameters()
 
@@ -270,6 +272,8 @@ class ColumnParallelLinear(torch.nn.Module):
             output = _ColumnParallelLinearFunction.apply(
                 x, weight, bias, self.tp_group, self.sequence_parallel
             )
+        if self.lora is not None:
+            output = output + self.lora(x)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         output_bias = self.bias if self.skip_bias_add else None
@@ -349,6 +353,8 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         _mark_expert(self, is_expert)
+        # A LoRAAdapter set by tensor_parallel.lora.apply_lora, else None.
+        self.lora = None
         if not _is_meta(device):
             self.reset_parameters()
 
@@ -375,6 +381,8 @@ class RowParallelLinear(torch.nn.Module):
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.lora is not None:
+            output = output + self.lora(x)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         output_bias = self.bias if self.skip_bias_add else None

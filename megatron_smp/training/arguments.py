@@ -301,6 +301,11 @@ _FLAGS: List[_Flag] = [
     _f("--train-iters", "training", type=int),
     _f("--train-samples", "training", type=int),
     _f("--seed", "training", type=int, default=1234),
+    _f("--lora-rank", "training", type=int, default=0),
+    _f("--lora-alpha", "training", type=float, default=32.0),
+    _f("--lora-dropout", "training", type=float, default=0.0),
+    _f("--lora-target-modules", "training", nargs="+",
+       default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
     _f("--log-interval", "training", type=int, default=100),
     _f("--eval-interval", "training", type=int, default=1000),
     _f("--eval-iters", "training", type=int, default=100),
@@ -385,6 +390,7 @@ _FLAGS: List[_Flag] = [
     _f("--reset-position-ids", "data", action="store_true"),
     _f("--reset-attention-mask", "data", action="store_true"),
     _f("--eod-mask-loss", "data", action="store_true"),
+    _f("--sft", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
     _f("--dataloader-fast-cache-load", "data", action="store_true"),
@@ -927,7 +933,36 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         if configs.model.num_moe_experts is None:
             raise ConfigError("--moe-per-layer-logging needs a mixture-of-experts model "
                               "(--num-experts)")
+    if training.lora_rank:
+        from megatron_smp.tensor_parallel.lora import check_lora_flags
+
+        check_lora_flags(training.lora_rank, training.lora_alpha, training.lora_dropout,
+                         training.lora_target_modules)
+        if parallel.use_torch_fsdp2:
+            raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
+                              "DDP or --use-distributed-optimizer")
     data = configs.data
+    if data.sft:
+        # Packing is computed in memory from the conversation lengths; these flags shape
+        # pretraining samples only, and the loss mask comes from the data.
+        ignored = [flag for flag, on in (
+            ("--eod-mask-loss", data.eod_mask_loss),
+            ("--data-cache-path", data.data_cache_path),
+            ("--per-dataset-sequences-path", data.per_dataset_sequences_path),
+            ("--dataloader-fast-cache-load", data.dataloader_fast_cache_load),
+            ("--dataloader-defer-npy-index-mmap", data.dataloader_defer_npy_index_mmap),
+        ) if on]
+        if ignored:
+            raise ConfigError(
+                f"--sft with {', '.join(ignored)}: SFT packs conversations in memory and trains "
+                "on the loss mask tools/preprocess_sft_data.py wrote; drop "
+                f"{'it' if len(ignored) == 1 else 'them'}")
+    if data.sft and parallel.context_parallel_size > 1:
+        raise ConfigError(
+            f"--sft with --context-parallel-size {parallel.context_parallel_size}: packed "
+            "sequences are not split across context-parallel ranks yet; use "
+            "--context-parallel-size 1"
+        )
     if (data.reset_attention_mask and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):
         raise ConfigError(

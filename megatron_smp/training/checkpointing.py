@@ -308,6 +308,22 @@ def _saved_top_level_keys(path: str, state) -> Optional[Set[str]]:
     return set(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
 
 
+def _saved_adapters(path: str, state) -> bool:
+    """Whether the checkpoint at `path` holds LoRA adapter tensors."""
+    from megatron_smp.distributed.checkpoint import read_checkpoint_metadata
+
+    with open(os.path.join(path, COMMON_FILENAME)) as f:
+        ckpt_format = json.load(f)["ckpt_format"]
+    if ckpt_format == "torch_dist":
+        keys = read_checkpoint_metadata(path).state_dict_metadata
+        return any(".lora.lora_" in key for key in keys)
+    file = os.path.join(path, f"rank_{state.rank:05d}.pt")
+    if not os.path.isfile(file):
+        return True  # the loader reports the missing file
+    payload = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    return any(".lora.lora_" in key for key in payload.get("model", {}))
+
+
 def _find_iteration(run) -> Optional[int]:
     """The iteration to resume from, or None (with a warning) when --load holds none."""
     load_dir = run.configs.checkpoint.load
@@ -459,6 +475,18 @@ def load(run, tokenizer=None) -> None:
         scheduler=load_optimizer and (saved is None or "opt_param_scheduler" in saved),
         progress=load_progress,
     )
+    if run.configs.training.lora_rank and not _saved_adapters(path, run.state):
+        # --lora-rank on a base checkpoint: the base loads, the adapters keep their
+        # initialisation (B = 0: training starts from the base model).
+        if load_optimizer:
+            raise CheckpointError(
+                f"checkpoint {path} has no LoRA adapters, so its optimizer state is the full "
+                "model's; add --finetune (or --no-load-optim) to fine-tune it with --lora-rank")
+        adapters = [name for name in state_dict["model"] if ".lora.lora_" in name]
+        for name in adapters:
+            del state_dict["model"][name]
+        _print_rank_0(run, f"checkpoint {path} has no LoRA adapters: loading the base, the "
+                           f"{len(adapters)} adapter tensors start from their initialisation")
     validator = getattr(run, "validator", None)
     rerun_pending = (load_progress and validator is not None and saved is not None
                      and "rerun_iteration" in saved)

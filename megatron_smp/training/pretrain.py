@@ -204,6 +204,12 @@ def build_model_chunks(
         if meta:
             materialize_meta_model(chunk, state.device)
         chunk.to(state.device)
+        if configs.training.lora_rank:
+            from megatron_smp.tensor_parallel.lora import apply_lora
+
+            # Before DDP: only the adapters get grad buffers and optimizer state.
+            apply_lora(chunk, configs.training.lora_rank, configs.training.lora_alpha,
+                       configs.training.lora_dropout, configs.training.lora_target_modules)
         if configs.training.torch_compile:
             # torchtitan's order: compile after TP and recompute wrapping, before DP.
             compile_transformer_layers(chunk, configs.training.torch_compile)
@@ -505,6 +511,12 @@ def pretrain(
              if is_logging_rank else None)
     logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
                             world_size=state.world_size)
+    for split, dataset in zip(("train", "validation", "test"), (train_ds, valid_ds, test_ds)):
+        # --sft packs conversations: report what the packing pays for padding.
+        if getattr(dataset, "efficiency", None) is not None:
+            logger.print(f" > --sft {split}: {dataset.sequence_ids.size} conversations in "
+                         f"{len(dataset.packs)} packs, packing efficiency "
+                         f"{dataset.efficiency:.4f} (tokens used / tokens paid)")
     profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
     if training.log_progress:
         run.progress_log = ProgressLog(

@@ -1,0 +1,187 @@
+"""Supervised fine-tuning samples: whole conversations packed into fixed-length sequences.
+
+Data layout (written by tools/preprocess_sft_data.py): `PREFIX.bin/.idx` holds the token ids,
+one document per conversation; `PREFIX_loss_mask.bin/.idx` is a parallel uint8 indexed
+dataset of the same sizes, 1 where a token was written by the assistant (the only tokens
+that are trained on), 0 for the prompt, the system text and the template's markup.
+
+A conversation of n tokens gives n - 1 (input, label) positions. Conversations are packed
+whole, never split, several per sequence (best-fit decreasing); each one attends only to
+itself and its positions restart at 0 (the document mask of --reset-attention-mask, shared
+through `document_masks_and_position_ids`). Padding comes only at the end of a pack and is
+never trained on.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from megatron_smp.config import ConfigError
+from megatron_smp.data.gpt_dataset import document_masks_and_position_ids
+from megatron_smp.data.indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
+
+LOSS_MASK_SUFFIX = "_loss_mask"
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    """The prefix of the loss-mask dataset that accompanies the token dataset `prefix`."""
+    return prefix + LOSS_MASK_SUFFIX
+
+
+def pack_best_fit(lengths, capacity: int) -> List[List[int]]:
+    """Best-fit decreasing bin packing: lists of indices into `lengths`, each list's lengths
+    summing to at most `capacity`. Deterministic (ties keep the original order)."""
+    if len(lengths) and int(max(lengths)) > capacity:
+        raise ValueError(f"a length of {int(max(lengths))} does not fit a pack of {capacity}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    packs: List[List[int]] = []
+    # (free space, pack number) kept sorted: the fullest pack that still fits wins.
+    free: List[tuple] = []
+    for i in order:
+        length = int(lengths[i])
+        slot = bisect.bisect_left(free, (length, -1))
+        if slot < len(free):
+            space, pack = free.pop(slot)
+            packs[pack].append(i)
+            bisect.insort(free, (space - length, pack))
+        else:
+            packs.append([i])
+            bisect.insort(free, (capacity - length, len(packs) - 1))
+    return packs
+
+
+def packing_efficiency(lengths, packs, capacity: int) -> float:
+    """Tokens used / tokens paid for: sum of conversation positions over packs x capacity."""
+    used = sum(int(lengths[i]) for pack in packs for i in pack)
+    return used / float(max(len(packs), 1) * capacity)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Packed conversations of one split.
+
+    `indexed_dataset` / `mask_dataset`: the token and loss-mask datasets (same sizes);
+    `sequence_ids`: the conversations of this split; `num_samples`: how many packed samples
+    to serve (None: one epoch of packs); later epochs visit the packs in a new order. Items
+    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and attention_mask
+    [1, s, s] (the document-causal mask).
+    """
+
+    def __init__(
+        self,
+        indexed_dataset,
+        mask_dataset,
+        sequence_ids: np.ndarray,
+        num_samples: Optional[int],
+        seq_length: int,
+        seed: int,
+        pad: int,
+        split_name: str = "train",
+        source: str = "",
+    ) -> None:
+        self.indexed_dataset = indexed_dataset
+        self.mask_dataset = mask_dataset
+        self.sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
+        self.seq_length = int(seq_length)
+        self.seed = int(seed)
+        self.pad = int(pad)
+        self.split_name = split_name
+        sizes = np.asarray(indexed_dataset.sizes)
+        if not np.array_equal(sizes, np.asarray(mask_dataset.sizes)):
+            raise ConfigError(
+                f"--sft: {source}{LOSS_MASK_SUFFIX} does not match {source} (different "
+                "conversation lengths); write both with tools/preprocess_sft_data.py"
+            )
+        self.lengths = sizes[self.sequence_ids].astype(np.int64) - 1
+        too_long = np.nonzero(self.lengths > self.seq_length)[0]
+        if too_long.size:
+            first = int(self.sequence_ids[too_long[0]])
+            raise ConfigError(
+                f"--sft: conversation {first} of {source} has {int(sizes[first])} tokens, more "
+                f"than --seq-length {self.seq_length} + 1 ({too_long.size} such); raise "
+                "--seq-length or drop them (tools/preprocess_sft_data.py --seq-length)"
+            )
+        if self.sequence_ids.size == 0 or int(self.lengths.max()) < 1:
+            raise ConfigError(f"--sft: the {split_name} split of {source} has no conversation "
+                              "of two tokens or more")
+        self.packs = pack_best_fit(self.lengths, self.seq_length)
+        self.efficiency = packing_efficiency(self.lengths, self.packs, self.seq_length)
+        self.num_samples = len(self.packs) if num_samples is None else int(num_samples)
+        logger.info(
+            "SFT %s split: %d conversations in %d packs of %d tokens, packing efficiency "
+            "%.4f", split_name, self.sequence_ids.size, len(self.packs), self.seq_length,
+            self.efficiency,
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _pack_of(self, index: int) -> List[int]:
+        epoch, within = divmod(int(index), len(self.packs))
+        order = np.random.RandomState((self.seed + epoch) % 2**32).permutation(len(self.packs))
+        return self.packs[int(order[within])]
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        s = self.seq_length
+        tokens = np.full(s, self.pad, dtype=np.int64)
+        labels = np.full(s, self.pad, dtype=np.int64)
+        loss_mask = np.zeros(s, dtype=np.float32)
+        starts, position = [], 0
+        for local in self._pack_of(index):
+            sequence = int(self.sequence_ids[local])
+            ids = np.asarray(self.indexed_dataset.get(sequence), dtype=np.int64)
+            mask = np.asarray(self.mask_dataset.get(sequence), dtype=np.float32)
+            n = ids.size - 1
+            starts.append(position)
+            tokens[position:position + n] = ids[:-1]
+            labels[position:position + n] = ids[1:]
+            loss_mask[position:position + n] = mask[1:]
+            position += n
+        if position < s:
+            # The padding is a document of its own, so that it attends to nothing real.
+            starts.append(position)
+        position_ids, attention_mask = document_masks_and_position_ids(starts, s, True, True)
+        return {
+            "tokens": torch.from_numpy(tokens),
+            "labels": torch.from_numpy(labels),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+        }
+
+
+def build_sft_splits(prefix: str, matrix, num_samples, seq_length: int, seed: int, pad: int,
+                     split_range, split_names, mmap: bool = True):
+    """One SFTDataset per split of `prefix` (None where `matrix` has no split); the splits
+    cut the conversations by --split as GPT data is cut by sequences."""
+    import os
+
+    mask_prefix = loss_mask_prefix(prefix)
+    for suffix in (".idx", ".bin"):
+        if not os.path.isfile(mask_prefix + suffix):
+            raise ConfigError(
+                f"--sft: {mask_prefix}{suffix} not found; --sft data needs the loss mask that "
+                "tools/preprocess_sft_data.py writes beside the tokens"
+            )
+    indexed = IndexedDataset(prefix, mmap=mmap)
+    masks = IndexedDataset(mask_prefix, mmap=mmap)
+    datasets = []
+    for i, bookends in enumerate(matrix):
+        begin, end = split_range(bookends, len(indexed)) if bookends is not None else (0, 0)
+        if end <= begin:
+            datasets.append(None)
+            continue
+        datasets.append(SFTDataset(
+            indexed, masks, np.arange(begin, end), num_samples[i], seq_length, seed, pad,
+            split_names[i], source=prefix,
+        ))
+    return datasets
+
+
+__all__ = ["SFTDataset", "build_sft_splits", "loss_mask_prefix", "pack_best_fit",
+           "packing_efficiency"]

@@ -1,0 +1,139 @@
+"""LoRA on the parallel linear layers: TP=2 (and +SP) equals TP=1 in logits and adapter grads,
+the base is frozen, and the exported PEFT adapter applied by hand to the HF Llama
+(W + alpha/r * B A, what peft computes) gives our logits."""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+from megatron_smp.testing import run_distributed
+from tests.unit.models.common import to_numpy, to_torch
+
+RANK, ALPHA = 4, 8.0
+
+
+def _hf_llama():
+    from tests.unit.models.test_hf_adapters import build_hf
+
+    return build_hf("llama")
+
+
+def _worker(rank, world_size, out_dir):
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.models import GPTModel, gather_full_logits
+    from megatron_smp.models.hf import get_adapter
+    from megatron_smp.models.hf.peft import save_peft_adapter
+    from megatron_smp.models.sharding import (
+        merge_state_dicts,
+        shard_state_dict,
+        split_tensor,
+        tensor_parallel_layout,
+    )
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.tensor_parallel.lora import LORA_TARGETS, apply_lora
+
+    hf = _hf_llama()
+    adapter = get_adapter("llama")
+    state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
+    ids = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    results = {}
+    for sequence_parallel in ([False, True] if world_size > 1 else [False]):
+        config = dataclasses.replace(adapter.config_from_hf(hf.config),
+                                     sequence_parallel=sequence_parallel)
+        full = adapter.from_hf(hf.state_dict(), config)
+        model = GPTModel(config, state)
+        model.load_state_dict(shard_state_dict(full, config, world_size, state.tp_rank))
+        adapted = apply_lora(model, RANK, ALPHA, 0.0, LORA_TARGETS)
+        assert len(adapted) == 4 * config.num_layers
+        # Random A and B (B starts at zero) drawn whole and split like the parameters.
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name in adapted:
+                layer = model.get_submodule(name)
+                for param, shape in ((layer.lora.lora_A, (RANK, layer.input_size)),
+                                     (layer.lora.lora_B, (layer.output_size, RANK))):
+                    whole = 0.1 * torch.randn(shape, generator=generator)
+                    if getattr(param, "tensor_model_parallel", False):
+                        whole = split_tensor(whole, param.partition_dim, param.partition_stride,
+                                             world_size, state.tp_rank)
+                    param.copy_(whole)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all(".lora.lora_" in n for n in trainable)
+        logits = gather_full_logits(model(ids), state, config.vocab_size)
+        model(ids, labels=labels).sum().backward()
+        for param in model.parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False):
+                dist.all_reduce(param.grad, group=state.tp_group)
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        layout = tensor_parallel_layout(model)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        weights = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        if world_size > 1:
+            gathered_g, gathered_w = [None] * world_size, [None] * world_size
+            dist.all_gather_object(gathered_g, grads, group=state.tp_group)
+            dist.all_gather_object(gathered_w, weights, group=state.tp_group)
+            grads = merge_state_dicts(gathered_g, config, layout)
+            weights = merge_state_dicts(gathered_w, config, layout)
+        if rank == 0:
+            save_peft_adapter(os.path.join(out_dir, f"tp{world_size}_sp{int(sequence_parallel)}"),
+                              weights, config, RANK, ALPHA, 0.0, LORA_TARGETS)
+        results[sequence_parallel] = (logits.detach(), grads)
+    return to_numpy(results)
+
+
+def _hf_with_adapter(directory):
+    """The HF model with the PEFT adapter merged by hand: W += lora_alpha / r * B @ A."""
+    from safetensors.torch import load_file
+
+    hf = _hf_llama()
+    with open(os.path.join(directory, "adapter_config.json")) as handle:
+        adapter_config = json.load(handle)
+    scale = adapter_config["lora_alpha"] / adapter_config["r"]
+    tensors = load_file(os.path.join(directory, "adapter_model.safetensors"))
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            b = tensors[key.replace("lora_A", "lora_B")]
+            module = key[len("base_model.model."):-len(".lora_A.weight")]
+            assert module.rsplit(".", 1)[-1] in adapter_config["target_modules"]
+            params[module + ".weight"].add_(scale * b @ a)
+    return hf, len(tensors)
+
+
+def test_lora_tp2_equals_tp1_and_peft_export_matches_hf(tmp_path):
+    single = to_torch(run_distributed(_worker, 1, args=(str(tmp_path),)))[0][False]
+    tp2 = to_torch(run_distributed(_worker, 2, args=(str(tmp_path),), timeout=240))
+    ids = torch.randint(0, 1003, (2, 16), generator=torch.Generator().manual_seed(1))
+    for rank_results in tp2:
+        for sequence_parallel, (logits, grads) in rank_results.items():
+            assert (logits - single[0]).abs().max() < 1e-5, sequence_parallel
+            assert set(grads) == set(single[1])
+            for name, grad in grads.items():
+                assert torch.allclose(grad, single[1][name], atol=1e-5, rtol=1e-4), name
+    for run in ("tp1_sp0", "tp2_sp0", "tp2_sp1"):
+        hf, count = _hf_with_adapter(str(tmp_path / run))
+        assert count == 2 * 7 * 2  # q, k, v, o, gate, up, down x (A, B) x 2 layers
+        with torch.no_grad():
+            expected = hf(ids).logits
+        assert (expected - single[0]).abs().max() < 2e-4, run
+        # The adapter changes the model: the base alone does not give these logits.
+        with torch.no_grad():
+            assert (_hf_llama()(ids).logits - single[0]).abs().max() > 1e-2
+
+
+def test_lora_flag_errors():
+    from megatron_smp.tensor_parallel.lora import check_lora_flags
+
+    with pytest.raises(ConfigError, match="--lora-rank"):
+        check_lora_flags(0, 8.0, 0.0, ["linear_qkv"])
+    with pytest.raises(ConfigError, match="--lora-target-modules .*q_proj"):
+        check_lora_flags(4, 8.0, 0.0, ["q_proj"])
+    with pytest.raises(ConfigError, match="--lora-dropout"):
+        check_lora_flags(4, 8.0, 1.0, ["linear_qkv"])

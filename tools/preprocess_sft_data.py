@@ -1,0 +1,188 @@
+"""Tokenise chat JSON lines for --sft: tokens plus a loss mask on the assistant's tokens.
+
+    python tools/preprocess_sft_data.py --input chats.jsonl --output-prefix data/chat \
+        --tokenizer-model hf_tokenizer_dir --seq-length 2048
+
+Each line is a conversation, `{"messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}`, or a prompt/response pair `{"prompt": ...,
+"response": ...}` (a user turn and an assistant turn). The tokenizer directory's own chat
+template (`chat_template` of its tokenizer_config.json or chat_template.jinja) renders the
+conversation; there is no built-in fallback template.
+
+Writes `{prefix}_text_document.bin/.idx` (token ids, one document per conversation) and
+`{prefix}_text_document_loss_mask.bin/.idx` (uint8, same sizes: 1 on the tokens of the
+assistant's turns, as the template renders them, 0 elsewhere). Train with
+`--sft --data-path {prefix}_text_document`.
+
+An assistant turn's tokens are those whose text lies between the rendering of the
+conversation before that turn (with the generation prompt) and the rendering through it
+(less trailing whitespace);
+the template must render a conversation's beginning as a prefix of the whole (all common
+chat templates do), else the line is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_smp.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
+from megatron_smp.data.sft_dataset import loss_mask_prefix  # noqa: E402
+
+
+class BadInputError(Exception):
+    pass
+
+
+def load_chat_tokenizer(path: str):
+    """The HF fast tokenizer of directory `path`; it must carry a chat template."""
+    if not path or not os.path.isdir(path):
+        raise BadInputError(f"--tokenizer-model {path}: not a Hugging Face tokenizer directory")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadInputError(
+            f"--tokenizer-model {path}: the tokenizer has no chat template (no chat_template "
+            "in tokenizer_config.json, no chat_template.jinja); add one to the directory"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise BadInputError(f"--tokenizer-model {path}: a fast tokenizer (tokenizer.json) is "
+                            "needed to map the template's text to tokens")
+    return tokenizer
+
+
+def conversation_of(record, line_number: int) -> List[dict]:
+    """The messages of one JSON record (chat or prompt/response)."""
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        messages = record["messages"]
+    elif isinstance(record, dict) and "prompt" in record and "response" in record:
+        messages = [{"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["response"]}]
+    else:
+        raise BadInputError(f"line {line_number}: expected {{\"messages\": [...]}} or "
+                            "{\"prompt\": ..., \"response\": ...}")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise BadInputError(f"line {line_number}: every message needs a string role and "
+                                "content")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadInputError(f"line {line_number}: no assistant turn, nothing to train on")
+    return messages
+
+
+def encode_conversation(tokenizer, messages: List[dict],
+                        line_number: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """(token ids, loss mask) of one conversation rendered by the tokenizer's chat template;
+    the mask is 1 on the assistant turns' tokens."""
+    def render(upto, generation_prompt=False):
+        return tokenizer.apply_chat_template(
+            messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    text = render(len(messages))
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(k, generation_prompt=True), render(k + 1)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise BadInputError(
+                f"line {line_number}: the chat template does not render the conversation's "
+                "beginning as a prefix of the whole, so the assistant's tokens cannot be found"
+            )
+        # Whitespace after the turn (ChatML's newline after <|im_end|>) is layout between
+        # turns, not the assistant's output: templates with {% generation %} leave it out too.
+        spans.append((len(before), len(through.rstrip())))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+    mask = np.zeros(ids.size, dtype=np.uint8)
+    for t, (start, end) in enumerate(encoded["offset_mapping"]):
+        # A token belongs to the turn its first character lies in.
+        if end > start and any(a <= start < b for a, b in spans):
+            mask[t] = 1
+    return ids, mask
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help="chat JSON lines file")
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--tokenizer-model", required=True,
+                        help="Hugging Face tokenizer directory with a chat template")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="refuse conversations longer than --seq-length + 1 tokens "
+                             "(the training --seq-length)")
+    return parser.parse_args(argv)
+
+
+def preprocess(args: argparse.Namespace) -> dict:
+    """Write the token and loss-mask datasets; returns counts."""
+    tokenizer = load_chat_tokenizer(args.tokenizer_model)
+    prefix = f"{args.output_prefix}_text_document"
+    mask_prefix = loss_mask_prefix(prefix)
+    tokens_out = IndexedDatasetBuilder(data_file_path(prefix), optimal_dtype(len(tokenizer)))
+    masks_out = IndexedDatasetBuilder(data_file_path(mask_prefix), np.uint8)
+    counts = {"conversations": 0, "tokens": 0, "assistant_tokens": 0}
+    try:
+        with open(args.input, "r", encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as error:
+                    raise BadInputError(f"line {line_number}: not JSON ({error})") from None
+                ids, mask = encode_conversation(
+                    tokenizer, conversation_of(record, line_number), line_number
+                )
+                if args.seq_length is not None and ids.size > args.seq_length + 1:
+                    raise BadInputError(
+                        f"line {line_number}: the conversation has {ids.size} tokens, more "
+                        f"than --seq-length {args.seq_length} + 1; shorten it or raise "
+                        "--seq-length"
+                    )
+                tokens_out.add_document(ids)
+                masks_out.add_document(mask)
+                counts["conversations"] += 1
+                counts["tokens"] += int(ids.size)
+                counts["assistant_tokens"] += int(mask.sum())
+    except BaseException:
+        tokens_out.discard()
+        masks_out.discard()
+        raise
+    if counts["conversations"] == 0:
+        tokens_out.discard()
+        masks_out.discard()
+        raise BadInputError(f"--input {args.input}: no conversations")
+    tokens_out.finalize(index_file_path(prefix))
+    masks_out.finalize(index_file_path(mask_prefix))
+    return counts
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    try:
+        counts = preprocess(args)
+    except BadInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{counts['conversations']} conversations, {counts['tokens']} tokens, "
+          f"{counts['assistant_tokens']} trained on (assistant)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
