@@ -83,7 +83,7 @@ def test_gpt_oss_20b_script_is_the_published_shape(tmp_path):
     parameters, the published count) and validates at its default layout (EP=8 of 8)."""
     from megatron_smp.models.hf import config_to_hf
     from megatron_smp.training.arguments import parse_args
-    from tests.unit.training.test_zoo_scripts import _command_line
+    from tests.unit.training.test_launch_scripts import _command_line
 
     argv = _command_line("pretrain_gpt_oss_20b.sh", tmp_path)
     configs = parse_args(argv[argv.index("pretrain_gpt.py") + 1:])
