@@ -97,9 +97,9 @@ def check_model_provider(model_provider: Callable) -> None:
     """The planner builds on meta through the provider's `device=`; a clear error if it
     takes none (pure: every rank can check before any collective)."""
     from megatron_smp.config import ConfigError
-    from megatron_smp.distributed.fsdp import _accepts_device
+    from megatron_smp.distributed.fsdp import provider_accepts_device
 
-    if not _accepts_device(model_provider):
+    if not provider_accepts_device(model_provider):
         raise ConfigError("--report-memory counts the model built on the meta device: the "
                           "entry script's model_provider must take device= (or **kwargs) and "
                           "pass it to the model, as pretrain_gpt.py's does")
