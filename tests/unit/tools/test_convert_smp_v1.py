@@ -34,7 +34,7 @@ def _save_v1(tmp_path, family, prefixed, key="model_state_dict"):
     return source, v1_dir
 
 
-def _same_model(source, save_dir):
+def _assert_same_model(source, save_dir):
     import transformers
 
     result = transformers.AutoModelForCausalLM.from_pretrained(save_dir)
@@ -51,7 +51,7 @@ def test_v1_checkpoint_converts_to_hf_with_identical_logits(model_type, key, tmp
                               key=key)
     # The directory as --load-dir: config.json and user_content_<tag> are not the checkpoint.
     _convert_ok(model_type, "smp_v1", "hf", v1_dir, tmp_path / "hf")
-    _same_model(source, tmp_path / "hf")
+    _assert_same_model(source, tmp_path / "hf")
 
 
 def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
@@ -60,7 +60,7 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     source, v1_dir = _save_v1(tmp_path, "gptj", prefixed=True)
     _convert_ok("gptj", "smp_v1", "megatron_smp", v1_dir, tmp_path / "smp")
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
-    _same_model(source, tmp_path / "hf")
+    _assert_same_model(source, tmp_path / "hf")
 
     # pretrain_gpt.py takes GPT-J's fields (no Megatron flags) with --use-checkpoint-args and
     # trains it at TP=2; the trained model exported to HF gives the framework's logits.
@@ -103,7 +103,7 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     neox.config.save_pretrained(tmp_path / "neox_config")
     _convert_ok("gpt_neox", "smp_v1", "hf", tmp_path / "guide" / "checkpoint.pt",
                 tmp_path / "hf_neox", "--hf-config", str(tmp_path / "neox_config"))
-    _same_model(neox, tmp_path / "hf_neox")
+    _assert_same_model(neox, tmp_path / "hf_neox")
 
 
 def test_v1_custom_gpt2_checkpoint_converts(tmp_path):
@@ -119,7 +119,7 @@ def test_v1_custom_gpt2_checkpoint_converts(tmp_path):
     torch.save({"model_state_dict": custom}, tmp_path / "v1" / "checkpoint.pt")
     source.config.save_pretrained(tmp_path / "v1")
     _convert_ok("gpt2", "smp_v1", "hf", tmp_path / "v1", tmp_path / "hf")
-    _same_model(source, tmp_path / "hf")
+    _assert_same_model(source, tmp_path / "hf")
 
 
 def test_v1_loader_errors_are_clear(tmp_path):
