@@ -657,6 +657,9 @@ def pretrain(
     return result
 
 
+_CONFIG_ERROR_GRACE_S = 3.0
+
+
 def main(entry: Callable[[], Any]) -> None:
     """Run an entry script's `pretrain(...)`, turning configuration errors into one clear
     message (printed by rank 0) and a non-zero exit on every rank."""
@@ -667,6 +670,11 @@ def main(entry: Callable[[], Any]) -> None:
 
         if launcher_rank() == 0:
             print_error(str(exc))
+            sys.stderr.flush()
+        else:
+            # torchrun stops the other workers as soon as one exits: give rank 0 the time to
+            # print the message before this rank's exit makes the agent terminate it.
+            time.sleep(_CONFIG_ERROR_GRACE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(1)
