@@ -353,6 +353,83 @@ class ParallelState:
             self._meshes["fsdp"] = mesh
         return self._meshes["fsdp"]
 
+    def check_expert_fsdp_layout(self) -> None:
+        """Expert params shard within this rank's FSDP shard group, over the members holding
+        the same experts: that needs whole EP groups per shard group or whole shard groups
+        per EP group (pure: raise on every rank before any collective)."""
+        from megatron_smp.config import ConfigError
+
+        shard, ep = self.fsdp_shard_size, self.ep_size
+        if shard % ep and ep % shard:
+            raise ConfigError(
+                f"hybrid_shard_degree {self.config.hybrid_shard_degree} with "
+                f"expert_parallel_degree {ep}: one must divide the other so that the experts "
+                "shard within the FSDP shard groups"
+            )
+
+    def _build_expert_fsdp_groups(self) -> None:
+        # Expert params are sharded (FSDP) over the members of this rank's FSDP shard group
+        # that hold the same experts (same ep rank), and replicated across the members of the
+        # expert-data-parallel group at the same position of another such group. With
+        # hybrid_shard_degree 0 that is sharding over the whole expert-data-parallel group.
+        if "expert_fsdp_shard" in self.groups:
+            return
+        self.check_expert_fsdp_layout()
+        shard, ep = self.fsdp_shard_size, self.ep_size
+        shard_groups, replicate_groups = [], []
+        for members in rank_groups(self.sizes, ["cp", "dp"]):
+            position = {}
+            for start in range(0, len(members), shard):
+                run = range(start, start + shard)
+                for ep_rank in range(ep):
+                    group = [members[i] for i in run if i % ep == ep_rank]
+                    if group:
+                        shard_groups.append(group)
+                        for index, member in enumerate(group):
+                            position[member] = (ep_rank, index)
+            by_position: Dict[tuple, List[int]] = {}
+            for member in members:
+                by_position.setdefault(position[member], []).append(member)
+            replicate_groups += list(by_position.values())
+        for name, all_groups in (("expert_fsdp_shard", shard_groups),
+                                 ("expert_fsdp_replicate", replicate_groups)):
+            for members in sorted(all_groups):
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self.groups[name] = group
+                    self.group_ranks[name] = members
+
+    @property
+    def expert_fsdp_groups(self) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(shard group, replicate group) of the expert params under FSDP (see
+        `_build_expert_fsdp_groups`). Collective on first access: every rank must ask."""
+        self._build_expert_fsdp_groups()
+        return self.groups["expert_fsdp_shard"], self.groups["expert_fsdp_replicate"]
+
+    @property
+    def expert_fsdp_mesh(self):
+        """The DeviceMesh FSDP2 shards expert params over: as `fsdp_mesh`, over the ranks
+        holding the same experts. Collective on first access."""
+        if "expert_fsdp" not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            shard_group, replicate_group = self.expert_fsdp_groups
+            shard = self.group_ranks["expert_fsdp_shard"]
+            replicate = self.group_ranks["expert_fsdp_replicate"]
+            if len(replicate) == 1:
+                mesh = DeviceMesh.from_group(shard_group, self.device.type,
+                                             mesh_dim_names=("expert_shard",))
+            else:
+                # Row r: the shard group of replica r, a translate of ours.
+                layout = [[member - self.rank + r for member in shard] for r in replicate]
+                mesh = DeviceMesh.from_group(
+                    [replicate_group, shard_group], self.device.type,
+                    mesh=torch.tensor(layout, dtype=torch.int),
+                    mesh_dim_names=("expert_replicate", "expert_shard"),
+                )
+            self._meshes["expert_fsdp"] = mesh
+        return self._meshes["expert_fsdp"]
+
     @property
     def device_mesh(self):
         """The whole grid as a DeviceMesh with named axes ("pp", "dp", "cp", "tp"), made of

@@ -22,6 +22,17 @@ before or after `init`, and before `init` (or after none) torch behaves as its o
 * FSDP2 `fully_shard(module)` without `mesh`: the mesh is `state.parallel_state.fsdp_mesh`
   (1-D over the data x context-parallel ranks, or 2-D replicate x shard for N >= 2;
   N = 1 replicates).
+* Tensor and expert parallelism (any MoE family `transform` takes, and dense models with
+  sequence parallelism): entering either entry point turns on the transformed model's own
+  grad reductions (`smp.fsdp_grads`: sums over TP of the sequence-parallel params' grads,
+  the experts' 1 / ep). At expert_parallel_degree > 1 the expert params shard over the ranks
+  holding the same experts (`ParallelState.expert_fsdp_groups`: within this rank's shard
+  group, replicated across the others): FSDP1 wraps every `MoEExperts` as a unit of its own
+  on that group (`ExpertUnitsPolicy`, added to the script's auto_wrap_policy); FSDP2 gives
+  them their own param group on `expert_fsdp_mesh` (fully_shard's per-parameter mesh).
+  `sync_module_states` copies experts over those groups. hybrid_shard_degree and
+  expert_parallel_degree must divide one another; transform(load_state_dict_from_rank0=True)
+  at EP > 1 cannot give EP ranks other than 0 their experts: both are errors.
 * `fsdp_cache_flush_warnings`: both roots check the CUDA allocator's flush count at each
   forward (`distributed.fsdp.CacheFlushMonitor`).
 * `offload_wrapper(model)` (torch's) with `sm_activation_offloading` true: the model's
@@ -36,16 +47,21 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.wrap import _Policy
 
 from megatron_smp.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _installed: Dict[str, Any] = {}
+# Set by the default-mesh hook for the `_init_param_group` of the same fully_shard call.
+_pending: Dict[str, bool] = {}
+# id(expert mesh) -> (the mesh, its FSDPMeshInfo), see expert_shard_placement.
+_expert_mesh_infos: Dict[int, tuple] = {}
 
 
 def _smp_state():
@@ -64,11 +80,7 @@ def resolve_fsdp1_arguments(arguments: Dict[str, Any], state) -> Dict[str, Any]:
 
     parallel_state = state.parallel_state
     if parallel_state.ep_size > 1:
-        raise ConfigError(
-            "torch's FullyShardedDataParallel / fully_shard with expert_parallel_degree > 1 "
-            "would average different experts' grads over the data-parallel ranks; use "
-            "expert_parallel_degree 1 with torch's FSDP, or our DDP for expert parallelism"
-        )
+        parallel_state.check_expert_fsdp_layout()
     if parallel_state.pp_size > 1:
         raise ConfigError(
             "torch's FSDP with pipeline_parallel_degree > 1 is not supported; use 1"
@@ -115,13 +127,18 @@ def resolve_fsdp1_arguments(arguments: Dict[str, Any], state) -> Dict[str, Any]:
 
 
 def broadcast_module_states(module: torch.nn.Module, group,
-                            what: str = "sync_module_states") -> None:
+                            what: str = "sync_module_states", experts: Optional[bool] = None
+                            ) -> None:
     """Copy every unsharded parameter and buffer of `module` from the first rank of `group`
-    (FSDP's `sync_module_states`); tensors an inner FSDP2 unit already sharded are skipped."""
+    (FSDP's `sync_module_states`); tensors an inner FSDP2 unit already sharded are skipped.
+    `experts` True / False: only the expert params / all but them."""
     from torch.distributed.tensor import DTensor
 
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
     tensors = [t for t in list(module.parameters()) + list(module.buffers())
-               if not isinstance(t, DTensor)]
+               if not isinstance(t, DTensor)
+               and (experts is None or is_expert_param(t) == experts)]
     if any(t.is_meta for t in tensors):
         raise ConfigError(
             f"{what}: a module is still on the meta device when its weights are copied; "
@@ -134,22 +151,40 @@ def broadcast_module_states(module: torch.nn.Module, group,
         dist.broadcast(tensor.data, source, group=group)
 
 
-def check_module_for_torch_fsdp(module: torch.nn.Module, state) -> None:
-    """What torch's FSDP cannot do on a transformed model: sequence-parallel norm weights get
-    partial grads per TP rank that our training loop all-reduces (finalize_model_grads) and
-    torch's FSDP does not."""
-    if state.parallel_state.tp_size > 1 and any(
-            getattr(p, "sequence_parallel", False) for p in module.parameters()):
+def has_expert_params(module: torch.nn.Module) -> bool:
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    return any(is_expert_param(p) for p in module.parameters())
+
+
+def activate_grad_hooks(module: torch.nn.Module, state) -> None:
+    """Turn on the grad reductions the transformed models in `module` carry for torch's
+    FSDP (`smp.fsdp_grads`): sums over TP of sequence-parallel params' grads, the expert
+    grads' 1 / ep. A model without them (a GPTModel built by hand) that needs them is an
+    error: torch's FSDP would leave those grads partial or wrongly averaged."""
+    from megatron_smp.smp.fsdp_grads import find_grad_hooks
+
+    hooks = find_grad_hooks(module)
+    parallel_state = state.parallel_state
+    partial = parallel_state.tp_size > 1 and any(
+        getattr(p, "sequence_parallel", False) for p in module.parameters())
+    experts = parallel_state.ep_size > 1 and has_expert_params(module)
+    if (partial or experts) and not hooks:
+        what = ("sequence-parallel params (norm weights, the router) would keep partial grads "
+                "per TP rank" if partial else
+                "expert params would be averaged over ranks holding different experts")
         raise ConfigError(
-            "torch's FullyShardedDataParallel / fully_shard on a model transformed with "
-            "sequence parallelism at tensor_parallel_degree > 1 would leave the norm weights' "
-            "grads partial per TP rank; use smp.fully_shard with "
-            "megatron_smp.distributed.finalize_model_grads, or sequence_parallel False "
-            "(MoE models need it at TP > 1: train them with tensor_parallel_degree 1 here)"
+            f"torch's FullyShardedDataParallel / fully_shard on a model not returned by "
+            f"smp.transform: its {what}; wrap the model smp.transform returns (it carries "
+            "those reductions), or use smp.fully_shard / our DDP with "
+            "megatron_smp.distributed.finalize_model_grads"
         )
+    for hook in hooks:
+        hook.active = True
 
 
-def _sync_module_states(module: torch.nn.Module, process_group, param_init_fn) -> None:
+def _sync_module_states(module: torch.nn.Module, process_group, param_init_fn,
+                        expert_group=None) -> None:
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         if param_init_fn is None:
             from megatron_smp.distributed.delayed_init import DelayedParamIniter
@@ -157,8 +192,16 @@ def _sync_module_states(module: torch.nn.Module, process_group, param_init_fn) -
             param_init_fn = DelayedParamIniter(module).get_param_init_fn()
         param_init_fn(module)
     groups = process_group if isinstance(process_group, tuple) else (process_group,)
-    for group in groups:  # within the shard group, then across the replicas
-        broadcast_module_states(module, group)
+    if expert_group is None:
+        for group in groups:  # within the shard group, then across the replicas
+            broadcast_module_states(module, group)
+        return
+    # Expert parallelism: the experts from the first rank holding the same experts.
+    for group in groups:
+        broadcast_module_states(module, group, experts=False)
+    expert_groups = expert_group if isinstance(expert_group, tuple) else (expert_group,)
+    for group in expert_groups:
+        broadcast_module_states(module, group, experts=True)
 
 
 def mark_states_synced(module: torch.nn.Module) -> None:
@@ -171,6 +214,13 @@ def mark_states_synced(module: torch.nn.Module) -> None:
 
 def _check_rank0_loading(module: torch.nn.Module, sync: bool, state, what: str) -> None:
     loaded = any(getattr(m, "loaded_from_rank0", False) for m in module.modules())
+    if loaded and state.parallel_state.ep_size > 1 and has_expert_params(module):
+        raise ConfigError(
+            "transform(load_state_dict_from_rank0=True) with expert_parallel_degree > 1: rank "
+            "0's tensor-parallel group holds only its own expert-parallel rank's experts, so "
+            "no rank can give the others theirs; give every rank the Hugging Face weights and "
+            "transform with load_state_dict_from_rank0=False"
+        )
     if loaded and not sync and state.parallel_state.dp_cp_size > 1:
         raise ConfigError(
             "the model was transformed with load_state_dict_from_rank0=True, so only rank 0's "
@@ -192,6 +242,82 @@ def _attach_cache_flush_monitor(module: torch.nn.Module, state) -> None:
     module.register_forward_pre_hook(check_before_forward)
 
 
+def expert_unit_arguments(strategy, state) -> Dict[str, Any]:
+    """FSDP1 arguments of the expert units under the root's resolved strategy: the ranks
+    holding the same experts (expert-data-parallel), or for HYBRID_SHARD /
+    _HYBRID_SHARD_ZERO2 (their shard group, their replicas); a shard group of one rank
+    (hybrid_shard_degree <= expert_parallel_degree) is NO_SHARD over the replicas (FSDP1
+    would turn it into NO_SHARD over that one rank, reducing nothing)."""
+    from torch.distributed.fsdp import ShardingStrategy as S
+
+    parallel_state = state.parallel_state
+    if strategy not in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
+        return {"process_group": parallel_state.expert_dp_group}
+    shard, replicate = parallel_state.expert_fsdp_groups
+    if shard.size() == 1:
+        return {"process_group": replicate, "sharding_strategy": S.NO_SHARD}
+    return {"process_group": (shard, replicate)}
+
+
+def _legacy_policy_targets(policy, root: torch.nn.Module, ignored_modules, stop) -> list:
+    """The modules torch's `_recursive_wrap` would wrap with a legacy callable policy
+    (`functools.partial(transformer_auto_wrap_policy, ...)`, size-based, ...): the same
+    post-order walk and parameter counts. Modules in `stop` (the experts, units of their
+    own) count as wrapped and are not entered."""
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    targets = []
+
+    def visit(module, only_children: bool) -> int:
+        nonwrapped = sum(p.numel() for p in module.parameters() if p not in ignored_params)
+        if module in stop:
+            return nonwrapped
+        if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+            return 0
+        wrapped = sum(visit(child, False) for child in module.children()
+                      if child not in ignored_modules)
+        if not only_children and policy(module=module, recurse=False,
+                                        nonwrapped_numel=nonwrapped - wrapped):
+            targets.append(module)
+            return nonwrapped
+        return wrapped
+
+    visit(root, True)
+    return targets
+
+
+class ExpertUnitsPolicy(_Policy):
+    """FSDP1's auto-wrap policy at expert_parallel_degree > 1: every `MoEExperts` is a unit
+    of its own on the expert process group (`overrides`), beside the units of the script's
+    own policy (a `_Policy` such as ModuleWrapPolicy, or a legacy callable such as
+    `functools.partial(transformer_auto_wrap_policy, ...)`; None: only the experts). Units
+    the script's policy puts inside an MoEExperts are dropped (their params belong to the
+    experts' unit)."""
+
+    def __init__(self, policy, overrides: Dict[str, Any]) -> None:
+        self.policy = policy
+        self.overrides = overrides
+
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        from megatron_smp.transformer.moe.experts import MoEExperts
+
+        experts = [m for m in root_module.modules()
+                   if isinstance(m, MoEExperts) and m not in ignored_modules]
+        inside = {id(sub) for e in experts for sub in e.modules() if sub is not e}
+        if isinstance(self.policy, _Policy):
+            targets = self.policy._run_policy(root_module, ignored_modules, root_kwargs)
+        elif self.policy is not None:
+            targets = {m: dict(root_kwargs) for m in _legacy_policy_targets(
+                self.policy, root_module, ignored_modules, set(experts))}
+        else:
+            targets = {}
+        targets = {m: kwargs for m, kwargs in targets.items() if id(m) not in inside}
+        for module in experts:
+            kwargs = dict(targets.get(module, root_kwargs))
+            kwargs.update(self.overrides)
+            targets[module] = kwargs
+        return targets
+
+
 def _install_fsdp1() -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -208,13 +334,20 @@ def _install_fsdp1() -> None:
             return original(*bound.args, **bound.kwargs)
         arguments = resolve_fsdp1_arguments(arguments, state)
         module = arguments["module"]
-        check_module_for_torch_fsdp(module, state)
+        activate_grad_hooks(module, state)
         sync = arguments.get("sync_module_states", False)
         _check_rank0_loading(module, sync, state, "pass sync_module_states=True to "
                              "FullyShardedDataParallel so the other data-parallel ranks get them")
+        expert_group = None
+        if state.parallel_state.ep_size > 1 and has_expert_params(module):
+            # Experts: FSDP units of their own over the ranks holding the same experts.
+            overrides = expert_unit_arguments(arguments["sharding_strategy"], state)
+            expert_group = overrides["process_group"]
+            arguments["auto_wrap_policy"] = ExpertUnitsPolicy(
+                arguments.get("auto_wrap_policy"), overrides)
         if sync:
             _sync_module_states(module, arguments["process_group"],
-                                arguments.get("param_init_fn"))
+                                arguments.get("param_init_fn"), expert_group)
             mark_states_synced(module)
             arguments["sync_module_states"] = False
         group = arguments["process_group"]
@@ -250,9 +383,27 @@ def _install_fsdp2() -> None:
         if state is None:
             return original_mesh(*args, **kwargs)
         resolve_fsdp1_arguments({}, state)  # the same EP / PP checks
+        _pending["default_mesh"] = True  # read by this fully_shard call's _init_param_group
         return state.parallel_state.fsdp_mesh
 
     fully_shard_module._init_default_mesh = default_mesh
+    original_init_param_group = fully_shard_module._init_param_group
+
+    def init_param_group(fsdp_state, params, modules, mesh_info, post_forward_mesh_info,
+                         device, shard_placement_fn, *args, **kwargs):
+        # Called once per fully_shard, after the mesh: on SMP's default mesh the transformed
+        # model's grad hooks turn on, and expert params shard over their own mesh.
+        default = _pending.pop("default_mesh", False)
+        state = _smp_state()
+        if default and state is not None:
+            for module in modules:
+                activate_grad_hooks(module, state)
+            shard_placement_fn = expert_shard_placement(params, shard_placement_fn, state)
+        return original_init_param_group(fsdp_state, params, modules, mesh_info,
+                                         post_forward_mesh_info, device, shard_placement_fn,
+                                         *args, **kwargs)
+
+    fully_shard_module._init_param_group = init_param_group
     original_root_pre_forward = FSDPState._root_pre_forward
 
     def _root_pre_forward(self, module, args, kwargs):
@@ -265,7 +416,6 @@ def _install_fsdp2() -> None:
             self._smp_checked = True
             state = _smp_state()
             if state is not None:
-                check_module_for_torch_fsdp(module, state)
                 _check_rank0_loading(
                     module, False, state, "torch's fully_shard has no sync_module_states: use "
                     "FullyShardedDataParallel(..., sync_module_states=True) or "
@@ -282,8 +432,41 @@ def _install_fsdp2() -> None:
         return original_root_pre_forward(self, module, args, kwargs)
 
     FSDPState._root_pre_forward = _root_pre_forward
-    _installed["fsdp2"] = (fully_shard_module, original_mesh, FSDPState,
-                           original_root_pre_forward)
+    _installed["fsdp2"] = (fully_shard_module, original_mesh, original_init_param_group,
+                           FSDPState, original_root_pre_forward)
+
+
+def expert_shard_placement(params, shard_placement_fn, state):
+    """fully_shard's `shard_placement_fn` at expert_parallel_degree > 1: expert params on
+    `expert_fsdp_mesh` (the ranks holding the same experts: a param group of their own,
+    FSDP2's per-parameter mesh), the others as the script's function (or default) says."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    parallel_state = state.parallel_state
+    if parallel_state.ep_size == 1 or not any(is_expert_param(p) for p in params):
+        return shard_placement_fn
+    mesh = parallel_state.expert_fsdp_mesh
+    if id(mesh) not in _expert_mesh_infos:  # one FSDPMeshInfo per mesh: FSDP2 groups by it
+        _expert_mesh_infos[id(mesh)] = (mesh, _get_mesh_info(mesh))
+    mesh_info = _expert_mesh_infos[id(mesh)][1]
+
+    def placement(param):
+        chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if not is_expert_param(param):
+            return chosen
+        if isinstance(chosen, ShardPlacementResult):
+            raise ConfigError(
+                "fully_shard(shard_placement_fn=...) gave an expert parameter a mesh of its "
+                "own; at expert_parallel_degree > 1 SMP shards experts over the ranks holding "
+                "the same experts: return a Shard (or None) for them"
+            )
+        return ShardPlacementResult(placement=chosen or Shard(0), mesh_info=mesh_info)
+
+    return placement
 
 
 # Activation offloading --------------------------------------------------------------------------

@@ -186,7 +186,13 @@ def transform(
       their own HF model's weights, or keep a fresh init when those are on the meta device.
     * `config`: TransformerConfig fields to override (e.g. {"sequence_parallel": True}), or
       for a Mixtral / Qwen2-MoE model an SMP `MoEConfig`. MoE models are split over
-      `expert_parallel_degree` (each rank holds E / ep experts) as well as TP.
+      `expert_parallel_degree` (each rank holds E / ep experts) as well as TP; at TP > 1
+      they run with sequence parallelism (the only MoE layout at TP > 1) unless the config
+      says otherwise (then a ConfigError).
+    * The model trains under torch's own FullyShardedDataParallel / fully_shard (after
+      `init`, see `smp.torch_fsdp`) as well as under our DDP / `smp.fully_shard`, at any
+      TP and EP: it carries the TP sums and expert scaling torch's FSDP lacks
+      (`smp.fsdp_grads`).
     * `dtype` / `device`: of the new model (default: the HF model's dtype, `state.device`).
     * `cp_comm_type`: context parallelism's attention ("p2p", "all_gather", "a2a"; default
       the `init` key). With context_parallel_degree > 1 the model takes and returns whole
@@ -228,6 +234,11 @@ def transform(
     if "sequence_parallel" in state.config.get("v1", {}):  # v1's optimize: memory | speed
         overrides.setdefault("sequence_parallel",
                              state.config["v1"]["sequence_parallel"] and parallel_state.tp_size > 1)
+    if (transformer_config.num_moe_experts is not None and parallel_state.tp_size > 1
+            and "sequence_parallel" not in overrides):
+        # Our MoE layers run on sequence shards at TP > 1 (Megatron's rule): the only
+        # layout there is, so an SMP script's tensor_parallel_degree alone selects it.
+        overrides["sequence_parallel"] = True
     overrides.setdefault("params_dtype", dtype)
     overrides.setdefault("bf16", dtype == torch.bfloat16)
     overrides.setdefault("fp16", dtype == torch.float16)
@@ -286,6 +297,11 @@ def transform(
     transformed = TransformedModel(module, family, model.config,
                                    getattr(model, "generation_config", None))
     transformed.loaded_from_rank0 = load_state_dict_from_rank0
+    # What torch's own FSDP needs at TP > 1 with sequence parallelism and at EP > 1 (idle
+    # until FullyShardedDataParallel / fully_shard wraps the model): see smp.fsdp_grads.
+    from megatron_smp.smp.fsdp_grads import TorchFSDPGrads
+
+    transformed.torch_fsdp_grads = TorchFSDPGrads(module, parallel_state)
     return transformed
 
 
