@@ -67,6 +67,8 @@ class MoEExperts(torch.nn.Module):
         self.use_grouped_gemm = config.moe_grouped_gemm
         # The replicated output bias is added by one tensor-parallel rank, so the partial
         # sums add up to one bias (its grad is then summed over TP, like a norm weight's).
+        # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
+        # grad inside backward (torch FSDP, see smp.fsdp_grads) runs on all of them.
         self.adds_output_bias = group_rank(state.tp_group) == 0
         expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size)
         # One draw (the same on every rank), then expert g is built under its own seed: its
@@ -92,8 +94,12 @@ class MoEExperts(torch.nn.Module):
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
         intermediate = self._activate(F.linear(tokens, fc1.weight, fc1.bias))
-        bias = fc2.bias if self.adds_output_bias else None
-        return F.linear(intermediate, fc2.weight, bias)
+        return F.linear(intermediate, fc2.weight, self._output_bias(fc2.bias))
+
+    def _output_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if bias is None or self.adds_output_bias:
+            return bias
+        return bias * 0.0
 
     def _grouped_forward(self, tokens: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         experts = self.local_experts
@@ -108,8 +114,8 @@ class MoEExperts(torch.nn.Module):
         intermediate = _ContiguousGrad.apply(self._activate(intermediate).contiguous())
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_l, f, h]
         output = torch._grouped_mm(intermediate, fc2, offs=offsets)
-        if experts[0].linear_fc2.bias is not None and self.adds_output_bias:
-            biases = torch.stack([e.linear_fc2.bias for e in experts])
+        if experts[0].linear_fc2.bias is not None:
+            biases = self._output_bias(torch.stack([e.linear_fc2.bias for e in experts]))
             output = output + biases.repeat_interleave(
                 torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0]
             )
