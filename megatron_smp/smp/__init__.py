@@ -13,6 +13,8 @@ Module tree (each re-exports the framework's one implementation):
   .v1_config                       SMP v1 keys: mapped with a log line, or refused (ours)
   .hf_contract                     HF's causal-LM forward/loss/output contract (ours)
   .torch_fsdp                      torch's FSDP1 / FSDP2 / offload_wrapper follow the keys
+  .fsdp_grads                      the TP / EP grad reductions a transformed model carries
+                                   for torch's FSDP (ours)
   .fsdp                            `fully_shard`: FSDP2 with the `init` keys (ours)
   .nn.attn                         FlashSelfAttention, FlashGroupedQueryAttention
   .nn.huggingface                  HF-specific modules (llama_flashattn, v1 translators)

@@ -69,6 +69,15 @@ def fully_shard(
 
     if not is_initialized():
         init()
+    from megatron_smp.smp.torch_fsdp import has_expert_params
+
+    if has_expert_params(model):
+        raise ConfigError(
+            "smp.fully_shard shards dense models; pass a transformed MoE model to torch's "
+            "FullyShardedDataParallel / fully_shard after init (they shard the experts over "
+            "the ranks holding the same experts and carry the TP / EP grad reductions), or "
+            "train it with our DDP"
+        )
     parallel_state = state.parallel_state
     before_shard = None
     if sync_module_states:

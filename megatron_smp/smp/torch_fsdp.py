@@ -521,4 +521,6 @@ def install() -> None:
     _install_offload_wrapper()
 
 
-__all__ = ["install", "resolve_fsdp1_arguments", "broadcast_module_states"]
+__all__ = ["install", "resolve_fsdp1_arguments", "broadcast_module_states",
+           "activate_grad_hooks", "expert_unit_arguments", "ExpertUnitsPolicy",
+           "expert_shard_placement", "has_expert_params"]

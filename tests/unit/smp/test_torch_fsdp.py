@@ -325,6 +325,8 @@ def _keys_worker(rank, world_size):
             if ".experts." in name:
                 param[2:] = other[2:]
         out["ep_sync_error"] = (model(ids).logits - expected_hf(ids).logits).abs().max().item()
+    out["smp_fully_shard_moe"] = _capture(lambda: tsm.fully_shard(
+        tsm.transform(build_hf("mixtral"))))
     out["expert_parallel"] = _capture(lambda: FSDP(
         tsm.transform(build_hf("mixtral"), load_state_dict_from_rank0=True), device_id=cpu,
         sync_module_states=True))
@@ -364,4 +366,25 @@ def test_smp_keys_act_through_torch_fsdp_entry_points():
         assert "not returned by smp.transform" in out["sequence_parallel"]
         assert "expert_parallel_degree > 1" in out["expert_parallel"]
         assert out["ep_sync_error"] < 1e-5
+        assert "torch's FullyShardedDataParallel" in out["smp_fully_shard_moe"]
     assert [out["local_rows"] for out in results] == [1, 1, 1, 0]
+
+
+def test_hybrid_shard_degree_and_expert_parallel_degree_must_divide_one_another():
+    """Experts shard within the FSDP shard groups (pure check, on every rank before any
+    collective): 4 and 6 neither divides the other."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from megatron_smp.config import ConfigError
+    from megatron_smp.parallel_state import ParallelState
+
+    def layout(shard, ep):
+        return SimpleNamespace(fsdp_shard_size=shard, ep_size=ep,
+                               config=SimpleNamespace(hybrid_shard_degree=shard))
+
+    for shard, ep in ((4, 2), (2, 4), (12, 12)):
+        ParallelState.check_expert_fsdp_layout(layout(shard, ep))
+    with pytest.raises(ConfigError, match="hybrid_shard_degree 4 with expert_parallel_degree 6"):
+        ParallelState.check_expert_fsdp_layout(layout(4, 6))
