@@ -375,22 +375,11 @@ class ParallelState:
         if "expert_fsdp_shard" in self.groups:
             return
         self.check_expert_fsdp_layout()
-        shard, ep = self.fsdp_shard_size, self.ep_size
         shard_groups, replicate_groups = [], []
         for members in rank_groups(self.sizes, ["cp", "dp"]):
-            position = {}
-            for start in range(0, len(members), shard):
-                run = range(start, start + shard)
-                for ep_rank in range(ep):
-                    group = [members[i] for i in run if i % ep == ep_rank]
-                    if group:
-                        shard_groups.append(group)
-                        for index, member in enumerate(group):
-                            position[member] = (ep_rank, index)
-            by_position: Dict[tuple, List[int]] = {}
-            for member in members:
-                by_position.setdefault(position[member], []).append(member)
-            replicate_groups += list(by_position.values())
+            shards, replicas = expert_fsdp_layout(members, self.fsdp_shard_size, self.ep_size)
+            shard_groups += shards
+            replicate_groups += replicas
         for name, all_groups in (("expert_fsdp_shard", shard_groups),
                                  ("expert_fsdp_replicate", replicate_groups)):
             for members in sorted(all_groups):
@@ -448,6 +437,26 @@ class ParallelState:
     def __repr__(self) -> str:  # keep logs short
         dims = ", ".join(f"{d}={self.coords[d]}/{self.sizes[d]}" for d in _ORDER)
         return f"ParallelState(rank={self.rank}/{self.world_size}, {dims}, ep={self.ep_rank}/{self.ep_size})"
+
+
+def expert_fsdp_layout(members: Sequence[int], shard: int, ep: int
+                       ) -> Tuple[List[List[int]], List[List[int]]]:
+    """(shard groups, replicate groups) of expert params over one dp x cp group `members`
+    (in order; the FSDP shard groups are runs of `shard` of them, the EP groups runs of `ep`):
+    a shard group is the members of one FSDP shard group with the same ep rank, a replicate
+    group the members with the same ep rank at the same place of their shard group."""
+    shard_groups, position = [], {}
+    for start in range(0, len(members), shard):
+        for ep_rank in range(ep):
+            group = [members[i] for i in range(start, start + shard) if i % ep == ep_rank]
+            if group:
+                shard_groups.append(group)
+                for index, member in enumerate(group):
+                    position[member] = (ep_rank, index)
+    by_position: Dict[tuple, List[int]] = {}
+    for member in members:
+        by_position.setdefault(position[member], []).append(member)
+    return shard_groups, list(by_position.values())
 
 
 def build_parallel_state(

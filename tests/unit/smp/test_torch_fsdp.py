@@ -388,3 +388,21 @@ def test_hybrid_shard_degree_and_expert_parallel_degree_must_divide_one_another(
         ParallelState.check_expert_fsdp_layout(layout(shard, ep))
     with pytest.raises(ConfigError, match="hybrid_shard_degree 4 with expert_parallel_degree 6"):
         ParallelState.check_expert_fsdp_layout(layout(4, 6))
+
+
+def test_expert_fsdp_groups_at_world_8():
+    """Which ranks shard / replicate the experts (dp x cp members 0..7, or a TP=2 grid's
+    0, 2, ..., 14): within the FSDP shard group the members of the same ep rank, replicated
+    across the members of the same ep rank at the same place of another shard group."""
+    from megatron_smp.parallel_state import expert_fsdp_layout
+
+    members = list(range(8))
+    # hybrid_shard_degree 4, EP 2: shards {0,2} {1,3} {4,6} {5,7}, replicas across the runs.
+    assert expert_fsdp_layout(members, 4, 2) == (
+        [[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    # hybrid_shard_degree 2, EP 4: one rank per shard, replicated over expert-data-parallel.
+    assert expert_fsdp_layout(members, 2, 4) == (
+        [[m] for m in members], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    # hybrid_shard_degree 0 (all 8), EP 2 at TP=2: shard over the expert-data-parallel ranks.
+    assert expert_fsdp_layout(list(range(0, 16, 2)), 8, 2) == (
+        [[0, 4, 8, 12], [2, 6, 10, 14]], [[m] for m in range(0, 16, 2)])
