@@ -170,14 +170,16 @@ def activate_grad_hooks(module: torch.nn.Module, state) -> None:
         getattr(p, "sequence_parallel", False) for p in module.parameters())
     experts = parallel_state.ep_size > 1 and has_expert_params(module)
     if (partial or experts) and not hooks:
-        what = ("sequence-parallel params (norm weights, the router) would keep partial grads "
-                "per TP rank" if partial else
-                "expert params would be averaged over ranks holding different experts")
+        what, other = (
+            ("sequence-parallel params (norm weights, the router) would keep partial grads "
+             "per TP rank", "smp.fully_shard or our DDP with "
+             "megatron_smp.distributed.finalize_model_grads") if partial else
+            ("expert params would be averaged over ranks holding different experts",
+             "our DDP (it reduces experts over the expert-data-parallel group)"))
         raise ConfigError(
             f"torch's FullyShardedDataParallel / fully_shard on a model not returned by "
             f"smp.transform: its {what}; wrap the model smp.transform returns (it carries "
-            "those reductions), or use smp.fully_shard / our DDP with "
-            "megatron_smp.distributed.finalize_model_grads"
+            f"those reductions), or use {other}"
         )
     for hook in hooks:
         hook.active = True
@@ -387,6 +389,15 @@ def _install_fsdp2() -> None:
         return state.parallel_state.fsdp_mesh
 
     fully_shard_module._init_default_mesh = default_mesh
+    original_validate_module = fully_shard_module._validate_module
+
+    def validate_module(*args, **kwargs):
+        # The first thing fully_shard does: a call that failed after the default mesh must
+        # not leave its mark for the next one (which may pass a mesh).
+        _pending.clear()
+        return original_validate_module(*args, **kwargs)
+
+    fully_shard_module._validate_module = validate_module
     original_init_param_group = fully_shard_module._init_param_group
 
     def init_param_group(fsdp_state, params, modules, mesh_info, post_forward_mesh_info,
@@ -432,8 +443,8 @@ def _install_fsdp2() -> None:
         return original_root_pre_forward(self, module, args, kwargs)
 
     FSDPState._root_pre_forward = _root_pre_forward
-    _installed["fsdp2"] = (fully_shard_module, original_mesh, original_init_param_group,
-                           FSDPState, original_root_pre_forward)
+    _installed["fsdp2"] = (fully_shard_module, original_mesh, original_validate_module,
+                           original_init_param_group, FSDPState, original_root_pre_forward)
 
 
 def expert_shard_placement(params, shard_placement_fn, state):
