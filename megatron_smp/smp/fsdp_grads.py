@@ -48,7 +48,8 @@ class _ReduceParamGrad(torch.autograd.Function):
         from megatron_smp.tensor_parallel.mappings import _all_reduce
 
         if ctx.group is not None:
-            grad = _all_reduce(grad, ctx.group)
+            # In fp32 under bf16/fp16 compute, as our DDP sums these grads (in main_grad).
+            grad = _all_reduce(grad.float(), ctx.group).to(grad.dtype)
         if ctx.scale != 1.0:
             grad = grad * ctx.scale
         return grad, None, None
@@ -74,8 +75,8 @@ def _replace(owner: torch.nn.Module, name: str, old: torch.Tensor, new: torch.Te
 
 
 class TorchFSDPGrads:
-    """The hooks of one transformed model (see the module docstring). `active` turns them
-    on; `needed` says whether the model has any param they act on."""
+    """The hooks of one transformed model (see the module docstring); `active` turns them
+    on."""
 
     def __init__(self, model: torch.nn.Module, parallel_state) -> None:
         from megatron_smp.tensor_parallel.utils import is_expert_param
@@ -93,19 +94,15 @@ class TorchFSDPGrads:
                 for sub in experts.modules():
                     user_of[id(sub)] = experts
         entries: Dict[torch.nn.Module, List[tuple]] = {}
-        self.has_sequence_parallel = self.has_experts = False
         for owner in model.modules():
             for name, param in owner.named_parameters(recurse=False):
                 partial = tp_group is not None and getattr(param, "sequence_parallel", False)
                 expert = ep_size > 1 and is_expert_param(param)
-                self.has_sequence_parallel |= partial
-                self.has_experts |= is_expert_param(param)
                 if partial or expert:
                     user = user_of.get(id(owner), owner)
                     entries.setdefault(user, []).append(
                         (owner, name, tp_group if partial else None,
                          self.expert_scale if expert else 1.0))
-        self.needed = bool(entries)
         self._swapped: Dict[int, list] = {}
         for user, items in entries.items():
             setattr(user, ATTRIBUTE, self)
