@@ -8,7 +8,7 @@ that are trained on), 0 for the prompt, the system text and the template's marku
 A conversation of n tokens gives n - 1 (input, label) positions. Conversations are packed
 whole, never split, several per sequence (best-fit decreasing); each one attends only to
 itself and its positions restart at 0 (the document mask of --reset-attention-mask, shared
-through `document_masks_and_position_ids`). Padding comes only at the end of a pack and is
+through `document_ids_and_position_ids`). Padding comes only at the end of a pack and is
 never trained on.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from megatron_smp.config import ConfigError
-from megatron_smp.data.gpt_dataset import document_masks_and_position_ids
+from megatron_smp.data.gpt_dataset import document_ids_and_position_ids
 from megatron_smp.data.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class SFTDataset(torch.utils.data.Dataset):
     `indexed_dataset` / `mask_dataset`: the token and loss-mask datasets (same sizes);
     `sequence_ids`: the conversations of this split; `num_samples`: how many packed samples
     to serve (None: one epoch of packs); later epochs visit the packs in a new order. Items
-    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and attention_mask
-    [1, s, s] (the document-causal mask).
+    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and document_ids [s]
+    (the conversation of each position: `transformer.packed`).
     """
 
     def __init__(
@@ -145,13 +145,13 @@ class SFTDataset(torch.utils.data.Dataset):
         if position < s:
             # The padding is a document of its own, so that it attends to nothing real.
             starts.append(position)
-        position_ids, attention_mask = document_masks_and_position_ids(starts, s, True, True)
+        position_ids, document_ids = document_ids_and_position_ids(starts, s, True, True)
         return {
             "tokens": torch.from_numpy(tokens),
             "labels": torch.from_numpy(labels),
             "loss_mask": torch.from_numpy(loss_mask),
             "position_ids": position_ids,
-            "attention_mask": attention_mask,
+            "document_ids": document_ids,
         }
 
 

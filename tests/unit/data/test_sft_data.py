@@ -120,12 +120,10 @@ def test_packed_samples_hold_whole_conversations(sft_data):
     for index in range(len(dataset)):
         sample = dataset[index]
         starts = (sample["position_ids"] == 0).nonzero(as_tuple=True)[0].tolist()
-        mask = sample["attention_mask"][0]
-        for a, b in zip(starts, starts[1:] + [dataset.seq_length]):
-            # Each document attends causally to itself and to nothing before it.
-            assert mask[a:b, :a].all()
-            assert torch.equal(mask[a:b, a:b],
-                               torch.ones(b - a, b - a, dtype=torch.bool).triu(1))
+        document_ids = sample["document_ids"]
+        for number, (a, b) in enumerate(zip(starts, starts[1:] + [dataset.seq_length])):
+            # Each conversation (and the end padding) is a document of its own.
+            assert document_ids[a:b].tolist() == [number] * (b - a)
         for a, b in zip(starts, starts[1:] + [dataset.seq_length]):
             ids = sample["tokens"][a:b].tolist() + [int(sample["labels"][b - 1])]
             matches = [i for i in range(len(tokens)) if tokens[i].tolist() == ids]
@@ -162,7 +160,7 @@ def test_packed_losses_equal_conversations_one_at_a_time(sft_data):
     model = GPTModel(config, state)
     sample = dataset[0]
     packed = model(sample["tokens"][None], position_ids=sample["position_ids"][None],
-                   attention_mask=sample["attention_mask"][None],
+                   document_ids=sample["document_ids"][None],
                    labels=sample["labels"][None])[0]
     mask = sample["loss_mask"]
     (packed * mask).sum().div(mask.sum()).backward()
