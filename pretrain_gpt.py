@@ -27,6 +27,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, configs, toke
     return build_train_valid_test_datasets(
         configs.data, configs.training.seq_length, configs.training.seed,
         train_val_test_num_samples, tokenizer,
+        context_parallel_size=configs.parallel.context_parallel_size,
     )
 
 

@@ -957,18 +957,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
                 f"--sft with {', '.join(ignored)}: SFT packs conversations in memory and trains "
                 "on the loss mask tools/preprocess_sft_data.py wrote; drop "
                 f"{'it' if len(ignored) == 1 else 'them'}")
-    if data.sft and parallel.context_parallel_size > 1:
-        raise ConfigError(
-            f"--sft with --context-parallel-size {parallel.context_parallel_size}: packed "
-            "sequences are not split across context-parallel ranks yet; use "
-            "--context-parallel-size 1"
-        )
-    if (data.reset_attention_mask and parallel.context_parallel_size > 1
+    packed_by = "--sft" if data.sft else "--reset-attention-mask"
+    if ((data.sft or data.reset_attention_mask) and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):
         raise ConfigError(
-            f"--reset-attention-mask with --context-parallel-size "
-            f"{parallel.context_parallel_size} needs --cp-comm-type all_gather (p2p and a2a "
-            "attend with causal masks only)"
+            f"{packed_by} with --context-parallel-size {parallel.context_parallel_size} needs "
+            "--cp-comm-type all_gather (packed documents attend to their keys gathered over "
+            "the CP ranks; p2p and a2a attend with causal masks only)"
         )
     per_split_paths = [flag for flag, paths in (
         ("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),

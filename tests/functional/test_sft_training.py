@@ -1,5 +1,5 @@
-"""pretrain_gpt.py --sft (and LoRA): packed conversations train the same at DP=2, PP=2 and
-TP=2+SP as in one process, on the bundled tiny chat set; LoRA trains only its adapters,
+"""pretrain_gpt.py --sft (and LoRA): packed conversations train the same at DP=2 (FSDP2), PP=2,
+TP=2+SP and CP=2 as in one process, on the bundled tiny chat set; LoRA trains only its adapters,
 starts from a base checkpoint and resumes exactly."""
 import pytest
 import torch
@@ -10,12 +10,22 @@ from tests.unit.data.sft_common import make_chat_tokenizer, make_sft_data, tiny_
 ITERS = 6
 
 
-def _train(rank, world_size, argv):
+def _train(rank, world_size, argv, pad_like_context_parallel=None):
+    """Losses per iteration; `pad_like_context_parallel`: pad the conversations as a run at
+    that --context-parallel-size does (the reference of a CP run packs the same way)."""
     import pretrain_gpt
+    from megatron_smp.data import build_train_valid_test_datasets
     from megatron_smp.training import pretrain
 
-    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                      pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    provider = pretrain_gpt.train_valid_test_datasets_provider
+    if pad_like_context_parallel:
+        def provider(num_samples, configs, tokenizer):
+            return build_train_valid_test_datasets(
+                configs.data, configs.training.seq_length, configs.training.seed, num_samples,
+                tokenizer, context_parallel_size=pad_like_context_parallel)
+
+    result = pretrain(provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                      argv=argv)
     return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 
 
@@ -46,23 +56,32 @@ def sft_argv(tmp_path_factory):
 
 
 def test_sft_layouts_match_single_process(sft_argv):
+    """Packed conversations at DP=2 under FSDP2, PP=2, TP=2+SP and CP=2 (each conversation
+    split over the CP ranks the load-balanced way; the reference packs them padded alike)
+    give the single process's losses."""
     reference, log = run_distributed(_train_logged, 1, args=(sft_argv,), timeout=300)[0]
     assert " > --sft train: 86 conversations in " in log and "packing efficiency 0." in log
     assert len(reference) == ITERS and reference[-1] < reference[0]
-    for flags in ("", "--pipeline-model-parallel-size 2",
-                  "--tensor-model-parallel-size 2 --sequence-parallel"):
+    padded = run_distributed(_train, 1, args=(sft_argv, 2), timeout=300)[0]
+    assert padded != pytest.approx(reference, rel=1e-5)  # other packs: a real check below
+    for flags, expected in (
+            ("--use-torch-fsdp2", reference),
+            ("--pipeline-model-parallel-size 2", reference),
+            ("--tensor-model-parallel-size 2 --sequence-parallel", reference),
+            ("--context-parallel-size 2 --cp-comm-type all_gather", padded)):
         for losses in run_distributed(_train, 2, args=(sft_argv + flags.split(),), timeout=300):
-            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
+            assert losses == pytest.approx(expected, rel=1e-5), (flags, losses, expected)
 
 
-def test_sft_refuses_context_parallel_and_mock_data(sft_argv):
+def test_sft_refuses_ring_context_parallel_and_mock_data(sft_argv):
     from megatron_smp.config import ConfigError
     from megatron_smp.data import build_train_valid_test_datasets
     from megatron_smp.training.arguments import parse_args, validate_configs
 
     configs = parse_args(sft_argv + ["--context-parallel-size", "2"])
     configs.model.vocab_size = 400  # the tokenizer's, as pretrain sets it before validating
-    with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2"):
+    with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2 needs "
+                                          "--cp-comm-type all_gather"):
         validate_configs(configs, world_size=2)
     configs = parse_args(sft_argv + ["--eod-mask-loss"])
     configs.model.vocab_size = 400
