@@ -727,6 +727,11 @@ def parse_args(
             key = spec.flag.lstrip("-").replace("-", "_")
             by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if "--use-checkpoint-args" in argv:
+        # As in Megatron, the model's shape may come from the --load checkpoint alone.
+        for action in parser._actions:
+            if action.dest.startswith("model__"):
+                action.required = False
     args = parser.parse_args(argv)
 
     sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
