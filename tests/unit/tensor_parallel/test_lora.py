@@ -145,3 +145,31 @@ def test_lora_flag_errors():
         check_lora_flags(4, 8.0, 0.0, ["q_proj"])
     with pytest.raises(ConfigError, match="--lora-dropout"):
         check_lora_flags(4, 8.0, 1.0, ["linear_qkv"])
+
+
+def test_transformed_model_takes_lora_in_one_call(tmp_path):
+    """smp.transform(hf).apply_lora(...): adapters only train; the PEFT directory it saves,
+    loaded by peft onto the HF model, and the merged hf_state_dict() give its logits."""
+    import megatron_smp.smp as tsm
+
+    tsm.init({})
+    model = tsm.transform(_hf_llama())
+    assert len(model.apply_lora(rank=RANK, alpha=ALPHA)) == 4 * 2
+    assert {n.split(".lora.")[-1] for n, p in model.named_parameters() if p.requires_grad} \
+        == {"lora_A", "lora_B"}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 1003, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids).logits
+    model.save_peft_adapter(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert (_peft_model(str(tmp_path / "adapter"))(input_ids=ids).logits - ours).abs().max() \
+            < 2e-4
+        merged = _hf_llama()
+        merged.load_state_dict(model.hf_state_dict())
+        assert (merged(ids).logits - ours).abs().max() < 2e-4
+    with pytest.raises(ConfigError, match="already has LoRA"):
+        model.apply_lora()
