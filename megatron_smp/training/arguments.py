@@ -767,8 +767,9 @@ def parse_args(
     if args.swiglu:
         model["gated_linear_unit"] = True
         model["activation"] = "silu"
-        if model.get("ffn_hidden_size") is None:
+        if model.get("ffn_hidden_size") is None and model.get("hidden_size") is not None:
             # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
+            # (No --hidden-size: --use-checkpoint-args gives both.)
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
@@ -829,6 +830,11 @@ def parse_args(
 
     if args.use_checkpoint_args:
         model.update(checkpoint_model_fields(sections["checkpoint"].get("load")))
+        missing = [f"--{name.replace('_', '-')}" for name in
+                   ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
+        if missing:
+            raise ConfigError(f"--use-checkpoint-args: the --load checkpoint gives no "
+                              f"{', '.join(missing)}; pass {'it' if len(missing) == 1 else 'them'}")
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
