@@ -450,9 +450,10 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--apply-query-key-layer-scaling": "a numerics guard of Megatron's unfused fp16 softmax; "
                                        "the scaled product is the same with SDPA",
     "--no-query-key-layer-scaling": "see --apply-query-key-layer-scaling",
-    "--no-create-attention-mask-in-dataloader": "masks are only built for "
-                                                "--reset-attention-mask; causal masking is "
-                                                "inside the attention kernel",
+    "--no-create-attention-mask-in-dataloader": "no [s, s] mask is ever built: causal "
+                                                "masking is inside the attention kernel, and "
+                                                "--reset-attention-mask / --sft pass document "
+                                                "ids",
     "--timing-log-level": "log verbosity of Megatron's per-phase timers (the log line's "
                           "iteration time is always printed)",
     "--timing-log-option": "which ranks' values of Megatron's per-phase timers are printed "
