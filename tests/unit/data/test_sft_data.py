@@ -94,6 +94,31 @@ def test_preprocessing_errors(chat_tokenizer, tmp_path):
     assert proc.returncode == 1 and "no chat template" in proc.stderr
 
 
+def test_named_prompt_format(chat_tokenizer, sft_data, tmp_path):
+    """--sft-tokenizer-prompt-format chatml on a tokenizer without a template gives what the
+    tokenizer's own ChatML template gives (tokens and loss mask); llama3 trains on the
+    assistant's words and its end-of-turn marker only."""
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    for name in ("chatml", "llama3"):
+        preprocess_sft_data.preprocess(preprocess_sft_data.get_args([
+            "--input", str(source), "--output-prefix", str(tmp_path / name),
+            "--tokenizer-model", os.path.join(chat_tokenizer, "without"),
+            "--sft-tokenizer-prompt-format", name]))
+    prefix = str(tmp_path / "chatml_text_document")
+    for a, b in ((prefix, sft_data), (loss_mask_prefix(prefix), loss_mask_prefix(sft_data))):
+        assert [x.tolist() for x in IndexedDataset(a)] == [x.tolist() for x in IndexedDataset(b)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(chat_tokenizer, "without"))
+    prefix = str(tmp_path / "llama3_text_document")
+    tokens, masks = IndexedDataset(prefix), IndexedDataset(loss_mask_prefix(prefix))
+    for i, record in enumerate(CONVERSATIONS):
+        messages = preprocess_sft_data.conversation_of(record, i + 1)
+        assert tokenizer.decode(tokens[i][masks[i] == 1].tolist()) == "".join(
+            m["content"] + "<|eot_id|>" for m in messages if m["role"] == "assistant")
+
+
 def test_best_fit_packing_and_efficiency():
     lengths = [7, 5, 4, 3, 3, 2, 1, 9]
     packs = pack_best_fit(lengths, 10)
