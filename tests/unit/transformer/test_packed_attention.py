@@ -78,7 +78,8 @@ def test_no_attention_weight_crosses_a_document(monkeypatch):
         real_query = query_docs >= 0
         for row in range(len(query_docs)):
             assert len(set(query_docs[row][real_query[row]].tolist())) == 1
-            assert set(key_docs[row].tolist()) - {-1} == set(query_docs[row][real_query[row]].tolist())
+            own = set(query_docs[row][real_query[row]].tolist())
+            assert set(key_docs[row].tolist()) - {-1} == own
         crossing = (query_docs[:, None, :, None] != key_docs[:, None, None, :]) \
             & real_query[:, None, :, None]
         assert torch.all(weights[crossing.expand_as(weights)] == 0)
