@@ -27,12 +27,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, configs, toke
     return build_train_valid_test_datasets(
         configs.data, configs.training.seq_length, configs.training.seed,
         train_val_test_num_samples, tokenizer,
+        context_parallel_size=configs.parallel.context_parallel_size,
     )
 
 
 def get_batch(data_iterator, device, state=None):
     """The next microbatch on `device`; with context parallelism (`state`) this rank's share
-    of each sequence (chunks i and 2cp-1-i, global position ids)."""
+    of each sequence (chunks i and 2cp-1-i, global position ids; of each document for packed
+    rows with `document_ids`)."""
     batch = next(data_iterator)
     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
     if state is not None:
@@ -65,6 +67,7 @@ def forward_step(data_iterator, model):
         position_ids=batch["position_ids"] if batch else None,
         attention_mask=batch.get("attention_mask") if batch else None,
         labels=batch["labels"] if batch else None,
+        document_ids=batch.get("document_ids") if batch else None,
     )
     return output, partial(loss_func, batch["loss_mask"] if batch else None,
                            cp_group=state.cp_group if state.cp_size > 1 else None,

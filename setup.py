@@ -22,5 +22,7 @@ setup(
         "tokenizers",
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
-    extras_require={"test": ["pytest", "tiktoken"], "tiktoken": ["tiktoken"]},
+    # peft: the tests load our exported LoRA adapters with it (the library never imports it).
+    extras_require={"test": ["pytest", "tiktoken", "peft"], "tiktoken": ["tiktoken"],
+                    "peft": ["peft"]},
 )

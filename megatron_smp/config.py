@@ -182,6 +182,8 @@ class ParallelConfig:
 
 # Context parallelism's attentions (Megatron's --cp-comm-type values).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+# Attention over packed sequences (`transformer.packed`).
+PACKED_ATTENTION_BACKENDS = ("auto", "varlen", "flex", "segments", "mask")
 
 
 def name_of(names: Optional[dict]) -> dict:
@@ -325,6 +327,10 @@ class TransformerConfig:
     # Context parallelism's attention (Megatron's --cp-comm-type): "p2p" ring attention,
     # "all_gather" of keys/values, or "a2a" (all-to-all of heads and sequence, Ulysses).
     cp_comm_type: str = "p2p"
+    # How attention over packed sequences (--sft, --reset-attention-mask: several documents
+    # in one row) runs, `transformer.packed.PACKED_ATTENTION_BACKENDS`: "auto" takes the
+    # varlen flash kernel where it fits, else "segments"; "flex", "mask" by name. No flag.
+    packed_attention: str = "auto"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # Only used when add_bias_linear is False.
     # False: the attention's QKV and output projections have no bias, whatever add_bias_linear
@@ -428,6 +434,11 @@ class TransformerConfig:
             self.num_attention_heads % tp == 0,
             f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
             f"--tensor-model-parallel-size ({tp})",
+        )
+        _require(
+            self.packed_attention in PACKED_ATTENTION_BACKENDS,
+            f"packed_attention must be one of {', '.join(PACKED_ATTENTION_BACKENDS)}, got "
+            f"{self.packed_attention!r}",
         )
         _require(
             self.num_attention_heads % self.num_query_groups == 0,

@@ -7,7 +7,7 @@ Each line is a conversation, `{"messages": [{"role": "user", "content": ...},
 {"role": "assistant", "content": ...}, ...]}`, or a prompt/response pair `{"prompt": ...,
 "response": ...}` (a user turn and an assistant turn). The tokenizer directory's own chat
 template (`chat_template` of its tokenizer_config.json or chat_template.jinja) renders the
-conversation; there is no built-in fallback template.
+conversation, or `--sft-tokenizer-prompt-format chatml|llama3` a named one.
 
 Writes `{prefix}_text_document.bin/.idx` (token ids, one document per conversation) and
 `{prefix}_text_document_loss_mask.bin/.idx` (uint8, same sizes: 1 on the tokens of the
@@ -45,17 +45,43 @@ class BadInputError(Exception):
     pass
 
 
-def load_chat_tokenizer(path: str):
-    """The HF fast tokenizer of directory `path`; it must carry a chat template."""
+# Named chat templates (--sft-tokenizer-prompt-format) for tokenizers that carry none, or to
+# override theirs. The special markers are text to the template: a tokenizer that has them as
+# special tokens encodes them as one token each.
+PROMPT_FORMATS = {
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ '<|begin_of_text|>' }}"
+        "{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+        "message['content'] | trim + '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+}
+
+
+def load_chat_tokenizer(path: str, prompt_format: Optional[str] = None):
+    """The HF fast tokenizer of directory `path` with its own chat template, or the named
+    `prompt_format` (PROMPT_FORMATS)."""
     if not path or not os.path.isdir(path):
         raise BadInputError(f"--tokenizer-model {path}: not a Hugging Face tokenizer directory")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if prompt_format is not None:
+        tokenizer.chat_template = PROMPT_FORMATS[prompt_format]
     if not getattr(tokenizer, "chat_template", None):
         raise BadInputError(
             f"--tokenizer-model {path}: the tokenizer has no chat template (no chat_template "
-            "in tokenizer_config.json, no chat_template.jinja); add one to the directory"
+            "in tokenizer_config.json, no chat_template.jinja); add one to the directory or "
+            f"name one with --sft-tokenizer-prompt-format ({', '.join(PROMPT_FORMATS)})"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise BadInputError(f"--tokenizer-model {path}: a fast tokenizer (tokenizer.json) is "
@@ -122,6 +148,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--tokenizer-model", required=True,
                         help="Hugging Face tokenizer directory with a chat template")
+    parser.add_argument("--sft-tokenizer-prompt-format", choices=sorted(PROMPT_FORMATS),
+                        default=None,
+                        help="render with this named chat template instead of the "
+                             "tokenizer's own (Megatron's flag name)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="refuse conversations longer than --seq-length + 1 tokens "
                              "(the training --seq-length)")
@@ -130,7 +160,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def preprocess(args: argparse.Namespace) -> dict:
     """Write the token and loss-mask datasets; returns counts."""
-    tokenizer = load_chat_tokenizer(args.tokenizer_model)
+    tokenizer = load_chat_tokenizer(args.tokenizer_model,
+                                    getattr(args, "sft_tokenizer_prompt_format", None))
     prefix = f"{args.output_prefix}_text_document"
     mask_prefix = loss_mask_prefix(prefix)
     tokens_out = IndexedDatasetBuilder(data_file_path(prefix), optimal_dtype(len(tokenizer)))

@@ -19,6 +19,7 @@ sliding windows and ALiBi biases are computed from the tokens' global sequence p
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -32,6 +33,7 @@ from megatron_smp.tensor_parallel.mappings import (
     _all_to_all_first_dim,
     _gather_first_dim,
     _reduce_scatter_first_dim,
+    gather_from_sequence_parallel_region,
     group_rank,
     group_size,
 )
@@ -44,6 +46,7 @@ from megatron_smp.transformer.attention import (
     register_softmax_offset,
     sliding_window_mask,
 )
+from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.spec import ModuleSpec
 
 class _ContextParallelCore(torch.nn.Module):
@@ -508,11 +511,47 @@ class AllGatherAttention(_ContextParallelCore):
     computation, so memory stays linear in the sequence.
 
     attention_mask, if given: bool [b, 1, s/cp, s] (queries split, keys in global order),
-    True = masked, as `get_batch_on_this_cp_rank` leaves it.
+    True = masked, as `get_batch_on_this_cp_rank` leaves it; or a `PackedSequence`: then
+    each local query run attends only to the gathered keys of its own document
+    (`_attend_packed`).
     """
 
     def forward(self, query, key, value, attention_mask=None):
+        if isinstance(attention_mask, PackedSequence):
+            return _attend_packed(self, query, key, value, attention_mask)
         return _attend(self, _AllGatherAttentionFunction, query, key, value, attention_mask)
+
+
+def _attend_packed(core, query, key, value, packed: PackedSequence):
+    """Packed rows under context parallelism: [s/cp, b, n, d] in, [s/cp, b, nh * d] out.
+    Keys and values of the whole rows are all-gathered (backward reduce-scatters their
+    gradients) and put in row order; the "segments" engine then attends every local run of
+    queries to its document's keys up to the run's end, so no work crosses a document."""
+    if core.window_size is not None or core.alibi_slopes is not None \
+            or core.softmax_offset is not None:
+        raise ConfigError(
+            "packed sequences (--sft, --reset-attention-mask) under context parallelism "
+            "attend without sliding windows, ALiBi or attention sinks; drop those or use "
+            "--context-parallel-size 1")
+    s_local, b = query.shape[:2]
+    rows = packed.document_ids.shape[1]
+    # Gathered rows come rank by rank; `rank_indices` says where each sits in its row.
+    row_of = torch.arange(b, device=query.device).view(1, b, 1) * rows
+    place = (packed.rank_indices.to(query.device) + row_of).permute(1, 0, 2).reshape(-1)
+    to_row_order = torch.argsort(place)
+
+    def whole_rows(x):
+        gathered = gather_from_sequence_parallel_region(x, core.cp_group, True)
+        gathered = gathered.view(core.cp_size, s_local, b, *x.shape[2:]).permute(2, 0, 1, 3, 4)
+        return gathered.reshape(b * core.cp_size * s_local, *x.shape[2:]).index_select(
+            0, to_row_order)
+
+    flat_q = query.transpose(0, 1).reshape(b * s_local, *query.shape[2:])
+    dropout_p = core.attention_dropout if core.training else 0.0
+    with get_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
+        out = packed.attend_segments(flat_q, whole_rows(key), whole_rows(value), dropout_p,
+                                     core.scale)
+    return out.view(b, s_local, -1).transpose(0, 1)
 
 
 # a2a: DeepSpeed-Ulysses --------------------------------------------------------------------------

@@ -86,6 +86,35 @@ def gather_from_context_parallel(tensor: torch.Tensor, cp_group) -> torch.Tensor
     return gathered.index_select(0, torch.argsort(order)).transpose(0, 1)
 
 
+def packed_rank_indices(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Row positions [cp, b, s / cp] of each CP rank's tokens of packed rows `document_ids`
+    [b, s] (a document: a run of equal ids), in local order.
+
+    When every document's length divides by 2 x cp_size, each document is split the
+    load-balanced way on its own, as Megatron splits THD batches: rank i keeps chunk i and
+    chunk 2cp-1-i of every document (`SFTDataset` pads conversations so). Otherwise the row is
+    split as a whole (`local_positions`); attention is exact either way, only the balance of
+    work differs.
+    """
+    b, s = document_ids.shape
+    check_divisible(s, cp_size)
+    device = document_ids.device
+    first = torch.ones(b, s, dtype=torch.bool, device=device)
+    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    number = first.flatten().cumsum(0) - 1  # documents numbered over the flattened rows
+    lengths = torch.bincount(number)
+    if bool((lengths % (2 * cp_size) != 0).any()):
+        return torch.stack([local_positions(s, cp_size, rank, device).expand(b, s // cp_size)
+                            for rank in range(cp_size)])
+    length = lengths[number].view(b, s)
+    positions = torch.arange(s, device=device).expand(b, s)
+    starts = torch.where(first, positions, torch.zeros_like(positions)).cummax(dim=1).values
+    chunk = (positions - starts) // (length // (2 * cp_size))
+    owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
+    return torch.stack([positions[owner == rank].view(b, s // cp_size)
+                        for rank in range(cp_size)])
+
+
 def get_batch_on_this_cp_rank(batch: Dict[str, torch.Tensor], cp_size: int,
                               cp_rank: int) -> Dict[str, torch.Tensor]:
     """This rank's share of a microbatch (a new dict; `batch` is not changed).
@@ -93,16 +122,24 @@ def get_batch_on_this_cp_rank(batch: Dict[str, torch.Tensor], cp_size: int,
     tokens / labels / loss_mask / position_ids [b, s] -> [b, s / cp]; attention_mask
     [b, 1, s, s] -> [b, 1, s / cp, s]: only the queries are split, every key stays (the
     attention gathers the keys of the whole sequence). Position ids keep their global values,
-    so RoPE and learned positions see where each local token really is.
+    so RoPE and learned positions see where each local token really is. With packed rows
+    (`document_ids` [b, s], kept whole: the attention needs every rank's share) the tokens
+    are taken by `packed_rank_indices`.
     """
     if cp_size == 1:
         return dict(batch)
+    packed = batch.get("document_ids")
+    local = None if packed is None else packed_rank_indices(packed, cp_size)[cp_rank]
     out = {}
     for key, value in batch.items():
         if value is None or not torch.is_tensor(value) or value.dim() < 2:
             out[key] = value
+        elif key == "document_ids":
+            out[key] = value
         elif key == "attention_mask":
             out[key] = split_for_context_parallel(value, 2, cp_size, cp_rank)
+        elif local is not None:
+            out[key] = value.gather(1, local.to(value.device))
         else:
             out[key] = split_for_context_parallel(value, 1, cp_size, cp_rank)
     return out
@@ -117,4 +154,5 @@ __all__ = [
     "split_for_context_parallel",
     "gather_from_context_parallel",
     "get_batch_on_this_cp_rank",
+    "packed_rank_indices",
 ]

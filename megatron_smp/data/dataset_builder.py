@@ -337,6 +337,7 @@ def build_train_valid_test_datasets(
     train_val_test_num_samples: Sequence[Optional[int]],
     tokenizer,
     group=None,
+    context_parallel_size: int = 1,
 ):
     """Build (train, valid, test) GPT datasets; None for a split with zero weight.
 
@@ -345,6 +346,8 @@ def build_train_valid_test_datasets(
     samples. `train_val_test_num_samples` are the samples each split must provide (None: one
     epoch). Index arrays are built by rank 0 of `group` (default: the whole world if
     torch.distributed is initialized) and cached; every rank of `group` must call this.
+    With --sft and `context_parallel_size` > 1 every conversation is padded to a multiple of
+    2 x that size, so that each one splits the load-balanced way over the CP ranks.
     """
     if seq_length < 1:
         raise ConfigError(f"--seq-length must be positive, got {seq_length}")
@@ -375,7 +378,8 @@ def build_train_valid_test_datasets(
         )
 
     if getattr(data_config, "sft", False):
-        return _build_sft(data_config, seq_length, seed, num_samples, tokenizer)
+        return _build_sft(data_config, seq_length, seed, num_samples, tokenizer,
+                          2 * context_parallel_size if context_parallel_size > 1 else 1)
 
     builder = _Builder(data_config, seq_length, seed, tokenizer, group)
     per_split = per_split_data_paths(data_config)
@@ -407,7 +411,7 @@ def build_train_valid_test_datasets(
     return tuple(datasets)
 
 
-def _build_sft(data_config, seq_length, seed, num_samples, tokenizer):
+def _build_sft(data_config, seq_length, seed, num_samples, tokenizer, pad_to_multiple=1):
     """--sft: packed conversations of one --data-path prefix, cut by --split."""
     from megatron_smp.data.sft_dataset import build_sft_splits
 
@@ -425,4 +429,5 @@ def _build_sft(data_config, seq_length, seed, num_samples, tokenizer):
         prefixes[0], split_matrix(parse_split(data_config.split)), num_samples, seq_length,
         seed, pad, split_range, SPLIT_NAMES, mmap=bool(getattr(data_config, "mmap_bin_files",
                                                                True)),
+        pad_to_multiple=pad_to_multiple,
     ))

@@ -19,33 +19,28 @@ from megatron_smp.data.indices import (
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
-def document_masks_and_position_ids(
+def document_ids_and_position_ids(
     document_starts, seq_length: int, reset_position_ids: bool, reset_attention_mask: bool,
 ):
-    """Position ids [s] int64 and, with `reset_attention_mask`, the document-causal
-    attention_mask [1, s, s] bool (True = masked out) of a sequence whose documents begin at
-    `document_starts` (increasing positions in [0, s); position 0 is implied).
+    """Position ids [s] int64 and, with `reset_attention_mask`, document_ids [s] int32 (the
+    document number of every position: each document attends only to itself, see
+    `transformer.packed`) of a sequence whose documents begin at `document_starts`
+    (increasing positions in [0, s); position 0 is implied).
 
-    The one implementation of document masking: pretraining with --reset-attention-mask /
-    --reset-position-ids and packed SFT sequences both build their masks here.
+    The one implementation of document boundaries: pretraining with --reset-attention-mask /
+    --reset-position-ids and packed SFT sequences both build them here. No [s, s] mask is
+    made: the attention reads the documents from the ids.
     """
+    starts = torch.zeros(seq_length, dtype=torch.bool)
+    starts[0] = True
+    inside = [int(start) for start in document_starts if 0 < int(start) < seq_length]
+    starts[inside] = True
+    document_ids = torch.cumsum(starts, 0, dtype=torch.int32) - 1
     position_ids = torch.arange(seq_length, dtype=torch.int64)
-    attention_mask = None
-    if reset_attention_mask:
-        attention_mask = torch.ones(seq_length, seq_length, dtype=torch.bool).triu_(1)
-    if reset_position_ids or reset_attention_mask:
-        previous_start = 0
-        for start in document_starts:
-            start = int(start)
-            if start <= 0 or start >= seq_length:
-                continue
-            # Nothing may attend across a document boundary.
-            if reset_attention_mask:
-                attention_mask[start:, :start] = True
-            if reset_position_ids:
-                position_ids[start:] -= start - previous_start
-                previous_start = start
-    return position_ids, (attention_mask.unsqueeze(0) if attention_mask is not None else None)
+    if reset_position_ids:
+        first = torch.where(starts, position_ids, torch.zeros_like(position_ids))
+        position_ids = position_ids - first.cummax(0).values
+    return position_ids, (document_ids if reset_attention_mask else None)
 
 
 def get_ltor_masks_and_position_ids(
@@ -58,8 +53,8 @@ def get_ltor_masks_and_position_ids(
     """Left-to-right masks for one sample `tokens [s]`.
 
     Returns loss_mask [s] float32, position_ids [s] int64 and, only with
-    `reset_attention_mask`, attention_mask [1, s, s] bool (True = masked out: the future,
-    and with resets every token of an earlier document).
+    `reset_attention_mask`, document_ids [s] int32 (a new document after each eod; Megatron
+    builds the equivalent [1, s, s] mask, here the attention skips other documents' keys).
     """
     seq_length = tokens.numel()
     loss_mask = torch.ones(seq_length, dtype=torch.float32)
@@ -69,10 +64,10 @@ def get_ltor_masks_and_position_ids(
     if reset_position_ids or reset_attention_mask:
         # A document starts after each eod.
         document_starts = ((tokens == eod_token).nonzero(as_tuple=True)[0] + 1).tolist()
-    position_ids, attention_mask = document_masks_and_position_ids(
+    position_ids, document_ids = document_ids_and_position_ids(
         document_starts, seq_length, reset_position_ids, reset_attention_mask
     )
-    return loss_mask, position_ids, attention_mask
+    return loss_mask, position_ids, document_ids
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -82,7 +77,7 @@ class GPTDataset(torch.utils.data.Dataset):
     length)`); `sequence_ids` are the sequences of this split. Index arrays are built by
     rank 0 and cached in `cache_dir` (keyed by a hash of everything that shapes them).
     Each item is a dict: tokens [s] int64, labels [s] int64, loss_mask [s] float32,
-    position_ids [s] int64, and attention_mask [1, s, s] bool with reset_attention_mask.
+    position_ids [s] int64, and document_ids [s] int32 with reset_attention_mask.
     """
 
     def __init__(
@@ -226,7 +221,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[index])))
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
-        loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
+        loss_mask, position_ids, document_ids = get_ltor_masks_and_position_ids(
             tokens, self.eod, self.reset_position_ids, self.reset_attention_mask,
             self.eod_mask_loss,
         )
@@ -236,8 +231,8 @@ class GPTDataset(torch.utils.data.Dataset):
             "loss_mask": loss_mask,
             "position_ids": position_ids,
         }
-        if attention_mask is not None:
-            sample["attention_mask"] = attention_mask
+        if document_ids is not None:
+            sample["document_ids"] = document_ids
         return sample
 
 
@@ -292,6 +287,6 @@ __all__ = [
     "GPTDataset",
     "MockIndexedDataset",
     "IndexedDataset",
-    "document_masks_and_position_ids",
+    "document_ids_and_position_ids",
     "get_ltor_masks_and_position_ids",
 ]

@@ -8,8 +8,9 @@ that are trained on), 0 for the prompt, the system text and the template's marku
 A conversation of n tokens gives n - 1 (input, label) positions. Conversations are packed
 whole, never split, several per sequence (best-fit decreasing); each one attends only to
 itself and its positions restart at 0 (the document mask of --reset-attention-mask, shared
-through `document_masks_and_position_ids`). Padding comes only at the end of a pack and is
-never trained on.
+through `document_ids_and_position_ids`). Padding comes only at the end of a pack (and
+under context parallelism at the end of each conversation, up to a multiple of 2 x CP, so
+that each splits evenly over the CP ranks) and is never trained on.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from megatron_smp.config import ConfigError
-from megatron_smp.data.gpt_dataset import document_masks_and_position_ids
+from megatron_smp.data.gpt_dataset import document_ids_and_position_ids
 from megatron_smp.data.indexed_dataset import IndexedDataset
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,8 @@ class SFTDataset(torch.utils.data.Dataset):
     `indexed_dataset` / `mask_dataset`: the token and loss-mask datasets (same sizes);
     `sequence_ids`: the conversations of this split; `num_samples`: how many packed samples
     to serve (None: one epoch of packs); later epochs visit the packs in a new order. Items
-    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and attention_mask
-    [1, s, s] (the document-causal mask).
+    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and document_ids [s]
+    (the conversation of each position: `transformer.packed`).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class SFTDataset(torch.utils.data.Dataset):
         pad: int,
         split_name: str = "train",
         source: str = "",
+        pad_to_multiple: int = 1,
     ) -> None:
         self.indexed_dataset = indexed_dataset
         self.mask_dataset = mask_dataset
@@ -98,18 +100,24 @@ class SFTDataset(torch.utils.data.Dataset):
                 "conversation lengths); write both with tools/preprocess_sft_data.py"
             )
         self.lengths = sizes[self.sequence_ids].astype(np.int64) - 1
-        too_long = np.nonzero(self.lengths > self.seq_length)[0]
+        # Under context parallelism each conversation takes a multiple of 2 x CP positions
+        # (loss-masked padding at its end) so that it splits evenly over the CP ranks.
+        self.pad_to_multiple = int(pad_to_multiple)
+        self.slot_lengths = -(-self.lengths // self.pad_to_multiple) * self.pad_to_multiple
+        too_long = np.nonzero(self.slot_lengths > self.seq_length)[0]
         if too_long.size:
             first = int(self.sequence_ids[too_long[0]])
+            padded = (f" (padded to a multiple of {self.pad_to_multiple} = 2 x "
+                      "--context-parallel-size)" if self.pad_to_multiple > 1 else "")
             raise ConfigError(
-                f"--sft: conversation {first} of {source} has {int(sizes[first])} tokens, more "
-                f"than --seq-length {self.seq_length} + 1 ({too_long.size} such); raise "
+                f"--sft: conversation {first} of {source} has {int(sizes[first])} tokens{padded}"
+                f", more than --seq-length {self.seq_length} + 1 ({too_long.size} such); raise "
                 "--seq-length or drop them (tools/preprocess_sft_data.py --seq-length)"
             )
         if self.sequence_ids.size == 0 or int(self.lengths.max()) < 1:
             raise ConfigError(f"--sft: the {split_name} split of {source} has no conversation "
                               "of two tokens or more")
-        self.packs = pack_best_fit(self.lengths, self.seq_length)
+        self.packs = pack_best_fit(self.slot_lengths, self.seq_length)
         self.efficiency = packing_efficiency(self.lengths, self.packs, self.seq_length)
         self.num_samples = len(self.packs) if num_samples is None else int(num_samples)
         logger.info(
@@ -141,22 +149,22 @@ class SFTDataset(torch.utils.data.Dataset):
             tokens[position:position + n] = ids[:-1]
             labels[position:position + n] = ids[1:]
             loss_mask[position:position + n] = mask[1:]
-            position += n
+            position += int(self.slot_lengths[local])
         if position < s:
             # The padding is a document of its own, so that it attends to nothing real.
             starts.append(position)
-        position_ids, attention_mask = document_masks_and_position_ids(starts, s, True, True)
+        position_ids, document_ids = document_ids_and_position_ids(starts, s, True, True)
         return {
             "tokens": torch.from_numpy(tokens),
             "labels": torch.from_numpy(labels),
             "loss_mask": torch.from_numpy(loss_mask),
             "position_ids": position_ids,
-            "attention_mask": attention_mask,
+            "document_ids": document_ids,
         }
 
 
 def build_sft_splits(prefix: str, matrix, num_samples, seq_length: int, seed: int, pad: int,
-                     split_range, split_names, mmap: bool = True):
+                     split_range, split_names, mmap: bool = True, pad_to_multiple: int = 1):
     """One SFTDataset per split of `prefix` (None where `matrix` has no split); the splits
     cut the conversations by --split as GPT data is cut by sequences."""
     import os
@@ -178,7 +186,7 @@ def build_sft_splits(prefix: str, matrix, num_samples, seq_length: int, seed: in
             continue
         datasets.append(SFTDataset(
             indexed, masks, np.arange(begin, end), num_samples[i], seq_length, seed, pad,
-            split_names[i], source=prefix,
+            split_names[i], source=prefix, pad_to_multiple=pad_to_multiple,
         ))
     return datasets
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
 from megatron_smp.context_parallel import core_attention_spec, local_positions
+from megatron_smp.context_parallel.split import packed_rank_indices
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
@@ -37,6 +38,7 @@ from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
 from megatron_smp.transformer.layer import get_gpt_layer_spec
 from megatron_smp.transformer.mla import MLASelfAttention
+from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.moe.moe_layer import moe_layer_spec
 from megatron_smp.transformer.spec import LayerSpec, ModuleSpec
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
@@ -125,8 +127,12 @@ class LanguageModelEmbedding(torch.nn.Module):
 class GPTModel(torch.nn.Module):
     """Decoder-only language model, or one pipeline stage of it.
 
-    forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None)
+    forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None,
+            document_ids=None)
       * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
+      * document_ids [b, s] (whole rows, also under context parallelism): packed rows, each
+        run of equal ids a document attending only to itself (`transformer.packed`; the
+        attention does no work across documents). Instead of attention_mask.
       * last stage, labels [b, s] given: per-token loss [b, s] (fp32);
       * last stage, no labels: logits [b, s, padded_vocab / tp] (this rank's vocab shard;
         `gather_full_logits` gives [b, s, vocab]);
@@ -263,7 +269,18 @@ class GPTModel(torch.nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if document_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("GPTModel.forward: give attention_mask or document_ids, not both")
+            state = self.state
+            rank_indices = (packed_rank_indices(document_ids, state.cp_size)
+                            if state.cp_size > 1 else None)
+            attention_mask = PackedSequence(document_ids, rank_indices, state.cp_rank,
+                                            self.config.packed_attention)
+            if position_ids is None and state.cp_size > 1:
+                position_ids = attention_mask.local_indices
         if position_ids is None and self.state.cp_size > 1:
             position_ids = self._context_parallel_positions(input_ids)
         if self.pre_process:

@@ -124,12 +124,12 @@ class TransformedModel(torch.nn.Module):
             "load hf_state_dict() into the Hugging Face model and generate with it"
         )
 
-    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
-        """HF's full state dict of the current weights, on every rank: this rank's TP (and EP)
-        shards gathered and merged, then the family adapter's `to_hf`. Collective over the
-        TP and EP groups; call it before FSDP shards the model (or on the unsharded model)."""
-        from megatron_smp.models.hf import get_adapter
-        from megatron_smp.models.sharding import expert_parallel_merge, merge_state_dicts
+    def _full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Our full (TP=1) state dict, LoRA adapters included: this rank's TP (and EP)
+        shards gathered and merged. Collective over the TP and EP groups."""
+        from megatron_smp.models.sharding import (
+            expert_parallel_merge, merge_state_dicts, tensor_parallel_layout,
+        )
 
         parallel_state = self.module.state
         config = self.transformer_config
@@ -139,12 +139,59 @@ class TransformedModel(torch.nn.Module):
         if parallel_state.tp_size > 1:
             shards = [None] * parallel_state.tp_size
             dist.all_gather_object(shards, local, group=parallel_state.tp_group)
-            full = merge_state_dicts(shards, config)
+            full = merge_state_dicts(shards, config, tensor_parallel_layout(self.module))
         if config.num_moe_experts is not None and parallel_state.ep_size > 1:
             shards = [None] * parallel_state.ep_size
             dist.all_gather_object(shards, full, group=parallel_state.ep_group)
             full = expert_parallel_merge(shards, config.num_moe_experts)
-        return get_adapter(self.family).to_hf(full, config)
+        return full
+
+    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        """HF's full state dict of the current weights, on every rank: this rank's TP (and EP)
+        shards gathered and merged, LoRA adapters (`apply_lora`) merged into their base
+        weights, then the family adapter's `to_hf`. Collective over the TP and EP groups;
+        call it before FSDP shards the model (or on the unsharded model)."""
+        from megatron_smp.models.hf import get_adapter
+        from megatron_smp.tensor_parallel.lora import merge_lora
+
+        full = self._full_state_dict()
+        if self.lora is not None:
+            full = merge_lora(full, self.lora["alpha"], self.lora["rank"])
+        return get_adapter(self.family).to_hf(full, self.transformer_config)
+
+    lora: Optional[Dict[str, Any]] = None
+
+    def apply_lora(self, rank: int = 8, alpha: float = 32.0, dropout: float = 0.0,
+                   target_modules=None):
+        """LoRA in one call: adapters on the target layers (Megatron-Bridge's names, default
+        all of linear_qkv, linear_proj, linear_fc1, linear_fc2), split like their layers under
+        TP, the rest frozen; build the optimizer over `parameters()` afterwards (only the
+        adapters require grad). Returns the adapted layers' names. `hf_state_dict()` then
+        gives the merged model, `save_peft_adapter(dir)` the PEFT adapter directory."""
+        from megatron_smp.tensor_parallel.lora import LORA_TARGETS, apply_lora
+
+        if self.lora is not None:
+            raise ConfigError("apply_lora: this model already has LoRA adapters")
+        targets = list(target_modules or LORA_TARGETS)
+        adapted = apply_lora(self.module, rank, alpha, dropout, targets)
+        self.lora = {"rank": rank, "alpha": alpha, "dropout": dropout, "targets": targets}
+        return adapted
+
+    def save_peft_adapter(self, directory: str, base_model_name_or_path: str = None) -> None:
+        """Write the adapters as a PEFT adapter directory that `peft.PeftModel.from_pretrained`
+        loads onto the HF model (dense Llama family). Collective like `hf_state_dict`; rank 0
+        writes."""
+        from megatron_smp.models.hf.peft import save_peft_adapter
+
+        if self.lora is None:
+            raise ConfigError("save_peft_adapter: call apply_lora first (the model has no "
+                              "LoRA adapters)")
+        full = self._full_state_dict()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        save_peft_adapter(directory, full, self.transformer_config, self.lora["rank"],
+                          self.lora["alpha"], self.lora["dropout"], self.lora["targets"],
+                          base_model_name_or_path)
 
 
 def _has_meta(module: torch.nn.Module) -> bool:

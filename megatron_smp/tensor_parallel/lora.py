@@ -149,4 +149,22 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
     return adapted
 
 
-__all__ = ["LORA_TARGETS", "LoRAAdapter", "apply_lora", "check_lora_flags"]
+def merge_lora(state_dict, alpha: float, rank: int):
+    """A copy of a full (TP=1) state dict with every adapter merged into its base weight,
+    `W + alpha / rank * B @ A`, and the adapter tensors dropped: the fine-tuned model as a
+    plain one (what `adapter.to_hf` exports). Our B rows follow W's rows in every layout
+    (fused q/k/v groups, [gate; up]), so the merge needs no knowledge of the layer."""
+    scale = float(alpha) / float(rank)
+    merged = {key: value for key, value in state_dict.items() if ".lora.lora_" not in key}
+    for key, a in state_dict.items():
+        if not key.endswith(".lora.lora_A"):
+            continue
+        layer = key[: -len(".lora.lora_A")]
+        b = state_dict[layer + ".lora.lora_B"]
+        weight = merged[layer + ".weight"]
+        delta = (b.float() @ a.float()) * scale
+        merged[layer + ".weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+__all__ = ["LORA_TARGETS", "LoRAAdapter", "apply_lora", "check_lora_flags", "merge_lora"]

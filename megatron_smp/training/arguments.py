@@ -450,9 +450,10 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--apply-query-key-layer-scaling": "a numerics guard of Megatron's unfused fp16 softmax; "
                                        "the scaled product is the same with SDPA",
     "--no-query-key-layer-scaling": "see --apply-query-key-layer-scaling",
-    "--no-create-attention-mask-in-dataloader": "masks are only built for "
-                                                "--reset-attention-mask; causal masking is "
-                                                "inside the attention kernel",
+    "--no-create-attention-mask-in-dataloader": "no [s, s] mask is ever built: causal "
+                                                "masking is inside the attention kernel, and "
+                                                "--reset-attention-mask / --sft pass document "
+                                                "ids",
     "--timing-log-level": "log verbosity of Megatron's per-phase timers (the log line's "
                           "iteration time is always printed)",
     "--timing-log-option": "which ranks' values of Megatron's per-phase timers are printed "
@@ -727,6 +728,11 @@ def parse_args(
             key = spec.flag.lstrip("-").replace("-", "_")
             by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if "--use-checkpoint-args" in argv:
+        # As in Megatron, the model's shape may come from the --load checkpoint alone.
+        for action in parser._actions:
+            if action.dest.startswith("model__"):
+                action.required = False
     args = parser.parse_args(argv)
 
     sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
@@ -762,8 +768,9 @@ def parse_args(
     if args.swiglu:
         model["gated_linear_unit"] = True
         model["activation"] = "silu"
-        if model.get("ffn_hidden_size") is None:
+        if model.get("ffn_hidden_size") is None and model.get("hidden_size") is not None:
             # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
+            # (No --hidden-size: --use-checkpoint-args gives both.)
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
@@ -824,6 +831,11 @@ def parse_args(
 
     if args.use_checkpoint_args:
         model.update(checkpoint_model_fields(sections["checkpoint"].get("load")))
+        missing = [f"--{name.replace('_', '-')}" for name in
+                   ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
+        if missing:
+            raise ConfigError(f"--use-checkpoint-args: the --load checkpoint gives no "
+                              f"{', '.join(missing)}; pass {'it' if len(missing) == 1 else 'them'}")
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
@@ -957,18 +969,13 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
                 f"--sft with {', '.join(ignored)}: SFT packs conversations in memory and trains "
                 "on the loss mask tools/preprocess_sft_data.py wrote; drop "
                 f"{'it' if len(ignored) == 1 else 'them'}")
-    if data.sft and parallel.context_parallel_size > 1:
-        raise ConfigError(
-            f"--sft with --context-parallel-size {parallel.context_parallel_size}: packed "
-            "sequences are not split across context-parallel ranks yet; use "
-            "--context-parallel-size 1"
-        )
-    if (data.reset_attention_mask and parallel.context_parallel_size > 1
+    packed_by = "--sft" if data.sft else "--reset-attention-mask"
+    if ((data.sft or data.reset_attention_mask) and parallel.context_parallel_size > 1
             and configs.model.cp_comm_type != "all_gather"):
         raise ConfigError(
-            f"--reset-attention-mask with --context-parallel-size "
-            f"{parallel.context_parallel_size} needs --cp-comm-type all_gather (p2p and a2a "
-            "attend with causal masks only)"
+            f"{packed_by} with --context-parallel-size {parallel.context_parallel_size} needs "
+            "--cp-comm-type all_gather (packed documents attend to their keys gathered over "
+            "the CP ranks; p2p and a2a attend with causal masks only)"
         )
     per_split_paths = [flag for flag, paths in (
         ("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),

@@ -32,6 +32,7 @@ from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, grou
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
@@ -293,12 +294,18 @@ def core_attention(
 ) -> torch.Tensor:
     """SDPA over q [b, nq, s, d], k/v [b, nkv, s, d] (nkv divides nq: grouped-query).
 
-    `attention_mask` is bool, True = masked, broadcastable to [b, nq, s, s]; `bias` an
-    additive float bias (ALiBi). Without either, `causal` uses the kernel's own causal path.
+    `attention_mask` is bool, True = masked, broadcastable to [b, nq, s, s], or a
+    `PackedSequence` (documents packed in each row: attention that does no work across them,
+    see `transformer.packed`; with a bias or sinks its dense mask); `bias` an additive float
+    bias (ALiBi). Without either, `causal` uses the kernel's own causal path.
     The SDPA call follows `sdpa_plan`. `sinks` [nq]: one more logit per head in every softmax
     denominator (no value); SDPA has no such input, so these are computed with explicit
     scores (like HF's eager gpt-oss). Returns [b, nq, s, d].
     """
+    if isinstance(attention_mask, PackedSequence):
+        if sinks is None and bias is None:
+            return attention_mask.attend(query, key, value, dropout_p, scale)
+        attention_mask = attention_mask.dense_mask()
     if sinks is not None:
         mask = bias
         if attention_mask is None and causal:
@@ -340,8 +347,8 @@ class DotProductAttention(torch.nn.Module):
     (`softmax_offset`, --softmax-type) and attention dropout.
 
     forward(query [s, b, nh_local, d], key/value [s, b, ng_local, d], attention_mask=None)
-    -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked;
-    None = causal.
+    -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked, a
+    `PackedSequence`, or None = causal.
     """
 
     def __init__(
@@ -382,7 +389,9 @@ class DotProductAttention(torch.nn.Module):
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.window_size is not None:
             # An explicit mask: SDPA's flash kernel has no window, its memory-efficient one
-            # takes the mask.
+            # takes the mask (a packed sequence's dense document mask with it).
+            if isinstance(attention_mask, PackedSequence):
+                attention_mask = attention_mask.dense_mask()
             window = sliding_window_mask(s, self.window_size, query.device)
             attention_mask = window if attention_mask is None else attention_mask | window
         bias = None

@@ -1,21 +1,40 @@
-"""pretrain_gpt.py --sft (and LoRA): packed conversations train the same at DP=2, PP=2 and
-TP=2+SP as in one process, on the bundled tiny chat set; LoRA trains only its adapters,
-starts from a base checkpoint and resumes exactly."""
+"""pretrain_gpt.py --sft (and LoRA): packed conversations train the same at DP=2 (FSDP2), PP=2,
+TP=2+SP and CP=2 as in one process, on the bundled tiny chat set; LoRA trains only its adapters;
+an HF Llama fine-tuned with LoRA lowers its validation loss, resumes exactly and exports to
+PEFT and to a merged HF model."""
+import sys
+import types
+
 import pytest
 import torch
 
 from megatron_smp.testing import run_distributed
-from tests.unit.data.sft_common import make_chat_tokenizer, make_sft_data, tiny_chat_records
+from tests.unit.data.sft_common import (
+    ROOT,
+    make_chat_tokenizer,
+    make_sft_data,
+    tiny_chat_records,
+)
 
 ITERS = 6
 
 
-def _train(rank, world_size, argv):
+def _train(rank, world_size, argv, pad_like_context_parallel=None):
+    """Losses per iteration; `pad_like_context_parallel`: pad the conversations as a run at
+    that --context-parallel-size does (the reference of a CP run packs the same way)."""
     import pretrain_gpt
+    from megatron_smp.data import build_train_valid_test_datasets
     from megatron_smp.training import pretrain
 
-    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                      pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    provider = pretrain_gpt.train_valid_test_datasets_provider
+    if pad_like_context_parallel:
+        def provider(num_samples, configs, tokenizer):
+            return build_train_valid_test_datasets(
+                configs.data, configs.training.seq_length, configs.training.seed, num_samples,
+                tokenizer, context_parallel_size=pad_like_context_parallel)
+
+    result = pretrain(provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                      argv=argv)
     return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 
 
@@ -30,15 +49,24 @@ def _train_logged(rank, world_size, argv):
 
 
 @pytest.fixture(scope="module")
-def sft_argv(tmp_path_factory):
+def sft_data(tmp_path_factory):
+    """(--data-path prefix, tokenizer directory) of the bundled tiny chat set."""
     directory = str(tmp_path_factory.mktemp("sft_run"))
     records = tiny_chat_records()
     tokenizer = make_chat_tokenizer(directory, records)
-    prefix = make_sft_data(tokenizer, directory, records)
-    return (
-        f"--sft --data-path {prefix} --split 90,10,0 --tokenizer-type HuggingFaceTokenizer "
-        f"--tokenizer-model {tokenizer} --num-layers 2 --hidden-size 64 "
-        "--num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+    return make_sft_data(tokenizer, directory, records), tokenizer
+
+
+def _data_flags(prefix, tokenizer):
+    return (f"--sft --data-path {prefix} --split 90,10,0 --tokenizer-type HuggingFaceTokenizer "
+            f"--tokenizer-model {tokenizer} --seq-length 96").split()
+
+
+@pytest.fixture(scope="module")
+def sft_argv(sft_data):
+    return _data_flags(*sft_data) + (
+        "--num-layers 2 --hidden-size 64 "
+        "--num-attention-heads 4 --max-position-embeddings 96 "
         f"--micro-batch-size 2 --global-batch-size 4 --train-iters {ITERS} --hidden-dropout 0 "
         "--attention-dropout 0 --lr 1e-3 --log-interval 1 --eval-interval 100 "
         "--eval-iters 1 --seed 7"
@@ -46,23 +74,32 @@ def sft_argv(tmp_path_factory):
 
 
 def test_sft_layouts_match_single_process(sft_argv):
+    """Packed conversations at DP=2 under FSDP2, PP=2, TP=2+SP and CP=2 (each conversation
+    split over the CP ranks the load-balanced way; the reference packs them padded alike)
+    give the single process's losses."""
     reference, log = run_distributed(_train_logged, 1, args=(sft_argv,), timeout=300)[0]
     assert " > --sft train: 86 conversations in " in log and "packing efficiency 0." in log
     assert len(reference) == ITERS and reference[-1] < reference[0]
-    for flags in ("", "--pipeline-model-parallel-size 2",
-                  "--tensor-model-parallel-size 2 --sequence-parallel"):
+    padded = run_distributed(_train, 1, args=(sft_argv, 2), timeout=300)[0]
+    assert padded != pytest.approx(reference, rel=1e-5)  # other packs: a real check below
+    for flags, expected in (
+            ("--use-torch-fsdp2", reference),
+            ("--pipeline-model-parallel-size 2", reference),
+            ("--tensor-model-parallel-size 2 --sequence-parallel", reference),
+            ("--context-parallel-size 2 --cp-comm-type all_gather", padded)):
         for losses in run_distributed(_train, 2, args=(sft_argv + flags.split(),), timeout=300):
-            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
+            assert losses == pytest.approx(expected, rel=1e-5), (flags, losses, expected)
 
 
-def test_sft_refuses_context_parallel_and_mock_data(sft_argv):
+def test_sft_refuses_ring_context_parallel_and_mock_data(sft_argv):
     from megatron_smp.config import ConfigError
     from megatron_smp.data import build_train_valid_test_datasets
     from megatron_smp.training.arguments import parse_args, validate_configs
 
     configs = parse_args(sft_argv + ["--context-parallel-size", "2"])
     configs.model.vocab_size = 400  # the tokenizer's, as pretrain sets it before validating
-    with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2"):
+    with pytest.raises(ConfigError, match="--sft with --context-parallel-size 2 needs "
+                                          "--cp-comm-type all_gather"):
         validate_configs(configs, world_size=2)
     configs = parse_args(sft_argv + ["--eod-mask-loss"])
     configs.model.vocab_size = 400
@@ -121,23 +158,99 @@ def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv):
             assert sum(r[1] for r in results) == state_bytes
 
 
-def test_lora_finetunes_from_a_base_checkpoint(sft_argv, tmp_path):
-    """--finetune --load of a checkpoint without adapters: the base loads, the adapters start
-    at B = 0, so the first loss is the base model's (that of a full fine-tune from it)."""
-    base = sft_argv + LLAMA + ["--train-iters", "2", "--save", str(tmp_path / "base")]
-    run_distributed(_train, 1, args=(base,), timeout=300)
-    load = ["--load", str(tmp_path / "base"), "--finetune", "--train-iters", "3"]
-    full = run_distributed(_train, 1, args=(sft_argv + LLAMA + load,), timeout=300)[0]
-    lora = run_distributed(_train, 1, args=(sft_argv + LLAMA + LORA + load,), timeout=300)[0]
-    assert lora[0] == pytest.approx(full[0], rel=1e-6)
-    assert lora[1] != pytest.approx(full[1], rel=1e-6)
+def _train_and_validate(rank, world_size, argv):
+    """Losses per iteration and the final validation loss."""
+    import pretrain_gpt
+    from megatron_smp.training import pretrain
+
+    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                      pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    losses = [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
+    return losses, result.final_valid_losses.get("lm loss")
 
 
-def test_lora_resume_mid_run_is_exact(sft_argv, tmp_path):
-    argv = sft_argv + LLAMA + LORA + ["--train-iters", "4", "--save", str(tmp_path / "ckpt")]
-    whole = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
+def _hf_validation_loss(model, data_flags, samples):
+    """The masked mean loss of an HF causal LM over the first `samples` validation packs,
+    each conversation run on its own (what --eval-iters evaluates, packed)."""
+    from megatron_smp.data import build_train_valid_test_datasets
+    from megatron_smp.training.arguments import parse_args
+
+    configs = parse_args(data_flags + ["--num-layers", "1", "--hidden-size", "8",
+                                       "--num-attention-heads", "1"])
+    # The padding token never counts (loss mask 0), whatever it is.
+    _, valid, _ = build_train_valid_test_datasets(configs.data, 96, 7, [None, samples, None],
+                                                  tokenizer=types.SimpleNamespace(eod=0))
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for index in range(samples):
+            sample = valid[index]
+            documents = sample["document_ids"]
+            for number in documents.unique().tolist():
+                span = (documents == number).nonzero().flatten()
+                a, b = int(span[0]), int(span[-1]) + 1
+                mask = sample["loss_mask"][a:b]
+                if mask.sum() == 0:
+                    continue
+                logits = model(input_ids=sample["tokens"][None, a:b]).logits[0].float()
+                losses = torch.nn.functional.cross_entropy(logits, sample["labels"][a:b],
+                                                           reduction="none")
+                total += float((losses * mask).sum())
+                count += float(mask.sum())
+    return total / count
+
+
+def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
+    """An HF Llama directory, converted, fine-tuned with LoRA on the bundled chats: the base
+    run's validation loss is HF's own on the same conversations; fine-tuning lowers it; a run
+    stopped at iteration 2 resumes exactly; convert.py --peft-dir exports an adapter that
+    peft loads onto the HF model, and a merged HF model, both giving our validation loss."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, ROOT)
+    from tools.checkpoint import convert
+
+    prefix, tokenizer_dir = sft_data
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=False))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert convert.main(["--model-type", "llama", "--loader", "hf", "--saver", "megatron_smp",
+                         "--load-dir", str(tmp_path / "hf"),
+                         "--save-dir", str(tmp_path / "base")]) == 0
+    data = _data_flags(prefix, tokenizer_dir)
+    argv = data + LORA + (
+        "--use-checkpoint-args --micro-batch-size 2 --global-batch-size 4 --train-iters 4 "
+        "--lr-warmup-iters 0 --log-interval 1 --eval-interval 100 --eval-iters 2 --seed 7 "
+        "--hidden-dropout 0 --attention-dropout 0").split()
+    from_base = ["--load", str(tmp_path / "base"), "--finetune"]
+    _, base_valid = run_distributed(_train_and_validate, 1,
+                                    args=(argv + from_base + ["--skip-train"],), timeout=300)[0]
+    assert base_valid == pytest.approx(_hf_validation_loss(hf.eval(), data, 8), rel=1e-5)
+
+    whole, valid = run_distributed(_train_and_validate, 1, args=(
+        argv + from_base + ["--save", str(tmp_path / "whole")],), timeout=300)[0]
+    assert valid < base_valid - 0.05, (valid, base_valid)
     # Stopped after iteration 2 (--exit-interval saves), then resumed to the end.
-    run_distributed(_train, 1, args=(argv + ["--exit-interval", "2"],), timeout=300)
-    resumed = run_distributed(_train, 1, args=(argv + ["--load", str(tmp_path / "ckpt")],),
-                              timeout=300)[0]
-    assert resumed == whole[2:]
+    stop = argv + from_base + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]
+    run_distributed(_train_and_validate, 1, args=(stop,), timeout=300)
+    resumed, resumed_valid = run_distributed(_train_and_validate, 1, args=(
+        argv + ["--load", str(tmp_path / "ckpt")],), timeout=300)[0]
+    assert resumed == whole[2:] and resumed_valid == valid
+
+    assert convert.main(["--model-type", "llama", "--loader", "megatron_smp", "--saver", "hf",
+                         "--load-dir", str(tmp_path / "whole"),
+                         "--save-dir", str(tmp_path / "merged"),
+                         "--peft-dir", str(tmp_path / "adapter")]) == 0
+    with_adapter = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(
+        str(tmp_path / "hf")), str(tmp_path / "adapter")).eval()
+    assert _hf_validation_loss(with_adapter, data, 8) == pytest.approx(valid, rel=1e-5)
+    merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert _hf_validation_loss(merged, data, 8) == pytest.approx(valid, rel=1e-5)
+    # A checkpoint without adapters has nothing to export.
+    assert convert.main(["--model-type", "llama", "--loader", "megatron_smp", "--saver", "hf",
+                         "--load-dir", str(tmp_path / "base"),
+                         "--save-dir", str(tmp_path / "again"),
+                         "--peft-dir", str(tmp_path / "none")]) == 1

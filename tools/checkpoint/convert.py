@@ -13,6 +13,9 @@
         --target-tensor-parallel-size 2                 # Megatron-LM's legacy format, TP=2
     python tools/checkpoint/convert.py --model-type gptj --loader smp_v1 --saver hf \
         --load-dir v1/checkpoint.pt --hf-config v1/ --save-dir hf/gptj   # SMP v1's smp.save file
+    python tools/checkpoint/convert.py --model-type llama --loader megatron_smp --saver hf \
+        --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
+                                        # the merged HF model, and the PEFT adapter directory
 
 A loader gives (TransformerConfig, full model tensors in checkpoint form); a saver writes them.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
@@ -29,6 +32,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
+import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_smp.config import ConfigError, TransformerConfig  # noqa: E402
@@ -70,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TP size: written (megatron saver) or intended (megatron_smp saver)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                         help="PP size: written (megatron saver) or intended (megatron_smp saver)")
+    parser.add_argument("--peft-dir", default=None,
+                        help="--loader megatron_smp of a --lora-rank run: also write its LoRA "
+                        "adapters as a PEFT adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors, for peft.PeftModel.from_pretrained on "
+                        "the base HF model); the saver always gets the adapters merged into "
+                        "the base weights")
     parser.add_argument("--mxfp4-experts", action="store_true",
                         help="--saver hf, gpt_oss: store the expert projections in MXFP4 "
                         "(*_blocks + *_scales, as the published checkpoints; lossy) instead "
@@ -118,6 +128,9 @@ def convert(args: argparse.Namespace) -> None:
     targets = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
     if args.saver == "hf" and targets != (None, None):
         raise ConfigError("--target-*-parallel-size apply to --saver megatron_smp / megatron")
+    if args.peft_dir is not None and args.loader != "megatron_smp":
+        raise ConfigError("--peft-dir exports the LoRA adapters of a megatron_smp checkpoint "
+                          "(--loader megatron_smp)")
     if args.mxfp4_experts and (args.saver != "hf" or family != "gpt_oss"):
         raise ConfigError("--mxfp4-experts writes a gpt-oss HF checkpoint's experts in MXFP4: "
                           "it needs --saver hf and --model-type gpt_oss")
@@ -143,6 +156,7 @@ def convert(args: argparse.Namespace) -> None:
         conversion = common["config"].get("conversion") or {}
         source_hf_config = conversion.get("hf_config")
         iteration = common.get("iteration")
+        model = _export_lora(args, config, model, common)
 
     if args.saver == "hf":
         write_hf_checkpoint(args.save_dir, family, config, model, source_hf_config)
@@ -167,6 +181,43 @@ def convert(args: argparse.Namespace) -> None:
     print(f"converted {args.load_dir} ({args.loader}) -> {args.save_dir} ({args.saver}): "
           f"{args.model_type}, {len(model)} tensors, "
           f"{sum(t.numel() for t in model.values()):,} parameters, verified")
+
+
+def _export_lora(args: argparse.Namespace, config: TransformerConfig,
+                 model: Dict[str, torch.Tensor], common: Dict) -> Dict[str, torch.Tensor]:
+    """A --lora-rank run's checkpoint: write the PEFT directory (--peft-dir) and return the
+    model with the adapters merged into the base (W + alpha / r * B A), which the saver
+    writes. A checkpoint without adapters is returned as it is."""
+    from megatron_smp.models.hf.peft import lora_to_peft, save_peft_adapter
+    from megatron_smp.tensor_parallel.lora import merge_lora
+
+    adapters = sorted(name for name in model if ".lora.lora_" in name)
+    if not adapters:
+        if args.peft_dir is not None:
+            raise ConfigError(f"--peft-dir: {args.load_dir} holds no LoRA adapters (it was not "
+                              "saved by a --lora-rank run)")
+        return model
+    training = common["config"].get("training") or {}
+    rank, alpha = training.get("lora_rank"), training.get("lora_alpha")
+    targets = training.get("lora_target_modules")
+    if not rank or alpha is None or not targets:
+        raise ConfigError(f"{args.load_dir} holds LoRA adapters but its common.json has no "
+                          "lora_rank / lora_alpha / lora_target_modules")
+    if args.peft_dir is not None:
+        _check_save_dir(args.peft_dir, args.load_dir)
+        from safetensors.torch import load_file
+
+        save_peft_adapter(args.peft_dir, model, config, rank, alpha,
+                          training.get("lora_dropout", 0.0), targets,
+                          base_model_name_or_path=(common["config"].get("conversion") or {})
+                          .get("source"))
+        compare_state_dicts(lora_to_peft(model, config, targets),
+                            load_file(os.path.join(args.peft_dir, "adapter_model.safetensors")),
+                            f"re-reading {args.peft_dir}")
+        print(f"wrote the PEFT adapter directory {args.peft_dir}: rank {rank}, alpha {alpha}, "
+              f"{len(adapters)} adapter tensors of {', '.join(targets)}")
+    print(f"merging the LoRA adapters (rank {rank}, alpha {alpha}) into the base weights")
+    return merge_lora(model, alpha, rank)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

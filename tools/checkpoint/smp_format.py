@@ -91,12 +91,24 @@ def _saved_tensors(path: str, common: Mapping[str, Any], config: TransformerConf
     return {name: saved[name].properties.dtype for name in expected}
 
 
+def _adapter_shapes(path: str, common: Mapping[str, Any]) -> Dict[str, torch.Size]:
+    """Global shapes of the LoRA adapter tensors (`*.lora.lora_A/B`) a --lora-rank run saved
+    beside the base weights; {} for a checkpoint without them."""
+    if common.get("ckpt_format") != "torch_dist":
+        return {}
+    return {key[len(MODEL_KEY) + 1:]: torch.Size(info.size)
+            for key, info in read_dcp_metadata(path).state_dict_metadata.items()
+            if key.startswith(MODEL_KEY + ".") and ".lora.lora_" in key}
+
+
 def read_smp_checkpoint(load_dir: str, family: str, model_type: str):
-    """-> (TransformerConfig, {name: global tensor}, common.json dict)."""
+    """-> (TransformerConfig, {name: global tensor}, common.json dict). A LoRA run's
+    checkpoint also gives its adapters (`*.lora.lora_A` [r, in], `*.lora.lora_B` [out, r])."""
     iteration, path, common = _read_common(load_dir)
     config = config_from_json(common["config"][MODEL_KEY], os.path.join(path, COMMON_FILENAME))
     check_family(config, family, model_type)
-    expected = framework_shapes(family, config)
+    expected = dict(framework_shapes(family, config))
+    expected.update(_adapter_shapes(path, common))
     dtypes = _saved_tensors(path, common, config, expected)
     model = {name: torch.empty(shape, dtype=dtypes[name]) for name, shape in expected.items()}
     with world_one_state() as state:

@@ -1,7 +1,9 @@
 """Context-parallel core attention equals the single-rank attention: output and the grads of
 query, key and value, for every comm type, at CP=2 and CP=4, MHA and GQA (and with ALiBi or a
 sliding window, whose masks come from global positions; or with attention sinks, whose grads
-of the CP ranks add up to the single-rank grad)."""
+of the CP ranks add up to the single-rank grad); and all_gather over packed rows
+(`PackedSequence`, documents split load-balanced each or rows split whole) equals the
+single-rank attention under the dense document mask."""
 import pytest
 import torch
 
@@ -103,6 +105,48 @@ def _max_diffs(rank, world_size, kernel="auto"):
             diffs[(name, comm_type)] = max(
                 float((a - b).abs().max()) for a, b in zip(got, expected)
             )
+    diffs.update(_packed_diffs(state, rank, world_size))
+    return diffs
+
+
+# Packed rows (document lengths per row): every length divisible by 2 x CP (each document is
+# split load-balanced on its own), or not (the row is split as a whole).
+PACKED = {"packed_documents": [[16, 8, 8], [24, 8]], "packed_rows": [[5, 11, 16], [20, 12]]}
+
+
+def _packed_diffs(state, rank, world_size):
+    """All-gather attention over a PackedSequence equals the single rank's attention under
+    the dense document mask, on this rank's tokens (output and q/k/v grads)."""
+    from megatron_smp.context_parallel.attention import AllGatherAttention
+    from megatron_smp.context_parallel.split import packed_rank_indices
+    from megatron_smp.transformer.attention import DotProductAttention
+    from megatron_smp.transformer.packed import PackedSequence
+
+    diffs = {}
+    for name, rows in PACKED.items():
+        documents = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)]
+                                  for row in rows])
+        config = _config(8, 4, "all_gather", {})
+        q, k, v, grad = _inputs(8, 4)
+        single = DotProductAttention(config, _NoTP(state))
+        q1, k1, v1 = (t.clone().requires_grad_(True) for t in (q, k, v))
+        single(q1, k1, v1, PackedSequence(documents).dense_mask()).backward(grad)
+        reference = single(q, k, v, PackedSequence(documents).dense_mask())
+        indices = packed_rank_indices(documents, world_size)
+        mine = indices[rank]  # [b, s / cp]
+
+        def local(t):  # [s, b, ...] -> this rank's tokens [s / cp, b, ...]
+            return torch.stack([t[mine[b], b] for b in range(BATCH)], dim=1)
+
+        module = AllGatherAttention(config, state)
+        packed = PackedSequence(documents, indices, rank)
+        ql, kl, vl = (local(t).clone().requires_grad_(True) for t in (q, k, v))
+        out = module(ql, kl, vl, packed)
+        out.backward(local(grad))
+        got = (out.detach(), ql.grad, kl.grad, vl.grad)
+        expected = (local(reference.detach()), local(q1.grad), local(k1.grad), local(v1.grad))
+        diffs[(name, "all_gather")] = max(float((a - b).abs().max())
+                                          for a, b in zip(got, expected))
     return diffs
 
 

@@ -54,21 +54,27 @@ def test_more_samples_than_an_epoch_repeats_documents(make_dataset):
 
 def test_masks_and_position_ids():
     tokens = torch.tensor([5, 6, EOD, 7, 8, EOD, 9])
-    loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
+    loss_mask, position_ids, document_ids = get_ltor_masks_and_position_ids(
         tokens, EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True
     )
     assert loss_mask.dtype == torch.float32
     assert loss_mask.tolist() == [1, 1, 0, 1, 1, 0, 1]
     assert position_ids.tolist() == [0, 1, 2, 0, 1, 2, 0]
-    assert attention_mask.shape == (1, 7, 7) and attention_mask.dtype == torch.bool
-    allowed = ~attention_mask[0]
+    assert document_ids.tolist() == [0, 0, 0, 1, 1, 1, 2]
+    from megatron_smp.transformer.packed import PackedSequence
+
+    allowed = ~PackedSequence(document_ids[None]).dense_mask()[0, 0]
     # Token 4 sees its own document (3, 4) only; token 6 only itself.
     assert allowed[4].nonzero().flatten().tolist() == [3, 4]
     assert allowed[6].nonzero().flatten().tolist() == [6]
-    loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
+    _, position_ids, document_ids = get_ltor_masks_and_position_ids(
+        tokens, EOD, False, True, False
+    )
+    assert position_ids.tolist() == list(range(7)) and document_ids.tolist()[-1] == 2
+    loss_mask, position_ids, document_ids = get_ltor_masks_and_position_ids(
         tokens, EOD, False, False, False
     )
-    assert attention_mask is None and position_ids.tolist() == list(range(7))
+    assert document_ids is None and position_ids.tolist() == list(range(7))
     assert loss_mask.tolist() == [1.0] * 7
 
 
@@ -89,8 +95,8 @@ def test_split_uses_disjoint_documents_and_caches_indices(make_dataset, tmp_path
     assert test is None
     first_ids = lambda dataset: {int(i) for i in dataset.document_index}  # noqa: E731
     assert first_ids(train) == set(range(80)) and first_ids(valid) == set(range(80, 100))
-    assert set(train[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
-    assert train[0]["attention_mask"].shape == (1, 10, 10)
+    assert set(train[0]) == {"tokens", "labels", "loss_mask", "position_ids", "document_ids"}
+    assert train[0]["document_ids"].shape == (10,)
     cached = sorted(os.listdir(tmp_path / "cache"))
     assert sum(name.endswith("sample_index.npy") for name in cached) == 2
     again, _, _ = build_train_valid_test_datasets(

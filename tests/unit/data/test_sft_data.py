@@ -94,6 +94,31 @@ def test_preprocessing_errors(chat_tokenizer, tmp_path):
     assert proc.returncode == 1 and "no chat template" in proc.stderr
 
 
+def test_named_prompt_format(chat_tokenizer, sft_data, tmp_path):
+    """--sft-tokenizer-prompt-format chatml on a tokenizer without a template gives what the
+    tokenizer's own ChatML template gives (tokens and loss mask); llama3 trains on the
+    assistant's words and its end-of-turn marker only."""
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    for name in ("chatml", "llama3"):
+        preprocess_sft_data.preprocess(preprocess_sft_data.get_args([
+            "--input", str(source), "--output-prefix", str(tmp_path / name),
+            "--tokenizer-model", os.path.join(chat_tokenizer, "without"),
+            "--sft-tokenizer-prompt-format", name]))
+    prefix = str(tmp_path / "chatml_text_document")
+    for a, b in ((prefix, sft_data), (loss_mask_prefix(prefix), loss_mask_prefix(sft_data))):
+        assert [x.tolist() for x in IndexedDataset(a)] == [x.tolist() for x in IndexedDataset(b)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(chat_tokenizer, "without"))
+    prefix = str(tmp_path / "llama3_text_document")
+    tokens, masks = IndexedDataset(prefix), IndexedDataset(loss_mask_prefix(prefix))
+    for i, record in enumerate(CONVERSATIONS):
+        messages = preprocess_sft_data.conversation_of(record, i + 1)
+        assert tokenizer.decode(tokens[i][masks[i] == 1].tolist()) == "".join(
+            m["content"] + "<|eot_id|>" for m in messages if m["role"] == "assistant")
+
+
 def test_best_fit_packing_and_efficiency():
     lengths = [7, 5, 4, 3, 3, 2, 1, 9]
     packs = pack_best_fit(lengths, 10)
@@ -120,12 +145,10 @@ def test_packed_samples_hold_whole_conversations(sft_data):
     for index in range(len(dataset)):
         sample = dataset[index]
         starts = (sample["position_ids"] == 0).nonzero(as_tuple=True)[0].tolist()
-        mask = sample["attention_mask"][0]
-        for a, b in zip(starts, starts[1:] + [dataset.seq_length]):
-            # Each document attends causally to itself and to nothing before it.
-            assert mask[a:b, :a].all()
-            assert torch.equal(mask[a:b, a:b],
-                               torch.ones(b - a, b - a, dtype=torch.bool).triu(1))
+        document_ids = sample["document_ids"]
+        for number, (a, b) in enumerate(zip(starts, starts[1:] + [dataset.seq_length])):
+            # Each conversation (and the end padding) is a document of its own.
+            assert document_ids[a:b].tolist() == [number] * (b - a)
         for a, b in zip(starts, starts[1:] + [dataset.seq_length]):
             ids = sample["tokens"][a:b].tolist() + [int(sample["labels"][b - 1])]
             matches = [i for i in range(len(tokens)) if tokens[i].tolist() == ids]
@@ -162,7 +185,7 @@ def test_packed_losses_equal_conversations_one_at_a_time(sft_data):
     model = GPTModel(config, state)
     sample = dataset[0]
     packed = model(sample["tokens"][None], position_ids=sample["position_ids"][None],
-                   attention_mask=sample["attention_mask"][None],
+                   document_ids=sample["document_ids"][None],
                    labels=sample["labels"][None])[0]
     mask = sample["loss_mask"]
     (packed * mask).sum().div(mask.sum()).backward()

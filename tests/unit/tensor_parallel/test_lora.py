@@ -1,6 +1,6 @@
 """LoRA on the parallel linear layers: TP=2 (and +SP) equals TP=1 in logits and adapter grads,
-the base is frozen, and the exported PEFT adapter applied by hand to the HF Llama
-(W + alpha/r * B A, what peft computes) gives our logits."""
+the base is frozen; the exported PEFT adapter, loaded by `peft.PeftModel.from_pretrained` onto
+the HF Llama, gives our logits, and the merged HF export equals the adapter on the base."""
 import dataclasses
 import json
 import os
@@ -82,29 +82,26 @@ def _worker(rank, world_size, out_dir):
         if rank == 0:
             save_peft_adapter(os.path.join(out_dir, f"tp{world_size}_sp{int(sequence_parallel)}"),
                               weights, config, RANK, ALPHA, 0.0, LORA_TARGETS)
+        if world_size == 1:
+            # The merged export: base + alpha/r * B A in our layout, then HF names.
+            from megatron_smp.tensor_parallel.lora import merge_lora
+
+            merged = merge_lora({n: p.detach() for n, p in model.state_dict().items()},
+                                ALPHA, RANK)
+            assert not any(".lora." in n for n in merged)
+            hf.load_state_dict(adapter.to_hf(merged, config))
+            hf.save_pretrained(os.path.join(out_dir, "merged"))
         results[sequence_parallel] = (logits.detach(), grads)
     return to_numpy(results)
 
 
-def _hf_with_adapter(directory):
-    """The HF model with the PEFT adapter merged by hand: W += lora_alpha / r * B @ A."""
-    from safetensors.torch import load_file
+def _peft_model(directory):
+    """The HF Llama with our exported adapter loaded by peft itself."""
+    from peft import PeftModel
 
-    hf = _hf_llama()
     with open(os.path.join(directory, "adapter_config.json")) as handle:
-        adapter_config = json.load(handle)
-    scale = adapter_config["lora_alpha"] / adapter_config["r"]
-    tensors = load_file(os.path.join(directory, "adapter_model.safetensors"))
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if not key.endswith(".lora_A.weight"):
-                continue
-            b = tensors[key.replace("lora_A", "lora_B")]
-            module = key[len("base_model.model."):-len(".lora_A.weight")]
-            assert module.rsplit(".", 1)[-1] in adapter_config["target_modules"]
-            params[module + ".weight"].add_(scale * b @ a)
-    return hf, len(tensors)
+        assert json.load(handle)["peft_type"] == "LORA"
+    return PeftModel.from_pretrained(_hf_llama(), directory).eval()
 
 
 def test_lora_tp2_equals_tp1_and_peft_export_matches_hf(tmp_path):
@@ -117,15 +114,26 @@ def test_lora_tp2_equals_tp1_and_peft_export_matches_hf(tmp_path):
             assert set(grads) == set(single[1])
             for name, grad in grads.items():
                 assert torch.allclose(grad, single[1][name], atol=1e-5, rtol=1e-4), name
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
     for run in ("tp1_sp0", "tp2_sp0", "tp2_sp1"):
-        hf, count = _hf_with_adapter(str(tmp_path / run))
-        assert count == 2 * 7 * 2  # q, k, v, o, gate, up, down x (A, B) x 2 layers
+        tensors = load_file(str(tmp_path / run / "adapter_model.safetensors"))
+        assert len(tensors) == 2 * 7 * 2  # q, k, v, o, gate, up, down x (A, B) x 2 layers
+        peft_model = _peft_model(str(tmp_path / run))
+        lora_params = [n for n, _ in peft_model.named_parameters() if ".lora_" in n]
+        assert len(lora_params) == len(tensors)  # every tensor found its module
         with torch.no_grad():
-            expected = hf(ids).logits
-        assert (expected - single[0]).abs().max() < 2e-4, run
-        # The adapter changes the model: the base alone does not give these logits.
-        with torch.no_grad():
-            assert (_hf_llama()(ids).logits - single[0]).abs().max() > 1e-2
+            on_base = peft_model(input_ids=ids).logits
+        assert (on_base - single[0]).abs().max() < 2e-4, run
+        if run == "tp1_sp0":
+            # The merged HF export (a plain from_pretrained directory) equals adapter-on-base.
+            merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+            with torch.no_grad():
+                assert (merged(ids).logits - on_base).abs().max() < 2e-5
+    # The adapter changes the model: the base alone does not give these logits.
+    with torch.no_grad():
+        assert (_hf_llama()(ids).logits - single[0]).abs().max() > 1e-2
 
 
 def test_lora_flag_errors():
@@ -137,3 +145,31 @@ def test_lora_flag_errors():
         check_lora_flags(4, 8.0, 0.0, ["q_proj"])
     with pytest.raises(ConfigError, match="--lora-dropout"):
         check_lora_flags(4, 8.0, 1.0, ["linear_qkv"])
+
+
+def test_transformed_model_takes_lora_in_one_call(tmp_path):
+    """smp.transform(hf).apply_lora(...): adapters only train; the PEFT directory it saves,
+    loaded by peft onto the HF model, and the merged hf_state_dict() give its logits."""
+    import megatron_smp.smp as tsm
+
+    tsm.init({})
+    model = tsm.transform(_hf_llama())
+    assert len(model.apply_lora(rank=RANK, alpha=ALPHA)) == 4 * 2
+    assert {n.split(".lora.")[-1] for n, p in model.named_parameters() if p.requires_grad} \
+        == {"lora_A", "lora_B"}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 1003, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids).logits
+    model.save_peft_adapter(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert (_peft_model(str(tmp_path / "adapter"))(input_ids=ids).logits - ours).abs().max() \
+            < 2e-4
+        merged = _hf_llama()
+        merged.load_state_dict(model.hf_state_dict())
+        assert (merged(ids).logits - ours).abs().max() < 2e-4
+    with pytest.raises(ConfigError, match="already has LoRA"):
+        model.apply_lora()

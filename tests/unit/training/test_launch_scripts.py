@@ -106,3 +106,52 @@ def test_launch_environment_resolution(tmp_path):
     assert _launch({"LAUNCHER": "srun", "PYTHON": "/x/python"}, tmp_path) == ["/x/python"]
     with pytest.raises(subprocess.CalledProcessError):
         _launch({"LAUNCHER": "mpirun", "PYTHON": "/x/python"}, tmp_path)
+
+
+def test_finetune_llama_lora_steps(tmp_path):
+    """scripts/finetune_llama_lora.sh: preprocess the bundled chats with the model's tokenizer,
+    convert the HF model once, LoRA --sft training from the base (or resuming its own
+    checkpoint), export PEFT + merged HF; the training flags parse and validate."""
+    from pretrain_llama import LLAMA_DEFAULTS
+
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@" ---- >> "$STUB_OUT"\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "argv.txt"
+
+    def steps():
+        out.write_text("")
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "finetune_llama_lora.sh"),
+                        "--seed", "3"], check=True, timeout=30,
+                       env=dict(os.environ, PYTHON=str(stub), GPUS_PER_NODE="0",
+                                NPROC_PER_NODE="2", STUB_OUT=str(out), HF_MODEL="hf/llama",
+                                OUT=str(tmp_path / "run")))
+        return [step.strip("\n").splitlines() for step in out.read_text().split("----")[:-1]]
+
+    preprocess, convert, train, export = steps()
+    assert preprocess[0] == "tools/preprocess_sft_data.py"
+    assert preprocess[preprocess.index("--input") + 1] == "data/chat/tiny_chat.jsonl"
+    assert preprocess[preprocess.index("--tokenizer-model") + 1] == "hf/llama"
+    assert convert[convert.index("--loader") + 1] == "hf"
+    assert export[export.index("--loader") + 1] == "megatron_smp" and "--peft-dir" in export
+    entry = train.index("pretrain_llama.py")
+    assert train[train.index("--nproc-per-node") + 1] == "2"
+    flags = train[entry + 1:]
+    assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "base")
+    assert "--finetune" in flags and flags[-2:] == ["--seed", "3"]
+    # The model's shape comes from the converted checkpoint (--use-checkpoint-args); here
+    # stand-in shape flags let the rest parse and validate at the script's world size.
+    flags.remove("--use-checkpoint-args")
+    configs = parse_args(flags + ["--num-layers", "2", "--hidden-size", "64",
+                                  "--num-attention-heads", "4"], args_defaults=LLAMA_DEFAULTS)
+    configs.model.vocab_size = 32000
+    validate_configs(configs, 2)
+    assert configs.data.sft and configs.training.lora_rank == 16
+    # The base converted and a LoRA checkpoint present: no second conversion, and resume.
+    for name in ("base", "lora"):
+        (tmp_path / "run" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "run" / name / "latest_checkpointed_iteration.txt").write_text("50")
+    preprocess, train, export = steps()
+    flags = train[train.index("pretrain_llama.py") + 1:]
+    assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "lora")
+    assert "--finetune" not in flags
