@@ -133,7 +133,7 @@ def _checkpointed_forward(offloader: Optional[ActivationOffloader], index: int,
         return module(*args)
     context = offloader.layer(index) if offloader is not None else contextlib.nullcontext()
     with context:
-        return checkpoint(module, False, *args)
+        return checkpoint(module, False, *args, module=module)
 
 
 def apply_activation_checkpointing(
