@@ -501,18 +501,15 @@ def _install_offload_wrapper() -> None:
             if state is None or not state.sm_activation_offloading:
                 return
             from megatron_smp.distributed.activation_offload import (
-                ActivationOffloader, apply_activation_checkpointing,
+                ActivationOffloader, apply_activation_checkpointing, bare_layer,
             )
             from megatron_smp.distributed.fsdp import language_model
 
-            decoder_layers = language_model(mod).decoder.layers
-            for position, layer in enumerate(decoder_layers):
-                # A torch checkpoint_wrapper the script applied: ours checkpoints instead.
-                inner = getattr(layer, "_checkpoint_wrapped_module", None)
-                if inner is not None:
-                    decoder_layers[position] = inner
+            # The layers under any FSDP1 unit / torch checkpoint_wrapper the script put
+            # around them: ours checkpoints them where they sit (inside the FSDP1 unit).
+            layers = [bare_layer(layer) for layer in language_model(mod).decoder.layers]
             self.activation_offloader = ActivationOffloader(state.activation_loading_horizon)
-            apply_activation_checkpointing(mod, list(decoder_layers), self.activation_offloader)
+            apply_activation_checkpointing(mod, layers, self.activation_offloader)
 
         def forward(self, *args, **kwargs):
             if self.activation_offloader is None:
