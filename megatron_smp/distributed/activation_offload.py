@@ -133,7 +133,22 @@ def _checkpointed_forward(offloader: Optional[ActivationOffloader], index: int,
         return module(*args)
     context = offloader.layer(index) if offloader is not None else contextlib.nullcontext()
     with context:
-        return checkpoint(module, False, *args)
+        return checkpoint(module, False, *args, module=module)
+
+
+def bare_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` without the FSDP1 unit and torch checkpoint wrapper around it (read from the
+    child modules: FSDP1 forwards unknown attributes to what it wraps)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while True:
+        if isinstance(module, FullyShardedDataParallel):
+            module = module._modules["_fsdp_wrapped_module"]
+        elif isinstance(module, CheckpointWrapper):
+            module = module._modules["_checkpoint_wrapped_module"]
+        else:
+            return module
 
 
 def apply_activation_checkpointing(
@@ -141,30 +156,40 @@ def apply_activation_checkpointing(
     layers: List[torch.nn.Module],
     offloader: Optional[ActivationOffloader] = None,
 ) -> List[torch.nn.Module]:
-    """Replace each of `layers` (children of a ModuleList in `model`) by a checkpoint wrapper;
-    returns the wrappers in order. State-dict names are unchanged (torch's wrapper strips
-    its prefix)."""
-    replacements = {}
+    """Replace each of `layers` (modules of `model`) by a checkpoint wrapper where its parent
+    holds it (a ModuleList, or an FSDP1 unit around the layer); a torch `checkpoint_wrapper`
+    a script put around a layer is replaced by ours. Returns the wrappers in order.
+    State-dict names are unchanged (torch's wrapper strips its prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     wrapped = []
+    targets = {}  # id(module to replace) -> (index, our wrapper)
     for index, layer in enumerate(layers):
         wrapper = checkpoint_wrapper(
             layer, checkpoint_fn=functools.partial(_checkpointed_forward, offloader, index)
         )
-        replacements[id(layer)] = wrapper
+        targets[id(layer)] = (index, wrapper)
         wrapped.append(wrapper)
-    found = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            for position, child in enumerate(module):
-                if id(child) in replacements:
-                    module[position] = replacements[id(child)]
-                    found += 1
-    if found != len(layers):
+    found = set()
+    for parent in list(model.modules()):
+        if isinstance(parent, CheckpointWrapper):  # replaced as a child of its own parent
+            continue
+        for name, child in list(parent.named_children()):
+            inner = child._checkpoint_wrapped_module if isinstance(
+                child, CheckpointWrapper) else child
+            if id(inner) in targets:
+                index, wrapper = targets[id(inner)]
+                if isinstance(parent, torch.nn.ModuleList):
+                    parent[int(name)] = wrapper
+                else:
+                    setattr(parent, name, wrapper)
+                found.add(index)
+    if len(found) != len(layers):
         raise ConfigError(
-            "activation checkpointing wraps layers held in a torch.nn.ModuleList of the model; "
-            f"found {found} of {len(layers)}"
+            "activation checkpointing wraps layers that are modules of the model; "
+            f"found {len(found)} of {len(layers)}"
         )
     return wrapped
 
 
-__all__ = ["ActivationOffloader", "apply_activation_checkpointing"]
+__all__ = ["ActivationOffloader", "apply_activation_checkpointing", "bare_layer"]

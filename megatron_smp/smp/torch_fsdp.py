@@ -38,7 +38,11 @@ before or after `init`, and before `init` (or after none) torch behaves as its o
 * `offload_wrapper(model)` (torch's) with `sm_activation_offloading` true: the model's
   transformer layers are checkpointed with our checkpoint (a torch `checkpoint_wrapper` the
   script applied is replaced) and their saved inputs offloaded by our `ActivationOffloader`
-  with `activation_loading_horizon`; false keeps torch's `save_on_cpu` wrapper.
+  with `activation_loading_horizon`; false keeps torch's `save_on_cpu` wrapper. Layers inside
+  FSDP1 units are checkpointed inside them, and the recompute returns the weights' grads
+  through the checkpoint's backward (`checkpoint(module=...)`): a nested backward that
+  accumulated into FSDP1's flat parameter would fire its post-backward hook, which reshards
+  it, and the next layer's recompute would see the sharded (possibly empty) views.
 * `allow_empty_shards`: false is PyTorch's behaviour (uneven dim-0 chunks, a trailing rank may
   hold an empty shard), which is also what true asks for (empty shards allowed); SMP's true
   was a workaround inside its own sharding, which we do not have: both values shard alike.
@@ -501,18 +505,15 @@ def _install_offload_wrapper() -> None:
             if state is None or not state.sm_activation_offloading:
                 return
             from megatron_smp.distributed.activation_offload import (
-                ActivationOffloader, apply_activation_checkpointing,
+                ActivationOffloader, apply_activation_checkpointing, bare_layer,
             )
             from megatron_smp.distributed.fsdp import language_model
 
-            decoder_layers = language_model(mod).decoder.layers
-            for position, layer in enumerate(decoder_layers):
-                # A torch checkpoint_wrapper the script applied: ours checkpoints instead.
-                inner = getattr(layer, "_checkpoint_wrapped_module", None)
-                if inner is not None:
-                    decoder_layers[position] = inner
+            # The layers under any FSDP1 unit / torch checkpoint_wrapper the script put
+            # around them: ours checkpoints them where they sit (inside the FSDP1 unit).
+            layers = [bare_layer(layer) for layer in language_model(mod).decoder.layers]
             self.activation_offloader = ActivationOffloader(state.activation_loading_horizon)
-            apply_activation_checkpointing(mod, list(decoder_layers), self.activation_offloader)
+            apply_activation_checkpointing(mod, layers, self.activation_offloader)
 
         def forward(self, *args, **kwargs):
             if self.activation_offloader is None:

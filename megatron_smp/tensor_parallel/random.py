@@ -219,7 +219,11 @@ class _CheckpointFunction(torch.autograd.Function):
     states (default and tracker) it saw in forward, so dropout masks are reproduced."""
 
     @staticmethod
-    def forward(ctx, run_function, distribute_group, *args):
+    def forward(ctx, run_function, distribute_group, num_leaves, *inputs):
+        # The last `num_leaves` inputs are the weights' leaves (`checkpoint(module=...)`):
+        # inputs only so that backward can return their grads; held, not saved.
+        args = inputs[:len(inputs) - num_leaves]
+        ctx.leaves = inputs[len(inputs) - num_leaves:]
         ctx.run_function = run_function
         ctx.device = rng_device()
         ctx.rng_states = _all_rng_states(ctx.device)
@@ -262,7 +266,88 @@ class _CheckpointFunction(torch.autograd.Function):
         if ctx.distribute_group is not None:
             tensors[0] = _gather_first_dim(tensors[0], ctx.distribute_group).view(ctx.first_shape)
         args, outputs = _rerun(ctx.run_function, ctx, tensors, ctx.rng_states, ctx.device)
-        return (None, None) + _backward_through(args, outputs, grad_outputs)
+        if not ctx.leaves:
+            return (None, None, None) + _backward_through(args, outputs, grad_outputs)
+        return (None, None, None) + _grads_through(args, outputs, grad_outputs, ctx.leaves)
+
+
+def weight_leaves(module: torch.nn.Module) -> list:
+    """The autograd leaves behind `module`'s weights as they are now: each parameter that is
+    a leaf, and for a weight that is a view with a graph (FSDP1 sets its modules' weights
+    to views of its unsharded flat parameter during forward and backward) the leaves that
+    graph reaches (that flat parameter)."""
+    leaves: Dict[int, torch.Tensor] = {}
+    seen = set()
+    for sub in module.modules():
+        tensors = list(sub._parameters.values()) + [
+            v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            if tensor is None or not tensor.requires_grad:
+                continue
+            if tensor.grad_fn is None:
+                leaves[id(tensor)] = tensor
+                continue
+            stack = [tensor.grad_fn]
+            while stack:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                variable = getattr(node, "variable", None)  # AccumulateGrad
+                if variable is not None:
+                    leaves[id(variable)] = variable
+                stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def _reached_leaves(outputs) -> Dict[int, torch.Tensor]:
+    """The leaves the recorded graph of `outputs` accumulates into."""
+    reached: Dict[int, torch.Tensor] = {}
+    seen = set()
+    stack = [o.grad_fn for o in outputs if torch.is_tensor(o) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
+def _grads_through(args, outputs, grad_outputs, leaves) -> tuple:
+    """Backward from the recomputed `outputs` without accumulating into any leaf: the grads
+    of `args` and of the weights' `leaves` come back as this Function's input grads, so the
+    leaves get theirs once, in the outer backward (FSDP1 reshards a flat parameter and
+    reduces its grad when its grad accumulates: a nested backward that accumulated would
+    leave the next recomputed layer on the sharded views)."""
+    if torch.is_tensor(outputs):
+        outputs = (outputs,)
+    pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+             if torch.is_tensor(out) and out.requires_grad and grad is not None]
+    declared = {id(leaf) for leaf in leaves}
+    stray = [v for k, v in _reached_leaves([p[0] for p in pairs]).items()
+             if k not in declared and not any(k == id(a) for a in args)]
+    if stray:
+        raise RuntimeError(
+            f"checkpoint(module=...): the recompute reached {len(stray)} tensor(s) with "
+            f"shapes {[tuple(t.shape) for t in stray[:3]]} that are not weights of the module "
+            "(a weight shared with a module outside the checkpointed one); checkpoint the "
+            "module holding every weight it uses"
+        )
+    wanted = [(i, a) for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+    targets = [a for _, a in wanted] + list(leaves)
+    arg_grads = [None] * len(args)
+    leaf_grads = [None] * len(leaves)
+    if pairs and targets:
+        grads = torch.autograd.grad([p[0] for p in pairs], targets, [p[1] for p in pairs],
+                                    allow_unused=True)
+        for (position, _), grad in zip(wanted, grads):
+            arg_grads[position] = grad
+        leaf_grads = list(grads[len(wanted):])
+    return tuple(arg_grads) + tuple(leaf_grads)
 
 
 def checkpoint(
@@ -270,6 +355,7 @@ def checkpoint(
     distribute_saved_activations: bool,
     *args,
     tp_group: ProcessGroup = None,
+    module: Optional[torch.nn.Module] = None,
 ):
     """Activation recompute: `function(*args)` keeps no activations; backward reruns it
     under the forward's RNG states (default generator and tracker streams).
@@ -277,11 +363,18 @@ def checkpoint(
     At least one tensor argument must require grad (as the hidden states do), otherwise
     autograd never calls the recompute. With `distribute_saved_activations` each rank of
     `tp_group` keeps only 1/tp of the first argument (replicated across TP ranks) until backward.
+
+    `module` (the module `function` runs, holding every weight it uses): the recompute's
+    weight grads are returned through this checkpoint's own backward instead of being
+    accumulated by a nested backward, so each weight's grad accumulates once, in the outer
+    backward, as without recompute. Needed under FSDP1, whose post-backward hook on a flat
+    parameter's grad accumulation reshards it (see `_grads_through`).
     """
     if distribute_saved_activations and tp_group is None:
         raise ValueError("checkpoint: distribute_saved_activations=True needs tp_group=")
     group = tp_group if distribute_saved_activations else None
-    return _CheckpointFunction.apply(function, group, *args)
+    leaves = weight_leaves(module) if module is not None and torch.is_grad_enabled() else []
+    return _CheckpointFunction.apply(function, group, len(leaves), *args, *leaves)
 
 
 class _RunWithoutGraph(torch.autograd.Function):

@@ -215,6 +215,48 @@ def _capture(fn):
     return None
 
 
+def _fsdp1_offload_checks(ids, steps=2):
+    """sm_activation_offloading through FSDP1 (world 4, TP=1), the reference's pattern: FSDP1,
+    torch's apply_activation_checkpointing on the layers, offload_wrapper. Root unit only and
+    per-layer units: the losses of FSDP1 without offloading, and what the offloader's pack
+    hook took per layer (only the layer's input hidden states, every step)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, offload_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import megatron_smp.smp as tsm
+    from megatron_smp.transformer.layer import TransformerLayer
+
+    def train(offload, per_layer):
+        tsm.init({"activation_loading_horizon": 1} if offload else {})
+        model = FSDP(tsm.transform(build_hf("llama").train()), device_id=torch.device("cpu"),
+                     use_orig_params=True,
+                     auto_wrap_policy=ModuleWrapPolicy({TransformerLayer}) if per_layer else None)
+        if offload:
+            apply_activation_checkpointing(model,
+                                           check_fn=lambda m: isinstance(m, TransformerLayer))
+            model = offload_wrapper(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids)["loss"]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        offloader = getattr(model, "activation_offloader", None)
+        return losses, (offloader and (offloader.offloaded_bytes, offloader.max_resident))
+
+    expected, _ = train(False, False)
+    out = {}
+    for per_layer in (False, True):
+        losses, accounting = train(True, per_layer)
+        out[per_layer] = (max(abs(a - b) for a, b in zip(losses, expected)), accounting)
+    return out
+
+
 def _keys_worker(rank, world_size):
     """Each SMP key's effect through torch's own entry points (world 4)."""
     import warnings
@@ -273,6 +315,7 @@ def _keys_worker(rank, world_size):
     out["hsd2_full"] = _capture(lambda: FSDP(tsm.transform(build_hf("llama")), device_id=cpu,
                                              sharding_strategy=ShardingStrategy.FULL_SHARD))
     tsm.init({})
+    out["offload"] = _fsdp1_offload_checks(ids)
     # Delayed initialisation through FSDP1's param_init_fn (the reference's pattern) gives
     # the values our own FSDP2 step materialises (tested against the eager model elsewhere).
     from megatron_smp.smp.delayed_param import DelayedParamIniter
@@ -360,6 +403,14 @@ def test_smp_keys_act_through_torch_fsdp_entry_points():
         assert "HYBRID_SHARD or _HYBRID_SHARD_ZERO2" in out["hsd2_full"]
         assert "hybrid_shard_degree 0" in out["hsd0_hybrid"]
         assert out["delayed_error"] < 1e-5
+        # FSDP1 + sm_activation_offloading: FSDP1's losses; the pack hook took each layer's
+        # input hidden states (2 x SEQ x 64 fp32) at each of the 2 steps, horizon 1.
+        hidden_bytes = 2 * SEQ * 64 * 4
+        for per_layer in (False, True):
+            diff, (offloaded_bytes, max_resident) = out["offload"][per_layer]
+            assert diff < 1e-6, (per_layer, diff)
+            assert offloaded_bytes == {0: 2 * hidden_bytes, 1: 2 * hidden_bytes}
+            assert max_resident == 1
         for kind in ("fsdp1", "fsdp2"):
             assert len(out["flush_warnings"][kind]) == 1, out["flush_warnings"]
             assert "3 CUDA caching-allocator flush" in out["flush_warnings"][kind][0]

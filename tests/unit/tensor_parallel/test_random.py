@@ -119,3 +119,40 @@ def test_tracker_states_and_seeds_single_process():
     with pytest.raises(KeyError, match="never added"):
         with tracker.fork("no-such-stream"):
             pass
+
+
+def test_checkpoint_with_module_returns_weight_grads_through_its_backward():
+    """checkpoint(module=...): the grads of the module's weights leave through the
+    checkpoint's own backward, so each weight's grad accumulates once, in the outer backward
+    (FSDP1 reshards a flat parameter when its grad accumulates); a weight from outside the
+    module reached by the recompute is an error."""
+    import pytest
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    outer = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def loss(recompute):
+        h = outer(x)
+        h = checkpoint(inner, False, h, module=inner) if recompute else inner(h)
+        return checkpoint(inner, False, h, module=inner).sum() if recompute else inner(h).sum()
+
+    loss(False).backward()
+    params = [x, *outer.parameters(), *inner.parameters()]
+    expected = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    accumulations = []
+    for p in inner.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: accumulations.append(p))
+    loss(True).backward()
+    assert all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(params, expected))
+    assert len(accumulations) == 4  # once per weight, though used by two checkpoints
+
+    def uses_outer(h):
+        return outer(inner(h))
+
+    h = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not weights of the module"):
+        checkpoint(uses_outer, False, h, module=inner).sum().backward()
