@@ -52,7 +52,8 @@ def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) 
     spec = get_gpt_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
     if config.multi_latent_attention:
-        spec.submodules.self_attention = ModuleSpec(MLASelfAttention)
+        spec.submodules.self_attention = ModuleSpec(
+            MLASelfAttention, submodules=spec.submodules.self_attention.submodules)
     return moe_layer_spec(config, spec)
 
 

@@ -44,7 +44,7 @@ from megatron_smp.transformer.attention import (
     core_attention,
 )
 from megatron_smp.transformer.norm import build_norm
-from megatron_smp.transformer.spec import SelfAttentionSubmodules
+from megatron_smp.transformer.spec import SelfAttentionSubmodules, build_module
 
 
 class _ReplicatedLinear(torch.nn.Module):
@@ -126,6 +126,18 @@ class MLASelfAttention(torch.nn.Module):
         self.kv_layernorm = build_norm(config, self.kv_lora_rank, self.sequence_parallel, device)
         self.linear_kv_up_proj = column(self.kv_lora_rank,
                                         self.num_heads * (self.qk_head_dim + self.v_head_dim))
+        # Under context parallelism the core attention is the spec's (`--cp-comm-type`), built
+        # for heads of one width: values narrower than q/k are zero-padded to it and the
+        # padding cut from the context (as megatron-core does for MLA under CP).
+        self.core_attention = None
+        if state.cp_size > 1:
+            if submodules is None:
+                raise ValueError("MLASelfAttention under context parallelism needs the layer "
+                                 "spec's core attention (get_gpt_decoder_layer_spec)")
+            self.core_width = max(self.q_head_width, self.v_head_dim)
+            self.core_attention = build_module(
+                submodules.core_attention, config.replace(kv_channels=self.core_width), state,
+                layer_number=layer_number, device=device, softmax_scale=self.softmax_scale)
         self.linear_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim, config.hidden_size, config=config,
             tp_group=tp_group, init_method=output_init,
@@ -135,6 +147,8 @@ class MLASelfAttention(torch.nn.Module):
     def _core_attention(self, query, key, value, attention_mask):
         """q/k [s, b, n, dq], v [s, b, n, dv] -> context [s, b, n * dv]."""
         s, b = query.shape[:2]
+        if self.core_attention is not None:
+            return self._context_parallel_attention(query, key, value, attention_mask)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
@@ -145,6 +159,19 @@ class MLASelfAttention(torch.nn.Module):
             context = core_attention(query, key, value, attention_mask, True, 0.0,
                                      self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _context_parallel_attention(self, query, key, value, attention_mask):
+        """The spec's context-parallel core over heads of one width (zero channels added to
+        the narrower of q/k and v change neither the scores nor the kept context)."""
+        s, b = query.shape[:2]
+        width = self.core_width
+
+        def padded(t):
+            return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+        context = self.core_attention(padded(query), padded(key), padded(value), attention_mask)
+        context = context.view(s, b, self.num_heads_per_partition, width)
+        return context[..., : self.v_head_dim].reshape(s, b, -1)
 
     def forward(
         self,

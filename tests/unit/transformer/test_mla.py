@@ -109,7 +109,6 @@ def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
 @pytest.mark.parametrize("settings, parallel, message", [
     (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
     (dict(num_query_groups=2), {}, "--group-query-attention"),
-    ({}, dict(context_parallel_size=2), "--context-parallel-size > 1"),
     (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
     (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), {},
      "mla_up_proj"),
