@@ -383,6 +383,11 @@ class TransformerConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(x w) scales the shared expert
+    # Multi-token prediction (DeepSeek-V3; transformer/multi_token_prediction.py): D extra
+    # layers on the last pipeline stage, layer k predicting the token k + 1 places ahead;
+    # their mean loss enters backward scaled by mtp_loss_scaling_factor (Megatron's flags).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -477,6 +482,8 @@ class TransformerConfig:
         self._validate_gpt_oss_numerics()
         if self.multi_latent_attention:
             self._validate_mla(parallel)
+        if self.mtp_num_layers is not None:
+            self._validate_mtp(parallel)
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -596,7 +603,8 @@ class TransformerConfig:
 
     def layer_window_size(self, layer_number: int) -> Optional[Tuple[int, int]]:
         """The sliding window of global 1-based layer `layer_number`; None: full attention."""
-        return self.window_size if self.window_layer_pattern()[layer_number - 1] else None
+        index = self.layer_pattern_number(layer_number) - 1
+        return self.window_size if self.window_layer_pattern()[index] else None
 
     def _validate_mla(self, parallel: ParallelConfig) -> None:
         """--multi-latent-attention: what transformer/mla.py builds, and what it does not yet."""
@@ -621,6 +629,27 @@ class TransformerConfig:
         ) if on]
         _require(not unsupported, "--multi-latent-attention does not support "
                  f"{', '.join(unsupported)} yet")
+
+    def _validate_mtp(self, parallel: ParallelConfig) -> None:
+        """--mtp-num-layers: what transformer/multi_token_prediction.py builds."""
+        _require(self.mtp_num_layers >= 1,
+                 f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
+        _require(self.mtp_loss_scaling_factor >= 0,
+                 f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        _require(
+            parallel.pipeline_model_parallel_size == 1
+            or self.position_embedding_type != "learned_absolute",
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 and learned absolute "
+            "positions: the last stage's MTP would need a copy of the position table, which "
+            "is not kept in sync; use --position-embedding-type rope (DeepSeek-V3's) or one "
+            "pipeline stage",
+        )
+
+    def layer_pattern_number(self, layer_number: int) -> int:
+        """The decoder layer whose kind (window, MoE or dense) global layer `layer_number`
+        takes: itself, or for the multi-token-prediction layers (numbered num_layers + 1 ..)
+        the last decoder layer, as Megatron builds them from its spec."""
+        return min(layer_number, self.num_layers)
 
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules

@@ -163,6 +163,9 @@ _FLAGS: List[_Flag] = [
     _f("--qk-head-dim", "model", type=int, default=128),
     _f("--qk-pos-emb-head-dim", "model", type=int, default=64),
     _f("--v-head-dim", "model", type=int, default=128),
+    # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
+    _f("--mtp-num-layers", "model", type=int),
+    _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -481,8 +484,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--mtp-num-layers": "multi-token prediction (DeepSeek-V3's MTP layers)",
-    "--mtp-loss-scaling-factor": "multi-token prediction (DeepSeek-V3's MTP layers)",
 }
 
 
@@ -941,6 +942,15 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    if configs.model.mtp_num_layers is not None:
+        unsupported = [flag for flag, on in (
+            ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),
+            ("--use-torch-fsdp2", parallel.use_torch_fsdp2),
+        ) if on]
+        if unsupported:
+            raise ConfigError(f"--mtp-num-layers with {', '.join(unsupported)} is not "
+                              "supported yet; use the mean loss with DDP or "
+                              "--use-distributed-optimizer")
     data = configs.data
     if data.sft:
         # Packing is computed in memory from the conversation lengths; these flags shape

@@ -57,14 +57,19 @@ class _ReplicatedLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
                  sequence_parallel: bool, device: Optional[torch.device]) -> None:
         super().__init__()
-        master = torch.empty(output_size, input_size)
-        init_method_normal(config.init_method_std)(master)
+        self.init_method = init_method_normal(config.init_method_std)
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        self.reset_parameters()
+        self.weight.sequence_parallel = sequence_parallel
+
+    def reset_parameters(self) -> None:
+        """Draw the weight on the CPU (also what delayed initialisation replays)."""
+        master = torch.empty(self.weight.shape)
+        self.init_method(master)
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 self.weight.copy_(master)
-        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -1,11 +1,13 @@
 """A small DeepSeek-V3-style model (multi-latent attention with a q latent and interleaved RoPE
 on the positional channels, a dense first layer, then sigmoid-routed experts with expert bias,
-group-limited top-k, scaling, the sequence-wise aux loss and a shared expert) trains 10
-iterations under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, EP=2,
-PP=2, CP=2 (p2p, all_gather and a2a: MLA under context parallelism) and DP=2 with the
-distributed optimizer. After 10 steps every layout holds the single-process expert bias
-exactly; each EP=2 update is Megatron's formula on the token counts summed over the replicas;
-a run resumed from a checkpoint (DP=2, distributed optimizer) continues exactly, bias included.
+group-limited top-k, scaling, the sequence-wise aux loss and a shared expert, and two
+multi-token-prediction layers) trains 10 iterations under pretrain_gpt.py with the
+single-process losses (lm loss and each MTP depth's loss; fp32, 1e-4) at TP=2+SP, EP=2, PP=2
+(MTP on the last stage only), CP=2 (p2p, all_gather and a2a: MLA and the MTP shifts under
+context parallelism) and DP=2 with the distributed optimizer. After 10 steps every layout holds
+the single-process expert bias exactly (the MTP layers' routers too); each EP=2 update is
+Megatron's formula on the token counts summed over the replicas; a run resumed from a
+checkpoint (DP=2, distributed optimizer) continues exactly, bias included.
 
 One spawned group per world size runs all its layouts one after the other."""
 import pytest
@@ -41,14 +43,20 @@ def deepseek_argv(extra=()):
     del argv[argv.index("--num-query-groups"):argv.index("--num-query-groups") + 2]
     argv += MOE + DEEPSEEK_ROUTER + MLA + [
         "--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size", "32",
-        "--log-interval", "1"]
+        "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--log-interval", "1"]
     argv[argv.index("--num-experts") + 1] = "8"  # 4 groups of 2
     return argv + list(extra)
 
 
+LOSSES = ("lm loss", "mtp_1 loss", "mtp_2 loss")
+
+
 def _run(argv, record_updates=False):
-    """(per-iteration lm loss, {global layer: expert bias}, [per update: [(local counts,
-    bias before, bias after)] per router] when `record_updates`)."""
+    """(per-iteration [lm loss, mtp_1 loss, mtp_2 loss], {global layer: expert bias}, [per
+    update: [(local counts, bias before, bias after)] per router] when `record_updates`,
+    whether this rank holds the MTP layers)."""
+    from megatron_smp.models.multi_token_prediction import MultiTokenPredictionBlock
+
     import pretrain_gpt
     from megatron_smp.training import pretrain
     from megatron_smp.transformer import moe
@@ -74,8 +82,9 @@ def _run(argv, record_updates=False):
         moe.update_expert_bias = original
     # Lists, not tensors: tensors through the result queue need the sender alive.
     bias = {r.layer_number: r.expert_bias.tolist() for r in _routers(models[0])}
-    losses = [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
-    return losses, bias, updates
+    losses = [[result.train_losses[i][k] for k in LOSSES] for i in sorted(result.train_losses)]
+    has_mtp = any(isinstance(m, MultiTokenPredictionBlock) for c in models[0] for m in c.modules())
+    return losses, bias, updates, has_mtp
 
 
 def _single(rank, world_size, argv):
@@ -93,32 +102,38 @@ def _layouts(rank, world_size, checkpoint_dir):
 
 
 def test_deepseek_style_model_layouts_match_one_process(tmp_path):
-    reference, ref_bias, _ = run_distributed(_single, 1, args=(deepseek_argv(),), timeout=300)[0]
-    assert len(reference) == 10 and reference[-1] < reference[0]
-    assert max(abs(v) for v in ref_bias[2]) > 0  # the bias moved
+    reference, ref_bias, _, _ = run_distributed(_single, 1, args=(deepseek_argv(),),
+                                                timeout=300)[0]
+    assert len(reference) == 10 and all(a > b for a, b in zip(reference[0], reference[-1]))
+    assert sorted(ref_bias) == [2, 3, 4]  # the MoE layer and the two MTP layers' routers
+    assert all(max(abs(v) for v in ref_bias[layer]) > 0 for layer in ref_bias)  # it moved
     results = run_distributed(_layouts, 2, args=(str(tmp_path),), timeout=600)
-    print(f"\nsingle process: losses {reference[0]:.6f} .. {reference[-1]:.6f}, "
-          f"expert bias {ref_bias}")
+    print(f"\nsingle process: losses (lm, mtp_1, mtp_2) {reference[0]} .. {reference[-1]}")
     for name in list(LAYOUTS) + ["resumed"]:
         want = reference[5:] if name == "resumed" else reference
         bias, error = {}, 0.0
         for rank_results in results:
-            losses, rank_bias, _ = rank_results[name]
-            assert losses == pytest.approx(want, rel=1e-4), (name, losses, want)
-            error = max([error] + [abs(a - b) / abs(b) for a, b in zip(losses, want)])
+            losses, rank_bias, _, _ = rank_results[name]
+            for got_row, want_row in zip(losses, want, strict=True):
+                assert got_row == pytest.approx(want_row, rel=1e-4), (name, losses, want)
+                error = max([error] + [abs(a - b) / abs(b) for a, b in zip(got_row, want_row)])
             for layer, value in rank_bias.items():  # every replica, the same bias
                 assert bias.setdefault(layer, value) == value, (name, layer)
         assert bias == ref_bias, name  # bit-identical to the single process's
-        print(f"{name}: max relative lm-loss error {error:.1e}, expert bias identical")
+        print(f"{name}: max relative loss error (lm, mtp_1, mtp_2) {error:.1e}, expert bias "
+              "identical")
+    assert [r["pp2"][3] for r in results] == [False, True]  # MTP on the last stage only
 
     for rank_results in results:  # the resumed run is the uninterrupted one, bit for bit
         assert rank_results["resumed"][0] == rank_results["dp2_distopt"][0][5:]
 
     # EP=2: each update is Megatron's on the counts summed over the replicas.
     updates = [r["ep2"][2] for r in results]
+    assert len(updates[0][0]) == 3  # routers: the MoE layer's and the MTP layers'
     assert len(updates[0]) == 10
     for step in range(10):
-        counts = torch.tensor(updates[0][step][0][0]) + torch.tensor(updates[1][step][0][0])
-        before = torch.tensor(updates[0][step][0][1])
-        want = before + RATE * torch.sign(counts.mean() - counts)
-        assert torch.equal(torch.tensor(updates[0][step][0][2]), want), step
+        for router in range(3):
+            counts = sum(torch.tensor(u[step][router][0]) for u in updates)
+            before = torch.tensor(updates[0][step][router][1])
+            want = before + RATE * torch.sign(counts.mean() - counts)
+            assert torch.equal(torch.tensor(updates[0][step][router][2]), want), (step, router)

@@ -5,11 +5,13 @@ group-limited top-k, `routed_scaling_factor`) with `n_shared_experts` shared exp
 HF's group score is the sum of each group's 2 best experts; ours (Megatron's) the sum of its
 topk / topk_group best, so a grouped config must have topk = 2 x topk_group (DeepSeek-V3's
 8 = 2 x 4). HF's RoPE pairing (`rope_interleave`) is our --rotary-interleaved on the positional
-channels, so no row permutation is needed. Not yet: YaRN (`rope_parameters` rope_type yarn)
-and HF's multi-token-prediction layers.
+channels, so no row permutation is needed. Not yet: YaRN (`rope_parameters` rope_type yarn).
+HF's model has no multi-token-prediction weights: ours are dropped on the way out, with a log
+line, and a converted model starts without them.
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -29,6 +31,8 @@ from megatron_smp.models.hf.common import (
     unpad_vocab,
 )
 from megatron_smp.models.hf.mixtral import experts_from_hf, experts_to_hf
+
+logger = logging.getLogger(__name__)
 
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3",)
@@ -154,6 +158,15 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+    mtp = [name for name in state_dict if name.startswith("mtp.")]
+    if mtp:
+        # HF's DeepseekV3ForCausalLM has no multi-token-prediction module (it ignores
+        # DeepSeek's checkpoint layer 61 on load): nothing to write them to.
+        logger.warning(
+            "DeepSeek-V3 to HF: dropping the %d multi-token-prediction layer(s) (%d tensors, "
+            "mtp.layers.*): HF's DeepseekV3ForCausalLM has no MTP weights",
+            config.mtp_num_layers or 0, len(mtp))
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
     sd = norms_to_hf(state_dict, config, "deepseek_v3")
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(sd[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):
