@@ -158,6 +158,9 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-modules", "model", nargs="+"),
     # Multi-latent attention (Megatron's flags; see README "Multi-latent attention").
     _f("--multi-latent-attention", "model", action="store_true"),
+    # Megatron: multi-latent attention takes YaRN by default (--rotary-scaling-factor, default
+    # 1.0, where it equals plain RoPE), --rope-type rope opts out; other attention takes rope.
+    _f("--rope-type", None, "rope_type", choices=["rope", "yarn"]),
     _f("--q-lora-rank", "model", type=int),
     _f("--kv-lora-rank", "model", type=int, default=32),
     _f("--qk-head-dim", "model", type=int, default=128),
@@ -506,7 +509,8 @@ def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> Non
     yarn = sorted(given & set(_YARN_FLAGS))
     if yarn and model.get("position_embedding_type") != "yarn":
         raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
-                          "yarn, or drop them")
+                          "yarn (with --multi-latent-attention: drop --rope-type rope), or "
+                          "drop them")
 
 
 # The --moe-* flags that exist; any other is an error (never silently ignored).
@@ -748,6 +752,12 @@ def parse_args(
         raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
+    if args.rope_type == "yarn" and not model.get("multi_latent_attention"):
+        raise ConfigError("--rope-type yarn applies to --multi-latent-attention (Megatron's "
+                          "MLA RoPE); for other attention use --position-embedding-type yarn")
+    if (model.get("multi_latent_attention") and args.rope_type != "rope"
+            and model.get("position_embedding_type") == "rope"):
+        model["position_embedding_type"] = "yarn"
     _check_rope_scaling_flags(argv, model)
     activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
                                             ("--swiglu", args.swiglu),

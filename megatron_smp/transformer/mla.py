@@ -44,6 +44,7 @@ from megatron_smp.transformer.attention import (
     core_attention,
 )
 from megatron_smp.transformer.norm import build_norm
+from megatron_smp.transformer.rope import yarn_get_mscale
 from megatron_smp.transformer.spec import SelfAttentionSubmodules, build_module
 
 
@@ -101,7 +102,13 @@ class MLASelfAttention(torch.nn.Module):
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.q_head_width = self.qk_head_dim + self.pos_dim
-        self.softmax_scale = 1.0 / math.sqrt(self.q_head_width)
+        # YaRN: scores scaled by mscale(factor, mscale_all_dim)^2 as well (Megatron's and HF's
+        # DeepSeek attention); the rotary table carries the mscale / mscale_all_dim ratio.
+        mscale = 1.0
+        if config.position_embedding_type == "yarn":
+            mscale = yarn_get_mscale(config.yarn_rotary_scaling_factor,
+                                     config.yarn_mscale_all_dim)
+        self.softmax_scale = mscale * mscale / math.sqrt(self.q_head_width)
         self.attention_dropout = config.attention_dropout
         self.rotary_interleaved = config.rotary_interleaved
         self.selective_recompute = "core_attn" in recompute_modules(config)

@@ -1,5 +1,5 @@
-"""A small DeepSeek-V3-style model (multi-latent attention with a q latent and interleaved RoPE
-on the positional channels, a dense first layer, then sigmoid-routed experts with expert bias,
+"""A small DeepSeek-V3-style model (multi-latent attention with a q latent and interleaved YaRN
+RoPE on the positional channels, positions beyond the original context, a dense first layer, then sigmoid-routed experts with expert bias,
 group-limited top-k, scaling, the sequence-wise aux loss and a shared expert, and two
 multi-token-prediction layers) trains 10 iterations under pretrain_gpt.py with the
 single-process losses (lm loss and each MTP depth's loss; fp32, 1e-4) at TP=2+SP, EP=2, PP=2
@@ -26,6 +26,9 @@ DEEPSEEK_ROUTER = (
 RATE = 0.003
 MLA = ("--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 20 --qk-head-dim 12 "
        "--qk-pos-emb-head-dim 8 --v-head-dim 10 --rotary-interleaved").split()
+# Megatron's MLA YaRN flags; the original context (16) is half the sequence.
+YARN = ("--rotary-scaling-factor 4 --mscale 0.9 --mscale-all-dim 0.7 "
+        "--yarn-original-max-position-embeddings 16").split()
 LAYOUTS = {
     "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
     "ep2": "--expert-model-parallel-size 2",
@@ -41,7 +44,7 @@ def deepseek_argv(extra=()):
     """pretrain_gpt.py flags of the small DeepSeek-V3-style model (2 layers: dense, MoE)."""
     argv = [a for a in COMMON + LLAMA if a != "--group-query-attention"]
     del argv[argv.index("--num-query-groups"):argv.index("--num-query-groups") + 2]
-    argv += MOE + DEEPSEEK_ROUTER + MLA + [
+    argv += MOE + DEEPSEEK_ROUTER + MLA + YARN + [
         "--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size", "32",
         "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--log-interval", "1"]
     argv[argv.index("--num-experts") + 1] = "8"  # 4 groups of 2

@@ -5,8 +5,9 @@ group-limited top-k, `routed_scaling_factor`) with `n_shared_experts` shared exp
 HF's group score is the sum of each group's 2 best experts; ours (Megatron's) the sum of its
 topk / topk_group best, so a grouped config must have topk = 2 x topk_group (DeepSeek-V3's
 8 = 2 x 4). HF's RoPE pairing (`rope_interleave`) is our --rotary-interleaved on the positional
-channels, so no row permutation is needed. Not yet: YaRN (`rope_parameters` rope_type yarn).
-HF's model has no multi-token-prediction weights: ours are dropped on the way out, with a log
+channels, so no row permutation is needed. YaRN (`rope_parameters` rope_type yarn) is
+Megatron's MLA YaRN: the table scaled by mscale / mscale_all_dim, the scores by
+mscale_all_dim's square. HF's model has no multi-token-prediction weights: ours are dropped on the way out, with a log
 line, and a converted model starts without them.
 """
 from __future__ import annotations
@@ -46,9 +47,15 @@ _ATTENTION = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj",
 
 def config_from_hf(hf_config) -> TransformerConfig:
     rope = rope_parameters(hf_config)
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"DeepSeek-V3 rope_type {rope.get('rope_type')!r}: only the default "
-                          "RoPE is converted yet (YaRN for multi-latent attention is not)")
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise ConfigError(f"DeepSeek-V3 rope_type {rope.get('rope_type')!r}: the default RoPE "
+                          "and YaRN convert")
+    if (rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim")
+            and not rope.get("mscale") and rope.get("attention_factor") is None):
+        # HF then scales cos/sin by mscale(factor) but the scores by mscale_all_dim's square,
+        # a pair Megatron's (mscale, mscale_all_dim) cannot express.
+        raise ConfigError("DeepSeek-V3 YaRN with mscale_all_dim but without mscale: give both "
+                          "(DeepSeek's configs do)")
     if getattr(hf_config, "attention_bias", False):
         raise ConfigError("DeepSeek-V3 attention_bias=True is not supported")
     topk, groups = hf_config.num_experts_per_tok, hf_config.n_group

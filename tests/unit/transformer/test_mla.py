@@ -122,3 +122,32 @@ def test_mla_flag_errors(settings, parallel, message):
     config = llama_config(**settings)
     with pytest.raises(ConfigError, match=message):
         config.validate(ParallelConfig(**parallel))
+
+
+def test_rope_type_flags_follow_megatron():
+    """Megatron's MLA takes YaRN unless --rope-type rope (--rotary-scaling-factor 1, its
+    default, is plain RoPE); DeepSeek-V3's scripts give --position-embedding-type rope with
+    --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1; --rope-type yarn without MLA is
+    an error; YaRN scales MLA's scores by mscale(factor, mscale_all_dim)^2."""
+    import math
+
+    from megatron_smp.config import ConfigError, ParallelConfig
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.mla import MLASelfAttention
+    from tests.unit.training.test_arguments import BASE, parse
+
+    mla = BASE + "--multi-latent-attention --position-embedding-type rope".split()
+    assert parse(mla).model.position_embedding_type == "yarn"
+    assert parse(mla).model.yarn_rotary_scaling_factor == 1.0
+    assert parse(mla + ["--rope-type", "rope"]).model.position_embedding_type == "rope"
+    model = parse(mla + "--rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1".split()).model
+    assert (model.position_embedding_type, model.yarn_rotary_scaling_factor,
+            model.yarn_mscale, model.yarn_mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="--rope-type yarn applies to --multi-latent"):
+        parse(BASE + "--position-embedding-type rope --rope-type yarn".split())
+    with pytest.raises(ConfigError, match="configure YaRN"):
+        parse(mla + "--rope-type rope --mscale 1".split())
+    model = model.replace(qk_head_dim=128, qk_pos_emb_head_dim=64, kv_lora_rank=32,
+                          v_head_dim=128, hidden_size=64, num_attention_heads=4)
+    attention = MLASelfAttention(model, build_parallel_state(ParallelConfig()), device="meta")
+    assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
