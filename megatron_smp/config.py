@@ -218,8 +218,6 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 _RECOMPUTE_MODULES_NOT_HERE = {
     "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
                "which megatron_smp does not have; use mlp for dense layers",
-    "mla_up_proj": "recomputing multi-latent attention's up-projections is not supported yet; "
-                   "use core_attn",
     "moe": "recomputing MoE layers is not supported yet",
     "shared_experts": "recomputing MoE shared experts is not supported yet",
 }
@@ -663,6 +661,9 @@ class TransformerConfig:
                  f"{', '.join(RECOMPUTE_MODULES)}")
         for name, reason in _RECOMPUTE_MODULES_NOT_HERE.items():
             _require(name not in modules, f"--recompute-modules {name}: {reason}")
+        _require("mla_up_proj" not in modules or self.multi_latent_attention,
+                 "--recompute-modules mla_up_proj recomputes multi-latent attention's "
+                 "up-projections: add --multi-latent-attention, or drop it")
 
     def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size

@@ -37,7 +37,11 @@ from megatron_smp.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     group_size,
 )
-from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.tensor_parallel.random import (
+    CheckpointWithoutOutput,
+    checkpoint,
+    get_rng_tracker,
+)
 from megatron_smp.transformer.attention import (
     RotaryEmbeddings,
     apply_rotary_pos_emb,
@@ -112,6 +116,7 @@ class MLASelfAttention(torch.nn.Module):
         self.attention_dropout = config.attention_dropout
         self.rotary_interleaved = config.rotary_interleaved
         self.selective_recompute = "core_attn" in recompute_modules(config)
+        self.recompute_up_proj = "mla_up_proj" in recompute_modules(config)
         init_method = init_method_normal(config.init_method_std)
         output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                        if config.use_scaled_init_method else init_method)
@@ -185,6 +190,31 @@ class MLASelfAttention(torch.nn.Module):
         context = context.view(s, b, self.num_heads_per_partition, width)
         return context[..., : self.v_head_dim].reshape(s, b, -1)
 
+    def _up_projections(self, q_input, kv_latent, k_pos, rotary_pos_emb, fresh=False):
+        """The heads from the latents: q_input (the normed q latent, or the hidden states
+        without --q-lora-rank) [s, b, .], kv_latent (normed) [s, b, kv_lora_rank], k_pos the
+        shared positional key [s, b, pos] -> query, key [s, b, n, qk + pos], value
+        [s, b, n, v]; with `fresh` each a tensor of its own storage (what
+        --recompute-modules mla_up_proj discards until backward)."""
+        projection = self.linear_q_proj if hasattr(self, "linear_q_proj") \
+            else self.linear_q_up_proj
+        query, _ = projection(q_input)
+        s, b = query.shape[:2]
+        query = query.view(s, b, self.num_heads_per_partition, self.q_head_width)
+        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
+        kv, _ = self.linear_kv_up_proj(kv_latent)
+        kv = kv.view(s, b, self.num_heads_per_partition, self.qk_head_dim + self.v_head_dim)
+        k_nope, value = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
+        if rotary_pos_emb is not None:
+            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
+            k_pos = apply_rotary_pos_emb(k_pos, rotary_pos_emb, self.rotary_interleaved)
+        query = torch.cat((q_nope, q_pos), dim=-1)
+        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        if fresh:  # the value is a view of the kv up-projection's output
+            value = value.clone(memory_format=torch.contiguous_format)
+        return query, key, value
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -192,36 +222,34 @@ class MLASelfAttention(torch.nn.Module):
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
         if hasattr(self, "linear_q_proj"):
-            query, _ = self.linear_q_proj(hidden_states)
+            q_input = hidden_states
         else:
-            query, _ = self.linear_q_up_proj(self.q_layernorm(
-                self.linear_q_down_proj(hidden_states)))
-        s, b = query.shape[:2]
-        query = query.view(s, b, self.num_heads_per_partition, self.q_head_width)
-        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
-
+            q_input = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         latent, k_pos = torch.split(self.linear_kv_down_proj(hidden_states),
                                     [self.kv_lora_rank, self.pos_dim], dim=-1)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
-        kv = kv.view(s, b, self.num_heads_per_partition, self.qk_head_dim + self.v_head_dim)
-        k_nope, value = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        kv_latent = self.kv_layernorm(latent)
         # The shared positional key feeds this rank's heads only: its grad is partial over TP
         # (summed by the gather's reduce-scatter under SP, by the copy's all-reduce otherwise).
         if self.sequence_parallel:
             k_pos = gather_from_sequence_parallel_region(k_pos, self.tp_group)
         else:
             k_pos = copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
-        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
 
-        if rotary_pos_emb is not None:
-            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
-            k_pos = apply_rotary_pos_emb(k_pos, rotary_pos_emb, self.rotary_interleaved)
-        query = torch.cat((q_nope, q_pos), dim=-1)
-        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        up_projections = None
+        if self.recompute_up_proj and self.training and torch.is_grad_enabled():
+            # Megatron's mla_up_proj: q/k/v are freed once the core attention has them and
+            # recomputed from the latents when backward reaches the attention.
+            up_projections = CheckpointWithoutOutput()
+            query, key, value = up_projections.checkpoint(
+                self._up_projections, q_input, kv_latent, k_pos, rotary_pos_emb, True)
+        else:
+            query, key, value = self._up_projections(q_input, kv_latent, k_pos, rotary_pos_emb)
         if self.selective_recompute and self.training:
             context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
+        if up_projections is not None:
+            up_projections.discard_output_and_register_recompute(context)
         output, _ = self.linear_proj(context)
         return output
 

@@ -30,7 +30,9 @@ MLA = ("--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 20 --qk-head-di
 YARN = ("--rotary-scaling-factor 4 --mscale 0.9 --mscale-all-dim 0.7 "
         "--yarn-original-max-position-embeddings 16").split()
 LAYOUTS = {
-    "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+    # Recompute changes no number: MLA's up-projections and core attention run again.
+    "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity "
+              "selective --recompute-modules mla_up_proj core_attn",
     "ep2": "--expert-model-parallel-size 2",
     "pp2": "--pipeline-model-parallel-size 2",
     "cp2_p2p": "--context-parallel-size 2 --cp-comm-type p2p",

@@ -1,6 +1,7 @@
 """Multi-latent attention equals Hugging Face's DeepseekV3Attention (random weights, odd sizes,
 interleaved RoPE on the positional channels, q through a latent or not): output, input grad and
-the replicated down-projection's grad, at TP=1 and at TP=2 with sequence parallelism."""
+the replicated down-projection's grad, at TP=1 and at TP=2 with sequence parallelism, with and
+without --recompute-modules mla_up_proj."""
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ _NAMES = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj",
 _COLUMN = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 
 
-def _mla_against_hf(rank, world_size, q_lora_rank):
+def _mla_against_hf(rank, world_size, q_lora_rank, recompute=False):
     from megatron_smp.config import ParallelConfig
     from megatron_smp.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
     from megatron_smp.models.llama import llama_config
@@ -53,6 +54,9 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
                           vocab_size=10, multi_latent_attention=True, q_lora_rank=q_lora_rank,
                           rotary_interleaved=True, layernorm_epsilon=1e-6,
                           sequence_parallel=sp, **DIMS)
+    if recompute:  # --recompute-granularity selective --recompute-modules mla_up_proj
+        config = config.replace(recompute_granularity="selective",
+                                recompute_modules=["mla_up_proj"])
     hf, hf_rotary = _hf_attention(q_lora_rank)
     ours = MLASelfAttention(config, state)
     with torch.no_grad():
@@ -78,7 +82,16 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
         x_ours = x_ours.chunk(world_size, dim=0)[rank].contiguous()
     x_ours.requires_grad_()
     rotary = RotaryEmbedding(DIMS["qk_pos_emb_head_dim"], interleaved=True)(S)
+    heads = []  # q/k/v of every up-projection run (the forward's, and backward's recompute)
+    original = ours._up_projections
+
+    def recorded(*args):
+        heads.append(original(*args))
+        return heads[-1]
+    ours._up_projections = recorded
     got = ours(x_ours, None, rotary)
+    # With mla_up_proj the forward's q/k/v hold no storage until backward refills them.
+    discarded = [t.untyped_storage().size() == 0 for t in heads[0]]
     # The loss is a sum over this rank's shard: the shards' grads add up to the whole one's.
     got.square().sum().backward()
     allreduce_sequence_parallel_grads([ours], state)
@@ -87,6 +100,7 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
     if sp:
         want_out = want_out.chunk(world_size, dim=0)[rank]
         want_grad = want_grad.chunk(world_size, dim=0)[rank]
+    assert discarded == [recompute] * 3 and len(heads) == 1 + recompute
     return to_numpy({
         "out": (got.detach(), want_out),
         "x_grad": (x_ours.grad, want_grad),
@@ -95,11 +109,15 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
     })
 
 
-@pytest.mark.parametrize("world_size, q_lora_rank", [(1, 7), (1, None), (2, 7)])
-def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
+@pytest.mark.parametrize("world_size, q_lora_rank, recompute",
+                         [(1, 7, False), (1, None, True), (2, 7, True)])
+def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank, recompute):
+    """--recompute-modules mla_up_proj (q/k/v discarded after the core attention, recomputed
+    in backward) gives the same output and grads."""
     # One process runs in this one (a spawned child costs ~10 s of imports here).
-    results = ([_mla_against_hf(0, 1, q_lora_rank)] if world_size == 1 else
-               run_distributed(_mla_against_hf, world_size, args=(q_lora_rank,), timeout=120))
+    results = ([_mla_against_hf(0, 1, q_lora_rank, recompute)] if world_size == 1 else
+               run_distributed(_mla_against_hf, world_size, args=(q_lora_rank, recompute),
+                               timeout=120))
     for result in results:
         for name, (got, want) in result.items():
             torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want),
@@ -110,8 +128,6 @@ def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
     (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
     (dict(num_query_groups=2), {}, "--group-query-attention"),
     (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
-    (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), {},
-     "mla_up_proj"),
 ])
 def test_mla_flag_errors(settings, parallel, message):
     from megatron_smp.config import ConfigError, ParallelConfig
