@@ -621,7 +621,6 @@ class TransformerConfig:
                  "--rotary-percent: multi-latent attention rotates all --qk-pos-emb-head-dim "
                  "channels and none of the others; drop --rotary-percent")
         unsupported = [flag for flag, on in (
-            ("--qk-layernorm (MLA has its own latent norms)", self.qk_layernorm),
             ("--window-size", self.window_size is not None),
             ("--group-query-attention", self.num_query_groups != self.num_attention_heads),
         ) if on]

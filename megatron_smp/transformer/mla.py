@@ -6,6 +6,7 @@
     kv: hidden -> linear_kv_down_proj [kv_lora_rank | pos]; the latent -> kv_layernorm ->
         linear_kv_up_proj, per head [qk_head_dim (key) | v_head_dim (value)]; the pos part is
         the one positional key all heads share
+    The latent norms exist with --qk-layernorm (Megatron's MLA spec), identities otherwise.
     RoPE rotates the pos channels of q and of the shared key (cos/sin of
     qk_pos_emb_head_dim channels from the model's RotaryEmbedding); the core attention sees
     q/k of qk_head_dim + pos channels and values of v_head_dim, scaled 1/sqrt(q/k width).
@@ -132,15 +133,12 @@ class MLASelfAttention(torch.nn.Module):
         else:
             self.linear_q_down_proj = _ReplicatedLinear(
                 config.hidden_size, config.q_lora_rank, config, self.sequence_parallel, device)
-            # Replicated norm on the rank's own tokens: a partial grad under SP (as a
-            # sequence-parallel layer norm's).
-            self.q_layernorm = build_norm(config, config.q_lora_rank, self.sequence_parallel,
-                                          device)
+            self.q_layernorm = self._latent_norm(config, config.q_lora_rank, device)
             self.linear_q_up_proj = column(config.q_lora_rank, q_width)
         self.linear_kv_down_proj = _ReplicatedLinear(
             config.hidden_size, self.kv_lora_rank + self.pos_dim, config,
             self.sequence_parallel, device)
-        self.kv_layernorm = build_norm(config, self.kv_lora_rank, self.sequence_parallel, device)
+        self.kv_layernorm = self._latent_norm(config, self.kv_lora_rank, device)
         self.linear_kv_up_proj = column(self.kv_lora_rank,
                                         self.num_heads * (self.qk_head_dim + self.v_head_dim))
         # Under context parallelism the core attention is the spec's (`--cp-comm-type`), built
@@ -160,6 +158,15 @@ class MLASelfAttention(torch.nn.Module):
             tp_group=tp_group, init_method=output_init,
             bias=config.add_attention_bias and config.add_bias_linear, input_is_parallel=True,
             device=device)
+
+    def _latent_norm(self, config: TransformerConfig, width: int, device) -> torch.nn.Module:
+        """A latent's norm with --qk-layernorm (megatron-core's MLA spec: q_layernorm /
+        kv_layernorm are norms then, identities otherwise; DeepSeek's models have them).
+        Replicated, on the rank's own tokens: a partial grad under SP (as a
+        sequence-parallel layer norm's)."""
+        if not config.qk_layernorm:
+            return torch.nn.Identity()
+        return build_norm(config, width, self.sequence_parallel, device)
 
     def _core_attention(self, query, key, value, attention_mask):
         """q/k [s, b, n, dq], v [s, b, n, dv] -> context [s, b, n * dv]."""

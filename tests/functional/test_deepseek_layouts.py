@@ -24,7 +24,7 @@ DEEPSEEK_ROUTER = (
     "--moe-router-dtype fp32"
 ).split()
 RATE = 0.003
-MLA = ("--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 20 --qk-head-dim 12 "
+MLA = ("--multi-latent-attention --qk-layernorm --q-lora-rank 24 --kv-lora-rank 20 --qk-head-dim 12 "
        "--qk-pos-emb-head-dim 8 --v-head-dim 10 --rotary-interleaved").split()
 # Megatron's MLA YaRN flags; the original context (16) is half the sequence.
 YARN = ("--rotary-scaling-factor 4 --mscale 0.9 --mscale-all-dim 0.7 "

@@ -102,7 +102,8 @@ def _small_mtp_model(factor, tied=False, moe=True, device=None):
 
     state = build_parallel_state(ParallelConfig())
     config = llama_config(2, 32, 4, 101, max_position_embeddings=12, ffn_hidden_size=48,
-                          multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10,
+                          multi_latent_attention=True, qk_layernorm=True, q_lora_rank=12,
+                          kv_lora_rank=10,
                           qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=6,
                           num_moe_experts=4 if moe else None, moe_router_topk=2,
                           moe_ffn_hidden_size=16 if moe else None,

@@ -76,6 +76,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim,
         window_size=None,
         multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms (Megatron's MLA with --qk-layernorm)
         q_lora_rank=hf_config.q_lora_rank,
         kv_lora_rank=hf_config.kv_lora_rank,
         qk_head_dim=hf_config.qk_nope_head_dim,
@@ -102,11 +103,13 @@ def config_from_hf(hf_config) -> TransformerConfig:
 def config_to_hf(config: TransformerConfig):
     from transformers import DeepseekV3Config
 
-    if not (config.multi_latent_attention and config.num_moe_experts is not None
+    if not (config.multi_latent_attention and config.qk_layernorm
+            and config.num_moe_experts is not None
             and config.moe_router_score_function == "sigmoid"
             and config.moe_router_enable_expert_bias):
         raise ConfigError("this config is not a DeepSeek-V3: it needs --multi-latent-attention "
-                          "and sigmoid-routed experts with --moe-router-enable-expert-bias")
+                          "with its latent norms (--qk-layernorm) and sigmoid-routed experts "
+                          "with --moe-router-enable-expert-bias")
     pattern = config.moe_layer_pattern()
     dense = pattern.index(1) if 1 in pattern else len(pattern)
     if pattern != [0] * dense + [1] * (len(pattern) - dense):

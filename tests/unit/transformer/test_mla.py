@@ -51,7 +51,8 @@ def _mla_against_hf(rank, world_size, q_lora_rank, recompute=False):
     state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
     sp = world_size > 1
     config = llama_config(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
-                          vocab_size=10, multi_latent_attention=True, q_lora_rank=q_lora_rank,
+                          vocab_size=10, multi_latent_attention=True, qk_layernorm=True,
+                          q_lora_rank=q_lora_rank,
                           rotary_interleaved=True, layernorm_epsilon=1e-6,
                           sequence_parallel=sp, **DIMS)
     if recompute:  # --recompute-granularity selective --recompute-modules mla_up_proj
@@ -167,3 +168,21 @@ def test_rope_type_flags_follow_megatron():
                           v_head_dim=128, hidden_size=64, num_attention_heads=4)
     attention = MLASelfAttention(model, build_parallel_state(ParallelConfig()), device="meta")
     assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
+
+
+def test_latent_norms_follow_qk_layernorm():
+    """megatron-core's MLA spec: q_layernorm / kv_layernorm are norms with --qk-layernorm
+    (DeepSeek's models), identities without it."""
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.models.llama import llama_config
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.mla import MLASelfAttention
+
+    state = build_parallel_state(ParallelConfig())
+    for qk_layernorm in (False, True):
+        config = llama_config(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
+                              vocab_size=10, multi_latent_attention=True, q_lora_rank=7,
+                              qk_layernorm=qk_layernorm, **DIMS)
+        names = {n for n, _ in MLASelfAttention(config, state).named_parameters()}
+        assert ({"q_layernorm.weight", "kv_layernorm.weight"} <= names) == qk_layernorm
+        assert not qk_layernorm or not any("layernorm.bias" in n for n in names)
