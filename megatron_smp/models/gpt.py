@@ -127,13 +127,17 @@ class LanguageModelEmbedding(torch.nn.Module):
 class GPTModel(torch.nn.Module):
     """Decoder-only language model, or one pipeline stage of it.
 
-    forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None)
+    forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None,
+            loss_mask=None)
       * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
       * last stage, labels [b, s] given: per-token loss [b, s] (fp32);
       * last stage, no labels: logits [b, s, padded_vocab / tp] (this rank's vocab shard;
         `gather_full_logits` gives [b, s, vocab]);
       * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
     A stage other than the first reads its input from `set_input_tensor(t)`.
+    With --mtp-num-layers the last stage also runs the multi-token-prediction layers when
+    labels are given (input_ids then needed there too) and attaches their loss, over
+    `loss_mask` [b, s] (default all tokens), for backward (models.multi_token_prediction).
     `transformer_layer_spec` picks each decoder layer's attention and MLP (a `ModuleSpec`, or
     a function of the global layer number); default `get_gpt_decoder_layer_spec`.
 
@@ -257,7 +261,7 @@ class GPTModel(torch.nn.Module):
         output layer's weight."""
         embedding = getattr(self, "embedding", None)
         if embedding is not None and (self.share_embeddings_and_output_weights
-                                      or self.mtp_process or self.config.mtp_num_layers):
+                                      or self.config.mtp_num_layers):
             return embedding.word_embeddings.weight
         return self.output_layer.weight
 
@@ -325,6 +329,10 @@ class GPTModel(torch.nn.Module):
                          rotary_pos_emb, labels, loss_mask, weight):
         """Run the multi-token-prediction layers on the main output and attach their loss
         (see models.multi_token_prediction)."""
+        if input_ids is None:
+            raise ValueError("--mtp-num-layers: the last pipeline stage embeds the next tokens, "
+                             "so its forward needs input_ids too (pretrain_gpt.forward_step "
+                             "passes the batch's tokens on every stage)")
         if position_ids is None and self.embedding.add_position_embedding:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
                 input_ids.shape[0], -1)
