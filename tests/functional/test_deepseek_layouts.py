@@ -1,6 +1,7 @@
-"""A small DeepSeek-V3-style model (multi-latent attention with a q latent and interleaved YaRN
-RoPE on the positional channels, positions beyond the original context, a dense first layer, then sigmoid-routed experts with expert bias,
-group-limited top-k, scaling, the sequence-wise aux loss and a shared expert, and two
+"""A small DeepSeek-V3-style model (multi-latent attention with a q latent, latent norms and
+interleaved YaRN RoPE on the positional channels, positions beyond the original context, a dense
+first layer, then sigmoid-routed experts with expert bias, group-limited top-k, scaling, the
+sequence-wise aux loss and a shared expert, and two
 multi-token-prediction layers) trains 10 iterations under pretrain_gpt.py with the
 single-process losses (lm loss and each MTP depth's loss; fp32, 1e-4) at TP=2+SP, EP=2, PP=2
 (MTP on the last stage only), CP=2 (p2p, all_gather and a2a: MLA and the MTP shifts under
@@ -24,8 +25,8 @@ DEEPSEEK_ROUTER = (
     "--moe-router-dtype fp32"
 ).split()
 RATE = 0.003
-MLA = ("--multi-latent-attention --qk-layernorm --q-lora-rank 24 --kv-lora-rank 20 --qk-head-dim 12 "
-       "--qk-pos-emb-head-dim 8 --v-head-dim 10 --rotary-interleaved").split()
+MLA = ("--multi-latent-attention --qk-layernorm --q-lora-rank 24 --kv-lora-rank 20 "
+       "--qk-head-dim 12 --qk-pos-emb-head-dim 8 --v-head-dim 10 --rotary-interleaved").split()
 # Megatron's MLA YaRN flags; the original context (16) is half the sequence.
 YARN = ("--rotary-scaling-factor 4 --mscale 0.9 --mscale-all-dim 0.7 "
         "--yarn-original-max-position-embeddings 16").split()

@@ -7,8 +7,8 @@ topk / topk_group best, so a grouped config must have topk = 2 x topk_group (Dee
 8 = 2 x 4). HF's RoPE pairing (`rope_interleave`) is our --rotary-interleaved on the positional
 channels, so no row permutation is needed. YaRN (`rope_parameters` rope_type yarn) is
 Megatron's MLA YaRN: the table scaled by mscale / mscale_all_dim, the scores by
-mscale_all_dim's square. HF's model has no multi-token-prediction weights: ours are dropped on the way out, with a log
-line, and a converted model starts without them.
+mscale_all_dim's square. HF's model has no multi-token-prediction weights: ours are dropped
+on the way out, with a log line, and a converted model starts without them.
 """
 from __future__ import annotations
 
