@@ -68,6 +68,7 @@ def forward_step(data_iterator, model):
         attention_mask=batch.get("attention_mask") if batch else None,
         labels=batch["labels"] if batch else None,
         document_ids=batch.get("document_ids") if batch else None,
+        loss_mask=batch["loss_mask"] if batch else None,
     )
     return output, partial(loss_func, batch["loss_mask"] if batch else None,
                            cp_group=state.cp_group if state.cp_size > 1 else None,

@@ -220,8 +220,6 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 _RECOMPUTE_MODULES_NOT_HERE = {
     "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
                "which megatron_smp does not have; use mlp for dense layers",
-    "mla_up_proj": "recomputing multi-latent attention's up-projections is not supported yet; "
-                   "use core_attn",
     "moe": "recomputing MoE layers is not supported yet",
     "shared_experts": "recomputing MoE shared experts is not supported yet",
 }
@@ -389,6 +387,11 @@ class TransformerConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(x w) scales the shared expert
+    # Multi-token prediction (DeepSeek-V3; transformer/multi_token_prediction.py): D extra
+    # layers on the last pipeline stage, layer k predicting the token k + 1 places ahead;
+    # their mean loss enters backward scaled by mtp_loss_scaling_factor (Megatron's flags).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -488,6 +491,8 @@ class TransformerConfig:
         self._validate_gpt_oss_numerics()
         if self.multi_latent_attention:
             self._validate_mla(parallel)
+        if self.mtp_num_layers is not None:
+            self._validate_mtp(parallel)
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -607,13 +612,14 @@ class TransformerConfig:
 
     def layer_window_size(self, layer_number: int) -> Optional[Tuple[int, int]]:
         """The sliding window of global 1-based layer `layer_number`; None: full attention."""
-        return self.window_size if self.window_layer_pattern()[layer_number - 1] else None
+        index = self.layer_pattern_number(layer_number) - 1
+        return self.window_size if self.window_layer_pattern()[index] else None
 
     def _validate_mla(self, parallel: ParallelConfig) -> None:
         """--multi-latent-attention: what transformer/mla.py builds, and what it does not yet."""
-        _require(self.position_embedding_type == "rope",
+        _require(self.position_embedding_type in ("rope", "yarn"),
                  "--multi-latent-attention rotates its positional channels: add "
-                 "--position-embedding-type rope")
+                 "--position-embedding-type rope (YaRN: yarn)")
         for flag, value in (("--kv-lora-rank", self.kv_lora_rank),
                             ("--qk-head-dim", self.qk_head_dim),
                             ("--v-head-dim", self.v_head_dim),
@@ -626,13 +632,32 @@ class TransformerConfig:
                  "--rotary-percent: multi-latent attention rotates all --qk-pos-emb-head-dim "
                  "channels and none of the others; drop --rotary-percent")
         unsupported = [flag for flag, on in (
-            ("--context-parallel-size > 1", parallel.context_parallel_size > 1),
-            ("--qk-layernorm (MLA has its own latent norms)", self.qk_layernorm),
             ("--window-size", self.window_size is not None),
             ("--group-query-attention", self.num_query_groups != self.num_attention_heads),
         ) if on]
         _require(not unsupported, "--multi-latent-attention does not support "
                  f"{', '.join(unsupported)} yet")
+
+    def _validate_mtp(self, parallel: ParallelConfig) -> None:
+        """--mtp-num-layers: what transformer/multi_token_prediction.py builds."""
+        _require(self.mtp_num_layers >= 1,
+                 f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
+        _require(self.mtp_loss_scaling_factor >= 0,
+                 f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}")
+        _require(
+            parallel.pipeline_model_parallel_size == 1
+            or self.position_embedding_type != "learned_absolute",
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 and learned absolute "
+            "positions: the last stage's MTP would need a copy of the position table, which "
+            "is not kept in sync; use --position-embedding-type rope (DeepSeek-V3's) or one "
+            "pipeline stage",
+        )
+
+    def layer_pattern_number(self, layer_number: int) -> int:
+        """The decoder layer whose kind (window, MoE or dense) global layer `layer_number`
+        takes: itself, or for the multi-token-prediction layers (numbered num_layers + 1 ..)
+        the last decoder layer, as Megatron builds them from its spec."""
+        return min(layer_number, self.num_layers)
 
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules
@@ -646,6 +671,9 @@ class TransformerConfig:
                  f"{', '.join(RECOMPUTE_MODULES)}")
         for name, reason in _RECOMPUTE_MODULES_NOT_HERE.items():
             _require(name not in modules, f"--recompute-modules {name}: {reason}")
+        _require("mla_up_proj" not in modules or self.multi_latent_attention,
+                 "--recompute-modules mla_up_proj recomputes multi-latent attention's "
+                 "up-projections: add --multi-latent-attention, or drop it")
 
     def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size

@@ -41,10 +41,20 @@ LEGACY_FILENAME = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.mtp_model_layer\.(.*)$")
+_MTP_INNER = re.compile(r"^(mtp\.layers\.\d+\.)transformer_layer\.")
+_MTP_OURS = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+_PER_LAYER = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer_layer|"
+                        r"mtp_model_layer)\.)(.*)$")
 # Transformer Engine's fused-norm names -> ours (the local spec's names).
 _TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    # Multi-latent attention with --qk-layernorm: the latent norms fused into the up-projections.
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
@@ -208,6 +218,17 @@ _SAME_MEANING = {
     "moe_router_num_groups": "moe_router_num_groups",
     "moe_router_group_topk": "moe_router_group_topk",
     "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "moe_router_bias_update_rate": "moe_router_bias_update_rate",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff", "moe_router_dtype": "moe_router_dtype",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "moe_layer_freq": "moe_layer_freq",
+    # Multi-latent attention (megatron-core's names: linear_q_down_proj, linear_q_up_proj,
+    # linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm) and MTP.
+    "multi_latent_attention": "multi_latent_attention", "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_head_dim",
+    "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim",
+    "mtp_num_layers": "mtp_num_layers", "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
 }
 # Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
 _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
@@ -215,8 +236,7 @@ _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
                           "rope_scaling_original_max_position_embeddings": 8192}
 # Megatron args that change the model in ways this reader does not map: refused when set.
 _UNMAPPED = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-             "virtual_pipeline_model_parallel_size", "multi_latent_attention", "mtp_num_layers",
-             "moe_shared_expert_intermediate_size", "moe_grouped_gemm")
+             "virtual_pipeline_model_parallel_size", "moe_grouped_gemm")
 
 
 def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
@@ -244,6 +264,12 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
     position = args.get("position_embedding_type")
     if args.get("use_rotary_position_embeddings"):
         position = "rope"
+    if args.get("multi_latent_attention") and args.get("qk_head_dim") is not None:
+        # MLA heads have no kv_channels; ours (and the HF adapter's) is the q/k head width.
+        fields["kv_channels"] = args["qk_head_dim"] + args.get("qk_pos_emb_head_dim", 64)
+    if (args.get("multi_latent_attention") and position == "rope"
+            and args.get("rope_type") != "rope"):
+        position = "yarn"  # Megatron's MLA takes YaRN unless --rope-type rope
     if position is not None:
         fields["position_embedding_type"] = position
     if args.get("vocab_size"):
@@ -268,6 +294,10 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
                 " save it in our format (or HF) instead"
             )
     args = {theirs: getattr(config, ours) for theirs, ours in _SAME_MEANING.items()}
+    if config.multi_latent_attention and config.position_embedding_type == "yarn":
+        args["rope_type"] = "yarn"
+    elif config.multi_latent_attention:
+        args["rope_type"] = "rope"
     args.update(
         num_query_groups=config.num_query_groups,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
@@ -289,13 +319,21 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
 
 
 def _our_name(name: str) -> Optional[str]:
-    """Megatron name (per layer) -> ours; None for entries that hold no weights."""
+    """Megatron name (per layer) -> ours; None for entries that hold no weights. The MTP
+    layers' inner layer is megatron-core 0.16's `transformer_layer`, main's `mtp_model_layer`
+    (ours)."""
     if name.endswith("_extra_state") or "._extra_state" in name:
         return None
-    match = _LAYER.match(name)
+    name = _MTP_INNER.sub(r"\1mtp_model_layer.", name)
+    match = _LAYER.match(name) or _MTP_LAYER.match(name)
     if match and match.group(2) in _TE_NAMES:
-        return f"decoder.layers.{match.group(1)}.{_TE_NAMES[match.group(2)]}"
+        return f"{name[:match.start(2)]}{_TE_NAMES[match.group(2)]}"
     return name
+
+
+def _megatron_name(name: str) -> str:
+    """Ours -> megatron-core 0.16.1's (the MTP layers' inner layer is `transformer_layer`)."""
+    return _MTP_OURS.sub(r"\1transformer_layer.", name)
 
 
 def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
@@ -314,6 +352,22 @@ def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
     torch_dcp.load(stored, storage_reader=reader, no_dist=True)
     out = {}
     for key, tensor in stored.items():
+        per_layer = _PER_LAYER.match(key)
+        if per_layer is not None:
+            # Layers of different kinds (dense first layers, MoE ones, MTP) are stored one by
+            # one; each MoE layer's experts stacked [experts, ...].
+            prefix, rest = per_layer.groups()
+            expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
+            if expert_prefix is not None:
+                tail = rest[len(expert_prefix):]
+                for expert in range(tensor.shape[0]):
+                    name = _our_name(f"{prefix}mlp.experts.local_experts.{expert}.{tail}")
+                    out[name] = tensor[expert].clone()
+                continue
+            name = _our_name(key)
+            if name is not None:
+                out[name] = tensor
+            continue
         if key.startswith("decoder.layers."):
             rest = key[len("decoder.layers."):]
             # megatron-core stacks the experts too: [layers, experts, ...].
@@ -360,7 +414,7 @@ def _read_legacy(checkpoint: MegatronCheckpoint, config: TransformerConfig
                 raise CheckpointError(
                     f"{checkpoint.rank_dirs[(rank, stage, 0)]} has no 'model' entry (found "
                     f"{keys}): virtual pipeline stages are not read")
-            shards.append({name: t for name, t in state["model"].items()
+            shards.append({_our_name(name): t for name, t in state["model"].items()
                            if isinstance(t, torch.Tensor) and _our_name(name) is not None})
         rows = sum(s["embedding.word_embeddings.weight"].shape[0] for s in shards) \
             if "embedding.word_embeddings.weight" in shards[0] else None
@@ -429,7 +483,9 @@ def extra_state_names(names: List[str]) -> List[str]:
     """megatron-core's local spec keeps an (empty) `_extra_state` beside each linear layer."""
     out = []
     for name in names:
-        for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+        for linear in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+                       "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                       "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj"):
             if name.endswith(f".{linear}.weight"):
                 out.append(name[: -len("weight")] + "_extra_state")
     if "output_layer.weight" in names:
@@ -463,11 +519,15 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
             elif name.startswith("embedding.") and first:
                 stage_model[name] = tensor
             elif not name.startswith("embedding.") and last:
-                stage_model[name] = tensor
+                stage_model[name] = tensor  # output layer, final norm, MTP
         if tied and last and pp > 1:  # Megatron keeps the output copy on the last stage
             stage_model["output_layer.weight"] = model["embedding.word_embeddings.weight"]
+        if config.mtp_num_layers and last and pp > 1:  # and the MTP layers' embedding
+            stage_model["embedding.word_embeddings.weight"] = \
+                model["embedding.word_embeddings.weight"]
         for rank in range(tp):
-            shard = shard_state_dict(stage_model, config, tp, rank)
+            shard = {_megatron_name(name): tensor for name, tensor in
+                     shard_state_dict(stage_model, config, tp, rank).items()}
             for name in extra_state_names(list(shard)):
                 shard[name] = None
             rank_dir = os.path.join(path, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1

@@ -59,13 +59,15 @@ class _ContextParallelCore(torch.nn.Module):
         state,
         layer_number: int = 1,
         device: Optional[torch.device] = None,
+        softmax_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         tp_size = group_size(state.tp_group)
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
         self.head_dim = config.kv_channels
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # Default 1/sqrt(d); multi-latent attention gives its own (YaRN's mscale).
+        self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         self.cp_group = state.cp_group
         self.cp_size = group_size(state.cp_group)
         self.cp_rank = group_rank(state.cp_group)
@@ -601,13 +603,13 @@ class AllToAllAttention(_ContextParallelCore):
     trade back. The query groups of this TP rank must divide by N (`TransformerConfig.
     validate`)."""
 
-    def __init__(self, config, state, layer_number=1, device=None):
-        super().__init__(config, state, layer_number, device)
+    def __init__(self, config, state, layer_number=1, device=None, softmax_scale=None):
+        super().__init__(config, state, layer_number, device, softmax_scale)
         heads = self.num_heads // self.cp_size
         # The sinks are this module's (same name as without CP); the inner attention takes
         # this CP rank's share of them each forward.
         self.inner = DotProductAttention(config.replace(softmax_type="vanilla"), state,
-                                         layer_number, device)
+                                         layer_number, device, softmax_scale)
         self.head_share = slice(self.cp_rank * heads, (self.cp_rank + 1) * heads)
         # The inner attention sees this CP rank's slice of the TP rank's heads.
         self.inner.num_heads_per_partition = heads

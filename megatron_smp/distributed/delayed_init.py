@@ -12,7 +12,8 @@ its shards of the units done so far plus one unsharded unit, never the whole mod
 
 The values equal the eager model's for the same seed. Our models draw every part under its
 own CPU seed (`models.gpt`: the embedding under `derive_seed(base, 0)`, layer n under
-`derive_seed(base, n)`, an untied output layer under `derive_seed(base, num_layers + 1)`),
+`derive_seed(base, n)`, an untied output layer under `derive_seed(base, num_layers + 1)`,
+multi-token-prediction layer k under `derive_seed(base, num_layers + 1 + k)`),
 and a meta-built GPTModel draws the same `init_base_seed`. Materialising a part replays its
 construction-time draws under its seed: each tensor-parallel layer's `reset_parameters`
 (which redraws the full master on the CPU and keeps this rank's TP slice), in construction
@@ -96,6 +97,9 @@ def _gpt_parts(gpt: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[int
     for layer in gpt.decoder.layers:
         inner = getattr(layer, "_checkpoint_wrapped_module", layer)
         parts.append((inner, derive_seed(base, inner.layer_number)))
+    mtp = getattr(gpt, "mtp", None)
+    for depth, layer in enumerate(mtp.layers if mtp is not None else (), start=1):
+        parts.append((layer, derive_seed(base, gpt.config.num_layers + 1 + depth)))
     output_layer = getattr(gpt, "output_layer", None)
     if output_layer is not None and output_layer.weight is not None:
         index = (_EMBEDDING_SEED_INDEX if gpt.share_embeddings_and_output_weights
@@ -134,10 +138,11 @@ def _replay_module(module: torch.nn.Module, device: torch.device) -> int:
     from megatron_smp.tensor_parallel.layers import (
         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     )
+    from megatron_smp.transformer.mla import _ReplicatedLinear
     from megatron_smp.transformer.norm import LayerNorm, RMSNorm
 
     if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               LayerNorm, RMSNorm)):
+                               LayerNorm, RMSNorm, _ReplicatedLinear)):
         # torch's own reset_parameters would draw other values than the constructor here.
         raise ConfigError(
             f"delayed initialisation does not know how {type(module).__name__} was "

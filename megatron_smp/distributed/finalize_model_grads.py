@@ -75,7 +75,8 @@ def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], state) -> Non
         return
     # The first stage's copy lives in its first chunk, the last stage's in its last chunk.
     model = _language_model(model_chunks[0] if state.is_pipeline_first_stage else model_chunks[-1])
-    if not model.share_embeddings_and_output_weights:
+    copies = getattr(model, "embedding_copies_on_end_stages", None)
+    if not (copies() if copies is not None else model.share_embeddings_and_output_weights):
         return
     dist.all_reduce(_grad_of(model.shared_embedding_or_output_weight()), group=group)
 

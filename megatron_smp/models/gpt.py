@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron_smp.config import TransformerConfig
 from megatron_smp.context_parallel import core_attention_spec, local_positions
 from megatron_smp.context_parallel.split import packed_rank_indices
+from megatron_smp.models.multi_token_prediction import MultiTokenPredictionBlock
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
@@ -54,7 +55,8 @@ def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) 
     spec = get_gpt_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
     if config.multi_latent_attention:
-        spec.submodules.self_attention = ModuleSpec(MLASelfAttention)
+        spec.submodules.self_attention = ModuleSpec(
+            MLASelfAttention, submodules=spec.submodules.self_attention.submodules)
     return moe_layer_spec(config, spec)
 
 
@@ -128,7 +130,7 @@ class GPTModel(torch.nn.Module):
     """Decoder-only language model, or one pipeline stage of it.
 
     forward(input_ids [b, s], position_ids=None, attention_mask=None, labels=None,
-            document_ids=None)
+            document_ids=None, loss_mask=None)
       * attention_mask: bool [b, 1, s, s], True = masked; None = causal.
       * document_ids [b, s] (whole rows, also under context parallelism): packed rows, each
         run of equal ids a document attending only to itself (`transformer.packed`; the
@@ -138,6 +140,9 @@ class GPTModel(torch.nn.Module):
         `gather_full_logits` gives [b, s, vocab]);
       * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
     A stage other than the first reads its input from `set_input_tensor(t)`.
+    With --mtp-num-layers the last stage also runs the multi-token-prediction layers when
+    labels are given (input_ids then needed there too) and attaches their loss, over
+    `loss_mask` [b, s] (default all tokens), for backward (models.multi_token_prediction).
     `transformer_layer_spec` picks each decoder layer's attention and MLP (a `ModuleSpec`, or
     a function of the global layer number); default `get_gpt_decoder_layer_spec`.
 
@@ -173,7 +178,10 @@ class GPTModel(torch.nn.Module):
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
         self.init_base_seed = base_seed
 
-        if pre_process:
+        # Multi-token prediction runs on the last stage and embeds tokens there too: that
+        # stage then holds a copy of the word embedding, drawn like the first stage's.
+        self.mtp_process = post_process and bool(config.mtp_num_layers)
+        if pre_process or self.mtp_process:
             with init_rng_scope(derive_seed(base_seed, _EMBEDDING_SEED_INDEX)):
                 self.embedding = LanguageModelEmbedding(config, state, device=device)
 
@@ -187,6 +195,7 @@ class GPTModel(torch.nn.Module):
                 interleaved=config.rotary_interleaved, scaling=rope_scaling_of(config),
             )
 
+        layer_spec = transformer_layer_spec or get_gpt_decoder_layer_spec(config, state)
         self.decoder = TransformerBlock(
             config,
             state,
@@ -195,11 +204,16 @@ class GPTModel(torch.nn.Module):
             post_layer_norm=post_process,
             init_seed=base_seed,
             device=device,
-            layer_spec=transformer_layer_spec or get_gpt_decoder_layer_spec(config, state),
+            layer_spec=layer_spec,
         )
+        self.mtp = None
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(config, state, layer_spec, init_seed=base_seed,
+                                                 device=device)
 
         if post_process:
-            tied_here = self.share_embeddings_and_output_weights and pre_process
+            tied_here = self.share_embeddings_and_output_weights and (pre_process
+                                                                      or self.mtp_process)
             if tied_here:
                 output_seed = None  # no weight of its own
             elif self.share_embeddings_and_output_weights:
@@ -222,15 +236,23 @@ class GPTModel(torch.nn.Module):
                     device=device,
                 )
 
-        if self.share_embeddings_and_output_weights and state.pp_size > 1:
-            # Two copies of one tied table: finalize_model_grads sums their grads over
-            # state.embedding_group so they stay equal. The last stage's copy is also marked
-            # `shared`, which keeps it out of the grad norm (counted once, on the first stage).
-            if pre_process:
-                self.embedding.word_embeddings.weight.shared_embedding = True
-            if post_process and not pre_process:
-                self.output_layer.weight.shared_embedding = True
-                self.output_layer.weight.shared = True
+        if self.embedding_copies_on_end_stages():
+            # Two copies of one word table (tied output layer, or the last stage's MTP
+            # embedding): finalize_model_grads sums their grads over state.embedding_group so
+            # they stay equal. The last stage's copy is also marked `shared`, which keeps it
+            # out of the grad norm (counted once, on the first stage).
+            copy = self.shared_embedding_or_output_weight() if (pre_process
+                                                                 or post_process) else None
+            if copy is not None:
+                copy.shared_embedding = True
+                if not pre_process:
+                    copy.shared = True
+
+    def embedding_copies_on_end_stages(self) -> bool:
+        """Whether the first and last pipeline stage each hold a copy of the word table
+        (the same answer on every rank)."""
+        return self.state.pp_size > 1 and (self.share_embeddings_and_output_weights
+                                           or bool(self.config.mtp_num_layers))
 
     def set_input_tensor(self, input_tensor) -> None:
         """Input of a non-first pipeline stage: hidden states [s(/tp), b, h]."""
@@ -239,8 +261,13 @@ class GPTModel(torch.nn.Module):
         self.input_tensor = input_tensor
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        if self.pre_process and self.share_embeddings_and_output_weights:
-            return self.embedding.word_embeddings.weight
+        """This stage's copy of the word table: the embedding's where the stage has one
+        (first stage, or the last with MTP) and it is tied or shared with MTP, else the
+        output layer's weight."""
+        embedding = getattr(self, "embedding", None)
+        if embedding is not None and (self.share_embeddings_and_output_weights
+                                      or self.config.mtp_num_layers):
+            return embedding.word_embeddings.weight
         return self.output_layer.weight
 
     def _rotary(self, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor]):
@@ -270,6 +297,7 @@ class GPTModel(torch.nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         if document_ids is not None:
             if attention_mask is not None:
@@ -291,20 +319,47 @@ class GPTModel(torch.nn.Module):
                     "GPTModel without pre_process needs set_input_tensor() before forward"
                 )
             hidden_states = self.input_tensor
-        hidden_states = self.decoder(
-            hidden_states, attention_mask, self._rotary(hidden_states, position_ids)
-        )
+        rotary_pos_emb = self._rotary(hidden_states, position_ids)
+        hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         if not self.post_process:
             return hidden_states
 
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if self.mtp is not None and labels is not None:
+            hidden_states = self._attach_mtp_loss(hidden_states, input_ids, position_ids,
+                                                  attention_mask, rotary_pos_emb, labels,
+                                                  loss_mask, weight)
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        return self._per_token_loss(logits, labels)
+
+    def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """logits [s, b, v/tp], labels [b, s] -> fp32 [b, s]."""
         loss = vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size
         )
         return loss.transpose(0, 1).contiguous()
+
+    def _attach_mtp_loss(self, hidden_states, input_ids, position_ids, attention_mask,
+                         rotary_pos_emb, labels, loss_mask, weight):
+        """Run the multi-token-prediction layers on the main output and attach their loss
+        (see models.multi_token_prediction)."""
+        if input_ids is None:
+            raise ValueError("--mtp-num-layers: the last pipeline stage embeds the next tokens, "
+                             "so its forward needs input_ids too (pretrain_gpt.forward_step "
+                             "passes the batch's tokens on every stage)")
+        if position_ids is None and self.embedding.add_position_embedding:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(
+                input_ids.shape[0], -1)
+        outputs = self.mtp(hidden_states, input_ids, position_ids, attention_mask,
+                           rotary_pos_emb, self.embedding)
+
+        def per_token_loss(output, shifted_labels):
+            logits, _ = self.output_layer(output, weight=weight)
+            return self._per_token_loss(logits, shifted_labels)
+
+        return self.mtp.attach_loss(hidden_states, outputs, labels, loss_mask, per_token_loss)
 
 
 def gather_full_logits(

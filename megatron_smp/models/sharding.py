@@ -63,6 +63,12 @@ def default_layout(config: TransformerConfig) -> Layout:
             layout[f"decoder.layers.*.{mlp}linear_fc1.weight"] = (0, fc1_stride)
             layout[f"decoder.layers.*.{mlp}linear_fc1.bias"] = (0, fc1_stride)
             layout[f"decoder.layers.*.{mlp}linear_fc2.weight"] = (1, 1)
+    if config.mtp_num_layers:  # each MTP layer: eh_proj, then a decoder layer
+        layout["mtp.layers.*.eh_proj.weight"] = (0, 1)
+        for name, split in list(layout.items()):
+            if name.startswith("decoder.layers.*."):
+                inner = name[len("decoder.layers.*."):]
+                layout[f"mtp.layers.*.mtp_model_layer.{inner}"] = split
     return layout
 
 

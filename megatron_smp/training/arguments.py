@@ -158,11 +158,17 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-modules", "model", nargs="+"),
     # Multi-latent attention (Megatron's flags; see README "Multi-latent attention").
     _f("--multi-latent-attention", "model", action="store_true"),
+    # Megatron: multi-latent attention takes YaRN by default (--rotary-scaling-factor, default
+    # 1.0, where it equals plain RoPE), --rope-type rope opts out; other attention takes rope.
+    _f("--rope-type", None, "rope_type", choices=["rope", "yarn"]),
     _f("--q-lora-rank", "model", type=int),
     _f("--kv-lora-rank", "model", type=int, default=32),
     _f("--qk-head-dim", "model", type=int, default=128),
     _f("--qk-pos-emb-head-dim", "model", type=int, default=64),
     _f("--v-head-dim", "model", type=int, default=128),
+    # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
+    _f("--mtp-num-layers", "model", type=int),
+    _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -482,8 +488,6 @@ _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl"
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
-    "--mtp-num-layers": "multi-token prediction (DeepSeek-V3's MTP layers)",
-    "--mtp-loss-scaling-factor": "multi-token prediction (DeepSeek-V3's MTP layers)",
 }
 
 
@@ -506,7 +510,8 @@ def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> Non
     yarn = sorted(given & set(_YARN_FLAGS))
     if yarn and model.get("position_embedding_type") != "yarn":
         raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
-                          "yarn, or drop them")
+                          "yarn (with --multi-latent-attention: drop --rope-type rope), or "
+                          "drop them")
 
 
 # The --moe-* flags that exist; any other is an error (never silently ignored).
@@ -753,6 +758,12 @@ def parse_args(
         raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
                           "with --position-embedding-type rope; use --position-embedding-type "
                           "none (no position information) or rope")
+    if args.rope_type == "yarn" and not model.get("multi_latent_attention"):
+        raise ConfigError("--rope-type yarn applies to --multi-latent-attention (Megatron's "
+                          "MLA RoPE); for other attention use --position-embedding-type yarn")
+    if (model.get("multi_latent_attention") and args.rope_type != "rope"
+            and model.get("position_embedding_type") == "rope"):
+        model["position_embedding_type"] = "yarn"
     _check_rope_scaling_flags(argv, model)
     activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
                                             ("--swiglu", args.swiglu),
@@ -953,6 +964,18 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    if configs.model.mtp_num_layers is not None:
+        unsupported = [flag for flag, on in (
+            ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),
+            ("--use-torch-fsdp2", parallel.use_torch_fsdp2),
+            # MTP's one-token shifts would carry tokens across packed documents.
+            ("--sft", configs.data.sft),
+            ("--reset-attention-mask", configs.data.reset_attention_mask),
+        ) if on]
+        if unsupported:
+            raise ConfigError(f"--mtp-num-layers with {', '.join(unsupported)} is not "
+                              "supported yet; drop one of them (MTP trains with the mean loss "
+                              "on unpacked sequences, with DDP or --use-distributed-optimizer)")
     data = configs.data
     if data.sft:
         # Packing is computed in memory from the conversation lengths; these flags shape

@@ -79,6 +79,7 @@ CHECKPOINT_ARGS_FIELDS = (
     "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
     "qk_layernorm", "make_vocab_size_divisible_by",
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "moe_layer_freq", "moe_shared_expert_intermediate_size", "mtp_num_layers",
 ) + FUNCTION_FIELDS
 
 

@@ -74,29 +74,37 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
     (W keys each once the window is full); W >= s is the causal term. A gated MLP counts 3
     GEMMs for --quick-geglu too (Megatron counts 3 only for --swiglu).
+    Multi-token prediction (Megatron's count): each of the D MTP layers counts as one more
+    layer of the last layer's kind (attention, and MoE or dense MLP), plus its two input
+    norms and final norm (3*h) and eh_proj (2*h*h), and the logits are computed D + 1 times.
     Returns FLOPs for `global_batch_size` sequences of `seq_length` tokens.
     """
     h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     kv = config.num_query_groups * config.kv_channels
     mlp_factor = 3 if config.gated_linear_unit else 2
-    windowed_layers = sum(config.window_layer_pattern())
+    mtp = config.mtp_num_layers or 0
+    pattern = config.moe_layer_pattern()
+    pattern = pattern + [pattern[-1]] * mtp  # the MTP layers are of the last layer's kind
+    num_layers = config.num_layers + mtp
+    windows = config.window_layer_pattern()
+    windowed_layers = sum(windows + [windows[-1]] * mtp)
     keys = seq_length  # twice the mean keys per query of causal attention (s / 2)
     if windowed_layers and config.window_size[0] + 1 < seq_length:
         window = config.window_size[0] + 1
         keys = 2 * window - window * window / seq_length
-    core = q * (seq_length * (config.num_layers - windowed_layers) + keys * windowed_layers)
+    core = q * (seq_length * (num_layers - windowed_layers) + keys * windowed_layers)
     attention = h * (q + 2 * kv) + q * h
     if config.multi_latent_attention:  # its core attention is in its terms (no windows)
         attention, core = mla_attention_terms(config, seq_length), 0.0
-    num_moe_layers = sum(config.moe_layer_pattern())
-    num_dense_layers = config.num_layers - num_moe_layers
+    num_moe_layers = sum(pattern)
+    num_dense_layers = num_layers - num_moe_layers
     mlp = config.ffn_hidden_size * num_dense_layers
     if num_moe_layers:
         shared = config.moe_shared_expert_intermediate_size or 0
         mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
-    per_token = (mlp_factor * h * mlp + config.num_layers * attention + core
-                 + h * padded_vocab_size)
+    per_token = (mlp_factor * h * mlp + num_layers * attention + core
+                 + mtp * (3 * h + 2 * h * h) + h * padded_vocab_size * (1 + mtp))
     return 6.0 * per_token * seq_length * global_batch_size
 
 

@@ -271,15 +271,17 @@ def empty_unused_memory(run: _Run, level: int) -> None:
 def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
                       num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
     """Zeroed grads, then the global batch's forward and backward; the loss reports."""
+    from megatron_smp.models.multi_token_prediction import set_mtp_loss_scale
     from megatron_smp.transformer.moe import set_aux_loss_scale
 
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
-    # A device tensor: a float() here would wait for the device before every forward.
-    set_aux_loss_scale(run.model, run.optimizer.get_loss_scale()[0] * run.state.cp_size
-                       / num_microbatches)
+    # MoE auxiliary losses and the MTP loss enter backward scaled like each microbatch's lm
+    # loss. A device tensor: a float() here would wait for the device before every forward.
+    aux_scale = run.optimizer.get_loss_scale()[0] * run.state.cp_size / num_microbatches
+    set_aux_loss_scale(run.model, aux_scale)
+    set_mtp_loss_scale(run.model, aux_scale)
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
         run.validator.check_sharded_grads(run.model)
@@ -440,6 +442,7 @@ def pretrain(
     from megatron_smp.data import build_pretraining_data_loader, build_tokenizer
     from megatron_smp.optimizer import get_megatron_optimizer
     from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from megatron_smp.models.multi_token_prediction import mtp_metrics
     from megatron_smp.transformer.moe import moe_metrics
 
     start_time = time.time()  # the origin of --exit-duration-in-mins
@@ -569,6 +572,8 @@ def pretrain(
         # --moe-per-layer-logging's values go to TensorBoard / W&B only, as in Megatron.
         per_layer = {key: metrics.pop(key) for key in list(metrics) if key.startswith("moe/")}
         losses.update(metrics)
+        # Each multi-token-prediction depth's loss (Megatron's "mtp_1 loss", ...).
+        losses.update(mtp_metrics(run.model, configs.model, state, num_microbatches))
         pending.add(run.iteration, losses)  # read on the host at the log line
         lr = run.optimizer.param_groups[0]["lr"]
         loss_scale = run.optimizer.get_loss_scale()[0]  # a device tensor, read when logged

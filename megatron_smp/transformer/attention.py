@@ -357,11 +357,13 @@ class DotProductAttention(torch.nn.Module):
         state,
         layer_number: int = 1,
         device: Optional[torch.device] = None,
+        softmax_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         tp_group = state.tp_group
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim)
         self.attention_dropout = config.attention_dropout
         # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
         # keep SDPA's causal kernel for it.
@@ -402,10 +404,10 @@ class DotProductAttention(torch.nn.Module):
             # Heads are split over TP ranks: each rank drops its own heads' probabilities.
             with get_rng_tracker().fork():
                 context = core_attention(query, key, value, attention_mask, True, dropout_p,
-                                         None, bias, softmax_offset)
+                                         self.softmax_scale, bias, softmax_offset)
         else:
-            context = core_attention(query, key, value, attention_mask, True, 0.0, None, bias,
-                                     softmax_offset)
+            context = core_attention(query, key, value, attention_mask, True, 0.0,
+                                     self.softmax_scale, bias, softmax_offset)
         # [b, n, s, d] -> [s, b, n * d]
         width = self.num_heads_per_partition * self.head_dim
         return context.permute(2, 0, 1, 3).reshape(s, b, width)

@@ -6,6 +6,7 @@
     kv: hidden -> linear_kv_down_proj [kv_lora_rank | pos]; the latent -> kv_layernorm ->
         linear_kv_up_proj, per head [qk_head_dim (key) | v_head_dim (value)]; the pos part is
         the one positional key all heads share
+    The latent norms exist with --qk-layernorm (Megatron's MLA spec), identities otherwise.
     RoPE rotates the pos channels of q and of the shared key (cos/sin of
     qk_pos_emb_head_dim channels from the model's RotaryEmbedding); the core attention sees
     q/k of qk_head_dim + pos channels and values of v_head_dim, scaled 1/sqrt(q/k width).
@@ -37,14 +38,19 @@ from megatron_smp.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     group_size,
 )
-from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_smp.tensor_parallel.random import (
+    CheckpointWithoutOutput,
+    checkpoint,
+    get_rng_tracker,
+)
 from megatron_smp.transformer.attention import (
     RotaryEmbeddings,
     apply_rotary_pos_emb,
     core_attention,
 )
 from megatron_smp.transformer.norm import build_norm
-from megatron_smp.transformer.spec import SelfAttentionSubmodules
+from megatron_smp.transformer.rope import yarn_get_mscale
+from megatron_smp.transformer.spec import SelfAttentionSubmodules, build_module
 
 
 class _ReplicatedLinear(torch.nn.Module):
@@ -57,14 +63,19 @@ class _ReplicatedLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
                  sequence_parallel: bool, device: Optional[torch.device]) -> None:
         super().__init__()
-        master = torch.empty(output_size, input_size)
-        init_method_normal(config.init_method_std)(master)
+        self.init_method = init_method_normal(config.init_method_std)
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        self.reset_parameters()
+        self.weight.sequence_parallel = sequence_parallel
+
+    def reset_parameters(self) -> None:
+        """Draw the weight on the CPU (also what delayed initialisation replays)."""
+        master = torch.empty(self.weight.shape)
+        self.init_method(master)
         if self.weight.device.type != "meta":
             with torch.no_grad():
                 self.weight.copy_(master)
-        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -96,10 +107,17 @@ class MLASelfAttention(torch.nn.Module):
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.q_head_width = self.qk_head_dim + self.pos_dim
-        self.softmax_scale = 1.0 / math.sqrt(self.q_head_width)
+        # YaRN: scores scaled by mscale(factor, mscale_all_dim)^2 as well (Megatron's and HF's
+        # DeepSeek attention); the rotary table carries the mscale / mscale_all_dim ratio.
+        mscale = 1.0
+        if config.position_embedding_type == "yarn":
+            mscale = yarn_get_mscale(config.yarn_rotary_scaling_factor,
+                                     config.yarn_mscale_all_dim)
+        self.softmax_scale = mscale * mscale / math.sqrt(self.q_head_width)
         self.attention_dropout = config.attention_dropout
         self.rotary_interleaved = config.rotary_interleaved
         self.selective_recompute = "core_attn" in recompute_modules(config)
+        self.recompute_up_proj = "mla_up_proj" in recompute_modules(config)
         init_method = init_method_normal(config.init_method_std)
         output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
                        if config.use_scaled_init_method else init_method)
@@ -115,26 +133,46 @@ class MLASelfAttention(torch.nn.Module):
         else:
             self.linear_q_down_proj = _ReplicatedLinear(
                 config.hidden_size, config.q_lora_rank, config, self.sequence_parallel, device)
-            # Replicated norm on the rank's own tokens: a partial grad under SP (as a
-            # sequence-parallel layer norm's).
-            self.q_layernorm = build_norm(config, config.q_lora_rank, self.sequence_parallel,
-                                          device)
+            self.q_layernorm = self._latent_norm(config, config.q_lora_rank, device)
             self.linear_q_up_proj = column(config.q_lora_rank, q_width)
         self.linear_kv_down_proj = _ReplicatedLinear(
             config.hidden_size, self.kv_lora_rank + self.pos_dim, config,
             self.sequence_parallel, device)
-        self.kv_layernorm = build_norm(config, self.kv_lora_rank, self.sequence_parallel, device)
+        self.kv_layernorm = self._latent_norm(config, self.kv_lora_rank, device)
         self.linear_kv_up_proj = column(self.kv_lora_rank,
                                         self.num_heads * (self.qk_head_dim + self.v_head_dim))
+        # Under context parallelism the core attention is the spec's (`--cp-comm-type`), built
+        # for heads of one width: values narrower than q/k are zero-padded to it and the
+        # padding cut from the context (as megatron-core does for MLA under CP).
+        self.core_attention = None
+        if state.cp_size > 1:
+            if submodules is None:
+                raise ValueError("MLASelfAttention under context parallelism needs the layer "
+                                 "spec's core attention (get_gpt_decoder_layer_spec)")
+            self.core_width = max(self.q_head_width, self.v_head_dim)
+            self.core_attention = build_module(
+                submodules.core_attention, config.replace(kv_channels=self.core_width), state,
+                layer_number=layer_number, device=device, softmax_scale=self.softmax_scale)
         self.linear_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim, config.hidden_size, config=config,
             tp_group=tp_group, init_method=output_init,
             bias=config.add_attention_bias and config.add_bias_linear, input_is_parallel=True,
             device=device)
 
+    def _latent_norm(self, config: TransformerConfig, width: int, device) -> torch.nn.Module:
+        """A latent's norm with --qk-layernorm (megatron-core's MLA spec: q_layernorm /
+        kv_layernorm are norms then, identities otherwise; DeepSeek's models have them).
+        Replicated, on the rank's own tokens: a partial grad under SP (as a
+        sequence-parallel layer norm's)."""
+        if not config.qk_layernorm:
+            return torch.nn.Identity()
+        return build_norm(config, width, self.sequence_parallel, device)
+
     def _core_attention(self, query, key, value, attention_mask):
         """q/k [s, b, n, dq], v [s, b, n, dv] -> context [s, b, n * dv]."""
         s, b = query.shape[:2]
+        if self.core_attention is not None:
+            return self._context_parallel_attention(query, key, value, attention_mask)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout if self.training else 0.0
         if dropout_p > 0.0:
@@ -146,6 +184,44 @@ class MLASelfAttention(torch.nn.Module):
                                      self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def _context_parallel_attention(self, query, key, value, attention_mask):
+        """The spec's context-parallel core over heads of one width (zero channels added to
+        the narrower of q/k and v change neither the scores nor the kept context)."""
+        s, b = query.shape[:2]
+        width = self.core_width
+
+        def padded(t):
+            return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+        context = self.core_attention(padded(query), padded(key), padded(value), attention_mask)
+        context = context.view(s, b, self.num_heads_per_partition, width)
+        return context[..., : self.v_head_dim].reshape(s, b, -1)
+
+    def _up_projections(self, q_input, kv_latent, k_pos, rotary_pos_emb, fresh=False):
+        """The heads from the latents: q_input (the normed q latent, or the hidden states
+        without --q-lora-rank) [s, b, .], kv_latent (normed) [s, b, kv_lora_rank], k_pos the
+        shared positional key [s, b, pos] -> query, key [s, b, n, qk + pos], value
+        [s, b, n, v]; with `fresh` each a tensor of its own storage (what
+        --recompute-modules mla_up_proj discards until backward)."""
+        projection = self.linear_q_proj if hasattr(self, "linear_q_proj") \
+            else self.linear_q_up_proj
+        query, _ = projection(q_input)
+        s, b = query.shape[:2]
+        query = query.view(s, b, self.num_heads_per_partition, self.q_head_width)
+        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
+        kv, _ = self.linear_kv_up_proj(kv_latent)
+        kv = kv.view(s, b, self.num_heads_per_partition, self.qk_head_dim + self.v_head_dim)
+        k_nope, value = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
+        if rotary_pos_emb is not None:
+            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
+            k_pos = apply_rotary_pos_emb(k_pos, rotary_pos_emb, self.rotary_interleaved)
+        query = torch.cat((q_nope, q_pos), dim=-1)
+        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        if fresh:  # the value is a view of the kv up-projection's output
+            value = value.clone(memory_format=torch.contiguous_format)
+        return query, key, value
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -153,36 +229,34 @@ class MLASelfAttention(torch.nn.Module):
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
         if hasattr(self, "linear_q_proj"):
-            query, _ = self.linear_q_proj(hidden_states)
+            q_input = hidden_states
         else:
-            query, _ = self.linear_q_up_proj(self.q_layernorm(
-                self.linear_q_down_proj(hidden_states)))
-        s, b = query.shape[:2]
-        query = query.view(s, b, self.num_heads_per_partition, self.q_head_width)
-        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
-
+            q_input = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         latent, k_pos = torch.split(self.linear_kv_down_proj(hidden_states),
                                     [self.kv_lora_rank, self.pos_dim], dim=-1)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
-        kv = kv.view(s, b, self.num_heads_per_partition, self.qk_head_dim + self.v_head_dim)
-        k_nope, value = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
+        kv_latent = self.kv_layernorm(latent)
         # The shared positional key feeds this rank's heads only: its grad is partial over TP
         # (summed by the gather's reduce-scatter under SP, by the copy's all-reduce otherwise).
         if self.sequence_parallel:
             k_pos = gather_from_sequence_parallel_region(k_pos, self.tp_group)
         else:
             k_pos = copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
-        k_pos = k_pos.unsqueeze(2)  # [s, b, 1, pos]
 
-        if rotary_pos_emb is not None:
-            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
-            k_pos = apply_rotary_pos_emb(k_pos, rotary_pos_emb, self.rotary_interleaved)
-        query = torch.cat((q_nope, q_pos), dim=-1)
-        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        up_projections = None
+        if self.recompute_up_proj and self.training and torch.is_grad_enabled():
+            # Megatron's mla_up_proj: q/k/v are freed once the core attention has them and
+            # recomputed from the latents when backward reaches the attention.
+            up_projections = CheckpointWithoutOutput()
+            query, key, value = up_projections.checkpoint(
+                self._up_projections, q_input, kv_latent, k_pos, rotary_pos_emb, True)
+        else:
+            query, key, value = self._up_projections(q_input, kv_latent, k_pos, rotary_pos_emb)
         if self.selective_recompute and self.training:
             context = checkpoint(self._core_attention, False, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
+        if up_projections is not None:
+            up_projections.discard_output_and_register_recompute(context)
         output, _ = self.linear_proj(context)
         return output
 

@@ -88,7 +88,22 @@ def framework_shapes(family: str, config: TransformerConfig) -> Dict[str, torch.
     """Names and global shapes of the "model" entry of a framework checkpoint (trimmed vocab)."""
     meta = meta_hf_model(config_to_hf(config, family)).state_dict()
     full = trim_vocab(get_adapter(family).from_hf(meta, config), config)
-    return {k: v.shape for k, v in full.items()}
+    shapes = {k: v.shape for k, v in full.items()}
+    # Multi-token-prediction layers (no HF model has them): norms, eh_proj and a decoder
+    # layer of the last layer's kind each.
+    last = f"decoder.layers.{config.num_layers - 1}."
+    norm_params = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+    h = config.hidden_size
+    for k in range(config.mtp_num_layers or 0):
+        prefix = f"mtp.layers.{k}."
+        for norm in ("enorm", "hnorm", "final_layernorm"):
+            for param in norm_params:
+                shapes[f"{prefix}{norm}.{param}"] = torch.Size([h])
+        shapes[prefix + "eh_proj.weight"] = torch.Size([h, 2 * h])
+        for name, shape in list(shapes.items()):
+            if name.startswith(last):
+                shapes[prefix + "mtp_model_layer." + name[len(last):]] = shape
+    return shapes
 
 
 def _is_vocab_table(name: str) -> bool:

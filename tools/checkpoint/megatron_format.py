@@ -126,7 +126,11 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
                               max_position_embeddings=8, gated_linear_unit=bool(gated),
                               activation="silu" if swiglu else "gelu",
                               untie_embeddings_and_output_weights=bool(untie),
-                              num_moe_experts=(saved or given).get("num_experts"))
+                              num_moe_experts=(saved or given).get("num_experts"),
+                              # which tensors are split over TP (MLA's heads, MTP's eh_proj)
+                              multi_latent_attention=bool(
+                                  (saved or given).get("multi_latent_attention")),
+                              mtp_num_layers=(saved or given).get("mtp_num_layers"))
     stored = read_model(checkpoint, probe)
     args = _resolve_args(saved, given, stored, where)
     fields = config_fields_from_args(args)

@@ -82,7 +82,7 @@ def unpack_qkv(
 
 
 # HF families with per-head query/key RMSNorms (our --qk-layernorm).
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # DeepSeek: MLA's latent norms
 
 
 def norms_to_hf(state_dict: StateDict, config: TransformerConfig, family: str) -> StateDict:

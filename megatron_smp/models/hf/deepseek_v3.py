@@ -5,11 +5,14 @@ group-limited top-k, `routed_scaling_factor`) with `n_shared_experts` shared exp
 HF's group score is the sum of each group's 2 best experts; ours (Megatron's) the sum of its
 topk / topk_group best, so a grouped config must have topk = 2 x topk_group (DeepSeek-V3's
 8 = 2 x 4). HF's RoPE pairing (`rope_interleave`) is our --rotary-interleaved on the positional
-channels, so no row permutation is needed. Not yet: YaRN (`rope_parameters` rope_type yarn)
-and HF's multi-token-prediction layers.
+channels, so no row permutation is needed. YaRN (`rope_parameters` rope_type yarn) is
+Megatron's MLA YaRN: the table scaled by mscale / mscale_all_dim, the scores by
+mscale_all_dim's square. HF's model has no multi-token-prediction weights: ours are dropped
+on the way out, with a log line, and a converted model starts without them.
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -30,6 +33,8 @@ from megatron_smp.models.hf.common import (
 )
 from megatron_smp.models.hf.mixtral import experts_from_hf, experts_to_hf
 
+logger = logging.getLogger(__name__)
+
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3",)
 
@@ -42,9 +47,15 @@ _ATTENTION = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj",
 
 def config_from_hf(hf_config) -> TransformerConfig:
     rope = rope_parameters(hf_config)
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"DeepSeek-V3 rope_type {rope.get('rope_type')!r}: only the default "
-                          "RoPE is converted yet (YaRN for multi-latent attention is not)")
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise ConfigError(f"DeepSeek-V3 rope_type {rope.get('rope_type')!r}: the default RoPE "
+                          "and YaRN convert")
+    if (rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim")
+            and not rope.get("mscale") and rope.get("attention_factor") is None):
+        # HF then scales cos/sin by mscale(factor) but the scores by mscale_all_dim's square,
+        # a pair Megatron's (mscale, mscale_all_dim) cannot express.
+        raise ConfigError("DeepSeek-V3 YaRN with mscale_all_dim but without mscale: give both "
+                          "(DeepSeek's configs do)")
     if getattr(hf_config, "attention_bias", False):
         raise ConfigError("DeepSeek-V3 attention_bias=True is not supported")
     topk, groups = hf_config.num_experts_per_tok, hf_config.n_group
@@ -65,6 +76,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim,
         window_size=None,
         multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms (Megatron's MLA with --qk-layernorm)
         q_lora_rank=hf_config.q_lora_rank,
         kv_lora_rank=hf_config.kv_lora_rank,
         qk_head_dim=hf_config.qk_nope_head_dim,
@@ -91,11 +103,13 @@ def config_from_hf(hf_config) -> TransformerConfig:
 def config_to_hf(config: TransformerConfig):
     from transformers import DeepseekV3Config
 
-    if not (config.multi_latent_attention and config.num_moe_experts is not None
+    if not (config.multi_latent_attention and config.qk_layernorm
+            and config.num_moe_experts is not None
             and config.moe_router_score_function == "sigmoid"
             and config.moe_router_enable_expert_bias):
         raise ConfigError("this config is not a DeepSeek-V3: it needs --multi-latent-attention "
-                          "and sigmoid-routed experts with --moe-router-enable-expert-bias")
+                          "with its latent norms (--qk-layernorm) and sigmoid-routed experts "
+                          "with --moe-router-enable-expert-bias")
     pattern = config.moe_layer_pattern()
     dense = pattern.index(1) if 1 in pattern else len(pattern)
     if pattern != [0] * dense + [1] * (len(pattern) - dense):
@@ -154,6 +168,15 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
 
 
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
+    mtp = [name for name in state_dict if name.startswith("mtp.")]
+    if mtp:
+        # HF's DeepseekV3ForCausalLM has no multi-token-prediction module (it ignores
+        # DeepSeek's checkpoint layer 61 on load): nothing to write them to.
+        logger.warning(
+            "DeepSeek-V3 to HF: dropping the %d multi-token-prediction layer(s) (%d tensors, "
+            "mtp.layers.*): HF's DeepseekV3ForCausalLM has no MTP weights",
+            config.mtp_num_layers or 0, len(mtp))
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
     sd = norms_to_hf(state_dict, config, "deepseek_v3")
     out: StateDict = {"model.embed_tokens.weight": unpad_vocab(sd[WORD_EMBEDDINGS], config)}
     for i in range(config.num_layers):

@@ -91,7 +91,7 @@ def moe_layer_spec(config: TransformerConfig, dense_spec):
     )
 
     def spec_of(layer_number: int):
-        return moe_spec if pattern[layer_number - 1] else dense_spec
+        return moe_spec if pattern[config.layer_pattern_number(layer_number) - 1] else dense_spec
 
     return spec_of
 

@@ -53,8 +53,11 @@ def moe_metrics(
     names = tracked_metrics(config)
     if not names:
         return {}
-    # Row per global layer: each stage fills its own layers' rows.
-    values = torch.zeros(config.num_layers, len(METRIC_NAMES), dtype=torch.float32,
+    # Row per global layer (the multi-token-prediction layers after the decoder's, as
+    # Megatron counts them): each stage fills its own layers' rows.
+    pattern = config.moe_layer_pattern()
+    pattern = pattern + [pattern[-1]] * (config.mtp_num_layers or 0)
+    values = torch.zeros(len(pattern), len(METRIC_NAMES), dtype=torch.float32,
                          device=state.device)
     for router in _routers(model_chunks):
         values[router.layer_number - 1] += torch.stack(
@@ -70,7 +73,6 @@ def moe_metrics(
         dist.all_reduce(values, group=state.dp_cp_group)
         values /= state.dp_cp_size // state.cp_size
     values /= num_microbatches
-    pattern = config.moe_layer_pattern()
     totals = values.sum(dim=0) / max(1, sum(pattern))
     # 0-dim device tensors: the training loop reads them on the host at the log line (and
     # TensorBoard / W&B when they write).

@@ -11,6 +11,7 @@ import torch
 
 from megatron_smp.checkpointing.megatron_format import (
     OpaqueMegatronValue,
+    config_fields_from_args,
     find_megatron_checkpoint,
     read_args,
     safe_load,
@@ -220,3 +221,61 @@ def test_deepseek_router_args_round_trip():
                  "moe_router_num_groups", "moe_router_group_topk",
                  "moe_router_topk_scaling_factor"):
         assert fields[name] == getattr(config, name), name
+
+
+def test_deepseek_checkpoint_reads_megatron_core_tensors_exactly(tmp_path):
+    """DeepSeek-V3-style torch_dist made by megatron-core 0.16.1 (MLA with latent norms and
+    YaRN, a dense first layer, sigmoid experts with expert bias, a shared expert, one MTP
+    layer) -> ours: the config its args give, and every tensor (the expert biases included)
+    equal to megatron-core's under megatron-core's names (0.16.1's
+    mtp.layers.0.transformer_layer is our mtp_model_layer); ours -> Megatron legacy at TP=2
+    -> ours is exact, and names the MTP layer as 0.16.1 does."""
+    fixture = os.path.join(FIXTURES, "deepseek_torch_dist")
+    checkpoint = find_megatron_checkpoint(fixture)
+    fields = config_fields_from_args(read_args(checkpoint))
+    assert {k: fields[k] for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+                                   "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                                   "qk_layernorm", "position_embedding_type",
+                                   "yarn_rotary_scaling_factor", "yarn_mscale_all_dim",
+                                   "moe_layer_freq", "moe_shared_expert_intermediate_size",
+                                   "moe_router_enable_expert_bias", "mtp_num_layers")} == dict(
+        multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=20, qk_head_dim=12,
+        qk_pos_emb_head_dim=8, v_head_dim=10, qk_layernorm=True,
+        position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_mscale_all_dim=0.7,
+        moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32,
+        moe_router_enable_expert_bias=True, mtp_num_layers=1)
+    _convert("deepseek_v3", "megatron", "megatron_smp", fixture, tmp_path / "ours")
+    _, model, _ = read_smp_checkpoint(str(tmp_path / "ours"), "deepseek_v3", "deepseek_v3")
+    reference = torch.load(os.path.join(fixture, "reference.pt"))["state_dict"]
+    renamed = {name.replace(".transformer_layer.", ".mtp_model_layer."): t
+               for name, t in reference.items()}
+    assert sorted(model) == sorted(renamed)
+    for name, tensor in model.items():
+        assert torch.equal(tensor, renamed[name][: tensor.shape[0]]), name
+    assert model["decoder.layers.1.mlp.router.expert_bias"].abs().max() > 0
+    _convert("deepseek_v3", "megatron_smp", "megatron", tmp_path / "ours", tmp_path / "back",
+             "--target-tensor-parallel-size", "2")
+    rank0 = torch.load(tmp_path / "back" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=False)["model"]
+    assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in rank0
+    _convert("deepseek_v3", "megatron", "megatron_smp", tmp_path / "back", tmp_path / "again")
+    _, again, _ = read_smp_checkpoint(str(tmp_path / "again"), "deepseek_v3", "deepseek_v3")
+    assert sorted(again) == sorted(model)
+    assert all(torch.equal(again[name], model[name]) for name in model)
+
+
+def test_transformer_engine_mla_and_mtp_names_map_to_ours():
+    """megatron-core's Transformer-Engine spec fuses MLA's latent norms into the
+    up-projections; the MTP inner layer is 0.16's transformer_layer or main's mtp_model_layer."""
+    from megatron_smp.checkpointing.megatron_format import _megatron_name, _our_name
+
+    assert _our_name("decoder.layers.3.self_attention.linear_q_up_proj.layer_norm_weight") == \
+        "decoder.layers.3.self_attention.q_layernorm.weight"
+    assert _our_name("mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj."
+                     "layer_norm_weight") == \
+        "mtp.layers.0.mtp_model_layer.self_attention.kv_layernorm.weight"
+    assert _our_name("mtp.layers.1.mtp_model_layer.self_attention.linear_qkv."
+                     "layer_norm_weight") == "mtp.layers.1.mtp_model_layer.input_layernorm.weight"
+    assert _our_name("mtp.layers.0.eh_proj._extra_state") is None
+    assert _megatron_name("mtp.layers.0.mtp_model_layer.mlp.router.expert_bias") == \
+        "mtp.layers.0.transformer_layer.mlp.router.expert_bias"

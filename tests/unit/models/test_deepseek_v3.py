@@ -1,6 +1,7 @@
 """HF DeepseekV3ForCausalLM (random weights, odd sizes: q latent set and unset, non-zero expert
-bias, group-limited routing, a dense first layer, shared experts) through `smp.transform` gives
-HF's logits at TP=1, TP=2+SP and EP=2; the state dict and config round-trip exactly."""
+bias, group-limited routing, a dense first layer, shared experts, YaRN with mscale and
+mscale_all_dim at positions beyond the original context) through `smp.transform` gives HF's
+logits at TP=1, TP=2+SP and EP=2; the state dict and config (config.json) round-trip exactly."""
 import pytest
 import torch
 
@@ -12,16 +13,23 @@ from tests.unit.models.common import to_numpy, to_torch
 SEQ, BATCH = 12, 2
 
 
-def build_hf(q_lora_rank=16, seed=0):
+# YaRN with an original context of 8: the 12 positions of the tests reach beyond it.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+def build_hf(q_lora_rank=16, seed=0, yarn=True):
     import transformers as tf
 
     config = tf.DeepseekV3Config(
+        rope_parameters=dict(YARN) if yarn else None,
         vocab_size=1003, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=q_lora_rank,
         kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10,
-        max_position_embeddings=64, tie_word_embeddings=False)
+        max_position_embeddings=32, tie_word_embeddings=False, initializer_range=0.1)
     torch.manual_seed(seed)
     model = tf.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():  # HF inits norms to one, the bias to zero, the gate to zero
@@ -40,9 +48,9 @@ def _ids():
     return torch.randint(0, 1003, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None])
-def test_round_trip_and_tp1_logits(q_lora_rank):
-    hf = build_hf(q_lora_rank)
+@pytest.mark.parametrize("q_lora_rank, yarn", [(16, True), (None, False)])
+def test_round_trip_and_tp1_logits(q_lora_rank, yarn):
+    hf = build_hf(q_lora_rank, yarn=yarn)
     adapter = get_adapter(hf)
     config = adapter.config_from_hf(hf.config)
     hf_sd = hf.state_dict()

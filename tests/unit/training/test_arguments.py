@@ -127,7 +127,6 @@ def test_smp_config_keys_override_flags(tmp_path, monkeypatch):
 # No silent no-ops ------------------------------------------------------------------------------
 
 NOT_YET = [
-    ("--mtp-num-layers 1", "--mtp-num-layers"),
     ("--hierarchical-context-parallel-sizes 2 2", "--hierarchical-context-parallel-sizes"),
 ]
 

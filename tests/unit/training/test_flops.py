@@ -94,3 +94,19 @@ def test_multi_latent_attention_count_is_megatrons():
                      kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
                      position_embedding_type="rope")
     assert flops_per_iteration(config, 32, 1, 128) == 6 * 59488 * 32
+
+
+def test_multi_token_prediction_count_is_megatrons():
+    """MTP (Megatron's count): the 2 MTP layers count as layers of the last (MoE) layer's kind,
+    plus norms 3*h and eh_proj 2*h*h each, and the logits 3 times. The MLA model above with
+    MoE on layer 2 (4 experts, top-2 of 32, shared 16), SwiGLU 128: per token
+    MLP 3*64*(128*1 + (2*32 + 16)*3) = 70656, attention 4*9264 = 37056,
+    MTP 2*(3*64 + 2*64*64) = 16768, logits 64*128*3 = 24576; total 149056."""
+    config = _config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                     vocab_size=128, multi_latent_attention=True, q_lora_rank=32,
+                     kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+                     position_embedding_type="rope", gated_linear_unit=True, activation="silu",
+                     num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                     moe_shared_expert_intermediate_size=16, moe_layer_freq=[0, 1],
+                     mtp_num_layers=2)
+    assert flops_per_iteration(config, 32, 1, 128) == 6 * 149056 * 32

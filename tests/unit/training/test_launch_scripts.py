@@ -36,6 +36,15 @@ SCRIPTS = {
                                     position_embedding_type="yarn"),
     "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
                                             activation="quick_gelu", num_moe_experts=4),
+    "pretrain_deepseek_v3_671b.sh": dict(
+        multi_latent_attention=True, qk_layernorm=True, q_lora_rank=1536, kv_lora_rank=512,
+        position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0, yarn_mscale_all_dim=1.0,
+        num_moe_experts=256, moe_router_num_groups=8, moe_router_group_topk=4,
+        moe_router_enable_expert_bias=True, mtp_num_layers=1),
+    "small/pretrain_deepseek_v3_small.sh": dict(
+        multi_latent_attention=True, qk_layernorm=True, position_embedding_type="yarn",
+        yarn_original_max_position_embeddings=128, num_moe_experts=8, mtp_num_layers=1,
+        recompute_modules=["mla_up_proj"]),
 }
 
 
@@ -155,3 +164,39 @@ def test_finetune_llama_lora_steps(tmp_path):
     flags = train[train.index("pretrain_llama.py") + 1:]
     assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "lora")
     assert "--finetune" not in flags
+
+
+def test_deepseek_v3_671b_script_is_the_published_shape(tmp_path):
+    """scripts/pretrain_deepseek_v3_671b.sh: 671.0B parameters in the main model (DeepSeek's
+    671B) plus 11.6B in its MTP layer (its norms, eh_proj and MoE layer; the embedding and
+    head are shared), validated at its default layout (PP=16 as 3 + 14 x 4 + 2 layers, EP=64,
+    1024 ranks); --log-throughput's FLOPs per token at seq 4096: 260.0 G, 249.8 G without the
+    MTP layer (DeepSeek publishes 250 G)."""
+    from megatron_smp.training.logging import flops_per_iteration
+
+    argv = _command_line("pretrain_deepseek_v3_671b.sh", tmp_path)
+    configs = parse_args(argv[argv.index("pretrain_gpt.py") + 1:])
+    configs.model.vocab_size = 129280
+    validate_configs(configs, 1024)
+    model, parallel = configs.model, configs.parallel
+    assert (parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
+            parallel.decoder_first_pipeline_num_layers) == (16, 64, 3)
+    h, n, vocab = model.hidden_size, model.num_attention_heads, model.padded_vocab_size(1)
+    assert vocab == 129280
+    attention = (h * model.q_lora_rank + model.q_lora_rank  # q down-projection, norm
+                 + model.q_lora_rank * n * (model.qk_head_dim + model.qk_pos_emb_head_dim)
+                 + h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank
+                 + model.kv_lora_rank * n * (model.qk_head_dim + model.v_head_dim)
+                 + n * model.v_head_dim * h + 2 * h)  # o_proj, the layer's two norms
+    dense = 3 * h * model.ffn_hidden_size
+    moe = (model.num_moe_experts * h  # router
+           + (model.num_moe_experts * 3 + 3) * h * model.moe_ffn_hidden_size)  # + shared
+    pattern = model.moe_layer_pattern()
+    main = (model.num_layers * attention + pattern.count(0) * dense + pattern.count(1) * moe
+            + 2 * vocab * h + h)
+    mtp = 3 * h + 2 * h * h + attention + moe
+    assert (round(main / 1e9, 1), round(mtp / 1e9, 1)) == (671.0, 11.6)
+    seq = configs.training.seq_length
+    per_token = flops_per_iteration(model, seq, 1, vocab) / seq / 1e9
+    without_mtp = flops_per_iteration(model.replace(mtp_num_layers=None), seq, 1, vocab)
+    assert (round(per_token, 1), round(without_mtp / seq / 1e9, 1)) == (260.0, 249.8)

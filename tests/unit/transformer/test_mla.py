@@ -1,6 +1,7 @@
 """Multi-latent attention equals Hugging Face's DeepseekV3Attention (random weights, odd sizes,
 interleaved RoPE on the positional channels, q through a latent or not): output, input grad and
-the replicated down-projection's grad, at TP=1 and at TP=2 with sequence parallelism."""
+the replicated down-projection's grad, at TP=1 and at TP=2 with sequence parallelism, with and
+without --recompute-modules mla_up_proj."""
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ _NAMES = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj",
 _COLUMN = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 
 
-def _mla_against_hf(rank, world_size, q_lora_rank):
+def _mla_against_hf(rank, world_size, q_lora_rank, recompute=False):
     from megatron_smp.config import ParallelConfig
     from megatron_smp.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
     from megatron_smp.models.llama import llama_config
@@ -50,9 +51,13 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
     state = build_parallel_state(ParallelConfig(tensor_model_parallel_size=world_size))
     sp = world_size > 1
     config = llama_config(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
-                          vocab_size=10, multi_latent_attention=True, q_lora_rank=q_lora_rank,
+                          vocab_size=10, multi_latent_attention=True, qk_layernorm=True,
+                          q_lora_rank=q_lora_rank,
                           rotary_interleaved=True, layernorm_epsilon=1e-6,
                           sequence_parallel=sp, **DIMS)
+    if recompute:  # --recompute-granularity selective --recompute-modules mla_up_proj
+        config = config.replace(recompute_granularity="selective",
+                                recompute_modules=["mla_up_proj"])
     hf, hf_rotary = _hf_attention(q_lora_rank)
     ours = MLASelfAttention(config, state)
     with torch.no_grad():
@@ -78,7 +83,16 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
         x_ours = x_ours.chunk(world_size, dim=0)[rank].contiguous()
     x_ours.requires_grad_()
     rotary = RotaryEmbedding(DIMS["qk_pos_emb_head_dim"], interleaved=True)(S)
+    heads = []  # q/k/v of every up-projection run (the forward's, and backward's recompute)
+    original = ours._up_projections
+
+    def recorded(*args):
+        heads.append(original(*args))
+        return heads[-1]
+    ours._up_projections = recorded
     got = ours(x_ours, None, rotary)
+    # With mla_up_proj the forward's q/k/v hold no storage until backward refills them.
+    discarded = [t.untyped_storage().size() == 0 for t in heads[0]]
     # The loss is a sum over this rank's shard: the shards' grads add up to the whole one's.
     got.square().sum().backward()
     allreduce_sequence_parallel_grads([ours], state)
@@ -87,6 +101,7 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
     if sp:
         want_out = want_out.chunk(world_size, dim=0)[rank]
         want_grad = want_grad.chunk(world_size, dim=0)[rank]
+    assert discarded == [recompute] * 3 and len(heads) == 1 + recompute
     return to_numpy({
         "out": (got.detach(), want_out),
         "x_grad": (x_ours.grad, want_grad),
@@ -95,11 +110,15 @@ def _mla_against_hf(rank, world_size, q_lora_rank):
     })
 
 
-@pytest.mark.parametrize("world_size, q_lora_rank", [(1, 7), (1, None), (2, 7)])
-def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
+@pytest.mark.parametrize("world_size, q_lora_rank, recompute",
+                         [(1, 7, False), (1, None, True), (2, 7, True)])
+def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank, recompute):
+    """--recompute-modules mla_up_proj (q/k/v discarded after the core attention, recomputed
+    in backward) gives the same output and grads."""
     # One process runs in this one (a spawned child costs ~10 s of imports here).
-    results = ([_mla_against_hf(0, 1, q_lora_rank)] if world_size == 1 else
-               run_distributed(_mla_against_hf, world_size, args=(q_lora_rank,), timeout=120))
+    results = ([_mla_against_hf(0, 1, q_lora_rank, recompute)] if world_size == 1 else
+               run_distributed(_mla_against_hf, world_size, args=(q_lora_rank, recompute),
+                               timeout=120))
     for result in results:
         for name, (got, want) in result.items():
             torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want),
@@ -109,10 +128,7 @@ def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank):
 @pytest.mark.parametrize("settings, parallel, message", [
     (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
     (dict(num_query_groups=2), {}, "--group-query-attention"),
-    ({}, dict(context_parallel_size=2), "--context-parallel-size > 1"),
     (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
-    (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), {},
-     "mla_up_proj"),
 ])
 def test_mla_flag_errors(settings, parallel, message):
     from megatron_smp.config import ConfigError, ParallelConfig
@@ -123,3 +139,50 @@ def test_mla_flag_errors(settings, parallel, message):
     config = llama_config(**settings)
     with pytest.raises(ConfigError, match=message):
         config.validate(ParallelConfig(**parallel))
+
+
+def test_rope_type_flags_follow_megatron():
+    """Megatron's MLA takes YaRN unless --rope-type rope (--rotary-scaling-factor 1, its
+    default, is plain RoPE); DeepSeek-V3's scripts give --position-embedding-type rope with
+    --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1; --rope-type yarn without MLA is
+    an error; YaRN scales MLA's scores by mscale(factor, mscale_all_dim)^2."""
+    import math
+
+    from megatron_smp.config import ConfigError, ParallelConfig
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.mla import MLASelfAttention
+    from tests.unit.training.test_arguments import BASE, parse
+
+    mla = BASE + "--multi-latent-attention --position-embedding-type rope".split()
+    assert parse(mla).model.position_embedding_type == "yarn"
+    assert parse(mla).model.yarn_rotary_scaling_factor == 1.0
+    assert parse(mla + ["--rope-type", "rope"]).model.position_embedding_type == "rope"
+    model = parse(mla + "--rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1".split()).model
+    assert (model.position_embedding_type, model.yarn_rotary_scaling_factor,
+            model.yarn_mscale, model.yarn_mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="--rope-type yarn applies to --multi-latent"):
+        parse(BASE + "--position-embedding-type rope --rope-type yarn".split())
+    with pytest.raises(ConfigError, match="configure YaRN"):
+        parse(mla + "--rope-type rope --mscale 1".split())
+    model = model.replace(qk_head_dim=128, qk_pos_emb_head_dim=64, kv_lora_rank=32,
+                          v_head_dim=128, hidden_size=64, num_attention_heads=4)
+    attention = MLASelfAttention(model, build_parallel_state(ParallelConfig()), device="meta")
+    assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
+
+
+def test_latent_norms_follow_qk_layernorm():
+    """megatron-core's MLA spec: q_layernorm / kv_layernorm are norms with --qk-layernorm
+    (DeepSeek's models), identities without it."""
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.models.llama import llama_config
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.mla import MLASelfAttention
+
+    state = build_parallel_state(ParallelConfig())
+    for qk_layernorm in (False, True):
+        config = llama_config(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
+                              vocab_size=10, multi_latent_attention=True, q_lora_rank=7,
+                              qk_layernorm=qk_layernorm, **DIMS)
+        names = {n for n, _ in MLASelfAttention(config, state).named_parameters()}
+        assert ({"q_layernorm.weight", "kv_layernorm.weight"} <= names) == qk_layernorm
+        assert not qk_layernorm or not any("layernorm.bias" in n for n in names)
