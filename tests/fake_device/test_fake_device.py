@@ -35,7 +35,8 @@ QWEN2_MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-pre-softmax "
              "--add-qkv-bias").split()
 
 GRAD_NORM = "scalar read at megatron_smp/optimizer/optimizer.py _total_norm"
-NAN_CHECK = "list read at megatron_smp/training/result_validation.py _outcome"
+# The step agreement (NaN/Inf checks, exit conditions, token count; losses ride along).
+NAN_CHECK = "list read at megatron_smp/training/step_agreement.py agree_on_step"
 FOUND_INF = "scalar read at megatron_smp/optimizer/optimizer.py _unscale_main_grads_and_check_for_nan"
 MOE = {"data-dependent shape at megatron_smp/transformer/moe/token_dispatcher.py permute":
        LAYERS * MICROBATCHES,
