@@ -284,8 +284,10 @@ class GPTModel(torch.nn.Module):
         logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        # The logits are read by nothing else: the loss may overwrite them.
         loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size
+            logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size,
+            inplace=True,
         )
         return loss.transpose(0, 1).contiguous()
 

@@ -250,8 +250,8 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
     """Zeroed grads, then the global batch's forward and backward; the loss reports."""
     from megatron_smp.transformer.moe import set_aux_loss_scale
 
-    for chunk in run.model:
-        chunk.zero_grad_buffer()
+    # Zeroes each chunk's grad buffer (zero_grad_buffer) and the main params' grads: once,
+    # the buffers are the size of the model.
     run.optimizer.zero_grad()
     # MoE auxiliary losses enter backward scaled like each microbatch's lm loss.
     # A device tensor: a float() here would wait for the device before every forward.
