@@ -336,8 +336,10 @@ class GPTModel(torch.nn.Module):
 
     def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, v/tp], labels [b, s] -> fp32 [b, s]."""
+        # The logits are read by nothing else: the loss may overwrite them.
         loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size
+            logits, labels.transpose(0, 1), self.tp_group, vocab_size=self.config.vocab_size,
+            inplace=True,
         )
         return loss.transpose(0, 1).contiguous()
 

@@ -22,7 +22,7 @@ def _all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, group, vocab_size, label_smoothing):
+    def forward(ctx, vocab_parallel_logits, target, group, vocab_size, label_smoothing, inplace):
         local_vocab = vocab_parallel_logits.shape[-1]
         world = group_size(group)
         vocab_start = group_rank(group) * local_vocab
@@ -35,11 +35,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Columns of this shard that belong to the true vocabulary; the rest is padding.
         num_valid = max(0, min(local_vocab, vocab_size - vocab_start))
 
-        # A fresh fp32 tensor (copied even for fp32 input): everything below works in place.
-        if vocab_parallel_logits.dtype == torch.float32:
-            logits = vocab_parallel_logits.clone()
-        else:
+        # An fp32 tensor everything below works in place on: the caller's own logits when it
+        # hands them over (`inplace`, fp32: Megatron's choice, one [s, b, v/tp] copy less),
+        # else a fresh one.
+        if vocab_parallel_logits.dtype != torch.float32:
             logits = vocab_parallel_logits.float()
+        elif inplace:
+            logits = vocab_parallel_logits.detach()
+        else:
+            logits = vocab_parallel_logits.clone()
         if num_valid < local_vocab:
             logits[..., num_valid:] = float("-inf")
 
@@ -95,7 +99,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.label_smoothing > 0.0:
             grad[..., : ctx.num_valid].sub_(ctx.label_smoothing / ctx.vocab_size)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -104,6 +108,7 @@ def vocab_parallel_cross_entropy(
     group: ProcessGroup,
     vocab_size: Optional[int] = None,
     label_smoothing: float = 0.0,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy of logits split over the vocabulary.
 
@@ -112,12 +117,14 @@ def vocab_parallel_cross_entropy(
     target: [s, b] global token ids (int64), all < vocab_size.
     vocab_size: the true vocabulary; columns at global index >= vocab_size (padding) are
         excluded as if their logit were -inf. None: every column counts.
+    inplace: the logits are not read after this call (only the loss is), so fp32 logits are
+        overwritten (with their softmax) instead of copied.
     Returns the loss [s, b] in fp32, equal to F.cross_entropy on the gathered, unpadded logits.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     return _VocabParallelCrossEntropy.apply(
-        vocab_parallel_logits, target, group, vocab_size, float(label_smoothing)
+        vocab_parallel_logits, target, group, vocab_size, float(label_smoothing), inplace
     )
 
 

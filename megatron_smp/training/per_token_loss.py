@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
 
@@ -35,34 +34,34 @@ def _count_key(reports: Sequence[Dict[str, torch.Tensor]]) -> str:
     return keys[0] if keys else ""
 
 
-def global_token_count(reports: Sequence[Dict[str, torch.Tensor]], state) -> float:
-    """Unmasked tokens of the global batch: the counts of this rank's microbatch reports
-    (last pipeline stage), shared over the pipeline and summed over data x context-parallel
-    ranks. Raises ConfigError on every rank when the loss reports no `[sum, count]`."""
-    local = 0.0
-    if reports:
-        key = _count_key(reports)
-        local = sum(float(r[key].reshape(-1)[1]) for r in reports) if key else -1.0
-    count = torch.tensor([local], dtype=torch.float64, device=state.device)
-    if state.pp_size > 1:
-        dist.broadcast(count, src=state.group_ranks["pp"][-1], group=state.pp_group)
-    if float(count) < 0:
+def local_token_count(reports: Sequence[Dict[str, torch.Tensor]],
+                      device: torch.device) -> torch.Tensor:
+    """(1,) float64 on `device`: the unmasked tokens of this rank's microbatches (the counts
+    of their first `[sum, count]` report), -1 when the loss reports no two-element value, 0
+    without reports (a pipeline stage before the last). No host sync: the ranks sum it in the
+    step's agreement (`training.step_agreement`, over data x context-parallel ranks)."""
+    if not reports:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    key = _count_key(reports)
+    if not key:
+        return torch.full((1,), -1.0, dtype=torch.float64, device=device)
+    counts = torch.stack([r[key].reshape(-1)[1] for r in reports]).double()
+    return counts.sum().reshape(1).to(device)
+
+
+def scale_grads_to_per_token_mean(model_chunks: List[torch.nn.Module], tokens: float, state,
+                                  num_microbatches: int) -> None:
+    """Turn the reduced grads of per-microbatch sums into the grad of the global batch's
+    per-token mean; `tokens`: the unmasked tokens of the global batch (the ranks' sum of
+    `local_token_count`). Raises ConfigError (on every rank: they all see the same sum) when
+    the loss reports no `[sum, count]`. Call after the schedule's grad sync."""
+    if tokens < 0:
         raise ConfigError(
             "--calculate-per-token-loss needs the loss function to report [sum, count] (see "
             "megatron_smp.training.per_token_loss.masked_sum_and_count); the forward step's "
             "loss function reports no two-element value"
         )
-    if state.dp_cp_size > 1:
-        dist.all_reduce(count, group=state.dp_cp_group)
-    return float(count)
-
-
-def scale_grads_to_per_token_mean(model_chunks: List[torch.nn.Module], reports, state,
-                                  num_microbatches: int) -> None:
-    """Turn the reduced grads of per-microbatch sums into the grad of the global batch's
-    per-token mean (collective over pp and dp x cp; call after the schedule's grad sync)."""
-    tokens = global_token_count(reports, state)
-    if tokens <= 0:  # every token masked: the grads are zero already
+    if tokens == 0:  # every token masked: the grads are zero already
         return
     factor = state.dp_cp_size * num_microbatches / tokens
     for chunk in model_chunks:
@@ -76,4 +75,4 @@ def scale_grads_to_per_token_mean(model_chunks: List[torch.nn.Module], reports, 
             buffer.grad_data.mul_(factor)
 
 
-__all__ = ["masked_sum_and_count", "global_token_count", "scale_grads_to_per_token_mean"]
+__all__ = ["local_token_count", "masked_sum_and_count", "scale_grads_to_per_token_mean"]

@@ -41,6 +41,7 @@ from megatron_smp.training.result_validation import (
 from megatron_smp.training.run_control import (
     ExitConditions, apply_deterministic_mode, check_weight_hashes, data_worker_init_fn,
 )
+from megatron_smp.training.step_agreement import agree_on_step, loss_keys
 from megatron_smp.training.wandb_logger import init_wandb
 
 
@@ -58,30 +59,6 @@ class TrainingResult:
     final_valid_losses: Dict[str, float] = field(default_factory=dict)
     test_losses: Dict[str, float] = field(default_factory=dict)
     exit_reason: Optional[str] = None  # why training stopped before --train-iters
-
-
-def _reduce_reports(
-    reports: Sequence[Dict[str, torch.Tensor]], state: ParallelState
-) -> Dict[str, torch.Tensor]:
-    """Mean of each reported value over microbatches, then over data/context-parallel ranks;
-    a two-element `[sum, count]` report (Megatron's, e.g. with --calculate-per-token-loss) is
-    summed over both and reduced to sum / count. 0-dim tensors on the device: no host sync."""
-    if not reports:
-        return {}
-    keys = sorted(reports[0])
-    sums_and_counts = []
-    for k in keys:
-        per_microbatch = torch.stack([r[k].float().reshape(-1) for r in reports])
-        if per_microbatch.shape[1] == 2:
-            sums_and_counts.append(per_microbatch.sum(dim=0))
-        else:
-            mean = per_microbatch.mean()
-            sums_and_counts.append(torch.stack([mean, torch.ones_like(mean)]))
-    stacked = torch.stack(sums_and_counts).to(state.device)  # [keys, 2]
-    if state.dp_cp_size > 1:
-        dist.all_reduce(stacked, group=state.dp_cp_group)
-    values = stacked[:, 0] / stacked[:, 1].clamp(min=1.0)
-    return dict(zip(keys, values.unbind()))
 
 
 class _PendingLosses:
@@ -274,8 +251,8 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
     from megatron_smp.models.multi_token_prediction import set_mtp_loss_scale
     from megatron_smp.transformer.moe import set_aux_loss_scale
 
-    for chunk in run.model:
-        chunk.zero_grad_buffer()
+    # Zeroes each chunk's grad buffer (zero_grad_buffer) and the main params' grads: once,
+    # the buffers are the size of the model.
     run.optimizer.zero_grad()
     # MoE auxiliary losses and the MTP loss enter backward scaled like each microbatch's lm
     # loss. A device tensor: a float() here would wait for the device before every forward.
@@ -285,10 +262,6 @@ def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
     reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
     if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
         run.validator.check_sharded_grads(run.model)
-    if run.configs.optimizer.calculate_per_token_loss:
-        from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
-
-        scale_grads_to_per_token_mean(run.model, reports, run.state, num_microbatches)
     return reports
 
 
@@ -310,7 +283,34 @@ def _build_validator(run: _Run):
     return validator
 
 
+# Losses the pipeline's stages share (the stages before the last see no reports).
+PIPELINE_LOSS_KEYS = ("lm loss",)
+
+
+def _agree(run: _Run, reports, num_microbatches: int):
+    """The step's agreement (`step_agreement`): the NaN/Inf checks, the exit conditions, the
+    per-token loss's token count and the logged losses in one all-reduce. Returns (the
+    agreed host values by name, the losses as device tensors)."""
+    from megatron_smp.training.per_token_loss import local_token_count
+
+    rank_counts, replica_sums = {}, {}
+    if run.validator is not None:
+        checks = run.validator.local_counts()
+        if checks is not None:
+            rank_counts["checks"] = checks
+    exit_flags = run.exits.local_flags() if run.exits is not None else None
+    if exit_flags is not None:
+        rank_counts["exit"] = exit_flags
+    if run.configs.optimizer.calculate_per_token_loss:
+        replica_sums["tokens"] = local_token_count(reports, run.state.device)
+    keys = loss_keys(reports, PIPELINE_LOSS_KEYS, run.state)
+    return agree_on_step(run.state, reports, keys, rank_counts, replica_sums)
+
+
 def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
+    """One iteration: forward and backward, the ranks' agreement, the optimizer step.
+    Returns (losses: {key: 0-dim device tensor}, the agreed exit flags or None,
+    update_successful, grad_norm, num_zeros_in_grad)."""
     validator = run.validator
     if validator is not None:
         # --check-for-nan-in-loss-and-grad: losses checked as computed, grads as reduced;
@@ -318,11 +318,17 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
         forward_step_func = validator.wrap(forward_step_func)
         validator.start_iteration(run.iteration + 1, data_iterator)
     reports = _forward_backward(run, forward_step_func, data_iterator, num_microbatches)
+    agreed, losses = _agree(run, reports, num_microbatches)
     if validator is not None:
         def rerun():
             reports[:] = _forward_backward(run, forward_step_func, data_iterator,
                                            num_microbatches)
-        validator.finish_step(run, data_iterator, rerun)
+        validator.finish_step(run, data_iterator, rerun, agreed.get("checks"))
+    if run.configs.optimizer.calculate_per_token_loss:
+        from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
+
+        scale_grads_to_per_token_mean(run.model, agreed["tokens"][0], run.state,
+                                      num_microbatches)
     empty_unused_memory(run, 1)
     if run.configs.checkpoint.async_save:
         from megatron_smp.training.checkpointing import wait_for_staging
@@ -332,7 +338,7 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
         wait_for_staging(run)
     update_successful, grad_norm, num_zeros_in_grad = run.optimizer.step()
     empty_unused_memory(run, 2)
-    return reports, update_successful, grad_norm, num_zeros_in_grad
+    return losses, agreed.get("exit"), update_successful, grad_norm, num_zeros_in_grad
 
 
 def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
@@ -354,21 +360,10 @@ def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: 
             break
     for chunk in run.model:
         chunk.train()
-    return None if all_reports is None else _reduce_reports(all_reports, run.state)
-
-
-def _broadcast_from_last_stage(values: Dict[str, torch.Tensor], keys: Sequence[str],
-                               state: ParallelState) -> Dict[str, torch.Tensor]:
-    """Losses live on the last pipeline stage; share them so every rank returns them
-    (0-dim device tensors, no host sync)."""
-    if state.pp_size == 1:
-        return values
-    tensor = torch.zeros(len(keys), dtype=torch.float64, device=state.device)
-    for index, key in enumerate(keys):
-        if key in values:
-            tensor[index] = values[key]
-    dist.broadcast(tensor, src=state.group_ranks["pp"][-1], group=state.pp_group)
-    return dict(zip(keys, tensor.unbind()))
+    if all_reports is None:
+        return None
+    keys = loss_keys(all_reports, PIPELINE_LOSS_KEYS, run.state)
+    return agree_on_step(run.state, all_reports, keys)[1]
 
 
 def _to_host(values: Optional[Dict[str, torch.Tensor]]) -> Optional[Dict[str, float]]:
@@ -394,7 +389,7 @@ def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_l
         losses = evaluate(run, forward_step_func, iterator, training.eval_iters, num_microbatches)
         if losses is None:
             return
-        losses = _to_host(_broadcast_from_last_stage(losses, ["lm loss"], run.state))
+        losses = _to_host(losses)
         setattr(result, "final_valid_losses" if dataset == "validation" else "test_losses",
                 losses)
         result.log_lines.append(logger.validation_line(
@@ -532,7 +527,6 @@ def pretrain(
     padded_vocab_size = configs.model.padded_vocab_size(state.tp_size)
     timer = Timer(state.device)
     interval_iters = 0
-    loss_keys = ["lm loss"]
     run.pending_losses = pending = _PendingLosses(result)
 
     if training.manual_gc:
@@ -555,7 +549,7 @@ def pretrain(
             # Megatron saves where --rampup-batch-size changes the batch size (unless this
             # iteration was just saved).
             checkpointing.save(run)
-        reports, update_successful, grad_norm, num_zeros_in_grad = train_step(
+        losses, exit_flags, update_successful, grad_norm, num_zeros_in_grad = train_step(
             run, forward_step_func, train_iter, num_microbatches
         )
         run.iteration += 1
@@ -565,7 +559,6 @@ def pretrain(
             run.scheduler.step(global_batch_size)
         else:
             run.skipped_iterations += 1
-        losses = _broadcast_from_last_stage(_reduce_reports(reports, state), loss_keys, state)
         # load_balancing_loss / z_loss of MoE models (Megatron's log fields).
         metrics = moe_metrics(run.model, configs.model, state, num_microbatches,
                               per_layer=training.moe_per_layer_logging)
@@ -615,7 +608,7 @@ def pretrain(
             if training.manual_gc and training.manual_gc_eval:
                 gc.collect()
             if valid is not None:
-                valid = _to_host(_broadcast_from_last_stage(valid, loss_keys, state))
+                valid = _to_host(valid)
                 result.valid_losses[run.iteration] = valid
                 result.log_lines.append(logger.validation_line("validation", run.iteration,
                                                                valid))
@@ -632,7 +625,7 @@ def pretrain(
             run.iteration % training.manual_gc_interval == 0
         ):
             gc.collect()
-        result.exit_reason = exits.reason_to_exit(run.iteration)
+        result.exit_reason = exits.reason_to_exit(run.iteration, exit_flags)
         if result.exit_reason is not None:
             logger.print(result.exit_reason)
             break

@@ -5,8 +5,9 @@ where inf/NaN grads are the loss scaler's signal) under --rerun-mode.
 What is checked, as megatron-core 0.16.1: each microbatch's loss on the last pipeline stage
 (NaN, Inf), and the L2 norm of each DDP bucket's local grads before the data-parallel
 reduction (NaN, Inf; under FSDP2, of each rank's grad shards after torch's reduce-scatter).
-The checks only queue device ops; the ranks agree on the outcome with one all-reduce of four
-counts after the step's backward.
+The checks only queue device ops; the ranks agree on the outcome after the step's backward, in
+the step's one all-reduce (`training.step_agreement`, shared with the exit conditions and the
+logged losses) and its one host read.
 
 --rerun-mode (Megatron's RerunStateMachine, default validate_results):
 
@@ -180,21 +181,32 @@ class ResultValidator:
             if isinstance(data_iterator, ReplayIterator):
                 data_iterator.advance()
 
-    def _outcome(self, compare_with: Optional[torch.Tensor] = None):
-        """(ranks per check, any rank's pattern differs from `compare_with`, this rank's
-        pattern): one all-reduce over all ranks."""
+    def _local(self) -> torch.Tensor:
+        """[checks recorded, 4] bool: this rank's records of the iteration."""
         device = self.state.device
-        local = (torch.stack(self._records).to(device) if self._records
-                 else torch.zeros(0, 4, dtype=torch.bool, device=device))
-        counts = torch.zeros(5, dtype=torch.float32, device=device)
-        counts[:4] = local.any(dim=0).float() if len(local) else 0.0
-        if compare_with is not None:
-            same = compare_with.shape == local.shape and bool(torch.equal(compare_with, local))
-            counts[4] = 0.0 if same else 1.0
+        return (torch.stack(self._records).to(device) if self._records
+                else torch.zeros(0, 4, dtype=torch.bool, device=device))
+
+    def local_counts(self) -> Optional[torch.Tensor]:
+        """(4,) float on the device, 1 where this rank saw the check of MESSAGES fail this
+        iteration (no host sync); None when the iteration is not checked (the same on every
+        rank). The ranks sum them in the step's agreement (`training.step_agreement`)."""
+        if not self._active:
+            return None
+        local = self._local()
+        if not len(local):
+            return torch.zeros(4, dtype=torch.float32, device=self.state.device)
+        return local.any(dim=0).float()
+
+    def _rerun_differs(self, initial: torch.Tensor) -> bool:
+        """Whether any rank's pattern of the rerun differs from its first pass: one
+        all-reduce over all ranks (only after a rejected result)."""
+        local = self._local()
+        same = initial.shape == local.shape and bool(torch.equal(initial, local))
+        differs = torch.tensor([0.0 if same else 1.0], device=self.state.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
-        values = counts.tolist()
-        return values[:4], values[4] > 0, local
+            dist.all_reduce(differs)
+        return differs.item() > 0
 
     def _messages(self):
         if not self.grads_after_reduction:
@@ -214,15 +226,18 @@ class ResultValidator:
                      f"iteration #{self.iteration}: unexpected result "
                      f"(message='{'; '.join(seen)}')", every_rank=True)
 
-    def finish_step(self, run, data_iterator, rerun: Callable[[], Any]):
-        """After the step's backward (before the optimizer step). Returns when the step may
-        go on; raises RuntimeError (disabled) or SystemExit(16|17) (validate_results)."""
+    def finish_step(self, run, data_iterator, rerun: Callable[[], Any],
+                    counts: Optional[List[float]]):
+        """After the step's backward (before the optimizer step), with `counts`: the ranks
+        that saw each check fail (the sum of `local_counts()` over all ranks; None when the
+        iteration is not checked). Returns when the step may go on; raises RuntimeError
+        (disabled) or SystemExit(16|17) (validate_results)."""
         from megatron_smp.checkpointing.rng import set_rng_state
 
         if not self._active:
             self.first_iteration_complete = True
             return
-        counts, _, local = self._outcome()
+        local = self._local()
         rejected = any(n > 0 for n in counts)
         from_checkpoint = self.mode == "validate_results" and self.rerun_iteration == self.iteration
         if not rejected and not from_checkpoint:
@@ -245,7 +260,7 @@ class ResultValidator:
             data_iterator.rewind()
         self._records = []
         rerun()
-        _, differs, _ = self._outcome(compare_with=initial)
+        differs = self._rerun_differs(initial)
         set_rng_state(self._rng)
         if differs:
             self.log("First rerun: unexpected result is not reproducible within the tolerance. "

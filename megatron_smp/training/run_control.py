@@ -2,9 +2,12 @@
 
     --exit-interval N          stop after the iteration that is a multiple of N (0: never)
     --exit-duration-in-mins M  stop once any rank has trained for more than M minutes (0: never,
-                               as in Megatron)
+                               as in Megatron), measured when the ranks agree after each
+                               backward (and after each evaluation batch)
     --exit-signal-handler      stop at the end of the iteration in which any rank received
                                --exit-signal (SIGTERM: what SLURM sends before preemption)
+                               by the end of its backward, when the ranks agree (a signal
+                               that arrives later stops the run after the next iteration)
     --deterministic-mode       torch.use_deterministic_algorithms(True)
     --check-weight-hash-across-dp-replicas-interval N
                                every N iterations (and before the first), an error on every
@@ -19,7 +22,7 @@ import functools
 import os
 import signal
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -159,28 +162,49 @@ class ExitConditions:
         self.signal_flag = (SignalFlag(signal.Signals[training.exit_signal])
                             if training.exit_signal_handler else None)
 
-    def _agreed(self) -> tuple:
-        """(any rank received the signal, any rank ran past the duration). One MAX
-        all-reduce, issued on every rank because the flags are the same everywhere."""
+    @property
+    def needs_agreement(self) -> bool:
+        """Whether a condition that any single rank can trigger is set (the signal handler,
+        the duration): the ranks must then agree after every iteration."""
+        return self.signal_flag is not None or bool(self.training.exit_duration_in_mins)
+
+    def local_flags(self) -> Optional[torch.Tensor]:
+        """(2,) float64 on the device, this rank's [received the signal, ran past the
+        duration] as 0/1, for the step's agreement (`training.step_agreement`, where the ranks
+        sum them); None when neither condition is set (the same on every rank)."""
+        if not self.needs_agreement:
+            return None
         training = self.training
-        local = torch.tensor([
-            int(self.signal_flag is not None and self.signal_flag.received),
-            int(bool(training.exit_duration_in_mins)
-                and (time.time() - self.start_time) / 60.0 > training.exit_duration_in_mins),
-        ], dtype=torch.int32, device=self.device)
+        return torch.tensor([
+            float(self.signal_flag is not None and self.signal_flag.received),
+            float(bool(training.exit_duration_in_mins)
+                  and (time.time() - self.start_time) / 60.0 > training.exit_duration_in_mins),
+        ], dtype=torch.float64, device=self.device)
+
+    def _agreed(self) -> tuple:
+        """(any rank received the signal, any rank ran past the duration). One all-reduce,
+        issued on every rank because the flags are the same everywhere."""
+        local = self.local_flags()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        return bool(local[0].item()), bool(local[1].item())
+            dist.all_reduce(local)
+        signalled, out_of_time = local.tolist()
+        return signalled > 0, out_of_time > 0
 
     def out_of_time(self) -> bool:
         """Whether any rank has run past --exit-duration-in-mins (a collective when set)."""
         return bool(self.training.exit_duration_in_mins) and self._agreed()[1]
 
-    def reason_to_exit(self, iteration: int) -> Optional[str]:
-        """Why the run stops after `iteration` (a message for the log), or None."""
+    def reason_to_exit(self, iteration: int,
+                       agreed: Optional[Sequence[float]] = None) -> Optional[str]:
+        """Why the run stops after `iteration` (a message for the log), or None. `agreed`:
+        the sum over ranks of `local_flags()` taken in this iteration's step agreement (after
+        its backward); without it the ranks agree here, in a collective of their own."""
         training = self.training
-        if self.signal_flag is not None or training.exit_duration_in_mins:
-            signalled, out_of_time = self._agreed()
+        if self.needs_agreement:
+            if agreed is None:
+                signalled, out_of_time = self._agreed()
+            else:
+                signalled, out_of_time = agreed[0] > 0, agreed[1] > 0
             if signalled:
                 return f"exiting program after receiving {training.exit_signal}"
             if out_of_time:

@@ -10,8 +10,9 @@ is not CUDA's; data-dependent MoE shapes come from the real CPU shadow (no Shape
 Megatron-LM (core_v0.16.1) per dense step: the grad norm (`clip_grads.py`), the loss scale read
 for logging (`training.py` `optimizer.get_loss_scale().item()`), and with its default
 --check-for-nan-in-loss-and-grad two reads per microbatch (loss NaN, Inf) and two per grad
-bucket; fp16 adds the found-inf read. Ours: the grad norm, plus one read for the NaN/Inf
-agreement of the whole step when the check is on, plus found-inf for fp16. Per MoE layer and
+bucket; fp16 adds the found-inf read. Ours: the grad norm, plus one read of the step agreement
+(the NaN/Inf checks, the exit conditions, the per-token loss's token count, whichever are on),
+plus found-inf for fp16. Per MoE layer and
 microbatch both read twice: the permutation's data-dependent shape (Megatron's masked_select,
 our nonzero) and the tokens per expert for the experts' split (Megatron's `.cpu()` copy).
 """
@@ -35,7 +36,8 @@ QWEN2_MOE = ("--num-experts 4 --moe-router-topk 2 --moe-router-pre-softmax "
              "--add-qkv-bias").split()
 
 GRAD_NORM = "scalar read at megatron_smp/optimizer/optimizer.py _total_norm"
-NAN_CHECK = "list read at megatron_smp/training/result_validation.py _outcome"
+# The step agreement (NaN/Inf checks, exit conditions, token count; losses ride along).
+NAN_CHECK = "list read at megatron_smp/training/step_agreement.py agree_on_step"
 FOUND_INF = "scalar read at megatron_smp/optimizer/optimizer.py _unscale_main_grads_and_check_for_nan"
 MOE = {"data-dependent shape at megatron_smp/transformer/moe/token_dispatcher.py permute":
        LAYERS * MICROBATCHES,
@@ -57,6 +59,12 @@ CASES = {
                                  MIXTRAL + ["--bf16", "--use-distributed-optimizer"],
                                  {NAN_CHECK: 1, GRAD_NORM: 1, **MOE}),
     "qwen2_moe_fp32": ("pretrain_llama", QWEN2_MOE, {NAN_CHECK: 1, GRAD_NORM: 1, **MOE}),
+    # The exit conditions and the token count share the agreement's read (before: 2 reads
+    # for the exit flags, 4 for the token count).
+    "gpt_fp32_exits_per_token": ("pretrain_gpt", ["--exit-signal-handler",
+                                                  "--exit-duration-in-mins", "60",
+                                                  "--calculate-per-token-loss"],
+                                 {NAN_CHECK: 1, GRAD_NORM: 1}),
 }
 
 

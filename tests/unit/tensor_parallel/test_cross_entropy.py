@@ -84,3 +84,15 @@ def test_single_rank_matches_torch(label_smoothing):
         assert max_diff(logits.grad.float(), ref_grad) < tolerance
         # Padding columns get exactly zero gradient.
         assert torch.count_nonzero(logits.grad[..., 13:]) == 0
+    # inplace=True (GPTModel's loss: nothing reads the logits after it) works on the fp32
+    # logits themselves and gives the same loss and grads, bit for bit.
+    source = full.clone().requires_grad_(True)
+    logits = source * 1.0  # a non-leaf, as the output layer's
+    loss = vocab_parallel_cross_entropy(logits, target, None, 13, label_smoothing,
+                                        inplace=True)
+    (loss * weights).sum().backward()
+    copied = full.clone().requires_grad_(True)
+    reference = vocab_parallel_cross_entropy(copied * 1.0, target, None, 13, label_smoothing)
+    (reference * weights).sum().backward()
+    assert torch.equal(loss, reference) and torch.equal(source.grad, copied.grad)
+    assert not torch.equal(logits, full)  # overwritten, as documented

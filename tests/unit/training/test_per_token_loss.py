@@ -36,8 +36,11 @@ def _step(rank, world_size, per_token=True):
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.pipeline_parallel.schedules import ScheduleHooks, get_forward_backward_func
     from megatron_smp.training.arguments import parse_args
-    from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
-    from megatron_smp.training.pretrain import _reduce_reports
+    from megatron_smp.training.per_token_loss import (
+        local_token_count,
+        scale_grads_to_per_token_mean,
+    )
+    from megatron_smp.training.step_agreement import agree_on_step
     from pretrain_gpt import forward_step
 
     configs = parse_args(ARGV if per_token else
@@ -66,9 +69,13 @@ def _step(rank, world_size, per_token=True):
         forward_step_func=forward_step, data_iterator=microbatches, model=[ddp],
         num_microbatches=len(rows), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
         forward_only=False, hooks=hooks)
+    # The loop's agreement: the global token count and the logged loss in one all-reduce.
+    agreed, losses = agree_on_step(state, reports, ["lm loss"], replica_sums={
+        "tokens": local_token_count(reports, state.device)})
+    assert agreed["tokens"] == [83.0]  # 22 + 61
     if per_token:
-        scale_grads_to_per_token_mean([ddp], reports, state, len(rows))
-    reported = float(_reduce_reports(reports, state)["lm loss"])  # a device tensor
+        scale_grads_to_per_token_mean([ddp], agreed["tokens"][0], state, len(rows))
+    reported = float(losses["lm loss"])  # a device tensor
 
     # By hand: the per-token mean over the whole global batch, and the mean of the four
     # microbatch means (what the run would do without the flag).
@@ -116,6 +123,24 @@ def test_without_the_flag_grads_are_the_mean_of_means_and_the_log_is_token_weigh
         assert _max_relative(result["ours"], result["mean_of_means"]) < 1e-5
         assert result["reported"] == pytest.approx(result["per_token_loss"], rel=1e-6)
         assert abs(result["mean_of_means_loss"] - result["per_token_loss"]) > 1e-3
+
+
+def test_a_loss_without_a_count_is_a_clear_error():
+    """Every contributing rank reports -1 tokens when its loss has no [sum, count]: the sum
+    is negative on every rank, and each raises the same ConfigError."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.per_token_loss import (
+        local_token_count,
+        scale_grads_to_per_token_mean,
+    )
+
+    reports = [{"lm loss": torch.tensor(2.0)}, {"lm loss": torch.tensor(3.0)}]
+    assert local_token_count(reports, torch.device("cpu")).tolist() == [-1.0]
+    counted = [{"lm loss": torch.tensor([4.0, 2.0])}, {"lm loss": torch.tensor([1.0, 3.0])}]
+    assert local_token_count(counted, torch.device("cpu")).tolist() == [5.0]
+    assert local_token_count([], torch.device("cpu")).tolist() == [0.0]
+    with pytest.raises(ConfigError, match="--calculate-per-token-loss needs the loss"):
+        scale_grads_to_per_token_mean([], -2.0, None, 1)
 
 
 def _train(rank, world_size, runs):
