@@ -376,7 +376,7 @@ class TransformerConfig:
     moe_router_group_topk: Optional[int] = None
     moe_router_topk_scaling_factor: Optional[float] = None  # routed_scaling_factor
     moe_router_dtype: Optional[str] = None  # None (params dtype) | fp32 | fp64: router logits
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|sinkhorn|none
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss|seq_aux_loss|global_aux_loss|sinkhorn|none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None
@@ -699,7 +699,7 @@ class TransformerConfig:
         choices = {
             "--moe-router-load-balancing-type": (
                 self.moe_router_load_balancing_type,
-                ("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
+                ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")),
             "--moe-token-dispatcher-type": (self.moe_token_dispatcher_type,
                                             ("allgather", "alltoall")),
             "--moe-token-drop-policy": (self.moe_token_drop_policy, ("probs", "position")),
@@ -726,7 +726,7 @@ class TransformerConfig:
             not (self.moe_router_load_balancing_type == "sinkhorn"
                  and self.moe_expert_capacity_factor is not None),
             "--moe-expert-capacity-factor applies to top-k routing; use "
-            "--moe-router-load-balancing-type aux_loss, seq_aux_loss or none",
+            "--moe-router-load-balancing-type aux_loss, seq_aux_loss, global_aux_loss or none",
         )
         _require(
             self.moe_ffn_hidden_size % tp == 0,
@@ -781,7 +781,8 @@ class TransformerConfig:
              self.moe_router_topk_scaling_factor is not None)) if on]
         _require(not (special and self.moe_router_load_balancing_type == "sinkhorn"),
                  f"{', '.join(special)} apply to top-k routing; --moe-router-load-balancing-type "
-                 "sinkhorn chooses experts its own way (use aux_loss, seq_aux_loss or none)")
+                 "sinkhorn chooses experts its own way (use aux_loss, seq_aux_loss, global_aux_loss "
+                 "or none)")
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         _require((groups is None) == (group_topk is None),
                  "--moe-router-num-groups and --moe-router-group-topk go together")

@@ -63,6 +63,21 @@ def _f(flag: str, section: Optional[str], field: Optional[str] = None, **kwargs)
     return _Flag(flag, section, field, kwargs)
 
 
+class _OneOfList(argparse.Action):
+    """Megatron-LM main takes a list for --moe-router-load-balancing-type and
+    --moe-aux-loss-coeff (several balancing losses at once, one coefficient each); this
+    project runs one of them: a single value is stored as is, several are a clear error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) != 1:
+            parser.error(
+                f"{option_string}: one value, got {len(values)} ({' '.join(map(str, values))}); "
+                "combining load-balancing losses (Megatron-LM's list form of "
+                "--moe-router-load-balancing-type / --moe-aux-loss-coeff) is not supported: "
+                "pick one of aux_loss, seq_aux_loss, global_aux_loss with one coefficient")
+        setattr(namespace, self.dest, values[0])
+
+
 def _int_pair(text: str):
     """'4095,0' or '(4095, 0)' -> (4095, 0), Megatron's --window-size syntax."""
     parts = text.strip().strip("()").split(",")
@@ -184,9 +199,11 @@ _FLAGS: List[_Flag] = [
     _f("--moe-router-group-topk", "model", type=int),
     _f("--moe-router-topk-scaling-factor", "model", type=float),
     _f("--moe-router-dtype", "model", choices=["fp32", "fp64"]),
-    _f("--moe-router-load-balancing-type", "model",
-       choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss"),
-    _f("--moe-aux-loss-coeff", "model", type=float, default=0.0),
+    _f("--moe-router-load-balancing-type", "model", nargs="+", action=_OneOfList,
+       choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+       default="aux_loss"),
+    _f("--moe-aux-loss-coeff", "model", type=float, nargs="+", action=_OneOfList,
+       default=0.0),
     _f("--moe-z-loss-coeff", "model", type=float),
     _f("--moe-input-jitter-eps", "model", type=float),
     _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall"],

@@ -213,10 +213,11 @@ def _finalize(chunks, run: _Run) -> None:
     """After the last backward: the grad reductions, then the aux-loss-free expert-bias update
     (Megatron does both in finalize_model_grads)."""
     from megatron_smp.distributed import finalize_model_grads
-    from megatron_smp.transformer.moe import update_expert_bias
+    from megatron_smp.transformer.moe import reset_global_aux_loss, update_expert_bias
 
     finalize_model_grads(chunks, run.state)
     update_expert_bias(chunks, run.configs.model, run.state)
+    reset_global_aux_loss(chunks)
 
 
 def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,

@@ -10,6 +10,7 @@ from megatron_smp.transformer.moe.token_dispatcher import (
 )
 from megatron_smp.transformer.moe.training import (
     moe_metrics,
+    reset_global_aux_loss,
     set_aux_loss_scale,
     update_expert_bias,
 )
@@ -27,4 +28,5 @@ __all__ = [
     "set_aux_loss_scale",
     "moe_metrics",
     "update_expert_bias",
+    "reset_global_aux_loss",
 ]

@@ -5,6 +5,11 @@ T = s(/tp) * b this rank's tokens. Load balancing (`moe_router_load_balancing_ty
 
 * aux_loss      top-k, plus the Switch-Transformer loss (`moe_aux_loss_coeff`);
 * seq_aux_loss  top-k, plus the same loss per sequence, averaged over the batch;
+* global_aux_loss  top-k, plus the same loss with the token counts of the whole step: summed
+                over tensor x data x context parallel ranks (Megatron's tp_dp_cp group) and
+                averaged over the micro-batches so far (`global_tokens_per_expert` /
+                `ga_steps`, zeroed once per step by `training.reset_global_aux_loss`); the
+                probabilities stay this rank's (Megatron-LM main's `global_aux_loss`);
 * sinkhorn      experts chosen on Sinkhorn-balanced scores (training), probs from softmax;
 * none          plain top-k.
 
@@ -43,7 +48,7 @@ from megatron_smp.transformer.moe.moe_utils import (
     z_loss,
 )
 
-METRIC_NAMES = ("load_balancing_loss", "z_loss")
+METRIC_NAMES = ("load_balancing_loss", "global_load_balancing_loss", "z_loss")
 
 
 class TopKRouter(torch.nn.Module):
@@ -68,6 +73,9 @@ class TopKRouter(torch.nn.Module):
         # them.
         self.sequence_group = state.tp_cp_group if state.cp_size > 1 else state.tp_group
         self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        # global_aux_loss: the counts are summed over tp, then dp x cp (together Megatron's
+        # tp_dp_cp group: every rank of this pipeline stage).
+        self.global_groups = (state.tp_group, getattr(state, "dp_cp_group", None))
         master = torch.empty(self.num_experts, config.hidden_size)
         init_method_normal(config.init_method_std)(master)  # CPU draw: layout-independent
         self.weight = torch.nn.Parameter(
@@ -108,6 +116,15 @@ class TopKRouter(torch.nn.Module):
                 persistent=False)
         else:
             self.expert_bias = None
+        if self.routing_type == "global_aux_loss":
+            # Megatron's names: this step's global counts summed over its micro-batches so
+            # far, and how many (not state: zeroed every step).
+            self.register_buffer("global_tokens_per_expert", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device), persistent=False)
+            self.register_buffer("ga_steps", torch.zeros(
+                (), dtype=torch.float32, device=device), persistent=False)
+        else:
+            self.global_tokens_per_expert = self.ga_steps = None
         self.logits_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             config.moe_router_dtype)
 
@@ -126,6 +143,12 @@ class TopKRouter(torch.nn.Module):
         for value in self.metrics.values():
             value.zero_()
         self.tokens_per_expert.zero_()
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Start a new step's global counts (Megatron's name; once per optimizer step)."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
 
     def _track(self, name: str, value: torch.Tensor) -> None:
         self.metrics[name] += value.detach().float().reshape(())
@@ -189,6 +212,20 @@ class TopKRouter(torch.nn.Module):
                 scores.view(s_local, batch, -1), loss_map.view(s_local, batch, -1),
                 s_local * partitions, self.topk, coeff, self.sequence_group,
             )
+        if self.routing_type == "global_aux_loss":
+            counts = loss_map.sum(dim=0).float()
+            world = 1
+            for group in self.global_groups:
+                counts = reduce_token_counts(counts, group)
+                world *= group_size(group)
+            with torch.no_grad():
+                self.global_tokens_per_expert += counts
+                self.ga_steps += 1
+            # This rank's share: its probabilities over all the step's tokens (the ranks'
+            # values add up to the loss of the global batch).
+            return switch_load_balancing_loss(
+                scores, self.global_tokens_per_expert / self.ga_steps,
+                logits.shape[0] * world, self.topk, coeff)
         counts = reduce_token_counts(loss_map.sum(dim=0).float(), self.sequence_group)
         return switch_load_balancing_loss(
             scores, counts, logits.shape[0] * partitions, self.topk, coeff
@@ -213,10 +250,12 @@ class TopKRouter(torch.nn.Module):
                 probs, routing_map, self.topk, config.moe_expert_capacity_factor,
                 config.moe_token_drop_policy, config.moe_pad_expert_input_to_capacity,
             )
-        if self.routing_type in ("aux_loss", "seq_aux_loss"):
+        if self.routing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             loss = self._load_balancing_loss(logits, shape)
             if loss is not None:
-                self._track("load_balancing_loss", loss / config.moe_aux_loss_coeff)
+                name = ("global_load_balancing_loss" if self.routing_type == "global_aux_loss"
+                        else "load_balancing_loss")
+                self._track(name, loss / config.moe_aux_loss_coeff)
                 probs = self._attach(probs, loss)
         return probs, routing_map
 

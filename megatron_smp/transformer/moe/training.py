@@ -32,9 +32,12 @@ def set_aux_loss_scale(model_chunks: Iterable[torch.nn.Module], scale: float) ->
 def tracked_metrics(config: TransformerConfig) -> List[str]:
     """The loss names this model reports (the same on every rank)."""
     names = []
-    if (config.num_moe_experts is not None and config.moe_aux_loss_coeff
-            and config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss")):
-        names.append("load_balancing_loss")
+    balancing = config.moe_router_load_balancing_type
+    if config.num_moe_experts is not None and config.moe_aux_loss_coeff:
+        if balancing in ("aux_loss", "seq_aux_loss"):
+            names.append("load_balancing_loss")
+        elif balancing == "global_aux_loss":
+            names.append("global_load_balancing_loss")  # Megatron's log field
     if config.num_moe_experts is not None and config.moe_z_loss_coeff is not None:
         names.append("z_loss")
     return names
@@ -68,10 +71,14 @@ def moe_metrics(
         if dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
     # Context-parallel ranks hold partial sums too (their tokens' share), data-parallel
-    # replicas whole values: sum over dp x cp, average over dp.
+    # replicas whole values: sum over dp x cp, average over dp. The global loss's values are
+    # shares of the global batch's loss on every dp x cp rank: summed only (Megatron's).
     if state.dp_cp_size > 1:
         dist.all_reduce(values, group=state.dp_cp_group)
-        values /= state.dp_cp_size // state.cp_size
+        dp = state.dp_cp_size // state.cp_size
+        divisor = torch.full((len(METRIC_NAMES),), float(dp), device=values.device)
+        divisor[METRIC_NAMES.index("global_load_balancing_loss")] = 1.0
+        values /= divisor
     values /= num_microbatches
     totals = values.sum(dim=0) / max(1, sum(pattern))
     # 0-dim device tensors: the training loop reads them on the host at the log line (and
@@ -83,6 +90,13 @@ def moe_metrics(
                 for name in names:
                     out[f"moe/{name}_layer_{index}"] = values[index, METRIC_NAMES.index(name)]
     return out
+
+
+def reset_global_aux_loss(model_chunks: Iterable[torch.nn.Module]) -> None:
+    """Zero every router's step counts of --moe-router-load-balancing-type global_aux_loss
+    (after the step's last backward, as Megatron's finalize_model_grads)."""
+    for router in _routers(model_chunks):
+        router.reset_global_aux_loss_tracker()
 
 
 def update_expert_bias(model_chunks: Iterable[torch.nn.Module], config: TransformerConfig,
@@ -115,4 +129,5 @@ def update_expert_bias(model_chunks: Iterable[torch.nn.Module], config: Transfor
             router.local_tokens_per_expert.zero_()
 
 
-__all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics", "update_expert_bias"]
+__all__ = ["set_aux_loss_scale", "moe_metrics", "tracked_metrics", "update_expert_bias",
+           "reset_global_aux_loss"]

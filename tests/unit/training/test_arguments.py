@@ -377,3 +377,16 @@ def test_bad_moe_settings_are_clear_errors(extra, world, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ConfigError, match=message):
         parse(BASE + extra + ["--global-batch-size", "8"])
+
+
+def test_global_aux_loss_parses_and_megatron_list_form_is_a_clear_error(capsys):
+    model = parse(BASE + MOE + ["--moe-router-load-balancing-type", "global_aux_loss",
+                                "--moe-aux-loss-coeff", "0.01"]).model
+    assert (model.moe_router_load_balancing_type, model.moe_aux_loss_coeff) == (
+        "global_aux_loss", 0.01)
+    for extra in (["--moe-router-load-balancing-type", "aux_loss", "global_aux_loss"],
+                  ["--moe-aux-loss-coeff", "0.01", "0.001"]):
+        with pytest.raises(SystemExit):
+            parse(BASE + MOE + extra)
+        err = capsys.readouterr().err
+        assert extra[0] in err and "combining load-balancing losses" in err

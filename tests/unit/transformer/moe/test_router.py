@@ -250,3 +250,80 @@ def test_router_flag_errors(settings, message):
                           num_moe_experts=4, moe_router_topk=2, **settings)
     with pytest.raises(ConfigError, match=message):
         config.validate(ParallelConfig())
+
+
+def _global_aux_loss_body(rank, world_size):
+    """DP=2: two micro-batches with different inputs per rank; returns what the direct
+    computation needs and what the router produced."""
+    import torch.distributed as dist
+
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.transformer.moe.training import moe_metrics, reset_global_aux_loss
+
+    state = build_parallel_state(ParallelConfig())
+    config = llama_config(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10,
+                          num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1,
+                          moe_router_load_balancing_type="global_aux_loss")
+    torch.manual_seed(0)
+    router = TopKRouter(config, state).train()
+    torch.manual_seed(10 + rank)
+    # Rank 1's tokens lean towards expert 0: the ranks' counts differ.
+    bias = torch.zeros(16) if rank == 0 else 3.0 * router.weight.detach()[0]
+    hiddens = [torch.randn(5, 2, 16) + bias for _ in range(2)]
+    for hidden in hiddens:
+        probs, _ = router(hidden)
+        (probs * 0).sum().backward()  # only the attached loss's gradient (scale 1)
+    # Plain lists: tensors would travel as shared memory the exiting child takes along.
+    out = dict(hiddens=[h.tolist() for h in hiddens], weight=router.weight.tolist(),
+               grad=router.weight.grad.tolist(),
+               metric=router.metrics["global_load_balancing_loss"].item(),
+               ga_steps=router.ga_steps.item())
+    out["logged"] = moe_metrics([router], config, state, 2)["global_load_balancing_loss"].item()
+    reset_global_aux_loss([router])
+    out["after_reset"] = (router.ga_steps.item(),
+                          router.global_tokens_per_expert.abs().sum().item())
+    dist.barrier()
+    return out
+
+
+def test_global_aux_loss_uses_counts_summed_over_data_parallel_ranks_and_micro_batches():
+    from megatron_smp.testing import run_distributed
+
+    results = run_distributed(_global_aux_loss_body, 2, timeout=120)
+    coeff, experts, topk = 0.1, 4, 2
+
+    def scores_and_counts(hidden, weight):
+        scores = torch.softmax(hidden.reshape(-1, 16) @ weight.t(), dim=-1)
+        top = torch.topk(scores, topk, dim=-1).indices
+        counts = torch.zeros(experts).scatter_add(0, top.flatten(), torch.ones(top.numel()))
+        return scores, counts
+
+    for result in results:
+        result["hiddens"] = [torch.tensor(h) for h in result["hiddens"]]
+    weight = torch.tensor(results[0]["weight"])
+    counts = [[scores_and_counts(h, weight)[1] for h in r["hiddens"]] for r in results]
+    assert not torch.equal(counts[0][0], counts[1][0])  # the all-reduce matters
+    global_counts = [counts[0][m] + counts[1][m] for m in range(2)]
+    averaged = [global_counts[0], (global_counts[0] + global_counts[1]) / 2]
+    tokens = 10 * 2  # global tokens per micro-batch
+    total_metric = 0.0
+    for rank, result in enumerate(results):
+        assert result["ga_steps"] == 2
+        w = weight.clone().requires_grad_()
+        loss = local = 0.0
+        for m, hidden in enumerate(result["hiddens"]):
+            scores, _ = scores_and_counts(hidden, w)
+            loss = loss + coeff * experts / (topk * tokens ** 2) * (scores.sum(0) * averaged[m]).sum()
+            local = local + experts / (topk * 10 ** 2) * (scores.sum(0) * counts[rank][m]).sum()
+        loss.backward()
+        assert result["metric"] == pytest.approx(loss.item() / coeff, rel=1e-6)
+        torch.testing.assert_close(torch.tensor(result["grad"]), w.grad, rtol=1e-6, atol=1e-9)
+        assert w.grad.abs().sum() > 0
+        # aux_loss (this rank's counts and tokens) gives a different value.
+        assert abs(local.item() - result["metric"]) > 1e-3
+        total_metric += loss.item() / coeff
+        assert result["after_reset"] == (0.0, 0.0)
+    # Logged: the ranks' shares summed (no average over dp), per micro-batch.
+    for result in results:
+        assert result["logged"] == pytest.approx(total_metric / 2, rel=1e-6)
