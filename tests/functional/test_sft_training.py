@@ -199,11 +199,24 @@ def _hf_validation_loss(model, data_flags, samples):
     return total / count
 
 
+def _tensor_bytes(load_dir):
+    """{key: bytes} of the tensors in the latest torch_dist checkpoint of `load_dir`."""
+    from megatron_smp.checkpointing import checkpoint_dir, read_tracker
+    from megatron_smp.distributed.checkpoint import read_dcp_metadata
+
+    metadata = read_dcp_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
+    return {key: torch.Size(info.size).numel() * torch.empty(
+                (), dtype=info.properties.dtype).element_size()
+            for key, info in metadata.state_dict_metadata.items() if hasattr(info, "size")}
+
+
 def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     """An HF Llama directory, converted, fine-tuned with LoRA on the bundled chats: the base
-    run's validation loss is HF's own on the same conversations; fine-tuning lowers it; a run
-    stopped at iteration 2 resumes exactly; convert.py --peft-dir exports an adapter that
-    peft loads onto the HF model, and a merged HF model, both giving our validation loss."""
+    run's validation loss is HF's own on the same conversations; fine-tuning lowers it; the
+    checkpoints are small (the adapters and their optimizer state; the base recorded); a run
+    stopped at iteration 2 resumes exactly (at TP=2 too, from the same small checkpoint);
+    convert.py --peft-dir exports an adapter that peft loads onto the HF model, and a merged
+    HF model, both giving our validation loss."""
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -233,12 +246,32 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     whole, valid = run_distributed(_train_and_validate, 1, args=(
         argv + from_base + ["--save", str(tmp_path / "whole")],), timeout=300)[0]
     assert valid < base_valid - 0.05, (valid, base_valid)
-    # Stopped after iteration 2 (--exit-interval saves), then resumed to the end.
+    # A small checkpoint: the adapters, their Adam moments (and fp32 copies where kept),
+    # nothing of the frozen base.
+    small, base_bytes = _tensor_bytes(str(tmp_path / "whole")), _tensor_bytes(
+        str(tmp_path / "base"))
+    model_keys = [key for key in small if key.startswith("model.")]
+    assert model_keys and all(".lora.lora_" in key for key in model_keys), model_keys
+    adapter_bytes = sum(small[key] for key in model_keys)
+    optimizer_bytes = sum(v for k, v in small.items() if k.startswith("optimizer."))
+    assert optimizer_bytes >= 2 * adapter_bytes
+    assert sum(small.values()) < 2 * 3 * adapter_bytes
+    assert sum(small.values()) * 4 < sum(base_bytes.values()), (small, base_bytes)
+    print(f"LoRA checkpoint tensor bytes: small {sum(small.values())} (adapters "
+          f"{adapter_bytes}, optimizer {optimizer_bytes}) vs base {sum(base_bytes.values())}")
+    # Stopped after iteration 2 (--exit-interval saves), then resumed to the end: the base
+    # from the one the small checkpoint records, or from --pretrained-checkpoint.
     stop = argv + from_base + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]
     run_distributed(_train_and_validate, 1, args=(stop,), timeout=300)
     resumed, resumed_valid = run_distributed(_train_and_validate, 1, args=(
         argv + ["--load", str(tmp_path / "ckpt")],), timeout=300)[0]
     assert resumed == whole[2:] and resumed_valid == valid
+    for losses, _ in run_distributed(_train_and_validate, 2, args=(
+            argv + ["--load", str(tmp_path / "ckpt"), "--pretrained-checkpoint",
+                    str(tmp_path / "base"), "--tensor-model-parallel-size", "2"],),
+            timeout=300):
+        assert losses == pytest.approx(whole[2:], rel=1e-5)
+    _check_lora_base_errors(str(tmp_path))
 
     assert convert.main(["--model-type", "llama", "--loader", "megatron_smp", "--saver", "hf",
                          "--load-dir", str(tmp_path / "whole"),
@@ -254,3 +287,32 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
                          "--load-dir", str(tmp_path / "base"),
                          "--save-dir", str(tmp_path / "again"),
                          "--peft-dir", str(tmp_path / "none")]) == 1
+
+
+def _check_lora_base_errors(root):
+    """A small LoRA checkpoint whose base is missing, or named wrongly, is a clear error."""
+    import json
+    import os
+    import shutil
+
+    from megatron_smp.checkpointing import CheckpointError, checkpoint_dir
+    from megatron_smp.training.checkpointing import resolve_lora_base
+
+    path = checkpoint_dir(os.path.join(root, "ckpt"), 2)
+    assert resolve_lora_base(path, None) == (os.path.join(root, "base"), 0)
+    with pytest.raises(CheckpointError, match="--pretrained-checkpoint .*nowhere holds no"):
+        resolve_lora_base(path, os.path.join(root, "nowhere"))
+    with pytest.raises(CheckpointError, match="itself a small LoRA checkpoint.*"
+                                              "--pretrained-checkpoint DIR"):
+        resolve_lora_base(path, os.path.join(root, "whole"))
+    moved = os.path.join(root, "moved")
+    shutil.copytree(path, moved)
+    with open(os.path.join(moved, "common.json")) as handle:
+        common = json.load(handle)
+    common["config"]["lora_base"]["load"] = os.path.join(root, "gone")
+    with open(os.path.join(moved, "common.json"), "w") as handle:
+        json.dump(common, handle)
+    with pytest.raises(CheckpointError, match="base model .*gone, iteration 0.* is missing: "
+                                              "give the base checkpoint with "
+                                              "--pretrained-checkpoint DIR"):
+        resolve_lora_base(moved, None)
