@@ -419,9 +419,13 @@ def _find_iteration(run) -> Optional[int]:
         why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
             f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
         )
-    _print_rank_0(
-        run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
-    )
+    if run.configs.checkpoint.pretrained_checkpoint:
+        _print_rank_0(run, f"--load directory {load_dir} {why}: the LoRA adapters start "
+                           "fresh over --pretrained-checkpoint")
+    else:
+        _print_rank_0(
+            run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
+        )
     return None
 
 

@@ -259,9 +259,13 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     assert sum(small.values()) * 4 < sum(base_bytes.values()), (small, base_bytes)
     print(f"LoRA checkpoint tensor bytes: small {sum(small.values())} (adapters "
           f"{adapter_bytes}, optimizer {optimizer_bytes}) vs base {sum(base_bytes.values())}")
-    # Stopped after iteration 2 (--exit-interval saves), then resumed to the end: the base
-    # from the one the small checkpoint records, or from --pretrained-checkpoint.
-    stop = argv + from_base + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]
+    # Started as finetune_llama_lora.sh does (--pretrained-checkpoint BASE, --load of a
+    # directory without a checkpoint yet), stopped after iteration 2 (--exit-interval saves),
+    # then resumed to the end: the base from the one the small checkpoint records, or from
+    # --pretrained-checkpoint.
+    stop = argv + ["--pretrained-checkpoint", str(tmp_path / "base"), "--load",
+                   str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt"),
+                   "--exit-interval", "2"]
     run_distributed(_train_and_validate, 1, args=(stop,), timeout=300)
     resumed, resumed_valid = run_distributed(_train_and_validate, 1, args=(
         argv + ["--load", str(tmp_path / "ckpt")],), timeout=300)[0]
