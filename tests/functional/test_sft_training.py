@@ -141,21 +141,36 @@ def _train_lora(rank, world_size, argv):
     return losses, state_bytes, built["adapter_bytes"], built["trainable"]
 
 
-def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv):
+def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv, tmp_path):
+    """LoRA at TP=2+SP and DP=2 (distributed optimizer) equals one process; only the adapters
+    train and have optimizer state. Without a base checkpoint (random init) the run saves the
+    whole model; the DP=2 run resumes that whole checkpoint at iteration 3, and its own
+    checkpoints are then small ones recording it as their base."""
+    import json
+    import os
+
+    from megatron_smp.checkpointing import COMMON_FILENAME, checkpoint_dir
+
     argv = sft_argv + LLAMA + LORA
+    whole, small = str(tmp_path / "whole"), str(tmp_path / "small")
     (reference, state_bytes, adapter_bytes, trainable), = run_distributed(
-        _train_lora, 1, args=(argv,), timeout=300)
+        _train_lora, 1, args=(argv + ["--save", whole, "--save-interval", "3"],), timeout=300)
     assert reference[-1] < reference[0] - 0.1, reference
     assert trainable == ["lora_A", "lora_B"]
     # Adam: exp_avg and exp_avg_sq of the adapters only, nothing for the frozen base.
     assert state_bytes == 2 * adapter_bytes
-    for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
-                  "--use-distributed-optimizer"):
+    with open(os.path.join(whole, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("3")
+    for flags, expected in (
+            ("--tensor-model-parallel-size 2 --sequence-parallel", reference),
+            (f"--use-distributed-optimizer --load {whole} --save {small}", reference[3:])):
         results = run_distributed(_train_lora, 2, args=(argv + flags.split(),), timeout=300)
         for losses, _, _, _ in results:
-            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
-        if flags == "--use-distributed-optimizer":  # the state is split over the 2 ranks
+            assert losses == pytest.approx(expected, rel=1e-5), (flags, losses, expected)
+        if "--use-distributed-optimizer" in flags:  # the state is split over the 2 ranks
             assert sum(r[1] for r in results) == state_bytes
+    with open(os.path.join(checkpoint_dir(small, ITERS), COMMON_FILENAME)) as handle:
+        assert json.load(handle)["config"]["lora_base"] == {"load": whole, "iteration": 3}
 
 
 def _train_and_validate(rank, world_size, argv):
