@@ -1111,6 +1111,9 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # Megatron's --pretrained-checkpoint: the base model of a --lora-rank run (its checkpoints
+    # hold only the adapters and record their base; this overrides the recorded one).
+    pretrained_checkpoint: Optional[str] = None
     ckpt_format: str = "torch_dist"  # "torch_dist" | "torch"
     async_save: bool = False
     # Megatron's --no-save-rng / --no-save-optim: leave those states out of saved checkpoints.

@@ -8,7 +8,8 @@
 #    (tools/preprocess_sft_data.py);
 # 2. converts the HF model to a megatron_smp checkpoint (tools/checkpoint/convert.py), once;
 # 3. trains LoRA adapters on packed conversations (--sft; 10% of the conversations held out
-#    for the validation loss), resuming from OUT/lora when it already holds a checkpoint;
+#    for the validation loss), resuming from OUT/lora when it already holds a checkpoint
+#    (small: the adapters and their optimizer state over the base OUT/base);
 # 4. exports OUT/peft_adapter (peft.PeftModel.from_pretrained(HF model, it)) and
 #    OUT/hf_merged (the adapters merged: from_pretrained as it is).
 # Settings (environment): HF_MODEL (required), TOKENIZER (default HF_MODEL: its tokenizer
@@ -31,11 +32,9 @@ if [ ! -f "$OUT/base/latest_checkpointed_iteration.txt" ]; then
   "$PYTHON" tools/checkpoint/convert.py --model-type llama --loader hf --saver megatron_smp \
     --load-dir "$HF_MODEL" --save-dir "$OUT/base"
 fi
-if [ -f "$OUT/lora/latest_checkpointed_iteration.txt" ]; then
-  LOAD=(--load "$OUT/lora")                     # resume the adapters and their optimizer
-else
-  LOAD=(--load "$OUT/base" --finetune)          # the base; adapters start at B = 0
-fi
+# The base from OUT/base; OUT/lora's small checkpoints (adapters, their optimizer state) are
+# resumed when there, else the adapters start at B = 0.
+LOAD=(--pretrained-checkpoint "$OUT/base" --load "$OUT/lora")
 
 "${LAUNCH[@]}" pretrain_llama.py \
   --sft --data-path "$OUT/data/chat_text_document" --split 90,10,0 \

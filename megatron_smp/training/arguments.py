@@ -428,6 +428,9 @@ _FLAGS: List[_Flag] = [
     _f("--no-save-optim", "checkpoint", action="store_true"),
     _f("--no-save-rng", "checkpoint", action="store_true"),
     _f("--finetune", "checkpoint", action="store_true"),
+    _f("--pretrained-checkpoint", "checkpoint",
+       help="the base checkpoint of a --lora-rank run: loaded before the --load adapters (or "
+       "alone when --load holds none); overrides the base a LoRA checkpoint records"),
     _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor"],
        default="torch_dist",
        help="fsdp_dtensor (Megatron-FSDP's DCP format) is accepted with FSDP2 runs and writes "
@@ -858,7 +861,8 @@ def parse_args(
         model["recompute_granularity"] = "selective"
 
     if args.use_checkpoint_args:
-        model.update(checkpoint_model_fields(sections["checkpoint"].get("load")))
+        model.update(checkpoint_model_fields(sections["checkpoint"].get("load"),
+                                             sections["checkpoint"].get("pretrained_checkpoint")))
         missing = [f"--{name.replace('_', '-')}" for name in
                    ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
         if missing:
@@ -981,6 +985,9 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    elif configs.checkpoint.pretrained_checkpoint:
+        raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
+                          "for full fine-tuning use --load DIR --finetune")
     if configs.model.mtp_num_layers is not None:
         unsupported = [flag for flag, on in (
             ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),

@@ -67,6 +67,9 @@ from megatron_smp.distributed.checkpoint.agreement import (
 from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
 from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
 
+# common.json's config key naming the base checkpoint of a small LoRA checkpoint:
+# {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
+LORA_BASE_KEY = "lora_base"
 PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")
 # Megatron's --dist-ckpt-strictness values (megatron.core.dist_checkpointing StrictHandling).
 STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
@@ -93,9 +96,14 @@ def check_checkpoint_flags(config) -> None:
         )
 
 
-def checkpoint_model_fields(load_dir: Optional[str]) -> Dict[str, Any]:
+def checkpoint_model_fields(load_dir: Optional[str],
+                            pretrained: Optional[str] = None) -> Dict[str, Any]:
     """--use-checkpoint-args: the model fields saved with the checkpoint in `load_dir`
-    (Megatron-LM's pickled args, or our common.json's model config)."""
+    (Megatron-LM's pickled args, or our common.json's model config); those of
+    --pretrained-checkpoint `pretrained` when --load holds no checkpoint yet."""
+    if pretrained and not (load_dir and (os.path.isfile(tracker_path(load_dir))
+                                         or find_megatron_checkpoint(load_dir) is not None)):
+        load_dir = pretrained
     if not load_dir:
         raise ConfigError("--use-checkpoint-args reads the model shape from the --load "
                           "checkpoint: add --load DIR")
@@ -194,6 +202,14 @@ def save(run) -> None:
         scheduler=True,
         progress=True,
     )
+    saved_config = run.configs.to_dict()
+    base = getattr(run, "lora_base", None)
+    if run.configs.training.lora_rank and base is not None:
+        # A small checkpoint: the adapters (the only trainable tensors), their optimizer
+        # state, scheduler, progress and RNG; the frozen base is named, not copied.
+        state_dict["model"] = {name: view for name, view in state_dict["model"].items()
+                               if _is_adapter(name)}
+        saved_config[LORA_BASE_KEY] = {"load": base[0], "iteration": base[1]}
     validator = getattr(run, "validator", None)
     if validator is not None and validator.rerun_iteration:
         # --rerun-mode validate_results: the resumed job first reruns this iteration.
@@ -205,11 +221,14 @@ def save(run) -> None:
         config.save,
         run.state,
         async_save=config.async_save,
-        config=run.configs.to_dict(),
+        config=saved_config,
         ckpt_format=config.ckpt_format,
         save_rng=not config.no_save_rng,
         stage_in_background=config.async_save,
-        extra_files=_megatron_legacy_files(run) if config.ckpt_format == "torch" else None,
+        # (Not for a small LoRA checkpoint: the legacy files would copy the whole model.)
+        extra_files=(_megatron_legacy_files(run)
+                     if config.ckpt_format == "torch" and LORA_BASE_KEY not in saved_config
+                     else None),
         fully_parallel=config.ckpt_fully_parallel_save,
         writer_backend="gloo" if run.configs.parallel.use_gloo_process_groups else None,
     )
@@ -325,6 +344,68 @@ def _saved_adapters(path: str, state) -> bool:
     return any(".lora.lora_" in key for key in payload.get("model", {}))
 
 
+def _is_adapter(name: str) -> bool:
+    return ".lora.lora_" in name
+
+
+def recorded_lora_base(path: str) -> Optional[Dict[str, Any]]:
+    """The base a small LoRA checkpoint at `path` (an iter_* directory) records, or None for
+    any other checkpoint."""
+    try:
+        with open(os.path.join(path, COMMON_FILENAME)) as handle:
+            base = (json.load(handle).get("config") or {}).get(LORA_BASE_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None  # the engine reports an unreadable common.json when it loads
+    return base if isinstance(base, dict) else None
+
+
+def resolve_lora_base(path: str, pretrained: Optional[str]) -> "tuple[str, int]":
+    """(directory, iteration) of the base model under the small LoRA checkpoint at `path`:
+    --pretrained-checkpoint when given (its latest iteration), else the recorded base. Pure
+    (file reads only), so every rank raises alike before any collective."""
+    if pretrained:
+        if not os.path.isfile(tracker_path(pretrained)):
+            raise CheckpointError(
+                f"--pretrained-checkpoint {pretrained} holds no checkpoint "
+                f"({os.path.basename(tracker_path(pretrained))} is missing)")
+        base_dir, iteration, how = pretrained, read_tracker(pretrained), "--pretrained-checkpoint"
+    else:
+        recorded = recorded_lora_base(path) or {}
+        base_dir, iteration = recorded.get("load"), recorded.get("iteration")
+        how = f"the base recorded in {path}"
+        if not base_dir or iteration is None:
+            raise CheckpointError(
+                f"{path} holds only LoRA adapters and records no base model; name the base "
+                "checkpoint with --pretrained-checkpoint DIR")
+    base_path = checkpoint_dir(base_dir, int(iteration))
+    if not os.path.isfile(os.path.join(base_path, COMMON_FILENAME)):
+        raise CheckpointError(
+            f"{path} holds only LoRA adapters; their base model ({how}: {base_dir}, iteration "
+            f"{iteration}) is missing: give the base checkpoint with --pretrained-checkpoint DIR")
+    if recorded_lora_base(base_path) is not None:
+        raise CheckpointError(
+            f"{how} {base_path} is itself a small LoRA checkpoint (adapters only); give the "
+            "base model's checkpoint with --pretrained-checkpoint DIR")
+    return os.path.abspath(base_dir), int(iteration)
+
+
+def _load_lora_base(run, base_dir: str, iteration: int) -> None:
+    """Load the frozen base weights of a LoRA run (every model tensor but the adapters)
+    from `base_dir` at `iteration` (collective), and remember it as the base that this run's
+    checkpoints record."""
+    config = run.configs.checkpoint
+    path = checkpoint_dir(base_dir, iteration)
+    with open(os.path.join(path, COMMON_FILENAME)) as handle:
+        _check_format(config, json.load(handle).get("ckpt_format", "torch_dist"), path)
+    check_architecture_matches(path, run.configs.model)
+    views = {name: view for name, view in model_sharded_state_dict(
+        run.model, run.state, run.configs.model.vocab_size, True).items()
+        if not _is_adapter(name)}
+    load_checkpoint({"model": views}, base_dir, run.state, iteration, load_rng=False)
+    run.lora_base = (os.path.abspath(base_dir), int(iteration))
+    _print_rank_0(run, f"loaded the LoRA base model {path}")
+
+
 def _find_iteration(run) -> Optional[int]:
     """The iteration to resume from, or None (with a warning) when --load holds none."""
     load_dir = run.configs.checkpoint.load
@@ -338,9 +419,13 @@ def _find_iteration(run) -> Optional[int]:
         why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
             f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
         )
-    _print_rank_0(
-        run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
-    )
+    if run.configs.checkpoint.pretrained_checkpoint:
+        _print_rank_0(run, f"--load directory {load_dir} {why}: the LoRA adapters start "
+                           "fresh over --pretrained-checkpoint")
+    else:
+        _print_rank_0(
+            run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
+        )
     return None
 
 
@@ -445,17 +530,42 @@ def load(run, tokenizer=None) -> None:
     RNG states unless --no-load-rng / --finetune (and only at the saving layout). A
     Megatron-LM checkpoint (torch_dist or legacy) is detected and read as such."""
     config = run.configs.checkpoint
+    lora = bool(run.configs.training.lora_rank)
+    # (directory, iteration) of a LoRA run's base model: set, this run saves small
+    # checkpoints (adapters only, the base recorded); None, whole ones.
+    run.lora_base = None
     megatron = find_megatron_checkpoint(config.load) if config.load else None
     if megatron is not None:
+        if config.pretrained_checkpoint:
+            raise CheckpointError(
+                f"--load {config.load} is a Megatron-LM checkpoint and --pretrained-checkpoint "
+                "names a base too; give the base once")
         _load_megatron(run, megatron)
         return
-    iteration = _find_iteration(run)
+    iteration = _find_iteration(run) if config.load else None
     if iteration is None:
+        if config.pretrained_checkpoint:  # a LoRA run's start: the base, fresh adapters
+            _load_lora_base(run, *resolve_lora_base("", config.pretrained_checkpoint))
+            run.optimizer.reload_model_params()
         return
     start = time.perf_counter()
     path = checkpoint_dir(config.load, iteration)
     with open(os.path.join(path, COMMON_FILENAME)) as handle:
         _check_format(config, json.load(handle).get("ckpt_format", "torch_dist"), path)
+    recorded = recorded_lora_base(path)
+    if recorded is not None and not lora:
+        raise CheckpointError(
+            f"checkpoint {path} holds only the LoRA adapters of a --lora-rank run (base: "
+            f"{recorded.get('load')}); resume it with the --lora-* flags it was trained with, "
+            "or export it with tools/checkpoint/convert.py --loader megatron_smp (--peft-dir)")
+    has_adapters = lora and _saved_adapters(path, run.state)
+    if lora and config.pretrained_checkpoint and not has_adapters:
+        raise CheckpointError(
+            f"--load checkpoint {path} has no LoRA adapters and --pretrained-checkpoint names a "
+            "base too; give the base once (--pretrained-checkpoint BASE --load ADAPTERS_DIR)")
+    base = None
+    if lora and (recorded is not None or config.pretrained_checkpoint):
+        base = resolve_lora_base(path, config.pretrained_checkpoint)
     check_architecture_matches(path, run.configs.model)
     saved = _saved_top_level_keys(path, run.state)
     load_optimizer = not (config.no_load_optim or config.finetune)
@@ -476,7 +586,10 @@ def load(run, tokenizer=None) -> None:
         scheduler=load_optimizer and (saved is None or "opt_param_scheduler" in saved),
         progress=load_progress,
     )
-    if run.configs.training.lora_rank and not _saved_adapters(path, run.state):
+    if base is not None:
+        state_dict["model"] = {name: view for name, view in state_dict["model"].items()
+                               if _is_adapter(name)}
+    if lora and not has_adapters:
         # --lora-rank on a base checkpoint: the base loads, the adapters keep their
         # initialisation (B = 0: training starts from the base model).
         if load_optimizer:
@@ -494,7 +607,12 @@ def load(run, tokenizer=None) -> None:
     if rerun_pending:
         state_dict["rerun_iteration"] = 0
         state_dict["rerun_device"] = 0
+    if base is not None:
+        _load_lora_base(run, *base)
     load_checkpoint(state_dict, config.load, run.state, iteration, load_rng=load_rng)
+    if lora and base is None:
+        # A base checkpoint, or a whole (older) LoRA one: its weights are this run's base.
+        run.lora_base = (os.path.abspath(config.load), int(iteration))
     if rerun_pending:
         validator.rerun_iteration = int(state_dict["rerun_iteration"])
         validator.rerun_device = int(state_dict["rerun_device"])

@@ -478,11 +478,12 @@ def pretrain(
     global_batch_size = batch_sizes.global_batch_size
 
     checkpointing = None
-    if configs.checkpoint.load or configs.checkpoint.save:
+    loading = configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint
+    if loading or configs.checkpoint.save:
         from megatron_smp.training import checkpointing as checkpointing_module
 
         checkpointing = checkpointing_module
-        if configs.checkpoint.load:
+        if loading:
             checkpointing.load(run, tokenizer)
     num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 

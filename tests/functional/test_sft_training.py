@@ -141,21 +141,36 @@ def _train_lora(rank, world_size, argv):
     return losses, state_bytes, built["adapter_bytes"], built["trainable"]
 
 
-def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv):
+def test_lora_sft_layouts_match_and_only_adapters_train(sft_argv, tmp_path):
+    """LoRA at TP=2+SP and DP=2 (distributed optimizer) equals one process; only the adapters
+    train and have optimizer state. Without a base checkpoint (random init) the run saves the
+    whole model; the DP=2 run resumes that whole checkpoint at iteration 3, and its own
+    checkpoints are then small ones recording it as their base."""
+    import json
+    import os
+
+    from megatron_smp.checkpointing import COMMON_FILENAME, checkpoint_dir
+
     argv = sft_argv + LLAMA + LORA
+    whole, small = str(tmp_path / "whole"), str(tmp_path / "small")
     (reference, state_bytes, adapter_bytes, trainable), = run_distributed(
-        _train_lora, 1, args=(argv,), timeout=300)
+        _train_lora, 1, args=(argv + ["--save", whole, "--save-interval", "3"],), timeout=300)
     assert reference[-1] < reference[0] - 0.1, reference
     assert trainable == ["lora_A", "lora_B"]
     # Adam: exp_avg and exp_avg_sq of the adapters only, nothing for the frozen base.
     assert state_bytes == 2 * adapter_bytes
-    for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
-                  "--use-distributed-optimizer"):
+    with open(os.path.join(whole, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("3")
+    for flags, expected in (
+            ("--tensor-model-parallel-size 2 --sequence-parallel", reference),
+            (f"--use-distributed-optimizer --load {whole} --save {small}", reference[3:])):
         results = run_distributed(_train_lora, 2, args=(argv + flags.split(),), timeout=300)
         for losses, _, _, _ in results:
-            assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
-        if flags == "--use-distributed-optimizer":  # the state is split over the 2 ranks
+            assert losses == pytest.approx(expected, rel=1e-5), (flags, losses, expected)
+        if "--use-distributed-optimizer" in flags:  # the state is split over the 2 ranks
             assert sum(r[1] for r in results) == state_bytes
+    with open(os.path.join(checkpoint_dir(small, ITERS), COMMON_FILENAME)) as handle:
+        assert json.load(handle)["config"]["lora_base"] == {"load": whole, "iteration": 3}
 
 
 def _train_and_validate(rank, world_size, argv):
@@ -199,11 +214,24 @@ def _hf_validation_loss(model, data_flags, samples):
     return total / count
 
 
+def _tensor_bytes(load_dir):
+    """{key: bytes} of the tensors in the latest torch_dist checkpoint of `load_dir`."""
+    from megatron_smp.checkpointing import checkpoint_dir, read_tracker
+    from megatron_smp.distributed.checkpoint import read_dcp_metadata
+
+    metadata = read_dcp_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
+    return {key: torch.Size(info.size).numel() * torch.empty(
+                (), dtype=info.properties.dtype).element_size()
+            for key, info in metadata.state_dict_metadata.items() if hasattr(info, "size")}
+
+
 def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     """An HF Llama directory, converted, fine-tuned with LoRA on the bundled chats: the base
-    run's validation loss is HF's own on the same conversations; fine-tuning lowers it; a run
-    stopped at iteration 2 resumes exactly; convert.py --peft-dir exports an adapter that
-    peft loads onto the HF model, and a merged HF model, both giving our validation loss."""
+    run's validation loss is HF's own on the same conversations; fine-tuning lowers it; the
+    checkpoints are small (the adapters and their optimizer state; the base recorded); a run
+    stopped at iteration 2 resumes exactly (at TP=2 too, from the same small checkpoint);
+    convert.py --peft-dir exports an adapter that peft loads onto the HF model, and a merged
+    HF model, both giving our validation loss."""
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -233,12 +261,36 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     whole, valid = run_distributed(_train_and_validate, 1, args=(
         argv + from_base + ["--save", str(tmp_path / "whole")],), timeout=300)[0]
     assert valid < base_valid - 0.05, (valid, base_valid)
-    # Stopped after iteration 2 (--exit-interval saves), then resumed to the end.
-    stop = argv + from_base + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]
+    # A small checkpoint: the adapters, their Adam moments (and fp32 copies where kept),
+    # nothing of the frozen base.
+    small, base_bytes = _tensor_bytes(str(tmp_path / "whole")), _tensor_bytes(
+        str(tmp_path / "base"))
+    model_keys = [key for key in small if key.startswith("model.")]
+    assert model_keys and all(".lora.lora_" in key for key in model_keys), model_keys
+    adapter_bytes = sum(small[key] for key in model_keys)
+    optimizer_bytes = sum(v for k, v in small.items() if k.startswith("optimizer."))
+    assert optimizer_bytes >= 2 * adapter_bytes
+    assert sum(small.values()) < 2 * 3 * adapter_bytes
+    assert sum(small.values()) * 4 < sum(base_bytes.values()), (small, base_bytes)
+    print(f"LoRA checkpoint tensor bytes: small {sum(small.values())} (adapters "
+          f"{adapter_bytes}, optimizer {optimizer_bytes}) vs base {sum(base_bytes.values())}")
+    # Started as finetune_llama_lora.sh does (--pretrained-checkpoint BASE, --load of a
+    # directory without a checkpoint yet), stopped after iteration 2 (--exit-interval saves),
+    # then resumed to the end: the base from the one the small checkpoint records, or from
+    # --pretrained-checkpoint.
+    stop = argv + ["--pretrained-checkpoint", str(tmp_path / "base"), "--load",
+                   str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt"),
+                   "--exit-interval", "2"]
     run_distributed(_train_and_validate, 1, args=(stop,), timeout=300)
     resumed, resumed_valid = run_distributed(_train_and_validate, 1, args=(
         argv + ["--load", str(tmp_path / "ckpt")],), timeout=300)[0]
     assert resumed == whole[2:] and resumed_valid == valid
+    for losses, _ in run_distributed(_train_and_validate, 2, args=(
+            argv + ["--load", str(tmp_path / "ckpt"), "--pretrained-checkpoint",
+                    str(tmp_path / "base"), "--tensor-model-parallel-size", "2"],),
+            timeout=300):
+        assert losses == pytest.approx(whole[2:], rel=1e-5)
+    _check_lora_base_errors(str(tmp_path))
 
     assert convert.main(["--model-type", "llama", "--loader", "megatron_smp", "--saver", "hf",
                          "--load-dir", str(tmp_path / "whole"),
@@ -254,3 +306,32 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
                          "--load-dir", str(tmp_path / "base"),
                          "--save-dir", str(tmp_path / "again"),
                          "--peft-dir", str(tmp_path / "none")]) == 1
+
+
+def _check_lora_base_errors(root):
+    """A small LoRA checkpoint whose base is missing, or named wrongly, is a clear error."""
+    import json
+    import os
+    import shutil
+
+    from megatron_smp.checkpointing import CheckpointError, checkpoint_dir
+    from megatron_smp.training.checkpointing import resolve_lora_base
+
+    path = checkpoint_dir(os.path.join(root, "ckpt"), 2)
+    assert resolve_lora_base(path, None) == (os.path.join(root, "base"), 0)
+    with pytest.raises(CheckpointError, match="--pretrained-checkpoint .*nowhere holds no"):
+        resolve_lora_base(path, os.path.join(root, "nowhere"))
+    with pytest.raises(CheckpointError, match="itself a small LoRA checkpoint.*"
+                                              "--pretrained-checkpoint DIR"):
+        resolve_lora_base(path, os.path.join(root, "whole"))
+    moved = os.path.join(root, "moved")
+    shutil.copytree(path, moved)
+    with open(os.path.join(moved, "common.json")) as handle:
+        common = json.load(handle)
+    common["config"]["lora_base"]["load"] = os.path.join(root, "gone")
+    with open(os.path.join(moved, "common.json"), "w") as handle:
+        json.dump(common, handle)
+    with pytest.raises(CheckpointError, match="base model .*gone, iteration 0.* is missing: "
+                                              "give the base checkpoint with "
+                                              "--pretrained-checkpoint DIR"):
+        resolve_lora_base(moved, None)

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter_model.safetensors, for peft.PeftModel.from_pretrained on "
                         "the base HF model); the saver always gets the adapters merged into "
                         "the base weights")
+    parser.add_argument("--pretrained-checkpoint", default=None,
+                        help="--loader megatron_smp of a small LoRA checkpoint (adapters only): "
+                        "its base model's checkpoint directory; default: the base it records")
     parser.add_argument("--mxfp4-experts", action="store_true",
                         help="--saver hf, gpt_oss: store the expert projections in MXFP4 "
                         "(*_blocks + *_scales, as the published checkpoints; lossy) instead "
@@ -131,6 +134,9 @@ def convert(args: argparse.Namespace) -> None:
     if args.peft_dir is not None and args.loader != "megatron_smp":
         raise ConfigError("--peft-dir exports the LoRA adapters of a megatron_smp checkpoint "
                           "(--loader megatron_smp)")
+    if args.pretrained_checkpoint is not None and args.loader != "megatron_smp":
+        raise ConfigError("--pretrained-checkpoint names the base of a megatron_smp LoRA "
+                          "checkpoint (--loader megatron_smp)")
     if args.mxfp4_experts and (args.saver != "hf" or family != "gpt_oss"):
         raise ConfigError("--mxfp4-experts writes a gpt-oss HF checkpoint's experts in MXFP4: "
                           "it needs --saver hf and --model-type gpt_oss")
@@ -152,7 +158,8 @@ def convert(args: argparse.Namespace) -> None:
         config, model, iteration = read_megatron_checkpoint(args.load_dir, family,
                                                             args.model_type, args)
     else:
-        config, model, common = read_smp_checkpoint(args.load_dir, family, args.model_type)
+        config, model, common = read_smp_checkpoint(args.load_dir, family, args.model_type,
+                                                    pretrained=args.pretrained_checkpoint)
         conversion = common["config"].get("conversion") or {}
         source_hf_config = conversion.get("hf_config")
         iteration = common.get("iteration")

@@ -44,8 +44,9 @@ MODEL_KEY = "model"
 CONVERTED_ITERATION = 0
 
 
-def _read_common(load_dir: str) -> Tuple[int, str, Dict[str, Any]]:
-    iteration = read_tracker(load_dir)
+def _read_common(load_dir: str,
+                 iteration: Optional[int] = None) -> Tuple[int, str, Dict[str, Any]]:
+    iteration = read_tracker(load_dir) if iteration is None else iteration
     path = checkpoint_dir(load_dir, iteration)
     common_path = os.path.join(path, COMMON_FILENAME)
     if not os.path.isfile(common_path):
@@ -101,12 +102,34 @@ def _adapter_shapes(path: str, common: Mapping[str, Any]) -> Dict[str, torch.Siz
             if key.startswith(MODEL_KEY + ".") and ".lora.lora_" in key}
 
 
-def read_smp_checkpoint(load_dir: str, family: str, model_type: str):
+def read_smp_checkpoint(load_dir: str, family: str, model_type: str,
+                        pretrained: Optional[str] = None, iteration: Optional[int] = None):
     """-> (TransformerConfig, {name: global tensor}, common.json dict). A LoRA run's
-    checkpoint also gives its adapters (`*.lora.lora_A` [r, in], `*.lora.lora_B` [out, r])."""
-    iteration, path, common = _read_common(load_dir)
+    checkpoint also gives its adapters (`*.lora.lora_A` [r, in], `*.lora.lora_B` [out, r]);
+    a small one (adapters only) gives them over its base model, read from `pretrained` when
+    given, else from the base it records."""
+    from megatron_smp.training.checkpointing import recorded_lora_base, resolve_lora_base
+
+    iteration, path, common = _read_common(load_dir, iteration)
     config = config_from_json(common["config"][MODEL_KEY], os.path.join(path, COMMON_FILENAME))
     check_family(config, family, model_type)
+    if recorded_lora_base(path) is not None or pretrained:
+        base_dir, base_iteration = resolve_lora_base(path, pretrained)
+        _, model, _ = read_smp_checkpoint(base_dir, family, model_type,
+                                          iteration=base_iteration)
+        model = {name: tensor for name, tensor in model.items() if ".lora.lora_" not in name}
+        shapes = {name: tensor.shape for name, tensor in model.items()}
+        if shapes != dict(framework_shapes(family, config)):
+            raise CheckpointError(f"the base model {base_dir} (iteration {base_iteration}) "
+                                  f"does not fit the model of {path}")
+        adapters = _adapter_shapes(path, common)
+        dtypes = _saved_tensors(path, common, config, adapters)
+        loaded = {name: torch.empty(shape, dtype=dtypes[name])
+                  for name, shape in adapters.items()}
+        with world_one_state() as state:
+            load_checkpoint({MODEL_KEY: loaded}, load_dir, state, iteration, load_rng=False)
+        model.update(loaded)
+        return config, model, common
     expected = dict(framework_shapes(family, config))
     expected.update(_adapter_shapes(path, common))
     dtypes = _saved_tensors(path, common, config, expected)

@@ -145,6 +145,15 @@ def test_lora_flag_errors():
         check_lora_flags(4, 8.0, 0.0, ["q_proj"])
     with pytest.raises(ConfigError, match="--lora-dropout"):
         check_lora_flags(4, 8.0, 1.0, ["linear_qkv"])
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    configs = parse_args("--num-layers 1 --hidden-size 8 --num-attention-heads 1 --seq-length 8 "
+                         "--max-position-embeddings 8 --micro-batch-size 1 --mock-data --train-iters 1 "
+                         "--pretrained-checkpoint base".split())
+    configs.model.vocab_size = 16
+    with pytest.raises(ConfigError, match="--pretrained-checkpoint names the base model of a "
+                                          "--lora-rank run.*--load DIR --finetune"):
+        validate_configs(configs, world_size=1)
 
 
 def test_transformed_model_takes_lora_in_one_call(tmp_path):

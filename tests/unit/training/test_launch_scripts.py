@@ -119,8 +119,9 @@ def test_launch_environment_resolution(tmp_path):
 
 def test_finetune_llama_lora_steps(tmp_path):
     """scripts/finetune_llama_lora.sh: preprocess the bundled chats with the model's tokenizer,
-    convert the HF model once, LoRA --sft training from the base (or resuming its own
-    checkpoint), export PEFT + merged HF; the training flags parse and validate."""
+    convert the HF model once, LoRA --sft training over the base (--pretrained-checkpoint),
+    resuming its own small checkpoints when there (--load), export PEFT + merged HF; the
+    training flags parse and validate."""
     from pretrain_llama import LLAMA_DEFAULTS
 
     stub = tmp_path / "python"
@@ -146,8 +147,10 @@ def test_finetune_llama_lora_steps(tmp_path):
     entry = train.index("pretrain_llama.py")
     assert train[train.index("--nproc-per-node") + 1] == "2"
     flags = train[entry + 1:]
-    assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "base")
-    assert "--finetune" in flags and flags[-2:] == ["--seed", "3"]
+    # The base named by --pretrained-checkpoint; --load of the run's own (small) checkpoints.
+    assert flags[flags.index("--pretrained-checkpoint") + 1] == str(tmp_path / "run" / "base")
+    assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "lora")
+    assert "--finetune" not in flags and flags[-2:] == ["--seed", "3"]
     # The model's shape comes from the converted checkpoint (--use-checkpoint-args); here
     # stand-in shape flags let the rest parse and validate at the script's world size.
     flags.remove("--use-checkpoint-args")
@@ -156,14 +159,11 @@ def test_finetune_llama_lora_steps(tmp_path):
     configs.model.vocab_size = 32000
     validate_configs(configs, 2)
     assert configs.data.sft and configs.training.lora_rank == 16
-    # The base converted and a LoRA checkpoint present: no second conversion, and resume.
-    for name in ("base", "lora"):
-        (tmp_path / "run" / name).mkdir(parents=True, exist_ok=True)
-        (tmp_path / "run" / name / "latest_checkpointed_iteration.txt").write_text("50")
-    preprocess, train, export = steps()
-    flags = train[train.index("pretrain_llama.py") + 1:]
-    assert flags[flags.index("--load") + 1] == str(tmp_path / "run" / "lora")
-    assert "--finetune" not in flags
+    # The base converted: no second conversion, the same training flags (resume or start).
+    (tmp_path / "run" / "base").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run" / "base" / "latest_checkpointed_iteration.txt").write_text("0")
+    preprocess, again, export = steps()
+    assert again == train
 
 
 def test_deepseek_v3_671b_script_is_the_published_shape(tmp_path):
