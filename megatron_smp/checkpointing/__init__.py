@@ -6,6 +6,7 @@ training loop:
     state_dict = {"model": sharded_state_dict(model, state), "optimizer": ..., "args": {...}}
     save_checkpoint(iteration, state_dict, cfg.save, state, async_save=cfg.async_save,
                     config=all_configs, ckpt_format=cfg.ckpt_format, save_rng=not cfg.no_save_rng)
+    prepare_async_staging(state_dict)            # once state exists: warm the staging memory
     wait_for_staging()                           # with stage_in_background=True: before
                                                  # the tensors are next modified (step)
     maybe_finalize_async_calls(blocking=False)   # every iteration, on every rank (collective)
@@ -21,6 +22,7 @@ from megatron_smp.checkpointing.checkpointing import (
     checkpoint_dir,
     complete_iterations,
     load_checkpoint,
+    prepare_async_staging,
     read_tracker,
     save_checkpoint,
     tracker_path,
@@ -35,6 +37,7 @@ from megatron_smp.distributed.checkpoint import (
 
 __all__ = [
     "save_checkpoint",
+    "prepare_async_staging",
     "load_checkpoint",
     "maybe_finalize_async_calls",
     "wait_for_staging",

@@ -233,6 +233,17 @@ def save_checkpoint(
         fn()
 
 
+def prepare_async_staging(
+    state_dict: Dict[str, Any], ckpt_format: str = "torch_dist",
+    queue: Optional[AsyncCallsQueue] = None,
+) -> None:
+    """Warm the CPU memory later asynchronous "torch_dist" saves of a state dict shaped like
+    `state_dict` stage into (see `distributed.checkpoint.prepare_staging`); local, in the
+    background. A no-op for the "torch" format, whose staged payload is shaped per file."""
+    if ckpt_format == "torch_dist":
+        dcp.prepare_staging(state_dict, queue if queue is not None else DEFAULT_ASYNC_QUEUE)
+
+
 def _torch_payload(value: Any) -> Any:
     # "torch" format: a ShardedTensorView is stored as the list of its local chunks.
     if isinstance(value, dict):

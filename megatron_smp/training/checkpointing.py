@@ -3,6 +3,7 @@
     checkpointing.load(run, tokenizer)   # before the data loaders: restores the model,
                                          # optimizer, scheduler, progress counters and RNG
     checkpointing.save(run)              # at --save-interval and at the end
+    checkpointing.prepare_async_save(run)  # after the first step: warms --async-save's memory
     checkpointing.wait_for_staging(run)  # in train_step, before optimizer.step()
     checkpointing.poll(run)              # every iteration: publishes finished async saves
     checkpointing.finalize(run)          # at exit: waits for the last async save
@@ -37,6 +38,7 @@ from megatron_smp.checkpointing import (
     complete_iterations,
     load_checkpoint,
     maybe_finalize_async_calls,
+    prepare_async_staging,
     read_tracker,
     save_checkpoint,
     tracker_path,
@@ -269,6 +271,18 @@ def _megatron_legacy_files(run) -> Dict[str, Any]:
         local.update({key: None for key in extra_state_names(list(local))})
         content["model" if len(run.model) == 1 else f"model{index}"] = local
     return {os.path.join(name, LEGACY_FILENAME): content}
+
+
+def prepare_async_save(run) -> None:
+    """--async-save: allocate and write the CPU memory the saves stage into, in the
+    background, so that the first save copies as fast as the later ones (local; once the
+    optimizer state exists, i.e. after the first step, and before the first save)."""
+    config = run.configs.checkpoint
+    if not (config.async_save and config.save):
+        return
+    state_dict = _state_dict(run, tied_copies=config.ckpt_format == "torch",
+                             optimizer=not config.no_save_optim, scheduler=True, progress=True)
+    prepare_async_staging(state_dict, config.ckpt_format)
 
 
 def wait_for_staging(run) -> None:
@@ -641,4 +655,5 @@ def load(run, tokenizer=None) -> None:
     )
 
 
-__all__ = ["save", "load", "wait_for_staging", "poll", "finalize", "PROGRESS_KEYS"]
+__all__ = ["save", "load", "prepare_async_save", "wait_for_staging", "poll", "finalize",
+           "PROGRESS_KEYS"]

@@ -539,6 +539,7 @@ def pretrain(
     if hash_interval is not None and not training.skip_train:
         check_weight_hashes(run.model, state, run.iteration)
     timer.start()
+    start_iteration = run.iteration
     while run.iteration < training.train_iters and not training.skip_train:
         profiler.before_iteration(run.iteration)
         previous_num_microbatches = num_microbatches
@@ -556,6 +557,8 @@ def pretrain(
         )
         run.iteration += 1
         profiler.after_iteration(run.iteration)
+        if checkpointing is not None and run.iteration == start_iteration + 1:
+            checkpointing.prepare_async_save(run)  # --async-save: the optimizer state exists
         run.consumed_train_samples += global_batch_size
         if update_successful:
             run.scheduler.step(global_batch_size)

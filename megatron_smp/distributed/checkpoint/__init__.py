@@ -5,6 +5,7 @@
     dcp.async_save(state_dict, checkpoint_id=path)               # returns after a CPU copy
     dcp.async_save(state_dict, checkpoint_id=path, stage_in_background=True)  # returns at once,
     dcp.wait_for_staging()                                       # ... until here (before step)
+    dcp.prepare_staging(state_dict)                              # warm staging memory early
     dcp.maybe_finalize_async_calls(blocking=False)               # once per training step
     dcp.load(state_dict, checkpoint_id=path)                     # in place, resharding
 
@@ -31,6 +32,7 @@ from megatron_smp.distributed.checkpoint.state_dict_loader import (
 )
 from megatron_smp.distributed.checkpoint.state_dict_saver import (
     async_save,
+    prepare_staging,
     save,
     schedule_staged_write,
     stage_to_cpu,
@@ -57,6 +59,7 @@ __all__ = [
     "flat_sharded_tensor",
     "sharded_state_dict",
     "stage_to_cpu",
+    "prepare_staging",
     "schedule_staged_write",
     "check_keys_against_checkpoint",
     "read_checkpoint_metadata",

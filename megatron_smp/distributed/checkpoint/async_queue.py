@@ -70,6 +70,7 @@ class AsyncCallsQueue:
         # training is blocked. Lent to one request at a time.
         self._staging_buffers: Dict[Any, Any] = {}
         self._staging_buffers_lent = False
+        self._staging_preparation: Optional[concurrent.futures.Future] = None
 
     def borrow_staging_buffers(self) -> Optional[Dict[Any, Any]]:
         """The reusable staging buffers, or None while an unfinalised request holds them."""
@@ -86,12 +87,27 @@ class AsyncCallsQueue:
         if not self._staging_buffers_lent:
             self._staging_buffers.clear()
 
-    def schedule_async_request(self, request: AsyncRequest) -> int:
-        """Start `request.async_fn` in the background; returns the call index."""
+    def _writer(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="megatron_smp_ckpt_writer"
             )
+        return self._executor
+
+    def prepare_staging_buffers_in_background(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (writing the staging buffers' pages) on the writer thread, before any
+        later request's staging; a copy on the caller's thread waits for it first
+        (`wait_for_staging_preparation`)."""
+        self._staging_preparation = self._writer().submit(fn)
+
+    def wait_for_staging_preparation(self) -> None:
+        if self._staging_preparation is not None:
+            self._staging_preparation.result()
+            self._staging_preparation = None
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Start `request.async_fn` in the background; returns the call index."""
+        self._writer()
         request.call_idx = next(self._counter)
         if request.stage_fn is None:
             request.staged.set_result(None)

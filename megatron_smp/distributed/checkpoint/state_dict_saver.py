@@ -297,6 +297,34 @@ def stage_to_cpu(value: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) 
     return staged
 
 
+def prepare_staging(value: Any, queue: Optional[AsyncCallsQueue] = None) -> None:
+    """Allocate `queue`'s reusable CPU staging buffers for a state dict shaped like `value`
+    now, and write every page of them on the writer thread (no collective).
+
+    The first asynchronous save otherwise copies into fresh memory, which the kernel must
+    first zero page by page: on a CPU host about twice the time of a copy into warm memory,
+    all of it time a training step may wait for (`wait_for_staging`). Call it once the
+    model and optimizer exist (a training loop: before its first step); the buffers are the
+    ones every later save copies into, so the memory is the same, held from here on. A no-op
+    while a save holds the buffers.
+    """
+    queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
+    buffers = queue.borrow_staging_buffers()
+    if buffers is None:
+        return None
+    try:
+        _, copies = _plan_staging(value, buffers)
+    finally:
+        queue.return_staging_buffers()
+    destinations = [staged for staged, _ in copies.pairs]
+
+    def touch() -> None:
+        for staged in destinations:
+            staged.zero_()
+
+    queue.prepare_staging_buffers_in_background(touch)
+
+
 def schedule_staged_write(
     value: Any,
     write: Callable[[Any], None],
@@ -320,6 +348,7 @@ def schedule_staged_write(
     if stage_in_background:
         copies.record_ready()
     else:
+        queue.wait_for_staging_preparation()  # its pages are written on the writer thread
         copies.run()
     return queue.schedule_async_request(
         AsyncRequest(

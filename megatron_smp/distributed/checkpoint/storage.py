@@ -14,13 +14,18 @@ The reader also checks, before any byte is read, that every file the metadata na
 is long enough, and names the file when torch fails to decode one.
 
 Every data file gets a CRC-32 sidecar (`<file>.crc32`, written and fsynced before the save
-can be published); the reader verifies each file it reads against it, so a flipped byte in
-tensor payload -- which decodes without complaint -- is an error naming the file. Files
-without a sidecar (checkpoints from elsewhere) are read unverified.
+can be published) holding the CRC-32 of each item's bytes (a tensor chunk or a value), taken
+while the item is written; the reader verifies each item it reads on the bytes it reads, so a
+flipped byte in tensor payload -- which decodes without complaint -- is an error naming the
+file, and verifying costs neither a second pass over the disk nor reads of the items this
+rank does not load. Sidecars of the first format (one CRC-32 of the whole file) are verified
+whole before the file's first read. Files without a sidecar (checkpoints from elsewhere) are
+read unverified.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import json
@@ -29,11 +34,14 @@ import pathlib
 import pickle
 import time
 import zlib
-from typing import Any, Dict, Set
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.futures import Future
@@ -133,6 +141,9 @@ def validate_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
 
 CHECKSUM_SUFFIX = ".crc32"
 _CHECKSUM_BLOCK = 16 * 2**20
+# Sidecar formats: 1 = {"crc32", "size"} of the whole file; 2 = {"format": 2, "size",
+# "items": [[offset, length, crc32], ...]}, one entry per item (what a reader reads at once).
+ITEM_CHECKSUMS_FORMAT = 2
 
 
 def file_crc32(path: str) -> int:
@@ -143,28 +154,49 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-def write_checksum(path: str) -> None:
-    """Record `path`'s CRC-32 and size in `path + CHECKSUM_SUFFIX` (fsynced)."""
-    record = {"crc32": file_crc32(path), "size": os.path.getsize(path)}
+def _write_sidecar(path: str, record: dict) -> None:
     with open(path + CHECKSUM_SUFFIX, "w") as f:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify_checksum(path: str) -> None:
-    """Compare `path` with its sidecar; a missing sidecar means nothing to check."""
+def write_checksum(path: str) -> None:
+    """Record `path`'s CRC-32 and size in `path + CHECKSUM_SUFFIX` (fsynced; format 1)."""
+    _write_sidecar(path, {"crc32": file_crc32(path), "size": os.path.getsize(path)})
+
+
+def _damaged_sidecar(path: str, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path + CHECKSUM_SUFFIX} is unreadable ({type(error).__name__}: {error}); the "
+        "checkpoint is damaged -- load an earlier iteration"
+    )
+
+
+def read_sidecar(path: str) -> Optional[dict]:
+    """`path`'s checksum record, or None when it has none (a checkpoint from elsewhere)."""
     try:
         with open(path + CHECKSUM_SUFFIX) as f:
             record = json.load(f)
-        expected, size = int(record["crc32"]), int(record["size"])
+        if record.get("format") == ITEM_CHECKSUMS_FORMAT:
+            record["items"] = {int(offset): (int(length), int(crc))
+                               for offset, length, crc in record["items"]}
+        else:
+            record = {"crc32": int(record["crc32"]), "size": int(record["size"])}
+        return record
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _damaged_sidecar(path, error) from error
+
+
+def verify_checksum(path: str, record: Optional[dict] = None) -> None:
+    """Compare the whole of `path` with a format-1 sidecar (a missing sidecar, or a
+    format-2 one, whose items are verified as they are read, means nothing to do here)."""
+    record = read_sidecar(path) if record is None else record
+    if record is None or "items" in record:
         return
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(
-            f"{path + CHECKSUM_SUFFIX} is unreadable ({type(error).__name__}: {error}); the "
-            "checkpoint is damaged -- load an earlier iteration"
-        ) from error
+    expected, size = record["crc32"], record["size"]
     actual_size = os.path.getsize(path)
     actual = file_crc32(path) if actual_size == size else None
     if actual != expected:
@@ -175,30 +207,118 @@ def verify_checksum(path: str) -> None:
         )
 
 
+class _ChecksummingStream(io.RawIOBase):
+    """A binary file being written, with the CRC-32 of the bytes written between successive
+    `tell()` calls. DCP's writer asks for the position before and after each item, so each
+    segment is one item's bytes."""
+
+    def __init__(self, raw) -> None:
+        super().__init__()
+        self.raw = raw
+        self.position = raw.tell()
+        self._segment_start = self.position
+        self._crc = 0
+        self.segments: List[Tuple[int, int, int]] = []  # (offset, length, crc32)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        written = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        self._crc = zlib.crc32(view[:written] if written < view.nbytes else view, self._crc)
+        self.position += written
+        return written
+
+    def tell(self) -> int:
+        if self.position > self._segment_start:
+            self.segments.append((self._segment_start, self.position - self._segment_start,
+                                  self._crc))
+        self._segment_start, self._crc = self.position, 0
+        return self.position
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.tell()  # the last segment
+        super().close()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system whose written files report their items' CRC-32s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: Dict[str, List[Tuple[int, int, int]]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _ChecksummingStream(raw)
+            try:
+                yield stream
+            finally:
+                stream.close()
+                self.segments[os.fspath(path)] = stream.segments
+
+
 class ChecksummingFileSystemWriter(FileSystemWriter):
     """FileSystemWriter that writes a CRC-32 sidecar for every data file once it is written
-    (before write_data returns, so before the coordinator can write .metadata)."""
+    (before write_data returns, so before the coordinator can write .metadata), from the
+    CRC-32s taken as the items were written (the file is not read back)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _ChecksummingFileSystem()
 
     def write_data(self, plan, planner):
-        results = super().write_data(plan, planner).wait()
+        # torch.save's zip records carry CRC-32s of their own, which nothing reads back: the
+        # sidecar covers every byte, so the writer does not compute them twice.
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            results = super().write_data(plan, planner).wait()
+        finally:
+            torch.serialization.set_crc32_options(previous)
         for relative_path in sorted({result.storage_data.relative_path for result in results}):
-            write_checksum(os.path.join(os.fspath(self.path), relative_path))
+            path = os.path.join(os.fspath(self.path), relative_path)
+            segments = self.fs.segments.pop(os.fspath(self.fs.concat_path(self.path,
+                                                                          relative_path)))
+            items = {offset: (length, crc) for offset, length, crc in segments}
+            for result in results:
+                info = result.storage_data
+                if info.relative_path == relative_path and items.get(info.offset, (None,))[0] \
+                        != info.length:
+                    raise CheckpointError(
+                        f"{path}: item {result.index.fqn} at byte {info.offset} was not "
+                        "written as one piece; cannot checksum it")
+            _write_sidecar(path, {"format": ITEM_CHECKSUMS_FORMAT,
+                                  "size": os.path.getsize(path),
+                                  "items": [list(segment) for segment in segments]})
         future: Future = Future()
         future.set_result(results)
         return future
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader that never unpickles arbitrary objects, verifies data files against
-    their checksums, and names broken files."""
+    """FileSystemReader that never unpickles arbitrary objects, verifies data against the
+    checksums taken when it was written, and names broken files."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._verified: Set[str] = set()
+        self._sidecars: Dict[str, Optional[dict]] = {}
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
-        self._verified = set()
+        self._sidecars = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -214,15 +334,21 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
         for relative_path, items in sorted(per_file.items()):
-            if relative_path not in self._verified:
-                verify_checksum(os.path.join(os.fspath(self.path), relative_path))
-                self._verified.add(relative_path)
+            path = os.path.join(os.fspath(self.path), relative_path)
+            if relative_path not in self._sidecars:
+                self._sidecars[relative_path] = read_sidecar(path)
+                verify_checksum(path, self._sidecars[relative_path])  # format 1: whole file
+            record = self._sidecars[relative_path]
+            # In file order: the reads go forward through the file.
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                if record is not None and "items" in record:
+                    self._read_verified(path, items, record["items"], planner)
+                else:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError:
                 raise
             except Exception as error:
-                path = os.path.join(os.fspath(self.path), relative_path)
                 detail = (str(error).strip().splitlines() or [""])[0].split(". ")[0][:160]
                 raise CheckpointError(
                     f"cannot decode checkpoint data in {path} ({type(error).__name__}: "
@@ -231,6 +357,148 @@ class SafeFileSystemReader(FileSystemReader):
         future: Future = Future()  # DCP's readers return torch futures
         future.set_result(None)
         return future
+
+    def _read_verified(self, path: str, items, checksums: Dict[int, Tuple[int, int]],
+                       planner) -> None:
+        """DCP's read loop over one file's items, each verified against the CRC-32 taken when
+        it was written. A tensor item this rank loads whole into a contiguous tensor of its
+        dtype is read from the disk straight into that tensor; any other item is read into
+        memory, verified, then decoded as DCP does."""
+        infos = [self.storage_data[request.storage_index] for request in items]
+        with open(path, "rb") as file:
+            # Ask the kernel for each item one ahead of its read: the disk works on the next
+            # item while this one is verified and copied, and the small reads of an item's
+            # zip directory (at its end) before its data find the bytes cached.
+            _will_need(file, infos[:1])
+            for index, request in enumerate(items):
+                info = infos[index]
+                _will_need(file, infos[index + 1:index + 2])
+                expected = checksums.get(info.offset)
+                if expected is None or expected[0] != info.length:
+                    raise CheckpointError(
+                        f"{path}: no checksum for the {info.length} bytes at {info.offset} in "
+                        f"{path + CHECKSUM_SUFFIX}; the checkpoint is damaged -- load an "
+                        "earlier iteration")
+                if info.transform_descriptors:
+                    raise CheckpointError(f"{path}: items written through DCP stream "
+                                          "extensions are not supported")
+                if request.type == LoadItemType.BYTE_IO:
+                    data = _read_checked(file, info, expected[1], path)
+                    planner.load_bytes(request, io.BytesIO(data))
+                    continue
+                target = planner.resolve_tensor(request).detach()
+                if not _read_into(file, info, expected[1], path, request, target):
+                    data = _read_checked(file, info, expected[1], path)
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, request.storage_offsets,
+                                                    request.lengths)
+                    if target.size() != tensor.size():
+                        raise CheckpointError(
+                            f"{path}: item {request.storage_index.fqn} holds "
+                            f"{list(tensor.size())}, the load needs {list(target.size())}")
+                    target.copy_(tensor)
+                planner.commit_tensor(request, target)
+
+
+def _will_need(file, infos) -> None:
+    """Start reading these items' bytes into the page cache (asynchronously; a hint)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for info in infos:
+        advise(file.fileno(), info.offset, info.length, os.POSIX_FADV_WILLNEED)
+
+
+def _corrupted(path: str, info, actual: int, expected: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is corrupted: CRC-32 {actual:08x} of the {info.length} bytes at {info.offset}, "
+        f"but {expected:08x} was written -- load an earlier iteration")
+
+
+def _read_checked(file, info, expected_crc: int, path: str) -> bytes:
+    """The item's bytes, verified."""
+    file.seek(info.offset)
+    data = file.read(info.length)
+    if len(data) != info.length:
+        raise CheckpointError(f"{path} is truncated: {len(data)} of the {info.length} bytes at "
+                              f"{info.offset} -- load an earlier iteration")
+    actual = zlib.crc32(data)
+    if actual != expected_crc:
+        raise _corrupted(path, info, actual, expected_crc)
+    return data
+
+
+class _FileRange(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start + length) of an open file."""
+
+    def __init__(self, file, start: int, length: int) -> None:
+        super().__init__()
+        self.file, self.start, self.length, self.position = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + offset, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), self.length - self.position)
+        if count <= 0:
+            return 0
+        self.file.seek(self.start + self.position)
+        count = self.file.readinto(view[:count])
+        self.position += count
+        return count
+
+
+# Smaller tensor items are decoded from memory: the direct read saves little on them.
+_DIRECT_READ_MIN_BYTES = 1 << 20
+
+
+def _read_into(file, info, expected_crc: int, path: str, request, target) -> bool:
+    """Read a tensor item (torch.save's zip of one tensor) from the disk straight into
+    `target`, verifying the CRC-32 of all its bytes in file order; False (nothing read into
+    `target`) when the item is not one whole contiguous chunk of `target`'s dtype and shape.
+    torch.load on the meta device gives the tensor's layout and its data's offset in the
+    item without reading the data."""
+    if (info.length < _DIRECT_READ_MIN_BYTES or not target.is_contiguous()
+            or any(request.storage_offsets) or list(request.lengths) != list(target.shape)):
+        return False
+    try:
+        meta = torch.load(_FileRange(file, info.offset, info.length), map_location="meta",
+                          weights_only=True)
+    except Exception:
+        return False  # the decode path below reports what is wrong with the item
+    record_offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None) \
+        if isinstance(meta, torch.Tensor) else None
+    if (record_offset is None or meta.dtype != target.dtype or meta.shape != target.shape
+            or not meta.is_contiguous()):
+        return False
+    start = record_offset + meta.storage_offset() * meta.element_size()
+    size = target.numel() * target.element_size()
+    if start + size > info.length:
+        return False
+    file.seek(info.offset)
+    head = file.read(start)
+    destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    read = file.readinto(destination)
+    tail = file.read(info.length - start - size)
+    if len(head) != start or read != size or len(tail) != info.length - start - size:
+        raise CheckpointError(f"{path} is truncated at the item of {info.length} bytes at "
+                              f"{info.offset} -- load an earlier iteration")
+    actual = zlib.crc32(tail, zlib.crc32(destination, zlib.crc32(head)))
+    if actual != expected_crc:
+        raise _corrupted(path, info, actual, expected_crc)
+    return True
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -271,12 +539,27 @@ def maybe_test_staging_delay() -> None:
         time.sleep(float(delay))
 
 
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s memory, as a tensor whose storage is exactly its bytes. DCP's writer clones
+    a tensor that views a larger storage (torch.save would write all of it): the params in
+    their grad-sync buffers, the distributed optimizer's shards -- a copy of nearly the whole
+    state in a synchronous save. A contiguous CPU view needs no copy for that."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0
+            or tensor.untyped_storage().nbytes() == tensor.nbytes):
+        return tensor
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return torch.frombuffer(flat.numpy(), dtype=torch.uint8).view(tensor.dtype).view(
+        tensor.shape)
+
+
 class HookedSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner with the kill-mid-write test hook (called once per written item)."""
+    """DefaultSavePlanner that hands the writer views without copying them (see
+    `_exact_storage`), with the kill-mid-write test hook (called once per written item)."""
 
     def resolve_data(self, write_item):
         maybe_test_write_delay()
-        return super().resolve_data(write_item)
+        data = super().resolve_data(write_item)
+        return _exact_storage(data) if isinstance(data, torch.Tensor) else data
 
 
 def make_storage_writer(checkpoint_dir: str, thread_count: int = 1) -> FileSystemWriter:

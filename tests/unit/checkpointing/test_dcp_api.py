@@ -221,3 +221,107 @@ def test_metadata_unpickler_refuses_code(tmp_path):
     (tmp_path / ".metadata").write_bytes(evil)
     with pytest.raises(CheckpointError, match="os.system is not allowed"):
         read_dcp_metadata(str(tmp_path))
+
+
+def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeypatch):
+    """Each item's CRC-32 is taken while it is written (the file is not read back); a large
+    tensor loaded whole is read from the disk into its destination, a part of it (another
+    layout) through torch.load; both are verified, and a flipped byte in either an item's
+    data or its zip header is an error naming the file. A sidecar of the first format (one
+    CRC-32 of the file) still verifies the whole file."""
+    import json
+
+    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.distributed.checkpoint import storage
+
+    big = torch.randn(1 << 19)  # 2 MiB: the direct read
+    state = {"big": big, "bf16": torch.randn(1024, 600).to(torch.bfloat16),
+             "small": torch.arange(6.0), "hyper": {"lr": 0.5}}
+    path = str(tmp_path / "ckpt")
+    monkeypatch.setattr(storage, "file_crc32", lambda p: pytest.fail("save read back " + p))
+    dcp.save(state, checkpoint_id=path)
+    monkeypatch.undo()
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data + ".crc32") as handle:
+        sidecar = json.load(handle)
+    assert sidecar["format"] == 2 and sidecar["size"] == os.path.getsize(data)
+    assert len(sidecar["items"]) == 4
+    assert sum(length for _, length, _ in sidecar["items"]) == os.path.getsize(data)
+
+    direct = []
+    original = storage._read_into
+    monkeypatch.setattr(storage, "_read_into",
+                        lambda *args: direct.append(original(*args)) or direct[-1])
+
+    def load(where, template=None):
+        template = template or {"big": torch.zeros_like(big),
+                                "bf16": torch.zeros(1024, 600, dtype=torch.bfloat16),
+                                "small": torch.zeros(6), "hyper": {"lr": None}}
+        dcp.load(template, checkpoint_id=where)
+        return template
+
+    loaded = load(path)
+    assert direct == [True, True, False]  # big, bf16 (both > 1 MiB); small decoded
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["bf16"], state["bf16"])
+    assert torch.equal(loaded["small"], state["small"]) and loaded["hyper"] == {"lr": 0.5}
+    # Half of "big" (as another layout would ask): decoded, then narrowed.
+    half = dcp.make_sharded_tensor(torch.zeros(1 << 18), big.shape, (1 << 18,))
+    dcp.load({"big": half}, checkpoint_id=path)
+    assert torch.equal(half.local_tensors()[0], big[1 << 18:])
+
+    offsets = sorted(offset for offset, _, _ in sidecar["items"])
+    for name, position in (("data", os.path.getsize(data) // 3),  # inside big's data
+                           ("header", offsets[1] + 2)):  # an item's zip header
+        copy = str(tmp_path / name)
+        shutil.copytree(path, copy)
+        with open(os.path.join(copy, "__0_0.distcp"), "r+b") as handle:
+            handle.seek(position)
+            byte = handle.read(1)
+            handle.seek(position)
+            handle.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(storage.CheckpointError,
+                           match=f"{name}/__0_0.distcp is corrupted: CRC-32"):
+            load(copy)
+
+    # Checkpoints written before per-item checksums: the whole file is verified.
+    old = str(tmp_path / "first_format")
+    shutil.copytree(path, old)
+    storage.write_checksum(os.path.join(old, "__0_0.distcp"))
+    assert torch.equal(load(old)["big"], big)
+    with open(os.path.join(old, "__0_0.distcp"), "r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(storage.CheckpointError, match="first_format/__0_0.distcp is "
+                                                      "corrupted: CRC-32"):
+        load(old)
+
+
+@pytest.mark.parametrize("in_background", [False, True])
+def test_prepared_staging_buffers_are_the_ones_saves_copy_into(tmp_path, in_background):
+    """prepare_staging allocates the queue's staging buffers at once and writes their pages
+    on the writer thread; the next async_save (staged at the call, which first waits for
+    that, or in the background, after it on the same thread) copies into those buffers."""
+    from megatron_smp.distributed import checkpoint as dcp
+
+    queue = dcp.AsyncCallsQueue()
+    state = {"w": torch.randn(1000), "n": {"b": torch.ones(3, dtype=torch.bfloat16)},
+             "lr": 0.1}
+    dcp.prepare_staging(state, queue)
+    prepared = dict(queue._staging_buffers)
+    assert sorted(prepared) == [("n", "b"), ("w",)]
+    path = str(tmp_path / "ckpt")
+    saved = state["w"].clone()
+    dcp.async_save(state, checkpoint_id=path, queue=queue, stage_in_background=in_background)
+    if in_background:
+        queue.wait_for_staging()
+    state["w"].add_(1.0)  # after staging: the checkpoint keeps the values at the call
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert all(queue._staging_buffers[key] is prepared[key] for key in prepared)
+    template = {"w": torch.zeros(1000), "n": {"b": torch.zeros(3, dtype=torch.bfloat16)},
+                "lr": None}
+    dcp.load(template, checkpoint_id=path)
+    assert torch.equal(template["w"], saved) and template["lr"] == 0.1
+    assert torch.equal(template["n"]["b"], state["n"]["b"])
+    queue.close()
