@@ -311,8 +311,12 @@ class ParallelState:
                 shard_groups.append(members[start : start + shard])
             for offset in range(shard):
                 replicate_groups.append(members[offset::shard])
-        for name, all_groups in (("fsdp_shard", shard_groups),
-                                 ("fsdp_replicate", replicate_groups)):
+        self._new_groups((("fsdp_shard", shard_groups), ("fsdp_replicate", replicate_groups)))
+
+    def _new_groups(self, named_groups) -> None:
+        """Create every group of each (name, [members...]) in a rank-independent order (a
+        collective: all ranks call it alike) and keep the one this rank belongs to."""
+        for name, all_groups in named_groups:
             for members in sorted(all_groups):
                 group = dist.new_group(members)
                 if self.rank in members:
@@ -380,13 +384,8 @@ class ParallelState:
             shards, replicas = expert_fsdp_layout(members, self.fsdp_shard_size, self.ep_size)
             shard_groups += shards
             replicate_groups += replicas
-        for name, all_groups in (("expert_fsdp_shard", shard_groups),
-                                 ("expert_fsdp_replicate", replicate_groups)):
-            for members in sorted(all_groups):
-                group = dist.new_group(members)
-                if self.rank in members:
-                    self.groups[name] = group
-                    self.group_ranks[name] = members
+        self._new_groups((("expert_fsdp_shard", shard_groups),
+                          ("expert_fsdp_replicate", replicate_groups)))
 
     @property
     def expert_fsdp_groups(self) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
