@@ -8,7 +8,7 @@ asynchronous save blocks the loop.
 Default mode: every rank builds what `pretrain` builds for pretrain_gpt.py -- a GPT model in
 bf16 with fp32 main params and Adam (moments filled, as after training) under the distributed
 optimizer at data-parallel `--world-size` -- and saves and loads it through the loop's own
-`training.checkpointing` (torch_dist format, fsynced data files with their CRC-32 sidecars,
+`checkpointing.loop` (torch_dist format, fsynced data files with their CRC-32 sidecars,
 published by rename). Per repeat, into fresh directories, on the same disk:
 
   sync save     `save(run)`: the loop is blocked for all of it;
@@ -34,7 +34,7 @@ are prepared once, as the loop does after its first step with --async-save
 (`prepare_async_save`: allocated and written in the background), and reused by every save:
 they are reported apart.
 
---engine runs the older engine-level bench (`distributed.checkpoint` save / async_save /
+--engine runs the older engine-level bench (`checkpointing.engine` save / async_save /
 load of synthetic TP-sharded fp32 tensors; see `_engine_body`).
 """
 from __future__ import annotations
@@ -147,8 +147,8 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
 
     sys.path.insert(0, ROOT)  # pretrain_gpt
     from megatron_smp.checkpointing import checkpoint_dir
-    from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
-    from megatron_smp.training import checkpointing
+    from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
+    from megatron_smp.checkpointing import loop as checkpointing
 
     run = _build_run(argv)
     _fill_optimizer_state(run, seed=rank)
@@ -366,7 +366,7 @@ def _engine_body(rank, world_size, root, total_mb, num_tensors, repeats, train_s
     """
     import torch
 
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     numel = int(total_mb * 2**20 / 4 / num_tensors)
     rows = max(world_size, numel // 1024 // world_size * world_size)

@@ -18,7 +18,7 @@ PAYLOAD = {
 
 
 def _state_dict(rank, fill):
-    from megatron_smp.distributed.checkpoint import tp_sharded_tensor
+    from megatron_smp.checkpointing.engine import tp_sharded_tensor
 
     generator = torch.Generator().manual_seed(1234)
     full = torch.randn(6, 4, generator=generator)
@@ -47,7 +47,7 @@ def hold_writer(queue):
     """Occupy `queue`'s single writer thread until the returned event is set. Requests run in
     order, so a save scheduled meanwhile neither stages nor writes before then -- however
     slowly this process is scheduled, unlike a sleep in the writer."""
-    from megatron_smp.distributed.checkpoint import AsyncRequest
+    from megatron_smp.checkpointing.engine import AsyncRequest
 
     released = threading.Event()
     # The time limit only spares a failed test a hang at interpreter exit.
@@ -57,7 +57,7 @@ def hold_writer(queue):
 
 
 def _error(fn):
-    from megatron_smp.distributed.checkpoint import CheckpointError
+    from megatron_smp.checkpointing.engine import CheckpointError
 
     try:
         fn()
@@ -69,7 +69,7 @@ def _error(fn):
 def _engine(rank, world_size, root):
     import torch.distributed as dist
 
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     out = {}
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
@@ -193,7 +193,7 @@ def test_save_load_async_and_errors(tmp_path):
 
 
 def test_s3_arguments_are_rejected():
-    from megatron_smp.distributed.checkpoint import async_save, load, save
+    from megatron_smp.checkpointing.engine import async_save, load, save
 
     for fn in (save, async_save, load):
         with pytest.raises(NotImplementedError, match="S3"):
@@ -203,14 +203,14 @@ def test_s3_arguments_are_rejected():
 def test_non_plain_values_are_refused_at_save(tmp_path):
     import numpy as np
 
-    from megatron_smp.distributed.checkpoint import CheckpointError, save
+    from megatron_smp.checkpointing.engine import CheckpointError, save
 
     with pytest.raises(CheckpointError, match="numpy.ndarray"):
         save({"a": {"b": np.zeros(2)}}, checkpoint_id=str(tmp_path))
 
 
 def test_metadata_unpickler_refuses_code(tmp_path):
-    from megatron_smp.distributed.checkpoint import CheckpointError, read_dcp_metadata
+    from megatron_smp.checkpointing.engine import CheckpointError, read_dcp_metadata
 
     # pickle protocol 4: GLOBAL "<dcp filesystem module>" "os.system", called with "echo".
     module = b"torch.distributed.checkpoint.filesystem"
@@ -231,8 +231,8 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     CRC-32 of the file) still verifies the whole file."""
     import json
 
-    from megatron_smp.distributed import checkpoint as dcp
-    from megatron_smp.distributed.checkpoint import storage
+    from megatron_smp.checkpointing import engine as dcp
+    from megatron_smp.checkpointing.engine import storage
 
     big = torch.randn(1 << 19)  # 2 MiB: the direct read
     state = {"big": big, "bf16": torch.randn(1024, 600).to(torch.bfloat16),
@@ -303,7 +303,7 @@ def test_prepared_staging_buffers_are_the_ones_saves_copy_into(tmp_path, in_back
     """prepare_staging allocates the queue's staging buffers at once and writes their pages
     on the writer thread; the next async_save (staged at the call, which first waits for
     that, or in the background, after it on the same thread) copies into those buffers."""
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     queue = dcp.AsyncCallsQueue()
     state = {"w": torch.randn(1000), "n": {"b": torch.ones(3, dtype=torch.bfloat16)},
