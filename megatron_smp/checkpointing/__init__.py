@@ -12,9 +12,9 @@
                        file, publishing by rename, the "torch_dist" and "torch" formats
     engine/            the distributed-checkpoint engine, SMP v2's save / async_save / load on
                        PyTorch DCP (knows no model or training): storage.py (files, per-item
-                       CRC-32s, safe unpickling), sharding.py (ShardedTensorView), saver.py,
-                       loader.py, async_queue.py (background writes, finalisation),
-                       agreement.py (errors raised on every rank)
+                       CRC-32s, safe unpickling), sharded_tensor.py (ShardedTensorView),
+                       saver.py, loader.py, async_queue.py (background writes and their
+                       finalisation), agreement.py (errors raised on every rank)
 
 `megatron_smp.smp.distributed.checkpoint` re-exports the engine under SMP v2's module names.
 What this package exports is the iteration layer's, for a loop of one's own:

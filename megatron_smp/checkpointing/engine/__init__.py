@@ -11,7 +11,7 @@ training.
     dcp.maybe_finalize_async_calls(blocking=False)               # once per training step
     dcp.load(state_dict, checkpoint_id=path)                     # in place, resharding
 
-Sharded tensors are described with `ShardedTensorView` (see sharding.py for why).
+Sharded tensors are described with `ShardedTensorView` (see sharded_tensor.py for why).
 """
 from megatron_smp.checkpointing.engine.async_queue import (
     DEFAULT_ASYNC_QUEUE,
@@ -20,7 +20,7 @@ from megatron_smp.checkpointing.engine.async_queue import (
     maybe_finalize_async_calls,
     wait_for_staging,
 )
-from megatron_smp.checkpointing.engine.sharding import (
+from megatron_smp.checkpointing.engine.sharded_tensor import (
     ShardedTensorView,
     flat_sharded_tensor,
     make_sharded_tensor,

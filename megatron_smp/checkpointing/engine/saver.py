@@ -28,7 +28,7 @@ from megatron_smp.checkpointing.engine.async_queue import (
     AsyncCallsQueue,
     AsyncRequest,
 )
-from megatron_smp.checkpointing.engine.sharding import ShardedTensorView, make_sharded_tensor
+from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, make_sharded_tensor
 from megatron_smp.checkpointing.engine.storage import (
     CheckpointError,
     HookedSavePlanner,
