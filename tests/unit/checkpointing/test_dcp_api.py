@@ -235,7 +235,8 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     from megatron_smp.checkpointing.engine import storage
 
     big = torch.randn(1 << 19)  # 2 MiB: the direct read
-    state = {"big": big, "bf16": torch.randn(1024, 600).to(torch.bfloat16),
+    state = {"big": big, "big2": torch.randn(1 << 19),  # the same layout as "big"
+             "bf16": torch.randn(1024, 600).to(torch.bfloat16),
              "small": torch.arange(6.0), "hyper": {"lr": 0.5}}
     path = str(tmp_path / "ckpt")
     monkeypatch.setattr(storage, "file_crc32", lambda p: pytest.fail("save read back " + p))
@@ -245,7 +246,7 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     with open(data + ".crc32") as handle:
         sidecar = json.load(handle)
     assert sidecar["format"] == 2 and sidecar["size"] == os.path.getsize(data)
-    assert len(sidecar["items"]) == 4
+    assert len(sidecar["items"]) == 5
     assert sum(length for _, length, _ in sidecar["items"]) == os.path.getsize(data)
 
     direct = []
@@ -253,16 +254,24 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     monkeypatch.setattr(storage, "_read_into",
                         lambda *args: direct.append(original(*args)) or direct[-1])
 
+    meta_loads = []
+    torch_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: meta_loads.append(
+        kwargs.get("map_location")) or torch_load(*args, **kwargs))
+
     def load(where, template=None):
-        template = template or {"big": torch.zeros_like(big),
+        template = template or {"big": torch.zeros_like(big), "big2": torch.zeros_like(big),
                                 "bf16": torch.zeros(1024, 600, dtype=torch.bfloat16),
                                 "small": torch.zeros(6), "hyper": {"lr": None}}
         dcp.load(template, checkpoint_id=where)
         return template
 
     loaded = load(path)
-    assert direct == [True, True, False]  # big, bf16 (both > 1 MiB); small decoded
+    assert direct == [True, True, True, False]  # big, big2, bf16 (> 1 MiB); small decoded
+    # big2's zip layout is big's (same dtype, shape, length and header bytes): not decoded.
+    assert meta_loads.count("meta") == 2
     assert torch.equal(loaded["big"], big) and torch.equal(loaded["bf16"], state["bf16"])
+    assert torch.equal(loaded["big2"], state["big2"])
     assert torch.equal(loaded["small"], state["small"]) and loaded["hyper"] == {"lr": 0.5}
     # Half of "big" (as another layout would ask): decoded, then narrowed.
     half = dcp.make_sharded_tensor(torch.zeros(1 << 18), big.shape, (1 << 18,))
@@ -270,8 +279,11 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     assert torch.equal(half.local_tensors()[0], big[1 << 18:])
 
     offsets = sorted(offset for offset, _, _ in sidecar["items"])
-    for name, position in (("data", os.path.getsize(data) // 3),  # inside big's data
-                           ("header", offsets[1] + 2)):  # an item's zip header
+    # The later of the two 2 MiB items is the one read through the remembered layout.
+    cached_offset = max(offset for offset, length, _ in sidecar["items"] if length > 1 << 21)
+    for name, position in (("data", os.path.getsize(data) // 5),  # inside big's data
+                           ("header", offsets[1] + 2),  # an item's zip header
+                           ("cached", cached_offset + (1 << 20))):
         copy = str(tmp_path / name)
         shutil.copytree(path, copy)
         with open(os.path.join(copy, "__0_0.distcp"), "r+b") as handle:
