@@ -463,6 +463,7 @@ class _FileRange(io.RawIOBase):
 
 # Smaller tensor items are decoded from memory: the direct read saves little on them.
 _DIRECT_READ_MIN_BYTES = 1 << 20
+_READ_BLOCK = 4 << 20
 
 
 def _read_into(file, info, expected_crc: int, path: str, request, target,
@@ -505,12 +506,20 @@ def _read_into(file, info, expected_crc: int, path: str, request, target,
         layouts[key] = (start, head)
     size = target.numel() * target.element_size()
     destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    read = file.readinto(destination)
+    # Block by block, each checksummed while it is still in the CPU's cache.
+    crc, read = zlib.crc32(head), 0
+    while read < size:
+        block = destination[read:read + _READ_BLOCK]
+        count = file.readinto(block)
+        if not count:
+            break
+        crc = zlib.crc32(block[:count], crc)
+        read += count
     tail = file.read(info.length - start - size)
     if len(head) != start or read != size or len(tail) != info.length - start - size:
         raise CheckpointError(f"{path} is truncated at the item of {info.length} bytes at "
                               f"{info.offset} -- load an earlier iteration")
-    actual = zlib.crc32(tail, zlib.crc32(destination, zlib.crc32(head)))
+    actual = zlib.crc32(tail, crc)
     if actual != expected_crc:
         raise _corrupted(path, info, actual, expected_crc)
     return True
