@@ -14,11 +14,9 @@ published by rename). Per repeat, into fresh directories, on the same disk:
   sync save     `save(run)`: the loop is blocked for all of it;
   raw write     each rank writes as many bytes as its checkpoint data file, in 16 MiB
                 blocks, then fsync: the disk's write bandwidth in the same run;
-  raw read      that file read back after evicting it from the page cache
-                (posix_fadvise DONTNEED: dropping every cache needs root, a file's own pages
-                do not);
-  load          `load(run)` of the sync save after evicting its files the same way, into
-                zeroed params (checked equal to the saved values afterwards);
+  raw read      that file read back from the disk;
+  load          `load(run)` of the sync save from the disk, into zeroed params (checked
+                equal to the saved values afterwards);
   async save    `save(run)` with --async-save as the loop does it: the call returns before
                 the copy to CPU memory, which runs in the background during a simulated
                 forward/backward of `--step-seconds` (matmuls); `wait_for_staging(run)` is
@@ -26,6 +24,9 @@ published by rename). Per repeat, into fresh directories, on the same disk:
                 Then `finalize(run)` waits for the write and the publish: the async MB/s
                 count from the call to the published checkpoint.
 
+Every timed step starts with none of the run's files in the page cache: each is fsynced and
+evicted (posix_fadvise DONTNEED; dropping every cache needs root, a file's own clean pages do
+not), so reads come from the disk and no write pays for evicting what an earlier step read.
 Times are the maximum over ranks (a collective waits for the slowest); bandwidths are the
 bytes of all ranks over that time; the report gives the median over repeats and the spread.
 Peak memory the save adds: VmHWM (reset before each save through /proc/self/clear_refs)
@@ -64,7 +65,10 @@ def _files_under(root: str):
 def _evict(paths) -> None:
     """Drop files' pages from the page cache (their data is on disk: they were fsynced)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # removed meanwhile (another rank's clean-up)
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -170,8 +174,14 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     prepare = {"prepare_s": time.perf_counter() - start, "prepare_added_peak_mb": _added_peak_mb(rss)}
     configs.checkpoint.async_save = False
 
-    def barrier_then_time(fn):
+    def settle():
+        """Every timed step starts with none of the run's files in the page cache (all are
+        fsynced), so no step pays for evicting what an earlier one read or wrote."""
+        _evict(_files_under(root))
         dist.barrier()
+
+    def barrier_then_time(fn):
+        settle()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
@@ -200,7 +210,6 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         raw = os.path.join(root, f"raw_rank{rank}.bin")
         record["raw_write_s"] = barrier_then_time(
             lambda: _raw_write(raw, record["rank_data_bytes"], block))
-        _evict([raw])
         record["raw_read_s"] = barrier_then_time(lambda: _raw_read(raw))
         os.remove(raw)
 
@@ -210,7 +219,6 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         with torch.no_grad():
             for p in params:
                 p.zero_()
-        _evict(_files_under(path))
         record["load_s"] = barrier_then_time(lambda: checkpointing.load(run))
         assert all(torch.equal(p, e) for p, e in zip(params, expected)), "load differs"
         assert float(sum(p.detach().float().sum() for p in params)) == total, "load differs"
@@ -219,7 +227,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         run.iteration += 1
         configs.checkpoint.async_save = True
         rss = _reset_peak_rss()
-        dist.barrier()
+        settle()
         start = time.perf_counter()
         checkpointing.save(run)
         record["async_return_s"] = time.perf_counter() - start
