@@ -27,7 +27,7 @@ from megatron_smp.checkpointing.sharded_state import (  # noqa: E402
     model_sharded_state_dict, optimizer_sharded_state_dict,
 )
 from megatron_smp.config import OptimizerConfig  # noqa: E402
-from megatron_smp.distributed import checkpoint as dcp  # noqa: E402
+from megatron_smp.checkpointing import engine as dcp  # noqa: E402
 from megatron_smp.distributed import finalize_model_grads  # noqa: E402
 from megatron_smp.distributed.delayed_init import DelayedParamIniter  # noqa: E402
 from megatron_smp.optimizer import get_megatron_optimizer  # noqa: E402

@@ -1,7 +1,23 @@
-"""Training-facing checkpoints (iteration directories, tracker file, RNG states).
+"""Checkpoints: the one home of saving and loading, in four layers (imports point down).
 
-The engine underneath is `megatron_smp.distributed.checkpoint` (DCP with resharding). In a
-training loop:
+    loop.py            the training loop's checkpoints of a run: what `pretrain` saves and
+                       restores (model, optimizer, scheduler, progress, RNG) and when
+                       (save / load / prepare_async_save / wait_for_staging / poll /
+                       finalize); Megatron's checkpoint flags; Megatron-LM checkpoints on load
+    sharded_state.py   model and optimizer state as sharded views in the global (TP=1,
+    rng.py             one-stage) form, so a checkpoint loads at any layout; RNG states
+    megatron_lm.py     Megatron-LM's own formats (megatron-core torch_dist, legacy
+                       mp_rank_XX files), read and written in our global names
+    iterations.py      iteration checkpoints on disk: iter_NNNNNNN directories, the tracker
+                       file, publishing by rename, the "torch_dist" and "torch" formats
+    engine/            the distributed-checkpoint engine, SMP v2's save / async_save / load on
+                       PyTorch DCP (knows no model or training): storage.py (files, per-item
+                       CRC-32s, safe unpickling), sharded_tensor.py (ShardedTensorView),
+                       saver.py, loader.py, async_queue.py (background writes and their
+                       finalisation), agreement.py (errors raised on every rank)
+
+`megatron_smp.smp.distributed.checkpoint` re-exports the engine under SMP v2's module names.
+What this package exports is the iteration layer's, for a loop of one's own:
 
     state_dict = {"model": sharded_state_dict(model, state), "optimizer": ..., "args": {...}}
     save_checkpoint(iteration, state_dict, cfg.save, state, async_save=cfg.async_save,
@@ -14,7 +30,13 @@ training loop:
                                                  # unfinalised save is written but never current
     iteration = load_checkpoint(state_dict, cfg.load, state, load_rng=not cfg.no_load_rng)
 """
-from megatron_smp.checkpointing.checkpointing import (
+from megatron_smp.checkpointing.engine import (
+    CheckpointError,
+    maybe_finalize_async_calls,
+    sharded_state_dict,
+    wait_for_staging,
+)
+from megatron_smp.checkpointing.iterations import (
     CHECKPOINT_FORMATS,
     COMMON_FILENAME,
     STAGING_SUFFIX,
@@ -28,12 +50,6 @@ from megatron_smp.checkpointing.checkpointing import (
     tracker_path,
 )
 from megatron_smp.checkpointing.rng import get_rng_state, set_rng_state
-from megatron_smp.distributed.checkpoint import (
-    CheckpointError,
-    maybe_finalize_async_calls,
-    sharded_state_dict,
-    wait_for_staging,
-)
 
 __all__ = [
     "save_checkpoint",

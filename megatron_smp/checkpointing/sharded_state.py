@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView
+from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView
 from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"

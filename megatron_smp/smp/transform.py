@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError, TransformerConfig
-from megatron_smp.distributed.checkpoint.agreement import collective_device
+from megatron_smp.checkpointing.engine.agreement import collective_device
 from megatron_smp.smp.moe.moe_config import MoEConfig
 from megatron_smp.smp.state import init, is_initialized, state
 

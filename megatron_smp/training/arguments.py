@@ -33,7 +33,7 @@ from megatron_smp.config import (
     TransformerConfig,
     not_supported,
 )
-from megatron_smp.training.checkpointing import (
+from megatron_smp.checkpointing.loop import (
     STRICTNESS_CHOICES,
     check_checkpoint_flags,
     checkpoint_model_fields,

@@ -332,7 +332,7 @@ def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microb
                                       num_microbatches)
     empty_unused_memory(run, 1)
     if run.configs.checkpoint.async_save:
-        from megatron_smp.training.checkpointing import wait_for_staging
+        from megatron_smp.checkpointing.loop import wait_for_staging
 
         # The last --async-save may still be copying params and optimizer state to CPU
         # memory; step() is the first thing to modify them.
@@ -480,7 +480,7 @@ def pretrain(
     checkpointing = None
     loading = configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint
     if loading or configs.checkpoint.save:
-        from megatron_smp.training import checkpointing as checkpointing_module
+        from megatron_smp.checkpointing import loop as checkpointing_module
 
         checkpointing = checkpointing_module
         if loading:

@@ -297,7 +297,7 @@ class ResultValidator:
         raise SystemExit(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
 
     def _save_and_exit(self, run, code: int, pending: bool) -> None:
-        from megatron_smp.training import checkpointing
+        from megatron_smp.checkpointing import loop as checkpointing
 
         if run.configs.checkpoint.save:
             if pending:

@@ -57,7 +57,8 @@ def _logits(run):
 def _train(rank, world_size, argv, probe=False):
     """Run pretrain; returns losses by iteration, logits probed after each save / load (with
     `probe`) by iteration, and the save / load times."""
-    from megatron_smp.training import checkpointing, pretrain
+    from megatron_smp.checkpointing import loop as checkpointing
+    from megatron_smp.training import pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
 
     out = {"logits": {}, "save_s": [], "load_s": []}
@@ -173,7 +174,7 @@ def _model_only_checkpoint_then_load(rank, world_size, source, target, argv):
     progress, no RNG); then load it without and with --finetune."""
     from megatron_smp.checkpointing import CheckpointError, save_checkpoint
     from megatron_smp.config import ParallelConfig
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
     from megatron_smp.parallel_state import build_parallel_state
 
     metadata = dcp.read_checkpoint_metadata(source)
@@ -216,7 +217,7 @@ def test_dp2_distributed_optimizer_torch_format_resume(tmp_path):
     """Also: an --async-save whose (slowed) copy to CPU memory runs in the background during
     the next forward and backward, with --overlap-param-gather, holds exactly the state of
     its iteration -- train_step waits for the copy before optimizer.step()."""
-    from megatron_smp.distributed.checkpoint.storage import TEST_STAGING_DELAY_ENV
+    from megatron_smp.checkpointing.engine.storage import TEST_STAGING_DELAY_ENV
 
     save_dir = str(tmp_path / "dp2")
     short = COMMON + ["--train-iters", "6", "--use-distributed-optimizer",

@@ -37,7 +37,7 @@ _WRAPPER = '''
 import os, runpy, signal, sys
 sys.path.insert(0, {root!r})
 import megatron_smp.training as training
-from megatron_smp.distributed.checkpoint.storage import TEST_WRITE_DELAY_ENV, TEST_WRITE_MARKER_ENV
+from megatron_smp.checkpointing.engine.storage import TEST_WRITE_DELAY_ENV, TEST_WRITE_MARKER_ENV
 
 rank = int(os.environ["RANK"])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

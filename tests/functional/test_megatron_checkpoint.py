@@ -124,7 +124,7 @@ def _without_args(tmp_path, fixture):
 
     import torch
 
-    from megatron_smp.checkpointing.megatron_format import safe_load
+    from megatron_smp.checkpointing.megatron_lm import safe_load
 
     target = tmp_path / fixture
     shutil.copytree(os.path.join(FIXTURES, fixture), target)
@@ -158,7 +158,7 @@ def test_ckpt_format_torch_saves_megatron_legacy_layout_too(tmp_path):
     first loss as our own checkpoint of the run at TP=2."""
     import shutil
 
-    from megatron_smp.checkpointing.megatron_format import find_megatron_checkpoint, read_args
+    from megatron_smp.checkpointing.megatron_lm import find_megatron_checkpoint, read_args
 
     save = str(tmp_path / "run")
     _losses(2, "pretrain_llama", LLAMA + ["--tensor-model-parallel-size", "2", "--save", save,

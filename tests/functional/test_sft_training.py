@@ -217,7 +217,7 @@ def _hf_validation_loss(model, data_flags, samples):
 def _tensor_bytes(load_dir):
     """{key: bytes} of the tensors in the latest torch_dist checkpoint of `load_dir`."""
     from megatron_smp.checkpointing import checkpoint_dir, read_tracker
-    from megatron_smp.distributed.checkpoint import read_dcp_metadata
+    from megatron_smp.checkpointing.engine import read_dcp_metadata
 
     metadata = read_dcp_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
     return {key: torch.Size(info.size).numel() * torch.empty(
@@ -315,7 +315,7 @@ def _check_lora_base_errors(root):
     import shutil
 
     from megatron_smp.checkpointing import CheckpointError, checkpoint_dir
-    from megatron_smp.training.checkpointing import resolve_lora_base
+    from megatron_smp.checkpointing.loop import resolve_lora_base
 
     path = checkpoint_dir(os.path.join(root, "ckpt"), 2)
     assert resolve_lora_base(path, None) == (os.path.join(root, "base"), 0)

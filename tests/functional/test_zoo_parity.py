@@ -42,7 +42,7 @@ def test_qwen3_moe_style_layouts_match_single_process(tmp_path):
 
     import torch
 
-    from megatron_smp.checkpointing.megatron_format import safe_load
+    from megatron_smp.checkpointing.megatron_lm import safe_load
     single = {"fp32": COMMON + QWEN3_MOE, "bf16": COMMON + QWEN3_MOE + ["--bf16"]}
     references = run_distributed(_train_layouts, 1, args=(single,), timeout=300)[0]
     reference = references["fp32"]

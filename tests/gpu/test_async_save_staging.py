@@ -18,7 +18,7 @@ def _tensors(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_staged_copies_equal_device_tensors(device):
-    from megatron_smp.distributed.checkpoint.state_dict_saver import stage_to_cpu
+    from megatron_smp.checkpointing.engine.saver import stage_to_cpu
 
     tensors = _tensors(device)
     staged = stage_to_cpu({"model": tensors})["model"]
@@ -33,7 +33,7 @@ def test_staged_copies_equal_device_tensors(device):
 @pytest.mark.parametrize("stage_in_background", [False, True], ids=["staged", "background"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_async_save_writes_device_values_at_call_time(device, stage_in_background, tmp_path):
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
     from megatron_smp.parallel_state import init_process_group
 
     init_process_group()  # one process: nccl on CUDA, gloo on the CPU

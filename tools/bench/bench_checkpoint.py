@@ -8,17 +8,15 @@ asynchronous save blocks the loop.
 Default mode: every rank builds what `pretrain` builds for pretrain_gpt.py -- a GPT model in
 bf16 with fp32 main params and Adam (moments filled, as after training) under the distributed
 optimizer at data-parallel `--world-size` -- and saves and loads it through the loop's own
-`training.checkpointing` (torch_dist format, fsynced data files with their CRC-32 sidecars,
+`checkpointing.loop` (torch_dist format, fsynced data files with their CRC-32 sidecars,
 published by rename). Per repeat, into fresh directories, on the same disk:
 
   sync save     `save(run)`: the loop is blocked for all of it;
   raw write     each rank writes as many bytes as its checkpoint data file, in 16 MiB
                 blocks, then fsync: the disk's write bandwidth in the same run;
-  raw read      that file read back after evicting it from the page cache
-                (posix_fadvise DONTNEED: dropping every cache needs root, a file's own pages
-                do not);
-  load          `load(run)` of the sync save after evicting its files the same way, into
-                zeroed params (checked equal to the saved values afterwards);
+  raw read      that file read back from the disk;
+  load          `load(run)` of the sync save from the disk, into zeroed params (checked
+                equal to the saved values afterwards);
   async save    `save(run)` with --async-save as the loop does it: the call returns before
                 the copy to CPU memory, which runs in the background during a simulated
                 forward/backward of `--step-seconds` (matmuls); `wait_for_staging(run)` is
@@ -26,6 +24,9 @@ published by rename). Per repeat, into fresh directories, on the same disk:
                 Then `finalize(run)` waits for the write and the publish: the async MB/s
                 count from the call to the published checkpoint.
 
+Every timed step starts with none of the run's files in the page cache: each is fsynced and
+evicted (posix_fadvise DONTNEED; dropping every cache needs root, a file's own clean pages do
+not), so reads come from the disk and no write pays for evicting what an earlier step read.
 Times are the maximum over ranks (a collective waits for the slowest); bandwidths are the
 bytes of all ranks over that time; the report gives the median over repeats and the spread.
 Peak memory the save adds: VmHWM (reset before each save through /proc/self/clear_refs)
@@ -34,7 +35,7 @@ are prepared once, as the loop does after its first step with --async-save
 (`prepare_async_save`: allocated and written in the background), and reused by every save:
 they are reported apart.
 
---engine runs the older engine-level bench (`distributed.checkpoint` save / async_save /
+--engine runs the older engine-level bench (`checkpointing.engine` save / async_save /
 load of synthetic TP-sharded fp32 tensors; see `_engine_body`).
 """
 from __future__ import annotations
@@ -64,7 +65,10 @@ def _files_under(root: str):
 def _evict(paths) -> None:
     """Drop files' pages from the page cache (their data is on disk: they were fsynced)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # removed meanwhile (another rank's clean-up)
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -147,8 +151,8 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
 
     sys.path.insert(0, ROOT)  # pretrain_gpt
     from megatron_smp.checkpointing import checkpoint_dir
-    from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
-    from megatron_smp.training import checkpointing
+    from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
+    from megatron_smp.checkpointing import loop as checkpointing
 
     run = _build_run(argv)
     _fill_optimizer_state(run, seed=rank)
@@ -170,8 +174,14 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     prepare = {"prepare_s": time.perf_counter() - start, "prepare_added_peak_mb": _added_peak_mb(rss)}
     configs.checkpoint.async_save = False
 
-    def barrier_then_time(fn):
+    def settle():
+        """Every timed step starts with none of the run's files in the page cache (all are
+        fsynced), so no step pays for evicting what an earlier one read or wrote."""
+        _evict(_files_under(root))
         dist.barrier()
+
+    def barrier_then_time(fn):
+        settle()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
@@ -200,7 +210,6 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         raw = os.path.join(root, f"raw_rank{rank}.bin")
         record["raw_write_s"] = barrier_then_time(
             lambda: _raw_write(raw, record["rank_data_bytes"], block))
-        _evict([raw])
         record["raw_read_s"] = barrier_then_time(lambda: _raw_read(raw))
         os.remove(raw)
 
@@ -210,7 +219,6 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         with torch.no_grad():
             for p in params:
                 p.zero_()
-        _evict(_files_under(path))
         record["load_s"] = barrier_then_time(lambda: checkpointing.load(run))
         assert all(torch.equal(p, e) for p, e in zip(params, expected)), "load differs"
         assert float(sum(p.detach().float().sum() for p in params)) == total, "load differs"
@@ -219,13 +227,14 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         run.iteration += 1
         configs.checkpoint.async_save = True
         rss = _reset_peak_rss()
-        dist.barrier()
+        settle()
         start = time.perf_counter()
         checkpointing.save(run)
         record["async_return_s"] = time.perf_counter() - start
-        staged_at = []
-        DEFAULT_ASYNC_QUEUE._pending[-1].staged.add_done_callback(
-            lambda _: staged_at.append(time.perf_counter()))
+        staged_at, written_at = [], []
+        request = DEFAULT_ASYNC_QUEUE._pending[-1]
+        request.staged.add_done_callback(lambda _: staged_at.append(time.perf_counter()))
+        request.future.add_done_callback(lambda _: written_at.append(time.perf_counter()))
         simulated_step(step_seconds)  # forward + backward: the saved state is left alone
         wait_start = time.perf_counter()
         checkpointing.wait_for_staging(run)  # where the loop waits, before optimizer.step()
@@ -234,6 +243,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         record["async_staging_s"] = staged_at[0] - start  # the background copy's end
         checkpointing.finalize(run)
         record["async_total_s"] = time.perf_counter() - start
+        record["async_write_s"] = written_at[0] - staged_at[0]  # the write alone
         record["async_added_peak_mb"] = _added_peak_mb(rss)
         configs.checkpoint.async_save = False
         records.append(record)
@@ -279,7 +289,8 @@ def _training_main(args) -> None:
                "step_seconds": args.step_seconds}
     for key, megabytes in (("sync_s", checkpoint_mb), ("raw_write_s", data_mb),
                            ("raw_read_s", data_mb), ("load_s", checkpoint_mb),
-                           ("async_total_s", checkpoint_mb)):
+                           ("async_total_s", checkpoint_mb),
+                           ("async_write_s", checkpoint_mb)):
         times = per_repeat(key)
         rates = [megabytes / t for t in times]
         summary[key] = {"median": statistics.median(times), "times": times,
@@ -295,6 +306,8 @@ def _training_main(args) -> None:
     summary["save_vs_raw_write"] = summary["sync_s"]["mb_s"] / summary["raw_write_s"]["mb_s"]
     summary["async_vs_raw_write"] = (summary["async_total_s"]["mb_s"]
                                      / summary["raw_write_s"]["mb_s"])
+    summary["async_write_vs_raw_write"] = (summary["async_write_s"]["mb_s"]
+                                           / summary["raw_write_s"]["mb_s"])
     summary["load_vs_raw_read"] = summary["load_s"]["mb_s"] / summary["raw_read_s"]["mb_s"]
     summary["async_blocked_fraction_of_sync"] = (summary["async_blocked_s"]["median"]
                                                  / summary["sync_s"]["median"])
@@ -316,6 +329,8 @@ def _training_main(args) -> None:
     print(line("sync save", "sync_s", summary["save_vs_raw_write"]))
     print(line("async save", "async_total_s", summary["async_vs_raw_write"])
           + "  (call to published)")
+    print(line("  its write", "async_write_s", summary["async_write_vs_raw_write"])
+          + "  (staged to written)")
     print(line("raw read", "raw_read_s"))
     print(line("load", "load_s", summary["load_vs_raw_read"]))
     blocked = summary["async_blocked_s"]
@@ -359,7 +374,7 @@ def _engine_body(rank, world_size, root, total_mb, num_tensors, repeats, train_s
     """
     import torch
 
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     numel = int(total_mb * 2**20 / 4 / num_tensors)
     rows = max(world_size, numel // 1024 // world_size * world_size)
@@ -434,6 +449,7 @@ def _engine_body(rank, world_size, root, total_mb, num_tensors, repeats, train_s
         record["step_during_async_s"] = time.perf_counter() - step_start
         record["train_steps_during_async"] = step_matmuls + finish_while_training()
         record["async_total_s"] = time.perf_counter() - start
+        record["async_write_s"] = written_at[0] - staged_at[0]  # the write alone
         for t in tensors:
             t.div_(2.0)  # exact: scaling by a power of two
 

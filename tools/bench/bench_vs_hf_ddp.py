@@ -22,7 +22,8 @@ One micro-batch per rank per step (global batch = micro-batch x world size).
 A step's time is the wall time from the start of one iteration to the start of the next, on
 each rank; the first `--warmup` iterations of every run are dropped; the per-run figure is the
 median over iterations of the maximum over ranks, and the report gives the median over rounds
-and the spread (min..max). For ours it also counts the collectives issued per steady-state
+and the spread (min..max), and the median of the per-round ratios (each round's runs were
+back to back). For ours it also counts the collectives issued per steady-state
 iteration (torch.distributed calls, by name). The CPU time of the process per step
 (time.process_time, every thread) is reported beside the wall time: on a shared machine it
 moves less with the other jobs' load. `--variant NAME=FLAGS` adds runs of ours with extra
@@ -273,6 +274,12 @@ def main() -> None:
                               timeout=3600, collective_timeout=600)
     summary = _summary(results, args.warmup)
     summary["ratio_ours_over_hf"] = summary["ours"]["median_ms"] / summary["hf"]["median_ms"]
+    # Each round's ours and HF ran back to back: the median of the per-round ratios is the
+    # figure least moved by load that changes between rounds.
+    for kind, key in (("wall", "run_medians_ms"), ("cpu", "cpu_run_medians_ms")):
+        ratios = [a / b for a, b in zip(summary["ours"][key], summary["hf"][key])]
+        summary[f"paired_{kind}_ratios"] = ratios
+        summary[f"paired_{kind}_ratio"] = statistics.median(ratios)
     if args.json:
         print(json.dumps({"shape": shape, "world_size": args.world_size, **summary}, indent=1))
         return
@@ -292,6 +299,10 @@ def main() -> None:
                   + ("" if entry.get("collectives_all_same") else " (varies)"))
     print(f"  ours / HF = {summary['ratio_ours_over_hf']:.3f} (wall), "
           f"{summary['ours']['cpu_median_ms'] / summary['hf']['cpu_median_ms']:.3f} (CPU time)")
+    for kind in ("wall", "cpu"):
+        ratios = summary[f"paired_{kind}_ratios"]
+        print(f"  ours / HF per round ({kind}): median {summary[f'paired_{kind}_ratio']:.3f}, "
+              f"spread {min(ratios):.3f}..{max(ratios):.3f}")
     for name in variants:
         if name != "ours":
             print(f"  {name} / ours = "

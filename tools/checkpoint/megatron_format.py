@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from megatron_smp.checkpointing.megatron_format import (
+from megatron_smp.checkpointing.megatron_lm import (
     config_fields_from_args,
     describe,
     find_megatron_checkpoint,

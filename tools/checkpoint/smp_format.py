@@ -29,7 +29,7 @@ from megatron_smp.checkpointing import (
     save_checkpoint,
 )
 from megatron_smp.config import ConfigError, TransformerConfig
-from megatron_smp.distributed.checkpoint import read_dcp_metadata
+from megatron_smp.checkpointing.engine import read_dcp_metadata
 from tools.checkpoint.common import (
     check_family,
     compare_state_dicts,
@@ -108,7 +108,7 @@ def read_smp_checkpoint(load_dir: str, family: str, model_type: str,
     checkpoint also gives its adapters (`*.lora.lora_A` [r, in], `*.lora.lora_B` [out, r]);
     a small one (adapters only) gives them over its base model, read from `pretrained` when
     given, else from the base it records."""
-    from megatron_smp.training.checkpointing import recorded_lora_base, resolve_lora_base
+    from megatron_smp.checkpointing.loop import recorded_lora_base, resolve_lora_base
 
     iteration, path, common = _read_common(load_dir, iteration)
     config = config_from_json(common["config"][MODEL_KEY], os.path.join(path, COMMON_FILENAME))

@@ -14,7 +14,7 @@ NUM_TENSORS = 3
 
 
 def _state_dict(rank, fill):
-    from megatron_smp.distributed.checkpoint import tp_sharded_tensor
+    from megatron_smp.checkpointing.engine import tp_sharded_tensor
 
     generator = torch.Generator().manual_seed(99)
     weight = torch.randn(8, 4, generator=generator).chunk(2)[rank].clone()
@@ -32,7 +32,7 @@ def _state_dict(rank, fill):
 
 
 def _load(path, rank):
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     template, tensors = _state_dict(rank, fill=False)
     dcp.load(template, checkpoint_id=path)
@@ -40,8 +40,8 @@ def _load(path, rank):
 
 
 def _background(rank, world_size, root):
-    from megatron_smp.distributed import checkpoint as dcp
-    from megatron_smp.distributed.checkpoint.storage import TEST_STAGING_DELAY_ENV
+    from megatron_smp.checkpointing import engine as dcp
+    from megatron_smp.checkpointing.engine.storage import TEST_STAGING_DELAY_ENV
 
     queue = dcp.DEFAULT_ASYNC_QUEUE
     out = {}
@@ -100,7 +100,7 @@ def test_wait_for_staging_protects_the_saved_values(tmp_path):
 
 
 def test_failed_staging_is_raised_once_and_fails_the_request():
-    from megatron_smp.distributed.checkpoint import AsyncCallsQueue, AsyncRequest, CheckpointError
+    from megatron_smp.checkpointing.engine import AsyncCallsQueue, AsyncRequest, CheckpointError
 
     queue = AsyncCallsQueue()
     written = []

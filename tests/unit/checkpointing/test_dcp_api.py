@@ -18,7 +18,7 @@ PAYLOAD = {
 
 
 def _state_dict(rank, fill):
-    from megatron_smp.distributed.checkpoint import tp_sharded_tensor
+    from megatron_smp.checkpointing.engine import tp_sharded_tensor
 
     generator = torch.Generator().manual_seed(1234)
     full = torch.randn(6, 4, generator=generator)
@@ -47,7 +47,7 @@ def hold_writer(queue):
     """Occupy `queue`'s single writer thread until the returned event is set. Requests run in
     order, so a save scheduled meanwhile neither stages nor writes before then -- however
     slowly this process is scheduled, unlike a sleep in the writer."""
-    from megatron_smp.distributed.checkpoint import AsyncRequest
+    from megatron_smp.checkpointing.engine import AsyncRequest
 
     released = threading.Event()
     # The time limit only spares a failed test a hang at interpreter exit.
@@ -57,7 +57,7 @@ def hold_writer(queue):
 
 
 def _error(fn):
-    from megatron_smp.distributed.checkpoint import CheckpointError
+    from megatron_smp.checkpointing.engine import CheckpointError
 
     try:
         fn()
@@ -69,7 +69,7 @@ def _error(fn):
 def _engine(rank, world_size, root):
     import torch.distributed as dist
 
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     out = {}
     sync_path, async_path = os.path.join(root, "sync"), os.path.join(root, "async")
@@ -193,7 +193,7 @@ def test_save_load_async_and_errors(tmp_path):
 
 
 def test_s3_arguments_are_rejected():
-    from megatron_smp.distributed.checkpoint import async_save, load, save
+    from megatron_smp.checkpointing.engine import async_save, load, save
 
     for fn in (save, async_save, load):
         with pytest.raises(NotImplementedError, match="S3"):
@@ -203,14 +203,14 @@ def test_s3_arguments_are_rejected():
 def test_non_plain_values_are_refused_at_save(tmp_path):
     import numpy as np
 
-    from megatron_smp.distributed.checkpoint import CheckpointError, save
+    from megatron_smp.checkpointing.engine import CheckpointError, save
 
     with pytest.raises(CheckpointError, match="numpy.ndarray"):
         save({"a": {"b": np.zeros(2)}}, checkpoint_id=str(tmp_path))
 
 
 def test_metadata_unpickler_refuses_code(tmp_path):
-    from megatron_smp.distributed.checkpoint import CheckpointError, read_dcp_metadata
+    from megatron_smp.checkpointing.engine import CheckpointError, read_dcp_metadata
 
     # pickle protocol 4: GLOBAL "<dcp filesystem module>" "os.system", called with "echo".
     module = b"torch.distributed.checkpoint.filesystem"
@@ -231,11 +231,12 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     CRC-32 of the file) still verifies the whole file."""
     import json
 
-    from megatron_smp.distributed import checkpoint as dcp
-    from megatron_smp.distributed.checkpoint import storage
+    from megatron_smp.checkpointing import engine as dcp
+    from megatron_smp.checkpointing.engine import storage
 
     big = torch.randn(1 << 19)  # 2 MiB: the direct read
-    state = {"big": big, "bf16": torch.randn(1024, 600).to(torch.bfloat16),
+    state = {"big": big, "big2": torch.randn(1 << 19),  # the same layout as "big"
+             "bf16": torch.randn(1024, 600).to(torch.bfloat16),
              "small": torch.arange(6.0), "hyper": {"lr": 0.5}}
     path = str(tmp_path / "ckpt")
     monkeypatch.setattr(storage, "file_crc32", lambda p: pytest.fail("save read back " + p))
@@ -245,7 +246,7 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     with open(data + ".crc32") as handle:
         sidecar = json.load(handle)
     assert sidecar["format"] == 2 and sidecar["size"] == os.path.getsize(data)
-    assert len(sidecar["items"]) == 4
+    assert len(sidecar["items"]) == 5
     assert sum(length for _, length, _ in sidecar["items"]) == os.path.getsize(data)
 
     direct = []
@@ -253,16 +254,24 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     monkeypatch.setattr(storage, "_read_into",
                         lambda *args: direct.append(original(*args)) or direct[-1])
 
+    meta_loads = []
+    torch_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: meta_loads.append(
+        kwargs.get("map_location")) or torch_load(*args, **kwargs))
+
     def load(where, template=None):
-        template = template or {"big": torch.zeros_like(big),
+        template = template or {"big": torch.zeros_like(big), "big2": torch.zeros_like(big),
                                 "bf16": torch.zeros(1024, 600, dtype=torch.bfloat16),
                                 "small": torch.zeros(6), "hyper": {"lr": None}}
         dcp.load(template, checkpoint_id=where)
         return template
 
     loaded = load(path)
-    assert direct == [True, True, False]  # big, bf16 (both > 1 MiB); small decoded
+    assert direct == [True, True, True, False]  # big, big2, bf16 (> 1 MiB); small decoded
+    # big2's zip layout is big's (same dtype, shape, length and header bytes): not decoded.
+    assert meta_loads.count("meta") == 2
     assert torch.equal(loaded["big"], big) and torch.equal(loaded["bf16"], state["bf16"])
+    assert torch.equal(loaded["big2"], state["big2"])
     assert torch.equal(loaded["small"], state["small"]) and loaded["hyper"] == {"lr": 0.5}
     # Half of "big" (as another layout would ask): decoded, then narrowed.
     half = dcp.make_sharded_tensor(torch.zeros(1 << 18), big.shape, (1 << 18,))
@@ -270,8 +279,11 @@ def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeyp
     assert torch.equal(half.local_tensors()[0], big[1 << 18:])
 
     offsets = sorted(offset for offset, _, _ in sidecar["items"])
-    for name, position in (("data", os.path.getsize(data) // 3),  # inside big's data
-                           ("header", offsets[1] + 2)):  # an item's zip header
+    # The later of the two 2 MiB items is the one read through the remembered layout.
+    cached_offset = max(offset for offset, length, _ in sidecar["items"] if length > 1 << 21)
+    for name, position in (("data", os.path.getsize(data) // 5),  # inside big's data
+                           ("header", offsets[1] + 2),  # an item's zip header
+                           ("cached", cached_offset + (1 << 20))):
         copy = str(tmp_path / name)
         shutil.copytree(path, copy)
         with open(os.path.join(copy, "__0_0.distcp"), "r+b") as handle:
@@ -303,7 +315,7 @@ def test_prepared_staging_buffers_are_the_ones_saves_copy_into(tmp_path, in_back
     """prepare_staging allocates the queue's staging buffers at once and writes their pages
     on the writer thread; the next async_save (staged at the call, which first waits for
     that, or in the background, after it on the same thread) copies into those buffers."""
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
 
     queue = dcp.AsyncCallsQueue()
     state = {"w": torch.randn(1000), "n": {"b": torch.ones(3, dtype=torch.bfloat16)},

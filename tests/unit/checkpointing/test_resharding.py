@@ -28,7 +28,7 @@ def _fused_local(full, tp_rank, tp_size):
 
 
 def _state(tp_size, tp_rank, flat_range, fill):
-    from megatron_smp.distributed.checkpoint import flat_sharded_tensor, tp_sharded_tensor
+    from megatron_smp.checkpointing.engine import flat_sharded_tensor, tp_sharded_tensor
 
     weight = _full_weight().chunk(tp_size)[tp_rank].clone()
     fused = _fused_local(_full_fused(), tp_rank, tp_size).clone()
@@ -56,7 +56,7 @@ def _expected(tp_size, tp_rank, flat_range):
 
 
 def _save_two_way(rank, world_size, path):
-    from megatron_smp.distributed.checkpoint import save
+    from megatron_smp.checkpointing.engine import save
 
     # TP=2, world 2; flat buffer split unevenly 7 + 3.
     flat_range = [(0, 7), (7, 10)][rank]
@@ -65,7 +65,7 @@ def _save_two_way(rank, world_size, path):
 
 
 def _load(state_dict, tensors, path):
-    from megatron_smp.distributed.checkpoint import load
+    from megatron_smp.checkpointing.engine import load
 
     load(state_dict, checkpoint_id=path)
     # Lists, not tensors: tensors cross the result queue through shared memory that dies with
@@ -74,7 +74,7 @@ def _load(state_dict, tensors, path):
 
 
 def _load_four_way_then_save_tp2_dp2(rank, world_size, path_a, path_b):
-    from megatron_smp.distributed.checkpoint import save
+    from megatron_smp.checkpointing.engine import save
 
     # Load the TP=2 checkpoint at TP=4 with a different uneven flat split (rank 1 owns nothing).
     flat_range = [(0, 3), (3, 3), (3, 9), (9, 10)][rank]
@@ -98,7 +98,7 @@ def _load_one_way(rank, world_size, paths):
 
 
 def test_reshard_tp2_to_tp4_and_tp1_and_dp_replicas(tmp_path):
-    from megatron_smp.distributed.checkpoint import read_dcp_metadata
+    from megatron_smp.checkpointing.engine import read_dcp_metadata
 
     path_a, path_b = str(tmp_path / "a"), str(tmp_path / "b")
     run_distributed(_save_two_way, 2, args=(path_a,))
@@ -124,7 +124,7 @@ def test_reshard_tp2_to_tp4_and_tp1_and_dp_replicas(tmp_path):
 
 
 def test_sharded_view_rejects_bad_chunks():
-    from megatron_smp.distributed.checkpoint import make_sharded_tensor
+    from megatron_smp.checkpointing.engine import make_sharded_tensor
 
     with pytest.raises(ValueError, match="leaves the global shape"):
         make_sharded_tensor(torch.zeros(3, 2), (4, 2), (2, 0))
@@ -137,7 +137,7 @@ def test_sharded_view_rejects_bad_chunks():
 def test_sharded_state_dict_uses_tensor_parallel_attributes():
     import types
 
-    from megatron_smp.distributed.checkpoint import ShardedTensorView, sharded_state_dict
+    from megatron_smp.checkpointing.engine import ShardedTensorView, sharded_state_dict
 
     module = torch.nn.Module()
     module.column = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2))  # rank 1 of a [8, 2]

@@ -48,7 +48,7 @@ def _config_json(path):
 def test_hf_to_framework_to_hf_is_exact(model_type, tmp_path):
     import transformers
 
-    from megatron_smp.distributed.checkpoint import read_dcp_metadata
+    from megatron_smp.checkpointing.engine import read_dcp_metadata
 
     family = MODEL_TYPES[model_type]
     model_type = model_type.split(":")[0]
@@ -158,7 +158,8 @@ def _finetune_tp2(rank, world_size, load_dir, save_dir, vocab_size, model_argv=N
     of a fixed batch from the trained model, taken when it is saved. `model_argv` replaces the
     Llama model flags (and pretrain_llama's defaults by pretrain_gpt's)."""
     from megatron_smp.models.gpt import gather_full_logits
-    from megatron_smp.training import checkpointing, pretrain
+    from megatron_smp.checkpointing import loop as checkpointing
+    from megatron_smp.training import pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
     from pretrain_llama import LLAMA_DEFAULTS
 

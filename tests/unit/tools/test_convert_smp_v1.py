@@ -84,7 +84,7 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     # Loaded with GPT-2-style flags instead, the GPT-J fields are named.
     from megatron_smp.config import TransformerConfig
     from megatron_smp.checkpointing import CheckpointError
-    from megatron_smp.training.checkpointing import check_architecture_matches
+    from megatron_smp.checkpointing.loop import check_architecture_matches
 
     flags = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                               vocab_size=1003, max_position_embeddings=32)

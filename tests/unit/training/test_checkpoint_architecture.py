@@ -4,7 +4,7 @@ import pytest
 
 from megatron_smp.checkpointing import COMMON_FILENAME
 from megatron_smp.config import ConfigError, TransformerConfig
-from megatron_smp.training.checkpointing import check_architecture_matches
+from megatron_smp.checkpointing.loop import check_architecture_matches
 
 
 def _config(**changes):

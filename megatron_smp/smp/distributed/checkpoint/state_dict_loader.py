@@ -1,4 +1,4 @@
 """torch.sagemaker.distributed.checkpoint.state_dict_loader: DCP load, in place, resharding."""
-from megatron_smp.distributed.checkpoint.state_dict_loader import load
+from megatron_smp.checkpointing.engine.loader import load
 
 __all__ = ["load"]

@@ -1,7 +1,7 @@
 """torch.sagemaker.distributed.checkpoint.state_dict_saver: DCP save, asynchronous save and its
 finalisation, on the framework's checkpoint engine."""
-from megatron_smp.distributed.checkpoint.async_queue import maybe_finalize_async_calls
-from megatron_smp.distributed.checkpoint.state_dict_saver import (
+from megatron_smp.checkpointing.engine.async_queue import maybe_finalize_async_calls
+from megatron_smp.checkpointing.engine.saver import (
     PyTorchDistSaveShardedStrategy, async_save, save,
 )
 

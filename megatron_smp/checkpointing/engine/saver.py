@@ -18,18 +18,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-from megatron_smp.distributed.checkpoint.agreement import (
+from megatron_smp.checkpointing.engine.agreement import (
     global_ranks,
     is_distributed,
     raise_if_any_rank_failed,
 )
-from megatron_smp.distributed.checkpoint.async_queue import (
+from megatron_smp.checkpointing.engine.async_queue import (
     DEFAULT_ASYNC_QUEUE,
     AsyncCallsQueue,
     AsyncRequest,
 )
-from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView, make_sharded_tensor
-from megatron_smp.distributed.checkpoint.storage import (
+from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, make_sharded_tensor
+from megatron_smp.checkpointing.engine.storage import (
     CheckpointError,
     HookedSavePlanner,
     check_plain_data,

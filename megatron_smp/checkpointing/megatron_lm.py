@@ -30,9 +30,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from megatron_smp.checkpointing.checkpointing import TRACKER_FILENAME
+from megatron_smp.checkpointing.iterations import TRACKER_FILENAME
 from megatron_smp.config import TransformerConfig
-from megatron_smp.distributed.checkpoint.storage import CheckpointError
+from megatron_smp.checkpointing.engine.storage import CheckpointError
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 METADATA_FILENAME = "metadata.json"

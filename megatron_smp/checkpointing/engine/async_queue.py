@@ -19,13 +19,13 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_smp.distributed.checkpoint.agreement import (
+from megatron_smp.checkpointing.engine.agreement import (
     collective_device,
     global_ranks,
     group_size_and_rank,
     is_distributed,
 )
-from megatron_smp.distributed.checkpoint.storage import CheckpointError
+from megatron_smp.checkpointing.engine.storage import CheckpointError
 
 
 @dataclass

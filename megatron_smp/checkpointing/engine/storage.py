@@ -365,6 +365,7 @@ class SafeFileSystemReader(FileSystemReader):
         dtype is read from the disk straight into that tensor; any other item is read into
         memory, verified, then decoded as DCP does."""
         infos = [self.storage_data[request.storage_index] for request in items]
+        layouts: Dict[Any, Tuple[int, bytes]] = {}  # see `_read_into`
         with open(path, "rb") as file:
             # Ask the kernel for each item one ahead of its read: the disk works on the next
             # item while this one is verified and copied, and the small reads of an item's
@@ -387,7 +388,7 @@ class SafeFileSystemReader(FileSystemReader):
                     planner.load_bytes(request, io.BytesIO(data))
                     continue
                 target = planner.resolve_tensor(request).detach()
-                if not _read_into(file, info, expected[1], path, request, target):
+                if not _read_into(file, info, expected[1], path, request, target, layouts):
                     data = _read_checked(file, info, expected[1], path)
                     tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                     tensor = narrow_tensor_by_index(tensor, request.storage_offsets,
@@ -462,40 +463,63 @@ class _FileRange(io.RawIOBase):
 
 # Smaller tensor items are decoded from memory: the direct read saves little on them.
 _DIRECT_READ_MIN_BYTES = 1 << 20
+_READ_BLOCK = 4 << 20
 
 
-def _read_into(file, info, expected_crc: int, path: str, request, target) -> bool:
+def _read_into(file, info, expected_crc: int, path: str, request, target,
+               layouts: Dict[Any, Tuple[int, bytes]]) -> bool:
     """Read a tensor item (torch.save's zip of one tensor) from the disk straight into
     `target`, verifying the CRC-32 of all its bytes in file order; False (nothing read into
     `target`) when the item is not one whole contiguous chunk of `target`'s dtype and shape.
+
     torch.load on the meta device gives the tensor's layout and its data's offset in the
-    item without reading the data."""
+    item without reading the data. `layouts` remembers, per dtype, shape and item length,
+    that offset and the bytes before it (zip headers and pickle): an item whose first bytes
+    are the same has the same layout, so its data is read without decoding it again."""
     if (info.length < _DIRECT_READ_MIN_BYTES or not target.is_contiguous()
             or any(request.storage_offsets) or list(request.lengths) != list(target.shape)):
         return False
-    try:
-        meta = torch.load(_FileRange(file, info.offset, info.length), map_location="meta",
-                          weights_only=True)
-    except Exception:
-        return False  # the decode path below reports what is wrong with the item
-    record_offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None) \
-        if isinstance(meta, torch.Tensor) else None
-    if (record_offset is None or meta.dtype != target.dtype or meta.shape != target.shape
-            or not meta.is_contiguous()):
-        return False
-    start = record_offset + meta.storage_offset() * meta.element_size()
+    key = (target.dtype, tuple(target.shape), info.length)
+    head = None
+    if key in layouts:
+        start, known_head = layouts[key]
+        file.seek(info.offset)
+        head = file.read(start)
+        if head != known_head:
+            head = None
+    if head is None:
+        try:
+            meta = torch.load(_FileRange(file, info.offset, info.length), map_location="meta",
+                              weights_only=True)
+        except Exception:
+            return False  # the decode path reports what is wrong with the item
+        record_offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None) \
+            if isinstance(meta, torch.Tensor) else None
+        if (record_offset is None or meta.dtype != target.dtype or meta.shape != target.shape
+                or not meta.is_contiguous()):
+            return False
+        start = record_offset + meta.storage_offset() * meta.element_size()
+        if start + target.numel() * target.element_size() > info.length:
+            return False
+        file.seek(info.offset)
+        head = file.read(start)
+        layouts[key] = (start, head)
     size = target.numel() * target.element_size()
-    if start + size > info.length:
-        return False
-    file.seek(info.offset)
-    head = file.read(start)
     destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    read = file.readinto(destination)
+    # Block by block, each checksummed while it is still in the CPU's cache.
+    crc, read = zlib.crc32(head), 0
+    while read < size:
+        block = destination[read:read + _READ_BLOCK]
+        count = file.readinto(block)
+        if not count:
+            break
+        crc = zlib.crc32(block[:count], crc)
+        read += count
     tail = file.read(info.length - start - size)
     if len(head) != start or read != size or len(tail) != info.length - start - size:
         raise CheckpointError(f"{path} is truncated at the item of {info.length} bytes at "
                               f"{info.offset} -- load an earlier iteration")
-    actual = zlib.crc32(tail, zlib.crc32(destination, zlib.crc32(head)))
+    actual = zlib.crc32(tail, crc)
     if actual != expected_crc:
         raise _corrupted(path, info, actual, expected_crc)
     return True

@@ -1,4 +1,5 @@
-"""The training loop's checkpoints: what `pretrain` saves and restores, and when.
+"""The training loop's checkpoints: what `pretrain` saves and restores, and when (the top
+layer of `megatron_smp.checkpointing`; `pretrain` imports it as `checkpointing`).
 
     checkpointing.load(run, tokenizer)   # before the data loaders: restores the model,
                                          # optimizer, scheduler, progress counters and RNG
@@ -48,7 +49,7 @@ from megatron_smp.checkpointing.sharded_state import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
 )
-from megatron_smp.checkpointing.megatron_format import (
+from megatron_smp.checkpointing.megatron_lm import (
     CHECKPOINT_VERSION,
     LEGACY_FILENAME,
     args_from_config,
@@ -61,13 +62,13 @@ from megatron_smp.checkpointing.megatron_format import (
     trim_vocab_rows,
 )
 from megatron_smp.config import FUNCTION_FIELDS, ConfigError
-from megatron_smp.distributed.checkpoint.agreement import (
+from megatron_smp.checkpointing.engine.agreement import (
     collective_device,
     is_distributed,
     raise_if_any_rank_failed,
 )
-from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE
-from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
+from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
+from megatron_smp.checkpointing.engine.loader import format_listing
 
 # common.json's config key naming the base checkpoint of a small LoRA checkpoint:
 # {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
@@ -326,7 +327,7 @@ def _all_ranks_agree(flag: bool, state) -> bool:
 
 def _saved_top_level_keys(path: str, state) -> Optional[Set[str]]:
     """Top-level keys of the checkpoint at `path` (None: cannot tell at this layout)."""
-    from megatron_smp.distributed.checkpoint import read_checkpoint_metadata
+    from megatron_smp.checkpointing.engine import read_checkpoint_metadata
 
     with open(os.path.join(path, COMMON_FILENAME)) as f:
         ckpt_format = json.load(f)["ckpt_format"]
@@ -344,7 +345,7 @@ def _saved_top_level_keys(path: str, state) -> Optional[Set[str]]:
 
 def _saved_adapters(path: str, state) -> bool:
     """Whether the checkpoint at `path` holds LoRA adapter tensors."""
-    from megatron_smp.distributed.checkpoint import read_checkpoint_metadata
+    from megatron_smp.checkpointing.engine import read_checkpoint_metadata
 
     with open(os.path.join(path, COMMON_FILENAME)) as f:
         ckpt_format = json.load(f)["ckpt_format"]

@@ -1,4 +1,4 @@
-"""Iteration checkpoints for the training loop: layout on disk, publishing, resuming.
+"""Iteration checkpoints on disk: layout, publishing, resuming (on top of `engine`).
 
     {save_dir}/latest_checkpointed_iteration.txt      the last complete iteration
     {save_dir}/iter_0000100/                          a complete checkpoint
@@ -31,16 +31,16 @@ from megatron_smp.checkpointing.rng import (
     rng_state_to_bytes,
     set_rng_state,
 )
-from megatron_smp.distributed import checkpoint as dcp
-from megatron_smp.distributed.checkpoint.agreement import is_distributed, raise_if_any_rank_failed
-from megatron_smp.distributed.checkpoint.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue
-from megatron_smp.distributed.checkpoint.sharding import ShardedTensorView
-from megatron_smp.distributed.checkpoint.state_dict_loader import format_listing
-from megatron_smp.distributed.checkpoint.state_dict_saver import (
+from megatron_smp.checkpointing import engine as dcp
+from megatron_smp.checkpointing.engine.agreement import is_distributed, raise_if_any_rank_failed
+from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue
+from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView
+from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.checkpointing.engine.saver import (
     check_state_dict,
     schedule_staged_write,
 )
-from megatron_smp.distributed.checkpoint.storage import (
+from megatron_smp.checkpointing.engine.storage import (
     CheckpointError,
     HookedSavePlanner,
     maybe_test_write_delay,
@@ -238,7 +238,7 @@ def prepare_async_staging(
     queue: Optional[AsyncCallsQueue] = None,
 ) -> None:
     """Warm the CPU memory later asynchronous "torch_dist" saves of a state dict shaped like
-    `state_dict` stage into (see `distributed.checkpoint.prepare_staging`); local, in the
+    `state_dict` stage into (see `engine.prepare_staging`); local, in the
     background. A no-op for the "torch" format, whose staged payload is shaped per file."""
     if ckpt_format == "torch_dist":
         dcp.prepare_staging(state_dict, queue if queue is not None else DEFAULT_ASYNC_QUEUE)

@@ -39,7 +39,7 @@ def raise_if_any_rank_failed(
     one rank can see -- a file it cannot read, a key it lacks -- never leaves peers waiting in
     the next collective.
     """
-    from megatron_smp.distributed.checkpoint.storage import CheckpointError
+    from megatron_smp.checkpointing.engine.storage import CheckpointError
 
     if not is_distributed():
         if error is not None:

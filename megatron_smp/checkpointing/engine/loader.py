@@ -16,14 +16,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from megatron_smp.distributed.checkpoint.agreement import (
+from megatron_smp.checkpointing.engine.agreement import (
     global_ranks,
     group_size_and_rank,
     is_distributed,
     raise_if_any_rank_failed,
 )
-from megatron_smp.distributed.checkpoint.state_dict_saver import reject_s3
-from megatron_smp.distributed.checkpoint.storage import (
+from megatron_smp.checkpointing.engine.saver import reject_s3
+from megatron_smp.checkpointing.engine.storage import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,

@@ -1,6 +1,8 @@
-"""Distributed checkpointing engine: SMP v2's save / async_save / load on PyTorch DCP.
+"""The distributed-checkpoint engine (the bottom layer of `megatron_smp.checkpointing`):
+SMP v2's save / async_save / load on PyTorch DCP. It knows tensors and files, not models or
+training.
 
-    from megatron_smp.distributed import checkpoint as dcp
+    from megatron_smp.checkpointing import engine as dcp
     dcp.save(state_dict, checkpoint_id=path)                     # every rank writes its shards
     dcp.async_save(state_dict, checkpoint_id=path)               # returns after a CPU copy
     dcp.async_save(state_dict, checkpoint_id=path, stage_in_background=True)  # returns at once,
@@ -9,35 +11,35 @@
     dcp.maybe_finalize_async_calls(blocking=False)               # once per training step
     dcp.load(state_dict, checkpoint_id=path)                     # in place, resharding
 
-Sharded tensors are described with `ShardedTensorView` (see sharding.py for why).
+Sharded tensors are described with `ShardedTensorView` (see sharded_tensor.py for why).
 """
-from megatron_smp.distributed.checkpoint.async_queue import (
+from megatron_smp.checkpointing.engine.async_queue import (
     DEFAULT_ASYNC_QUEUE,
     AsyncCallsQueue,
     AsyncRequest,
     maybe_finalize_async_calls,
     wait_for_staging,
 )
-from megatron_smp.distributed.checkpoint.sharding import (
+from megatron_smp.checkpointing.engine.sharded_tensor import (
     ShardedTensorView,
     flat_sharded_tensor,
     make_sharded_tensor,
     sharded_state_dict,
     tp_sharded_tensor,
 )
-from megatron_smp.distributed.checkpoint.state_dict_loader import (
+from megatron_smp.checkpointing.engine.loader import (
     check_keys_against_checkpoint,
     load,
     read_checkpoint_metadata,
 )
-from megatron_smp.distributed.checkpoint.state_dict_saver import (
+from megatron_smp.checkpointing.engine.saver import (
     async_save,
     prepare_staging,
     save,
     schedule_staged_write,
     stage_to_cpu,
 )
-from megatron_smp.distributed.checkpoint.storage import (
+from megatron_smp.checkpointing.engine.storage import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,

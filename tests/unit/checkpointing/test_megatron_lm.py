@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_smp.checkpointing.megatron_format import (
+from megatron_smp.checkpointing.megatron_lm import (
     OpaqueMegatronValue,
     config_fields_from_args,
     find_megatron_checkpoint,
@@ -17,7 +17,7 @@ from megatron_smp.checkpointing.megatron_format import (
     safe_load,
 )
 from megatron_smp.config import ConfigError
-from megatron_smp.training.checkpointing import check_key_mismatch
+from megatron_smp.checkpointing.loop import check_key_mismatch
 from tools.checkpoint.convert import main
 from tools.checkpoint.smp_format import read_smp_checkpoint
 
@@ -207,7 +207,7 @@ def test_use_checkpoint_args_takes_the_model_shape(ours, tmp_path):
 def test_deepseek_router_args_round_trip():
     """Megatron args carry the DeepSeek-V3 router settings both ways (a sigmoid, biased,
     group-limited checkpoint never loads as a softmax router)."""
-    from megatron_smp.checkpointing.megatron_format import (
+    from megatron_smp.checkpointing.megatron_lm import (
         args_from_config, config_fields_from_args)
     from megatron_smp.models.llama import llama_config
 
@@ -267,7 +267,7 @@ def test_deepseek_checkpoint_reads_megatron_core_tensors_exactly(tmp_path):
 def test_transformer_engine_mla_and_mtp_names_map_to_ours():
     """megatron-core's Transformer-Engine spec fuses MLA's latent norms into the
     up-projections; the MTP inner layer is 0.16's transformer_layer or main's mtp_model_layer."""
-    from megatron_smp.checkpointing.megatron_format import _megatron_name, _our_name
+    from megatron_smp.checkpointing.megatron_lm import _megatron_name, _our_name
 
     assert _our_name("decoder.layers.3.self_attention.linear_q_up_proj.layer_norm_weight") == \
         "decoder.layers.3.self_attention.q_layernorm.weight"

@@ -17,7 +17,7 @@ PAYLOAD = {"consumed_samples": 4096, "loss_scale": 65536.0, "tokenizer": "gpt2",
 
 
 def _state_dict(tp_rank, tp_size, scale):
-    from megatron_smp.distributed.checkpoint import tp_sharded_tensor
+    from megatron_smp.checkpointing.engine import tp_sharded_tensor
 
     weight = (torch.arange(8.0).reshape(4, 2) * scale).chunk(tp_size)[tp_rank].clone()
     bias = torch.full((3,), float(scale))
@@ -162,7 +162,7 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys
     sys.path.insert(0, {test_dir!r})
     from megatron_smp.testing import run_distributed
-    from test_checkpointing import _save_then_hang
+    from test_iterations import _save_then_hang
 
     if __name__ == "__main__":
         run_distributed(_save_then_hang, 2, args=({save_dir!r}, {marker!r}), timeout=300)
@@ -173,7 +173,7 @@ _KILLED_SAVE = textwrap.dedent(
 def _save_then_hang(rank, world_size, save_dir, marker):
     from megatron_smp.checkpointing import save_checkpoint
     from megatron_smp.config import ParallelConfig
-    from megatron_smp.distributed.checkpoint.storage import (
+    from megatron_smp.checkpointing.engine.storage import (
         TEST_WRITE_DELAY_ENV,
         TEST_WRITE_MARKER_ENV,
     )
