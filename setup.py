@@ -7,8 +7,8 @@ setup(
     "models with tensor, sequence, context, expert, pipeline, data and FSDP2 sharded-data "
     "parallelism and a distributed optimizer, with the SageMaker model-parallel API.",
     packages=find_packages(include=["megatron_smp", "megatron_smp.*"]),
-    # The C source of the index builders, compiled at first use (megatron_smp/data/compiled.py).
-    package_data={"megatron_smp.data": ["helpers.c"]},
+    # C sources compiled at first use (megatron_smp/native): index builders, CRC-32.
+    package_data={"megatron_smp.data": ["helpers.c"], "megatron_smp.native": ["crc32.c"]},
     python_requires=">=3.10",
     # torch is deliberately a range: scripts/setup_env.sh pins the CPU build before this
     # runs, and a GPU machine keeps whatever CUDA build it already has.

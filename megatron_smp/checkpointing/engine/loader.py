@@ -24,6 +24,7 @@ from megatron_smp.checkpointing.engine.agreement import (
 )
 from megatron_smp.checkpointing.engine.saver import reject_s3
 from megatron_smp.checkpointing.engine.storage import (
+    gc_paused,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -165,14 +166,15 @@ def load(
     if check_keys_matched:
         check_keys_against_checkpoint(state_dict, metadata, checkpoint_id, process_group)
     try:
-        _load_state_dict(
-            state_dict,
-            storage_reader=storage_reader,
-            process_group=process_group,
-            coordinator_rank=coordinator_rank,
-            no_dist=not is_distributed(),
-            planner=planner or SafeLoadPlanner(),
-        )
+        with gc_paused():
+            _load_state_dict(
+                state_dict,
+                storage_reader=storage_reader,
+                process_group=process_group,
+                coordinator_rank=coordinator_rank,
+                no_dist=not is_distributed(),
+                planner=planner or SafeLoadPlanner(),
+            )
     except CheckpointException as error:
         failures = getattr(error, "failures", {}) or {}
         first = next(iter(failures.values()), error)

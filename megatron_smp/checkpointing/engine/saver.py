@@ -30,6 +30,7 @@ from megatron_smp.checkpointing.engine.async_queue import (
 )
 from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, make_sharded_tensor
 from megatron_smp.checkpointing.engine.storage import (
+    gc_paused,
     CheckpointError,
     HookedSavePlanner,
     check_plain_data,
@@ -152,9 +153,9 @@ def save(
     writer = _prepare(
         state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what
     )
-    _run_dcp_save(
-        state_dict, writer, planner or HookedSavePlanner(), process_group, coordinator_rank, what
-    )
+    with gc_paused():
+        _run_dcp_save(state_dict, writer, planner or HookedSavePlanner(), process_group,
+                      coordinator_rank, what)
 
 
 def _prepare(state_dict, checkpoint_id, storage_writer, process_group, wait_error_handling, what):

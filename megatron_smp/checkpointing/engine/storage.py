@@ -25,7 +25,10 @@ read unverified.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import ctypes
+import gc
 import dataclasses
 import io
 import json
@@ -33,7 +36,7 @@ import os
 import pathlib
 import pickle
 import time
-import zlib
+
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -47,6 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.futures import Future
 
 from megatron_smp.config import ConfigError
+from megatron_smp.native.checksum import crc32
 
 METADATA_FILE = ".metadata"
 # Test hook: when set, every rank touches `{marker}.rank{r}` once it starts writing its data
@@ -150,7 +154,7 @@ def file_crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(_CHECKSUM_BLOCK):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return crc
 
 
@@ -207,10 +211,49 @@ def verify_checksum(path: str, record: Optional[dict] = None) -> None:
         )
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection inside: the plans and metadata a save or load exchanges are
+    many small objects, and a full collection while unpickling them stalled a 4.7 GB save
+    by 0.15 s (measured). The loop waits on a synchronous save or a load anyway."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _start_writeback_function():
+    """libc's sync_file_range where there is one (Linux), else None."""
+    if not hasattr(os, "sched_getaffinity"):  # not Linux
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _start_writeback_function()
+_SYNC_FILE_RANGE_WRITE = 2
+# Every this many bytes a data file asks the kernel to start writing what it has so far.
+WRITEBACK_BYTES = 32 * 2**20
+
+
 class _ChecksummingStream(io.RawIOBase):
     """A binary file being written, with the CRC-32 of the bytes written between successive
     `tell()` calls. DCP's writer asks for the position before and after each item, so each
-    segment is one item's bytes."""
+    segment is one item's bytes.
+
+    Every `WRITEBACK_BYTES` it starts the disk write of what came before
+    (sync_file_range(SYNC_FILE_RANGE_WRITE), which does not wait), so the disk works while the
+    rest is serialized and the final fsync waits for the last blocks only, instead of
+    the whole file sitting dirty in the page cache until then."""
 
     def __init__(self, raw) -> None:
         super().__init__()
@@ -218,6 +261,7 @@ class _ChecksummingStream(io.RawIOBase):
         self.position = raw.tell()
         self._segment_start = self.position
         self._crc = 0
+        self._written_back = self.position
         self.segments: List[Tuple[int, int, int]] = []  # (offset, length, crc32)
 
     def writable(self) -> bool:
@@ -226,8 +270,14 @@ class _ChecksummingStream(io.RawIOBase):
     def write(self, data) -> int:
         written = self.raw.write(data)
         view = memoryview(data).cast("B")
-        self._crc = zlib.crc32(view[:written] if written < view.nbytes else view, self._crc)
+        self._crc = crc32(view[:written] if written < view.nbytes else view, self._crc)
         self.position += written
+        if _sync_file_range is not None and \
+                self.position - self._written_back >= WRITEBACK_BYTES:
+            self.raw.flush()
+            _sync_file_range(self.raw.fileno(), self._written_back,
+                             self.position - self._written_back, _SYNC_FILE_RANGE_WRITE)
+            self._written_back = self.position
         return written
 
     def tell(self) -> int:
@@ -423,7 +473,7 @@ def _read_checked(file, info, expected_crc: int, path: str) -> bytes:
     if len(data) != info.length:
         raise CheckpointError(f"{path} is truncated: {len(data)} of the {info.length} bytes at "
                               f"{info.offset} -- load an earlier iteration")
-    actual = zlib.crc32(data)
+    actual = crc32(data)
     if actual != expected_crc:
         raise _corrupted(path, info, actual, expected_crc)
     return data
@@ -466,6 +516,38 @@ _DIRECT_READ_MIN_BYTES = 1 << 20
 _READ_BLOCK = 4 << 20
 
 
+_reader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _read_and_checksum(file, destination: memoryview, size: int, crc: int) -> Tuple[int, int]:
+    """Read up to `size` bytes from `file` into `destination`, block by block; (CRC-32 of
+    them continuing `crc`, bytes read). A worker thread reads the next block while this one
+    is checksummed, still in the CPU's cache (both calls release the GIL)."""
+    global _reader
+    if size <= _READ_BLOCK:
+        count = file.readinto(destination[:size]) or 0
+        return crc32(destination[:count], crc), count
+    if _reader is None:
+        _reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read")
+    read = 0
+    pending = _reader.submit(file.readinto, destination[:_READ_BLOCK])
+    while pending is not None:
+        count = pending.result() or 0
+        start = read
+        read += count
+        pending = None
+        if count and read < size:
+            pending = _reader.submit(file.readinto, destination[read:min(read + _READ_BLOCK,
+                                                                            size)])
+        try:
+            crc = crc32(destination[start:read], crc)
+        except BaseException:
+            if pending is not None:
+                pending.result()  # the file's position stays with this thread's reads
+            raise
+    return crc, read
+
+
 def _read_into(file, info, expected_crc: int, path: str, request, target,
                layouts: Dict[Any, Tuple[int, bytes]]) -> bool:
     """Read a tensor item (torch.save's zip of one tensor) from the disk straight into
@@ -506,20 +588,12 @@ def _read_into(file, info, expected_crc: int, path: str, request, target,
         layouts[key] = (start, head)
     size = target.numel() * target.element_size()
     destination = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    # Block by block, each checksummed while it is still in the CPU's cache.
-    crc, read = zlib.crc32(head), 0
-    while read < size:
-        block = destination[read:read + _READ_BLOCK]
-        count = file.readinto(block)
-        if not count:
-            break
-        crc = zlib.crc32(block[:count], crc)
-        read += count
+    crc, read = _read_and_checksum(file, destination, size, crc32(head))
     tail = file.read(info.length - start - size)
     if len(head) != start or read != size or len(tail) != info.length - start - size:
         raise CheckpointError(f"{path} is truncated at the item of {info.length} bytes at "
                               f"{info.offset} -- load an earlier iteration")
-    actual = zlib.crc32(tail, crc)
+    actual = crc32(tail, crc)
     if actual != expected_crc:
         raise _corrupted(path, info, actual, expected_crc)
     return True

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from megatron_smp import native
 from megatron_smp.data import compiled, indices
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "data_megatron")
@@ -21,7 +22,7 @@ CASES = json.loads(str(REFERENCE["cases"]))
 def path(request, monkeypatch):
     """Run the test once with the C helpers and once with the numpy/Python path."""
     if request.param == "compiled":
-        if compiled._compiler() is None:
+        if native._compiler() is None:
             pytest.skip("no C compiler here: the fallback is what runs")
         assert compiled.library() is not None, "a C compiler is here: the helpers must build"
     else:
@@ -61,7 +62,7 @@ def test_equal_megatron_core(path):
 
 def test_compiled_equals_fallback_on_random_inputs(monkeypatch):
     """Ties, empty documents, int64 document indices and zero-sample edge cases."""
-    if compiled._compiler() is None:
+    if native._compiler() is None:
         pytest.skip("no C compiler here: the fallback is what runs")
     assert compiled.library() is not None
     rng = np.random.RandomState(0)
@@ -111,39 +112,36 @@ def test_document_and_shuffle_index_draws():
 
 
 def test_missing_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(compiled, "_loaded", False)
-    monkeypatch.setattr(compiled, "_library", None)
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("MEGATRON_SMP_HELPERS_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level(logging.WARNING, logger="megatron_smp.data.compiled"):
+    with caplog.at_level(logging.WARNING, logger="megatron_smp.native"):
         assert compiled.library() is None
-    assert "cannot build the C index helpers" in caplog.text
+    assert "cannot build helpers.c" in caplog.text
     assert "numpy/Python path" in caplog.text
     weights, size = CASES["blend"]["equal_10"]
     dataset_index, _ = indices.build_blending_indices(weights, size)
     np.testing.assert_array_equal(dataset_index, REFERENCE["blend/equal_10/dataset_index"])
 
     # No compiler on the PATH at all: the same fallback, its own line.
-    monkeypatch.setattr(compiled, "_loaded", False)
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="megatron_smp.data.compiled"):
+    with caplog.at_level(logging.WARNING, logger="megatron_smp.native"):
         assert compiled.library() is None
     assert "no C compiler found" in caplog.text
 
 
 def test_compiles_into_the_cache_dir_once(tmp_path, monkeypatch):
-    if compiled._compiler() is None:
+    if native._compiler() is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(compiled, "_loaded", False)
-    monkeypatch.setattr(compiled, "_library", None)
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("MEGATRON_SMP_HELPERS_DIR", str(tmp_path))
     assert compiled.library() is not None
     (built,) = [p for p in os.listdir(tmp_path) if p.endswith(".so")]
     stamp = os.path.getmtime(tmp_path / built)
-    monkeypatch.setattr(compiled, "_loaded", False)
-    monkeypatch.setattr(compiled, "_library", None)
+    monkeypatch.setattr(native, "_loaded", {})
     assert compiled.library() is not None  # a second process: loads, does not rebuild
     assert os.path.getmtime(tmp_path / built) == stamp
     assert os.listdir(tmp_path) == [built]
