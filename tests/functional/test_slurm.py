@@ -22,6 +22,9 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
         "--log-interval 1 --save-interval 1000 --eval-interval 1000 "
         "--eval-iters 0").split()
 ITERS = 80  # long enough that a signal sent at iteration 3 lands mid-run
+# Per family: the Llama launcher's tokenizer makes a 32k vocabulary, 0.24 s an iteration here,
+# so 30 iterations (7 s) already outlast the signal.
+FAMILY_ITERS = {"gpt": ITERS, "llama": 30}
 # Each launcher's own warm-up flag, shortened to the tiny run.
 SCHEDULE = {"gpt": ["--lr-decay-iters", str(ITERS)], "llama": ["--lr-warmup-iters", "2"]}
 _LINE = re.compile(r"^ iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|", re.M)
@@ -179,13 +182,14 @@ def _reference(family, tmp_path_factory, corpus):
     if family not in _REFERENCES:
         tmp = tmp_path_factory.mktemp(f"reference_{family}")
         script = "pretrain_gpt.sbatch" if family == "gpt" else "pretrain_llama.sbatch"
+        iters = FAMILY_ITERS[family]
         job, submit_dir, _ = _run(script, tmp, corpus[family], CPU + ["--cpus-per-task", "2"],
-                                  TINY + SCHEDULE[family] + ["--train-iters", str(ITERS)],
+                                  TINY + SCHEDULE[family] + ["--train-iters", str(iters)],
                                   "reference")
         output = _wait(job, submit_dir)
         losses = _losses(output)
-        assert sorted(losses) == list(range(1, ITERS + 1)), output[-3000:]
-        assert f"checkpoint of iteration {ITERS} saved" in output
+        assert sorted(losses) == list(range(1, iters + 1)), output[-3000:]
+        assert f"checkpoint of iteration {iters} saved" in output
         _REFERENCES[family] = losses
     return _REFERENCES[family]
 
@@ -195,16 +199,17 @@ def _interrupted(family, tmp_path, corpus, action, name):
     it has left the queue; its output, after checking that it saved at the signal, resumed
     from there and logged each iteration once."""
     script = "pretrain_gpt.sbatch" if family == "gpt" else "pretrain_llama.sbatch"
+    iters = FAMILY_ITERS[family]
     job, submit_dir, _ = _run(script, tmp_path, corpus[family], CPU + ["--cpus-per-task", "2"],
-                              TINY + SCHEDULE[family] + ["--train-iters", str(ITERS)], name)
+                              TINY + SCHEDULE[family] + ["--train-iters", str(iters)], name)
     _wait(job, submit_dir, until=lambda out: " iteration        3/" in out)
     subprocess.run(action + [job], check=True, timeout=30)
     output = _wait(job, submit_dir)
     assert "exiting program after receiving SIGTERM" in output
     resumed = re.search(r"resuming at iteration (\d+)", output)
-    assert resumed and 3 <= int(resumed.group(1)) < ITERS, output[-3000:]
+    assert resumed and 3 <= int(resumed.group(1)) < iters, output[-3000:]
     assert f"job {job} attempt 1" in output
-    assert sorted(_losses(output)) == list(range(1, ITERS + 1))
+    assert sorted(_losses(output)) == list(range(1, iters + 1))
     return job, output
 
 
