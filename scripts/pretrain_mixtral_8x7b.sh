@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Mixtral 8x7B shape: 8 experts, top-2, EP=8 on one node by default (each GPU holds one expert
-# per layer; attention and the router are replicated and data-parallel).
+# Mixtral 8x7B shape: 8 experts, top-2. Default layout: 4 nodes of 8 GPUs, PP=4 x EP=8 (each
+# GPU holds one expert of each of its 8 layers; attention and the router are replicated and
+# data-parallel). tools/estimate_memory.py puts its largest rank at 30 GiB; on one node
+# (NNODES=1 PP=1) each GPU would need 109 GiB, the expert Adam state alone 65 GiB (H200 only).
 # Usage: DATA_PATH=... TOKENIZER_MODEL=tokenizer.model bash scripts/pretrain_mixtral_8x7b.sh
 # Knobs: EP (expert-parallel size), TP (with --sequence-parallel), PP, DISPATCHER (alltoall|allgather).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export NNODES=${NNODES:-4}
 source scripts/launch_env.sh
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/mixtral_8x7b}
 exec "${LAUNCH[@]}" pretrain_llama.py \
@@ -15,7 +18,7 @@ exec "${LAUNCH[@]}" pretrain_llama.py \
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 \
   --moe-token-dispatcher-type "${DISPATCHER:-alltoall}" --moe-grouped-gemm \
   --expert-model-parallel-size "${EP:-8}" \
-  --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" \
+  --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-4}" \
   ${TP:+--sequence-parallel} \
   --micro-batch-size 1 --global-batch-size 256 \
   --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 500 \

@@ -200,3 +200,29 @@ def test_deepseek_v3_671b_script_is_the_published_shape(tmp_path):
     per_token = flops_per_iteration(model, seq, 1, vocab) / seq / 1e9
     without_mtp = flops_per_iteration(model.replace(mtp_num_layers=None), seq, 1, vocab)
     assert (round(per_token, 1), round(without_mtp / seq / 1e9, 1)) == (260.0, 249.8)
+
+
+
+@pytest.mark.parametrize("script, vocab", [("pretrain_deepseek_v3_671b.sh", 129279),
+                                           ("pretrain_mixtral_8x7b.sh", 32000)])
+def test_large_scripts_default_layouts_fit_80gb_per_the_planner(tmp_path, script, vocab):
+    """The memory planner (the model built on meta at the script's own layout: 1024 ranks for
+    DeepSeek-V3, 4 nodes for Mixtral) puts every rank of the script's defaults under 80 GB.
+    Before: DeepSeek-V3 with selective recompute needed 164 GB on its second pipeline stage
+    (15 micro-batches in flight under 1F1B), Mixtral on one node 117 GB per GPU."""
+    from megatron_smp.training.memory_planner import GIB, report_from_argv
+    from tools.estimate_memory import entry_script
+
+    argv = _command_line(script, tmp_path)
+    world = int(argv[argv.index("--nnodes") + 1]) * int(argv[argv.index("--nproc-per-node") + 1])
+    entry = "llama" if "pretrain_llama.py" in argv else "gpt"
+    argv = argv[argv.index(f"pretrain_{entry}.py") + 1:]
+    for flag in ("--data-path", "--tokenizer-type", "--tokenizer-model"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+    provider, defaults = entry_script(entry)
+    report = report_from_argv(argv, world, provider, defaults, "cuda")
+    assert len(report.ranks) == (16 if "deepseek" in script else 4)
+    assert report.largest.total < 80e9, report.table()
+    assert report.largest.total > 20 * GIB  # the experts' and the optimizer's shares are there
