@@ -441,23 +441,6 @@ def _engine_body(rank, world_size, root, total_mb, num_tensors, repeats, train_s
         for _ in range(step_matmuls):
             matmul()
 
-    # Untimed: one save and one raw write of the same size first. On this VM the first
-    # writes of a process into memory the guest has not touched for a while run 3-4x slower
-    # (the host faults the page cache's memory in: a plain 16 MiB-block writer shows 5.6 s
-    # for 2.3 GB per rank, then 1.2-1.9 s), which would land on whichever timed step ran first.
-    run.iteration = 0
-    settle()
-    checkpointing.save(run)
-    warm = os.path.join(root, f"raw_rank{rank}.bin")
-    settle()
-    _raw_write(warm, sum(os.path.getsize(f) for f in _files_under(checkpoint_dir(save_dir, 0))
-                         if os.path.basename(f).startswith(f"__{rank}_")), block)
-    os.remove(warm)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(checkpoint_dir(save_dir, 0), ignore_errors=True)
-    dist.barrier()
-
     records = []
     for repeat in range(repeats):
         record = {}
@@ -483,7 +466,6 @@ def _engine_body(rank, world_size, root, total_mb, num_tensors, repeats, train_s
         record["step_during_async_s"] = time.perf_counter() - step_start
         record["train_steps_during_async"] = step_matmuls + finish_while_training()
         record["async_total_s"] = time.perf_counter() - start
-        record["async_write_s"] = written_at[0] - staged_at[0]  # the write alone
         for t in tensors:
             t.div_(2.0)  # exact: scaling by a power of two
 
