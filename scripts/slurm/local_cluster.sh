@@ -21,39 +21,16 @@ stop() {
 }
 if [ "${1:-}" = "stop" ]; then stop; exit 0; fi
 
-node_idle() { sinfo -h -o '%t' 2>/dev/null | grep -qE '^(idle|mix|alloc)'; }
-node_cpus() { sinfo -h -o '%c' 2>/dev/null | head -1; }
-hw_cpus() { slurmd -C 2>/dev/null | sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' | head -1; }
-if command -v sinfo >/dev/null && node_idle; then
-  if [ "$(node_cpus)" = "$(hw_cpus)" ] || [ "$(id -u)" != 0 ]; then exit 0; fi
-  say "the running SLURM's node has $(node_cpus) CPUs, the hardware $(hw_cpus): restarting it"
-  stop; sleep 1
-fi
-if [ "$(id -u)" != 0 ]; then
-  say "needs root to install and start SLURM (run it with sudo)"; exit 1
-fi
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-    || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
-  if ! command -v apt-get >/dev/null; then
-    say "SLURM is not installed and there is no apt-get to install it"; exit 1
-  fi
-  say "installing slurmctld slurmd slurm-client munge (Debian packages)"
-  export DEBIAN_FRONTEND=noninteractive
-  if ! { apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge; } \
-      >"${TMPDIR:-/tmp}/megatron_smp_slurm_install.log" 2>&1; then
-    say "apt-get install failed: see ${TMPDIR:-/tmp}/megatron_smp_slurm_install.log"; exit 1
-  fi
-fi
-
-host=$(hostname -s)
-# The hardware as slurmd sees it (`nproc` follows OMP_NUM_THREADS, which the test runner sets
-# to 1: a node configured below its hardware holds every 2-CPU job pending for ever).
-cpus=$(hw_cpus)
-[ -n "$cpus" ] || cpus=$(nproc --all)
-# Leave the OS 1 GiB; slurmd refuses a node whose configured memory exceeds what it sees.
-mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
-mkdir -p "$STATE/ctld" "$STATE/d" /etc/slurm /run/munge /var/log/munge /var/lib/munge
-cat > /etc/slurm/slurm.conf <<EOF
+conf() {  # the one-node configuration, on stdout
+  local host cpus
+  host=$(hostname -s)
+  # The hardware as slurmd sees it (`nproc` follows OMP_NUM_THREADS, which the test runner
+  # sets to 1: a node configured below its hardware holds every 2-CPU job pending for ever).
+  cpus=$(hw_cpus)
+  [ -n "$cpus" ] || cpus=$(nproc --all)
+  # Leave the OS 1 GiB; slurmd refuses a node whose configured memory exceeds what it sees.
+  local mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
+  cat <<EOF
 # Written by megatron_smp scripts/slurm/local_cluster.sh: one node, CPU only.
 ClusterName=megatron_smp_local
 SlurmctldHost=$host
@@ -80,9 +57,49 @@ ReturnToService=2
 KillWait=60
 # A requeued job may start again at once (the default holds it for a minute or more).
 MinJobAge=10
+# A requeued job becomes eligible cred_expire + 1 s after the requeue; nothing but the
+# periodic scheduling passes (60 s and 30 s by default) looks at it then: every second here.
+SchedulerParameters=sched_interval=1,bf_interval=1
 NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=cpu Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
+}
+
+node_idle() { sinfo -h -o '%t' 2>/dev/null | grep -qE '^(idle|mix|alloc)'; }
+node_cpus() { sinfo -h -o '%c' 2>/dev/null | head -1; }
+hw_cpus() { slurmd -C 2>/dev/null | sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' | head -1; }
+if command -v sinfo >/dev/null && node_idle; then
+  if [ "$(id -u)" != 0 ]; then exit 0; fi
+  if [ "$(node_cpus)" = "$(hw_cpus)" ]; then
+    # Up: bring an older configuration of this script's up to date (SchedulerParameters and
+    # the like take effect on reconfigure; the node's CPUs and memory are unchanged).
+    if ! conf | cmp -s - /etc/slurm/slurm.conf; then
+      conf > /etc/slurm/slurm.conf && scontrol reconfigure >/dev/null 2>&1 \
+        || say "could not reconfigure the running SLURM with the new /etc/slurm/slurm.conf"
+    fi
+    exit 0
+  fi
+  say "the running SLURM's node has $(node_cpus) CPUs, the hardware $(hw_cpus): restarting it"
+  stop; sleep 1
+fi
+if [ "$(id -u)" != 0 ]; then
+  say "needs root to install and start SLURM (run it with sudo)"; exit 1
+fi
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
+    || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
+  if ! command -v apt-get >/dev/null; then
+    say "SLURM is not installed and there is no apt-get to install it"; exit 1
+  fi
+  say "installing slurmctld slurmd slurm-client munge (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! { apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge; } \
+      >"${TMPDIR:-/tmp}/megatron_smp_slurm_install.log" 2>&1; then
+    say "apt-get install failed: see ${TMPDIR:-/tmp}/megatron_smp_slurm_install.log"; exit 1
+  fi
+fi
+
+mkdir -p "$STATE/ctld" "$STATE/d" /etc/slurm /run/munge /var/log/munge /var/lib/munge
+conf > /etc/slurm/slurm.conf
 if [ ! -s /etc/munge/munge.key ]; then
   dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
 fi
