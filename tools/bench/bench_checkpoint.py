@@ -13,8 +13,17 @@ published by rename). Per repeat, into fresh directories, on the same disk:
 
   sync save     `save(run)`: the loop is blocked for all of it;
   raw write     each rank writes as many bytes as its checkpoint data file, in 16 MiB
-                blocks, then fsync: the disk's write bandwidth in the same run;
-  raw read      that file read back from the disk;
+                blocks, then fsync, once before and once after the sync save (the mean):
+                the disk's write bandwidth in the same run, drift between steps averaged
+                out as for the read below;
+  fresh read    the second raw write's file read back from the disk at once;
+  raw read      the rank's own data files of the sync save read with plain 16 MiB reads,
+                once before and once after the load (the mean): the disk's read bandwidth
+                for the bytes the load reads, written as long ago. (On this VM a file read
+                right after it was written comes back faster than one written some GB of
+                writes earlier -- the host caches the virtual disk: 2.43 s against 3.33 s
+                for the same 2.3 GB per rank, medians of one run -- so the fresh read is no
+                baseline for a checkpoint written before it; both are printed.)
   load          `load(run)` of the sync save from the disk, into zeroed params (checked
                 equal to the saved values afterwards);
   async save    `save(run)` with --async-save as the loop does it: the call returns before
@@ -84,11 +93,12 @@ def _raw_write(path: str, nbytes: int, block: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _raw_read(path: str) -> int:
+def _raw_read(*paths: str) -> int:
     total = 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(_BLOCK):
-            total += len(chunk)
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while chunk := handle.read(_BLOCK):
+                total += len(chunk)
     return total
 
 
@@ -200,8 +210,9 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     checkpointing.save(run)
     warm = os.path.join(root, f"raw_rank{rank}.bin")
     settle()
-    _raw_write(warm, sum(os.path.getsize(f) for f in _files_under(checkpoint_dir(save_dir, 0))
-                         if os.path.basename(f).startswith(f"__{rank}_")), block)
+    rank_bytes = sum(os.path.getsize(f) for f in _files_under(checkpoint_dir(save_dir, 0))
+                     if os.path.basename(f).startswith(f"__{rank}_"))  # each save's, to bytes
+    _raw_write(warm, rank_bytes, block)
     os.remove(warm)
     dist.barrier()
     if rank == 0:
@@ -211,7 +222,10 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     records = []
     for repeat in range(repeats):
         record = {}
-        # -- sync save
+        # -- sync save, between two raw writes of the same bytes per rank
+        raw = os.path.join(root, f"raw_rank{rank}.bin")
+        before = barrier_then_time(lambda: _raw_write(raw, rank_bytes, block))
+        os.remove(raw)
         run.iteration = 10 * repeat + 1
         configs.checkpoint.async_save = False
         rss = _reset_peak_rss()
@@ -222,21 +236,21 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         record["rank_data_bytes"] = sum(os.path.getsize(f) for f in own)
         dist.barrier()
         record["checkpoint_bytes"] = sum(os.path.getsize(f) for f in _files_under(path))
-
-        # -- the raw disk, the same bytes per rank
-        raw = os.path.join(root, f"raw_rank{rank}.bin")
-        record["raw_write_s"] = barrier_then_time(
-            lambda: _raw_write(raw, record["rank_data_bytes"], block))
-        record["raw_read_s"] = barrier_then_time(lambda: _raw_read(raw))
+        after = barrier_then_time(lambda: _raw_write(raw, rank_bytes, block))
+        record["raw_write_s"] = (before + after) / 2
+        record["fresh_read_s"] = barrier_then_time(lambda: _raw_read(raw))
         os.remove(raw)
 
-        # -- load the sync save, from the disk
+        # -- load the sync save, from the disk, between two plain reads of the same files
         expected = [p.detach().clone() for p in params[:2]]
         total = float(sum(p.detach().float().sum() for p in params))
         with torch.no_grad():
             for p in params:
                 p.zero_()
+        before = barrier_then_time(lambda: _raw_read(*sorted(own)))
         record["load_s"] = barrier_then_time(lambda: checkpointing.load(run))
+        after = barrier_then_time(lambda: _raw_read(*sorted(own)))
+        record["raw_read_s"] = (before + after) / 2
         assert all(torch.equal(p, e) for p, e in zip(params, expected)), "load differs"
         assert float(sum(p.detach().float().sum() for p in params)) == total, "load differs"
 
@@ -305,7 +319,8 @@ def _training_main(args) -> None:
                "checkpoint_mb": checkpoint_mb, "data_files_mb": data_mb, "repeats": repeats,
                "step_seconds": args.step_seconds}
     for key, megabytes in (("sync_s", checkpoint_mb), ("raw_write_s", data_mb),
-                           ("raw_read_s", data_mb), ("load_s", checkpoint_mb),
+                           ("raw_read_s", data_mb), ("fresh_read_s", data_mb),
+                           ("load_s", checkpoint_mb),
                            ("async_total_s", checkpoint_mb),
                            ("async_write_s", checkpoint_mb)):
         times = per_repeat(key)
@@ -348,8 +363,10 @@ def _training_main(args) -> None:
           + "  (call to published)")
     print(line("  its write", "async_write_s", summary["async_write_vs_raw_write"])
           + "  (staged to written)")
-    print(line("raw read", "raw_read_s"))
+    print(line("raw read", "raw_read_s") + "  (the checkpoint's files, before and after "
+          "the load)")
     print(line("load", "load_s", summary["load_vs_raw_read"]))
+    print(line("  fresh read", "fresh_read_s") + "  (the raw write's file, just written)")
     blocked = summary["async_blocked_s"]
     print(f"  async blocks the loop {blocked['median']:.3f} s = "
           f"{100 * summary['async_blocked_fraction_of_sync']:.1f}% of a sync save (call "

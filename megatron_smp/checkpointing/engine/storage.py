@@ -105,8 +105,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
+# The bytes of the last .metadata read and what they unpickled to: a load reads the file up to
+# three times (the saved keys, the checks, DCP's planning) and unpickling a large model's takes
+# ~60 ms; the same bytes give the same (never modified) Metadata.
+_metadata_cache: Optional[Tuple[bytes, Metadata]] = None
+
+
 def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
     """Unpickle `checkpoint_dir/.metadata` allowing only DCP's metadata classes."""
+    global _metadata_cache
     path = os.path.join(os.fspath(checkpoint_dir), METADATA_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(
@@ -114,7 +121,10 @@ def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
         )
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            data = f.read()
+        if _metadata_cache is not None and _metadata_cache[0] == data:
+            return _metadata_cache[1]
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:
         raise CheckpointError(
             f"{path} is truncated or corrupted and cannot be read ({type(error).__name__}: "
@@ -122,6 +132,7 @@ def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
         ) from error
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    _metadata_cache = (data, metadata)
     return metadata
 
 
@@ -268,9 +279,12 @@ class _ChecksummingStream(io.RawIOBase):
         return True
 
     def write(self, data) -> int:
-        written = self.raw.write(data)
         view = memoryview(data).cast("B")
-        self._crc = crc32(view[:written] if written < view.nbytes else view, self._crc)
+        if view.nbytes > _READ_BLOCK:
+            written, self._crc = _write_and_checksum(self.raw, view, self._crc)
+        else:
+            written = self.raw.write(view)
+            self._crc = crc32(view[:written] if written < view.nbytes else view, self._crc)
         self.position += written
         if _sync_file_range is not None and \
                 self.position - self._written_back >= WRITEBACK_BYTES:
@@ -516,28 +530,42 @@ _DIRECT_READ_MIN_BYTES = 1 << 20
 _READ_BLOCK = 4 << 20
 
 
-_reader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _io_worker() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that reads or writes one block while the caller checksums another."""
+    global _worker
+    if _worker is None:
+        _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
+    return _worker
+
+
+def _forget_worker() -> None:
+    global _worker
+    _worker = None  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _read_and_checksum(file, destination: memoryview, size: int, crc: int) -> Tuple[int, int]:
     """Read up to `size` bytes from `file` into `destination`, block by block; (CRC-32 of
     them continuing `crc`, bytes read). A worker thread reads the next block while this one
     is checksummed, still in the CPU's cache (both calls release the GIL)."""
-    global _reader
     if size <= _READ_BLOCK:
         count = file.readinto(destination[:size]) or 0
         return crc32(destination[:count], crc), count
-    if _reader is None:
-        _reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-read")
     read = 0
-    pending = _reader.submit(file.readinto, destination[:_READ_BLOCK])
+    pending = _io_worker().submit(file.readinto, destination[:_READ_BLOCK])
     while pending is not None:
         count = pending.result() or 0
         start = read
         read += count
         pending = None
         if count and read < size:
-            pending = _reader.submit(file.readinto, destination[read:min(read + _READ_BLOCK,
+            pending = _io_worker().submit(file.readinto, destination[read:min(read + _READ_BLOCK,
                                                                             size)])
         try:
             crc = crc32(destination[start:read], crc)
@@ -546,6 +574,23 @@ def _read_and_checksum(file, destination: memoryview, size: int, crc: int) -> Tu
                 pending.result()  # the file's position stays with this thread's reads
             raise
     return crc, read
+
+
+def _write_and_checksum(file, data: memoryview, crc: int) -> Tuple[int, int]:
+    """Write `data` block by block; (bytes written, CRC-32 of them continuing `crc`). A
+    worker thread writes each block while this one checksums it (both release the GIL)."""
+    written = 0
+    while written < data.nbytes:
+        block = data[written:written + _READ_BLOCK]
+        pending = _io_worker().submit(file.write, block)
+        try:
+            block_crc = crc32(block, crc)
+        finally:
+            count = pending.result() or 0
+        if count < block.nbytes:  # a short write: the CRC of what was written
+            return written + count, crc32(block[:count], crc)
+        written, crc = written + count, block_crc
+    return written, crc
 
 
 def _read_into(file, info, expected_crc: int, path: str, request, target,

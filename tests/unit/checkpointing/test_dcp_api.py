@@ -223,6 +223,30 @@ def test_metadata_unpickler_refuses_code(tmp_path):
         read_dcp_metadata(str(tmp_path))
 
 
+def test_metadata_is_unpickled_once_per_content(tmp_path, monkeypatch):
+    """A load reads .metadata three times: the same bytes unpickle once; other bytes (a newer
+    checkpoint, or the same file damaged in place) are read afresh."""
+    from megatron_smp.checkpointing.engine import CheckpointError, read_dcp_metadata, save
+    from megatron_smp.checkpointing.engine import storage
+
+    for name, size in (("a", 4), ("b", 5)):
+        save({"w": torch.arange(size, dtype=torch.float32)}, checkpoint_id=str(tmp_path / name))
+    unpickled = []
+    real = storage._MetadataUnpickler.load
+    monkeypatch.setattr(storage._MetadataUnpickler, "load",
+                        lambda self: unpickled.append(1) or real(self))
+    first = read_dcp_metadata(str(tmp_path / "a"))
+    assert read_dcp_metadata(str(tmp_path / "a")) is first and len(unpickled) == 1
+    other = read_dcp_metadata(str(tmp_path / "b"))
+    assert list(other.state_dict_metadata["w"].size) == [5] and len(unpickled) == 2
+    path = tmp_path / "b" / ".metadata"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = b"\xff" * (len(data) - len(data) // 2)  # same size, damaged
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+        read_dcp_metadata(str(tmp_path / "b"))
+
+
 def test_item_checksums_direct_reads_and_first_format_sidecars(tmp_path, monkeypatch):
     """Each item's CRC-32 is taken while it is written (the file is not read back); a large
     tensor loaded whole is read from the disk into its destination, a part of it (another
