@@ -9,9 +9,9 @@ from __future__ import annotations
 import ctypes
 import os
 import zlib
+from typing import Optional
 
 import numpy
-from typing import Optional
 
 from megatron_smp import native
 

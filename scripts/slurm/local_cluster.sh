@@ -73,8 +73,9 @@ if command -v sinfo >/dev/null && node_idle; then
   if [ "$(node_cpus)" = "$(hw_cpus)" ]; then
     # Up: bring an older configuration of this script's up to date (SchedulerParameters and
     # the like take effect on reconfigure; the node's CPUs and memory are unchanged).
-    if ! conf | cmp -s - /etc/slurm/slurm.conf; then
-      conf > /etc/slurm/slurm.conf && scontrol reconfigure >/dev/null 2>&1 \
+    wanted=$(conf)
+    if [ "$wanted" != "$(cat /etc/slurm/slurm.conf 2>/dev/null)" ]; then
+      printf '%s\n' "$wanted" > /etc/slurm/slurm.conf && scontrol reconfigure >/dev/null 2>&1 \
         || say "could not reconfigure the running SLURM with the new /etc/slurm/slurm.conf"
     fi
     exit 0

@@ -211,7 +211,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     warm = os.path.join(root, f"raw_rank{rank}.bin")
     settle()
     rank_bytes = sum(os.path.getsize(f) for f in _files_under(checkpoint_dir(save_dir, 0))
-                     if os.path.basename(f).startswith(f"__{rank}_"))  # each save's, to bytes
+                     if os.path.basename(f).startswith(f"__{rank}_"))  # a save's, within bytes
     _raw_write(warm, rank_bytes, block)
     os.remove(warm)
     dist.barrier()

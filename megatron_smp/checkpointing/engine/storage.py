@@ -28,15 +28,14 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
-import gc
 import dataclasses
+import gc
 import io
 import json
 import os
 import pathlib
 import pickle
 import time
-
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -280,7 +279,7 @@ class _ChecksummingStream(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes > _READ_BLOCK:
+        if view.nbytes > _IO_BLOCK:
             written, self._crc = _write_and_checksum(self.raw, view, self._crc)
         else:
             written = self.raw.write(view)
@@ -527,7 +526,9 @@ class _FileRange(io.RawIOBase):
 
 # Smaller tensor items are decoded from memory: the direct read saves little on them.
 _DIRECT_READ_MIN_BYTES = 1 << 20
-_READ_BLOCK = 4 << 20
+# Large reads and writes go in blocks of this size, each checksummed while the I/O thread moves
+# the next (reads) or this one (writes).
+_IO_BLOCK = 4 << 20
 
 
 _worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -554,18 +555,18 @@ def _read_and_checksum(file, destination: memoryview, size: int, crc: int) -> Tu
     """Read up to `size` bytes from `file` into `destination`, block by block; (CRC-32 of
     them continuing `crc`, bytes read). A worker thread reads the next block while this one
     is checksummed, still in the CPU's cache (both calls release the GIL)."""
-    if size <= _READ_BLOCK:
+    if size <= _IO_BLOCK:
         count = file.readinto(destination[:size]) or 0
         return crc32(destination[:count], crc), count
     read = 0
-    pending = _io_worker().submit(file.readinto, destination[:_READ_BLOCK])
+    pending = _io_worker().submit(file.readinto, destination[:_IO_BLOCK])
     while pending is not None:
         count = pending.result() or 0
         start = read
         read += count
         pending = None
         if count and read < size:
-            pending = _io_worker().submit(file.readinto, destination[read:min(read + _READ_BLOCK,
+            pending = _io_worker().submit(file.readinto, destination[read:min(read + _IO_BLOCK,
                                                                             size)])
         try:
             crc = crc32(destination[start:read], crc)
@@ -581,7 +582,7 @@ def _write_and_checksum(file, data: memoryview, crc: int) -> Tuple[int, int]:
     worker thread writes each block while this one checksums it (both release the GIL)."""
     written = 0
     while written < data.nbytes:
-        block = data[written:written + _READ_BLOCK]
+        block = data[written:written + _IO_BLOCK]
         pending = _io_worker().submit(file.write, block)
         try:
             block_crc = crc32(block, crc)
