@@ -339,6 +339,10 @@ class TransformerConfig:
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    # Linear layers add their weight grad straight into the DDP's fp32 main grad (Megatron's
+    # gradient-accumulation fusion, torch-native: `main_grad.addmm_`), no weight-sized
+    # temporary and no separate accumulation pass. Only where the weight has a main grad.
+    gradient_accumulation_fusion: bool = True
     init_method_std: float = 0.02
     # Megatron scales the init of output projections by 1/sqrt(2 * num_layers).
     use_scaled_init_method: bool = True

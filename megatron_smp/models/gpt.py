@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
 from megatron_smp.context_parallel import core_attention_spec, local_positions
@@ -33,7 +32,7 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.tensor_parallel.random import dropout, get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
 from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
@@ -120,9 +119,9 @@ class LanguageModelEmbedding(torch.nn.Module):
         if self.training and self.dropout > 0.0:
             if self.sequence_parallel:  # each rank holds a different shard
                 with get_rng_tracker().fork():
-                    embeddings = F.dropout(embeddings, self.dropout, training=True)
+                    embeddings = dropout(embeddings, self.dropout)
             else:
-                embeddings = F.dropout(embeddings, self.dropout, training=True)
+                embeddings = dropout(embeddings, self.dropout)
         return embeddings
 
 

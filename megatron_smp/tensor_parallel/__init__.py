@@ -20,6 +20,7 @@ from megatron_smp.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     checkpoint,
+    dropout,
     get_rng_tracker,
     model_parallel_seed,
 )
@@ -33,6 +34,7 @@ from megatron_smp.tensor_parallel.utils import (
 )
 
 __all__ = [
+    "dropout",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -1,7 +1,7 @@
 """Tensor-parallel linear and embedding layers.
 
 Each layer is a thin module over one communication function (`mappings`, or for the column
-layer `_ColumnParallelLinearFunction`, which fuses the input's communication with the matmul
+layer `_LinearFunction`, which fuses the input's communication with the matmul
 so the sequence-parallel gather need not be kept for backward):
 
 * `ColumnParallelLinear`  Y = X A^T with A split along its output rows: Y is split along
@@ -86,22 +86,33 @@ def _mark_expert(module: torch.nn.Module, is_expert: bool) -> None:
         param.allreduce = not is_expert
 
 
-class _ColumnParallelLinearFunction(torch.autograd.Function):
-    """output = x W^T + b for a column-parallel weight, with the input communication fused in.
+class _LinearFunction(torch.autograd.Function):
+    """output = x W^T + b, with the column layer's input communication fused in and, given
+    `main_grad`, Megatron's gradient-accumulation fusion.
 
-    Without sequence parallelism x [s, b, h] is replicated; backward all-reduces its grad
-    (the conjugate of a copy), overlapped with the weight-grad product.
-    With sequence parallelism x is this rank's shard [s/tp, b, h]; forward all-gathers it,
-    and only the shard is kept for backward, which re-gathers it (overlapped with the
-    input-grad product) and reduce-scatters the input grad (overlapped with the weight grad).
-    This keeps 1/tp of the gathered activation alive between forward and backward.
+    `group` None: no communication (one rank, or a row-parallel layer, whose output is
+    reduced outside). Column-parallel without sequence parallelism: x [s, b, h] is
+    replicated; backward all-reduces its grad (the conjugate of a copy), overlapped with the
+    weight-grad product. With sequence parallelism x is this rank's shard [s/tp, b, h];
+    forward all-gathers it, and only the shard is kept for backward, which re-gathers it
+    (overlapped with the input-grad product) and reduce-scatters the input grad (overlapped
+    with the weight grad). This keeps 1/tp of the gathered activation alive between forward
+    and backward.
+
+    `main_grad` (the weight's fp32 grad buffer view under our DDP, --gradient-accumulation-
+    fusion): the weight-grad product is added straight into it (`addmm_`, no weight-sized
+    temporary, no separate accumulation pass) and the weight's autograd grad is None. The
+    weight's post-accumulate hook still runs once every consumer's backward is done (also when
+    every grad it receives is None), so DDP's readiness is unchanged, and a tied weight's
+    other grads (the embedding's) still arrive in `.grad` and are added by the hook.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad):
         ctx.group = group
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
+        ctx.main_grad = main_grad
         ctx.save_for_backward(x, weight)
         total_input = _gather_sequence(x, group)[0] if sequence_parallel else x
         return F.linear(total_input, weight, bias)
@@ -110,7 +121,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         group = ctx.group
-        gather_handle = None
+        gather_handle = reduce_handle = None
         if ctx.sequence_parallel:
             total_input, gather_handle = _gather_sequence(x, group, async_op=True)
         else:
@@ -118,25 +129,44 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         # Under autocast forward computed in a lower precision than the saved tensors hold:
         # do the backward products in the gradient's dtype too.
         compute_dtype = grad_output.dtype
-        grad_input = grad_output.matmul(weight.to(compute_dtype))
+        grad_input = None
+        if ctx.needs_input_grad[0] or group is not None:
+            grad_input = grad_output.matmul(weight.to(compute_dtype))
         if gather_handle is not None:
             gather_handle.wait()
-        if ctx.sequence_parallel:
-            grad_input, reduce_handle = _reduce_scatter_sequence(grad_input, group)
-        else:
-            grad_input = grad_input.contiguous()
-            reduce_handle = dist.all_reduce(grad_input, group=group, async_op=True)
+        if group is not None:
+            if ctx.sequence_parallel:
+                grad_input, reduce_handle = _reduce_scatter_sequence(grad_input, group)
+            else:
+                grad_input = grad_input.contiguous()
+                reduce_handle = dist.all_reduce(grad_input, group=group, async_op=True)
         grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:  # a frozen weight needs no product
             total_input_2d = total_input.reshape(-1, total_input.shape[-1]).to(compute_dtype)
-            grad_weight = grad_output_2d.t().matmul(total_input_2d).to(weight.dtype)
+            main_grad = ctx.main_grad
+            if main_grad is None:
+                grad_weight = grad_output_2d.t().matmul(total_input_2d).to(weight.dtype)
+            elif main_grad.dtype == compute_dtype:
+                main_grad.addmm_(grad_output_2d.t(), total_input_2d)
+            else:  # bf16/fp16 products into fp32 main grads: one add, no autograd grad
+                main_grad.add_(grad_output_2d.t().matmul(total_input_2d))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output_2d.sum(dim=0)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(weight.dtype)
-        reduce_handle.wait()
-        return grad_input.to(x.dtype), grad_weight, grad_bias, None, None
+            grad_bias = grad_output_2d.sum(dim=0).to(weight.dtype)
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        if grad_input is not None:
+            grad_input = grad_input.to(x.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _fusion_target(weight: torch.Tensor, enabled: bool) -> Optional[torch.Tensor]:
+    """The `main_grad` a linear layer accumulates its weight grad into (Megatron's
+    --gradient-accumulation-fusion), or None: fusion off, no grad wanted, or no main grad
+    (not wrapped by our DDP, e.g. FSDP2 or a bare module)."""
+    if not enabled or not weight.requires_grad or not torch.is_grad_enabled():
+        return None
+    return getattr(weight, "main_grad", None)
 
 
 def _gather_sequence(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
@@ -201,6 +231,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.stride = stride
         self.is_expert = is_expert
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.sequence_parallel = (
             config.sequence_parallel if sequence_parallel is None else sequence_parallel
         ) and self.tp_size > 1
@@ -266,11 +297,13 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
         bias = None if self.skip_bias_add else self.bias
-        if self.tp_size == 1:
+        main_grad = _fusion_target(weight, self.gradient_accumulation_fusion)
+        if self.tp_size == 1 and main_grad is None:
             output = F.linear(x, weight, bias)
         else:
-            output = _ColumnParallelLinearFunction.apply(
-                x, weight, bias, self.tp_group, self.sequence_parallel
+            output = _LinearFunction.apply(
+                x, weight, bias, self.tp_group if self.tp_size > 1 else None,
+                self.sequence_parallel, main_grad,
             )
         if self.lora is not None:
             output = output + self.lora(x)
@@ -331,6 +364,7 @@ class RowParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.stride = stride
         self.is_expert = is_expert
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.sequence_parallel = (
             config.sequence_parallel if sequence_parallel is None else sequence_parallel
         ) and self.tp_size > 1
@@ -376,7 +410,11 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        main_grad = _fusion_target(self.weight, self.gradient_accumulation_fusion)
+        if main_grad is None:
+            partial = F.linear(x, self.weight)
+        else:
+            partial = _LinearFunction.apply(x, self.weight, None, None, False, main_grad)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -29,7 +29,7 @@ from megatron_smp.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.tensor_parallel.random import dropout, get_rng_tracker
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -81,8 +81,8 @@ class LoRAAdapter(torch.nn.Module):
         if self.parallel_mode == "row" or self.sequence_parallel:
             # Each TP rank holds different activations: draw from the TP-rank stream.
             with get_rng_tracker().fork():
-                return F.dropout(x, self.dropout, training=True)
-        return F.dropout(x, self.dropout, training=True)  # replicated: the same mask
+                return dropout(x, self.dropout)
+        return dropout(x, self.dropout)  # replicated: the same mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(self._dropout(x), self.lora_A)

@@ -18,6 +18,7 @@ import contextlib
 from typing import Any, Dict, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron_smp.tensor_parallel.mappings import (
     ProcessGroup,
@@ -463,8 +464,41 @@ class CheckpointWithoutOutput:
         self.ctx = None
 
 
+class _CpuDropout(torch.autograd.Function):
+    """x * mask / (1 - p), the mask drawn as uniform >= p. ATen's CPU dropout draws its mask
+    with `bernoulli_`, about twice the time of `rand` for the same tensor (3.7 against 1.9 ms
+    for 4 x 8 x 128 x 128 fp32, one thread); the kept fraction is the same, 1 - p."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        scale = torch.rand(x.shape, dtype=torch.float32, device=x.device).ge_(p)
+        if x.dtype != scale.dtype:
+            scale = scale.to(x.dtype)
+        scale.mul_(1.0 / (1.0 - p))
+        ctx.save_for_backward(scale)  # what F.dropout keeps too: one x-sized mask
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (scale,) = ctx.saved_tensors
+        return grad_output * scale, None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """`F.dropout(x, p, training)`, drawn from the current default generator of x's device
+    (so `get_rng_tracker().fork()` and recompute's state restore apply as to F.dropout). On
+    the CPU the mask comes from `rand` (`_CpuDropout`), elsewhere from F.dropout's kernel (a
+    fused one on CUDA)."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or not 0.0 < p < 1.0 or not x.is_floating_point():
+        return F.dropout(x, p, training=True)
+    return _CpuDropout.apply(x, p)
+
+
 __all__ = [
     "CheckpointWithoutOutput",
+    "dropout",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "expert_parallel_stream_seed",

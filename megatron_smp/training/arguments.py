@@ -160,6 +160,10 @@ _FLAGS: List[_Flag] = [
        "(gpt-oss's swiglu_limit, 7)"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
+    _f("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion",
+       action="store_false",
+       help="linear layers return their weight grads to autograd, which the DDP hook then "
+            "adds to the fp32 main grads, instead of adding them there themselves"),
     _f("--attention-dropout", "model", type=float, default=0.1),
     _f("--disable-bias-linear", None, "disable_bias_linear", action="store_true"),
     _f("--add-qkv-bias", "model", action="store_true"),
@@ -467,8 +471,6 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--no-bias-dropout-fusion": "kernel fusion choice",
     "--no-rope-fusion": "kernel fusion choice",
     "--no-persist-layer-norm": "kernel choice of Apex's layer norm",
-    "--no-gradient-accumulation-fusion": "kernel fusion choice (grads accumulate into fp32 "
-                                         "main grads either way)",
     "--no-async-tensor-model-parallel-allreduce": "communication overlap choice",
     "--use-cpu-initialization": "master weights are always drawn on the CPU (so they do not "
                                 "depend on the layout), then moved to the device",

@@ -10,7 +10,9 @@ Core attention is `torch.nn.functional.scaled_dot_product_attention`, called so 
 runs the flash or memory-efficient kernel, never the math one (`sdpa_plan`: grouped k/v are
 repeated to the query heads where flash cannot take the call), and a fused CPU kernel
 otherwise; it sees `[b, n, s, d]` views, never materialises the attention probabilities
-itself, and uses `is_causal` when no explicit mask is given.
+itself, and uses `is_causal` when no explicit mask is given. One exception: causal attention
+with dropout on the CPU, where no fused kernel exists and SDPA's math fallback does more work
+than the product itself (`_causal_attention_with_dropout_cpu`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     divide,
+    dropout,
     init_method_normal,
     scaled_init_method_normal,
 )
@@ -277,8 +280,28 @@ def _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale):
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
+        probs = dropout(probs, dropout_p)
     return torch.matmul(probs.to(value.dtype), value)
+
+
+def _causal_attention_with_dropout_cpu(query, key, value, dropout_p, scale):
+    """Causal attention with dropout on the CPU, q/k [b, nq or nkv, s, d], v [b, nkv, s, dv].
+
+    SDPA has no fused CPU kernel with dropout and falls back to its math path, which also
+    builds the causal mask, scales q and k separately, and guards its softmax against fully
+    masked rows with full-size checks (no causal row is fully masked). This is the same
+    arithmetic in three products and a softmax, with `dropout`'s CPU mask.
+    """
+    b, n, s, d = query.shape
+    if key.shape[1] != n:
+        key, value = _repeat_kv(key, value, n)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    future = torch.full((s, s), float("-inf"), dtype=query.dtype, device=query.device).triu_(1)
+    scores = torch.baddbmm(future.expand(b * n, s, s), query.reshape(b * n, s, d),
+                           key.reshape(b * n, s, d).transpose(1, 2), alpha=scale)
+    probs = dropout(torch.softmax(scores, dim=-1), dropout_p)
+    dv = value.shape[-1]  # MLA: other than d
+    return torch.bmm(probs, value.reshape(b * n, s, dv)).view(b, n, s, dv)
 
 
 def core_attention(
@@ -319,6 +342,9 @@ def core_attention(
         return _attention_with_sinks(query, key, value, sinks, mask, dropout_p, scale)
     gqa = query.shape[1] != key.shape[1]
     masked = attention_mask is not None or bias is not None
+    if (dropout_p > 0.0 and causal and not masked and query.device.type == "cpu"
+            and query.dtype == torch.float32 and query.shape[-2] == key.shape[-2]):
+        return _causal_attention_with_dropout_cpu(query, key, value, dropout_p, scale)
     plan = sdpa_plan(query.device.type, query.dtype, query.shape[-1], gqa, masked,
                      _capability(query.device))
     if gqa and plan.expand_kv:

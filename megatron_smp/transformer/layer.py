@@ -10,13 +10,13 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.tensor_parallel.random import (
     CheckpointWithoutOutput,
     checkpoint,
+    dropout,
     get_rng_tracker,
 )
 from megatron_smp.transformer.attention import (
@@ -104,7 +104,7 @@ class TransformerLayer(torch.nn.Module):
         if not self.training or self.hidden_dropout == 0.0:
             return x
         with self._dropout_rng():
-            return F.dropout(x, p=self.hidden_dropout, training=True)
+            return dropout(x, self.hidden_dropout)
 
     def forward(
         self,
