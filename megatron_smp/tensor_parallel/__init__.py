@@ -34,7 +34,6 @@ from megatron_smp.tensor_parallel.utils import (
 )
 
 __all__ = [
-    "dropout",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -51,6 +50,7 @@ __all__ = [
     "MODEL_PARALLEL_RNG",
     "RNGStatesTracker",
     "checkpoint",
+    "dropout",
     "get_rng_tracker",
     "model_parallel_seed",
     "divide",

@@ -22,7 +22,9 @@ activation dtype,
                                        dense MLP 2 f (4 f gated)
                                        MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
                                        token of the whole sequence (gathered over TP)
-    CPU math attention (dropout > 0):  13 bytes per score a s_q s_k
+    CPU attention with dropout:        12 bytes per score a s_q s_k (fp32: probabilities,
+                                       dropout mask, dropped probabilities), 13.5 in
+                                       bf16/fp16 (SDPA's math fallback)
 
 then selective recompute removes what it recomputes (`core_attn`: the log-sum-exp and the
 scores; `mlp`: the dense MLP; `layernorm`: 3 h), full recompute keeps one layer input per
@@ -31,7 +33,10 @@ meets the logits); the first/last stage add the embedding and the output layer's
 logits. A pipeline rank holds `in_flight` micro-batches
 (1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
 peak adds the transient logits and cross-entropy buffers of one micro-batch and one
-parameter's gradient. Not modelled: communication buffers, the allocator's fragmentation,
+parameter's gradient: the largest one autograd materialises (with gradient-accumulation fusion
+a linear layer's weight grad goes straight into the main grad: none), or with FSDP2 one
+gathered unit with its unsharded grads, which only exist in that unit's backward, after the
+loss buffers are gone. Not modelled: communication buffers, the allocator's fragmentation,
 the CUDA context, all_gather CP's gathered keys/values, and the fp32 copies of q/k/v the
 context-parallel attention of a bf16 model makes.
 """
@@ -48,9 +53,11 @@ import torch.distributed as dist
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
-# Bytes per attention score element the CPU math path keeps for backward when attention
-# dropout is on (fp32 scores, fp32 probabilities, the dropped probabilities, a bool mask).
-CPU_MATH_BYTES_PER_SCORE = 13
+# Bytes per attention score element CPU attention keeps for backward when attention dropout
+# is on, measured with saved-tensor hooks: fp32 (transformer.attention's own path): the
+# probabilities, the dropout's scale mask and the dropped probabilities; bf16 / fp16 (SDPA's
+# math fallback): 13.5; other widths: three score-sized tensors.
+CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE = {4: 12.0, 2: 13.5}
 
 
 @contextlib.contextmanager
@@ -81,6 +88,9 @@ class StageCount:
     expert_numel: int = 0  # trainable, grads reduced over expert-data-parallel (dp x cp / ep)
     fsdp_shard_numel: int = 0  # trainable numel one FSDP2 shard holds (rows padded)
     largest_param_numel: int = 0
+    # The largest whose grad autograd materialises: not a linear weight under
+    # --gradient-accumulation-fusion (those add into the main grad in place)
+    largest_unfused_numel: int = 0
     largest_unit_numel: int = 0  # the largest transformer layer (FSDP2's gather unit)
     chunks: List[dict] = field(default_factory=list)  # per chunk: layers, pre/post
 
@@ -147,6 +157,13 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
                                          device=torch.device("meta"), **stage))
             count.chunks.append({"pre": pre, "post": post,
                                  "moe": _layer_kinds(configs.model, offset, num_layers)})
+    from megatron_smp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    fused = set()
+    if configs.model.gradient_accumulation_fusion and not parallel.use_torch_fsdp2:
+        fused = {id(m.weight) for chunk in chunks for m in chunk.modules()
+                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                 and m.weight is not None}
     seen = set()
     for chunk in chunks:
         for param in chunk.parameters():
@@ -156,6 +173,8 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
             numel = param.numel()
             count.param_bytes += numel * param.element_size()
             count.largest_param_numel = max(count.largest_param_numel, numel)
+            if id(param) not in fused:
+                count.largest_unfused_numel = max(count.largest_unfused_numel, numel)
             if not param.requires_grad:
                 continue
             if is_expert_param(param):
@@ -205,7 +224,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     if "core_attn" not in modules:
         parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
         if device_type == "cpu" and m.attention_dropout > 0:
-            parts["core_attention"] += (CPU_MATH_BYTES_PER_SCORE * a * tokens
+            parts["core_attention"] += (CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE.get(p, 3.0 * p) * a
+                                        * tokens
                                         * (seq_length // cp) / tp)
     gated = 2 if m.gated_linear_unit else 1
     if moe:
@@ -392,11 +412,12 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
         if any(c["post"] for c in stage.chunks):
             logits = tokens * vocab / tp * (p + 4)  # logits, fp32 copy for the loss
         if parallel.use_torch_fsdp2:
-            # One gathered unit and its unsharded grads (which include the largest grad).
-            transient = stage.largest_unit_numel * (p + 4)
+            # One gathered unit, and its unsharded grads during its own backward, which
+            # starts after the root's (output layer, loss) has freed the logits' buffers.
+            unit = stage.largest_unit_numel
+            transient = unit * p + max(unit * 4, logits, recompute_peak)
         else:
-            transient = stage.largest_param_numel * grad_bytes
-        transient += max(logits, recompute_peak)
+            transient = stage.largest_unfused_numel * grad_bytes + max(logits, recompute_peak)
         ranks.append(RankMemory(stage.pp_rank, params, grads, int(optimizer), per_microbatch,
                                 in_flight, activations, transient))
     layout = f"TP{tp} PP{pp} CP{cp} DP{dp} EP{ep}"

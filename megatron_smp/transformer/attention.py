@@ -290,7 +290,7 @@ def _causal_attention_with_dropout_cpu(query, key, value, dropout_p, scale):
     SDPA has no fused CPU kernel with dropout and falls back to its math path, which also
     builds the causal mask, scales q and k separately, and guards its softmax against fully
     masked rows with full-size checks (no causal row is fully masked). This is the same
-    arithmetic in three products and a softmax, with `dropout`'s CPU mask.
+    arithmetic in two batched products and a softmax, with `dropout`'s CPU mask.
     """
     b, n, s, d = query.shape
     if key.shape[1] != n:
