@@ -224,9 +224,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     if "core_attn" not in modules:
         parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
         if device_type == "cpu" and m.attention_dropout > 0:
-            parts["core_attention"] += (CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE.get(p, 3.0 * p) * a
-                                        * tokens
-                                        * (seq_length // cp) / tp)
+            per_score = CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE.get(p, 3.0 * p)
+            parts["core_attention"] += per_score * a * tokens * (seq_length // cp) / tp
     gated = 2 if m.gated_linear_unit else 1
     if moe:
         # The dispatchers gather the sequence-parallel shards over TP first: every TP rank
