@@ -10,8 +10,8 @@ Used by the tests and the CPU benchmarks:
 
 Children are forked from a forkserver that has imported torch, megatron_smp and
 transformers once (fast start, and no thread pool inherited), run with one thread each, join
-a per-call file store (no port races), and get a collective timeout. The parent waits at most `timeout` seconds, then
-kills every child and raises.
+a per-call file store (no port races), and get a collective timeout. The parent waits at
+most `timeout` seconds, then kills every child and raises.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from megatron_smp.tensor_parallel.mappings import (
     group_rank,
     group_size,
 )
-from megatron_smp.tensor_parallel.random import get_rng_tracker
+from megatron_smp.tensor_parallel.random import dropout_scale, get_rng_tracker
 from megatron_smp.transformer.attention import (
     DotProductAttention,
     alibi_bias,
@@ -197,10 +197,10 @@ def _dropout_masks(dropout_p: float, rng_states):
         current = tracker.get_states()
         tracker.set_states(draw.states)
         with tracker.fork():
-            keep = torch.rand(like.shape, dtype=like.dtype, device=like.device) >= dropout_p
+            scale = dropout_scale(like, dropout_p, like.dtype)
         draw.states = tracker.get_states()
         tracker.set_states(current)
-        return keep.to(like.dtype) / (1.0 - dropout_p)
+        return scale
 
     draw.states = rng_states
     return draw

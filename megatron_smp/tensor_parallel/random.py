@@ -464,17 +464,24 @@ class CheckpointWithoutOutput:
         self.ctx = None
 
 
+def dropout_scale(like: torch.Tensor, p: float,
+                  draw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A dropout mask of `like`'s shape, dtype and device, scaled: 1 / (1 - p) where a uniform
+    draw (in `draw_dtype`, from the current default generator) is >= p, else 0."""
+    scale = torch.rand(like.shape, dtype=draw_dtype, device=like.device).ge_(p)
+    if scale.dtype != like.dtype:
+        scale = scale.to(like.dtype)
+    return scale.mul_(1.0 / (1.0 - p))
+
+
 class _CpuDropout(torch.autograd.Function):
-    """x * mask / (1 - p), the mask drawn as uniform >= p. ATen's CPU dropout draws its mask
-    with `bernoulli_`, about twice the time of `rand` for the same tensor (3.7 against 1.9 ms
-    for 4 x 8 x 128 x 128 fp32, one thread); the kept fraction is the same, 1 - p."""
+    """x * `dropout_scale(x, p)`. ATen's CPU dropout draws its mask with `bernoulli_`, about
+    twice the time of `rand` for the same tensor (3.7 against 1.9 ms for 4 x 8 x 128 x 128
+    fp32, one thread); the kept fraction is the same, 1 - p."""
 
     @staticmethod
     def forward(ctx, x, p):
-        scale = torch.rand(x.shape, dtype=torch.float32, device=x.device).ge_(p)
-        if x.dtype != scale.dtype:
-            scale = scale.to(x.dtype)
-        scale.mul_(1.0 / (1.0 - p))
+        scale = dropout_scale(x, p)
         ctx.save_for_backward(scale)  # what F.dropout keeps too: one x-sized mask
         return x * scale
 
@@ -499,6 +506,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
 __all__ = [
     "CheckpointWithoutOutput",
     "dropout",
+    "dropout_scale",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "expert_parallel_stream_seed",

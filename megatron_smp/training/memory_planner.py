@@ -141,6 +141,7 @@ def count_stages(configs, world_size: int, model_provider: Callable) -> List[Sta
 def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per_stage,
                  shard) -> StageCount:
     """One pipeline rank's chunks built on meta (at tp = cp = dp = 0 of the stage), counted."""
+    from megatron_smp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron_smp.tensor_parallel.utils import is_expert_param
 
     pp = len(layout)
@@ -157,8 +158,6 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
                                          device=torch.device("meta"), **stage))
             count.chunks.append({"pre": pre, "post": post,
                                  "moe": _layer_kinds(configs.model, offset, num_layers)})
-    from megatron_smp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     fused = set()
     if configs.model.gradient_accumulation_fusion and not parallel.use_torch_fsdp2:
         fused = {id(m.weight) for chunk in chunks for m in chunk.modules()

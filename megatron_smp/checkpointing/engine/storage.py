@@ -278,12 +278,8 @@ class _ChecksummingStream(io.RawIOBase):
         return True
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes > _IO_BLOCK:
-            written, self._crc = _write_and_checksum(self.raw, view, self._crc)
-        else:
-            written = self.raw.write(view)
-            self._crc = crc32(view[:written] if written < view.nbytes else view, self._crc)
+        written, self._crc = _write_and_checksum(self.raw, memoryview(data).cast("B"),
+                                                 self._crc)
         self.position += written
         if _sync_file_range is not None and \
                 self.position - self._written_back >= WRITEBACK_BYTES:
@@ -578,8 +574,12 @@ def _read_and_checksum(file, destination: memoryview, size: int, crc: int) -> Tu
 
 
 def _write_and_checksum(file, data: memoryview, crc: int) -> Tuple[int, int]:
-    """Write `data` block by block; (bytes written, CRC-32 of them continuing `crc`). A
-    worker thread writes each block while this one checksums it (both release the GIL)."""
+    """Write `data`; (bytes written, CRC-32 of them continuing `crc`). One block or less is
+    written here; more goes block by block, a worker thread writing each while this one
+    checksums it (both release the GIL)."""
+    if data.nbytes <= _IO_BLOCK:
+        written = file.write(data)
+        return written, crc32(data[:written] if written < data.nbytes else data, crc)
     written = 0
     while written < data.nbytes:
         block = data[written:written + _IO_BLOCK]
