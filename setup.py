@@ -23,6 +23,9 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    extras_require={"test": ["pytest", "tiktoken", "peft"], "tiktoken": ["tiktoken"],
+    # trl: the DPO tests compare our losses with its DPOTrainer's (the library never imports it).
+    extras_require={"test": ["pytest", "tiktoken", "peft",
+                             "trl==1.16.0"],
+                    "tiktoken": ["tiktoken"],
                     "peft": ["peft"]},
 )
