@@ -25,7 +25,7 @@ setup(
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
     # trl: the DPO tests compare our losses with its DPOTrainer's (the library never imports it).
     extras_require={"test": ["pytest", "tiktoken", "peft",
-                             "trl==1.16.0"],
+                             "trl"],
                     "tiktoken": ["tiktoken"],
                     "peft": ["peft"]},
 )
