@@ -198,6 +198,21 @@ class _Provenance:
         return Mode()
 
 
+def _without_clones():
+    """A TorchDispatchMode in which `clone` of a contiguous tensor returns it. The family adapters clone what
+    they return so that an HF state dict never aliases the model; the stream converts fresh
+    gathered tensors that nothing else holds, where a clone would only double the peak."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default and args[0].is_contiguous():
+                return args[0]  # (a strided input is still copied: callers may view it)
+            return func(*args, **(kwargs or {}))
+
+    return Mode()
+
+
 def trace_dependencies(convert: Callable, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
                        ) -> Dict[str, frozenset]:
     """{output name: the input names it is computed from} of `convert(state_dict)`, run once
@@ -347,7 +362,8 @@ def iter_hf_weights(model, state, config, family: str, lora: Optional[dict] = No
                          torch.empty(tensors.shapes[name][0], dtype=tensors.shapes[name][1],
                                      device="meta"))
                   for name in tensors.order}
-        outputs = convert(inputs)
+        with _without_clones():
+            outputs = convert(inputs)
         del inputs
         for name in list(outputs):
             deps = dependencies.get(name, frozenset())
