@@ -383,21 +383,22 @@ def iter_hf_weights(model, state, config, family: str, lora: Optional[dict] = No
 # -- offload / onload --------------------------------------------------------------------------
 
 def _offloadable(model, optimizer) -> List[torch.Tensor]:
-    """Distinct device storages of the params (and their contiguous buffers), grads and
-    optimizer state: one tensor per storage."""
+    """One tensor per device storage holding params (their contiguous buffers), grads or
+    optimizer state: the view's base where there is one, so that the whole storage moves."""
     seen, tensors = set(), []
 
     def add(tensor):
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
-        if hasattr(tensor, "to_local"):
+        if hasattr(tensor, "to_local"):  # an FSDP2 DTensor: its local shard
             tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr() if storage.nbytes() else id(storage)
-        if key in seen or storage.nbytes() == 0:
+        tensor = tensor.detach()
+        root = tensor._base if tensor._base is not None else tensor
+        storage = root.untyped_storage()
+        if storage.nbytes() == 0 or storage._cdata in seen:  # _cdata: the StorageImpl
             return
-        seen.add(key)
-        tensors.append(tensor)
+        seen.add(storage._cdata)
+        tensors.append(root)
 
     for chunk in _chunks(model):
         for buffer in getattr(chunk, "param_and_grad_buffers", []) or []:
@@ -409,47 +410,64 @@ def _offloadable(model, optimizer) -> List[torch.Tensor]:
             add(param.grad)
     if optimizer is not None:
         inner = getattr(optimizer, "optimizer", optimizer)
+        for group in getattr(inner, "param_groups", []):
+            for param in group["params"]:
+                add(param)  # the fp32 main params of the mixed-precision optimizers
+                add(param.grad)
         for per_param in inner.state.values():
             for value in per_param.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     add(value)
-        for group in getattr(inner, "param_groups", []):
-            for param in group["params"]:
-                add(param)  # fp32 main params of the mixed-precision optimizers
     return tensors
 
 
-def offload(model, optimizer=None) -> Dict[int, torch.Tensor]:
-    """Move the model's params (their buffers), grads and the optimizer's state to host
-    memory, freeing the device memory; returns the handle `onload` takes. Every view (params
-    into buffers, buckets, main grads) stays valid: each storage is emptied in place and
-    refilled by `onload`. On the CPU there is no device memory to free: a ConfigError."""
+class Offloaded:
+    """What `offload` moved: (device tensor, host copy) pairs; `onload` brings them back."""
+
+    def __init__(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]):
+        self.pairs = pairs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(host.numel() * host.element_size() for _, host in self.pairs)
+
+
+def offload(model, optimizer=None) -> Offloaded:
+    """Move the params (their buffers), grads and the optimizer's state of `model` (chunk or
+    list of chunks) to host memory, freeing their device memory. Every view -- params into
+    buffers, buckets, main grads -- stays valid: each storage is emptied in place and refilled
+    by `onload`. Between the two nothing may use the model or the optimizer. On the CPU there
+    is no device memory to free: a ConfigError (a capability check, before anything moves)."""
+    return _offload(model, optimizer)
+
+
+def _offload(model, optimizer, check_device: bool = True) -> Offloaded:
     tensors = _offloadable(model, optimizer)
-    if tensors and tensors[0].device.type == "cpu":
-        raise ConfigError("offload: the model is on the CPU, there is no device memory to "
-                          "free (offload/onload are for accelerators)")
-    saved = {}
+    if check_device and any(t.device.type == "cpu" for t in tensors):
+        raise ConfigError("offload: the model or optimizer state is on the CPU, there is no "
+                          "device memory to free (offload/onload are for accelerators)")
+    pin = any(t.device.type == "cuda" for t in tensors)
+    pairs = []
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        pin = tensor.device.type == "cuda"
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-        host.copy_(torch.tensor([], dtype=torch.uint8, device=tensor.device).set_(storage),
-                   non_blocking=pin)
-        saved[id(storage)] = (storage, host)
-    if any(t.device.type == "cuda" for t in tensors):
-        torch.cuda.synchronize()
-    for storage, _ in saved.values():
-        storage.resize_(0)
-    return saved
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin) if pin else None
+        if host is None:
+            host = tensor.to("cpu", copy=True)
+        else:
+            host.copy_(tensor, non_blocking=True)
+        pairs.append((tensor, host))
+    if pin:
+        torch.cuda.synchronize()  # the copies are done before the memory is released
+    for tensor, _ in pairs:
+        tensor.untyped_storage().resize_(0)
+    return Offloaded(pairs)
 
 
-def onload(saved: Dict[int, torch.Tensor]) -> None:
-    """Bring back what `offload` moved to host memory (same storages, so every view works)."""
-    for storage, host in saved.values():
-        storage.resize_(host.numel())
-        torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage).copy_(
-            host, non_blocking=host.is_pinned())
-    saved.clear()
+def onload(offloaded: Offloaded) -> None:
+    """Bring back what `offload` moved to host memory: the same storages, refilled."""
+    for tensor, host in offloaded.pairs:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        tensor.copy_(host, non_blocking=host.is_pinned())
+    offloaded.pairs = []
 
 
 __all__ = ["compute_logprobs", "token_log_probs", "iter_hf_weights", "trace_dependencies",
