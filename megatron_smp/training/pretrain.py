@@ -122,6 +122,12 @@ class _Run:
         self.validator = None  # result_validation.ResultValidator (--rerun-mode)
         self.exits = None  # run_control.ExitConditions
         self.progress_log = None  # logging.ProgressLog (--log-progress), told of each save
+        # A post-training mode's seam (post_training.dpo_training): `step_data(run,
+        # data_iterator, num_microbatches)` gives the iterator a global batch's schedule reads
+        # (e.g. the batches with their reference log-probs); `pipeline_loss_keys` the reported
+        # keys under pipeline parallelism.
+        self.step_data: Optional[Callable] = None
+        self.pipeline_loss_keys = PIPELINE_LOSS_KEYS
 
     @property
     def nan_iterations(self) -> int:
@@ -224,6 +230,8 @@ def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
                   num_microbatches: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
     """One global batch through this layout's schedule; the per-microbatch loss reports."""
     configs = run.configs
+    if run.step_data is not None:
+        data_iterator = run.step_data(run, data_iterator, num_microbatches)
     forward_backward = get_forward_backward_func(
         run.state.pp_size, schedule_name(configs.training.pipeline_schedule, len(run.model))
     )
@@ -304,7 +312,7 @@ def _agree(run: _Run, reports, num_microbatches: int):
         rank_counts["exit"] = exit_flags
     if run.configs.optimizer.calculate_per_token_loss:
         replica_sums["tokens"] = local_token_count(reports, run.state.device)
-    keys = loss_keys(reports, PIPELINE_LOSS_KEYS, run.state)
+    keys = loss_keys(reports, run.pipeline_loss_keys, run.state)
     return agree_on_step(run.state, reports, keys, rank_counts, replica_sums)
 
 
@@ -363,7 +371,7 @@ def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: 
         chunk.train()
     if all_reports is None:
         return None
-    keys = loss_keys(all_reports, PIPELINE_LOSS_KEYS, run.state)
+    keys = loss_keys(all_reports, run.pipeline_loss_keys, run.state)
     return agree_on_step(run.state, all_reports, keys)[1]
 
 
@@ -433,8 +441,11 @@ def pretrain(
     extra_args_provider: Optional[Callable] = None,
     args_defaults: Optional[Dict[str, Any]] = None,
     argv: Optional[Sequence[str]] = None,
+    run_hook: Optional[Callable[[_Run], None]] = None,
 ) -> TrainingResult:
-    """Parse flags, build everything, train, evaluate; returns the losses (on every rank)."""
+    """Parse flags, build everything, train, evaluate; returns the losses (on every rank).
+    `run_hook(run)` is called once the model, optimizer and checkpoint are in place, before
+    the datasets are built (a post-training mode's setup)."""
     from megatron_smp.data import build_pretraining_data_loader, build_tokenizer
     from megatron_smp.optimizer import get_megatron_optimizer
     from megatron_smp.tensor_parallel.random import model_parallel_seed
@@ -486,6 +497,8 @@ def pretrain(
         if loading:
             checkpointing.load(run, tokenizer)
     num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
+    if run_hook is not None:
+        run_hook(run)
 
     num_samples = dataset_num_samples(training, global_batch_size)
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
