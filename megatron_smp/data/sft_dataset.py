@@ -76,9 +76,9 @@ class SFTDataset(torch.utils.data.Dataset):
     `num_samples`: how many packed samples to serve (None: one epoch of packs); later epochs
     visit the packs in a new order. Items are the GPTDataset dict: tokens, labels,
     loss_mask, position_ids [s] and document_ids [s] (the conversation of each position:
-    `transformer.packed`); with `token_values` {name: flat float32 array over every
-    document's n - 1 label positions, in document order} also those, packed like the labels
-    (0 on padding).
+    `transformer.packed`); with `token_values` {name: flat array over every document's
+    n - 1 label positions, in document order} also those, packed like the labels (0 on
+    padding).
     """
 
     def __init__(
@@ -159,7 +159,7 @@ class SFTDataset(torch.utils.data.Dataset):
         tokens = np.full(s, self.pad, dtype=np.int64)
         labels = np.full(s, self.pad, dtype=np.int64)
         loss_mask = np.zeros(s, dtype=np.float32)
-        values = {name: np.zeros(s, dtype=np.float32) for name in self.token_values}
+        values = {name: np.zeros(s, dtype=flat.dtype) for name, flat in self.token_values.items()}
         starts, position = [], 0
         for local in self._pack_of(index):
             for sequence, slot in zip(self.documents[local], self.document_slots[local]):
