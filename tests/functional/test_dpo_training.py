@@ -82,14 +82,20 @@ def _same(losses, expected, what):
                                         for x, y in zip(a, b)), (what, key, a, b)
 
 
-def test_dpo_layouts_match_single_process(dpo_argv):
-    """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, CP=2 (each sequence
-    split over the CP ranks; the reference packs alike), DP=2 with the distributed optimizer
-    and FSDP2 equal the single process's losses and metrics (1e-4)."""
-    (reference, line), = run_distributed(_train, 1, args=(dpo_argv,), timeout=300)
+def test_dpo_layouts_match_single_process(dpo_argv, tmp_path):
+    """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, DP=2 with the
+    distributed optimizer and FSDP2 equal the single process's losses and metrics (1e-4);
+    the log line and TensorBoard carry TRL's names."""
+    from tests.functional.test_logging_flags import _scalars
+
+    board = str(tmp_path / "tb")
+    (reference, line), = run_distributed(
+        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
     assert reference["dpo loss"][-1] < reference["dpo loss"][0]
+    scalars = _scalars(board)
     for key in KEYS:
         assert f" {key}: " in line
+        assert [value for _, value in scalars[key]] == pytest.approx(reference[key], rel=1e-6)
     for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
                   "--pipeline-model-parallel-size 2",
                   "--use-distributed-optimizer",
