@@ -62,12 +62,18 @@ def gather_tokens_from_context_parallel(values: torch.Tensor, indices: torch.Ten
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, state, vocab_size: int,
-                    with_entropy: bool = False):
+                    with_entropy: bool = False, temperature: float = 1.0):
     """log p(label) [b, s] fp32 (and the entropy [b, s]) from this rank's vocabulary shard of
-    the logits [b, s, v/tp]; differentiable, nothing gathered over the vocabulary."""
+    the logits [b, s, v/tp] (divided by `temperature`, as samplers do); differentiable,
+    nothing gathered over the vocabulary."""
     from megatron_smp.tensor_parallel.cross_entropy import (
         vocab_parallel_cross_entropy, vocab_parallel_entropy,
     )
+
+    if temperature != 1.0:
+        if not temperature > 0.0:
+            raise ConfigError(f"temperature must be positive, got {temperature}")
+        logits = logits.float() / temperature
 
     logps = -vocab_parallel_cross_entropy(logits, labels, state.tp_group, vocab_size=vocab_size)
     if not with_entropy:
@@ -99,7 +105,8 @@ def _last_stage_src(state) -> int:
 
 def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: int,
                      micro_batch_size: Optional[int] = None, with_entropy: bool = False,
-                     pipeline_schedule: str = "1f1b") -> Dict[str, torch.Tensor]:
+                     pipeline_schedule: str = "1f1b", temperature: float = 1.0
+                     ) -> Dict[str, torch.Tensor]:
     """Per-token log-probs of `batch["labels"]` under the model, fp32, on every rank.
 
     batch: tokens [B, s], labels [B, s] (the next tokens), optional position_ids [B, s],
@@ -107,7 +114,8 @@ def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: i
         sequences (this rank's share is taken here under context parallelism); the same on
         every rank of the model-parallel group.
     model: this rank's model chunk(s) (as built for training: DDP / FSDP2 wrapped, pipeline
-        chunks); run in eval mode, no grad.
+        chunks); run in eval mode, no grad. `temperature`: the logits are divided by it (the
+        rollout's sampling distribution, as verl and NeMo-RL score their samples).
     Returns {"logprobs": [B, s]} (+ "entropy": [B, s]) with the whole sequences, shared by
     every rank of the TP / CP / PP groups (broadcast from the last stage).
     """
@@ -134,7 +142,7 @@ def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: i
 
         def loss_func(logits):
             logps, entropy = token_log_probs(logits, local["labels"], state, vocab_size,
-                                             with_entropy)
+                                             with_entropy, temperature)
             indices = (context_parallel_local_indices(full.get("document_ids"), seq_length,
                                                       logps.shape[0], state)
                        if state.cp_size > 1 else None)

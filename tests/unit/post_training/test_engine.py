@@ -49,7 +49,7 @@ def _batch(packed):
     return ids, batch
 
 
-def _hf_reference(hf, ids, batch):
+def _hf_reference(hf, ids, batch, temperature=1.0):
     """HF's per-token log-probs and entropy, each packed document run on its own."""
     documents = batch.get("document_ids")
     logits = torch.zeros(ids.shape[0], SEQ, VOCAB)
@@ -61,7 +61,7 @@ def _hf_reference(hf, ids, batch):
                 for number in documents[row].unique():
                     where = (documents[row] == number).nonzero().flatten()
                     logits[row, where] = hf(ids[row:row + 1, where]).logits[0].float()
-    log_probs = torch.log_softmax(logits, -1)
+    log_probs = torch.log_softmax(logits / temperature, -1)
     return (log_probs.gather(-1, batch["labels"][..., None])[..., 0],
             -(log_probs.exp() * log_probs).sum(-1))
 
@@ -87,6 +87,10 @@ def _logprobs_worker(rank, world_size, flags, family):
         logps, entropy = _hf_reference(hf, ids, batch)
         diffs.append((packed, float((out["logprobs"] - logps).abs().max()),
                       float((out["entropy"] - entropy).abs().max())))
+    # Sampling's temperature: the logits divided by it.
+    out = compute_logprobs(chunks, batch, state, VOCAB, micro_batch_size=2, temperature=0.7)
+    logps, _ = _hf_reference(hf, ids, batch, temperature=0.7)
+    diffs.append(("temperature 0.7", float((out["logprobs"] - logps).abs().max()), 0.0))
     return diffs, to_numpy(weights)
 
 
@@ -105,7 +109,7 @@ def test_compute_logprobs_equals_hf_at_every_layout(flags, family):
     (single_diffs, single_weights), = run_distributed(_logprobs_worker, 1, args=(extra, family),
                                                       timeout=240)
     for diffs, weights in results + [(single_diffs, single_weights)]:
-        assert len(diffs) == 2, diffs  # packed and unpacked
+        assert len(diffs) == 3, diffs  # packed and unpacked, and with a temperature
         for packed, logps_diff, entropy_diff in diffs:
             assert logps_diff < 1e-5 and entropy_diff < 1e-5, (flags, packed, diffs)
         assert sorted(weights) == sorted(single_weights)
