@@ -23,6 +23,7 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    extras_require={"test": ["pytest", "tiktoken", "peft"], "tiktoken": ["tiktoken"],
+    extras_require={"test": ["pytest", "tiktoken", "peft",
+                             "trl"],  # trl: SFTTrainer(padding_free=True) on transform "tiktoken": ["tiktoken"],
                     "peft": ["peft"]},
 )

@@ -68,54 +68,171 @@ class TransformedModel(torch.nn.Module):
         shift_labels: Optional[torch.Tensor] = None,
         num_items_in_batch: Optional[Any] = None,
         return_logits: Optional[bool] = None,
+        use_cache: Optional[bool] = None,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        cu_seq_lens_k: Optional[torch.Tensor] = None,
+        max_length_q: Optional[int] = None,
+        max_length_k: Optional[int] = None,
+        seq_idx: Optional[torch.Tensor] = None,
         **unsupported: Any,
     ):
         from megatron_smp.models.gpt import gather_full_logits
         from megatron_smp.smp import hf_contract
         from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-        hf_contract.check_forward_keywords(unsupported)
-        if input_ids is None:
-            raise ConfigError("transformed model forward: input_ids is required")
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
-        mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
         targets = keep = None
         if shift_labels is None and labels is not None:
             shift_labels = hf_contract.shift_labels(labels)
         if shift_labels is not None:
             targets, keep = hf_contract.targets_and_keep(shift_labels)
+        batch = self._prepare_batch(
+            input_ids, attention_mask, position_ids, use_cache, unsupported,
+            dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+                 max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx),
+            targets=targets)
         parallel_state = self.module.state
-        batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
-                 "targets": targets}
-        if parallel_state.cp_size > 1:
-            # This rank's share of the sequence in, the whole sequence's outputs back.
-            from megatron_smp.context_parallel import (
-                gather_from_context_parallel, get_batch_on_this_cp_rank,
-            )
-
-            batch = get_batch_on_this_cp_rank(batch, parallel_state.cp_size,
-                                              parallel_state.cp_rank)
         local_logits = self.module(batch["tokens"], position_ids=batch["position_ids"],
-                                   attention_mask=batch["attention_mask"])  # [b, s/cp, v/tp]
+                                   attention_mask=batch["attention_mask"],
+                                   document_ids=batch["document_ids"])  # [b, s/cp, v/tp]
         loss = None
         if targets is not None:
             per_token = vocab_parallel_cross_entropy(
                 local_logits, batch["targets"], parallel_state.tp_group,
                 vocab_size=self.transformer_config.vocab_size,
             )
-            if parallel_state.cp_size > 1:
-                per_token = gather_from_context_parallel(per_token, parallel_state.cp_group)
+            per_token = self._gather_sequence(per_token, batch)
             loss = hf_contract.causal_lm_loss(per_token, keep, num_items_in_batch)
         logits = None
         if targets is None or return_logits:
-            if parallel_state.cp_size > 1:
-                local_logits = gather_from_context_parallel(local_logits,
-                                                            parallel_state.cp_group)
-            logits = gather_full_logits(local_logits, parallel_state,
-                                        self.transformer_config.vocab_size)
+            logits = gather_full_logits(self._gather_sequence(local_logits, batch),
+                                        parallel_state, self.transformer_config.vocab_size)
         moe = self.transformer_config.num_moe_experts is not None
         return hf_contract.causal_lm_output(loss, logits, return_dict, moe)
+
+    def _prepare_batch(self, input_ids, attention_mask, position_ids, use_cache, unsupported,
+                       packing, **sequences) -> Dict[str, Any]:
+        """HF's forward keywords -> this rank's inputs of `GPTModel`: "tokens", "position_ids",
+        "attention_mask" (ours), "document_ids" (padding-free rows, `hf_contract.
+        packed_document_ids`), "rank_indices" (packed rows under CP) and `sequences` ([b, s]
+        tensors such as targets), split over context parallelism. Every check runs before any
+        collective."""
+        from megatron_smp.smp import hf_contract
+
+        hf_contract.check_forward_keywords(dict(unsupported, use_cache=use_cache), self.config)
+        if input_ids is None:
+            raise ConfigError("transformed model forward: input_ids is required")
+        if input_ids.dim() != 2:
+            raise ConfigError(f"transformed model forward: input_ids must be [batch, seq], got "
+                              f"{tuple(input_ids.shape)}")
+        use_cache = hf_contract.resolve_config_default("use_cache", use_cache, self.config)
+        mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
+        document_ids = hf_contract.packed_document_ids(
+            input_ids.shape, attention_mask, position_ids, use_cache, **packing)
+        if position_ids is not None and position_ids.dim() == 2:
+            position_ids = position_ids.expand(input_ids.shape)  # HF broadcasts [1, s]
+        parallel_state = self.module.state
+        batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
+                 "document_ids": document_ids, **sequences}
+        if parallel_state.cp_size == 1:
+            return dict(batch, rank_indices=None)
+        # This rank's share of the sequence in, the whole sequence's outputs back.
+        from megatron_smp.context_parallel import get_batch_on_this_cp_rank
+        from megatron_smp.context_parallel.split import packed_rank_indices
+
+        rank_indices = None
+        if document_ids is not None:
+            self._check_packed_context_parallel(input_ids.shape[1])
+            rank_indices = packed_rank_indices(document_ids, parallel_state.cp_size)
+        batch = get_batch_on_this_cp_rank(batch, parallel_state.cp_size, parallel_state.cp_rank)
+        return dict(batch, rank_indices=rank_indices)
+
+    def _check_packed_context_parallel(self, seq_length: int) -> None:
+        """ConfigError for a padding-free batch under a context-parallel layout that cannot
+        keep its documents apart (the same rules as --sft's)."""
+        from megatron_smp.context_parallel.split import check_divisible
+
+        config = self.transformer_config
+        check_divisible(seq_length, self.module.state.cp_size)
+        if config.cp_comm_type != "all_gather":
+            raise ConfigError(
+                f"transformed model forward: a padding-free batch (documents packed in a row) "
+                f"under context parallelism needs cp_comm_type 'all_gather' (each rank's "
+                f"queries attend to their document's gathered keys), got "
+                f"{config.cp_comm_type!r}; pass transform(..., cp_comm_type='all_gather')")
+        windowed = any((config.layer_window_size(n) or (-1,))[0] >= 0
+                       for n in range(1, config.num_layers + 1))
+        features = [name for name, on in (
+            ("sliding windows", windowed), ("attention sinks", config.softmax_type != "vanilla"),
+            ("ALiBi", config.position_embedding_type == "alibi")) if on]
+        if features:
+            raise ConfigError(
+                f"transformed model forward: a padding-free batch under context parallelism "
+                f"attends without {', '.join(features)}, which this model has; use "
+                "context_parallel_degree 1 for it, or pad the documents into rows of their own")
+
+    def _gather_sequence(self, tensor: torch.Tensor, batch: Dict[str, Any]) -> torch.Tensor:
+        """[b, s/cp, ...] of this CP rank -> [b, s, ...] of the whole rows (differentiable)."""
+        parallel_state = self.module.state
+        if parallel_state.cp_size == 1:
+            return tensor
+        from megatron_smp.context_parallel import gather_from_context_parallel
+
+        return gather_from_context_parallel(tensor, parallel_state.cp_group,
+                                            batch["rank_indices"])
+
+    def hidden_states(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        *,
+        use_cache: Optional[bool] = None,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        cu_seq_lens_k: Optional[torch.Tensor] = None,
+        max_length_q: Optional[int] = None,
+        max_length_k: Optional[int] = None,
+        seq_idx: Optional[torch.Tensor] = None,
+        **unsupported: Any,
+    ) -> torch.Tensor:
+        """The backbone's output, after the final norm: [b, s, h], whole rows on every rank
+        (gathered over SP and CP; backward keeps this rank's share, the consumer being
+        replicated over the TP and CP groups). The same keywords and checks as `forward`."""
+        from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        batch = self._prepare_batch(
+            input_ids, attention_mask, position_ids, use_cache, unsupported,
+            dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+                 max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx))
+        hidden = self.module(batch["tokens"], position_ids=batch["position_ids"],
+                             attention_mask=batch["attention_mask"],
+                             document_ids=batch["document_ids"], return_hidden_states=True)
+        if self.module.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.module.state.tp_group,
+                                                          tensor_parallel_output_grad=False)
+        return self._gather_sequence(hidden.transpose(0, 1), batch)
+
+    @property
+    def base_model(self) -> "_Backbone":
+        """HF's `base_model`: the backbone, called like HF's (`model.model(...)`), returning
+        `BaseModelOutputWithPast(last_hidden_state=[b, s, h])` (what TRL's fused LM head
+        runs)."""
+        return _Backbone(self)
+
+    def get_output_embeddings(self) -> "_FullOutputLayer":
+        """HF's LM head, read-only: `.weight` [vocab, h] (gathered over TP, vocabulary padding
+        cut off; backward keeps this rank's rows) and `.bias` (None, or [vocab]). Rebuilt on
+        each call, so a caller reads it per forward (as TRL's fused LM head does)."""
+        return _FullOutputLayer(self)
+
+    model_tags: Optional[list] = None
+
+    def add_model_tags(self, tags) -> None:
+        """HF's `add_model_tags`: tags for the model card of `save_pretrained`/hub uploads,
+        kept in `model_tags` (the HF model saved from `hf_state_dict()` takes them)."""
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        self.model_tags = list(dict.fromkeys((self.model_tags or []) + tags))
 
     def generate(self, *args, **kwargs):
         """Not available: the transformed model keeps no key/value cache."""
@@ -192,6 +309,49 @@ class TransformedModel(torch.nn.Module):
         save_peft_adapter(directory, full, self.transformer_config, self.lora["rank"],
                           self.lora["alpha"], self.lora["dropout"], self.lora["targets"],
                           base_model_name_or_path)
+
+
+class _Backbone:
+    """`TransformedModel.base_model`: the backbone behind HF's call and output."""
+
+    def __init__(self, model: TransformedModel) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.model.hidden_states(*args,
+                                                                                   **kwargs))
+
+
+class _FullOutputLayer:
+    """`TransformedModel.get_output_embeddings()`: the output layer's full weight and bias."""
+
+    def __init__(self, model: TransformedModel) -> None:
+        module = model.module
+        self._model = model
+        self._layer = module.output_layer
+        self._tied = module.output_layer.weight is None
+
+    def _full(self, shard: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if shard is None:
+            return None
+        state = self._model.module.state
+        full = gather_from_sequence_parallel_region(shard, state.tp_group,
+                                                    tensor_parallel_output_grad=False)
+        return full[: self._model.transformer_config.vocab_size]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        module = self._model.module
+        shard = module.embedding.word_embeddings.weight if self._tied else self._layer.weight
+        return self._full(shard)
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self._full(getattr(self._layer, "bias", None))
 
 
 def _has_meta(module: torch.nn.Module) -> bool:
