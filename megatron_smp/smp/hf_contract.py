@@ -192,6 +192,7 @@ def packed_document_ids(
     use_cache: Optional[bool], cu_seq_lens_q: Optional[torch.Tensor] = None,
     cu_seq_lens_k: Optional[torch.Tensor] = None, max_length_q: Optional[int] = None,
     max_length_k: Optional[int] = None, seq_idx: Optional[torch.Tensor] = None,
+    masks_read_position_ids: bool = True,
 ) -> Optional[torch.Tensor]:
     """The documents of a padding-free batch of `shape` (b, s), as HF decides them: document
     ids [b, s] int64 (runs of equal ids) for `GPTModel(document_ids=...)`, or None when every
@@ -200,7 +201,9 @@ def packed_document_ids(
     * From position_ids when `attention_mask` is None and no cache is in use (`use_cache`
       resolved False, see `resolve_config_default`): HF's masks
       (`masking_utils.find_packed_sequence_indices`) start a document wherever a position is
-      not the previous one plus one.
+      not the previous one plus one. Not for a family whose HF model builds its masks
+      without position ids (`masks_read_position_ids` False: the adapter's
+      HF_MASKS_READ_POSITION_IDS), as HF does not either; a warning says so.
     * From flash attention's `cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k`
       (all four, as HF's flash path reads them; cumulative lengths over the flattened b x s
       tokens), and from `seq_idx` [b, s] (each token's sequence index), whatever use_cache
@@ -246,7 +249,8 @@ def packed_document_ids(
                 f"{list(shape)} (each token's sequence), got {tuple(seq_idx.shape)} "
                 f"{seq_idx.dtype}")
         found["seq_idx"] = _boundaries(seq_idx)
-    if position_ids is not None and attention_mask is None and not use_cache:
+    if (position_ids is not None and attention_mask is None and not use_cache
+            and masks_read_position_ids):
         if position_ids.dim() != 2 or position_ids.shape[1] != shape[1] \
                 or position_ids.shape[0] not in (1, shape[0]):
             raise ConfigError(
@@ -258,10 +262,14 @@ def packed_document_ids(
     elif (position_ids is not None and attention_mask is None and not found
           and position_ids.dim() == 2 and position_ids.shape[1] == shape[1]
           and bool(_position_boundaries(position_ids, shape)[:, 1:].any())):
+        why = ("use_cache resolves to True (the call's or config.use_cache)" if use_cache else
+               "this family's Hugging Face model builds its attention masks without them")
+        how = ("pass use_cache=False" if use_cache and masks_read_position_ids else
+               "pass cu_seq_lens_q/k with max_length_q/k, or seq_idx")
         warnings.warn(
-            "transformed model forward: position_ids restart inside a row, but use_cache "
-            "resolves to True (the call's or config.use_cache), so, as in Hugging Face, the "
-            "documents attend to each other; pass use_cache=False for padding-free packing")
+            f"transformed model forward: position_ids restart inside a row, but {why}, so, "
+            f"as in Hugging Face, the documents attend to each other; {how} for "
+            "padding-free packing")
     if not found:
         return None
     (first_source, starts), *others = found.items()

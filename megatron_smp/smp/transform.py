@@ -128,8 +128,12 @@ class TransformedModel(torch.nn.Module):
                               f"{tuple(input_ids.shape)}")
         use_cache = hf_contract.resolve_config_default("use_cache", use_cache, self.config)
         mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
+        from megatron_smp.models.hf import get_adapter
+
         document_ids = hf_contract.packed_document_ids(
-            input_ids.shape, attention_mask, position_ids, use_cache, **packing)
+            input_ids.shape, attention_mask, position_ids, use_cache, **packing,
+            masks_read_position_ids=getattr(get_adapter(self.family),
+                                            "HF_MASKS_READ_POSITION_IDS", True))
         if position_ids is not None and position_ids.dim() == 2:
             position_ids = position_ids.expand(input_ids.shape)  # HF broadcasts [1, s]
         parallel_state = self.module.state
