@@ -108,16 +108,24 @@ def causal_lm_loss(per_token_loss: torch.Tensor, keep: torch.Tensor,
 def padding_to_attention_mask(attention_mask: Optional[torch.Tensor], seq_length: int):
     """HF's [b, s] padding mask (1 = token, 0 = padding) -> our bool [b, 1, s, s] mask (True =
     masked: future positions and padded keys), as HF builds it for SDPA. None, or no padding
-    at all, -> None (the fused causal path). A 4-D bool mask passes through."""
+    at all, -> None (the fused causal path). A 4-D mask is taken as HF hands one to its
+    attention: bool True = attend (SDPA's), or additive float (0 = attend, -inf or the dtype's
+    minimum = masked; eager's); other additive values are a ConfigError."""
     if attention_mask is None:
         return None
     if attention_mask.dim() == 4:
-        if attention_mask.dtype != torch.bool:
-            raise ConfigError(
-                "transformed model forward: a 4-D attention_mask must be bool (True = masked); "
-                "pass HF's [batch, seq] padding mask instead"
-            )
-        return attention_mask
+        if attention_mask.dtype == torch.bool:
+            return ~attention_mask
+        if attention_mask.is_floating_point():
+            masked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2  # -inf too
+            if bool((masked | (attention_mask == 0)).all()):
+                return masked
+        raise ConfigError(
+            "transformed model forward: a 4-D attention_mask must be bool (True = attend, as "
+            "HF's SDPA masks) or additive float with only 0 and -inf / the dtype's minimum (as "
+            f"HF's eager masks), got {attention_mask.dtype} with other values; pass HF's "
+            "[batch, seq] padding mask instead"
+        )
     if attention_mask.dim() != 2 or attention_mask.shape[1] != seq_length:
         raise ConfigError(
             f"transformed model forward: attention_mask must be [batch, {seq_length}] "

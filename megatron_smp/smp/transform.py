@@ -27,9 +27,19 @@ class TransformedModel(torch.nn.Module):
 
     forward(input_ids [b, s], attention_mask=None, position_ids=None, labels=None,
             return_dict=None, *, shift_labels=None, num_items_in_batch=None,
-            return_logits=None)
-      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or our bool
-        [b, 1, s, s] (True = masked); None = causal.
+            return_logits=None, use_cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+            max_length_q=None, max_length_k=None, seq_idx=None)
+      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or a 4-D mask as
+        HF takes one ([b, 1, s, s], bool True = attend, or additive float 0 / -inf); None =
+        causal.
+      * Padding-free batches (several documents in a row, each attending only to itself), as
+        HF decides them (`hf_contract.packed_document_ids`): position_ids that restart, with
+        no attention_mask and use_cache False (the call's, else config.use_cache); or flash
+        attention's cu_seq_lens_q/k + max_length_q/k, or seq_idx (what
+        `DataCollatorWithFlattening` and TRL's padding-free collator send). They run on the
+        packed attention path (`transformer.packed`) at every layout; under context
+        parallelism with cp_comm_type "all_gather", split per document where the lengths
+        allow (`packed_rank_indices`). Boundaries that disagree are a ConfigError.
       * labels: HF's, unshifted, -100 = ignored; the loss is HF's (shift by one, mean over
         the scored positions, or sum / `num_items_in_batch`). `shift_labels`: already
         shifted targets instead (as HF takes them).
@@ -41,8 +51,12 @@ class TransformedModel(torch.nn.Module):
       * Logits: without labels, the full [b, s, vocab] (gathered over TP and CP, padding
         columns sliced off). With labels they are not formed (`.logits` is None: gathering
         the vocabulary costs memory the loss does not need) unless `return_logits=True`.
-      * Keywords it cannot honour (past_key_values, use_cache=True, inputs_embeds,
-        output_attentions=True, output_hidden_states=True, ...) are a ConfigError naming them.
+      * Keywords it cannot honour (past_key_values / cache, use_cache=True, inputs_embeds,
+        output_attentions=True, output_hidden_states=True, output_router_logits=True or
+        config.output_router_logits, ...) are a ConfigError naming them.
+    `base_model(...)` (the backbone: `BaseModelOutputWithPast` of the final norm's output
+    [b, s, h]), `get_output_embeddings()` (the full LM head weight) and `add_model_tags` are
+    HF's, for TRL's fused LM head.
     `config` is the HF model's config, `generation_config` its generation config,
     `transformer_config` ours; `hf_state_dict()` gives HF's state dict back (collective over
     the TP and EP groups).
