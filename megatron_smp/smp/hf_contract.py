@@ -200,7 +200,7 @@ def packed_document_ids(
     use_cache: Optional[bool], cu_seq_lens_q: Optional[torch.Tensor] = None,
     cu_seq_lens_k: Optional[torch.Tensor] = None, max_length_q: Optional[int] = None,
     max_length_k: Optional[int] = None, seq_idx: Optional[torch.Tensor] = None,
-    masks_read_position_ids: bool = True,
+    masks_read_position_ids: bool = True, attn_implementation: Optional[str] = None,
 ) -> Optional[torch.Tensor]:
     """The documents of a padding-free batch of `shape` (b, s), as HF decides them: document
     ids [b, s] int64 (runs of equal ids) for `GPTModel(document_ids=...)`, or None when every
@@ -211,7 +211,10 @@ def packed_document_ids(
       (`masking_utils.find_packed_sequence_indices`) start a document wherever a position is
       not the previous one plus one. Not for a family whose HF model builds its masks
       without position ids (`masks_read_position_ids` False: the adapter's
-      HF_MASKS_READ_POSITION_IDS), as HF does not either; a warning says so.
+      HF_MASKS_READ_POSITION_IDS), as HF does not either; a warning says so. Under a flash
+      `attn_implementation` (the HF config's), HF's flash path decides instead: documents
+      start where the position is the row's smallest, in a batch of one row only, whatever
+      the cache.
     * From flash attention's `cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k`
       (all four, as HF's flash path reads them; cumulative lengths over the flattened b x s
       tokens), and from `seq_idx` [b, s] (each token's sequence index), whatever use_cache
@@ -257,27 +260,34 @@ def packed_document_ids(
                 f"{list(shape)} (each token's sequence), got {tuple(seq_idx.shape)} "
                 f"{seq_idx.dtype}")
         found["seq_idx"] = _boundaries(seq_idx)
-    if (position_ids is not None and attention_mask is None and not use_cache
-            and masks_read_position_ids):
+    if position_ids is not None and position_ids.dim() == 1:
+        position_ids = position_ids[None]  # HF expands [s] over the batch
+    if position_ids is not None and attention_mask is None:
         if position_ids.dim() != 2 or position_ids.shape[1] != shape[1] \
                 or position_ids.shape[0] not in (1, shape[0]):
             raise ConfigError(
                 f"transformed model forward: position_ids must be [batch, {shape[1]}] (or "
                 f"[1, {shape[1]}]), got {tuple(position_ids.shape)}")
-        starts = _position_boundaries(position_ids, shape)
-        if found or bool(starts[:, 1:].any()):
+        flash = "flash" in (attn_implementation or "")
+        if flash:  # HF's `_is_packed_sequence` and `prepare_fa_kwargs_from_position_ids`
+            starts = position_ids.expand(shape) == position_ids.min()
+            starts[:, 0] = True
+            why = None if shape[0] == 1 else ("Hugging Face's flash attention reads them in a "
+                                              "batch of one row only", "flatten the batch")
+        else:
+            starts = _position_boundaries(position_ids, shape)
+            why = (None if not use_cache and masks_read_position_ids else
+                   ("use_cache resolves to True (the call's or config.use_cache)",
+                    "pass use_cache=False") if use_cache and masks_read_position_ids else
+                   ("this family's Hugging Face model builds its attention masks without "
+                    "them", "pass cu_seq_lens_q/k with max_length_q/k, or seq_idx"))
+        if why is None and (found or bool(starts[:, 1:].any())):
             found["position_ids"] = starts
-    elif (position_ids is not None and attention_mask is None and not found
-          and position_ids.dim() == 2 and position_ids.shape[1] == shape[1]
-          and bool(_position_boundaries(position_ids, shape)[:, 1:].any())):
-        why = ("use_cache resolves to True (the call's or config.use_cache)" if use_cache else
-               "this family's Hugging Face model builds its attention masks without them")
-        how = ("pass use_cache=False" if use_cache and masks_read_position_ids else
-               "pass cu_seq_lens_q/k with max_length_q/k, or seq_idx")
-        warnings.warn(
-            f"transformed model forward: position_ids restart inside a row, but {why}, so, "
-            f"as in Hugging Face, the documents attend to each other; {how} for "
-            "padding-free packing")
+        elif why is not None and not found and bool(starts[:, 1:].any()):
+            warnings.warn(
+                f"transformed model forward: position_ids restart inside a row, but "
+                f"{why[0]}, so, as in Hugging Face, the documents attend to each other; "
+                f"{why[1]} for padding-free packing")
     if not found:
         return None
     (first_source, starts), *others = found.items()

@@ -147,9 +147,10 @@ class TransformedModel(torch.nn.Module):
         document_ids = hf_contract.packed_document_ids(
             input_ids.shape, attention_mask, position_ids, use_cache, **packing,
             masks_read_position_ids=getattr(get_adapter(self.family),
-                                            "HF_MASKS_READ_POSITION_IDS", True))
-        if position_ids is not None and position_ids.dim() == 2:
-            position_ids = position_ids.expand(input_ids.shape)  # HF broadcasts [1, s]
+                                            "HF_MASKS_READ_POSITION_IDS", True),
+            attn_implementation=getattr(self.config, "_attn_implementation", None))
+        if position_ids is not None and position_ids.dim() <= 2:
+            position_ids = position_ids.expand(input_ids.shape)  # HF broadcasts [s], [1, s]
         parallel_state = self.module.state
         batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
                  "document_ids": document_ids, **sequences}

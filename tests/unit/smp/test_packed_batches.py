@@ -273,3 +273,24 @@ def test_moe_config_asking_for_router_logits_is_an_error():
     hf.config.output_router_logits = True  # HF's loss would carry the balancing term
     with pytest.raises(ConfigError, match="config.output_router_logits=True"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_the_decision_follows_hf_attention_implementation():
+    """HF's masks (sdpa / eager) start a document wherever a position is not its predecessor's
+    plus one, without a cache; HF's flash path where the position is the smallest, in a batch
+    of one row only, cache or not (and for every family)."""
+    from megatron_smp.smp.hf_contract import packed_document_ids
+
+    jump = torch.tensor([[0, 1, 2, 5, 6, 0, 1]])
+    assert packed_document_ids(jump.shape, None, jump, False).tolist() == [[0, 0, 0, 1, 1, 2, 2]]
+    for masks_read_position_ids in (True, False):
+        flash = packed_document_ids(jump.shape, None, jump, True, attn_implementation=(
+            "flash_attention_2"), masks_read_position_ids=masks_read_position_ids)
+        assert flash.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
+    two_rows = jump.expand(2, -1)
+    with pytest.warns(UserWarning, match="batch of one row only"):
+        assert packed_document_ids(two_rows.shape, None, two_rows, False,
+                                   attn_implementation="flash_attention_2") is None
+    one_document = torch.arange(7)[None] + 3  # not from 0: still one document
+    assert packed_document_ids(one_document.shape, None, one_document, False) is None
+    assert packed_document_ids(jump.shape, torch.ones_like(jump), jump, False) is None
