@@ -159,6 +159,31 @@ def test_gpt_oss_packs_by_flash_keywords_only():
     assert (got - packed_logits).abs().max() < TOLERANCE_LOGITS
 
 
+def _grad_diff(model, hf, documents=ODD_DOCUMENTS):
+    """Max |grad - HF's grad| of the packed batch's loss over this rank's parameters: HF's
+    grads sharded like this rank's (TP), this rank's grads summed over CP."""
+    import torch.distributed as dist
+
+    from megatron_smp.models.hf import get_adapter
+    from megatron_smp.models.sharding import shard_state_dict
+
+    ids, positions, labels, *_ = packed_batch(hf.config.vocab_size, documents)
+    hf.zero_grad(), model.zero_grad()
+    hf(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+    model(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+    state = model.module.state
+    full = get_adapter(hf).from_hf({name: p.grad for name, p in hf.named_parameters()},
+                                   model.transformer_config)
+    expected = shard_state_dict(full, model.transformer_config, state.tp_size, state.tp_rank)
+    worst = 0.0
+    for name, param in model.module.named_parameters():
+        grad = param.grad.clone()
+        if state.cp_size > 1:
+            dist.all_reduce(grad, group=state.cp_group)
+        worst = max(worst, float((grad - expected[name]).abs().max()))
+    return worst
+
+
 def _parallel_worker(rank, world_size):
     out = {}
     layouts = {"tp2": {"tensor_parallel_degree": 2}, "ep2": {"expert_parallel_degree": 2}}
@@ -169,9 +194,10 @@ def _parallel_worker(rank, world_size):
                 continue
             hf = build(family)
             out[(layout, family)] = _diffs(smp.transform(hf), hf)
-            if layout == "tp2" and family == "llama":  # sequence parallelism too
+            if layout == "tp2" and family == "llama":  # sequence parallelism too; grads
                 out[("tp2+sp", family)] = _diffs(
                     smp.transform(hf, config={"sequence_parallel": True}), hf)
+                out["grads tp2"] = _grad_diff(smp.transform(hf), hf)
     smp.init({"context_parallel_degree": 2})
     for family in ("llama", "gpt2", "deepseek_v3"):
         hf = build(family)
@@ -179,6 +205,9 @@ def _parallel_worker(rank, world_size):
         # Odd lengths: the rows are split as a whole; lengths dividing 2 x cp: per document.
         out[("cp2", family)] = _diffs(model, hf, variants=("position_ids", "cu_seq_lens"))
         out[("cp2 per document", family)] = _diffs(model, hf, EVEN_DOCUMENTS, ("position_ids",))
+        if family == "llama":
+            out["grads cp2"] = _grad_diff(model, hf)
+            out["grads cp2 per document"] = _grad_diff(model, hf, EVEN_DOCUMENTS)
     errors = {}
     for family, comm_type in (("llama", "p2p"), ("llama", "a2a"), ("mistral", "all_gather")):
         hf = build(family)
@@ -196,6 +225,8 @@ def test_tp2_ep2_and_cp2_match_hf_or_refuse():
     results = run_distributed(_parallel_worker, 2, timeout=600)
     for result in results:
         errors = result.pop("cp errors")
+        for layout in ("grads tp2", "grads cp2", "grads cp2 per document"):
+            assert result.pop(layout) < 1e-5, layout
         for where, diffs in result.items():
             _assert_close(diffs, where)
         assert {layout for layout, _ in result} == {"tp2", "tp2+sp", "ep2", "cp2",
