@@ -82,13 +82,7 @@ class TransformedModel(torch.nn.Module):
         shift_labels: Optional[torch.Tensor] = None,
         num_items_in_batch: Optional[Any] = None,
         return_logits: Optional[bool] = None,
-        use_cache: Optional[bool] = None,
-        cu_seq_lens_q: Optional[torch.Tensor] = None,
-        cu_seq_lens_k: Optional[torch.Tensor] = None,
-        max_length_q: Optional[int] = None,
-        max_length_k: Optional[int] = None,
-        seq_idx: Optional[torch.Tensor] = None,
-        **unsupported: Any,
+        **keywords: Any,
     ):
         from megatron_smp.models.gpt import gather_full_logits
         from megatron_smp.smp import hf_contract
@@ -101,11 +95,8 @@ class TransformedModel(torch.nn.Module):
             shift_labels = hf_contract.shift_labels(labels)
         if shift_labels is not None:
             targets, keep = hf_contract.targets_and_keep(shift_labels)
-        batch = self._prepare_batch(
-            input_ids, attention_mask, position_ids, use_cache, unsupported,
-            dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
-                 max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx),
-            targets=targets)
+        batch = self._prepare_batch(input_ids, attention_mask, position_ids, keywords,
+                                    targets=targets)
         parallel_state = self.module.state
         local_logits = self.module(batch["tokens"], position_ids=batch["position_ids"],
                                    attention_mask=batch["attention_mask"],
@@ -125,16 +116,20 @@ class TransformedModel(torch.nn.Module):
         moe = self.transformer_config.num_moe_experts is not None
         return hf_contract.causal_lm_output(loss, logits, return_dict, moe)
 
-    def _prepare_batch(self, input_ids, attention_mask, position_ids, use_cache, unsupported,
-                       packing, **sequences) -> Dict[str, Any]:
+    def _prepare_batch(self, input_ids, attention_mask, position_ids, keywords,
+                       **sequences) -> Dict[str, Any]:
         """HF's forward keywords -> this rank's inputs of `GPTModel`: "tokens", "position_ids",
         "attention_mask" (ours), "document_ids" (padding-free rows, `hf_contract.
-        packed_document_ids`), "rank_indices" (packed rows under CP) and `sequences` ([b, s]
-        tensors such as targets), split over context parallelism. Every check runs before any
-        collective."""
+        packed_document_ids`, from position_ids or the `keywords` of PACKING_KEYWORDS),
+        "rank_indices" (packed rows under CP) and `sequences` ([b, s] tensors such as
+        targets), split over context parallelism. The other `keywords` are checked
+        (`check_forward_keywords`). Every check runs before any collective."""
         from megatron_smp.smp import hf_contract
 
-        hf_contract.check_forward_keywords(dict(unsupported, use_cache=use_cache), self.config)
+        keywords = dict(keywords)
+        packing = {name: keywords.pop(name, None) for name in hf_contract.PACKING_KEYWORDS}
+        use_cache = keywords.get("use_cache")
+        hf_contract.check_forward_keywords(keywords, self.config)
         if input_ids is None:
             raise ConfigError("transformed model forward: input_ids is required")
         if input_ids.dim() != 2:
@@ -206,24 +201,14 @@ class TransformedModel(torch.nn.Module):
         input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
-        *,
-        use_cache: Optional[bool] = None,
-        cu_seq_lens_q: Optional[torch.Tensor] = None,
-        cu_seq_lens_k: Optional[torch.Tensor] = None,
-        max_length_q: Optional[int] = None,
-        max_length_k: Optional[int] = None,
-        seq_idx: Optional[torch.Tensor] = None,
-        **unsupported: Any,
+        **keywords: Any,
     ) -> torch.Tensor:
         """The backbone's output, after the final norm: [b, s, h], whole rows on every rank
         (gathered over SP and CP; backward keeps this rank's share, the consumer being
         replicated over the TP and CP groups). The same keywords and checks as `forward`."""
         from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        batch = self._prepare_batch(
-            input_ids, attention_mask, position_ids, use_cache, unsupported,
-            dict(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
-                 max_length_q=max_length_q, max_length_k=max_length_k, seq_idx=seq_idx))
+        batch = self._prepare_batch(input_ids, attention_mask, position_ids, keywords)
         hidden = self.module(batch["tokens"], position_ids=batch["position_ids"],
                              attention_mask=batch["attention_mask"],
                              document_ids=batch["document_ids"], return_hidden_states=True)
