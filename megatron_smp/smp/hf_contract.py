@@ -28,8 +28,9 @@ UNSUPPORTED_FORWARD_KEYWORDS: Dict[str, Tuple[Any, str]] = {
     "output_attentions": ((None, False), "attention runs fused (SDPA); no probabilities "
                           "are formed"),
     "output_hidden_states": ((None, False), "per-layer hidden states are not returned"),
-    "output_router_logits": ((None, False), "router logits are not returned; the "
-                             "load-balancing loss is added inside the MoE layers"),
+    "output_router_logits": ((None, False), "router logits, and HF's load-balancing term "
+                             "in the loss, are not returned; the load-balancing loss is added "
+                             "inside the MoE layers (moe_aux_loss_coeff)"),
     "cache": (None, "there is no key/value cache (training-only model)"),
     "token_type_ids": (None, "token type embeddings are not part of the transformed model"),
     "head_mask": (None, "head masks are not supported"),
@@ -48,18 +49,22 @@ HONOURED_FORWARD_KEYWORDS = ("input_ids", "attention_mask", "position_ids", "lab
                              "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
+# Keywords HF's forward takes from the model's config when the call leaves them out.
+CONFIG_DEFAULTED_KEYWORDS = ("output_attentions", "output_hidden_states",
+                             "output_router_logits")
+
+
 def check_forward_keywords(extra: Dict[str, Any], hf_config: Any = None) -> None:
     """ConfigError for a keyword the transformed model cannot honour (any value but the
     one meaning "not used"), or one HF's causal LMs do not take at all. With the HF model's
-    config, keywords HF defaults from it are checked as resolved (config.output_router_logits
-    True makes HF's MoE loss include the load-balancing term)."""
-    if (extra.get("output_router_logits") is None
-            and getattr(hf_config, "output_router_logits", None)):
-        raise ConfigError(
-            "transformed model forward: config.output_router_logits=True asks for router "
-            "logits and HF's load-balancing term in the loss, which are not returned (our MoE "
-            "layers add their load-balancing loss in backward, moe_aux_loss_coeff); set "
-            "config.output_router_logits = False")
+    config, the keywords HF defaults from it are checked as HF resolves them (e.g.
+    config.output_router_logits True puts HF's load-balancing term in the loss)."""
+    for name in CONFIG_DEFAULTED_KEYWORDS:
+        if extra.get(name) is None and getattr(hf_config, name, None):
+            unused, why = UNSUPPORTED_FORWARD_KEYWORDS[name]
+            raise ConfigError(
+                f"transformed model forward: config.{name}=True (HF's default for the "
+                f"{name} keyword) is not supported: {why}; set config.{name} = False")
     for name, value in extra.items():
         if name not in UNSUPPORTED_FORWARD_KEYWORDS:
             raise ConfigError(

@@ -297,13 +297,19 @@ def test_use_cache_decides_like_hf():
         assert (got - expected).abs().max() < TOLERANCE_LOGITS
 
 
-def test_moe_config_asking_for_router_logits_is_an_error():
+def test_config_defaults_that_cannot_be_honoured_are_errors():
+    """HF takes output_router_logits (its loss then carries the balancing term),
+    output_hidden_states and output_attentions from the config when the call leaves them out."""
     smp.init({})
     hf = build("qwen3_moe")
     model = smp.transform(hf)
-    hf.config.output_router_logits = True  # HF's loss would carry the balancing term
-    with pytest.raises(ConfigError, match="config.output_router_logits=True"):
-        model(torch.zeros(1, 4, dtype=torch.long))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for name in ("output_router_logits", "output_hidden_states"):  # (sdpa refuses attentions)
+        setattr(hf.config, name, True)
+        with pytest.raises(ConfigError, match=f"config.{name}=True"):
+            model(ids)
+        assert model(ids, **{name: False}).logits.shape == (1, 4, 1003)
+        setattr(hf.config, name, False)
 
 
 def test_the_decision_follows_hf_attention_implementation():
