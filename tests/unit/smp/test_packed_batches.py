@@ -331,3 +331,27 @@ def test_the_decision_follows_hf_attention_implementation():
     one_document = torch.arange(7)[None] + 3  # not from 0: still one document
     assert packed_document_ids(one_document.shape, None, one_document, False) is None
     assert packed_document_ids(jump.shape, torch.ones_like(jump), jump, False) is None
+
+
+def test_data_collator_with_flattening_batches_match_hf():
+    """transformers' DataCollatorWithFlattening with every keyword it can send (position ids,
+    flash attention's arguments, seq_idx) goes straight into the transformed model."""
+    from transformers import DataCollatorWithFlattening
+
+    smp.init({})
+    hf = build("qwen2")
+    model = smp.transform(hf)
+    generator = torch.Generator().manual_seed(3)
+    features = [{"input_ids": torch.randint(0, 1003, (n,), generator=generator).tolist()}
+                for n in (5, 3, 7, 1, 9)]
+    for feature in features:
+        feature["labels"] = list(feature["input_ids"])
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+        features)
+    assert {"cu_seq_lens_q", "max_length_q", "seq_idx", "position_ids"} <= set(batch)
+    with torch.no_grad():
+        expected = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                      labels=batch["labels"], use_cache=False)
+        got = model(**batch, return_logits=True)
+    assert (got.logits - expected.logits).abs().max() < TOLERANCE_LOGITS
+    assert abs(float(got.loss - expected.loss)) < TOLERANCE_LOSS
