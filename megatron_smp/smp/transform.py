@@ -124,6 +124,7 @@ class TransformedModel(torch.nn.Module):
         "rank_indices" (packed rows under CP) and `sequences` ([b, s] tensors such as
         targets), split over context parallelism. The other `keywords` are checked
         (`check_forward_keywords`). Every check runs before any collective."""
+        from megatron_smp.models.hf import get_adapter
         from megatron_smp.smp import hf_contract
 
         keywords = dict(keywords)
@@ -137,8 +138,6 @@ class TransformedModel(torch.nn.Module):
                               f"{tuple(input_ids.shape)}")
         use_cache = hf_contract.resolve_config_default("use_cache", use_cache, self.config)
         mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
-        from megatron_smp.models.hf import get_adapter
-
         document_ids = hf_contract.packed_document_ids(
             input_ids.shape, attention_mask, position_ids, use_cache, **packing,
             masks_read_position_ids=getattr(get_adapter(self.family),
@@ -226,15 +225,16 @@ class TransformedModel(torch.nn.Module):
 
     def get_output_embeddings(self) -> "_FullOutputLayer":
         """HF's LM head, read-only: `.weight` [vocab, h] (gathered over TP, vocabulary padding
-        cut off; backward keeps this rank's rows) and `.bias` (None, or [vocab]). Rebuilt on
-        each call, so a caller reads it per forward (as TRL's fused LM head does)."""
+        cut off; backward keeps this rank's rows, and 1 / cp of their grad under CP, where every
+        rank forms the whole loss) and `.bias` (None, or [vocab]). Rebuilt on each call, so a
+        caller reads it per forward (as TRL's fused LM head does)."""
         return _FullOutputLayer(self)
 
     model_tags: Optional[list] = None
 
     def add_model_tags(self, tags) -> None:
-        """HF's `add_model_tags`: tags for the model card of `save_pretrained`/hub uploads,
-        kept in `model_tags` (the HF model saved from `hf_state_dict()` takes them)."""
+        """HF's `add_model_tags`: the tags HF writes into a model card, kept in `model_tags`
+        as HF keeps them (TRL's trainers add theirs), for whoever saves the HF model."""
         tags = [tags] if isinstance(tags, str) else list(tags)
         self.model_tags = list(dict.fromkeys((self.model_tags or []) + tags))
 
@@ -345,7 +345,12 @@ class _FullOutputLayer:
         state = self._model.module.state
         full = gather_from_sequence_parallel_region(shard, state.tp_group,
                                                     tensor_parallel_output_grad=False)
-        return full[: self._model.transformer_config.vocab_size]
+        full = full[: self._model.transformer_config.vocab_size]
+        if state.cp_size > 1:
+            # Every CP rank forms the whole loss from this weight: 1 / cp of its grad on each
+            # makes the CP ranks' grads add up to the whole one, as the backbone's do.
+            full.register_hook(lambda grad: grad / state.cp_size)
+        return full
 
     @property
     def weight(self) -> torch.Tensor:

@@ -159,9 +159,20 @@ def test_gpt_oss_packs_by_flash_keywords_only():
     assert (got - packed_logits).abs().max() < TOLERANCE_LOGITS
 
 
-def _grad_diff(model, hf, documents=ODD_DOCUMENTS):
+def _fused_head_loss(model, hf, ids, positions, labels):
+    """The loss as TRL's fused LM head forms it: `base_model`'s hidden states through
+    `get_output_embeddings()`'s full weight, HF's loss function."""
+    hidden = model.base_model(input_ids=ids, position_ids=positions,
+                              use_cache=False).last_hidden_state
+    logits = hidden @ model.get_output_embeddings().weight.t()
+    return hf.loss_function(logits=logits, labels=labels, vocab_size=hf.config.vocab_size)
+
+
+def _grad_diff(model, hf, documents=ODD_DOCUMENTS, fused_head=False):
     """Max |grad - HF's grad| of the packed batch's loss over this rank's parameters: HF's
-    grads sharded like this rank's (TP), this rank's grads summed over CP."""
+    grads sharded like this rank's (TP), this rank's grads summed over CP (and SP's partial
+    ones over TP, as the data-parallel wrappers do). `fused_head`: the
+    loss of TRL's fused LM head (`_fused_head_loss`) instead of the model's own."""
     import torch.distributed as dist
 
     from megatron_smp.models.hf import get_adapter
@@ -169,8 +180,14 @@ def _grad_diff(model, hf, documents=ODD_DOCUMENTS):
 
     ids, positions, labels, *_ = packed_batch(hf.config.vocab_size, documents)
     hf.zero_grad(), model.zero_grad()
-    hf(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
-    model(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+    expected_loss = hf(ids, position_ids=positions, labels=labels, use_cache=False).loss
+    expected_loss.backward()
+    if fused_head:
+        loss = _fused_head_loss(model, hf, ids, positions, labels)
+        assert abs(float(loss - expected_loss)) < TOLERANCE_LOSS
+    else:
+        loss = model(ids, position_ids=positions, labels=labels, use_cache=False).loss
+    loss.backward()
     state = model.module.state
     full = get_adapter(hf).from_hf({name: p.grad for name, p in hf.named_parameters()},
                                    model.transformer_config)
@@ -178,6 +195,8 @@ def _grad_diff(model, hf, documents=ODD_DOCUMENTS):
     worst = 0.0
     for name, param in model.module.named_parameters():
         grad = param.grad.clone()
+        if getattr(param, "sequence_parallel", False):  # partial over SP, as DDP sums them
+            dist.all_reduce(grad, group=state.tp_group)
         if state.cp_size > 1:
             dist.all_reduce(grad, group=state.cp_group)
         worst = max(worst, float((grad - expected[name]).abs().max()))
@@ -198,6 +217,9 @@ def _parallel_worker(rank, world_size):
                 out[("tp2+sp", family)] = _diffs(
                     smp.transform(hf, config={"sequence_parallel": True}), hf)
                 out["grads tp2"] = _grad_diff(smp.transform(hf), hf)
+                out["grads tp2 fused head"] = _grad_diff(smp.transform(hf), hf, fused_head=True)
+                out["grads tp2+sp fused head"] = _grad_diff(
+                    smp.transform(hf, config={"sequence_parallel": True}), hf, fused_head=True)
     smp.init({"context_parallel_degree": 2})
     for family in ("llama", "gpt2", "deepseek_v3"):
         hf = build(family)
@@ -208,6 +230,7 @@ def _parallel_worker(rank, world_size):
         if family == "llama":
             out["grads cp2"] = _grad_diff(model, hf)
             out["grads cp2 per document"] = _grad_diff(model, hf, EVEN_DOCUMENTS)
+            out["grads cp2 fused head"] = _grad_diff(model, hf, EVEN_DOCUMENTS, fused_head=True)
     errors = {}
     for family, comm_type in (("llama", "p2p"), ("llama", "a2a"), ("mistral", "all_gather")):
         hf = build(family)
@@ -225,7 +248,9 @@ def test_tp2_ep2_and_cp2_match_hf_or_refuse():
     results = run_distributed(_parallel_worker, 2, timeout=600)
     for result in results:
         errors = result.pop("cp errors")
-        for layout in ("grads tp2", "grads cp2", "grads cp2 per document"):
+        for layout in ("grads tp2", "grads cp2", "grads cp2 per document",
+                       "grads tp2 fused head", "grads tp2+sp fused head",
+                       "grads cp2 fused head"):
             assert result.pop(layout) < 1e-5, layout
         for where, diffs in result.items():
             _assert_close(diffs, where)
