@@ -137,6 +137,8 @@ class TransformedModel(torch.nn.Module):
             raise ConfigError(f"transformed model forward: input_ids must be [batch, seq], got "
                               f"{tuple(input_ids.shape)}")
         use_cache = hf_contract.resolve_config_default("use_cache", use_cache, self.config)
+        if self.is_activation_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # HF turns the cache off under gradient checkpointing
         mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
         document_ids = hf_contract.packed_document_ids(
             input_ids.shape, attention_mask, position_ids, use_cache, **packing,
@@ -229,6 +231,56 @@ class TransformedModel(torch.nn.Module):
         rank forms the whole loss) and `.bias` (None, or [vocab]). Rebuilt on each call, so a
         caller reads it per forward (as TRL's fused LM head does)."""
         return _FullOutputLayer(self)
+
+    supports_gradient_checkpointing = True
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """HF's flag: whether `activation_checkpointing_enable` turned layer recompute on."""
+        return self.module.decoder.recompute_granularity == "full"
+
+    is_gradient_checkpointing = is_activation_checkpointing  # HF's older name
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """HF's activation checkpointing (what HF's Trainer and TRL call with
+        `gradient_checkpointing=True`): every decoder layer recomputed in backward, our
+        `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`.
+        `use_reentrant` picks torch's mechanism, which has no counterpart here (one recompute,
+        the same numbers either way); other kwargs, every_n_layers > 1 and offload are a
+        ConfigError."""
+        unknown = sorted(set(activation_checkpointing_kwargs or {}) - {"use_reentrant"})
+        if every_n_layers != 1:
+            unknown.append(f"every_n_layers={every_n_layers}")
+        if offload:
+            unknown.append("offload=True")
+        if unknown:
+            raise ConfigError(
+                f"transformed model activation_checkpointing_enable: {', '.join(unknown)} not "
+                "supported; it recomputes every layer (use_reentrant alone is taken; for "
+                "offloading see sm_activation_offloading)")
+        decoder = self.module.decoder
+        if not self.is_activation_checkpointing:
+            self._recompute_before = (decoder.recompute_granularity, decoder.recompute_method,
+                                      decoder.recompute_num_layers)
+        decoder.recompute_granularity, decoder.recompute_method = "full", "uniform"
+        decoder.recompute_num_layers = 1
+
+    def activation_checkpointing_disable(self) -> None:
+        """Back to the recompute the model was built with."""
+        before = getattr(self, "_recompute_before", None)
+        if before is not None:
+            decoder = self.module.decoder
+            (decoder.recompute_granularity, decoder.recompute_method,
+             decoder.recompute_num_layers) = before
+            self._recompute_before = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None,
+                                      **kwargs) -> None:
+        """HF's older name of `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    gradient_checkpointing_disable = activation_checkpointing_disable  # HF's older name
 
     model_tags: Optional[list] = None
 
