@@ -237,12 +237,13 @@ def packed_document_ids(
             "mask and padding-free document boundaries do not combine (Hugging Face's flash "
             "path would drop the boundaries); pass one or the other")
     found = {}  # source -> bool [b, s] document starts
-    flash = [name for name in FLASH_VARLEN_KEYWORDS if name in given]
-    if flash:
+    flash_given = [name for name in FLASH_VARLEN_KEYWORDS if name in given]
+    if flash_given:
         missing = [name for name in FLASH_VARLEN_KEYWORDS if name not in given]
         if missing:
             raise ConfigError(
-                f"transformed model forward: {', '.join(flash)} without {', '.join(missing)}: "
+                f"transformed model forward: {', '.join(flash_given)} without "
+                f"{', '.join(missing)}: "
                 "flash attention's padding-free arguments come as all four (Hugging Face "
                 "ignores a partial set); pass all of them, or none and position_ids")
         if not torch.equal(cu_seq_lens_q.cpu(), cu_seq_lens_k.cpu()):
@@ -273,26 +274,30 @@ def packed_document_ids(
             raise ConfigError(
                 f"transformed model forward: position_ids must be [batch, {shape[1]}] (or "
                 f"[1, {shape[1]}]), got {tuple(position_ids.shape)}")
-        flash = "flash" in (attn_implementation or "")
-        if flash:  # HF's `_is_packed_sequence` and `prepare_fa_kwargs_from_position_ids`
+        ignored = None  # (why HF does not read documents from them, what would)
+        if "flash" in (attn_implementation or ""):
+            # HF's flash path: `_is_packed_sequence`, `prepare_fa_kwargs_from_position_ids`.
             starts = position_ids.expand(shape) == position_ids.min()
             starts[:, 0] = True
-            why = None if shape[0] == 1 else ("Hugging Face's flash attention reads them in a "
-                                              "batch of one row only", "flatten the batch")
+            if shape[0] > 1:
+                ignored = ("Hugging Face's flash attention reads them in a batch of one row "
+                           "only", "flatten the batch into one row")
         else:
             starts = _position_boundaries(position_ids, shape)
-            why = (None if not use_cache and masks_read_position_ids else
-                   ("use_cache resolves to True (the call's or config.use_cache)",
-                    "pass use_cache=False") if use_cache and masks_read_position_ids else
-                   ("this family's Hugging Face model builds its attention masks without "
-                    "them", "pass cu_seq_lens_q/k with max_length_q/k, or seq_idx"))
-        if why is None and (found or bool(starts[:, 1:].any())):
+            if not masks_read_position_ids:
+                ignored = ("this family's Hugging Face model builds its attention masks "
+                           "without them", "pass cu_seq_lens_q/k with max_length_q/k, or "
+                           "seq_idx")
+            elif use_cache:
+                ignored = ("use_cache resolves to True (the call's or config.use_cache)",
+                           "pass use_cache=False")
+        if ignored is None and (found or bool(starts[:, 1:].any())):
             found["position_ids"] = starts
-        elif why is not None and not found and bool(starts[:, 1:].any()):
+        elif ignored is not None and not found and bool(starts[:, 1:].any()):
             warnings.warn(
                 f"transformed model forward: position_ids restart inside a row, but "
-                f"{why[0]}, so, as in Hugging Face, the documents attend to each other; "
-                f"{why[1]} for padding-free packing")
+                f"{ignored[0]}, so, as in Hugging Face, the documents attend to each other; "
+                f"{ignored[1]} for padding-free packing")
     if not found:
         return None
     (first_source, starts), *others = found.items()
