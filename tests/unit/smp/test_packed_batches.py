@@ -219,7 +219,7 @@ def _parallel_worker(rank, world_size):
                 out["grads tp2+sp fused head"] = _grad_diff(
                     smp.transform(hf, config={"sequence_parallel": True}), hf, fused_head=True)
     smp.init({"context_parallel_degree": 2})
-    for family in ("llama", "gpt2", "deepseek_v3"):
+    for family in ("llama", "gpt2", "gptj", "qwen3_moe", "deepseek_v3"):
         hf = build(family)
         model = smp.transform(hf, cp_comm_type="all_gather")
         # Odd lengths: the rows are split as a whole; lengths dividing 2 x cp: per document.
