@@ -23,7 +23,8 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    # trl: the DPO tests compare our losses with its DPOTrainer's (the library never imports it).
+    # trl: the tests train a transformed model with SFTTrainer(padding_free=True), and compare
+    # our DPO losses with its DPOTrainer's (the library never imports it).
     extras_require={"test": ["pytest", "tiktoken", "peft",
                              "trl"],
                     "tiktoken": ["tiktoken"],
