@@ -82,15 +82,22 @@ def _same(losses, expected, what):
                                         for x, y in zip(a, b)), (what, key, a, b)
 
 
-def test_dpo_layouts_match_single_process(dpo_argv, tmp_path):
+@pytest.fixture(scope="module")
+def single_process(dpo_argv, tmp_path_factory):
+    """The one-process run (frozen-copy reference), its last log line and TensorBoard dir."""
+    board = str(tmp_path_factory.mktemp("tb"))
+    (losses, line), = run_distributed(
+        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
+    return losses, line, board
+
+
+def test_dpo_layouts_match_single_process(dpo_argv, single_process):
     """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, DP=2 with the
     distributed optimizer and FSDP2 equal the single process's losses and metrics (1e-4);
     the log line and TensorBoard carry TRL's names."""
     from tests.functional.test_logging_flags import _scalars
 
-    board = str(tmp_path / "tb")
-    (reference, line), = run_distributed(
-        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
+    reference, line, board = single_process
     assert reference["dpo loss"][-1] < reference["dpo loss"][0]
     scalars = _scalars(board)
     for key in KEYS:
@@ -118,7 +125,7 @@ def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
         _same(losses, moe, "ep")
 
 
-def test_reference_modes_agree_and_resume_is_exact(dpo_argv, tmp_path):
+def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp_path):
     """LoRA with its adapters off as the reference equals a frozen copy of the base; a
     precomputed reference pass equals the live frozen copy; a precomputed run resumed at
     iteration 5 (its reference log-probs read back from the checkpoint directory) repeats
@@ -131,7 +138,7 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, tmp_path):
     assert frozen["dpo loss"][-1] < frozen["dpo loss"][0] - 0.02
 
     save = str(tmp_path / "precomputed")
-    (full_frozen, _), = run_distributed(_train, 1, args=(dpo_argv,), timeout=300)
+    full_frozen = single_process[0]
     saving = dpo_argv + ["--dpo-reference", "precomputed", "--save", save,
                          "--save-interval", "5"]
     (precomputed, _), = run_distributed(_train, 1, args=(saving,), timeout=300)
