@@ -1,5 +1,5 @@
 """The backend API: `compute_logprobs` equals HF's log_softmax(...).gather(...) (and its
-entropy) on the same weights at TP=2 (+SP), PP=2, CP=2 and EP=2, packed and unpacked;
+entropy) on the same weights at TP=2 (+SP), PP=2, CP=2, EP=2 and FSDP2, packed and unpacked;
 `iter_hf_weights` gives `hf_state_dict()` tensor for tensor, with a measured peak above the
 model within twice the largest tensor."""
 import pytest
@@ -111,6 +111,7 @@ def _single_process(family):
     ("--pipeline-model-parallel-size 2", "llama"),
     ("--context-parallel-size 2 --cp-comm-type all_gather", "llama"),
     ("--expert-model-parallel-size 2 " + " ".join(MOE), "mixtral"),
+    ("--use-torch-fsdp2", "llama"),  # the stream gathers FSDP2's row shards
 ])
 def test_compute_logprobs_equals_hf_at_every_layout(flags, family):
     """Every rank gets the whole sequences' log-probs and entropies, equal to HF's on the
