@@ -148,6 +148,10 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
         handle.write("5")
     (resumed, _), = run_distributed(_train, 1, args=(saving + ["--load", save],), timeout=300)
     assert all(resumed[key] == precomputed[key][5:] for key in KEYS), (resumed, precomputed)
+    # A frozen copy of the starting weights cannot be made when resuming full fine-tuning.
+    error, = run_distributed(_train, 1, args=(dpo_argv + ["--load", save],), timeout=300,
+                             allow_errors=True)
+    assert "--dpo-reference frozen: resuming at iteration 10, the starting weights" in error
 
     save = str(tmp_path / "lora")
     saving = lora + ["--use-distributed-optimizer", "--save", save, "--save-interval", "5"]
