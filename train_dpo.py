@@ -15,4 +15,5 @@ from megatron_smp.training import main
 from pretrain_gpt import model_provider
 
 if __name__ == "__main__":
-    main(lambda: train_dpo(model_provider, args_defaults={"tokenizer_type": "HuggingFaceTokenizer"}))
+    main(lambda: train_dpo(model_provider,
+                           args_defaults={"tokenizer_type": "HuggingFaceTokenizer"}))

@@ -3,7 +3,7 @@ of packed rows.
 
 The formulas are TRL's (`DPOTrainer._compute_loss`, trl 1.16), by the same names:
 
-    logratio_c = logp(chosen) - ref_logp(chosen),   logratio_r likewise,  d = logratio_c - logratio_r
+    logratio_c = logp(chosen) - ref_logp(chosen), logratio_r likewise, d = logratio_c - logratio_r
     sigmoid   -logsigmoid(beta d)
     hinge     relu(1 - beta d)
     ipo       (logratio_c / n_c - logratio_r / n_r - 1 / (2 beta))^2     (n: response tokens)

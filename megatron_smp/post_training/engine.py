@@ -181,35 +181,34 @@ def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: i
 
 # -- the Hugging Face weight stream ------------------------------------------------------------
 
-class _Provenance:
-    """While active (a TorchDispatchMode), records which source tensors each op's outputs
-    were computed from: `sources[id(tensor)]` -> set of source keys."""
+def _provenance_mode(sources: dict):
+    """A TorchDispatchMode recording which source tensors each op's outputs were computed
+    from: `sources[id(tensor)]` = (tensor, frozenset of source names)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 
-    def __new__(cls, sources):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            deps = set()
+            for item in tree_flatten((args, kwargs))[0]:
+                if isinstance(item, torch.Tensor):
+                    deps |= sources.get(id(item), (None, frozenset()))[1]
+            for item in tree_flatten(out)[0]:
+                if isinstance(item, torch.Tensor):
+                    before = sources.get(id(item), (None, frozenset()))[1]
+                    # The tensor is kept alive so that its id is not reused meanwhile.
+                    sources[id(item)] = (item, frozenset(deps) | before)
+            return out
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                deps = set()
-                for item in tree_flatten((args, kwargs))[0]:
-                    if isinstance(item, torch.Tensor):
-                        deps |= sources.get(id(item), (None, frozenset()))[1]
-                for item in tree_flatten(out)[0]:
-                    if isinstance(item, torch.Tensor):
-                        before = sources.get(id(item), (None, frozenset()))[1]
-                        # The tensor is kept alive so that its id is not reused meanwhile.
-                        sources[id(item)] = (item, frozenset(deps) | before)
-                return out
-
-        return Mode()
+    return Mode()
 
 
 def _without_clones():
-    """A TorchDispatchMode in which `clone` of a contiguous tensor returns it. The family adapters clone what
-    they return so that an HF state dict never aliases the model; the stream converts fresh
-    gathered tensors that nothing else holds, where a clone would only double the peak."""
+    """A TorchDispatchMode in which `clone` of a contiguous tensor returns it. The family
+    adapters clone what they return so that an HF state dict never aliases the model; the
+    stream converts fresh gathered tensors that nothing else holds, where a clone would only
+    double the peak."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Mode(TorchDispatchMode):
@@ -228,7 +227,7 @@ def trace_dependencies(convert: Callable, shapes: Dict[str, Tuple[Tuple[int, ...
     inputs = {name: torch.empty(shape, dtype=dtype, device="meta")
               for name, (shape, dtype) in shapes.items()}
     sources = {id(t): (t, frozenset([name])) for name, t in inputs.items()}
-    with _Provenance(sources):
+    with _provenance_mode(sources):
         outputs = convert(inputs)
     return {name: sources.get(id(t), (None, frozenset()))[1] for name, t in outputs.items()}
 

@@ -1,6 +1,7 @@
 """offload / onload of params, grads and optimizer state: between two training steps on the
-fake accelerator (every storage emptied, host copies on the CPU, training goes on), the values round-trip through the same storages (views stay valid), and on the CPU
-itself offload is a clear error."""
+fake accelerator (every storage emptied, host copies on the CPU, training goes on); the
+values round-trip through the same storages (views stay valid); on the CPU itself offload is
+a clear error."""
 import pytest
 import torch
 
