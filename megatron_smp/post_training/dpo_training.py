@@ -245,35 +245,39 @@ class DPORun:
             dist.all_reduce(values, group=state.dp_group)  # one writer per position
         return values.cpu().numpy()
 
-    # -- the forward step (the loop's forward_step_func) -------------------------------------
+    # -- the loss (a Trainer-style loss function) and the loop's forward step ---------------
+    def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
+        """(loss, reports) of one microbatch from the last stage's logits [b, s, v/tp] and the
+        (CP-local) batch with its `ref_logps` and `token_documents`: the shape of
+        `loss_fn(output, batch)` that `Trainer.forward_backward(batch_iter, loss_fn)` takes."""
+        state = self.run.state
+        configs = self.run.configs
+        cp_group = state.cp_group if state.cp_size > 1 else None
+        seq_length = configs.training.seq_length
+        logps, _ = token_log_probs(logits, batch["labels"], state, configs.model.vocab_size)
+        documents, mask = batch[DOCUMENTS_KEY], batch["loss_mask"]
+        sums, counts = pair_sums(logps, mask, documents, seq_length, cp_group)
+        with torch.no_grad():
+            ref_sums, _ = pair_sums(batch[REF_KEY].float(), mask, documents, seq_length,
+                                    cp_group)
+        loss, reports = dpo_loss_and_metrics(sums, ref_sums, counts, self.config)
+        # Every CP rank computes the whole loss and back-propagates into its own tokens; DDP
+        # averages grads over dp x cp, so the CP ranks' shares are scaled back up.
+        return loss * state.cp_size, reports
+
     def forward_step(self, data_iterator, model):
+        """Megatron's forward_step(data_iterator, model) -> (output, loss_func) over
+        `loss_fn`: the microbatch on the device, its documents kept per token, this rank's
+        share under context parallelism, the model run without labels (logits)."""
         state = model.state
-        device = state.device
         batch = None
         if data_iterator is not None:
-            batch = {key: value.to(device, non_blocking=True)
+            batch = {key: value.to(state.device, non_blocking=True)
                      for key, value in next(data_iterator).items()}
             batch[DOCUMENTS_KEY] = batch["document_ids"].long()  # split like the tokens
             batch = split_batch_for_context_parallel(batch, state)
         output = model_outputs(model, batch)
-        config = self.config
-        seq_length = self.run.configs.training.seq_length
-        vocab_size = self.run.configs.model.vocab_size
-        cp_group = state.cp_group if state.cp_size > 1 else None
-
-        def loss_func(logits):
-            logps, _ = token_log_probs(logits, batch["labels"], state, vocab_size)
-            documents, mask = batch[DOCUMENTS_KEY], batch["loss_mask"]
-            sums, counts = pair_sums(logps, mask, documents, seq_length, cp_group)
-            with torch.no_grad():
-                ref_sums, _ = pair_sums(batch[REF_KEY].float(), mask, documents, seq_length,
-                                        cp_group)
-            loss, reports = dpo_loss_and_metrics(sums, ref_sums, counts, config)
-            # Every CP rank computes the whole loss and back-propagates into its own tokens;
-            # DDP averages grads over dp x cp, so the CP ranks' shares are scaled back up.
-            return loss * state.cp_size, reports
-
-        return output, loss_func
+        return output, lambda logits: self.loss_fn(logits, batch)
 
 
 def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
