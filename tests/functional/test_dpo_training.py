@@ -126,8 +126,9 @@ def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
 
 
 def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp_path):
-    """LoRA with its adapters off as the reference equals a frozen copy of the base; a
-    precomputed reference pass equals the live frozen copy; a precomputed run resumed at
+    """LoRA with its adapters off as the reference equals a frozen copy of the base (also at
+    TP=2+SP); a precomputed reference pass equals the live frozen copy (also computed over
+    DP=2); a precomputed run resumed at
     iteration 5 (its reference log-probs read back from the checkpoint directory) repeats
     iterations 6-10 exactly, and so does a LoRA run (adapters-off) at DP=2."""
     lora = dpo_argv + LORA + ["--lr", "1e-2"]
@@ -135,6 +136,9 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
                                    timeout=300)
     (adapters_off, _), = run_distributed(_train, 1, args=(lora,), timeout=300)
     _same(adapters_off, frozen, "adapters-off vs frozen")
+    for losses, _ in run_distributed(_train, 2, args=(
+            lora + "--tensor-model-parallel-size 2 --sequence-parallel".split(),), timeout=300):
+        _same(losses, frozen, "lora adapters-off tp=2")
     assert frozen["dpo loss"][-1] < frozen["dpo loss"][0] - 0.02
 
     save = str(tmp_path / "precomputed")
@@ -143,6 +147,10 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
                          "--save-interval", "5"]
     (precomputed, _), = run_distributed(_train, 1, args=(saving,), timeout=300)
     _same(precomputed, full_frozen, "precomputed vs frozen")
+    # At DP=2 the packs of the precomputing pass are shared out and the halves added up.
+    for losses, _ in run_distributed(_train, 2, args=(
+            dpo_argv + ["--dpo-reference", "precomputed"],), timeout=300):
+        _same(losses, full_frozen, "precomputed dp=2")
     assert os.path.isfile(os.path.join(save, "dpo_reference_logps.npy"))
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as handle:
         handle.write("5")
