@@ -129,8 +129,10 @@ def _environment(data, checkpoints):
     return env
 
 
-def _submit(script, submit_dir, env, directives, args):
-    out = subprocess.run(["sbatch", "--parsable"] + directives
+def _submit(script, submit_dir, env, directives, args, client=()):
+    """sbatch the script from `submit_dir`; `client` prefixes the SLURM commands (to run them
+    on a node of the two-node cluster); the job id."""
+    out = subprocess.run([*client, "sbatch", "--parsable"] + directives
                          + [os.path.join(REPO, "scripts/slurm", script)] + args,
                          cwd=submit_dir, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -142,21 +144,21 @@ def _output(submit_dir, job):
     return (submit_dir / names[0]).read_text() if names else ""
 
 
-def _wait(job, submit_dir, timeout=300, until=None):
+def _wait(job, submit_dir, timeout=300, until=None, client=()):
     """Wait until the job has left the queue (or `until(output)` holds); its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         output = _output(submit_dir, job)
         if until is not None and until(output):
             return output
-        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
-                               text=True, timeout=30).stdout.strip()
+        state = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
         if until is None and not state:
             return output
         time.sleep(0.3)
-    reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
-                            text=True, timeout=30).stdout.strip()
-    subprocess.run(["scancel", job], timeout=30)
+    reason = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T %r"],
+                            capture_output=True, text=True, timeout=30).stdout.strip()
+    subprocess.run([*client, "scancel", job], timeout=30)
     raise AssertionError(f"job {job} still queued after {timeout} s ({reason}):\n"
                          f"{_output(submit_dir, job)}")
 

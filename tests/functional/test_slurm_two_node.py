@@ -1,0 +1,307 @@
+"""The batch jobs of scripts/slurm/ on two nodes under a real SLURM, as users submit them.
+
+`scripts/slurm/local_two_node_cluster.sh` makes the two nodes: network namespaces with their
+own addresses (198.18.40.1 and .2), host names and slurmd, joined by a veth pair, slurmctld
+on node 1; the file system (clone, corpus, checkpoints) is shared as on a cluster. Where
+network namespaces are not permitted (not root, a kernel or container that refuses them)
+every test here skips with the reason. The jobs are submitted on node 1 with `--nodes=2`:
+  * a torchrun per node with the c10d rendezvous on node 1's address (TP=2 within a node,
+    DP=2 across the nodes), and one task per rank with srun (TP=2 within, PP=2 across), each
+    with the single-process losses;
+  * node 2's workers SIGKILLed mid-run (torchrun --max-restarts re-forms the job) and node 2
+    lost whole (SLURM requeues the job, a replacement node joins): both resume from the last
+    checkpoint with the uninterrupted run's losses;
+  * a node slow to start: the rendezvous times out after RDZV_TIMEOUT with a clear error.
+The cluster is torn down at the end, also when a test fails, leaving nothing behind.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.functional.test_slurm import (  # noqa: F401 (corpus is a fixture used here)
+    TINY, _environment, _losses, _submit, _wait, corpus)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(REPO, "scripts/slurm/local_two_node_cluster.sh")
+PREFIX = os.environ.get("SLURM_TWO_NODE_PREFIX", "msmp")
+NET = os.environ.get("SLURM_TWO_NODE_NET", "198.18.40")
+STATE = os.environ.get("SLURM_TWO_NODE_STATE", "/var/tmp/megatron_smp_slurm_two_node")
+ON_NODE_1 = ["bash", CLUSTER, "on", "1"]  # the SLURM commands run on the head node
+ITERS = 16
+ARGS = TINY + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS)]
+TP2 = ["--tensor-model-parallel-size", "2"]
+SAVE = ["--save-interval", "4"]  # the faults land after iteration 6: resume from 4 or 8
+# One torchrun per node starting 2 processes, or 2 srun tasks per node (one per rank).
+TORCHRUN_JOB = ["--nodes", "2", "--gpus-per-node", "0", "--ntasks-per-node", "1",
+                "--cpus-per-task", "2"]
+SRUN_JOB = ["--nodes", "2", "--gpus-per-node", "0", "--ntasks-per-node", "2",
+            "--cpus-per-task", "1"]
+TIMES = {}  # seconds, printed at the end of the module (pytest -s shows them)
+
+
+def _node(n):
+    return f"{PREFIX}-n{n}"
+
+
+def _cluster(*args, timeout=120):
+    return subprocess.run(["bash", CLUSTER, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The two-node SLURM, torn down after the module's last test whatever happened."""
+    start = time.monotonic()
+    proc = _cluster(timeout=600)
+    if proc.returncode == 2 or (proc.returncode and "apt-get" in proc.stderr):
+        reason = f"no two-node SLURM here: {proc.stderr.strip()[-500:]}"
+        print(reason)
+        pytest.skip(reason)
+    assert proc.returncode == 0, proc.stderr
+    TIMES["cluster start"] = time.monotonic() - start
+    try:
+        yield
+    finally:
+        _cluster("stop")
+        print("two-node SLURM times (s):",
+              ", ".join(f"{name} {seconds:.1f}" for name, seconds in TIMES.items()))
+
+
+def _job(script, name, tmp_path, corpus, directives, args, env=()):
+    submit_dir = tmp_path / name
+    submit_dir.mkdir()
+    environ = _environment(corpus["gpt"], tmp_path / f"{name}_checkpoints")
+    environ.update(env)
+    return _submit(script, submit_dir, environ, directives, args, client=ON_NODE_1), submit_dir
+
+
+def _at_iteration(n):
+    return lambda output: any(int(i) >= n for i in re.findall(r"^ iteration +(\d+)/", output,
+                                                               re.M))
+
+
+@pytest.fixture(scope="module")
+def single_process(corpus, tmp_path_factory):
+    """The launcher's run on one process (torchrun --standalone, no SLURM): its losses."""
+    tmp = tmp_path_factory.mktemp("single_process")
+    env = dict(_environment(corpus["gpt"], tmp / "checkpoints"), NPROC_PER_NODE="1")
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts/pretrain_gpt_125m.sh")] + ARGS,
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(proc.stdout)
+    assert sorted(losses) == list(range(1, ITERS + 1)), proc.stdout[-3000:]
+    return losses
+
+
+_UNINTERRUPTED = {}
+
+
+def _uninterrupted(corpus, tmp_path_factory):
+    """The TP=2 x DP=2 torchrun job across both nodes, run once: (job, output)."""
+    if not _UNINTERRUPTED:
+        tmp = tmp_path_factory.mktemp("uninterrupted")
+        start = time.monotonic()
+        job, submit_dir = _job("pretrain_gpt.sbatch", "job", tmp, corpus, TORCHRUN_JOB,
+                               ARGS + TP2, env={"LOGLEVEL": "INFO"})
+        output = _wait(job, submit_dir, client=ON_NODE_1)
+        TIMES["2-node job, submit to end"] = time.monotonic() - start
+        assert sorted(_losses(output)) == list(range(1, ITERS + 1)), output[-4000:]
+        _UNINTERRUPTED.update(job=job, output=output)
+    return _UNINTERRUPTED["job"], _UNINTERRUPTED["output"]
+
+
+def _rendezvous_port(job, output):
+    """The job's rendezvous line names node 1's namespace address; its port."""
+    found = re.search(rf"^job {job} attempt 0 on {PREFIX}-n\[1-2\], clone .*, "
+                      rf"rendezvous {re.escape(NET)}\.1:(\d+)$", output, re.M)
+    assert found, output[:3000]
+    return found.group(1)
+
+
+def _assert_nodes_route_to_node_1(output, port, lines_per_node=1):
+    """Each node's launcher found its own address and interface on the route to node 1."""
+    for n in (1, 2):
+        line = (f"node {_node(n)}: rendezvous {NET}.1:{port} ({NET}.1), this node {NET}.{n}, "
+                f"GLOO_SOCKET_IFNAME={PREFIX}-v{n} NCCL_SOCKET_IFNAME={PREFIX}-v{n}")
+        assert output.count(line) == lines_per_node, (line, output[:3000])
+
+
+def test_tp2_in_node_dp2_across_nodes_torchrun_matches_single_process(
+        cluster, corpus, single_process, tmp_path_factory):
+    """pretrain_gpt.sbatch as submitted with --nodes=2: one torchrun per node, c10d rendezvous
+    on node 1's address, both agents joining from their own addresses, the workers' store on
+    node 1; the losses are the single process's."""
+    job, output = _uninterrupted(corpus, tmp_path_factory)
+    port = _rendezvous_port(job, output)
+    _assert_nodes_route_to_node_1(output, port)
+    # torchrun's own log (LOGLEVEL=INFO): each agent joined from its node's address, and
+    # both hand their workers node 1's address for the store.
+    for n in (1, 2):
+        assert re.search(rf"The node '{re.escape(NET)}\.{n}_\d+_0' has joined round 0 of the "
+                         rf"rendezvous '.*' as rank {n - 1} in a world of size 2", output)
+    assert output.count(f"master_addr={NET}.1\n") == 2, output[:6000]
+    losses = _losses(output)
+    assert losses == pytest.approx(single_process, rel=1e-4), (losses, single_process)
+
+
+def test_tp2_in_node_pp2_across_nodes_srun_matches_single_process(
+        cluster, corpus, single_process, tmp_path):
+    """pretrain_gpt_srun.sbatch with --nodes=2: srun starts the 4 ranks itself (2 per node);
+    tensor parallel within each node, the two pipeline stages on different nodes."""
+    job, submit_dir = _job("pretrain_gpt_srun.sbatch", "srun", tmp_path, corpus, SRUN_JOB,
+                           ARGS + TP2 + ["--pipeline-model-parallel-size", "2"])
+    output = _wait(job, submit_dir, client=ON_NODE_1)
+    port = _rendezvous_port(job, output)
+    _assert_nodes_route_to_node_1(output, port, lines_per_node=2)  # one per task
+    losses = _losses(output)
+    assert sorted(losses) == list(range(1, ITERS + 1)), output[-4000:]
+    assert losses == pytest.approx(single_process, rel=1e-4), (losses, single_process)
+
+
+def _workers(n):
+    """Pids of the training processes on node n (not their torchrun agent)."""
+    pids = subprocess.run(["ip", "netns", "pids", _node(n)], capture_output=True, text=True,
+                          timeout=30).stdout.split()
+    workers = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = handle.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(arg.endswith("pretrain_gpt.py") for arg in argv) \
+                and "torch.distributed.run" not in argv:
+            workers.append(int(pid))
+    return workers
+
+
+def _assert_resumed_exactly(job, output, uninterrupted, attempt_line):
+    resumed = [int(i) for i in re.findall(r"resuming at iteration (\d+)", output)]
+    assert resumed and resumed[-1] in (4, 8, 12), output[-5000:]
+    assert attempt_line in output, output[-5000:]
+    assert f"checkpoint of iteration {ITERS} saved" in output
+    # Every iteration logged, the repeated ones (after the checkpoint) included, as in the
+    # uninterrupted run of the same layout: bitwise.
+    for i, loss in re.findall(r"^ iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|",
+                              output, re.M):
+        assert float(loss) == uninterrupted[int(i)], (i, loss, uninterrupted[int(i)])
+    assert _losses(output) == uninterrupted
+
+
+def test_node_2_workers_killed_torchrun_restarts_and_resumes_exactly(
+        cluster, corpus, tmp_path, tmp_path_factory):
+    """MAX_RESTARTS=1: after iteration 6 every worker on node 2 is SIGKILLed. Node 2's agent
+    restarts its workers, node 1's workers fail on the broken collective and restart too,
+    the c10d rendezvous re-forms (round 1) and the job resumes from the last checkpoint."""
+    _, reference = _uninterrupted(corpus, tmp_path_factory)
+    job, submit_dir = _job("pretrain_gpt.sbatch", "restart", tmp_path, corpus, TORCHRUN_JOB,
+                           ARGS + TP2 + SAVE, env={"MAX_RESTARTS": "1", "LOGLEVEL": "INFO"})
+    _wait(job, submit_dir, until=_at_iteration(6), client=ON_NODE_1)
+    workers = _workers(2)
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    output = _wait(job, submit_dir, until=lambda out: "resuming at iteration" in out,
+                   client=ON_NODE_1)
+    TIMES["workers lost -> resumed (torchrun)"] = time.monotonic() - killed
+    output = _wait(job, submit_dir, client=ON_NODE_1)
+    assert re.search(rf"The node '{re.escape(NET)}\.2_\d+_0' has joined round 1 ", output)
+    _assert_resumed_exactly(job, output, _losses(reference),
+                            f"job {job} attempt 0")
+
+
+def _job_state(job):
+    return subprocess.run(ON_NODE_1 + ["squeue", "-h", "-j", job, "-o", "%T"],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def test_node_2_lost_slurm_requeues_and_a_replacement_resumes_exactly(
+        cluster, corpus, tmp_path, tmp_path_factory):
+    """After iteration 6 node 2 is lost whole: its link goes down (no packet leaves it any
+    more, as when a node loses power) and every process on it, slurmd included, is
+    SIGKILLed. SLURM marks it DOWN after SlurmdTimeout and requeues the job (--requeue);
+    a replacement node 2 joins, and attempt 1 resumes from the last checkpoint."""
+    _, reference = _uninterrupted(corpus, tmp_path_factory)
+    job, submit_dir = _job("pretrain_gpt.sbatch", "requeue", tmp_path, corpus, TORCHRUN_JOB,
+                           ARGS + TP2 + SAVE)
+    _wait(job, submit_dir, until=_at_iteration(6), client=ON_NODE_1)
+    lost = time.monotonic()
+    assert _cluster("lose", "2").returncode == 0
+    deadline = time.monotonic() + 120
+    while _job_state(job) != "PENDING":
+        assert time.monotonic() < deadline, (_job_state(job), _cluster(
+            "on", "1", "sinfo", "-N").stdout)
+        time.sleep(0.5)
+    TIMES["node lost -> job requeued (SLURM)"] = time.monotonic() - lost
+    replaced = _cluster("replace", "2")
+    assert replaced.returncode == 0, replaced.stderr
+    output = _wait(job, submit_dir, until=lambda out: f"job {job} attempt 1" in out and
+                   "resuming at iteration" in out, client=ON_NODE_1)
+    TIMES["node lost -> resumed (SLURM requeue)"] = time.monotonic() - lost
+    output = _wait(job, submit_dir, client=ON_NODE_1)
+    _assert_resumed_exactly(job, output, _losses(reference), f"job {job} attempt 1")
+
+
+def test_node_slow_to_join_fails_after_rdzv_timeout_with_a_clear_error(
+        cluster, corpus, tmp_path):
+    """Node 2's launcher starts 120 s late (its PYTHON sleeps first); with RDZV_TIMEOUT=5
+    node 1's torchrun gives up after 5 s, and the job says why instead of waiting 600 s."""
+    slow_python = tmp_path / "python_slow_on_node_2"
+    slow_python.write_text(f'#!/bin/sh\n[ "$(hostname)" = {_node(2)} ] && sleep 120\n'
+                           f'exec {sys.executable} "$@"\n')
+    slow_python.chmod(0o755)
+    start = time.monotonic()
+    job, submit_dir = _job("pretrain_gpt.sbatch", "slow", tmp_path, corpus, TORCHRUN_JOB,
+                           ARGS + TP2, env={"PYTHON": str(slow_python), "RDZV_TIMEOUT": "5"})
+    output = _wait(job, submit_dir, timeout=100, client=ON_NODE_1)
+    TIMES["slow node: submit -> clear error"] = time.monotonic() - start
+    port = _rendezvous_port(job, output)
+    assert (f"rendezvous timed out: not all 2 nodes joined {NET}.1:{port} within "
+            "RDZV_TIMEOUT=5 s.") in output, output[-4000:]
+    assert "RendezvousTimeoutError" in output
+    assert not _losses(output)
+
+
+def test_start_without_root_skips_with_the_reason(tmp_path):
+    """Not permitted to make network namespaces: exit 2 and say so (the tests skip on it)."""
+    state = tmp_path / "state"
+    command = ["bash", CLUSTER]
+    if os.geteuid() == 0:
+        command = ["runuser", "-u", "nobody", "--"] + command
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, SLURM_TWO_NODE_STATE=str(state)))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "network namespaces not permitted: needs root" in proc.stderr
+    assert not state.exists()
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return "\nState:\tZ" in handle.read()  # exited; its parent has yet to reap it
+    except OSError:
+        return True
+
+
+def test_stop_leaves_nothing_behind(cluster):
+    """`stop`: the daemons (by their pid files), the namespaces with their veth pair, the
+    nodes' /etc/hosts and the state directory are gone; this machine's network unchanged."""
+    pid_files = [os.path.join(STATE, name) for name in
+                 ("slurmctld.pid", f"{_node(1)}.pid", f"{_node(2)}.pid", "munge/munged.pid")]
+    pids = [int(open(path).read()) for path in pid_files]
+    assert _cluster("stop").returncode == 0
+    assert all(_gone(pid) for pid in pids), pids
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                timeout=30).stdout
+    assert _node(1) not in namespaces and _node(2) not in namespaces
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True,
+                           timeout=30).stdout
+    assert f"{PREFIX}-v" not in links
+    assert not os.path.exists(STATE)
+    assert not any(os.path.exists(f"/etc/netns/{_node(n)}") for n in (1, 2))
