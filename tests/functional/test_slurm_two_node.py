@@ -33,7 +33,10 @@ NET = os.environ.get("SLURM_TWO_NODE_NET", "198.18.40")
 STATE = os.environ.get("SLURM_TWO_NODE_STATE", "/var/tmp/megatron_smp_slurm_two_node")
 ON_NODE_1 = ["bash", CLUSTER, "on", "1"]  # the SLURM commands run on the head node
 ITERS = 16
-ARGS = TINY + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS)]
+# No dropout: its masks depend on the layout (each data-parallel rank draws its own), so only
+# without it can a 4-rank layout follow the single process (to 1e-4; bf16 as the launcher).
+ARGS = TINY + ["--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS),
+               "--hidden-dropout", "0", "--attention-dropout", "0"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 SAVE = ["--save-interval", "4"]  # the faults land after iteration 6: resume from 4 or 8
 # One torchrun per node starting 2 processes, or 2 srun tasks per node (one per rank).
@@ -139,12 +142,13 @@ def test_tp2_in_node_dp2_across_nodes_torchrun_matches_single_process(
     job, output = _uninterrupted(corpus, tmp_path_factory)
     port = _rendezvous_port(job, output)
     _assert_nodes_route_to_node_1(output, port)
-    # torchrun's own log (LOGLEVEL=INFO): each agent joined from its node's address, and
-    # both hand their workers node 1's address for the store.
-    for n in (1, 2):
-        assert re.search(rf"The node '{re.escape(NET)}\.{n}_\d+_0' has joined round 0 of the "
-                         rf"rendezvous '.*' as rank {n - 1} in a world of size 2", output)
-    assert output.count(f"master_addr={NET}.1\n") == 2, output[:6000]
+    # torchrun's own log (LOGLEVEL=INFO): both agents met at node 1's address, each with
+    # its own per-round store (not the agent's shared one), as node ranks 0 and 1, and hand
+    # their workers node 1's address for that store.
+    assert output.count(f"rdzv_endpoint            : {NET}.1:{port}\n") == 2, output[:6000]
+    assert output.count("use_agent_store: False\n") == 2
+    assert sorted(re.findall(r"\]   group_rank=(\d)\n", output)) == ["0", "1"]
+    assert output.count(f"]   master_addr={NET}.1\n") == 2
     losses = _losses(output)
     assert losses == pytest.approx(single_process, rel=1e-4), (losses, single_process)
 
@@ -211,7 +215,12 @@ def test_node_2_workers_killed_torchrun_restarts_and_resumes_exactly(
                    client=ON_NODE_1)
     TIMES["workers lost -> resumed (torchrun)"] = time.monotonic() - killed
     output = _wait(job, submit_dir, client=ON_NODE_1)
-    assert re.search(rf"The node '{re.escape(NET)}\.2_\d+_0' has joined round 1 ", output)
+    # Both agents met again (a second rendezvous round). Node 2's agent counts a restart;
+    # node 1's may count none (it restarts healthy workers for the rejoining node): the
+    # workers' per-round store does not depend on those counts agreeing.
+    assert output.count("Rendezvous complete for workers") == 4, output[-8000:]
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in output
+    assert "]   restart_count=1\n" in output
     _assert_resumed_exactly(job, output, _losses(reference),
                             f"job {job} attempt 0")
 
