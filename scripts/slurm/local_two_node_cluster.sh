@@ -126,14 +126,16 @@ SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/%n.pid
 SlurmctldLogFile=$STATE/slurmctld.log
 SlurmdLogFile=$STATE/%n.log
-# A node whose slurmd stops answering is DOWN after this many seconds; its jobs are requeued
-# (--requeue) or cancelled. Short, so that a lost node is noticed within a test.
-SlurmdTimeout=10
+# A node whose slurmd stops answering is DOWN after this many seconds and its jobs requeued
+# (--requeue) or cancelled; a message unanswered for MessageTimeout seconds has failed.
+# Short, so that a lost node is noticed within a test.
+SlurmdTimeout=5
+MessageTimeout=5
 EOF
-  # KillWait 15: a job on a lost node is requeued only once its processes on the surviving
-  # node are gone, and workers blocked in a collective with the lost node's ranks never
-  # act on SIGTERM (a run's save at SIGTERM takes about a second at the tests' sizes).
-  common_conf "cred_expire=5,socket=$MUNGE_SOCKET" 15
+  # KillWait 5: a job on a lost node starts again only once its processes on the surviving
+  # node are gone, and workers blocked in a collective with the lost node's ranks never act
+  # on SIGTERM (a run's save at SIGTERM takes about a second at the tests' sizes).
+  common_conf "cred_expire=5,socket=$MUNGE_SOCKET" 5
   # Both nodes share this machine's CPUs; slurmd refuses a node configured above what it sees.
   cat <<EOF
 NodeName=$(node 1) NodeAddr=$NET.1 CPUs=$1 RealMemory=1024 State=UNKNOWN
