@@ -134,6 +134,40 @@ def _assert_nodes_route_to_node_1(output, port, lines_per_node=1):
         assert output.count(line) == lines_per_node, (line, output[:3000])
 
 
+def _launch_env_on(node, **env):
+    """Source scripts/launch_env.sh on a node: (NODE_ADDR, GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME), the LAUNCH command, the lines it printed."""
+    script = ('source scripts/launch_env.sh && echo "$NODE_ADDR $GLOO_SOCKET_IFNAME '
+              '$NCCL_SOCKET_IFNAME" && echo "${LAUNCH[*]}"')
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NODE_ADDR")}
+    proc = subprocess.run(["bash", CLUSTER, "on", str(node), "bash", "-c", script], cwd=REPO,
+                          env=dict(environ, **env), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    derived, launch = proc.stdout.splitlines()
+    return tuple(derived.split()), launch.split(), proc.stderr
+
+
+def test_launcher_derives_node_address_and_interface_unless_set(cluster):
+    """On node 2, with MASTER_ADDR node 1's host name: this node's address and interface on
+    the route to it, torchrun's --local-addr, the rendezvous timeout and restarts; a
+    GLOO_SOCKET_IFNAME the user set is kept."""
+    rendezvous = dict(NNODES="2", MASTER_ADDR=_node(1), MASTER_PORT="29400")
+    derived, launch, printed = _launch_env_on(2, RDZV_TIMEOUT="7", MAX_RESTARTS="2",
+                                              **rendezvous)
+    assert derived == (f"{NET}.2", f"{PREFIX}-v2", f"{PREFIX}-v2")
+    assert f"node {_node(2)}: rendezvous {_node(1)}:29400 ({NET}.1), this node {NET}.2" in printed
+    text = " ".join(launch)
+    for expected in (f"--rdzv-endpoint {_node(1)}:29400", f"--local-addr {NET}.2",
+                     "--rdzv-conf join_timeout=7", "--max-restarts 2", "--nnodes 2"):
+        assert expected in text, (expected, text)
+    derived, _, _ = _launch_env_on(2, GLOO_SOCKET_IFNAME="eth7", **rendezvous)
+    assert derived == (f"{NET}.2", "eth7", f"{PREFIX}-v2")
+    # One node: nothing derived, torchrun alone as before.
+    derived, launch, _ = _launch_env_on(1, NNODES="1", MASTER_ADDR=_node(1))
+    assert derived == () and "--local-addr" not in launch
+
+
 def test_tp2_in_node_dp2_across_nodes_torchrun_matches_single_process(
         cluster, corpus, single_process, tmp_path_factory):
     """pretrain_gpt.sbatch as submitted with --nodes=2: one torchrun per node, c10d rendezvous
