@@ -6,7 +6,8 @@
 #
 #   sudo bash scripts/slurm/local_two_node_cluster.sh            # install if missing, start
 #   sudo bash scripts/slurm/local_two_node_cluster.sh on 1 CMD..  # run CMD on node 1 (or 2)
-#   sudo bash scripts/slurm/local_two_node_cluster.sh on 1 sbatch --nodes 2 ... # submit a job
+#   sudo -E bash scripts/slurm/local_two_node_cluster.sh on 1 sbatch --nodes 2 ...  # a job
+#                                    (-E: the job gets your environment: DATA_PATH, ...)
 #   sudo bash scripts/slurm/local_two_node_cluster.sh lose 2     # node 2 dies (link, processes)
 #   sudo bash scripts/slurm/local_two_node_cluster.sh replace 2  # a new node 2 joins (slurmd)
 #   sudo bash scripts/slurm/local_two_node_cluster.sh stop       # tear everything down
@@ -138,8 +139,8 @@ EOF
   common_conf "cred_expire=5,socket=$MUNGE_SOCKET" 5
   # Both nodes share this machine's CPUs; slurmd refuses a node configured above what it sees.
   cat <<EOF
-NodeName=$(node 1) NodeAddr=$NET.1 CPUs=$1 RealMemory=1024 State=UNKNOWN
-NodeName=$(node 2) NodeAddr=$NET.2 CPUs=$1 RealMemory=1024 State=UNKNOWN
+NodeName=$(node 1) NodeAddr=$NET.1 CPUs=${1:-$(nproc --all)} RealMemory=1024 State=UNKNOWN
+NodeName=$(node 2) NodeAddr=$NET.2 CPUs=${1:-$(nproc --all)} RealMemory=1024 State=UNKNOWN
 PartitionName=cpu Nodes=$(node 1),$(node 2) Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 }
@@ -171,11 +172,18 @@ esac
 if [ "$(id -u)" != 0 ]; then
   say "network namespaces not permitted: needs root (run it with sudo)"; exit 2
 fi
+if ! command -v ip >/dev/null && command -v apt-get >/dev/null; then
+  say "installing iproute2 (Debian package) for ip netns"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null 2>&1 \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } \
+      >/dev/null 2>&1
+fi
 for tool in ip unshare nsenter; do
   command -v "$tool" >/dev/null || { say "network namespaces not permitted: no '$tool'"; exit 2; }
 done
-if [ -f "$CONF" ] && nodes_idle; then exit 0; fi
-stop  # what a failed or killed start left behind
+# Up with this script's configuration: nothing to do. Otherwise start afresh.
+if [ -f "$CONF" ] && [ "$(conf "$(hw_cpus)")" = "$(cat "$CONF")" ] && nodes_idle; then exit 0; fi
+stop  # what a failed or killed start left behind, or an older configuration
 
 if ! err=$(ip netns add "$(node 1)" 2>&1); then
   say "network namespaces not permitted here: ip netns add: $err"; stop; exit 2
@@ -215,8 +223,7 @@ chmod 0400 "$STATE/munge/munge.key"
   --seed-file="$STATE/munge/munged.seed" 2>"$STATE/munge/start.err" \
   || fail "munged did not start: $(cat "$STATE/munge/start.err")"
 
-cpus=$(hw_cpus)
-conf "${cpus:-$(nproc --all)}" > "$CONF"
+conf "$(hw_cpus)" > "$CONF"
 start_daemons 1 || fail "slurmctld/slurmd did not start on $(node 1)"
 start_daemons 2 || fail "slurmd did not start on $(node 2)"
 wait_idle 60 || fail "the nodes did not come up"

@@ -26,6 +26,8 @@ import pytest
 from tests.functional.test_slurm import (  # noqa: F401 (corpus is a fixture used here)
     TINY, _environment, _losses, _submit, _wait, corpus)
 
+pytestmark = pytest.mark.two_node
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(REPO, "scripts/slurm/local_two_node_cluster.sh")
 PREFIX = os.environ.get("SLURM_TWO_NODE_PREFIX", "msmp")
