@@ -62,7 +62,8 @@ if [ "$NNODES" -gt 1 ] && [ -n "${MASTER_ADDR:-}" ]; then
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$_dev}
     export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$_dev}
   fi
-  echo "node $(hostname): rendezvous $MASTER_ADDR:${MASTER_PORT:-29500} (${_master_ip:-unresolved})," \
+  echo "node $(hostname): rendezvous $MASTER_ADDR:${MASTER_PORT:-29500}" \
+    "(${_master_ip:-unresolved})," \
     "this node ${NODE_ADDR:-unknown}, GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-unset}" \
     "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-unset}" >&2
   if [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then

@@ -7,7 +7,8 @@ if [ -z "${MASTER_ADDR:-}" ]; then
   # The first node, at the address SLURM itself reaches it at (its NodeAddr): on the node, its
   # own name may resolve to a loopback address (Debian's 127.0.1.1) that no other node reaches.
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  _node_addr=$(scontrol show node "$MASTER_ADDR" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+  _node_addr=$(scontrol show node "$MASTER_ADDR" 2>/dev/null \
+    | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
   MASTER_ADDR=${_node_addr:-$MASTER_ADDR}
   unset _node_addr
 fi

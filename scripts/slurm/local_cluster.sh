@@ -93,7 +93,8 @@ for second in $(seq 1 30); do
     exit 0
   fi
   # (the daemons write their pid files a moment after they start)
-  if [ "$second" -gt 2 ] && { ! running "$STATE/slurmctld.pid" || ! running "$STATE/slurmd.pid"; }; then
+  if [ "$second" -gt 2 ] \
+      && { ! running "$STATE/slurmctld.pid" || ! running "$STATE/slurmd.pid"; }; then
     say "a SLURM daemon exited at start; logs in $STATE"; exit 1
   fi
   state=$(sinfo -h -o '%t' 2>/dev/null)

@@ -85,6 +85,11 @@ def _job(script, name, tmp_path, corpus, directives, args, env=()):
     return _submit(script, submit_dir, environ, directives, args, client=ON_NODE_1), submit_dir
 
 
+def _wait_job(job, submit_dir, until=None, timeout=600):
+    """`_wait` on node 1; 600 s: a loaded 2-core machine runs these jobs 10x slower."""
+    return _wait(job, submit_dir, timeout=timeout, until=until, client=ON_NODE_1)
+
+
 def _at_iteration(n):
     return lambda output: any(int(i) >= n for i in re.findall(r"^ iteration +(\d+)/", output,
                                                                re.M))
@@ -113,7 +118,7 @@ def _uninterrupted(corpus, tmp_path_factory):
         start = time.monotonic()
         job, submit_dir = _job("pretrain_gpt.sbatch", "job", tmp, corpus, TORCHRUN_JOB,
                                ARGS + TP2, env={"LOGLEVEL": "INFO"})
-        output = _wait(job, submit_dir, client=ON_NODE_1)
+        output = _wait_job(job, submit_dir)
         TIMES["2-node job, submit to end"] = time.monotonic() - start
         assert sorted(_losses(output)) == list(range(1, ITERS + 1)), output[-4000:]
         _UNINTERRUPTED.update(job=job, output=output)
@@ -195,7 +200,7 @@ def test_tp2_in_node_pp2_across_nodes_srun_matches_single_process(
     tensor parallel within each node, the two pipeline stages on different nodes."""
     job, submit_dir = _job("pretrain_gpt_srun.sbatch", "srun", tmp_path, corpus, SRUN_JOB,
                            ARGS + TP2 + ["--pipeline-model-parallel-size", "2"])
-    output = _wait(job, submit_dir, client=ON_NODE_1)
+    output = _wait_job(job, submit_dir)
     port = _rendezvous_port(job, output)
     _assert_nodes_route_to_node_1(output, port, lines_per_node=2)  # one per task
     losses = _losses(output)
@@ -248,17 +253,16 @@ def test_node_2_lost_twice_torchrun_restarts_then_slurm_requeues_resuming_exactl
     uninterrupted = _losses(reference)
     job, submit_dir = _job("pretrain_gpt.sbatch", "faults", tmp_path, corpus, TORCHRUN_JOB,
                            ARGS + TP2 + SAVE, env={"MAX_RESTARTS": "1", "LOGLEVEL": "INFO"})
-    _wait(job, submit_dir, until=_at_iteration(6), client=ON_NODE_1)
+    _wait_job(job, submit_dir, until=_at_iteration(6))
     workers = _workers(2)
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     first = f"job {job} attempt 0"
-    _wait(job, submit_dir, until=_after_resume_at_iteration(1, first), client=ON_NODE_1)
+    _wait_job(job, submit_dir, until=_after_resume_at_iteration(1, first))
     TIMES["workers lost -> resumed (torchrun restart)"] = time.monotonic() - killed
-    output = _wait(job, submit_dir, until=_after_resume_at_iteration(10, first),
-                   client=ON_NODE_1)
+    output = _wait_job(job, submit_dir, until=_after_resume_at_iteration(10, first))
     # Both agents met again (a second rendezvous round). Node 2's agent counts a restart;
     # node 1's may count none (it restarts healthy workers for the rejoining node): the
     # workers' per-round store does not depend on those counts agreeing.
@@ -278,9 +282,9 @@ def test_node_2_lost_twice_torchrun_restarts_then_slurm_requeues_resuming_exactl
     replaced = _cluster("replace", "2")
     assert replaced.returncode == 0, replaced.stderr
     second = f"job {job} attempt 1"
-    _wait(job, submit_dir, until=_after_resume_at_iteration(1, second), client=ON_NODE_1)
+    _wait_job(job, submit_dir, until=_after_resume_at_iteration(1, second))
     TIMES["node lost -> resumed (SLURM requeue)"] = time.monotonic() - lost
-    output = _wait(job, submit_dir, client=ON_NODE_1)
+    output = _wait_job(job, submit_dir)
     resumed = [int(i) for i in re.findall(r"resuming at iteration (\d+)", output)]
     assert len(resumed) == 2 and resumed[1] in (8, 12, 16), output[-5000:]
     assert f"checkpoint of iteration {ITERS} saved" in output
@@ -301,7 +305,7 @@ def test_node_slow_to_join_fails_after_rdzv_timeout_with_a_clear_error(
     start = time.monotonic()
     job, submit_dir = _job("pretrain_gpt.sbatch", "slow", tmp_path, corpus, TORCHRUN_JOB,
                            ARGS + TP2, env={"PYTHON": str(slow_python), "RDZV_TIMEOUT": "5"})
-    output = _wait(job, submit_dir, timeout=100, client=ON_NODE_1)
+    output = _wait_job(job, submit_dir, timeout=100)
     TIMES["slow node: submit -> clear error"] = time.monotonic() - start
     port = _rendezvous_port(job, output)
     assert (f"rendezvous timed out: not all 2 nodes joined {NET}.1:{port} within "
