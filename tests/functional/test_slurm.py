@@ -152,9 +152,11 @@ def _wait(job, submit_dir, timeout=300, until=None, client=()):
         if until is not None and until(output):
             return output
         state = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        if until is None and not state:
-            return output
+                               capture_output=True, text=True, timeout=30)
+        # (a failed squeue, as under load, says nothing; the output is read again: the job
+        # may have written its last lines since)
+        if until is None and state.returncode == 0 and not state.stdout.strip():
+            return _output(submit_dir, job)
         time.sleep(0.3)
     reason = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T %r"],
                             capture_output=True, text=True, timeout=30).stdout.strip()
