@@ -106,7 +106,7 @@ stop() {
   return 0
 }
 
-# start_slurmd N: slurmd of node N (on node 1 slurmctld too), in the node's namespace with the
+# start_daemons N: slurmd of node N (on node 1 slurmctld too), in the node's namespace with the
 # node's host name (they keep both when they daemonize).
 start_daemons() {
   if [ "$1" = 1 ]; then
