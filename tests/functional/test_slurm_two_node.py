@@ -23,8 +23,7 @@ import time
 
 import pytest
 
-from tests.functional.test_slurm import (  # noqa: F401 (corpus is a fixture used here)
-    TINY, _environment, _losses, _submit, _wait, corpus)
+from tests.functional.test_slurm import TINY, _environment, _losses, _submit, _wait
 
 pytestmark = pytest.mark.two_node
 
