@@ -46,6 +46,7 @@ TORCHRUN_JOB = ["--nodes", "2", "--gpus-per-node", "0", "--ntasks-per-node", "1"
 SRUN_JOB = ["--nodes", "2", "--gpus-per-node", "0", "--ntasks-per-node", "2",
             "--cpus-per-task", "1"]
 TIMES = {}  # seconds, printed at the end of the module (pytest -s shows them)
+RESULTS = {}  # the same for the losses compared
 
 
 def _node(n):
@@ -74,6 +75,8 @@ def cluster():
         _cluster("stop")
         print("two-node SLURM times (s):",
               ", ".join(f"{name} {seconds:.1f}" for name, seconds in TIMES.items()))
+        for name, result in RESULTS.items():
+            print(f"two-node SLURM {name}: {result}")
 
 
 def _job(script, name, tmp_path, corpus, directives, args, env=()):
@@ -108,6 +111,13 @@ def single_process(corpus, tmp_path_factory):
 
 
 _UNINTERRUPTED = {}
+
+
+def _compare(name, losses, single_process):
+    worst = max(abs(losses[i] - single_process[i]) / abs(single_process[i]) for i in losses)
+    RESULTS[name] = (f"iterations 1/10/{ITERS} {losses[1]}/{losses[10]}/{losses[ITERS]} vs single "
+                     f"process {single_process[1]}/{single_process[10]}/{single_process[ITERS]}, "
+                     f"largest relative difference {worst:.1e}")
 
 
 def _uninterrupted(corpus, tmp_path_factory):
@@ -190,6 +200,7 @@ def test_tp2_in_node_dp2_across_nodes_torchrun_matches_single_process(
     assert sorted(re.findall(r"\]   group_rank=(\d)\n", output)) == ["0", "1"]
     assert output.count(f"]   master_addr={NET}.1\n") == 2
     losses = _losses(output)
+    _compare("TP2 x DP2 (torchrun)", losses, single_process)
     assert losses == pytest.approx(single_process, rel=1e-4), (losses, single_process)
 
 
@@ -204,6 +215,7 @@ def test_tp2_in_node_pp2_across_nodes_srun_matches_single_process(
     _assert_nodes_route_to_node_1(output, port, lines_per_node=2)  # one per task
     losses = _losses(output)
     assert sorted(losses) == list(range(1, ITERS + 1)), output[-4000:]
+    _compare("TP2 x PP2 (srun)", losses, single_process)
     assert losses == pytest.approx(single_process, rel=1e-4), (losses, single_process)
 
 
@@ -291,6 +303,9 @@ def test_node_2_lost_twice_torchrun_restarts_then_slurm_requeues_resuming_exactl
                               output, re.M):
         assert float(loss) == uninterrupted[int(i)], (i, loss, uninterrupted[int(i)])
     assert _losses(output) == uninterrupted
+    RESULTS["faults"] = (f"resumed at iterations {resumed} (torchrun restart, SLURM requeue); "
+                         f"{len(re.findall(r'^ iteration ', output, re.M))} iterations logged, "
+                         f"each equal to the uninterrupted run's loss")
 
 
 def test_node_slow_to_join_fails_after_rdzv_timeout_with_a_clear_error(
