@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from megatron_smp.config import ConfigError
 from megatron_smp.inference.kv_cache import (
     BlockAllocator,
+    CacheLayout,
     PagedKVCache,
     StepBatch,
     StepRequest,
@@ -67,7 +68,7 @@ class Request:
     prompt_logprobs: Optional[List[Optional[float]]] = None
     prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     finish_reason: Optional[str] = None
-    blocks: List[int] = field(default_factory=list)
+    blocks: Dict[Optional[int], List[int]] = field(default_factory=dict)
     prefilled: bool = False
     stop_string: Optional[str] = None
 
@@ -135,9 +136,11 @@ class InferenceEngine:
         self.max_tokens = num_blocks * block_size
         self.dtype = self.config.params_dtype
         self.device = self.state.device
-        self.cache = PagedKVCache(model, num_blocks, block_size, self.dtype, self.device)
+        self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
+        self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocators = {kind: BlockAllocator(count)
+                           for kind, count in self.layout.num_blocks.items()}
         self.stop_checker = stop_checker
         self.sequence_parallel = self.config.sequence_parallel and self.state.tp_size > 1
 
@@ -214,9 +217,9 @@ class InferenceEngine:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         self._finished_ids.append(request.request_id)
-        if request.blocks:
-            self.allocator.free(request.blocks)
-            request.blocks = []
+        for kind, blocks in request.blocks.items():
+            self.allocators[kind].free(blocks)
+        request.blocks = {}
         if request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
@@ -234,11 +237,14 @@ class InferenceEngine:
             while self.waiting and len(self.running) < self.max_requests:
                 request = self.waiting[0]
                 total = len(request.prompt) + request.params.max_new_tokens
-                needed = blocks_for(total, self.block_size)
-                if needed > self.allocator.num_free:
+                needed = {kind: self.layout.blocks_needed(kind, total)
+                          for kind in self.layout.kinds}
+                if any(count > self.allocators[kind].num_free
+                       for kind, count in needed.items()):
                     break  # first come first served: it waits for blocks to be freed
                 self.waiting.popleft()
-                request.blocks = self.allocator.allocate(needed)
+                request.blocks = {kind: self.allocators[kind].allocate(count)
+                                  for kind, count in needed.items()}
                 self.running.append(request)
                 new_params[request.request_id] = request.params
         steps, wants = [], []
@@ -403,6 +409,18 @@ class InferenceEngine:
     def shutdown(self) -> None:
         """The leader stops every rank's `worker_loop` (collective)."""
         self.step(stop=True)
+
+    def held_bytes(self, request: Request) -> int:
+        """Cache bytes a running request holds on this rank: its blocks of each kind times
+        the per-token bytes of this stage's layers of that kind."""
+        from megatron_smp.inference.kv_cache import attention_layers, layer_bytes_per_token
+
+        total = 0
+        for number, attention in attention_layers(self.model).items():
+            blocks = request.blocks[self.layout.layer_kind[number]]
+            total += len(blocks) * self.block_size * layer_bytes_per_token(attention,
+                                                                           self.dtype)
+        return total
 
     def memory_report(self) -> Dict[str, int]:
         """The cache on this rank: bytes per token, token capacity and allocated bytes."""

@@ -1,20 +1,25 @@
 """The paged (block) key/value cache and one step's attention over it.
 
-Memory: every attention layer of this pipeline stage owns one pool of `num_blocks *
-block_size` token slots (plus one scratch slot that padding tokens write to): keys and values
-[slots, ng_local, d] for standard attention, or [slots, kv_lora_rank + pos] for multi-latent
-attention (the compressed latent and the positional key). A request holds a table of blocks,
-the same block ids in every layer; token `p` of a request lives in slot
-`table[p // block_size] * block_size + p % block_size`. Blocks come from a `BlockAllocator`
-and go back to it when the request finishes, so requests of any length share one budget.
+Memory: every attention layer of this pipeline stage owns one pool of token slots (plus one
+scratch slot that padding keys read): keys and values [slots, ng_local, d] for standard
+attention, or [slots, kv_lora_rank + pos] for multi-latent attention (the compressed latent
+and the positional key). Layers are grouped by *kind*: full attention, or a sliding window
+of `left` keys. Each kind has its blocks of `block_size` slots and its `BlockAllocator`, and a
+request holds one block table per kind, the same block ids in every layer of that kind; token
+`p` lives in slot `table[(p // block_size) % len(table)] * block_size + p % block_size`. A
+full-attention table covers the whole request; a windowed one is a ring of at most
+`ceil(left / block_size) + 1` blocks, which keeps only the window (older keys are
+overwritten). Blocks go back to their allocator when the request finishes, so requests of
+any length share one budget.
 
 A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
-requests into one sequence. Each layer writes its new keys/values into their slots, then runs
-its queries in groups (all one-token decodes together, each longer chunk on its own): each
-group's keys are gathered from the pool by slot, padded to the group's longest context, and
-one SDPA call (`transformer.attention.core_attention`, so GQA, sinks and scaling are the
-training attention's) attends under a mask built from the tokens' positions: causal, and the
-layer's sliding window.
+requests into one sequence. Each layer runs its queries in groups (all one-token decodes
+together, each longer chunk on its own): a group's keys are its requests' cached keys
+(gathered by slot; for a window only those it can still see) followed by the step's new
+keys, padded to the group's longest context, and one SDPA call
+(`transformer.attention.core_attention`, so GQA, sinks and scaling are the training
+attention's) attends under a mask built from the tokens' positions: causal, and the layer's
+sliding window. The new keys/values are written to the cache afterwards.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class BlockAllocator:
         return [self._free.pop() for _ in range(count)]
 
     def free(self, blocks: Sequence[int]) -> None:
-        self._free.extend(sorted(blocks, reverse=True))
+        self._free.extend(blocks)
         self._free.sort(reverse=True)
 
 
@@ -59,32 +64,69 @@ def is_latent(attention: torch.nn.Module) -> bool:
     return hasattr(attention, "kv_lora_rank")
 
 
-def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Cache bytes one token costs on this rank, over this stage's layers: 2 * ng_local * d
-    per standard layer (key and value), kv_lora_rank + qk_pos_emb_head_dim per multi-latent
-    layer, times the element size."""
+def layer_bytes_per_token(attention: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cache bytes of one token in one layer on this rank: 2 * ng_local * d (key and value)
+    for standard attention, kv_lora_rank + qk_pos_emb_head_dim for multi-latent attention,
+    times the element size."""
     size = torch.tensor([], dtype=dtype).element_size()
-    total = 0
-    for attention in attention_layers(model).values():
-        if is_latent(attention):
-            total += (attention.kv_lora_rank + attention.pos_dim) * size
-        else:
-            total += 2 * attention.num_groups_per_partition * attention.head_dim * size
-    return total
+    if is_latent(attention):
+        return (attention.kv_lora_rank + attention.pos_dim) * size
+    return 2 * attention.num_groups_per_partition * attention.head_dim * size
+
+
+def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cache bytes one token costs on this rank, summed over this stage's layers (a windowed
+    layer's tokens past its window are not kept: see `CacheLayout`)."""
+    return sum(layer_bytes_per_token(a, dtype) for a in attention_layers(model).values())
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+Kind = Optional[int]  # None: full attention; an int: a sliding window of that many keys left
+
+
+class CacheLayout:
+    """The kinds of the model's layers (all of them, on every pipeline stage alike) and the
+    blocks each kind has: `num_blocks` for full attention (`max_tokens` / `block_size`),
+    for a window at most `max_requests` rings."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, max_requests: int) -> None:
+        self.block_size = block_size
+        self.layer_kind: Dict[int, Kind] = {}
+        for number in range(1, config.num_layers + 1):
+            window = config.layer_window_size(number)
+            causal_window = window is not None and window[0] >= 0 and window[1] == 0
+            self.layer_kind[number] = window[0] if causal_window else None
+        self.kinds = sorted(set(self.layer_kind.values()), key=lambda k: -1 if k is None else k)
+        self.num_blocks = {kind: num_blocks if kind is None
+                           else min(num_blocks, max_requests * self.ring_blocks(kind))
+                           for kind in self.kinds}
+
+    def ring_blocks(self, left: int) -> int:
+        """Blocks a window of `left` keys needs: a query at p sees p - left .. p, read before
+        p is written, and the ring turns a block at a time."""
+        return blocks_for(left, self.block_size) + 1
+
+    def blocks_needed(self, kind: Kind, total_tokens: int) -> int:
+        whole = blocks_for(total_tokens, self.block_size)
+        return whole if kind is None else min(whole, self.ring_blocks(kind))
 
 
 class PagedKVCache:
-    """The pools of this stage's attention layers: `num_blocks` blocks of `block_size`
-    tokens each, in `dtype` on `device`."""
+    """The pools of this stage's attention layers (see `CacheLayout` for their sizes), in
+    `dtype` on `device`."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.scratch_slot = num_blocks * block_size  # padding tokens write here
-        slots = self.scratch_slot + 1
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
         self.pools: Dict[int, Tuple[torch.Tensor, ...]] = {}
+        self.scratch_slot: Dict[Kind, int] = {
+            kind: count * self.block_size for kind, count in layout.num_blocks.items()}
         for number, attention in attention_layers(model).items():
+            slots = self.scratch_slot[layout.layer_kind[number]] + 1
             if is_latent(attention):
                 width = attention.kv_lora_rank + attention.pos_dim
                 self.pools[number] = (torch.zeros(slots, width, dtype=dtype, device=device),)
@@ -94,109 +136,129 @@ class PagedKVCache:
                                       torch.zeros(shape, dtype=dtype, device=device))
 
     def allocated_bytes(self) -> int:
-        """Bytes of the token slots (the scratch slot not counted)."""
+        """Bytes of the token slots (the scratch slots not counted)."""
         return sum(pool[:-1].numel() * pool.element_size()
                    for pools in self.pools.values() for pool in pools)
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size)
+@dataclass
+class StepRequest:
+    """One request's share of a step: its new tokens start at position `start` (the tokens
+    before are cached), `blocks` its block table of each kind."""
+
+    tokens: List[int]
+    start: int
+    blocks: Dict[Kind, List[int]]
 
 
 @dataclass
 class _Group:
-    """One batched attention call: rows `q_index` [n, Lq] of the step's tokens (T = a zero
-    padding row), key slots `k_slots` [n, Lk]; positions `q_pos` [n, Lq] (-1: padding) and
-    `k_pos` [n, Lk] (huge: padding)."""
+    """One batched attention call over requests `members`: rows `q_index` [n, Lq] of the
+    step's tokens (T = a zero padding row) at positions `q_pos` (-1: padding); per kind the
+    cached keys' slots [n, Lc] and positions [n, Lc] (huge: padding)."""
 
     q_index: torch.Tensor
-    k_slots: torch.Tensor
     q_pos: torch.Tensor
-    k_pos: torch.Tensor
     valid: torch.Tensor  # bool [n, Lq]: real query rows
+    cached: Dict[Kind, Tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class StepRequest:
-    """One request's share of a step: its new tokens start at `start` (the tokens before are
-    cached), its blocks are `blocks`."""
+_FAR = 1 << 40
 
-    tokens: List[int]
-    start: int
-    blocks: List[int]
+
+def _slot(table: List[int], position: int, block_size: int) -> int:
+    return table[(position // block_size) % len(table)] * block_size + position % block_size
 
 
 class StepBatch(KVCacheContext):
     """The flattened tokens of one step and their attention over the cache.
 
     `tokens` [T_pad] / `positions` [T_pad] (T real tokens, then padding up to a multiple of
-    `pad_to`, for sequence parallelism), `slots` [T_pad] where each token's key/value goes,
-    `last_rows` [R] each request's last token row, `request_rows` per request its rows."""
+    `pad_to`, for sequence parallelism), `request_rows` per request its rows."""
 
     def __init__(self, cache: PagedKVCache, requests: Sequence[StepRequest], device,
                  pad_to: int = 1) -> None:
         self.cache = cache
+        layout = cache.layout
         block_size = cache.block_size
-        tokens, positions, slots, self.request_rows = [], [], [], []
+        tokens, positions, self.request_rows = [], [], []
+        writes = {kind: ([], []) for kind in layout.kinds}  # rows, slots
         for request in requests:
             first = len(tokens)
-            for offset, token in enumerate(request.tokens):
-                position = request.start + offset
-                tokens.append(token)
-                positions.append(position)
-                slots.append(request.blocks[position // block_size] * block_size
-                             + position % block_size)
+            end = request.start + len(request.tokens)
+            tokens.extend(request.tokens)
+            positions.extend(range(request.start, end))
             self.request_rows.append(list(range(first, len(tokens))))
+            for kind in layout.kinds:
+                table = request.blocks[kind]
+                # A ring keeps the last len(table) blocks' worth: write only those tokens
+                # (each to a slot of its own).
+                keep_from = max(request.start, end - len(table) * block_size)
+                rows, slots = writes[kind]
+                for position in range(keep_from, end):
+                    rows.append(first + position - request.start)
+                    slots.append(_slot(table, position, block_size))
         self.num_tokens = len(tokens)
         padding = (-len(tokens)) % pad_to
-        tokens += [0] * padding
-        positions += [0] * padding
-        slots += [cache.scratch_slot] * padding
-        self.tokens = torch.tensor(tokens, dtype=torch.long, device=device)
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self.last_rows = torch.tensor([rows[-1] for rows in self.request_rows],
-                                      dtype=torch.long, device=device)
+        self.tokens = torch.tensor(tokens + [0] * padding, dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions + [0] * padding, dtype=torch.long,
+                                      device=device)
+        self.writes = {kind: (torch.tensor(rows, dtype=torch.long, device=device),
+                              torch.tensor(slots, dtype=torch.long, device=device))
+                       for kind, (rows, slots) in writes.items()}
         self.groups = self._build_groups(requests, device)
         self._masks: Dict[Tuple, torch.Tensor] = {}
 
     def _build_groups(self, requests: Sequence[StepRequest], device) -> List[_Group]:
+        layout = self.cache.layout
         singles = [i for i, r in enumerate(requests) if len(r.tokens) == 1]
         members = ([singles] if singles else []) + [
             [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
-        block_size = self.cache.block_size
         pad_row = len(self.tokens)
         groups = []
         for indices in members:
-            lq = max(len(requests[i].tokens) for i in indices)
-            lk = max(requests[i].start + len(requests[i].tokens) for i in indices)
             n = len(indices)
+            lq = max(len(requests[i].tokens) for i in indices)
             q_index = torch.full((n, lq), pad_row, dtype=torch.long)
             q_pos = torch.full((n, lq), -1, dtype=torch.long)
-            k_slots = torch.full((n, lk), self.cache.scratch_slot, dtype=torch.long)
-            k_pos = torch.full((n, lk), 1 << 40, dtype=torch.long)
             for row, i in enumerate(indices):
                 request = requests[i]
-                count, end = len(request.tokens), request.start + len(request.tokens)
+                count = len(request.tokens)
                 q_index[row, :count] = torch.tensor(self.request_rows[i])
-                q_pos[row, :count] = torch.arange(request.start, end)
-                positions = torch.arange(end)
-                blocks = torch.tensor(request.blocks, dtype=torch.long)
-                k_slots[row, :end] = blocks[positions // block_size] * block_size \
-                    + positions % block_size
-                k_pos[row, :end] = positions
-            groups.append(_Group(q_index.to(device), k_slots.to(device), q_pos.to(device),
-                                 k_pos.to(device), (q_pos >= 0).to(device)))
+                q_pos[row, :count] = torch.arange(request.start, request.start + count)
+            cached = {}
+            for kind in layout.kinds:
+                lows = [0 if kind is None else max(0, requests[i].start - kind)
+                        for i in indices]
+                lc = max(requests[i].start - low for i, low in zip(indices, lows))
+                slots = torch.full((n, lc), self.cache.scratch_slot[kind], dtype=torch.long)
+                k_pos = torch.full((n, lc), _FAR, dtype=torch.long)
+                for row, (i, low) in enumerate(zip(indices, lows)):
+                    request = requests[i]
+                    table = request.blocks[kind]
+                    span = range(low, request.start)
+                    slots[row, :len(span)] = torch.tensor(
+                        [_slot(table, p, self.cache.block_size) for p in span], dtype=torch.long)
+                    k_pos[row, :len(span)] = torch.tensor(list(span), dtype=torch.long)
+                cached[kind] = (slots.to(device), k_pos.to(device))
+            groups.append(_Group(q_index.to(device), q_pos.to(device), (q_pos >= 0).to(device),
+                                 cached))
         return groups
 
-    def _mask(self, index: int, window_size: Optional[Tuple[int, int]]) -> torch.Tensor:
-        """bool [n, 1, Lq, Lk], True = masked (SDPA's convention inverted, as core_attention's
-        masks): the future, padding keys and keys left of the window; a padding query row
-        sees its first key, so no row is fully masked."""
-        key = (index, window_size)
+    def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
+        """[n, Lc + Lq]: the cached keys' positions, then the new keys' (padding far)."""
+        new = group.q_pos.masked_fill(~group.valid, _FAR)
+        return torch.cat([group.cached[kind][1], new], dim=1)
+
+    def _mask(self, index: int, kind: Kind, window_size) -> torch.Tensor:
+        """bool [n, 1, Lq, Lk], True = masked (core_attention's convention): the future,
+        padding keys and keys left of the window; a padding query row sees its first key, so
+        no row is fully masked."""
+        key = (index, kind, window_size)
         if key not in self._masks:
             group = self.groups[index]
-            q_pos, k_pos = group.q_pos[:, :, None], group.k_pos[:, None, :]
+            q_pos = group.q_pos[:, :, None]
+            k_pos = self._key_positions(group, kind)[:, None, :]
             allowed = k_pos <= q_pos
             if window_size is not None:
                 left, right = window_size
@@ -207,43 +269,60 @@ class StepBatch(KVCacheContext):
             self._masks[key] = (~allowed)[:, None]
         return self._masks[key]
 
-    def _alibi(self, group: _Group, slopes: torch.Tensor, dtype) -> torch.Tensor:
-        """[n, heads, Lq, Lk]: slope * (j - i) (ALiBi, as `alibi_bias` from global positions)."""
-        distance = (group.k_pos[:, None, :] - group.q_pos[:, :, None]).float()
-        distance = distance.clamp(min=-(1 << 30), max=1 << 30)
+    def _alibi(self, group: _Group, kind: Kind, slopes: torch.Tensor, dtype) -> torch.Tensor:
+        """[n, heads, Lq, Lk]: slope * (j - i) (ALiBi, as `alibi_bias`, from positions)."""
+        k_pos = self._key_positions(group, kind)
+        distance = (k_pos[:, None, :] - group.q_pos[:, :, None]).clamp(-_FAR, _FAR).float()
         return (slopes.float()[None, :, None, None] * distance[:, None]).to(dtype)
 
-    def _run_groups(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    scale, window_size, sinks=None, alibi_slopes=None) -> torch.Tensor:
-        """query [T_pad, nh, d]; keys / values: the pools [slots, nkv, d] -> [T_pad, nh, dv]."""
-        padded = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
-        output = query.new_zeros(query.shape[0], query.shape[1], values.shape[-1])
+    def _run_groups(self, kind: Kind, query, new_keys, new_values, keys, values, scale,
+                    window_size, sinks=None, alibi_slopes=None) -> torch.Tensor:
+        """query [T_pad, nh, d], the step's keys / values [T_pad, nkv, d]; keys / values:
+        the pools [slots, nkv, d] -> [T_pad, nh, dv]."""
+
+        def padded(t):
+            return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+
+        query, new_keys, new_values = padded(query), padded(new_keys), padded(new_values)
+        output = query.new_zeros(query.shape[0] - 1, query.shape[1], new_values.shape[-1])
         for index, group in enumerate(self.groups):
-            q = padded[group.q_index].transpose(1, 2)  # [n, nh, Lq, d]
-            k = keys[group.k_slots].transpose(1, 2)  # [n, nkv, Lk, d]
-            v = values[group.k_slots].transpose(1, 2)
-            bias = None if alibi_slopes is None else self._alibi(group, alibi_slopes, q.dtype)
-            context = core_attention(q, k, v, self._mask(index, window_size), False, 0.0,
-                                     scale, bias, sinks)
+            slots = group.cached[kind][0]
+            q = query[group.q_index].transpose(1, 2)  # [n, nh, Lq, d]
+            k = torch.cat([keys[slots].to(query.dtype), new_keys[group.q_index]], dim=1)
+            v = torch.cat([values[slots].to(query.dtype), new_values[group.q_index]], dim=1)
+            bias = (None if alibi_slopes is None
+                    else self._alibi(group, kind, alibi_slopes, q.dtype))
+            context = core_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                     self._mask(index, kind, window_size), False, 0.0, scale,
+                                     bias, sinks)
             output[group.q_index[group.valid]] = context.transpose(1, 2)[group.valid]
         return output
+
+    def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
+        rows, slots = self.writes[kind]
+        pool.index_copy_(0, slots, new[rows].to(pool.dtype))
 
     def attend(self, layer_number, query, key, value, scale=None, window_size=None,
                sinks=None, alibi_slopes=None):
         keys, values = self.cache.pools[layer_number]
+        kind = self.cache.layout.layer_kind[layer_number]
         t = query.shape[0] * query.shape[1]
-        keys.index_copy_(0, self.slots, key.reshape(t, *key.shape[2:]).to(keys.dtype))
-        values.index_copy_(0, self.slots, value.reshape(t, *value.shape[2:]).to(values.dtype))
-        context = self._run_groups(query.reshape(t, *query.shape[2:]), keys.to(query.dtype),
-                                   values.to(query.dtype), scale, window_size, sinks,
-                                   alibi_slopes)
+        key, value = key.reshape(t, *key.shape[2:]), value.reshape(t, *value.shape[2:])
+        context = self._run_groups(kind, query.reshape(t, *query.shape[2:]), key, value, keys,
+                                   values, scale, window_size, sinks, alibi_slopes)
+        self._write(kind, keys, key)
+        self._write(kind, values, value)
         return context.view(*query.shape[:3], -1)
 
     def attend_latent(self, layer_number, query, latent, latent_dim, scale):
         (pool,) = self.cache.pools[layer_number]
-        pool.index_copy_(0, self.slots, latent.to(pool.dtype))
-        entries = pool.to(query.dtype)[:, None, :]  # one key/value head shared by all
-        return self._run_groups(query, entries, entries[..., :latent_dim], scale, None)
+        kind = self.cache.layout.layer_kind[layer_number]
+        entries = latent[:, None, :]  # one key/value head shared by all query heads
+        pooled = pool[:, None, :]
+        context = self._run_groups(kind, query, entries, entries[..., :latent_dim], pooled,
+                                   pooled[..., :latent_dim], scale, None)
+        self._write(kind, pool, latent)
+        return context
 
 
 def check_inference_layout(state) -> None:
@@ -255,5 +334,6 @@ def check_inference_layout(state) -> None:
                           "parallelism)")
 
 
-__all__ = ["BlockAllocator", "PagedKVCache", "StepBatch", "StepRequest", "blocks_for",
-           "bytes_per_token", "attention_layers", "check_inference_layout"]
+__all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",
+           "blocks_for", "bytes_per_token", "layer_bytes_per_token", "attention_layers",
+           "check_inference_layout"]
