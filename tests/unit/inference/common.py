@@ -90,18 +90,16 @@ def hf_model_dir(path, family="llama", seed=0):
 
 
 def convert_to_ours(hf_dir, save_dir):
-    """tools/checkpoint/convert.py --loader hf --saver megatron_smp (a subprocess)."""
-    import os
-    import subprocess
-    import sys
+    """tools/checkpoint/convert.py --loader hf --saver megatron_smp (in this process)."""
+    import contextlib
+    import io
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    subprocess.run([sys.executable, os.path.join(root, "tools/checkpoint/convert.py"),
-                    "--model-type", "llama", "--loader", "hf", "--saver", "megatron_smp",
-                    "--load-dir", str(hf_dir), "--save-dir", str(save_dir)],
-                   check=True, capture_output=True, timeout=120,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from tools.checkpoint.convert import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        status = main(["--model-type", "llama", "--loader", "hf", "--saver", "megatron_smp",
+                       "--load-dir", str(hf_dir), "--save-dir", str(save_dir)])
+    assert status == 0
 
 
 def model_flags(ckpt, hf_dir):

@@ -1,4 +1,5 @@
-"""tools/run_text_generation_server.py at TP=2 (two processes, rank 0 serving on 127.0.0.1)
+"""tools/generate.py at PP=2 on a checkpoint converted from HF: HF's greedy tokens, prompts as
+text, token ids and chat messages; and tools/run_text_generation_server.py at TP=2 (two processes, rank 0 serving on 127.0.0.1)
 over a checkpoint converted from a HF Llama with a byte-level BPE tokenizer: the real `openai`
 client gets completions (HF's greedy tokens), chat completions (the chat template) and a
 streamed completion; 16 concurrent clients are all answered; bad requests get their 400 and
@@ -8,14 +9,13 @@ always shuts down (SIGTERM, then SIGKILL)."""
 import concurrent.futures
 import json
 import os
-import shutil
 import time
 
 import pytest
 import torch
 
 from tests.unit.inference.common import (
-    CHAT_TEMPLATE, ROOT, convert_to_ours, hf_model_dir, launch, model_flags, stop,
+    ROOT, convert_to_ours, hf_model_dir, launch, model_flags, stop, wait_all,
 )
 
 openai = pytest.importorskip("openai")
@@ -25,10 +25,42 @@ pytest.importorskip("uvicorn")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
+def checkpoint(tmp_path_factory):
+    """(directory, HF model, tokenizer): the HF model in root/hf, converted in root/ckpt."""
+    root = tmp_path_factory.mktemp("inference")
     hf, tokenizer = hf_model_dir(root / "hf")
     convert_to_ours(root / "hf", root / "ckpt")
+    return root, hf, tokenizer
+
+
+def test_generate_tool_pp2_matches_hf(checkpoint):
+    root, hf, tokenizer = checkpoint
+    lines = [{"prompt": "In the beginning God"},
+             {"prompt_ids": tokenizer.encode("The quick brown"), "max_new_tokens": 3},
+             {"messages": [{"role": "user", "content": "What is two plus two?"}]},
+             {"prompt": "And the earth", "temperature": 1.0, "seed": 3}]
+    source, output = root / "prompts.jsonl", root / "completions.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = model_flags(root / "ckpt", root / "hf") + [
+        "--pipeline-model-parallel-size", "2", "--input", source, "--output", output,
+        "--max-new-tokens", "6", "--ignore-eos"]
+    procs = launch("generate.py", flags, 2, root)
+    assert wait_all(procs, 180) == [0, 0], (root / "rank0.log").read_text()[-3000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    chat = tokenizer.apply_chat_template(lines[2]["messages"], tokenize=False,
+                                         add_generation_prompt=True)
+    for record, text, new in ((records[0], "In the beginning God", 6),
+                              (records[1], "The quick brown", 3), (records[2], chat, 6)):
+        expected = _hf_greedy(hf, tokenizer, text, new)
+        assert record["tokens"] == expected and record["finish_reason"] == "length"
+        assert record["completion"] == tokenizer.decode(expected)
+    assert len(records[3]["tokens"]) == 6 and len(records[3]["logprobs"]) == 6
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    root, hf, tokenizer = checkpoint
     port_file = root / "port"
     flags = model_flags(root / "ckpt", root / "hf") + [
         "--tensor-model-parallel-size", "2", "--port", "0", "--port-file", port_file,
