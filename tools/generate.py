@@ -121,8 +121,7 @@ def main(argv=None):
             for index, ((line, _, _), request) in enumerate(zip(requests, submitted)):
                 shown = {k: line[k] for k in ("prompt", "prompt_ids", "messages") if k in line}
                 record = {"index": index, **shown,
-                          "completion": codec.completion_text(request.output,
-                                                              request.stop_string),
+                          "completion": codec.completion_text(request),
                           "tokens": request.output, "logprobs": request.logprobs,
                           "finish_reason": request.finish_reason}
                 handle.write(json.dumps(record) + "\n")

@@ -211,6 +211,7 @@ class StepBatch(KVCacheContext):
 
     def _build_groups(self, requests: Sequence[StepRequest], device) -> List[_Group]:
         layout = self.cache.layout
+        block_size = self.cache.block_size
         singles = [i for i, r in enumerate(requests) if len(r.tokens) == 1]
         members = ([singles] if singles else []) + [
             [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
@@ -218,30 +219,30 @@ class StepBatch(KVCacheContext):
         groups = []
         for indices in members:
             n = len(indices)
-            lq = max(len(requests[i].tokens) for i in indices)
-            q_index = torch.full((n, lq), pad_row, dtype=torch.long)
-            q_pos = torch.full((n, lq), -1, dtype=torch.long)
-            for row, i in enumerate(indices):
-                request = requests[i]
-                count = len(request.tokens)
-                q_index[row, :count] = torch.tensor(self.request_rows[i])
-                q_pos[row, :count] = torch.arange(request.start, request.start + count)
+            counts = torch.tensor([len(requests[i].tokens) for i in indices])
+            starts = torch.tensor([requests[i].start for i in indices])
+            lq = int(counts.max())
+            offsets = torch.arange(lq)
+            valid = offsets[None, :] < counts[:, None]  # [n, Lq]
+            first_rows = torch.tensor([self.request_rows[i][0] for i in indices])
+            q_index = torch.where(valid, first_rows[:, None] + offsets, pad_row)
+            q_pos = torch.where(valid, starts[:, None] + offsets, -1)
             cached = {}
             for kind in layout.kinds:
-                lows = [0 if kind is None else max(0, requests[i].start - kind)
-                        for i in indices]
-                lc = max(requests[i].start - low for i, low in zip(indices, lows))
-                slots = torch.full((n, lc), self.cache.scratch_slot[kind], dtype=torch.long)
-                k_pos = torch.full((n, lc), _FAR, dtype=torch.long)
-                for row, (i, low) in enumerate(zip(indices, lows)):
-                    request = requests[i]
-                    table = request.blocks[kind]
-                    span = range(low, request.start)
-                    slots[row, :len(span)] = torch.tensor(
-                        [_slot(table, p, self.cache.block_size) for p in span], dtype=torch.long)
-                    k_pos[row, :len(span)] = torch.tensor(list(span), dtype=torch.long)
+                lows = torch.zeros_like(starts) if kind is None else (starts - kind).clamp(min=0)
+                lc = int((starts - lows).max())
+                positions = lows[:, None] + torch.arange(lc)  # [n, Lc]
+                present = positions < starts[:, None]
+                tables = [requests[i].blocks[kind] for i in indices]
+                width = max(len(t) for t in tables)
+                table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+                lengths = torch.tensor([len(t) for t in tables])
+                blocks = table.gather(1, (positions // block_size) % lengths[:, None])
+                slots = torch.where(present, blocks * block_size + positions % block_size,
+                                    self.cache.scratch_slot[kind])
+                k_pos = torch.where(present, positions, _FAR)
                 cached[kind] = (slots.to(device), k_pos.to(device))
-            groups.append(_Group(q_index.to(device), q_pos.to(device), (q_pos >= 0).to(device),
+            groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
                                  cached))
         return groups
 

@@ -282,7 +282,7 @@ class CompletionServer:
         return len(request.output)
 
     def _completion_choice(self, choice: int, request: Request, prompt, body):
-        text = self.codec.completion_text(request.output, request.stop_string)
+        text = self.codec.completion_text(request)
         if body.echo:
             text = self.codec.decode(prompt) + text
         logprobs = None
@@ -331,7 +331,7 @@ class CompletionServer:
                     choice = waits[future]
                     request, _ = pending[choice]
                     finished = future.result()[1] or request.finished
-                    text = self.codec.completion_text(request.output, request.stop_string)
+                    text = self.codec.completion_text(request)
                     end = len(text) if finished else max(len(text) - hold, sent[choice])
                     if end > sent[choice]:
                         yield f"data: {json.dumps(make_chunk(choice, text[sent[choice]:end], None))}\n\n"
@@ -456,7 +456,7 @@ class CompletionServer:
                                           for a, alp in top]}
                         for t, lp, top in zip(request.output, request.logprobs,
                                               request.top_logprobs)]}
-                text = self.codec.completion_text(request.output, request.stop_string)
+                text = self.codec.completion_text(request)
                 choices.append({"index": choice, "message": {"role": "assistant",
                                                              "content": text},
                                 "logprobs": logprobs, "finish_reason": request.finish_reason})

@@ -63,23 +63,32 @@ class TextCodec:
                                            add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
 
-    def find_stop(self, output: Sequence[int], stops: Sequence[str]) -> Optional[str]:
-        """The stop string that occurs first in the decoded output, or None."""
+    def output_text(self, prompt: Sequence[int], output: Sequence[int]) -> str:
+        """The text the output adds to the prompt: decoded after it, so the spaces and
+        merged characters a tokenizer writes from the context (SentencePiece's leading
+        space) come out as they will read."""
+        before = self.decode(prompt)
+        whole = self.decode(list(prompt) + list(output))
+        return whole[len(before):] if whole.startswith(before) else self.decode(output)
+
+    def find_stop(self, prompt: Sequence[int], output: Sequence[int],
+                  stops: Sequence[str]) -> Optional[str]:
+        """The stop string that occurs first in the output's text, or None."""
         if not stops:
             return None
-        text = self.decode(output)
+        text = self.output_text(prompt, output)
         found = [(text.find(s), s) for s in stops if s and s in text]
         return min(found)[1] if found else None
 
-    def completion_text(self, output: Sequence[int], stop_string: Optional[str]) -> str:
-        """The output's text, cut before the stop string that ended it (OpenAI's rule)."""
-        text = self.decode(output)
-        if stop_string:
-            text = text[: text.find(stop_string)]
+    def completion_text(self, request) -> str:
+        """A request's output text, cut before the stop string that ended it (OpenAI's)."""
+        text = self.output_text(request.prompt, request.output)
+        if request.stop_string:
+            text = text[: text.find(request.stop_string)]
         return text
 
     def stop_checker(self, request) -> Optional[str]:
-        return self.find_stop(request.output, request.params.stop)
+        return self.find_stop(request.prompt, request.output, request.params.stop)
 
 
 __all__ = ["TextCodec"]
