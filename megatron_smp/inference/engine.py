@@ -168,6 +168,7 @@ class InferenceEngine:
         self._finished_ids: List[int] = []
         self._lock = threading.Lock()
         self.steps = 0
+        self.num_aborted = 0
 
     @property
     def is_leader(self) -> bool:
@@ -232,6 +233,7 @@ class InferenceEngine:
                     if request in self.waiting:
                         self.waiting.remove(request)
                     self._finish(request, "abort")
+                    self.num_aborted += 1
             self._aborts.clear()
             new_params = {}
             while self.waiting and len(self.running) < self.max_requests:

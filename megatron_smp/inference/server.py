@@ -374,7 +374,9 @@ class CompletionServer:
         async def health():
             if self.loop.error is not None:
                 return _error(f"engine stopped: {self.loop.error}", 503, "server_error")
-            return {"status": "ok"}
+            engine = self.engine
+            return {"status": "ok", "running": len(engine.running),
+                    "waiting": len(engine.waiting), "aborted": engine.num_aborted}
 
         @app.get("/v1/models")
         async def models():

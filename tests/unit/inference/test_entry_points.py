@@ -95,7 +95,7 @@ def test_openai_client_completions_chat_and_stream(server):
     url, hf, tokenizer, _ = server
     client = _client(url)
     assert [m.id for m in client.models.list().data] == ["ckpt"]
-    assert requests.get(f"{url}/health").json() == {"status": "ok"}
+    assert requests.get(f"{url}/health").json()["status"] == "ok"
     text = "In the beginning God"
     expected = _hf_greedy(hf, tokenizer, text, 6)
     result = client.completions.create(model="ckpt", prompt=text, max_tokens=6, temperature=0,
@@ -175,6 +175,22 @@ def test_sixteen_concurrent_clients_and_bad_requests(server):
     assert len(api["logprobs"][0]) == len(tokenizer.encode("In the beginning")) - 1 + 3
     assert requests.put(f"{url}/api", json={"prompts": ["x"], "beam_width": 2},
                         timeout=30).status_code == 400
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    """A client that goes away mid-stream: its request is aborted and leaves the batch."""
+    url = server[0]
+    aborted = requests.get(f"{url}/health").json()["aborted"]
+    with requests.post(f"{url}/v1/completions", stream=True, timeout=30, json={
+            "prompt": "In the beginning", "max_tokens": 80, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as response:
+        assert next(response.iter_lines())  # the first chunk came
+        assert requests.get(f"{url}/health").json()["running"] == 1
+    deadline = time.time() + 30
+    while requests.get(f"{url}/health").json()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    health = requests.get(f"{url}/health").json()
+    assert health["running"] == 0 and health["aborted"] == aborted + 1
 
 
 def _task_dir(tmp):
