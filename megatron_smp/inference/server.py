@@ -121,10 +121,11 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CompletionBody(_Body):
+class _SamplingBody(_Body):
+    """The fields completions and chat completions share (OpenAI's, and vLLM's top_k,
+    stop_token_ids, ignore_eos)."""
+
     model: Optional[str] = None
-    prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = 16
     temperature: Optional[float] = 1.0
     top_p: Optional[float] = 1.0
     top_k: Optional[int] = -1
@@ -133,13 +134,18 @@ class CompletionBody(_Body):
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     seed: Optional[int] = None
-    logprobs: Optional[int] = None
-    echo: bool = False
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    best_of: Optional[int] = None
     user: Optional[str] = None
+
+
+class CompletionBody(_SamplingBody):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
 
 
 class ChatMessage(_Body):
@@ -148,25 +154,12 @@ class ChatMessage(_Body):
     name: Optional[str] = None
 
 
-class ChatBody(_Body):
-    model: Optional[str] = None
+class ChatBody(_SamplingBody):
     messages: List[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    temperature: Optional[float] = 1.0
-    top_p: Optional[float] = 1.0
-    top_k: Optional[int] = -1
-    n: int = 1
-    stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
-    seed: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    stream: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: Optional[str] = None
 
 
 class MegatronBody(_Body):
@@ -178,6 +171,10 @@ class MegatronBody(_Body):
     logprobs: bool = False
     add_BOS: bool = False
     random_seed: Optional[int] = None
+
+
+def _stops(body) -> List[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
 class BadRequest(Exception):
@@ -217,7 +214,7 @@ class CompletionServer:
         top_k = body.top_k if body.top_k is not None else -1
         if top_k < -1:
             raise BadRequest("top_k must be -1 (off), 0 (off) or positive")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop = _stops(body)
         stop_ids = list(body.stop_token_ids or [])
         if not body.ignore_eos and self.codec.eos_id is not None:
             stop_ids.append(self.codec.eos_id)
@@ -346,6 +343,10 @@ class CompletionServer:
             for _, _, request, _ in jobs:
                 self.loop.abort(request)
 
+    def _streaming(self, jobs, chunk, http: HttpRequest, body) -> StreamingResponse:
+        return StreamingResponse(self._stream(jobs, chunk, http, _stops(body)),
+                                 media_type="text/event-stream")
+
     # -- the app
 
     def _build_app(self) -> FastAPI:
@@ -407,9 +408,7 @@ class CompletionServer:
                                 {"index": choice, "text": text, "logprobs": None,
                                  "finish_reason": reason}]}
 
-                stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-                return StreamingResponse(self._stream(jobs, chunk, http, stops),
-                                         media_type="text/event-stream")
+                return self._streaming(jobs, chunk, http, body)
             await self._wait(jobs)
             choices = [self._completion_choice(choice, request, prompt, body)
                        for choice, prompt, request, _ in jobs]
@@ -444,9 +443,7 @@ class CompletionServer:
                                 {"index": choice, "delta": delta, "logprobs": None,
                                  "finish_reason": reason}]}
 
-                stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-                return StreamingResponse(self._stream(jobs, chunk, http, stops),
-                                         media_type="text/event-stream")
+                return self._streaming(jobs, chunk, http, body)
             await self._wait(jobs)
             choices = []
             for choice, _, request, _ in jobs:
