@@ -14,12 +14,13 @@ any length share one budget.
 
 A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
 requests into one sequence. Each layer runs its queries in groups (all one-token decodes
-together, each longer chunk on its own): a group's keys are its requests' cached keys
-(gathered by slot; for a window only those it can still see) followed by the step's new
-keys, padded to the group's longest context, and one SDPA call
-(`transformer.attention.core_attention`, so GQA, sinks and scaling are the training
-attention's) attends under a mask built from the tokens' positions: causal, and the layer's
-sliding window. The new keys/values are written to the cache afterwards.
+together, each longer chunk on its own): a group's keys are its requests' cached keys and
+the step's new ones (full attention: written to the pool first and gathered back by slot in
+one go; a window: its still-visible cached keys, then the new ones, which are written
+afterwards, so a ring never loses a key the step needs), padded to the group's longest
+context, and one SDPA call (`transformer.attention.core_attention`, so GQA, sinks and
+scaling are the training attention's) attends under a mask built from the tokens' positions:
+causal, and the layer's sliding window.
 """
 from __future__ import annotations
 
@@ -153,14 +154,21 @@ class StepRequest:
 
 @dataclass
 class _Group:
-    """One batched attention call over requests `members`: rows `q_index` [n, Lq] of the
-    step's tokens (T = a zero padding row) at positions `q_pos` (-1: padding); per kind the
-    cached keys' slots [n, Lc] and positions [n, Lc] (huge: padding)."""
+    """One batched attention call over n requests: rows `q_index` [n, Lq] of the step's
+    tokens (padding: row 0, its output dropped) at positions `q_pos` (-1: padding); per kind
+    the cached keys' slots [n, Lc] and positions [n, Lc] (huge: padding); for full attention
+    `all_slots` [n, Lc + Lq], the cached keys' slots then the new keys' (written first).
+    `row_start`: the rows are row_start .. row_start + n * Lq - 1 in order, all real;
+    otherwise `out_rows` / `flat_valid` scatter the real rows back."""
 
     q_index: torch.Tensor
     q_pos: torch.Tensor
     valid: torch.Tensor  # bool [n, Lq]: real query rows
-    cached: Dict[Kind, Tuple[torch.Tensor, torch.Tensor]]
+    cached: Dict["Kind", Tuple[torch.Tensor, torch.Tensor]]
+    all_slots: Optional[torch.Tensor]
+    row_start: Optional[int]
+    out_rows: torch.Tensor
+    flat_valid: torch.Tensor
 
 
 _FAR = 1 << 40
@@ -215,7 +223,6 @@ class StepBatch(KVCacheContext):
         singles = [i for i, r in enumerate(requests) if len(r.tokens) == 1]
         members = ([singles] if singles else []) + [
             [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
-        pad_row = len(self.tokens)
         groups = []
         for indices in members:
             n = len(indices)
@@ -225,9 +232,9 @@ class StepBatch(KVCacheContext):
             offsets = torch.arange(lq)
             valid = offsets[None, :] < counts[:, None]  # [n, Lq]
             first_rows = torch.tensor([self.request_rows[i][0] for i in indices])
-            q_index = torch.where(valid, first_rows[:, None] + offsets, pad_row)
+            q_index = torch.where(valid, first_rows[:, None] + offsets, 0)
             q_pos = torch.where(valid, starts[:, None] + offsets, -1)
-            cached = {}
+            cached, all_slots = {}, None
             for kind in layout.kinds:
                 lows = torch.zeros_like(starts) if kind is None else (starts - kind).clamp(min=0)
                 lc = int((starts - lows).max())
@@ -242,8 +249,18 @@ class StepBatch(KVCacheContext):
                                     self.cache.scratch_slot[kind])
                 k_pos = torch.where(present, positions, _FAR)
                 cached[kind] = (slots.to(device), k_pos.to(device))
+                if kind is None:
+                    new = table.gather(1, q_pos.clamp(min=0) // block_size) * block_size \
+                        + q_pos.clamp(min=0) % block_size
+                    new = torch.where(valid, new, self.cache.scratch_slot[kind])
+                    all_slots = torch.cat([slots, new], dim=1).to(device)
+            first = int(first_rows[0])
+            in_order = bool(valid.all()) and torch.equal(
+                q_index.flatten(), torch.arange(first, first + q_index.numel()))
             groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
-                                 cached))
+                                 cached, all_slots, first if in_order else None,
+                                 q_index[valid].to(device),
+                                 valid.flatten().nonzero().flatten().to(device)))
         return groups
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
@@ -279,29 +296,48 @@ class StepBatch(KVCacheContext):
     def _run_groups(self, kind: Kind, query, new_keys, new_values, keys, values, scale,
                     window_size, sinks=None, alibi_slopes=None) -> torch.Tensor:
         """query [T_pad, nh, d], the step's keys / values [T_pad, nkv, d]; keys / values:
-        the pools [slots, nkv, d] -> [T_pad, nh, dv]."""
+        the pools [slots, nkv, d] (for full attention already holding the step's keys)
+        -> [T_pad, nh, dv]."""
 
-        def padded(t):
-            return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        def rows(source, index, n):  # [n, L, ...] gathered along dim 0
+            return source.index_select(0, index.flatten()).view(n, -1, *source.shape[1:])
 
-        query, new_keys, new_values = padded(query), padded(new_keys), padded(new_values)
-        output = query.new_zeros(query.shape[0] - 1, query.shape[1], new_values.shape[-1])
+        output = None
         for index, group in enumerate(self.groups):
-            slots = group.cached[kind][0]
-            q = query[group.q_index].transpose(1, 2)  # [n, nh, Lq, d]
-            k = torch.cat([keys[slots].to(query.dtype), new_keys[group.q_index]], dim=1)
-            v = torch.cat([values[slots].to(query.dtype), new_values[group.q_index]], dim=1)
+            n, lq = group.q_index.shape
+            if group.row_start is not None:
+                q = query[group.row_start:group.row_start + n * lq].view(n, lq,
+                                                                        *query.shape[1:])
+            else:
+                q = rows(query, group.q_index, n)
+            if kind is None:
+                k, v = rows(keys, group.all_slots, n), rows(values, group.all_slots, n)
+            else:
+                slots = group.cached[kind][0]
+                k = torch.cat([rows(keys, slots, n), rows(new_keys, group.q_index, n)], dim=1)
+                v = torch.cat([rows(values, slots, n), rows(new_values, group.q_index, n)],
+                              dim=1)
+            q, k, v = q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), \
+                v.to(q.dtype).transpose(1, 2)
             bias = (None if alibi_slopes is None
                     else self._alibi(group, kind, alibi_slopes, q.dtype))
-            context = core_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                     self._mask(index, kind, window_size), False, 0.0, scale,
-                                     bias, sinks)
-            output[group.q_index[group.valid]] = context.transpose(1, 2)[group.valid]
+            context = core_attention(q, k, v, self._mask(index, kind, window_size), False, 0.0,
+                                     scale, bias, sinks).transpose(1, 2)  # [n, Lq, nh, dv]
+            if len(self.groups) == 1 and group.row_start == 0 \
+                    and n * lq == query.shape[0]:
+                return context.reshape(n * lq, *context.shape[2:])
+            if output is None:
+                output = query.new_zeros(query.shape[0], query.shape[1], context.shape[-1])
+            flat = context.reshape(n * lq, *context.shape[2:])
+            if group.row_start is not None:
+                output[group.row_start:group.row_start + n * lq] = flat
+            else:
+                output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
         return output
 
     def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
         rows, slots = self.writes[kind]
-        pool.index_copy_(0, slots, new[rows].to(pool.dtype))
+        pool.index_copy_(0, slots, new.index_select(0, rows).to(pool.dtype))
 
     def attend(self, layer_number, query, key, value, scale=None, window_size=None,
                sinks=None, alibi_slopes=None):
@@ -309,21 +345,24 @@ class StepBatch(KVCacheContext):
         kind = self.cache.layout.layer_kind[layer_number]
         t = query.shape[0] * query.shape[1]
         key, value = key.reshape(t, *key.shape[2:]), value.reshape(t, *value.shape[2:])
+        if kind is None:  # read back with the cached keys in one gather
+            self._write(kind, keys, key)
+            self._write(kind, values, value)
         context = self._run_groups(kind, query.reshape(t, *query.shape[2:]), key, value, keys,
                                    values, scale, window_size, sinks, alibi_slopes)
-        self._write(kind, keys, key)
-        self._write(kind, values, value)
+        if kind is not None:  # a ring: written after, so no key the queries need is lost
+            self._write(kind, keys, key)
+            self._write(kind, values, value)
         return context.view(*query.shape[:3], -1)
 
     def attend_latent(self, layer_number, query, latent, latent_dim, scale):
         (pool,) = self.cache.pools[layer_number]
         kind = self.cache.layout.layer_kind[layer_number]
+        self._write(kind, pool, latent)  # multi-latent attention has no windows
         entries = latent[:, None, :]  # one key/value head shared by all query heads
         pooled = pool[:, None, :]
-        context = self._run_groups(kind, query, entries, entries[..., :latent_dim], pooled,
-                                   pooled[..., :latent_dim], scale, None)
-        self._write(kind, pool, latent)
-        return context
+        return self._run_groups(kind, query, entries, entries[..., :latent_dim], pooled,
+                                pooled[..., :latent_dim], scale, None)
 
 
 def check_inference_layout(state) -> None:
