@@ -123,3 +123,28 @@ def test_admission_errors_stop_strings_and_abort():
     engine.step()
     assert request.finish_reason == "abort" and not engine.has_work
     assert engine.allocators[None].num_free == engine.allocators[None].num_blocks
+
+
+def test_alibi_decoding_equals_full_recomputation():
+    """ALiBi (no HF family of the zoo has it): the log-probs of the prompt and of every
+    generated token, decoded over the cache, equal one uncached forward of the whole
+    sequence."""
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.models.hf import get_adapter
+
+    smp.init({"random_seed": 3})
+    config = get_adapter("gpt2").config_from_hf(build("gpt2").config).replace(
+        position_embedding_type="alibi")
+    torch.manual_seed(0)
+    model = GPTModel(config, smp.state.parallel_state).eval()
+    prompt = [5, 17, 300, 2, 9, 44, 801]
+    engine = InferenceEngine(model, max_tokens=64, block_size=4)
+    [request] = engine.generate([prompt], [SamplingParams(max_new_tokens=9, temperature=1.0,
+                                                          seed=2, prompt_logprobs=True)])
+    sequence = prompt + request.output
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence]))[0, :-1, :config.vocab_size]
+    expected = torch.log_softmax(logits, dim=-1).gather(
+        1, torch.tensor(sequence[1:])[:, None])[:, 0]
+    got = torch.tensor(request.prompt_logprobs[1:] + request.logprobs)
+    assert len(set(request.output)) > 3 and (got - expected).abs().max() < 1e-5
