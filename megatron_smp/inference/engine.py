@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

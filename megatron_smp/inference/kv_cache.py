@@ -225,7 +225,6 @@ class StepBatch(KVCacheContext):
             [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
         groups = []
         for indices in members:
-            n = len(indices)
             counts = torch.tensor([len(requests[i].tokens) for i in indices])
             starts = torch.tensor([requests[i].start for i in indices])
             lq = int(counts.max())

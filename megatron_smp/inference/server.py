@@ -36,7 +36,7 @@ try:
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict
 except ImportError as error:  # pragma: no cover - the extra is missing
     raise ImportError("the inference server needs FastAPI and uvicorn: "
                       "pip install 'megatron_smp[serve]'") from error
