@@ -260,7 +260,7 @@ class InferenceEngine:
         finished, self._finished_ids = self._finished_ids, []
         return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
 
-    # The step (every rank) -------------------------------------------------------------------------
+    # The step (every rank) ------------------------------------------------------------------------
 
     def _broadcast(self, obj, src: int):
         if not self.distributed or self.group_size == 1:

@@ -331,11 +331,13 @@ class CompletionServer:
                     text = self.codec.completion_text(request)
                     end = len(text) if finished else max(len(text) - hold, sent[choice])
                     if end > sent[choice]:
-                        yield f"data: {json.dumps(make_chunk(choice, text[sent[choice]:end], None))}\n\n"
+                        piece = make_chunk(choice, text[sent[choice]:end], None)
+                        yield f"data: {json.dumps(piece)}\n\n"
                         sent[choice] = end
                     if finished:
                         del pending[choice]
-                        yield f"data: {json.dumps(make_chunk(choice, '', request.finish_reason))}\n\n"
+                        last = make_chunk(choice, "", request.finish_reason)
+                        yield f"data: {json.dumps(last)}\n\n"
                 if await http.is_disconnected():
                     return
             yield "data: [DONE]\n\n"

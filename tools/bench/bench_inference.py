@@ -61,8 +61,8 @@ def main() -> None:
     module = smp.transform(hf).module
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=generator)
-    lengths = [args.prompt // 4 + (i * (args.prompt - args.prompt // 4)) // max(args.requests - 1, 1)
-               for i in range(args.requests)]
+    shortest, spread = args.prompt // 4, max(args.requests - 1, 1)
+    lengths = [shortest + (i * (args.prompt - shortest)) // spread for i in range(args.requests)]
     stream = [torch.randint(0, args.vocab, (n,), generator=generator).tolist() for n in lengths]
 
     def hf_generate(ids, mask, new):

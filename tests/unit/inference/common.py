@@ -31,7 +31,8 @@ def build(family, seed=0):
 
 def prompts(vocab_size, batch=3, seed=1):
     """ids [batch, PROMPT] and a left-padding mask (rows 1 and 2 shorter)."""
-    ids = torch.randint(0, vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, PROMPT), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     if batch > 2:

@@ -1,6 +1,6 @@
 """tools/generate.py at PP=2 on a checkpoint converted from HF: HF's greedy tokens, prompts as
-text, token ids and chat messages; and tools/run_text_generation_server.py at TP=2 (two processes, rank 0 serving on 127.0.0.1)
-over a checkpoint converted from a HF Llama with a byte-level BPE tokenizer: the real `openai`
+text, token ids and chat messages; and tools/run_text_generation_server.py at TP=2 (two
+processes, rank 0 serving on 127.0.0.1) over a checkpoint converted from a HF Llama with a byte-level BPE tokenizer: the real `openai`
 client gets completions (HF's greedy tokens), chat completions (the chat template) and a
 streamed completion; 16 concurrent clients are all answered; bad requests get their 400 and
 the next request succeeds; Megatron's PUT /api; lm-evaluation-harness scores the shipped local
