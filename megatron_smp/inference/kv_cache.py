@@ -167,8 +167,8 @@ class _Group:
     cached: Dict["Kind", Tuple[torch.Tensor, torch.Tensor]]
     all_slots: Optional[torch.Tensor]
     row_start: Optional[int]
-    out_rows: torch.Tensor
-    flat_valid: torch.Tensor
+    out_rows: Optional[torch.Tensor]
+    flat_valid: Optional[torch.Tensor]
 
 
 _FAR = 1 << 40
@@ -253,13 +253,17 @@ class StepBatch(KVCacheContext):
                         + q_pos.clamp(min=0) % block_size
                     new = torch.where(valid, new, self.cache.scratch_slot[kind])
                     all_slots = torch.cat([slots, new], dim=1).to(device)
-            first = int(first_rows[0])
-            in_order = bool(valid.all()) and torch.equal(
-                q_index.flatten(), torch.arange(first, first + q_index.numel()))
+            sizes = [len(requests[i].tokens) for i in indices]
+            firsts = [self.request_rows[i][0] for i in indices]
+            in_order = all(size == lq and row == firsts[0] + k * lq
+                           for k, (size, row) in enumerate(zip(sizes, firsts)))
+            out_rows = flat_valid = None
+            if not in_order:
+                out_rows = q_index[valid].to(device)
+                flat_valid = valid.flatten().nonzero().flatten().to(device)
             groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
-                                 cached, all_slots, first if in_order else None,
-                                 q_index[valid].to(device),
-                                 valid.flatten().nonzero().flatten().to(device)))
+                                 cached, all_slots, firsts[0] if in_order else None,
+                                 out_rows, flat_valid))
         return groups
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
