@@ -271,10 +271,12 @@ class StepBatch(KVCacheContext):
         new = group.q_pos.masked_fill(~group.valid, _FAR)
         return torch.cat([group.cached[kind][1], new], dim=1)
 
-    def _mask(self, index: int, kind: Kind, window_size) -> torch.Tensor:
-        """bool [n, 1, Lq, Lk], True = masked (core_attention's convention): the future,
-        padding keys and keys left of the window; a padding query row sees its first key, so
-        no row is fully masked."""
+    def _mask(self, index: int, kind: Kind, window_size):
+        """(mask, plain): the bool mask [n, 1, Lq, Lk], True = masked (core_attention's
+        convention): the future, padding keys and keys left of the window (a padding query
+        row sees its first key, so no row is fully masked); and, where the mask says no more
+        than SDPA's own paths do, (None, causal) to call them instead (a decode seeing all
+        its keys: no mask; a prompt alone: is_causal), else None."""
         key = (index, kind, window_size)
         if key not in self._masks:
             group = self.groups[index]
@@ -287,7 +289,16 @@ class StepBatch(KVCacheContext):
                 if left >= 0:
                     allowed = allowed & (q_pos - k_pos <= left)
             allowed[:, :, 0] |= q_pos[:, :, 0] < 0
-            self._masks[key] = (~allowed)[:, None]
+            masked = (~allowed)[:, None]
+            plain = None
+            n, _, lq, lk = masked.shape
+            if not bool(masked.any()):
+                plain = (None, False)
+            elif n == 1 and lq == lk and torch.equal(
+                    masked[0, 0], torch.ones(lq, lk, dtype=torch.bool,
+                                             device=masked.device).triu(1)):
+                plain = (None, True)
+            self._masks[key] = (masked, plain)
         return self._masks[key]
 
     def _alibi(self, group: _Group, kind: Kind, slopes: torch.Tensor, dtype) -> torch.Tensor:
@@ -324,8 +335,12 @@ class StepBatch(KVCacheContext):
                 v.to(q.dtype).transpose(1, 2)
             bias = (None if alibi_slopes is None
                     else self._alibi(group, kind, alibi_slopes, q.dtype))
-            context = core_attention(q, k, v, self._mask(index, kind, window_size), False, 0.0,
-                                     scale, bias, sinks).transpose(1, 2)  # [n, Lq, nh, dv]
+            mask, plain = self._mask(index, kind, window_size)
+            causal = False
+            if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
+                mask, causal = plain
+            context = core_attention(q, k, v, mask, causal, 0.0, scale, bias,
+                                     sinks).transpose(1, 2)  # [n, Lq, nh, dv]
             if len(self.groups) == 1 and group.row_start == 0 \
                     and n * lq == query.shape[0]:
                 return context.reshape(n * lq, *context.shape[2:])
