@@ -171,9 +171,11 @@ def _layouts(rank, world_size, cases):
     return to_numpy(results)
 
 
+# GQA + Llama 3 RoPE, MoE under sequence parallelism, windows + sinks, MLA (TP splits its
+# heads, the latent cache is whole on each rank); sigmoid grouped routing + shared experts
+# over EP; stages passing the hidden states.
 CASES = [("tensor", "llama31"), ("tensor", "qwen3_moe"), ("tensor", "gpt_oss"),
-         ("tensor", "deepseek_v3"), ("tensor", "gpt2"), ("expert", "mixtral"),
-         ("expert", "deepseek_v3"), ("pipeline", "llama31"), ("pipeline", "qwen3_moe")]
+         ("tensor", "deepseek_v3"), ("expert", "deepseek_v3"), ("pipeline", "llama31")]
 
 
 def test_tp2_ep2_pp2_generation_matches_hf():
