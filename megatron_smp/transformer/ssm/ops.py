@@ -132,7 +132,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, seg
     dtype = _compute_dtype(x.dtype)
     b, s, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    L = chunk_size
+    L = min(chunk_size, s)  # a chunk longer than the sequence only adds padding
     padded = -(-s // L) * L
     nc = padded // L
     x32 = x.to(dtype)
@@ -238,7 +238,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size: int = 64,
     q, k = _expand_heads(q, k, hv)
     dk = q.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
-    L = chunk_size
+    L = min(chunk_size, s)  # a chunk longer than the sequence only adds padding
     padded = -(-s // L) * L
     nc = padded // L
     # [b, h, c, L, d]: heads ahead of chunks for the batched matmuls.
