@@ -75,7 +75,8 @@ def test_layout_matches_single_process(model, layout):
 
 # examples/mamba/train.sh @ Megatron-LM main (800M): its `options`, verbatim but for the
 # shrink (pattern, hidden size, sequence, batch, samples, eval iterations, log interval), the
-# data swap (--mock-data, NullTokenizer) and the CPU backend (gloo for nccl).
+# data swap (--mock-data, NullTokenizer) and the CPU's changes: gloo for nccl, and fp32 for
+# --bf16 (bf16 matmuls are ~30x slower than fp32 on this CPU).
 MAMBA_TRAIN_SH = [
     "--tensor-model-parallel-size", "1", "--sequence-parallel",
     "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
@@ -92,7 +93,7 @@ MAMBA_TRAIN_SH = [
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--attention-dropout", "0.0",
     "--hidden-dropout", "0.0", "--disable-bias-linear", "--normalization", "RMSNorm",
     "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--log-interval", "1",
-    "--save-interval", "2000", "--eval-interval", "2000", "--eval-iters", "1", "--bf16",
+    "--save-interval", "2000", "--eval-interval", "2000", "--eval-iters", "1",
     "--use-mcore-models", "--spec", "megatron.core.models.hybrid.hybrid_layer_specs",
     "hybrid_stack_spec", "--no-create-attention-mask-in-dataloader",
     "--tensorboard-dir", "$TENSORBOARD_DIR",
@@ -107,6 +108,6 @@ def test_megatron_mamba_train_sh_runs_as_written(tmp_path):
     single = run_distributed(_train, 1, args=(one, "pretrain_hybrid"), timeout=300)[0]
     results = run_distributed(_train, 2, args=(two, "pretrain_hybrid"), timeout=300)
     assert len(single) == 10 and single[-1] < single[0]
-    for losses in results:  # DP=2, distributed optimizer, bf16
-        assert losses == pytest.approx(single, rel=1e-2), (losses, single)
+    for losses in results:  # DP=2, distributed optimizer with overlapped reductions
+        assert losses == pytest.approx(single, rel=1e-4), (losses, single)
     assert (tmp_path / "ckpt2" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
