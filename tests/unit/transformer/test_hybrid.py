@@ -108,3 +108,47 @@ def test_stage_breaks_are_the_pipeline_layout():
     assert layout_from_configs(parse_args(argv + ["2"]), 2) == [[(0, 2)], [(2, 3)]]
     with pytest.raises(ConfigError, match="one non-empty segment per stage"):
         validate_configs(parse_args(argv + ["3"]), world_size=3)
+
+
+def test_hybrid_flops_follow_megatron_main():
+    """Megatron-LM main's hybrid_flops, evaluated by hand for "M*-G" (h 256, s 128, batch 2):
+    Mamba 2*256*(2*512 + 2*8*128 + 8) + 7*512*128 + 2*512*256 = 2297856; attention
+    2*256*(256 + 2*128) + 2*256*256 + 2*128*256 = 458752; MLP 2*2*256*512 = 524288; GDN
+    2*(256*(2*64 + 2*128 + 2*4) + 4*(2*64 + 128) + 4*32*32*4 + 256*128) = 301056; logits
+    2*256*1024 = 524288; sum 4106240, times 3 * 128 * 2."""
+    from megatron_smp.config import TransformerConfig
+    from megatron_smp.training.logging import flops_per_iteration
+
+    config = TransformerConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+        kv_channels=64, ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=128,
+        hybrid_layer_pattern="M*-G", linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32)
+    assert flops_per_iteration(config, 128, 2, 1024) == 4106240 * 3 * 128 * 2
+
+
+@pytest.mark.parametrize("kind", ["M", "G"])
+def test_planner_mixer_bytes_match_saved_tensors(state, kind):
+    from megatron_smp.training.memory_planner import mixer_activation_bytes
+    from megatron_smp.transformer.ssm.gated_delta_net import GatedDeltaNet
+    from megatron_smp.transformer.ssm.mamba_mixer import MambaMixer
+
+    config = llama_config(1, 192, 4, 100, mamba_num_groups=2, mamba_head_dim=24,
+                          mamba_state_dim=24, mamba_chunk_size=32, linear_num_key_heads=2,
+                          linear_num_value_heads=6, linear_key_head_dim=24,
+                          linear_value_head_dim=20, linear_chunk_size=32)
+    mixer = (MambaMixer if kind == "M" else GatedDeltaNet)(config, state)
+    x = torch.randn(96, 2, 192, requires_grad=True)
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mixer(x)
+    ours = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
+    ours.add(x.untyped_storage().data_ptr())  # the layer's input, counted by the layer
+    measured = sum(size for ptr, size in saved.items() if ptr not in ours)
+    planned = mixer_activation_bytes(config, kind, 96, 96 * 2, 1)
+    assert abs(planned - measured) / measured < 0.06, (planned, measured)
