@@ -128,54 +128,58 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, seg
     """Mamba-2's chunked scan (Dao & Gu 2024), the same function as `ssd_recurrent`: within
     a chunk of `chunk_size` tokens the output is a masked, decayed attention-like product
     (C B^T); across chunks one state per chunk is passed on. Shapes as `ssd_recurrent`;
-    returns y [b, s, h, p] (and the final state [b, h, p, n])."""
+    returns y [b, s, h, p] (and the final state [b, h, p, n]).
+
+    B and C stay per group (never repeated to the heads): C B^T is one product per group,
+    and the per-head decays multiply x and the outputs instead."""
     dtype = _compute_dtype(x.dtype)
     b, s, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
+    r = h // g  # heads per group
     L = min(chunk_size, s)  # a chunk longer than the sequence only adds padding
     padded = -(-s // L) * L
     nc = padded // L
     x32 = x.to(dtype)
-    B = B.to(dtype).repeat_interleave(h // g, dim=2)
-    C = C.to(dtype).repeat_interleave(h // g, dim=2)
     dt = dt.to(dtype)
-    xdt = _pad_to(x32 * dt[..., None], padded).view(b, nc, L, h, p)
-    log_decay = _pad_to(dt * A.to(dtype), padded).view(b, nc, L, h)
-    B = _pad_to(B, padded).view(b, nc, L, h, n)
-    C = _pad_to(C, padded).view(b, nc, L, h, n)
-    cum = log_decay.cumsum(dim=2)  # [b, c, L, h]: log of the decay from the chunk start
+    xdt = _pad_to(x32 * dt[..., None], padded).view(b, nc, L, g, r, p)
+    log_decay = _pad_to(dt * A.to(dtype), padded).view(b, nc, L, g, r)
+    B = _pad_to(B.to(dtype), padded).view(b, nc, L, g, n)
+    C = _pad_to(C.to(dtype), padded).view(b, nc, L, g, n)
+    cum = log_decay.cumsum(dim=2)  # [b, c, L, g, r]: log of the decay from the chunk start
 
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    mask = causal.view(1, 1, L, L)
-    to_end = torch.exp(cum[:, :, -1:] - cum)  # [b, c, L, h]
+    mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    to_end = torch.exp(cum[:, :, -1:] - cum)  # [b, c, L, g, r]
     from_start = torch.exp(cum)
-    chunk_decay = torch.exp(cum[:, :, -1])  # [b, c, h]
+    chunk_decay = torch.exp(cum[:, :, -1])  # [b, c, g, r]
     if segments is not None:
         seg, previous = _chunk_segments(segments, padded, L)
-        mask = mask & (seg[:, :, :, None] == seg[:, :, None, :])  # [b, c, L, L]
-        to_end = to_end * (seg == seg[:, :, -1:]).unsqueeze(-1).to(dtype)
+        mask = mask & (seg[:, :, None, None, :, None] == seg[:, :, None, None, None, :])
+        to_end = to_end * (seg == seg[:, :, -1:])[..., None, None].to(dtype)
         carry = (seg == previous[:, :, None]).to(dtype)  # [b, c, L]
-        from_start = from_start * carry.unsqueeze(-1)
-        chunk_decay = chunk_decay * carry[:, :, -1:]
+        from_start = from_start * carry[..., None, None]
+        chunk_decay = chunk_decay * carry[:, :, -1, None, None]
     # Pairwise decays exp(cum_i - cum_j), i >= j, masked before exp (no overflow above it).
-    diff = cum.unsqueeze(3) - cum.unsqueeze(2)  # [b, c, L(i), L(j), h]
-    pairwise = torch.exp(diff.masked_fill(~mask.unsqueeze(-1), float("-inf")))
-    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * pairwise
-    y = torch.einsum("bclsh,bcshp->bclhp", scores, xdt)
+    heads_cum = cum.permute(0, 1, 3, 4, 2)  # [b, c, g, r, L]
+    diff = heads_cum.unsqueeze(-1) - heads_cum.unsqueeze(-2)  # [b, c, g, r, L(i), L(j)]
+    pairwise = torch.exp(diff.masked_fill(~mask, float("-inf")))
+    scores = pairwise * torch.einsum("bclgn,bcsgn->bcgls", C, B).unsqueeze(3)
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", scores, xdt)
 
     # Each chunk's own contribution to the state at its end, then the pass across chunks.
-    chunk_states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.unsqueeze(-1), xdt)
-    state = (x32.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(dtype))
+    chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", B, xdt * to_end.unsqueeze(-1))
+    state = (x32.new_zeros(b, g, r, p, n) if initial_state is None
+             else initial_state.to(dtype).view(b, g, r, p, n))
     starts = []
     for c in range(nc):
         starts.append(state)
-        state = state * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
-    start_states = torch.stack(starts, dim=1)  # [b, c, h, p, n]
-    y = y + torch.einsum("bclhn,bchpn->bclhp", C * from_start.unsqueeze(-1), start_states)
+        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
+    start_states = torch.stack(starts, dim=1)  # [b, c, g, r, p, n]
+    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, start_states) * from_start.unsqueeze(-1)
 
     y = y.reshape(b, padded, h, p)[:, :s]
     if D is not None:
         y = y + x32 * D.to(dtype)[:, None]
+    state = state.reshape(b, h, p, n)
     return (y, state) if return_final_state else y
 
 
