@@ -170,9 +170,10 @@ def ssd_chunked(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None, seg
     state = (x32.new_zeros(b, g, r, p, n) if initial_state is None
              else initial_state.to(dtype).view(b, g, r, p, n))
     starts = []
-    for c in range(nc):
+    # unbind: one backward for all chunks (indexing each would zero-fill a full-size grad).
+    for decay, own in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):
         starts.append(state)
-        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
+        state = state * decay[:, :, :, None, None] + own
     start_states = torch.stack(starts, dim=1)  # [b, c, g, r, p, n]
     y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, start_states) * from_start.unsqueeze(-1)
 
@@ -282,11 +283,13 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size: int = 64,
 
     state = v.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for c in range(nc):
-        v_new = u[:, :, c] - w[:, :, c] @ state
-        outputs.append(q_from_start[:, :, c] @ state + attention[:, :, c] @ v_new)
-        state = (state * chunk_decay[:, :, c, None, None]
-                 + k_to_end[:, :, c].transpose(-1, -2) @ v_new)
+    # unbind: one backward for all chunks (indexing each would zero-fill a full-size grad).
+    for u_c, w_c, q_c, attention_c, decay_c, k_c in zip(
+            u.unbind(2), w.unbind(2), q_from_start.unbind(2), attention.unbind(2),
+            chunk_decay.unbind(2), k_to_end.unbind(2)):
+        v_new = u_c - w_c @ state
+        outputs.append(q_c @ state + attention_c @ v_new)
+        state = state * decay_c[..., None, None] + k_c.transpose(-1, -2) @ v_new
     o = torch.stack(outputs, dim=2)  # [b, h, c, L, dv]
     o = o.permute(0, 2, 3, 1, 4).reshape(b, padded, hv, dv)[:, :s]
     return (o, state) if return_final_state else o
