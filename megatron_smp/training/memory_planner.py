@@ -121,15 +121,15 @@ def mixer_activation_bytes(model_config, kind: str, seq_length: int, tokens: int
     """Bytes a Mamba-2 ("M") or Gated DeltaNet ("G") mixer keeps for backward per micro-batch
     on one rank: its saved tensors per token in fp32 units (the scans compute in fp32), fitted
     to the tensors autograd saves (saved-tensor hooks, 64 configurations, within 1% / 4%):
-        Mamba: 11 d_inner + 3 g n + 3 h_m + 3 L h_m + 2 d_inner n / L + 6 h_m n
+        Mamba: 13 d_inner + 8.5 g n + 2.5 h_m + 2 L h_m + 2 d_inner n / L
         GDN:   12 h_v d_v + 5 h_k d_k + 15 h_v + 5 L h_v + h_v d_k d_v / L + 10 h_v d_k
     (L the chunk, no longer than the sequence); all of it split over TP with the heads."""
     m = model_config
     if kind == "M":
         heads, n = m.mamba_heads(), m.mamba_state_dim
         inner, chunk = heads * m.mamba_head_dim, min(m.mamba_chunk_size, seq_length)
-        units = (11 * inner + 3 * m.mamba_num_groups * n + 3 * heads + 3 * chunk * heads
-                 + 2 * inner * n / chunk + 6 * heads * n)
+        units = (13 * inner + 8.5 * m.mamba_num_groups * n + 2.5 * heads + 2 * chunk * heads
+                 + 2 * inner * n / chunk)
     else:
         values, keys = m.linear_num_value_heads, m.linear_num_key_heads
         dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
