@@ -446,6 +446,9 @@ class TransformerConfig:
         if isinstance(self.window_attn_skip_freq, str):  # the flag's text: one stored form
             self.window_attn_skip_freq = parse_moe_layer_freq(self.window_attn_skip_freq,
                                                               "--window-attn-skip-freq")
+        if isinstance(self.linear_attention_freq, str):  # the flag's text: one stored form
+            self.linear_attention_freq = parse_moe_layer_freq(self.linear_attention_freq,
+                                                              "--linear-attention-freq")
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
