@@ -6,6 +6,7 @@ hybrid flag set (examples/mamba/train.sh, shrunk) runs through pretrain_hybrid.p
 import pytest
 
 from megatron_smp.testing import run_distributed
+from tests.functional.test_training_parity import _train
 
 COMMON = (
     "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -30,20 +31,6 @@ QWEN3_NEXT = (
     "--linear-value-head-dim 16"
 ).split()
 MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT}
-
-
-def _train(rank, world_size, argv, script="pretrain_gpt"):
-    import importlib
-
-    from megatron_smp.training import pretrain
-
-    entry = importlib.import_module(script)
-    if script == "pretrain_hybrid":
-        result = entry.run(argv)
-    else:
-        result = pretrain(entry.train_valid_test_datasets_provider, entry.model_provider,
-                          entry.forward_step, argv=argv)
-    return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 
 
 _BASELINES = {}

@@ -42,13 +42,15 @@ def main(argv=None) -> dict:
     h = args.hidden
     torch.manual_seed(0)
     state = build_parallel_state(ParallelConfig())
-    nemotron = tf.NemotronHConfig(hidden_size=h, layers_block_type=["mamba"], mamba_num_heads=2 * h // 64,
-                                  mamba_head_dim=64, n_groups=2, ssm_state_size=64, chunk_size=128,
-                                  num_attention_heads=4, vocab_size=128)
-    qwen = tf.Qwen3NextConfig(hidden_size=h, num_hidden_layers=1, layer_types=["linear_attention"],
-                              linear_num_key_heads=4, linear_num_value_heads=8,
-                              linear_key_head_dim=64, linear_value_head_dim=64,
-                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    nemotron = tf.NemotronHConfig(hidden_size=h, layers_block_type=["mamba"],
+                                  mamba_num_heads=2 * h // 64, mamba_head_dim=64, n_groups=2,
+                                  ssm_state_size=64, chunk_size=128, num_attention_heads=4,
+                                  vocab_size=128)
+    qwen = tf.Qwen3NextConfig(hidden_size=h, num_hidden_layers=1,
+                              layer_types=["linear_attention"], linear_num_key_heads=4,
+                              linear_num_value_heads=8, linear_key_head_dim=64,
+                              linear_value_head_dim=64, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128)
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 

@@ -130,8 +130,9 @@ def check_config(config: TransformerConfig, family: str) -> None:
             and config.position_embedding_type == "rope" and not config.add_bias_linear
             and config.linear_attention_freq is not None and config.window_size is None
             and config.hybrid_layer_pattern is None
-            and (config.num_moe_experts is None or (config.moe_shared_expert_gate
-                                                   and config.moe_shared_expert_intermediate_size))):
+            and (config.num_moe_experts is None
+                 or (config.moe_shared_expert_gate
+                     and config.moe_shared_expert_intermediate_size))):
         raise ConfigError(
             f"this config is not a {family}: it needs --linear-attention-freq with Gated "
             "DeltaNet layers, --attention-output-gate, --qk-layernorm, --apply-layernorm-1p, "
@@ -204,7 +205,8 @@ def _gated_qkv_to_hf(qkv, config: TransformerConfig):
 # Gated DeltaNet: HF projections <-> our per-key-head rows.
 
 def _gdn_sizes(config: TransformerConfig):
-    nk, r = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    nk = config.linear_num_key_heads
+    r = config.linear_num_value_heads // nk
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     return nk, [dk, dk, r * dv, r * dv, r, r]  # q, k, v, z, b, a per key head
 
@@ -254,7 +256,8 @@ def _gdn_to_hf(state_dict, hf: str, ours: str, config: TransformerConfig,
     channels = torch.split(grouped, sizes[:3], dim=1)
     out[hf + "conv1d.weight"] = torch.cat([t.reshape((-1,) + tuple(conv.shape[1:]))
                                            for t in channels])
-    out.update({hf + "A_log": state_dict[ours + "A_log"], hf + "dt_bias": state_dict[ours + "dt_bias"],
+    out.update({hf + "A_log": state_dict[ours + "A_log"],
+                hf + "dt_bias": state_dict[ours + "dt_bias"],
                 hf + "norm.weight": state_dict[ours + "out_norm_weight"],
                 hf + "out_proj.weight": state_dict[ours + "out_proj.weight"]})
     return {name: tensor.clone() for name, tensor in out.items()}

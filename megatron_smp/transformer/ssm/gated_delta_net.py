@@ -19,18 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    divide,
-    init_method_normal,
-    scaled_init_method_normal,
-)
+from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
     fill_from_master,
     gated_rms_norm,
+    mixer_projections,
     packed_segments,
     split_parameter,
     time_step_bias,
@@ -61,11 +56,9 @@ class GatedDeltaNet(torch.nn.Module):
         r = self.values_per_key
         conv_width = 2 * self.key_dim + r * self.value_dim
         self.split_sizes = [conv_width, r * self.value_dim, r, r]  # [q k v | z | b | a]
-        init_method = init_method_normal(config.init_method_std)
-        self.in_proj = ColumnParallelLinear(
-            config.hidden_size, self.key_heads * sum(self.split_sizes), config=config,
-            tp_group=tp_group, init_method=init_method, bias=False, gather_output=False,
-            device=device)
+        self.in_proj, self.out_proj = mixer_projections(
+            config, tp_group, self.key_heads * sum(self.split_sizes),
+            self.value_heads * self.value_dim, device)
         self.conv1d = CausalConv1d(self.key_heads * conv_width, config.linear_conv_kernel_dim,
                                    False, tp_group, config.params_dtype, device)
         dtype = config.params_dtype
@@ -74,12 +67,6 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_norm_weight = torch.nn.Parameter(torch.empty(self.value_dim, dtype=dtype,
                                                               device=device))
         self.out_norm_weight.sequence_parallel = tp > 1
-        output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
-                       if config.use_scaled_init_method else init_method)
-        self.out_proj = RowParallelLinear(
-            self.value_heads * self.value_dim, config.hidden_size, config=config,
-            tp_group=tp_group, init_method=output_init, bias=False, input_is_parallel=True,
-            device=device)
         if self.A_log.device.type != "meta":
             self.reset_parameters()
 

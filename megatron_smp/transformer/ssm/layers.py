@@ -14,6 +14,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megatron_smp.transformer.ssm.ops import causal_conv1d
@@ -37,6 +43,21 @@ def fill_from_master(param: torch.nn.Parameter, master: torch.Tensor, tp_group) 
     rows = param.shape[0]
     start = group_rank(tp_group) * rows
     param.copy_(master[start:start + rows])
+
+
+def mixer_projections(config, tp_group, projected: int, inner: int, device):
+    """A mixer's in_proj (h -> `projected` rows, split over TP) and out_proj (`inner` -> h,
+    split along its input), without biases, initialised as the attention's projections."""
+    init_method = init_method_normal(config.init_method_std)
+    output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
+                   if config.use_scaled_init_method else init_method)
+    in_proj = ColumnParallelLinear(config.hidden_size, projected, config=config,
+                                   tp_group=tp_group, init_method=init_method, bias=False,
+                                   gather_output=False, device=device)
+    out_proj = RowParallelLinear(inner, config.hidden_size, config=config, tp_group=tp_group,
+                                 init_method=output_init, bias=False, input_is_parallel=True,
+                                 device=device)
+    return in_proj, out_proj
 
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -112,5 +133,6 @@ def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
                      "mixer; pass document_ids (packed sequences) or no mask")
 
 
-__all__ = ["split_parameter", "fill_from_master", "time_step_bias", "CausalConv1d",
+__all__ = ["split_parameter", "fill_from_master", "mixer_projections", "time_step_bias",
+           "CausalConv1d",
            "gated_rms_norm", "packed_segments"]

@@ -1,7 +1,8 @@
 """Mamba-2 mixer (Megatron's MambaMixer) over [s, b, h] activations, tensor-parallel.
 
     in_proj -> [z | x B C | dt] per group;  x B C -> causal depthwise conv1d -> SiLU;
-    dt = clamp(softplus(dt + dt_bias), mamba_dt_min);  y = SSD scan(x, dt, A = -exp(A_log), B, C) + D x;
+    dt = clamp(softplus(dt + dt_bias), mamba_dt_min);
+    y = SSD scan(x, dt, A = -exp(A_log), B, C) + D x;
     y = rmsnorm_per_group(y * silu(z)) * w;  out_proj
 
 Heads come in `mamba_num_groups` groups sharing B and C. Every split tensor is laid out group
@@ -18,18 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    divide,
-    init_method_normal,
-    scaled_init_method_normal,
-)
+from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
     fill_from_master,
     gated_rms_norm,
+    mixer_projections,
     packed_segments,
     split_parameter,
     time_step_bias,
@@ -62,11 +58,8 @@ class MambaMixer(torch.nn.Module):
         group_width = self.heads_per_group * self.head_dim
         # Per group: z, x (group_width each), B, C (state_dim each), dt (heads_per_group).
         self.split_sizes = [group_width, group_width + 2 * self.state_dim, self.heads_per_group]
-        init_method = init_method_normal(config.init_method_std)
-        self.in_proj = ColumnParallelLinear(
-            config.hidden_size, self.groups * sum(self.split_sizes), config=config,
-            tp_group=tp_group, init_method=init_method, bias=False, gather_output=False,
-            device=device)
+        self.in_proj, self.out_proj = mixer_projections(
+            config, tp_group, self.groups * sum(self.split_sizes), inner, device)
         self.conv1d = CausalConv1d(self.groups * self.split_sizes[1], config.mamba_conv_kernel_dim,
                                    True, tp_group, config.params_dtype, device)
         dtype = config.params_dtype
@@ -74,11 +67,6 @@ class MambaMixer(torch.nn.Module):
         self.dt_bias = split_parameter((self.heads,), tp_group, dtype, device)
         self.D = split_parameter((self.heads,), tp_group, dtype, device)
         self.norm_weight = split_parameter((inner,), tp_group, dtype, device)
-        output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
-                       if config.use_scaled_init_method else init_method)
-        self.out_proj = RowParallelLinear(
-            inner, config.hidden_size, config=config, tp_group=tp_group, init_method=output_init,
-            bias=False, input_is_parallel=True, device=device)
         if self.A_log.device.type != "meta":
             self.reset_parameters()
 

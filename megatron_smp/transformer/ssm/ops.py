@@ -57,7 +57,7 @@ def _chunk_segments(segments: torch.Tensor, padded: int, chunk: int):
     return seg, previous
 
 
-# Causal depthwise convolution ----------------------------------------------------------------------
+# Causal depthwise convolution -------------------------------------------------------------------
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -34,7 +34,8 @@ def test_layout_recompute_and_packed_rows(state, name):
     config = CONFIGS[name]()
     model = GPTModel(config, state)
     layout = default_layout(config)
-    assert {k: layout.get(k) for k in tensor_parallel_layout(model)} == tensor_parallel_layout(model)
+    split = tensor_parallel_layout(model)
+    assert {k: layout.get(k) for k in split} == split
     ids = torch.randint(0, 1003, (2, 20))
 
     def grads(model):
@@ -152,3 +153,20 @@ def test_planner_mixer_bytes_match_saved_tensors(state, kind):
     measured = sum(size for ptr, size in saved.items() if ptr not in ours)
     planned = mixer_activation_bytes(config, kind, 96, 96 * 2, 1)
     assert abs(planned - measured) / measured < 0.06, (planned, measured)
+
+
+def test_linear_attention_layers_count_gated_delta_net_flops():
+    """--linear-attention-freq 2 over 2 layers (h 256, s 128): per token, in multiply-adds,
+    MLPs 2*2*256*512 = 524288, one attention 256*(256 + 2*128) + 256*256 = 196608 and its
+    core 256*128 = 32768, one Gated DeltaNet 301056 / 2 = 150528, logits 256*1024 = 262144;
+    times 6 * 128."""
+    from megatron_smp.config import TransformerConfig
+    from megatron_smp.training.logging import flops_per_iteration
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+        kv_channels=64, ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=128,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32)
+    assert flops_per_iteration(config, 128, 1, 1024) == 1166336 * 6 * 128
