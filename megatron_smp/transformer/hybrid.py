@@ -23,6 +23,7 @@ from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.layer import TransformerLayer
 from megatron_smp.transformer.mlp import MLP
+from megatron_smp.transformer.moe.moe_layer import MoELayer
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.spec import LayerSpec, ModuleSpec, build_module, spec_for_layer
 from megatron_smp.transformer.ssm.gated_delta_net import GatedDeltaNet
@@ -62,8 +63,6 @@ class HybridLayer(TransformerLayer):
 def hybrid_layer_spec(config: TransformerConfig, attention: ModuleSpec) -> LayerSpec:
     """The `LayerSpec` of --hybrid-layer-pattern; `attention` is the model's attention spec
     (with its core attention) for the `*` layers."""
-    from megatron_smp.transformer.moe.moe_layer import MoELayer
-
     parts = {"M": ModuleSpec(MambaMixer), "G": ModuleSpec(GatedDeltaNet), "*": attention,
              "-": ModuleSpec(MLP), "E": ModuleSpec(MoELayer)}
     symbols = config.hybrid_layer_symbols()

@@ -22,7 +22,8 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
-from megatron_smp.transformer.ssm.ops import causal_conv1d
+from megatron_smp.transformer.packed import PackedSequence
+from megatron_smp.transformer.ssm.ops import causal_conv1d, segment_ids
 
 
 def _is_meta(device) -> bool:
@@ -122,9 +123,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
     """The document run numbers [b, s] of a packed batch (a `PackedSequence`), None for
     plain causal rows; a dense mask cannot say where the recurrence restarts."""
-    from megatron_smp.transformer.packed import PackedSequence
-    from megatron_smp.transformer.ssm.ops import segment_ids
-
     if attention_mask is None:
         return None
     if isinstance(attention_mask, PackedSequence):
