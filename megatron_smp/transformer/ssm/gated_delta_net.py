@@ -23,12 +23,12 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
-    fill_from_master,
     gated_rms_norm,
+    init_decays,
     mixer_projections,
     packed_segments,
+    project_per_group,
     split_parameter,
-    time_step_bias,
 )
 from megatron_smp.transformer.ssm.ops import gated_delta_rule_chunked, l2norm
 
@@ -72,18 +72,15 @@ class GatedDeltaNet(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """A_log = log U(1, 16), dt_bias as Mamba's, norm ones; drawn for all heads."""
-        fill_from_master(self.A_log, torch.empty(self.value_heads).uniform_(1, 16).log(),
-                         self.tp_group)
-        fill_from_master(self.dt_bias, time_step_bias(self.value_heads), self.tp_group)
+        """The decays (`init_decays`) for all heads, the norm ones."""
+        init_decays(self.A_log, self.dt_bias, self.value_heads, self.tp_group)
         self.out_norm_weight.fill_(1.0)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 rotary_pos_emb=None) -> torch.Tensor:
         segments = packed_segments(attention_mask, "GatedDeltaNet")
-        projected, _ = self.in_proj(hidden_states)
-        s, b = projected.shape[:2]
-        projected = projected.transpose(0, 1).reshape(b, s, self.local_key_heads, -1)
+        projected = project_per_group(self.in_proj, hidden_states, self.local_key_heads)
+        b, s = projected.shape[:2]
         qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
         qkv = F.silu(self.conv1d(qkv.reshape(b, s, -1), segments))
         qkv = qkv.view(b, s, self.local_key_heads, -1)

@@ -61,6 +61,24 @@ def mixer_projections(config, tp_group, projected: int, inner: int, device):
     return in_proj, out_proj
 
 
+@torch.no_grad()
+def init_decays(A_log: torch.nn.Parameter, dt_bias: torch.nn.Parameter, heads: int,
+                tp_group) -> None:
+    """Both mixers' per-head decay parameters, drawn for all `heads`: A_log = log U(1, 16)
+    (A = -exp(A_log)), dt_bias with softplus(dt_bias) log-uniform in [1e-3, 0.1]."""
+    fill_from_master(A_log, torch.empty(heads).uniform_(1, 16).log(), tp_group)
+    fill_from_master(dt_bias, time_step_bias(heads), tp_group)
+
+
+def project_per_group(in_proj: torch.nn.Module, hidden_states: torch.Tensor,
+                      local_groups: int) -> torch.Tensor:
+    """in_proj of [s(/tp), b, h] (sequence gathered with SP) -> batch first
+    [b, s, local_groups, rows per group], for the scans."""
+    projected, _ = in_proj(hidden_states)
+    s, b = projected.shape[:2]
+    return projected.transpose(0, 1).reshape(b, s, local_groups, -1)
+
+
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     return x + torch.log(-torch.expm1(-x))
 
@@ -131,6 +149,7 @@ def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
                      "mixer; pass document_ids (packed sequences) or no mask")
 
 
-__all__ = ["split_parameter", "fill_from_master", "mixer_projections", "time_step_bias",
+__all__ = ["split_parameter", "fill_from_master", "mixer_projections", "init_decays",
+           "project_per_group", "time_step_bias",
            "CausalConv1d",
            "gated_rms_norm", "packed_segments"]

@@ -23,12 +23,12 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
-    fill_from_master,
     gated_rms_norm,
+    init_decays,
     mixer_projections,
     packed_segments,
+    project_per_group,
     split_parameter,
-    time_step_bias,
 )
 from megatron_smp.transformer.ssm.ops import ssd_chunked
 
@@ -72,19 +72,16 @@ class MambaMixer(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Draw A_log (log U(1, 16)), dt_bias, D (ones) and the norm (ones) for all heads."""
-        fill_from_master(self.A_log, torch.empty(self.heads).uniform_(1, 16).log(),
-                         self.tp_group)
-        fill_from_master(self.dt_bias, time_step_bias(self.heads), self.tp_group)
+        """The decays (`init_decays`) for all heads, D and the norm ones."""
+        init_decays(self.A_log, self.dt_bias, self.heads, self.tp_group)
         self.D.fill_(1.0)
         self.norm_weight.fill_(1.0)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 rotary_pos_emb=None) -> torch.Tensor:
         segments = packed_segments(attention_mask, "MambaMixer")
-        projected, _ = self.in_proj(hidden_states)  # [s, b, local groups * per group]
-        s, b = projected.shape[:2]
-        projected = projected.transpose(0, 1).reshape(b, s, self.local_groups, -1)
+        projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
+        b, s = projected.shape[:2]
         z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
         xbc = F.silu(self.conv1d(xbc.reshape(b, s, -1), segments))
         xbc = xbc.view(b, s, self.local_groups, -1)
