@@ -36,6 +36,7 @@ from megatron_smp.tensor_parallel.random import dropout, get_rng_tracker
 from megatron_smp.transformer.attention import RotaryEmbedding
 from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
+from megatron_smp.transformer.hybrid import hybrid_layer_spec, linear_attention_layer_spec
 from megatron_smp.transformer.layer import get_gpt_layer_spec
 from megatron_smp.transformer.mla import MLASelfAttention
 from megatron_smp.transformer.packed import PackedSequence
@@ -49,13 +50,18 @@ _EMBEDDING_SEED_INDEX = 0
 def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) -> LayerSpec:
     """The decoder layer this configuration and layout ask for: the dense layer, with the
     context-parallel core attention (`--cp-comm-type`) when cp > 1, and a mixture of experts
-    in place of the MLP on the `--moe-layer-freq` layers of an MoE model. GPTModel's default,
+    in place of the MLP on the `--moe-layer-freq` layers of an MoE model; hybrid stacks by
+    `--hybrid-layer-pattern` or `--linear-attention-freq` (transformer.hybrid). GPTModel's default,
     so the entry scripts, `smp.transform` and tests all build the same layers."""
     spec = get_gpt_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
     if config.multi_latent_attention:
         spec.submodules.self_attention = ModuleSpec(
             MLASelfAttention, submodules=spec.submodules.self_attention.submodules)
+    if config.hybrid_layer_pattern is not None:  # one part per layer (transformer.hybrid)
+        return hybrid_layer_spec(config, spec.submodules.self_attention)
+    if config.linear_attention_freq is not None:
+        return linear_attention_layer_spec(config, moe_layer_spec(config, spec))
     return moe_layer_spec(config, spec)
 
 

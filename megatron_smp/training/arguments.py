@@ -15,6 +15,7 @@ import dataclasses
 import re
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -188,6 +189,29 @@ _FLAGS: List[_Flag] = [
     # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
     _f("--mtp-num-layers", "model", type=int),
     _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
+    # Hybrid models (Megatron-LM main's flags; see README "Hybrid models").
+    _f("--hybrid-layer-pattern", "model",
+       help="one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; "
+       "| between pipeline stages; decides --num-layers"),
+    _f("--hybrid-override-pattern", None, "hybrid_override_pattern",
+       help="Megatron's deprecated spelling of --hybrid-layer-pattern"),
+    _f("--spec", None, "spec", nargs="*",
+       help="Megatron's layer-spec module and function: only the hybrid stack specs, which "
+       "--hybrid-layer-pattern builds here"),
+    _f("--linear-attention-freq", "model", metavar="N|PATTERN",
+       help="with --experimental-attention-variant gated_delta_net: N-1 Gated DeltaNet layers "
+       "per full attention layer, or a 0/1 list per layer (1 = linear)"),
+    _f("--experimental-attention-variant", "model", choices=["gated_delta_net", "gdn"]),
+    _f("--attention-output-gate", "model", action="store_true"),
+    _f("--mamba-state-dim", "model", type=int, default=128),
+    _f("--mamba-head-dim", "model", type=int, default=64),
+    _f("--mamba-num-groups", "model", type=int, default=8),
+    _f("--mamba-num-heads", "model", type=int),
+    _f("--linear-conv-kernel-dim", "model", type=int, default=4),
+    _f("--linear-key-head-dim", "model", type=int, default=128),
+    _f("--linear-value-head-dim", "model", type=int, default=128),
+    _f("--linear-num-key-heads", "model", type=int, default=16),
+    _f("--linear-num-value-heads", "model", type=int, default=32),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -594,6 +618,43 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
         optimizer["use_distributed_optimizer"] = True
 
 
+# --spec values of Megatron's hybrid scripts: the stack --hybrid-layer-pattern builds here.
+HYBRID_SPECS = (("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+                ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"))
+
+
+def hybrid_pattern_given(argv: Sequence[str]) -> bool:
+    """Whether `argv` gives --hybrid-layer-pattern (or its deprecated spelling)."""
+    return any(token.split("=", 1)[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+               for token in argv)
+
+
+def _apply_hybrid_flags(args, model: Dict[str, Any]) -> None:
+    """--hybrid-layer-pattern (or its deprecated --hybrid-override-pattern) sets --num-layers
+    (Megatron warns and takes the pattern's count); --spec may only name the hybrid stack."""
+    if args.hybrid_override_pattern is not None:
+        if model.get("hybrid_layer_pattern") is not None:
+            raise ConfigError("--hybrid-override-pattern and --hybrid-layer-pattern cannot both "
+                              "be given (the first is the deprecated name of the second)")
+        model["hybrid_layer_pattern"] = args.hybrid_override_pattern
+    pattern = model.get("hybrid_layer_pattern")
+    if args.spec is not None and (pattern is None or tuple(args.spec) not in HYBRID_SPECS):
+        raise ConfigError(
+            f"--spec {' '.join(args.spec)}: layer specs are not loaded from modules here; the "
+            "hybrid stack specs (" + ", ".join(" ".join(spec) for spec in HYBRID_SPECS)
+            + ") are accepted with --hybrid-layer-pattern, which builds that stack")
+    if pattern is None:
+        return
+    from megatron_smp.config import HYBRID_MTP_SEPARATOR, HYBRID_STAGE_BREAK
+
+    count = len(pattern.split(HYBRID_MTP_SEPARATOR)[0].replace(HYBRID_STAGE_BREAK, ""))
+    given = model.get("num_layers")
+    if given is not None and given != count:
+        warnings.warn(f"--hybrid-layer-pattern is set; ignoring --num-layers ({given}) and "
+                      f"using the layer count derived from the pattern ({count})")
+    model["num_layers"] = count
+
+
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
@@ -755,6 +816,8 @@ def parse_args(
             key = spec.flag.lstrip("-").replace("-", "_")
             by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if hybrid_pattern_given(argv):  # the pattern gives the layer count, as in Megatron
+        parser._option_string_actions["--num-layers"].required = False
     if "--use-checkpoint-args" in argv:
         # As in Megatron, the model's shape may come from the --load checkpoint alone.
         for action in parser._actions:
@@ -773,6 +836,7 @@ def parse_args(
     model = sections["model"]
     training = sections["training"]
     data = sections["data"]
+    _apply_hybrid_flags(args, model)
     if args.use_rotary_position_embeddings:
         model["position_embedding_type"] = "rope"
     if not args.add_position_embedding and model.get("position_embedding_type") != "rope":
