@@ -1,0 +1,60 @@
+"""A small Gemma 3-style model (sliding/full layers with their own RoPE bases, linear RoPE
+scaling on the full layers, sandwich and (1 + w) norms, q/k norms, scaled embeddings, a
+softmax scale other than 1/sqrt(d), GeGLU, final logit soft-capping, tied embeddings) trains
+under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2 and
+DP=2 with the distributed optimizer; a Gemma3ForCausalLM converted by convert.py fine-tunes
+under the same flags at its own shape (TP=2 + SP)."""
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.functional.test_gpt_oss_parity import _train_layouts
+from tests.functional.test_training_parity import COMMON
+
+GEMMA3 = (
+    "--num-layers 4 --normalization RMSNorm --norm-epsilon 1e-6 --apply-layernorm-1p "
+    "--qk-layernorm --sandwich-norm --apply-embedding-scaling --geglu --ffn-hidden-size 96 "
+    "--disable-bias-linear --kv-channels 20 --group-query-attention --num-query-groups 2 "
+    "--position-embedding-type rope --rotary-base 100000 --rotary-seq-len-interpolation-factor 8 "
+    "--local-rotary-base 1000 --window-size 7,0 --window-attn-skip-freq 3 --softmax-scale 0.2 "
+    "--final-logit-softcapping 10 --init-method-std 0.1"
+).split()
+LAYOUTS = (
+    "--tensor-model-parallel-size 2 --sequence-parallel",
+    "--pipeline-model-parallel-size 2",
+    "--context-parallel-size 2 --cp-comm-type p2p",
+    "--use-distributed-optimizer",
+)
+# tests/unit/models/test_hf_gemma3.build_gemma3 as flags (NullTokenizer adds its EOD to
+# --vocab-size: 1003 tokens; --softmax-scale is 24 ** -0.5, its query_pre_attn_scalar).
+HF_SHAPE = (
+    "--num-layers 7 --hidden-size 48 --ffn-hidden-size 40 --num-attention-heads 4 "
+    "--kv-channels 20 --group-query-attention --num-query-groups 2 --seq-length 32 "
+    "--max-position-embeddings 64 --vocab-size 1002 --normalization RMSNorm "
+    "--norm-epsilon 1e-6 --apply-layernorm-1p --qk-layernorm --sandwich-norm "
+    "--apply-embedding-scaling --geglu --disable-bias-linear --position-embedding-type rope "
+    "--rotary-base 100000 --rotary-seq-len-interpolation-factor 8 --local-rotary-base 1000 "
+    f"--window-size 4,0 --window-attn-skip-freq 6 --softmax-scale {24 ** -0.5!r} "
+    "--final-logit-softcapping 6 --hidden-dropout 0 --attention-dropout 0 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --mock-data "
+    "--tokenizer-type NullTokenizer --lr 1e-4 --eval-iters 0 --finetune "
+    "--tensor-model-parallel-size 2 --sequence-parallel"
+).split()
+
+
+def test_gemma3_layouts_match_single_process(tmp_path):
+    from tests.unit.models.test_hf_gemma3 import build_gemma3
+    from tests.unit.tools.test_convert import _convert_ok
+
+    build_gemma3().save_pretrained(tmp_path / "hf")
+    _convert_ok("gemma3", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "converted")
+    reference = run_distributed(_train_layouts, 1, args=([COMMON + GEMMA3],), timeout=300)[0][0]
+    assert len(reference) == 10 and reference[-1][0] < reference[0][0]
+    argvs = [COMMON + GEMMA3 + layout.split() for layout in LAYOUTS]
+    argvs.append(HF_SHAPE + ["--load", str(tmp_path / "converted")])
+    for per_rank in run_distributed(_train_layouts, 2, args=(argvs,), timeout=400):
+        for layout, losses in zip(LAYOUTS, per_rank):
+            for step, (got, want) in enumerate(zip(losses, reference)):
+                assert got[0] == pytest.approx(want[0], rel=1e-4), (layout, step, got, want)
+        finetuned = [loss[0] for loss in per_rank[-1]]
+        # Converted random weights predict roughly uniformly over 1003 tokens.
+        assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
