@@ -58,3 +58,44 @@ def test_gemma3_layouts_match_single_process(tmp_path):
         finetuned = [loss[0] for loss in per_rank[-1]]
         # Converted random weights predict roughly uniformly over 1003 tokens.
         assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
+
+
+def test_gemma3_1b_script_is_the_published_shape(tmp_path):
+    """scripts/pretrain_gemma3_1b.sh parses into google/gemma-3-1b-pt's model (999,885,952
+    parameters, the published count) and validates at its default layout (DP=8)."""
+    from megatron_smp.models.hf import config_to_hf
+    from megatron_smp.training.arguments import parse_args
+    from tests.unit.training.test_launch_scripts import _command_line
+
+    argv = _command_line("pretrain_gemma3_1b.sh", tmp_path)
+    configs = parse_args(argv[argv.index("pretrain_gpt.py") + 1:])
+    model = configs.model.replace(vocab_size=262144)
+    model.validate(configs.parallel, configs.training.seq_length)
+    configs.parallel.validate(8)
+    hf = config_to_hf(model, "gemma3_text")  # it is a Gemma 3, as HF spells it
+    assert (hf.num_hidden_layers, hf.sliding_window, hf.query_pre_attn_scalar) == (26, 512, 256)
+    assert hf.layer_types[4:7] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert hf.rope_parameters == {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 1e4}}
+    h, heads, groups, d, f, v = 1152, 4, 1, 256, 6912, 262144
+    layer = h * (heads + 2 * groups) * d + heads * d * h + 3 * h * f + 4 * h + 2 * d
+    assert 26 * layer + v * h + h == 999_885_952
+
+
+def test_gemma3_small_script_trains():
+    """scripts/small/pretrain_gemma3_small.sh runs as written (TP=2 + SP on 2 processes); its
+    loss falls."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "scripts/small/pretrain_gemma3_small.sh",
+                           "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
