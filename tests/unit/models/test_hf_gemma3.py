@@ -133,6 +133,24 @@ def test_gemma3_1b_shape_without_softcapping_matches_hf():
         assert (smp.transform(hf)(ids).logits - hf(ids).logits).abs().max() < 2e-4
 
 
+@pytest.mark.parametrize("full", [
+    {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e5, "beta_fast": 32.0, "beta_slow": 1.0,
+     "original_max_position_embeddings": 8},
+    {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e5, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+], ids=["yarn", "llama3"])
+def test_full_layers_take_other_scaled_ropes(full):
+    smp.init({"random_seed": 3})
+    hf = build_gemma3(rope_parameters={"full_attention": dict(full),
+                                       "sliding_attention": dict(ROPE["sliding_attention"])})
+    config = get_adapter(hf).config_from_hf(hf.config)
+    assert config.local_rotary_base == 1e3
+    assert get_adapter(hf).config_from_hf(config_to_hf(config, "gemma3_text")) == config
+    ids = _ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert (smp.transform(hf)(ids).logits - hf(ids).logits).abs().max() < 2e-4
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
