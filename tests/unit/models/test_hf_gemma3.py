@@ -231,3 +231,25 @@ def test_convert_hf_to_tp2_and_back_is_exact(tmp_path):
     expected = hf.state_dict()
     assert back.keys() == expected.keys()
     assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_megatron_args_record_gemma_and_its_export_is_refused(tmp_path):
+    """--ckpt-format torch's Megatron-layout copy records the Gemma fields in its args (our
+    reader restores them); an export for Megatron-LM, which has no such settings, is an
+    error naming them."""
+    from megatron_smp.checkpointing.megatron_lm import args_from_config, config_fields_from_args
+    from tests.unit.tools.test_convert import _convert, _convert_ok
+
+    hf = build_gemma3()
+    config = get_adapter(hf).config_from_hf(hf.config)
+    fields = config_fields_from_args(vars(args_from_config(config, 2, 1, 0)))
+    for name in ("sandwich_norm", "apply_embedding_scaling", "local_rotary_base",
+                 "final_logit_softcapping", "softmax_scale", "activation", "gated_linear_unit",
+                 "rotary_seq_len_interpolation_factor", "window_attn_skip_freq"):
+        assert fields[name] == getattr(config, name), name
+    hf.save_pretrained(tmp_path / "hf")
+    _convert_ok("gemma3", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "smp")
+    status, stderr = _convert("gemma3", "megatron_smp", "megatron", tmp_path / "smp",
+                              tmp_path / "megatron")
+    assert status == 1 and "Megatron-LM has no --sandwich-norm, --apply-embedding-scaling, " \
+        "--local-rotary-base, --final-logit-softcapping, --geglu" in stderr, stderr
