@@ -24,6 +24,7 @@ activation dtype,
                                        statistics (fp32, a + g), and with RoPE and
                                        1 < g < a the contiguous q copy the norm reads (a d)
     sliding-window layer:              the dense window mask, s_q s_k in the activation dtype
+                                       (not with selective recompute of core_attn)
                                        dense MLP 2 f (4 f gated)
                                        MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
                                        token of the whole sequence (gathered over TP)
@@ -241,9 +242,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
         if m.position_embedding_type == "rope" and 1 < g < a:
             attention += a * d
     parts["attention"] = tokens * attention * p / tp
-    if windowed:
-        s_q = seq_length // cp
-        parts["window_mask"] = s_q * seq_length * p
+    if windowed and "core_attn" not in modules:  # built inside the core attention
+        parts["window_mask"] = seq_length // cp * seq_length * p
     if "core_attn" not in modules:
         parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
         if device_type == "cpu" and m.attention_dropout > 0:

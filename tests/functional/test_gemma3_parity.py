@@ -1,8 +1,8 @@
 """A small Gemma 3-style model (sliding/full layers with their own RoPE bases, linear RoPE
 scaling on the full layers, sandwich and (1 + w) norms, q/k norms, scaled embeddings, a
 softmax scale other than 1/sqrt(d), GeGLU, final logit soft-capping, tied embeddings) trains
-under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2 and
-DP=2 with the distributed optimizer; a Gemma3ForCausalLM converted by convert.py fine-tunes
+under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2,
+DP=2 with the distributed optimizer and DP=2 with full activation recompute; a Gemma3ForCausalLM converted by convert.py fine-tunes
 under the same flags at its own shape (TP=2 + SP)."""
 import pytest
 
@@ -23,6 +23,7 @@ LAYOUTS = (
     "--pipeline-model-parallel-size 2",
     "--context-parallel-size 2 --cp-comm-type p2p",
     "--use-distributed-optimizer",
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
 )
 # tests/unit/models/test_hf_gemma3.build_gemma3 as flags (NullTokenizer adds its EOD to
 # --vocab-size: 1003 tokens; --softmax-scale is 24 ** -0.5, its query_pre_attn_scalar).
@@ -81,6 +82,20 @@ def test_gemma3_1b_script_is_the_published_shape(tmp_path):
     h, heads, groups, d, f, v = 1152, 4, 1, 256, 6912, 262144
     layer = h * (heads + 2 * groups) * d + heads * d * h + 3 * h * f + 4 * h + 2 * d
     assert 26 * layer + v * h + h == 999_885_952
+
+    # The memory planner at the script's layout (8 GPUs, seq 8192, bf16, selective recompute):
+    # 45.7 GiB a GPU, 12 GiB of it the transient logits of the 262k vocabulary.
+    from megatron_smp.training.memory_planner import GIB, report_from_argv
+    from tools.estimate_memory import entry_script
+
+    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    for flag in ("--data-path", "--tokenizer-type", "--tokenizer-model"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "262144"]
+    provider, defaults = entry_script("gpt")
+    report = report_from_argv(argv, 8, provider, defaults, "cuda")
+    assert 40 * GIB < report.largest.total < 80e9, report.table()
 
 
 def test_gemma3_small_script_trains():
