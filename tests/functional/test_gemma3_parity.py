@@ -1,9 +1,9 @@
 """A small Gemma 3-style model (sliding/full layers with their own RoPE bases, linear RoPE
 scaling on the full layers, sandwich and (1 + w) norms, q/k norms, scaled embeddings, a
 softmax scale other than 1/sqrt(d), GeGLU, final logit soft-capping, tied embeddings) trains
-under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2,
-DP=2 with the distributed optimizer and DP=2 with full activation recompute; a Gemma3ForCausalLM converted by convert.py fine-tunes
-under the same flags at its own shape (TP=2 + SP)."""
+under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2 and
+DP=2 with the distributed optimizer (and full activation recompute); a Gemma3ForCausalLM
+converted by convert.py fine-tunes under the same flags at its own shape (TP=2 + SP)."""
 import pytest
 
 from megatron_smp.testing import run_distributed
@@ -22,8 +22,8 @@ LAYOUTS = (
     "--tensor-model-parallel-size 2 --sequence-parallel",
     "--pipeline-model-parallel-size 2",
     "--context-parallel-size 2 --cp-comm-type p2p",
-    "--use-distributed-optimizer",
-    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 1",
 )
 # tests/unit/models/test_hf_gemma3.build_gemma3 as flags (NullTokenizer adds its EOD to
 # --vocab-size: 1003 tokens; --softmax-scale is 24 ** -0.5, its query_pre_attn_scalar).
