@@ -4,11 +4,10 @@ softmax scale other than 1/sqrt(d), GeGLU, final logit soft-capping, tied embedd
 under pretrain_gpt.py with the single-process losses (fp32, 1e-4) at TP=2+SP, PP=2, CP=2 and
 DP=2 with the distributed optimizer (and full activation recompute); a Gemma3ForCausalLM
 converted by convert.py fine-tunes under the same flags at its own shape (TP=2 + SP)."""
-import pytest
-
-from megatron_smp.testing import run_distributed
-from tests.functional.test_gpt_oss_parity import _train_layouts
-from tests.functional.test_training_parity import COMMON
+from tests.functional.test_gpt_oss_parity import (
+    layouts_match_and_converted_finetunes,
+    small_script_losses,
+)
 
 GEMMA3 = (
     "--num-layers 4 --normalization RMSNorm --norm-epsilon 1e-6 --apply-layernorm-1p "
@@ -44,19 +43,10 @@ HF_SHAPE = (
 
 def test_gemma3_layouts_match_single_process(tmp_path):
     from tests.unit.models.test_hf_gemma3 import build_gemma3
-    from tests.unit.tools.test_convert import _convert_ok
 
     build_gemma3().save_pretrained(tmp_path / "hf")
-    _convert_ok("gemma3", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "converted")
-    reference = run_distributed(_train_layouts, 1, args=([COMMON + GEMMA3],), timeout=300)[0][0]
-    assert len(reference) == 10 and reference[-1][0] < reference[0][0]
-    argvs = [COMMON + GEMMA3 + layout.split() for layout in LAYOUTS]
-    argvs.append(HF_SHAPE + ["--load", str(tmp_path / "converted")])
-    for per_rank in run_distributed(_train_layouts, 2, args=(argvs,), timeout=400):
-        for layout, losses in zip(LAYOUTS, per_rank):
-            for step, (got, want) in enumerate(zip(losses, reference)):
-                assert got[0] == pytest.approx(want[0], rel=1e-4), (layout, step, got, want)
-        finetuned = [loss[0] for loss in per_rank[-1]]
+    for finetuned in layouts_match_and_converted_finetunes(tmp_path, "gemma3", GEMMA3, LAYOUTS,
+                                                           HF_SHAPE):
         # Converted random weights predict roughly uniformly over 1003 tokens.
         assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
 
@@ -101,16 +91,5 @@ def test_gemma3_1b_script_is_the_published_shape(tmp_path):
 def test_gemma3_small_script_trains():
     """scripts/small/pretrain_gemma3_small.sh runs as written (TP=2 + SP on 2 processes); its
     loss falls."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "scripts/small/pretrain_gemma3_small.sh",
-                           "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]
+    losses = small_script_losses("pretrain_gemma3_small.sh")
     assert len(losses) == 6 and losses[-1] < losses[0], losses

@@ -112,6 +112,23 @@ def norms_from_hf(state_dict: StateDict, config: TransformerConfig) -> StateDict
     return state_dict
 
 
+def shape_fields_from_hf(hf_config) -> dict:
+    """TransformerConfig's shape fields of a Llama-style HF config: layers, hidden, heads,
+    query groups (num_key_value_heads), head dim (head_dim, else hidden / heads), vocabulary,
+    positions and the MLP width (intermediate_size)."""
+    heads = hf_config.num_attention_heads
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        ffn_hidden_size=hf_config.intermediate_size,
+    )
+
+
 def rope_parameters(hf_config) -> dict:
     """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes
     (`rope_theta`, `rope_scaling`). The plain dict, with rope_type and rope_theta set."""
@@ -234,6 +251,7 @@ __all__ = [
     "unpad_vocab",
     "pack_qkv",
     "unpack_qkv",
+    "shape_fields_from_hf",
     "rope_parameters",
     "rope_fields_from_hf",
     "rope_parameters_to_hf",

@@ -44,13 +44,13 @@ from megatron_smp.models.hf.common import (
     pack_qkv,
     pad_vocab,
     rope_fields_from_hf,
-    rope_parameters_to_hf,
+    shape_fields_from_hf,
     unpack_qkv,
     unpad_vocab,
     windows_from_hf,
     windows_to_hf,
 )
-from megatron_smp.models.hf.llama import gated_mlp_from_hf, gated_mlp_to_hf
+from megatron_smp.models.hf.llama import gated_mlp_from_hf, gated_mlp_to_hf, hf_config_kwargs
 
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
 MODEL_TYPES = ("gemma3_text",)
@@ -111,17 +111,9 @@ def config_from_hf(hf_config) -> TransformerConfig:
     problems = _unsupported(hf_config)
     if problems:
         raise ConfigError("Gemma 3 config fields not supported: " + "; ".join(problems))
-    heads = hf_config.num_attention_heads
     window_size, skip_freq = windows_from_hf(hf_config, "Gemma 3")
     return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        ffn_hidden_size=hf_config.intermediate_size,
+        **shape_fields_from_hf(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         layernorm_zero_centered_gamma=True,
@@ -172,27 +164,19 @@ def config_to_hf(config: TransformerConfig):
         problems.append("no biases, experts, latent attention or sinks, and full RoPE")
     if problems:
         raise ConfigError("this config is not a Gemma 3 model: it needs " + "; ".join(problems))
-    full = rope_parameters_to_hf(config)
+    kwargs = hf_config_kwargs(config)
+    for token in ("bos_token_id", "eos_token_id"):  # Gemma's own defaults (2 and 1)
+        kwargs.pop(token)
+    full = kwargs["rope_parameters"]
     sliding = dict(full)
     if config.local_rotary_base is not None:
         sliding = {"rope_type": "default", "rope_theta": config.local_rotary_base}
+    kwargs["rope_parameters"] = {"full_attention": full, "sliding_attention": sliding}
     windows = windows_to_hf(config)
     return Gemma3TextConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups,
-        head_dim=config.kv_channels,
+        **kwargs,
         hidden_activation=HIDDEN_ACTIVATION,
-        max_position_embeddings=config.max_position_embeddings,
-        initializer_range=config.init_method_std,
-        rms_norm_eps=config.layernorm_epsilon,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        rope_parameters={"full_attention": full, "sliding_attention": sliding},
         attention_bias=False,
-        attention_dropout=config.attention_dropout,
         query_pre_attn_scalar=_query_pre_attn_scalar(config),
         sliding_window=windows["sliding_window"],
         layer_types=windows["layer_types"],
