@@ -100,6 +100,8 @@ def test_transform_tp1_matches_hf_logits_and_each_feature_counts():
     with torch.no_grad():
         expected = hf(ids).logits
         assert (model(ids).logits - expected).abs().max() < 2e-4
+        # HF's loss (over the soft-capped logits) through the HF contract.
+        assert abs(model(ids, labels=ids).loss - hf(ids, labels=ids).loss) < 1e-5
         # Packed rows: HF attends within each document (position ids restart, no mask).
         packed_hf = hf(ids, position_ids=positions, use_cache=False).logits
         packed = model.module(ids, position_ids=positions, document_ids=documents)
