@@ -79,6 +79,9 @@ def _unsupported(hf_config) -> list:
         problems.append("use_bidirectional_attention=True (decoders attend causally here)")
     if getattr(hf_config, "attention_bias", False):
         problems.append("attention_bias=True (Gemma 3 has no biases)")
+    if (getattr(hf_config, "sliding_window", None) is None
+            and "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())):
+        problems.append("sliding_window=None with sliding_attention layers (give the window)")
     return problems
 
 

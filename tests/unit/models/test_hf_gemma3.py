@@ -173,6 +173,7 @@ def test_full_layers_take_other_scaled_ropes(full):
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
     ("hidden_activation", "gelu", "hidden_activation='gelu'"),
     ("attention_bias", True, "attention_bias=True"),
+    ("sliding_window", None, "sliding_window=None with sliding_attention layers"),
     ("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "linear", "factor": 2.0,
                                                "rope_theta": 1e4}},
