@@ -23,6 +23,9 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    extras_require={"test": ["pytest", "tiktoken", "peft"], "tiktoken": ["tiktoken"],
+    # trl: the tests train a transformed model with SFTTrainer(padding_free=True).
+    extras_require={"test": ["pytest", "tiktoken", "peft",
+                             "trl"],
+                    "tiktoken": ["tiktoken"],
                     "peft": ["peft"]},
 )

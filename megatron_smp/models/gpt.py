@@ -143,7 +143,8 @@ class GPTModel(torch.nn.Module):
       * last stage, labels [b, s] given: per-token loss [b, s] (fp32);
       * last stage, no labels: logits [b, s, padded_vocab / tp] (this rank's vocab shard;
         `gather_full_logits` gives [b, s, vocab]);
-      * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
+      * other stages, or return_hidden_states=True: hidden states [s, b, h] ([s/tp, b, h]
+        with sequence parallelism; after the final norm on the last stage).
     A stage other than the first reads its input from `set_input_tensor(t)`.
     With --mtp-num-layers the last stage also runs the multi-token-prediction layers when
     labels are given (input_ids then needed there too) and attaches their loss, over
@@ -314,6 +315,7 @@ class GPTModel(torch.nn.Module):
         labels: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        return_hidden_states: bool = False,
     ) -> torch.Tensor:
         if document_ids is not None:
             if attention_mask is not None:
@@ -337,7 +339,7 @@ class GPTModel(torch.nn.Module):
             hidden_states = self.input_tensor
         rotary_pos_emb = self._rotary(hidden_states, position_ids)
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
-        if not self.post_process:
+        if not self.post_process or return_hidden_states:
             return hidden_states
 
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

@@ -34,6 +34,11 @@ from megatron_smp.models.hf.mxfp4 import dequantize_state_dict
 
 HF_ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
+# transformers 5.x's GptOssModel builds its masks without position_ids, so under sdpa / eager
+# restarting position ids do not separate packed documents (flash attention's cu_seq_lens do):
+# transform decides padding-free batches the same way (smp.hf_contract.packed_document_ids).
+# Families without this attribute read documents from position ids, as HF's masks do.
+HF_MASKS_READ_POSITION_IDS = False
 
 SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
 # The sigmoid gain of gpt-oss's GLU; Megatron's quick_gelu has it built in.
