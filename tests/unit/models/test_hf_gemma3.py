@@ -102,10 +102,14 @@ def test_transform_tp1_matches_hf_logits_and_each_feature_counts():
         assert (model(ids).logits - expected).abs().max() < 2e-4
         # HF's loss (over the soft-capped logits) through the HF contract.
         assert abs(model(ids, labels=ids).loss - hf(ids, labels=ids).loss) < 1e-5
-        # Packed rows: HF attends within each document (position ids restart, no mask).
+        # Packed rows: HF attends within each document (position ids restart, no mask), and
+        # so does the transformed model (padding-free batches read as HF reads them), as our
+        # GPTModel does with document ids.
         packed_hf = hf(ids, position_ids=positions, use_cache=False).logits
-        packed = model.module(ids, position_ids=positions, document_ids=documents)
-        assert (packed[..., :hf.config.vocab_size] - packed_hf).abs().max() < 2e-4
+        packed = model(ids, position_ids=positions, use_cache=False).logits
+        assert (packed - packed_hf).abs().max() < 2e-4
+        by_documents = model.module(ids, position_ids=positions, document_ids=documents)
+        assert (by_documents[..., :hf.config.vocab_size] - packed_hf).abs().max() < 2e-4
         assert (packed_hf - expected).abs().max() > 1e-2  # the documents are separate
     # Each Gemma feature is in the logits.
     for override in ({"local_rotary_base": None}, {"rotary_seq_len_interpolation_factor": None},
@@ -204,15 +208,11 @@ def _parallel_worker(rank, world_size):
     smp.init({"tensor_parallel_degree": 2})
     hf = build_gemma3()
     ids = _ids(hf.config.vocab_size)
-    positions, documents = _packed()
+    positions, _ = _packed()
     model = smp.transform(hf, config={"sequence_parallel": True})
     with torch.no_grad():
         error = (model(ids).logits - hf(ids).logits).abs().max().item()
-        local = model.module(ids, position_ids=positions, document_ids=documents)
-        packed = smp.state.parallel_state  # gather the vocab shards
-        from megatron_smp.models.gpt import gather_full_logits
-
-        packed = gather_full_logits(local, packed, hf.config.vocab_size)
+        packed = model(ids, position_ids=positions, use_cache=False).logits
         packed_error = (packed - hf(ids, position_ids=positions, use_cache=False).logits
                         ).abs().max().item()
     state = {k: np.asarray(v.detach()) for k, v in model.module.state_dict().items()}
