@@ -124,21 +124,6 @@ def test_transform_tp1_matches_hf_logits_and_each_feature_counts():
         assert (model(ids).logits - expected).abs().max() > 1e-3
 
 
-def test_bf16_logits_are_as_close_to_fp32_as_hfs():
-    """In bf16 (the published dtype) our logits stay as close to the fp32 ones as HF's bf16
-    logits do (HF: 0.086 here, ours 0.096; with the (1 + w) norms computed in bf16 ours were
-    0.175: 1 + w rounds small w away in bf16, so these norms run in fp32, as Gemma's do)."""
-    smp.init({"random_seed": 3})
-    hf = build_gemma3()
-    ids = _ids(hf.config.vocab_size)
-    with torch.no_grad():
-        reference = hf(ids).logits
-        hf.to(torch.bfloat16)
-        hf_error = (hf(ids).logits.float() - reference).abs().max()
-        ours = smp.transform(hf)(ids).logits.float()
-    assert (ours - reference).abs().max() < 1.3 * hf_error
-
-
 def test_gemma3_1b_shape_without_softcapping_matches_hf():
     """The published 1B's settings: window pattern 6, global theta 1e6 without scaling, no
     soft-capping, query_pre_attn_scalar = head_dim; and an untied head."""
