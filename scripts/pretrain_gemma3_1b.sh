@@ -8,8 +8,9 @@
 # Fine-tune the published weights: convert them first,
 #   .venv/bin/python tools/checkpoint/convert.py --model-type gemma3 --loader hf \
 #       --saver megatron_smp --load-dir gemma-3-1b-pt --save-dir checkpoints/gemma3_1b
-# then run this script with --finetune. Knobs: PP, CP. The 4B-27B models add linear RoPE
-# scaling on the full layers: --rotary-seq-len-interpolation-factor 8.
+# then run this script with --finetune. Knobs: PP, CP. The 4B-27B models (multimodal; the
+# same convert.py command reads their language model) add linear RoPE scaling on the full
+# layers: --rotary-seq-len-interpolation-factor 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/launch_env.sh

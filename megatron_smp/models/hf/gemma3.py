@@ -25,7 +25,9 @@ What Gemma 3 adds to a Llama-style decoder, and where it lives here (config, not
 HF settings with no counterpart here are an error naming them: attn_logit_softcapping,
 use_bidirectional_attention, attention_bias, another hidden_activation, scaled RoPE on the
 sliding layers. (HF's embedding keeps the pad token's row out of its gradient; ours trains
-every row, which changes no logit.)
+every row, which changes no logit.) Of the multimodal Gemma3ForConditionalGeneration (4B-27B)
+convert.py reads the language model (`language_model_of`), leaving the vision tower out; the
+export is then a Gemma3ForCausalLM.
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ from megatron_smp.models.hf.llama import gated_mlp_from_hf, gated_mlp_to_hf, hf_
 
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
 MODEL_TYPES = ("gemma3_text",)
+# Gemma3ForConditionalGeneration (4B-27B: a SigLIP vision tower, a projector and this
+# language model): convert.py reads its language model (`language_model_of`).
+MULTIMODAL_MODEL_TYPES = ("gemma3",)
+_LANGUAGE_MODEL = "model.language_model."
 
 HIDDEN_ACTIVATION = "gelu_pytorch_tanh"  # torch's gelu(approximate="tanh"): our gelu_tanh
 
@@ -108,6 +114,25 @@ def _rope_fields(hf_config, sliding_layers: bool) -> dict:
                           "default rope_type there)")
     fields["local_rotary_base"] = float(sliding["rope_theta"])
     return fields
+
+
+def language_model_of(hf_config, hf_state_dict: Mapping[str, torch.Tensor]):
+    """(text config, state dict in Gemma3ForCausalLM's names, the names left out) of a
+    Gemma3ForConditionalGeneration: its language model and LM head; the vision tower and the
+    multimodal projector are what is left out."""
+    text = {}
+    left_out = []
+    for name, tensor in hf_state_dict.items():
+        if name.startswith(_LANGUAGE_MODEL):
+            text["model." + name[len(_LANGUAGE_MODEL):]] = tensor
+        elif name == "lm_head.weight":
+            text[name] = tensor
+        else:
+            left_out.append(name)
+    if not text:
+        raise ConfigError(f"no {_LANGUAGE_MODEL}* tensors: not a Gemma3ForConditionalGeneration "
+                          "state dict")
+    return hf_config.text_config, text, left_out
 
 
 def config_from_hf(hf_config) -> TransformerConfig:

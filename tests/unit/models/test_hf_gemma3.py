@@ -256,3 +256,46 @@ def test_megatron_args_record_gemma_and_its_export_is_refused(tmp_path):
                               tmp_path / "megatron")
     assert status == 1 and "Megatron-LM has no --sandwich-norm, --apply-embedding-scaling, " \
         "--local-rotary-base, --final-logit-softcapping, --geglu" in stderr, stderr
+
+
+def test_convert_reads_the_language_model_of_the_multimodal_gemma3(tmp_path):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration (a vision tower, a projector and the
+    language model): convert.py reads the language model (the vision tensors left out, said
+    so), and the export is the Gemma3ForCausalLM with its weights and its text logits."""
+    import contextlib
+    import io
+
+    import transformers as tf
+
+    from tests.unit.tools.test_convert import _convert_ok
+    from tools.checkpoint.convert import main as convert_main
+
+    text = dict(vocab_size=1003, hidden_size=48, intermediate_size=40, head_dim=20,
+                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                sliding_window=5, max_position_embeddings=64, query_pre_attn_scalar=24,
+                rope_parameters={k: dict(v) for k, v in ROPE.items()})
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    multimodal = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for name, param in multimodal.named_parameters():
+            if "norm" in name:
+                param.add_(0.5 * torch.randn_like(param))
+    multimodal.save_pretrained(tmp_path / "hf")
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert convert_main(["--model-type", "gemma3", "--loader", "hf", "--saver",
+                             "megatron_smp", "--load-dir", str(tmp_path / "hf"), "--save-dir",
+                             str(tmp_path / "smp"), "--target-tensor-parallel-size", "2"]) == 0
+    assert "converting the language model of Gemma3ForConditionalGeneration" in said.getvalue()
+    _convert_ok("gemma3", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "text")
+    exported = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    language = multimodal.model.language_model.state_dict()
+    assert all(torch.equal(tensor, language[name[len("model."):]])
+               for name, tensor in exported.state_dict().items() if name != "lm_head.weight")
+    ids = _ids(1003)
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, multimodal(input_ids=ids).logits)
