@@ -299,3 +299,8 @@ def test_convert_reads_the_language_model_of_the_multimodal_gemma3(tmp_path):
     ids = _ids(1003)
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, multimodal(input_ids=ids).logits)
+    # transform takes the causal LM only: the multimodal model's vision inputs have no home.
+    smp.init({"random_seed": 3})
+    with pytest.raises(ConfigError, match="no Hugging Face adapter for "
+                                          "'Gemma3ForConditionalGeneration'"):
+        smp.transform(multimodal)
