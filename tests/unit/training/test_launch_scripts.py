@@ -36,6 +36,11 @@ SCRIPTS = {
                                     position_embedding_type="yarn"),
     "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
                                             activation="quick_gelu", num_moe_experts=4),
+    "pretrain_gemma3_1b.sh": dict(sandwich_norm=True, apply_embedding_scaling=True,
+                                  local_rotary_base=10000.0, window_attn_skip_freq=6,
+                                  softmax_scale=0.0625, activation="gelu_tanh"),
+    "small/pretrain_gemma3_small.sh": dict(sandwich_norm=True, kv_channels=48,
+                                           rotary_seq_len_interpolation_factor=8.0),
     "pretrain_deepseek_v3_671b.sh": dict(
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=1536, kv_lora_rank=512,
         position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0, yarn_mscale_all_dim=1.0,
