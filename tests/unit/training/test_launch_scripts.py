@@ -152,7 +152,12 @@ def test_finetune_llama_lora_steps(tmp_path):
                                 OUT=str(tmp_path / "run")))
         return [step.strip("\n").splitlines() for step in out.read_text().split("----")[:-1]]
 
-    preprocess, convert, train, export = steps()
+    preprocess, convert, train, export, *answer = steps()
+    # Then the merged model, converted back, answers the data's first questions.
+    back, _, generate, _ = answer
+    assert back[back.index("--load-dir") + 1] == str(tmp_path / "run" / "hf_merged")
+    assert generate[0] == "tools/generate.py"
+    assert generate[generate.index("--load") + 1] == str(tmp_path / "run" / "merged")
     assert preprocess[0] == "tools/preprocess_sft_data.py"
     assert preprocess[preprocess.index("--input") + 1] == "data/chat/tiny_chat.jsonl"
     assert preprocess[preprocess.index("--tokenizer-model") + 1] == "hf/llama"
@@ -176,8 +181,8 @@ def test_finetune_llama_lora_steps(tmp_path):
     # The base converted: no second conversion, the same training flags (resume or start).
     (tmp_path / "run" / "base").mkdir(parents=True, exist_ok=True)
     (tmp_path / "run" / "base" / "latest_checkpointed_iteration.txt").write_text("0")
-    preprocess, again, export = steps()
-    assert again == train
+    preprocess, again, export, *answer = steps()
+    assert again == train and len(answer) == 4
 
 
 def test_deepseek_v3_671b_script_is_the_published_shape(tmp_path):
