@@ -208,6 +208,9 @@ FUNCTION_FIELDS = (
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
     "yarn_correction_range_round_to_int",
     "hybrid_layer_pattern", "linear_attention_freq", "attention_output_gate", "mamba_dt_min",
+    # Gemma 3's numerics (see TransformerConfig).
+    "sandwich_norm", "apply_embedding_scaling", "softmax_scale", "final_logit_softcapping",
+    "local_rotary_base", "rotary_seq_len_interpolation_factor",
 )
 
 # --hybrid-layer-pattern's symbols (Megatron's): Mamba, Gated DeltaNet, attention, MLP, MoE.
@@ -433,6 +436,26 @@ class TransformerConfig:
     linear_num_value_heads: int = 32
     linear_chunk_size: int = 64  # the delta rule's chunk (no effect on results)
 
+    # Gemma 2/3 numerics (models/hf/gemma3.py). Megatron-LM has no flags for the first two
+    # and the last but one; ours are named after Megatron-Bridge's Gemma fields.
+    # --sandwich-norm: the attention's and the MLP's outputs are normalised once more before
+    # they join the residual (`post_self_attn_layernorm`, `post_mlp_layernorm`).
+    sandwich_norm: bool = False
+    # --apply-embedding-scaling: the word embeddings are multiplied by sqrt(hidden_size)
+    # (in the activation dtype, as Gemma does).
+    apply_embedding_scaling: bool = False
+    # Megatron core's softmax_scale (--softmax-scale): scores q.k * scale; None:
+    # 1/sqrt(kv_channels). Gemma's query_pre_attn_scalar S is S**-0.5.
+    softmax_scale: Optional[float] = None
+    # --final-logit-softcapping C: logits = C * tanh(logits / C) (Gemma 2; Gemma 3 has None).
+    final_logit_softcapping: Optional[float] = None
+    # --local-rotary-base B: the sliding-window layers' RoPE uses base B, unscaled (Gemma 3's
+    # rope_local_base_freq); the full-attention layers keep --rotary-base and its scaling.
+    local_rotary_base: Optional[float] = None
+    # Megatron's --rotary-seq-len-interpolation-factor F: linear RoPE scaling, positions / F
+    # (HF rope_type "linear"; Gemma 3's full-attention layers: 8).
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -532,6 +555,7 @@ class TransformerConfig:
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         self._validate_gpt_oss_numerics()
+        self._validate_gemma_numerics()
         if self.multi_latent_attention:
             self._validate_mla(parallel)
         if self.mtp_num_layers is not None:
@@ -635,6 +659,37 @@ class TransformerConfig:
                      "--window-attn-skip-freq chooses the layers that use --window-size: add "
                      "--window-size LEFT,0, or drop it")
             self.window_layer_pattern()  # raises for a malformed or wrong-length pattern
+
+    def _validate_gemma_numerics(self) -> None:
+        """--sandwich-norm, --softmax-scale, --final-logit-softcapping, --local-rotary-base,
+        --rotary-seq-len-interpolation-factor."""
+        _require(not (self.sandwich_norm and self.parallel_residual),
+                 "--sandwich-norm normalises each branch's output before its residual add, "
+                 "which --use-parallel-residual does not have; drop one of them")
+        for flag, value in (("--softmax-scale", self.softmax_scale),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--local-rotary-base", self.local_rotary_base),
+                            ("--rotary-seq-len-interpolation-factor",
+                             self.rotary_seq_len_interpolation_factor)):
+            _require(value is None or (math.isfinite(value) and value > 0),
+                     f"{flag} must be finite and > 0, got {value}")
+        _require(self.softmax_scale is None or not self.multi_latent_attention,
+                 "--softmax-scale: multi-latent attention derives its own scale (YaRN's "
+                 "mscale); drop --softmax-scale")
+        if self.local_rotary_base is not None:
+            _require(self.uses_rotary_embedding() and not self.multi_latent_attention,
+                     "--local-rotary-base is the RoPE base of the sliding-window layers: it "
+                     "needs --position-embedding-type rope (or yarn) without "
+                     "--multi-latent-attention")
+            _require(any(self.window_layer_pattern()),
+                     "--local-rotary-base applies to the sliding-window layers, and this model "
+                     "has none: add --window-size LEFT,0 (and --window-attn-skip-freq), or "
+                     "drop it")
+        if self.rotary_seq_len_interpolation_factor is not None:
+            _require(self.position_embedding_type == "rope" and not self.use_rope_scaling,
+                     "--rotary-seq-len-interpolation-factor scales plain RoPE linearly: it "
+                     "needs --position-embedding-type rope and no other scaling "
+                     "(--use-rope-scaling, yarn)")
 
     def window_layer_pattern(self) -> List[int]:
         """1 for each (0-based) layer that attends through `window_size`, 0 for a layer with

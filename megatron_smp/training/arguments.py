@@ -159,6 +159,26 @@ _FLAGS: List[_Flag] = [
     _f("--activation-func-clamp-value", "model", type=float,
        help="clamp the gate from above and up on both sides before the gated unit "
        "(gpt-oss's swiglu_limit, 7)"),
+    # Gemma 3 (README "Gemma 3"): Megatron-LM main's --rotary-seq-len-interpolation-factor;
+    # Megatron-LM has no flags for the rest, named here after Megatron-Bridge's Gemma fields.
+    _f("--rotary-seq-len-interpolation-factor", "model", type=float,
+       help="linear RoPE scaling: positions / F (HF rope_type linear; Gemma 3's global "
+       "layers: 8)"),
+    _f("--local-rotary-base", "model", type=float,
+       help="RoPE base of the sliding-window layers, unscaled (Gemma 3's "
+       "rope_local_base_freq, 10000); the full-attention layers keep --rotary-base"),
+    _f("--sandwich-norm", "model", action="store_true",
+       help="normalise the attention's and the MLP's outputs before each residual add "
+       "(Gemma 2/3's post norms)"),
+    _f("--apply-embedding-scaling", "model", action="store_true",
+       help="multiply the word embeddings by sqrt(hidden size) (Gemma)"),
+    _f("--softmax-scale", "model", type=float,
+       help="attention scores q.k times this (default 1/sqrt(kv channels); Gemma 3's "
+       "query_pre_attn_scalar S: S**-0.5)"),
+    _f("--final-logit-softcapping", "model", type=float,
+       help="logits = C * tanh(logits / C) (Gemma 2)"),
+    _f("--geglu", None, "geglu", action="store_true",
+       help="gated MLP gelu_tanh(gate) * up (Gemma's GeGLU), ffn size as given"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion",
@@ -851,10 +871,11 @@ def parse_args(
             and model.get("position_embedding_type") == "rope"):
         model["position_embedding_type"] = "yarn"
     _check_rope_scaling_flags(argv, model)
-    activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
-                                            ("--swiglu", args.swiglu),
-                                            ("--openai-gelu", args.openai_gelu),
-                                            ("--quick-geglu", args.quick_geglu)) if given]
+    choices = (("--squared-relu", args.squared_relu), ("--openai-gelu", args.openai_gelu),
+               ("--quick-geglu", args.quick_geglu), ("--geglu", args.geglu))
+    if args.swiglu and "--swiglu" not in argv and any(given for _, given in choices):
+        args.swiglu = False  # an entry script's default (pretrain_llama.py) gives way
+    activations = [flag for flag, given in (("--swiglu", args.swiglu),) + choices if given]
     if len(activations) > 1:
         raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
     if args.squared_relu:
@@ -871,6 +892,9 @@ def parse_args(
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
+    if args.geglu:
+        model["gated_linear_unit"] = True
+        model["activation"] = "gelu_tanh"
     if args.disable_bias_linear:
         model["add_bias_linear"] = False
     if args.group_query_attention:

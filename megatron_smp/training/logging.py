@@ -115,7 +115,9 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     window of W keys (--window-size, --window-attn-skip-freq) counts 2*q*(2*W - W^2/s) for
     scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
     (W keys each once the window is full); W >= s is the causal term. A gated MLP counts 3
-    GEMMs for --quick-geglu too (Megatron counts 3 only for --swiglu).
+    GEMMs for --quick-geglu and --geglu too (Megatron counts 3 only for --swiglu). Norms
+    (also --sandwich-norm's and --qk-layernorm's), --apply-embedding-scaling and
+    --final-logit-softcapping are elementwise: not counted, as Megatron counts no norms.
     Multi-token prediction (Megatron's count): each of the D MTP layers counts as one more
     layer of the last layer's kind (attention, and MoE or dense MLP), plus its two input
     norms and final norm (3*h) and eh_proj (2*h*h), and the logits are computed D + 1 times.

@@ -14,11 +14,17 @@ implementation's saved tensors (checked against the tensors autograd saves in a 
 forward, `tests/unit/training/test_memory_planner.py`): per layer and token, in units of the
 activation dtype,
 
-    replicated over TP (split by SP):  norm inputs (LayerNorm 1 h, RMSNorm 2 h each),
-                                       the two norm outputs (2 h), hidden-dropout masks (2 h)
+    replicated over TP (split by SP):  norm inputs (LayerNorm 1 h, RMSNorm 2 h each; with
+                                       --sandwich-norm four norms), the two pre-norm outputs
+                                       (2 h), hidden-dropout masks (2 h)
     split over TP:                     fused QKV (a + 2g) d, context a d,
                                        RoPE's rotated q/k (a + g) d, or the contiguous q copy
-                                       of grouped-query attention a d; log-sum-exp (fp32, a)
+                                       of grouped-query attention a d; log-sum-exp (fp32, a);
+                                       --qk-layernorm: the normalised q/k (a + g) d, their
+                                       statistics (fp32, a + g), and with RoPE and
+                                       1 < g < a the contiguous q copy the norm reads (a d)
+    sliding-window layer:              the dense window mask, s_q s_k in the activation dtype
+                                       (not with selective recompute of core_attn)
                                        dense MLP 2 f (4 f gated)
                                        MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
                                        token of the whole sequence (gathered over TP)
@@ -30,7 +36,8 @@ then selective recompute removes what it recomputes (`core_attn`: the log-sum-ex
 scores; `mlp`: the dense MLP; `layernorm`: 3 h), full recompute keeps one layer input per
 checkpointed group (and, in backward, the group being recomputed: a transient that never
 meets the logits); the first/last stage add the embedding and the output layer's input and
-logits. A pipeline rank holds `in_flight` micro-batches
+logits (with --final-logit-softcapping also the tanh's output, one more logits-sized
+tensor). A pipeline rank holds `in_flight` micro-batches
 (1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
 peak adds the transient logits and cross-entropy buffers of one micro-batch and one
 parameter's gradient: the largest one autograd materialises (with gradient-accumulation fusion
@@ -139,6 +146,12 @@ def mixer_activation_bytes(model_config, kind: str, seq_length: int, tokens: int
     return tokens * 4 * units / tp
 
 
+def _layer_windows(model_config, offset: int, count: int) -> List[bool]:
+    """Whether each layer of a chunk attends through a sliding window."""
+    pattern = model_config.window_layer_pattern()
+    return [bool(pattern[i]) for i in range(offset, offset + count)]
+
+
 def check_model_provider(model_provider: Callable) -> None:
     """The planner builds on meta through the provider's `device=`; a clear error if it
     takes none (pure: every rank can check before any collective)."""
@@ -194,7 +207,8 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
                                          device=torch.device("meta"), **stage))
             count.chunks.append({"pre": pre, "post": post,
                                  "moe": _layer_kinds(configs.model, offset, num_layers),
-                                 "kinds": _mixer_kinds(configs.model, offset, num_layers)})
+                                 "kinds": _mixer_kinds(configs.model, offset, num_layers),
+                                 "windows": _layer_windows(configs.model, offset, num_layers)})
     fused = set()
     if configs.model.gradient_accumulation_fusion and not parallel.use_torch_fsdp2:
         fused = {id(m.weight) for chunk in chunks for m in chunk.modules()
@@ -237,12 +251,14 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
                            cp: int, moe: bool, device_type: str = "cuda",
                            recompute_modules: Optional[List[str]] = None,
                            moe_capacity_tokens: Optional[float] = None,
+                           windowed: bool = False,
                            kind: Optional[str] = None) -> Dict[str, float]:
     """Bytes one transformer layer keeps for backward per micro-batch on one rank, by part
     (see the module docstring for the terms). `recompute_modules` are the selective-recompute
-    modules in effect (None: no selective recompute). `kind`: the layer's
-    --hybrid-layer-pattern symbol (one norm and that one part), or "G" for a GPT layer whose
-    attention is a Gated DeltaNet (`mixer_activation_bytes`)."""
+    modules in effect (None: no selective recompute); `windowed`: the layer attends through
+    its sliding window. `kind`: the layer's --hybrid-layer-pattern symbol (one norm and that
+    one part), or "G" for a GPT layer whose attention is a Gated DeltaNet
+    (`mixer_activation_bytes`)."""
     m = model_config
     p = _act_bytes(m)
     tokens = seq_length // cp * micro_batch_size
@@ -250,6 +266,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
     modules = set(recompute_modules or ())
     norms_in = (2 if m.normalization == "RMSNorm" else 1) * 2
+    if m.sandwich_norm:  # the post norms' inputs; their outputs only meet the residual add
+        norms_in *= 2
     replicated = norms_in + 2 + (2 if m.hidden_dropout > 0 else 0)
     if "layernorm" in modules:
         replicated -= 3
@@ -259,7 +277,13 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
         attention += (a + g) * d
     elif 1 < g < a:
         attention += a * d
+    if m.qk_layernorm:
+        attention += (a + g) * d + (a + g) * 4 / p
+        if m.position_embedding_type == "rope" and 1 < g < a:
+            attention += a * d
     parts["attention"] = tokens * attention * p / tp
+    if windowed and "core_attn" not in modules:  # built inside the core attention
+        parts["window_mask"] = seq_length // cp * seq_length * p
     if "core_attn" not in modules:
         parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
         if device_type == "cpu" and m.attention_dropout > 0:
@@ -283,7 +307,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
         parts.pop("attention"), parts.pop("core_attention", None)
         parts["mixer"] = mixer_activation_bytes(m, kind, seq_length, tokens, tp)
     if m.hybrid_layer_pattern is not None:  # one norm, one part
-        kept = {"M": ("mixer",), "G": ("mixer",), "*": ("attention", "core_attention"),
+        kept = {"M": ("mixer",), "G": ("mixer",),
+                "*": ("attention", "core_attention", "window_mask"),
                 "-": ("mlp",), "E": ("moe",)}[kind]
         parts = {name: value for name, value in parts.items() if name in kept}
         norm = (2 if m.normalization == "RMSNorm" else 1) + 1 + (1 if m.hidden_dropout > 0 else 0)
@@ -428,8 +453,10 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
             acts = 0.0
             layer_parts = [layer_activation_bytes(model, training.seq_length,
                                                   training.micro_batch_size, tp, cp, moe,
-                                                  device_type, modules, capacity, kind)
-                           for moe, kind in zip(chunk["moe"], chunk["kinds"])]
+                                                  device_type, modules, capacity, windowed,
+                                                  kind)
+                           for moe, windowed, kind in zip(chunk["moe"], chunk["windows"],
+                                                          chunk["kinds"])]
             layer_bytes = [sum(parts.values()) for parts in layer_parts]
             layer_input = tokens * model.hidden_size * p / sp
             if model.recompute_granularity == "full":
@@ -451,6 +478,8 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
             if chunk["post"]:
                 # final norm input and output layer input; cross entropy's fp32 softmax
                 acts += 2 * layer_input + tokens * vocab / tp * 4
+                if model.final_logit_softcapping is not None:
+                    acts += tokens * vocab / tp * p  # the soft-cap's tanh output
             per_chunk.append(acts)
         in_flight = in_flight_microbatches(schedule, pp, stage.pp_rank, num_mb, num_chunks)
         # Chunks of a rank take turns: the in-flight chunk forwards spread evenly over them.

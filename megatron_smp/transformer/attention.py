@@ -17,6 +17,7 @@ than the product itself (`_causal_attention_with_dropout_cpu`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -41,6 +42,19 @@ from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerTypeRotaryEmbeddings:
+    """The cos/sin tables of a model whose sliding-window layers rotate with their own base
+    (Gemma 3, --local-rotary-base): each decoder layer takes the one of its kind
+    (`for_layer`). Not a tuple, so no attention can mistake it for one (cos, sin) pair."""
+
+    full: RotaryEmbeddings
+    sliding: RotaryEmbeddings
+
+    def for_layer(self, sliding_window: bool) -> RotaryEmbeddings:
+        return self.sliding if sliding_window else self.full
 
 
 # Rotary position embeddings ----------------------------------------------------------------------
@@ -392,7 +406,8 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim)
+        # None: 1/sqrt(head_dim), or the config's (--softmax-scale, Gemma's query_pre_attn_scalar).
+        self.softmax_scale = config.softmax_scale if softmax_scale is None else softmax_scale
         self.attention_dropout = config.attention_dropout
         # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
         # keep SDPA's causal kernel for it.
@@ -675,6 +690,7 @@ def _flash_forward(q, k, v, bias, causal, cast_dtype, layout, dropout_p, scale, 
 
 
 __all__ = [
+    "LayerTypeRotaryEmbeddings",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "alibi_slopes",
