@@ -84,7 +84,7 @@ class DistributedDataParallel(torch.nn.Module):
                     ParamAndGradBuffer(
                         params, param_dtype, grad_dtype, group, bucket_size, scale,
                         config.ddp_average_in_collective, self.use_distributed_optimizer,
-                        param_names,
+                        param_names, layer_wise=config.use_layer_wise_distributed_optimizer,
                     )
                 )
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}

@@ -288,7 +288,28 @@ _FLAGS: List[_Flag] = [
        "(suffixes K M B T; the first threshold is 0; needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
-    _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
+    _f("--optimizer", "optimizer", choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                            "adaptive_muon"], default="adam",
+       help="muon and lion: optimizer/muon.py; dist_muon is Megatron's deprecated spelling of "
+       "--optimizer muon --use-distributed-optimizer; soap and adaptive_muon are an error"),
+    # Muon and Lion (Megatron-LM 0.19 / main's flags and defaults).
+    _f("--muon-momentum", "optimizer", type=float, default=0.9),
+    _f("--muon-nesterov", "optimizer", action="store_true"),
+    _f("--muon-no-split-qkv", "optimizer", "muon_split_qkv", action="store_false", default=True,
+       help="orthogonalise the fused QKV weight whole, not q, k and v each"),
+    _f("--muon-scale-mode", "optimizer", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+       default="spectral"),
+    _f("--muon-fp32-matmul-prec", "optimizer", choices=["low", "medium", "high"],
+       default="medium", help="medium: the Newton-Schulz iteration in bf16; low, high: fp32"),
+    _f("--muon-coefficient-type", "optimizer", default="quintic"),
+    _f("--muon-num-ns-steps", "optimizer", type=int, default=5),
+    _f("--muon-tp-mode", "optimizer", choices=["blockwise", "duplicated", "distributed"],
+       default="duplicated"),
+    _f("--muon-extra-scale-factor", "optimizer", type=float, default=1.0),
+    _f("--muon-scalar-optimizer", "optimizer", choices=["adam", "lion"], default="adam"),
+    _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
+    _f("--lion-beta1", "optimizer", type=float, default=0.95),
+    _f("--lion-beta2", "optimizer", type=float, default=0.98),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -594,6 +615,34 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
         optimizer["use_distributed_optimizer"] = True
 
 
+def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
+                            argv: Sequence[str]) -> None:
+    """Megatron-LM main's emerging optimizers: dist_muon is its deprecated spelling of muon
+    with --use-distributed-optimizer; SOAP, adaptive Muon and the Triton SYRK kernel are not
+    built here."""
+    if optimizer.get("optimizer") == "dist_muon":
+        optimizer["optimizer"] = "muon"
+        optimizer["use_distributed_optimizer"] = True
+    if optimizer.get("optimizer") in ("soap", "adaptive_muon"):
+        raise ConfigError(f"--optimizer {optimizer['optimizer']} is not built here; use "
+                          "--optimizer muon (or lion, adam, sgd)")
+    if args.muon_use_syrk:
+        raise ConfigError("--muon-use-syrk picks emerging_optimizers' Triton SYRK kernel "
+                          "(CUDA, emerging_optimizers >= 0.4) for the Gram matrix; the "
+                          "iteration here uses torch's matmul: drop it")
+    given = {token.split("=", 1)[0] for token in argv}
+    muon_flags = sorted(flag for flag in given if flag.startswith("--muon-"))
+    if muon_flags and optimizer.get("optimizer") != "muon":
+        raise ConfigError(f"{', '.join(muon_flags)} configure Muon: add --optimizer muon, or "
+                          "drop them")
+    lion_flags = sorted(flag for flag in given if flag.startswith("--lion-"))
+    lion_used = optimizer.get("optimizer") == "lion" or (
+        optimizer.get("optimizer") == "muon" and optimizer.get("muon_scalar_optimizer") == "lion")
+    if lion_flags and not lion_used:
+        raise ConfigError(f"{', '.join(lion_flags)} configure Lion: add --optimizer lion (or "
+                          "--optimizer muon --muon-scalar-optimizer lion), or drop them")
+
+
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
@@ -836,6 +885,7 @@ def parse_args(
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
+    _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
