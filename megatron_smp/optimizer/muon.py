@@ -126,10 +126,12 @@ def newton_schulz(
     # The Gram matrix contracts the columns: the sharded side, or else the long side.
     transpose = (sharded_dim == 0) if distributed else x.size(0) > x.size(1)
     matrix = x.float().mT if transpose else x.float()
-    squares = (matrix * matrix).sum()
     if distributed:
+        squares = (matrix * matrix).sum()
         dist.all_reduce(squares, group=group)
-    matrix = matrix / squares.sqrt().clamp_min(NS_EPS)
+        matrix = matrix / squares.sqrt().clamp_min(NS_EPS)
+    else:
+        matrix = torch.nn.functional.normalize(matrix, p=2, dim=(-2, -1), eps=NS_EPS)
     if matmul_precision == "medium":
         matrix = matrix.to(torch.bfloat16)
     with _matmul_precision(matmul_precision):
@@ -328,6 +330,8 @@ class Muon(torch.optim.Optimizer):
                 f"Muon needs whole matrices, got a main param of shape {tuple(param.shape)}: "
                 "with --use-distributed-optimizer Muon uses the layer-wise layout")
         state = self.state[param]
+        if group["weight_decay"]:  # decoupled, before the update (emerging_optimizers' order)
+            param.add_(param, alpha=-group["lr"] * group["weight_decay"])
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param)
         buffer = state["momentum_buffer"]
@@ -339,8 +343,6 @@ class Muon(torch.optim.Optimizer):
             update = self._fsdp_orthogonalize(update, info)
         else:
             update = self.orthogonalize(update, info)
-        if group["weight_decay"]:
-            param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(update.to(param.dtype), alpha=-group["lr"])
 
     def _adam_step(self, param, grad, group) -> None:
@@ -369,7 +371,7 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(param)
         beta1, beta2 = group["betas"]
         if group["weight_decay"]:
-            param.mul_(1 - group["lr"] * group["weight_decay"])
+            param.add_(param, alpha=-group["lr"] * group["weight_decay"])
         exp_avg = state["exp_avg"]
         update = exp_avg.lerp(grad, 1 - beta1).sign_()
         exp_avg.lerp_(grad, 1 - beta2)
