@@ -97,20 +97,29 @@ def balanced_bucket_boundaries(
     return ends
 
 
-def layer_wise_shard_layout(numels: Sequence[int], world_size: int) -> Tuple[List[int], int]:
+def layer_wise_shard_layout(
+    numels: Sequence[int], world_size: int, loads: Optional[List[int]] = None
+) -> Tuple[List[int], int]:
     """Whole params placed in `world_size` equal shards of one bucket, balanced by size.
 
-    Largest first, each param goes to the shard with the fewest elements so far (LPT); inside
-    a shard params keep their order. Returns each param's start in the bucket and the shard
-    size (the largest shard's load: the others are padded to it).
+    Largest first, each param goes to the rank holding the fewest elements so far (LPT) --
+    counted over the buffer's earlier buckets too (`loads`, updated in place), so buckets of
+    one large param each still spread over the ranks -- among the shards it fits into without
+    growing this bucket past 1.3x an even split (padding); inside a shard params keep their
+    order. Returns each param's start in the bucket and the shard size (the fullest shard's:
+    the others are padded to it).
     """
-    loads = [0] * world_size
+    loads = [0] * world_size if loads is None else loads
+    cap = max(max(numels, default=0), sum(numels) / world_size * 1.3)
+    filled = [0] * world_size
     shard_of = [0] * len(numels)
     for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        shard = min(range(world_size), key=lambda r: loads[r])
+        fitting = [r for r in range(world_size) if filled[r] + numels[index] <= cap]
+        shard = min(fitting or range(world_size), key=lambda r: (loads[r], filled[r], r))
         shard_of[index] = shard
+        filled[shard] += numels[index]
         loads[shard] += numels[index]
-    shard_size = max(loads)
+    shard_size = max(filled)
     cursors = [rank * shard_size for rank in range(world_size)]
     starts = []
     for index, numel in enumerate(numels):
@@ -351,12 +360,14 @@ class ParamAndGradBuffer:
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
         bucket_specs = []  # (params, start, unpadded_end, padded_end)
         offset, start_param = 0, 0
+        rank_loads = [0] * self.data_parallel_world_size
         for bucket_index, end_param in enumerate(ends):
             bucket_start = offset
             bucket_params = ordered[start_param:end_param]
             if layer_wise:
                 starts, shard_size = layer_wise_shard_layout(
-                    [p.numel() for p in bucket_params], self.data_parallel_world_size)
+                    [p.numel() for p in bucket_params], self.data_parallel_world_size,
+                    rank_loads)
                 for param, start in zip(bucket_params, starts):
                     begin = bucket_start + start
                     self.param_index_map[param] = (begin, begin + param.numel(), bucket_index)

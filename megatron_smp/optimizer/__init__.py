@@ -18,7 +18,7 @@ from megatron_smp.optimizer.clip_grads import (
 from megatron_smp.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron_smp.optimizer.fsdp_optimizer import FSDPOptimizer
 from megatron_smp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_smp.optimizer.muon import Lion, Muon
+from megatron_smp.optimizer.muon import Lion, Muon, is_muon_parameter
 from megatron_smp.optimizer.optimizer import (
     HALF_DTYPES,
     Float16OptimizerWithFloat16Params,
@@ -95,15 +95,6 @@ def get_param_groups(
                                else config.decoupled_min_lr)
         groups.append(group)
     return groups
-
-
-def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
-    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
-    output layer, norms, biases and params marked `use_muon = False` go to the scalar
-    optimizer (--muon-scalar-optimizer)."""
-    if param.dim() != 2 or not getattr(param, "use_muon", True):
-        return False
-    return "embedding" not in name and not name.endswith("output_layer.weight")
 
 
 def _optimizer_group_settings(config: OptimizerConfig, use_muon: bool) -> Dict:

@@ -145,6 +145,15 @@ def newton_schulz(
     return matrix.mT if transpose else matrix
 
 
+def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
+    output layer, norms, biases and params marked `use_muon = False` go to the scalar
+    optimizer (--muon-scalar-optimizer)."""
+    if param.dim() != 2 or not getattr(param, "use_muon", True):
+        return False
+    return "embedding" not in name and not name.endswith("output_layer.weight")
+
+
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
     """The update's scale for a [rows, cols] matrix (`--muon-scale-mode`)."""
     if mode == "spectral":  # Kimi's: matches AdamW's update RMS with --muon-extra-scale-factor
@@ -402,6 +411,7 @@ __all__ = [
     "muon_scale_factor",
     "MuonParamInfo",
     "muon_param_info",
+    "is_muon_parameter",
     "Muon",
     "Lion",
 ]
