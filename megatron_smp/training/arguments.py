@@ -310,6 +310,25 @@ _FLAGS: List[_Flag] = [
     _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
     _f("--lion-beta1", "optimizer", type=float, default=0.95),
     _f("--lion-beta2", "optimizer", type=float, default=0.98),
+    # Megatron-LM 0.19 / main flags of launch scripts written in 2026 (see
+    # _apply_megatron_main_flags for what each does or why it is refused).
+    _f("--disable-bf16-reduced-precision-matmul", None,
+       "disable_bf16_reduced_precision_matmul", action="store_true",
+       help="CUDA: bf16 matmuls accumulate in full precision "
+       "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)"),
+    _f("--dataloader-inter-document-masking", None, "dataloader_inter_document_masking",
+       action="store_true", help="attention stays inside each document (--reset-attention-mask)"),
+    _f("--eval-micro-batch-size", None, "eval_micro_batch_size", type=int),
+    _f("--eval-global-batch-size", None, "eval_global_batch_size", type=int),
+    _f("--null-tokenizer-eod-id", None, "null_tokenizer_eod_id", type=int),
+    _f("--exit-signal-handler-for-training", None, "exit_signal_handler_for_training",
+       action="store_true"),
+    _f("--megatron-fsdp-main-params-dtype", None, "megatron_fsdp_main_params_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-main-grads-dtype", None, "megatron_fsdp_main_grads_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-grad-comm-dtype", None, "megatron_fsdp_grad_comm_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -456,7 +475,7 @@ _FLAGS: List[_Flag] = [
     _f("--pretrained-checkpoint", "checkpoint",
        help="the base checkpoint of a --lora-rank run: loaded before the --load adapters (or "
        "alone when --load holds none); overrides the base a LoRA checkpoint records"),
-    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor"],
+    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor", "torch_dcp"],
        default="torch_dist",
        help="fsdp_dtensor (Megatron-FSDP's DCP format) is accepted with FSDP2 runs and writes "
        "torch_dist: DCP with global names and shapes, loadable at any layout"),
@@ -483,7 +502,7 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--attention-backend": "SDPA picks its kernel (flash, efficient, math) itself",
     "--transformer-impl": "one transformer implementation (the Megatron 'local' layout)",
     "--use-mcore-models": "one model implementation",
-    "--use-legacy-models": "one model implementation",
+    "--use-legacy-models": "one model implementation (Megatron-LM main removed the flag)",
     "--DDP-impl": "one DDP implementation (Megatron's local DDP: contiguous buffers)",
     "--use-contiguous-buffers-in-local-ddp": "buffers are always contiguous",
     "--no-masked-softmax-fusion": "kernel fusion choice",
@@ -521,16 +540,53 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
+    "--use-persistent-ckpt-worker": "Megatron-LM main: whether its async-save worker outlives "
+                                    "one save; the bytes written are the same",
+    "--async-strategy": "Megatron-LM main: which of its async-save engines (nvrx, mcore) "
+                        "writes; here --async-save has one",
+    "--async-ckpt-use-cpu-shm": "Megatron-LM main: how the nvrx async worker receives GPU "
+                                "tensors (CPU shared memory instead of CUDA IPC)",
+    "--ckpt-assume-constant-structure": "Megatron-LM main: caches its save plan between saves "
+                                        "of the same structure; the files are the same",
+    "--dist-ckpt-workers": "Megatron-LM main: how many processes write an async save; the "
+                           "files are the same",
+    "--verify-integrity": "Megatron-LM main: hash the files on save, check them on load; here "
+                          "every checkpoint file always carries CRC-32 sidecars checked on load",
+    "--no-save-tokenizer-assets": "Megatron-LM main saves tokenizer files into checkpoints by "
+                                  "default; checkpoints here never hold them (what this flag "
+                                  "asks)",
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
-                       "--timing-log-option"}
+                       "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
+    # Megatron-LM 0.19 / main.
+    "--use-mup": "Maximal Update Parametrisation (muP: width-scaled init, learning rates and "
+                 "attention scale)",
+    "--mup-base-hidden-size": "Maximal Update Parametrisation (--use-mup)",
+    "--mup-base-head-dim": "Maximal Update Parametrisation (--use-mup)",
+    "--multiple-validation-sets": "separate validation losses per validation dataset",
+    "--validation-set-names": "separate validation losses per validation dataset "
+                              "(--multiple-validation-sets)",
+    "--start-eval-at-iter": "a first evaluation iteration other than --eval-interval's",
+    "--freeze-all-layers": "freezing the whole model (LoRA, --lora-rank, freezes the base)",
+    "--chat-template": "a custom jinja chat template (--sft uses the tokenizer's)",
+    "--save-retain-interval": "deleting checkpoints between retained ones",
+    "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
+    "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
+                         "--expert-tensor-parallel-size)",
+}
+# Values Megatron-LM main added to existing flags that are not built here.
+_NOT_SUPPORTED_YET_VALUES = {
+    ("--moe-router-score-function", "sqrtsoftplus"): "the sqrt-softplus router score",
+    ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
+                                                                 "per-expert bias by dual "
+                                                                 "coordinate descent)",
 }
 
 
@@ -615,6 +671,57 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
         optimizer["use_distributed_optimizer"] = True
 
 
+def _apply_megatron_main_flags(args: argparse.Namespace,
+                               sections: Dict[str, Dict[str, Any]]) -> None:
+    """Megatron-LM 0.19 / main flags: what each does here, or the error saying why not."""
+    training, data, parallel = sections["training"], sections["data"], sections["parallel"]
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if args.dataloader_inter_document_masking:
+        data["reset_attention_mask"] = True
+    for flag, value, same, what in (
+            ("--eval-micro-batch-size", args.eval_micro_batch_size,
+             training.get("micro_batch_size", 1), "--micro-batch-size"),
+            ("--eval-global-batch-size", args.eval_global_batch_size,
+             training.get("global_batch_size"), "--global-batch-size")):
+        if value is not None and value != same:
+            raise ConfigError(f"{flag} {value}: evaluation here runs with the training batch "
+                              f"({what} {same}); drop it or give the same value")
+    if args.null_tokenizer_eod_id is not None:
+        vocab = data.get("vocab_size")
+        if args.null_tokenizer_eod_id != vocab:
+            raise ConfigError(
+                f"--null-tokenizer-eod-id {args.null_tokenizer_eod_id}: the NullTokenizer here "
+                f"gives EOD the id after the text ids (--vocab-size, {vocab}); Megatron-LM "
+                "main's default, vocab_size - 1, is one of the text ids; drop it")
+    if args.exit_signal_handler_for_training:
+        raise ConfigError("--exit-signal-handler-for-training (Megatron-LM main: exit quietly on "
+                          "SIGINT/SIGTERM) is not built; --exit-signal-handler saves a "
+                          "checkpoint and exits on --exit-signal")
+    fsdp_dtypes = [(flag, value) for flag, value in (
+        ("--megatron-fsdp-main-params-dtype", args.megatron_fsdp_main_params_dtype),
+        ("--megatron-fsdp-main-grads-dtype", args.megatron_fsdp_main_grads_dtype),
+        ("--megatron-fsdp-grad-comm-dtype", args.megatron_fsdp_grad_comm_dtype))
+        if value is not None]
+    if fsdp_dtypes and not args.use_megatron_fsdp:
+        raise ConfigError(f"{', '.join(f for f, _ in fsdp_dtypes)} configure Megatron-FSDP: "
+                          "add --use-megatron-fsdp, or drop them")
+    for flag, value in fsdp_dtypes:
+        # FSDP2 here keeps fp32 main params and fp32 grads (reduced in fp32, or bf16 with
+        # --grad-reduce-in-bf16): those values, and auto for an fp32 model, are what it does.
+        fp32_model = not (args.bf16 or args.fp16)
+        if value == "fp32" or (value == "auto" and (fp32_model or "comm" in flag)):
+            continue
+        raise ConfigError(f"{flag} {value}: FSDP2 here keeps fp32 main params and grads; give "
+                          "fp32 (or auto), or drop it")
+    if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
+        # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
+        if not parallel.get("use_torch_fsdp2"):
+            raise ConfigError("--ckpt-format torch_dcp is Megatron-LM's FSDP2 format: add "
+                              "--use-torch-fsdp2, or use torch_dist")
+        sections["checkpoint"]["ckpt_format"] = "torch_dist"
+
+
 def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
                             argv: Sequence[str]) -> None:
     """Megatron-LM main's emerging optimizers: dist_muon is its deprecated spelling of muon
@@ -646,6 +753,11 @@ def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
+    for token, value in zip(argv, list(argv[1:]) + [""]):
+        flag, _, inline = token.partition("=")
+        what = _NOT_SUPPORTED_YET_VALUES.get((flag, inline or value))
+        if what:
+            raise not_supported(f"{flag} {inline or value}", what)
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
@@ -887,6 +999,7 @@ def parse_args(
 
     _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
+    _apply_megatron_main_flags(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
         # with global tensor names and shapes, which FSDP2 runs write and read already.

@@ -1,0 +1,107 @@
+"""Megatron-LM 0.19 / main flags of 2026 launch scripts: each does what it says here, or is a
+ConfigError naming it. (Muon's flags change the step as tests/unit/optimizer/test_muon.py
+shows; the layouts are in tests/functional/test_muon_training.py.)"""
+import pytest
+import torch
+
+from megatron_smp.config import ConfigError
+from megatron_smp.training.arguments import parse_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+        "--train-iters 2 --mock-data --vocab-size 100 --micro-batch-size 2").split()
+
+
+def parse(flags: str):
+    return parse_args(BASE + flags.split())
+
+
+def test_muon_flags_fill_the_optimizer_config():
+    optimizer = parse(
+        "--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-no-split-qkv "
+        "--muon-scale-mode unit_rms_norm --muon-fp32-matmul-prec high "
+        "--muon-coefficient-type polar_express --muon-num-ns-steps 8 --muon-tp-mode blockwise "
+        "--muon-extra-scale-factor 0.2 --muon-scalar-optimizer lion --lion-beta1 0.9 "
+        "--lion-beta2 0.99").optimizer
+    assert (optimizer.optimizer, optimizer.muon_momentum, optimizer.muon_nesterov,
+            optimizer.muon_split_qkv, optimizer.muon_scale_mode, optimizer.muon_fp32_matmul_prec,
+            optimizer.muon_coefficient_type, optimizer.muon_num_ns_steps, optimizer.muon_tp_mode,
+            optimizer.muon_extra_scale_factor, optimizer.muon_scalar_optimizer,
+            optimizer.lion_beta1, optimizer.lion_beta2) == (
+        "muon", 0.95, True, False, "unit_rms_norm", "high", "polar_express", 8, "blockwise",
+        0.2, "lion", 0.9, 0.99)
+    defaults = parse("--optimizer muon").optimizer
+    assert (defaults.muon_momentum, defaults.muon_nesterov, defaults.muon_split_qkv,
+            defaults.muon_scale_mode, defaults.muon_fp32_matmul_prec,
+            defaults.muon_coefficient_type, defaults.muon_num_ns_steps, defaults.muon_tp_mode,
+            defaults.lion_beta1, defaults.lion_beta2) == (
+        0.9, False, True, "spectral", "medium", "quintic", 5, "duplicated", 0.95, 0.98)
+    assert not defaults.use_layer_wise_distributed_optimizer
+
+
+def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
+    optimizer = parse("--optimizer dist_muon").optimizer
+    assert optimizer.optimizer == "muon" and optimizer.use_layer_wise_distributed_optimizer
+    assert parse("--optimizer muon --use-distributed-optimizer").optimizer \
+        .use_layer_wise_distributed_optimizer
+
+
+@pytest.mark.parametrize("flags,named", [
+    ("--muon-momentum 0.9", "--muon-momentum"),
+    ("--optimizer adam --muon-tp-mode blockwise", "--muon-tp-mode"),
+    ("--lion-beta1 0.9", "--lion-beta1"),
+    ("--optimizer muon --lion-beta2 0.9", "--lion-beta2"),
+    ("--optimizer soap", "--optimizer soap"),
+    ("--optimizer adaptive_muon", "--optimizer adaptive_muon"),
+    ("--optimizer muon --muon-use-syrk", "--muon-use-syrk"),
+    ("--optimizer muon --muon-coefficient-type cubic", "--muon-coefficient-type"),
+    ("--optimizer muon --muon-num-ns-steps 0", "--muon-num-ns-steps"),
+    ("--use-mup", "--use-mup"),
+    ("--mup-base-hidden-size 64", "--mup-base-hidden-size"),
+    ("--mup-base-head-dim 16", "--mup-base-head-dim"),
+    ("--multiple-validation-sets", "--multiple-validation-sets"),
+    ("--validation-set-names a b", "--validation-set-names"),
+    ("--start-eval-at-iter 5", "--start-eval-at-iter"),
+    ("--freeze-all-layers", "--freeze-all-layers"),
+    ("--chat-template x", "--chat-template"),
+    ("--save-retain-interval 10", "--save-retain-interval"),
+    ("--override-ckpt-iteration 3", "--override-ckpt-iteration"),
+    ("--moe-extended-tp", "--moe-extended-tp"),
+    ("--num-experts 2 --moe-router-score-function sqrtsoftplus", "sqrtsoftplus"),
+    ("--num-experts 2 --moe-router-load-balancing-type quantile_balancing", "quantile_balancing"),
+    ("--exit-signal-handler-for-training", "--exit-signal-handler-for-training"),
+    ("--eval-micro-batch-size 4", "--eval-micro-batch-size"),
+    ("--global-batch-size 4 --eval-global-batch-size 8", "--eval-global-batch-size"),
+    ("--null-tokenizer-eod-id 99", "--null-tokenizer-eod-id"),
+    ("--megatron-fsdp-main-params-dtype fp32", "--megatron-fsdp-main-params-dtype"),
+    ("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16",
+     "--megatron-fsdp-main-grads-dtype"),
+    ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp"),
+])
+def test_clear_errors_name_the_flag(flags, named):
+    with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
+        parse(flags).optimizer.validate()  # (validated when the optimizer is built)
+
+
+def test_flags_that_work():
+    assert parse("--dataloader-inter-document-masking").data.reset_attention_mask
+    assert not parse("").data.reset_attention_mask
+    same = parse("--global-batch-size 4 --eval-micro-batch-size 2 --eval-global-batch-size 4")
+    assert same.training.global_batch_size == 4
+    assert parse("--null-tokenizer-eod-id 100").data.vocab_size == 100
+    fsdp = parse("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                 "--megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype auto "
+                 "--megatron-fsdp-grad-comm-dtype fp32 --ckpt-format torch_dcp")
+    assert fsdp.parallel.use_torch_fsdp2 and fsdp.checkpoint.ckpt_format == "torch_dist"
+    previous = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        parse("--disable-bf16-reduced-precision-matmul")
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = previous
+
+
+def test_checkpoint_engine_flags_are_accepted():
+    parse("--use-persistent-ckpt-worker --async-strategy nvrx --async-ckpt-use-cpu-shm "
+          "--ckpt-assume-constant-structure --dist-ckpt-workers 2 --verify-integrity "
+          "--no-save-tokenizer-assets --use-legacy-models")
