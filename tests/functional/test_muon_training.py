@@ -33,7 +33,9 @@ def _train(rank, world_size, argv):
                           pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
     finally:
         optimizer_module.get_megatron_optimizer = original
-    state_bytes = sum(tensor.numel() * tensor.element_size()
+    from megatron_smp.distributed.fsdp import local_tensor
+
+    state_bytes = sum(local_tensor(tensor).numel() * tensor.element_size()
                       for state in built[0].optimizer.state.values()
                       for key, tensor in state.items() if key != "step")
     return {i: v["lm loss"] for i, v in result.train_losses.items()}, state_bytes
@@ -90,7 +92,9 @@ def test_layer_wise_state_is_split_over_dp():
                               timeout=300)
     per_rank = [state_bytes for _, state_bytes in results]
     assert sum(per_rank) == whole
-    assert max(per_rank) / (whole / 2) < 1.05, (per_rank, whole)
+    # Measured: 673024 bytes on each rank of 1346048 (Muon's matrices whole, balanced by
+    # size; the scalar optimizer's params byte-sharded).
+    assert max(per_rank) / (whole / 2) < 1.01, (per_rank, whole)
 
 
 def _checkpoint_at(save_dir, iteration, target):
