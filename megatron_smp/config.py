@@ -763,23 +763,22 @@ class TransformerConfig:
 
     def _check_router(self, experts: int) -> None:
         """The DeepSeek-V3 router flags (sigmoid scores, expert bias, group-limited top-k)."""
-        _require(self.moe_router_score_function in ("softmax", "sigmoid"),
-                 f"--moe-router-score-function must be softmax or sigmoid, got "
+        _require(self.moe_router_score_function in ("softmax", "sigmoid", "sqrtsoftplus"),
+                 f"--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, got "
                  f"{self.moe_router_score_function!r}")
         _require(self.moe_router_dtype in (None, "fp32", "fp64"),
                  f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
-        sigmoid = self.moe_router_score_function == "sigmoid"
-        _require(not (sigmoid and self.moe_router_pre_softmax),
-                 "--moe-router-pre-softmax applies to softmax scores; drop it with "
-                 "--moe-router-score-function sigmoid")
+        # sigmoid and sqrtsoftplus score every expert before top-k, which is what
+        # --moe-router-pre-softmax asks (Megatron accepts the pair; it changes nothing there).
+        sigmoid = self.moe_router_score_function in ("sigmoid", "sqrtsoftplus")
         _require(not self.moe_router_enable_expert_bias or sigmoid,
                  "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                 "(as in Megatron-LM)")
+                 "or sqrtsoftplus (as in Megatron-LM)")
         _require(self.moe_router_bias_update_rate >= 0,
                  f"--moe-router-bias-update-rate must be >= 0, got "
                  f"{self.moe_router_bias_update_rate}")
         special = [flag for flag, on in (
-            ("--moe-router-score-function sigmoid", sigmoid),
+            (f"--moe-router-score-function {self.moe_router_score_function}", sigmoid),
             ("--moe-router-num-groups", self.moe_router_num_groups is not None),
             ("--moe-router-topk-scaling-factor",
              self.moe_router_topk_scaling_factor is not None)) if on]

@@ -195,7 +195,7 @@ _FLAGS: List[_Flag] = [
     _f("--moe-ffn-hidden-size", "model", type=int),
     _f("--moe-router-topk", "model", type=int, default=2),
     _f("--moe-router-pre-softmax", "model", action="store_true"),
-    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid"],
+    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid", "sqrtsoftplus"],
        default="softmax"),
     _f("--moe-router-enable-expert-bias", "model", action="store_true"),
     _f("--moe-router-bias-update-rate", "model", type=float, default=1e-3),
@@ -583,7 +583,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
 }
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {
-    ("--moe-router-score-function", "sqrtsoftplus"): "the sqrt-softplus router score",
     ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
                                                                  "per-expert bias by dual "
                                                                  "coordinate descent)",

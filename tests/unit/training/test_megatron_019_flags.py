@@ -66,7 +66,6 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--save-retain-interval 10", "--save-retain-interval"),
     ("--override-ckpt-iteration 3", "--override-ckpt-iteration"),
     ("--moe-extended-tp", "--moe-extended-tp"),
-    ("--num-experts 2 --moe-router-score-function sqrtsoftplus", "sqrtsoftplus"),
     ("--num-experts 2 --moe-router-load-balancing-type quantile_balancing", "quantile_balancing"),
     ("--exit-signal-handler-for-training", "--exit-signal-handler-for-training"),
     ("--eval-micro-batch-size 4", "--eval-micro-batch-size"),
@@ -105,3 +104,23 @@ def test_checkpoint_engine_flags_are_accepted():
     parse("--use-persistent-ckpt-worker --async-strategy nvrx --async-ckpt-use-cpu-shm "
           "--ckpt-assume-constant-structure --dist-ckpt-workers 2 --verify-integrity "
           "--no-save-tokenizer-assets --use-legacy-models")
+
+
+def test_sqrtsoftplus_router_and_pre_softmax_with_sigmoid():
+    """Megatron-LM main's sqrtsoftplus scores: sqrt(softplus(x)) per expert, the chosen ones
+    renormalised; --moe-router-pre-softmax with per-expert scores is accepted as Megatron does
+    (they are taken before top-k already)."""
+    from megatron_smp.transformer.moe.moe_utils import topk_routing
+
+    model = parse("--num-experts 4 --moe-router-score-function sqrtsoftplus "
+                  "--moe-router-enable-expert-bias --moe-router-pre-softmax").model
+    assert model.moe_router_score_function == "sqrtsoftplus"
+    parse("--num-experts 4 --moe-router-score-function sigmoid --moe-router-pre-softmax")
+    torch.manual_seed(0)
+    logits = torch.randn(5, 4)
+    probs, routing_map = topk_routing(logits, 2, False, "sqrtsoftplus")
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    top, index = scores.topk(2, dim=-1)
+    expected = torch.zeros(5, 4).scatter(1, index, top / top.sum(-1, keepdim=True))
+    assert torch.allclose(probs, expected, atol=1e-6)
+    assert torch.equal(routing_map, expected > 0)
