@@ -124,3 +124,19 @@ def test_sqrtsoftplus_router_and_pre_softmax_with_sigmoid():
     expected = torch.zeros(5, 4).scatter(1, index, top / top.sum(-1, keepdim=True))
     assert torch.allclose(probs, expected, atol=1e-6)
     assert torch.equal(routing_map, expected > 0)
+
+
+def test_interleaved_schedule_checks_the_step_schedule_batches():
+    """Megatron checks the virtual schedule's microbatches against the batch sizes the
+    --step-batch-size-schedule reaches, not the default --global-batch-size (micro-batch x DP,
+    here 1: never used)."""
+    from megatron_smp.training.arguments import validate_configs
+
+    base = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+            "--mock-data --vocab-size 100 --micro-batch-size 1 --train-samples 40 "
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1").split()
+    validate_configs(parse_args(base + ["--step-batch-size-schedule", "0:4 0.256K:8"]),
+                     world_size=2)
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
+        validate_configs(parse_args(base + ["--step-batch-size-schedule", "0:4 0.256K:5"]),
+                         world_size=2)
