@@ -1,12 +1,10 @@
 """Muon through the entry script: every layout follows the single-process trajectory (with
 the TP-invariant --muon-tp-modes), blockwise does not, the layer-wise distributed optimizer
 holds ~1/DP of the state per rank, and checkpoints resume exactly and reshard."""
-import os
-import shutil
-
 import pytest
 
 from megatron_smp.testing import run_distributed
+from tests.functional.test_checkpoint_resume import _checkpoint_at
 from tests.functional.test_training_parity import COMMON, LLAMA
 
 # fp32 Newton-Schulz (--muon-fp32-matmul-prec high): layouts compared at 1e-4.
@@ -95,15 +93,6 @@ def test_layer_wise_state_is_split_over_dp():
     # Measured: 673024 bytes on each rank of 1346048 (Muon's matrices whole, balanced by
     # size; the scalar optimizer's params byte-sharded).
     assert max(per_rank) / (whole / 2) < 1.01, (per_rank, whole)
-
-
-def _checkpoint_at(save_dir, iteration, target):
-    name = f"iter_{iteration:07d}"
-    os.makedirs(target, exist_ok=True)
-    shutil.copytree(os.path.join(save_dir, name), os.path.join(target, name))
-    with open(os.path.join(target, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(f"{iteration}\n")
-    return str(target)
 
 
 def test_resume_exact_and_reshard_tp2_dp2_to_tp1_dp4(tmp_path):
