@@ -24,7 +24,8 @@ shapes), unless `--muon-no-split-qkv`; each MoE expert's weight is a matrix of i
 FSDP2 (DTensor params sharded by rows) the rows are gathered like duplicated TP shards.
 
 `--muon-fp32-matmul-prec medium` (Megatron's default) runs the iteration in bf16, as
-emerging_optimizers does; `high` and `low` run it in fp32.
+emerging_optimizers does; `high` and `low` run it in fp32 (`high` lets a GPU use TF32, as
+torch's precision of that name does).
 """
 from __future__ import annotations
 
@@ -97,8 +98,11 @@ def ns_coefficients(coefficient_type: str, steps: int) -> List[Tuple[float, floa
 
 @contextlib.contextmanager
 def _matmul_precision(precision: str):
+    """torch's fp32 matmul precision for the iteration, as emerging_optimizers sets it: "high"
+    (TF32 allowed on GPUs) and "medium"; "low", which torch does not know, keeps the current."""
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest" if precision == "high" else precision)
+    if precision != "low":
+        torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:

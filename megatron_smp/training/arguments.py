@@ -580,6 +580,10 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
     "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
                          "--expert-tensor-parallel-size)",
+    "--qk-clip": "Kimi's QK-clip (rescaling the query and key weights whose attention logits "
+                 "exceed a threshold)",
+    "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
+    "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
 }
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {

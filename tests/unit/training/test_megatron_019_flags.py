@@ -66,6 +66,8 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--save-retain-interval 10", "--save-retain-interval"),
     ("--override-ckpt-iteration 3", "--override-ckpt-iteration"),
     ("--moe-extended-tp", "--moe-extended-tp"),
+    ("--optimizer muon --qk-clip", "--qk-clip"),
+    ("--qk-clip-threshold 100", "--qk-clip-threshold"),
     ("--num-experts 2 --moe-router-load-balancing-type quantile_balancing", "quantile_balancing"),
     ("--exit-signal-handler-for-training", "--exit-signal-handler-for-training"),
     ("--eval-micro-batch-size 4", "--eval-micro-batch-size"),
