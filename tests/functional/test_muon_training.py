@@ -72,6 +72,19 @@ def test_layout_matches_single_process(layout):
         assert [losses[i] for i in sorted(losses)] == pytest.approx(expected, rel=1e-4), layout
 
 
+def test_lion_distributed_optimizer_matches_single_process():
+    """--optimizer lion: every param by Lion; with --use-distributed-optimizer byte-sharded."""
+    lion = COMMON + LLAMA + "--optimizer lion --lr 2e-4 --lion-beta1 0.9".split()
+    reference, whole = run_distributed(_train, 1, args=(lion,))[0]
+    results = run_distributed(_train, 2, args=(lion + ["--use-distributed-optimizer"],),
+                              timeout=300)
+    muon_reference, _ = baseline()
+    assert abs(reference[10] - muon_reference[10]) > 1e-3  # not Muon's trajectory
+    for losses, state_bytes in results:
+        assert losses == pytest.approx(reference, rel=1e-4)
+        assert state_bytes == whole // 2
+
+
 def test_blockwise_depends_on_the_layout():
     """--muon-tp-mode blockwise orthogonalises each TP shard alone: not the TP=1 run."""
     reference, _ = baseline()
