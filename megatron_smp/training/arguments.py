@@ -329,6 +329,12 @@ _FLAGS: List[_Flag] = [
        choices=["fp32", "bf16", "fp16", "auto"]),
     _f("--megatron-fsdp-grad-comm-dtype", None, "megatron_fsdp_grad_comm_dtype",
        choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
+       type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
+    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
+       type=int, default=1),
+    _f("--cuda-graph-impl", None, "cuda_graph_impl",
+       choices=["none", "local", "transformer_engine"], default="none"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -555,6 +561,19 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--no-save-tokenizer-assets": "Megatron-LM main saves tokenizer files into checkpoints by "
                                   "default; checkpoints here never hold them (what this flag "
                                   "asks)",
+    "--moe-permute-fusion": "kernel fusion choice (Transformer Engine's fused token "
+                            "permutation: the same tokens reach the same experts)",
+    "--moe-router-fusion": "kernel fusion choice (Transformer Engine's fused router top-k and "
+                           "scores: the same routing)",
+    "--overlap-moe-expert-parallel-comm": "communication overlap choice (Megatron-LM main "
+                                          "overlaps the expert all-to-all with another "
+                                          "microbatch's compute; the same result)",
+    "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
+                                       "(Megatron defers it to overlap the pipeline's last "
+                                       "backward); the same grad",
+    "--use-tp-pp-dp-mapping": "the order ranks are laid out in (tp-pp-dp instead of "
+                              "tp-cp-ep-dp-pp): which ranks form each group, not what is "
+                              "computed",
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -717,6 +736,19 @@ def _apply_megatron_main_flags(args: argparse.Namespace,
             continue
         raise ConfigError(f"{flag} {value}: FSDP2 here keeps fp32 main params and grads; give "
                           "fp32 (or auto), or drop it")
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        given = parallel.get("virtual_pipeline_model_parallel_size")
+        if given is not None and given != args.num_virtual_stages_per_pipeline_rank:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
+                              "--virtual-pipeline-model-parallel-size are one setting; give one")
+        parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
+    if args.num_distributed_optimizer_instances != 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances "
+                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
+                          "here shards over the whole data-parallel group (one instance); drop it")
+    if args.cuda_graph_impl != "none":
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
+                          "megatron_smp does not build; drop it (a hardware-only switch)")
     if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
         # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
         if not parallel.get("use_torch_fsdp2"):
@@ -767,7 +799,7 @@ def _reject_not_supported_yet(argv: Sequence[str]) -> None:
             raise _low_precision_error(flag)
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
-        if flag.startswith("--moe-") and flag not in _MOE_FLAGS:
+        if flag.startswith("--moe-") and flag not in _MOE_FLAGS and flag not in IGNORED_FLAGS:
             raise not_supported(flag, "this mixture-of-experts option")
 
 

@@ -77,6 +77,10 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16",
      "--megatron-fsdp-main-grads-dtype"),
     ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp"),
+    ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
+    ("--cuda-graph-impl local", "--cuda-graph-impl"),
+    ("--virtual-pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4",
+     "--num-virtual-stages-per-pipeline-rank"),
 ])
 def test_clear_errors_name_the_flag(flags, named):
     with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
@@ -102,10 +106,15 @@ def test_flags_that_work():
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = previous
 
 
-def test_checkpoint_engine_flags_are_accepted():
+def test_implementation_choice_flags_are_accepted():
     parse("--use-persistent-ckpt-worker --async-strategy nvrx --async-ckpt-use-cpu-shm "
           "--ckpt-assume-constant-structure --dist-ckpt-workers 2 --verify-integrity "
-          "--no-save-tokenizer-assets --use-legacy-models")
+          "--no-save-tokenizer-assets --use-legacy-models --use-tp-pp-dp-mapping "
+          "--defer-embedding-wgrad-compute --overlap-moe-expert-parallel-comm "
+          "--num-distributed-optimizer-instances 1 --cuda-graph-impl none")
+    parse("--num-experts 4 --moe-permute-fusion --moe-router-fusion")
+    virtual = parse("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
+    assert virtual.parallel.virtual_pipeline_model_parallel_size == 2
 
 
 def test_sqrtsoftplus_router_and_pre_softmax_with_sigmoid():
