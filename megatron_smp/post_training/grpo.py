@@ -30,6 +30,58 @@ def _check_same_shape(reference: torch.Tensor, **tensors) -> None:
                              f"{tuple(reference.shape)} (the shape of logps)")
 
 
+def _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies):
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"grpo_loss: unknown loss_type {loss_type!r}; choose one of "
+                         f"{', '.join(GRPO_LOSS_TYPES)}")
+    if kl_beta != 0.0 and ref_logps is None:
+        raise ValueError("grpo_loss: kl_beta != 0 needs ref_logps (the reference policy's log-probs)")
+    if entropy_weight != 0.0 and entropies is None:
+        raise ValueError("grpo_loss: entropy_weight != 0 needs entropies (the policy's per-token "
+                         "entropy, e.g. from token_entropy(logits))")
+
+
+def loss_weights(loss_type: str, response_mask: torch.Tensor, sequence_ids: torch.Tensor,
+                 num_sequences: float, num_tokens: float,
+                 max_completion_length: Optional[int] = None,
+                 tokens_per_sequence: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """Per-token weights that turn a masked token sum into each aggregation of the module
+    docstring, so the loss of any slice of a batch (a micro-batch, a packed row, a data- or
+    context-parallel shard) is a plain weighted sum and the slices' losses add up.
+
+    Args:
+        response_mask: [...] 1 on trained response tokens.
+        sequence_ids: [...] int, the rollout each token belongs to (any value off the mask).
+        num_sequences / num_tokens: rollouts and response tokens in the whole batch.
+        tokens_per_sequence: [num_rollouts] response tokens of each rollout, indexed by
+            sequence_ids; counted from this slice when None (right when whole rollouts are in it).
+
+    Returns:
+        {"loss": weights of the policy term, "token_mean": mask / num_tokens (the entropy
+        bonus and token metrics), "sequence_mean": mask / (|o_i| num_sequences)}.
+    """
+    mask = response_mask.to(torch.float64)
+    if tokens_per_sequence is None:
+        ids = torch.where(response_mask.bool(), sequence_ids.long(), 0)
+        tokens_per_sequence = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1,
+                                          dtype=torch.float64).index_add_(0, ids.flatten(),
+                                                                           mask.flatten())
+    own_length = tokens_per_sequence.to(torch.float64).clamp(min=1.0)[
+        torch.where(response_mask.bool(), sequence_ids.long(), 0)]
+    weights = {"token_mean": mask / max(float(num_tokens), 1.0),
+               "sequence_mean": mask / own_length / float(num_sequences)}
+    if loss_type in ("grpo", "gspo"):
+        weights["loss"] = weights["sequence_mean"]
+    elif loss_type == "dapo":
+        weights["loss"] = weights["token_mean"]
+    else:
+        if not max_completion_length:
+            raise ValueError("grpo_loss: loss_type 'dr_grpo' needs max_completion_length (the "
+                             "constant per-sequence token normaliser)")
+        weights["loss"] = mask / (float(num_sequences) * max_completion_length)
+    return weights
+
+
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
               response_mask: torch.Tensor, *, loss_type: str = "grpo",
               clamp_eps_lower: float = 0.2, clamp_eps_upper: float = 0.2,
@@ -39,7 +91,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
               num_tokens_in_batch: Optional[float] = None,
               num_sequences_in_batch: Optional[float] = None,
               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The clipped-ratio policy loss of one batch of rollouts (to be minimised).
+    """The clipped-ratio policy loss of one batch of rollouts, one rollout per row (to be
+    minimised). Packed rows go through `weighted_grpo_loss` with `loss_weights`.
 
     Args:
         logps: [B, T] log-probs of the response tokens under the policy being trained (with grad).
@@ -67,87 +120,90 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
         `clip_ratio/region_mean` (TRL's names: tokens whose ratio is clipped on the side its
         advantage's sign makes active), `clip_fraction` (tokens whose ratio lies outside the
         clip range at all, Megatron's truncated-from-above/below counts) and `ratio_mean`.
+        For gspo the clip metrics are means over sequences, as TRL logs them.
     """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"grpo_loss: unknown loss_type {loss_type!r}; choose one of "
-                         f"{', '.join(GRPO_LOSS_TYPES)}")
+    _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies)
     _check_same_shape(logps, old_logps=old_logps, response_mask=response_mask,
                       ref_logps=ref_logps, entropies=entropies)
-    if kl_beta != 0.0 and ref_logps is None:
-        raise ValueError("grpo_loss: kl_beta != 0 needs ref_logps (the reference policy's log-probs)")
-    if entropy_weight != 0.0 and entropies is None:
-        raise ValueError("grpo_loss: entropy_weight != 0 needs entropies (the policy's per-token "
-                         "entropy, e.g. from token_entropy(logits))")
-    if loss_type == "dr_grpo" and not max_completion_length:
-        raise ValueError("grpo_loss: loss_type 'dr_grpo' needs max_completion_length (the constant "
-                         "per-sequence token normaliser)")
-    mask = response_mask.to(logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    advantages = advantages.to(logps.dtype)
-    tokens_per_sequence = mask.sum(-1).clamp(min=1.0)
+    batch = logps.shape[0]
+    sequence_ids = torch.arange(batch).unsqueeze(1).expand_as(logps)
+    weights = loss_weights(
+        loss_type, response_mask, sequence_ids,
+        num_sequences=batch if num_sequences_in_batch is None else num_sequences_in_batch,
+        num_tokens=(response_mask.sum().item() if num_tokens_in_batch is None
+                    else num_tokens_in_batch),
+        max_completion_length=max_completion_length)
+    return weighted_grpo_loss(logps, old_logps, advantages.expand_as(logps), weights,
+                              sequence_ids=sequence_ids, loss_type=loss_type,
+                              clamp_eps_lower=clamp_eps_lower, clamp_eps_upper=clamp_eps_upper,
+                              ref_logps=ref_logps, kl_beta=kl_beta, entropies=entropies,
+                              entropy_weight=entropy_weight)
 
+
+def weighted_grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                       weights: Dict[str, torch.Tensor], *, sequence_ids: torch.Tensor,
+                       loss_type: str = "grpo", clamp_eps_lower: float = 0.2,
+                       clamp_eps_upper: float = 0.2, ref_logps: Optional[torch.Tensor] = None,
+                       kl_beta: float = 0.0, entropies: Optional[torch.Tensor] = None,
+                       entropy_weight: float = 0.0,
+                       ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """`grpo_loss` over tokens in any layout (rows of single rollouts, packed rows, a shard):
+    all tensors share one shape [...] (advantages per token), `weights` come from
+    `loss_weights`. The loss and the metrics are weighted sums: those of the slices of a batch
+    add up to the whole batch's (gspo's sequence ratio needs each rollout whole in the slice).
+    """
+    _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies)
+    sequence_weights = weights["sequence_mean"].to(logps.dtype)
     log_ratio = logps - old_logps
     if loss_type == "gspo":
-        # GSPO: one importance ratio per sequence, the geometric mean of its token ratios.
-        log_ratio = ((log_ratio * mask).sum(-1) / tokens_per_sequence).unsqueeze(-1)
+        # GSPO: one importance ratio per sequence, the geometric mean of its token ratios
+        # (sequence_mean weights sum to 1 / num_sequences over each rollout's tokens).
+        ids = sequence_ids.long().flatten()
+        per_sequence = torch.zeros(int(ids.max()) + 1, dtype=logps.dtype).index_add(
+            0, ids, (log_ratio * sequence_weights).flatten())
+        per_sequence_weight = torch.zeros_like(per_sequence).index_add(
+            0, ids, sequence_weights.flatten())
+        log_ratio = (per_sequence / per_sequence_weight.clamp(min=torch.finfo(
+            logps.dtype).tiny))[ids].view_as(logps)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clamp_eps_lower, 1.0 + clamp_eps_upper)
     per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-
+    per_token_kl = None
     if kl_beta != 0.0:
         ref_diff = ref_logps - logps
         per_token_kl = torch.exp(ref_diff) - ref_diff - 1.0
         per_token_loss = per_token_loss + kl_beta * per_token_kl
-
-    num_sequences = float(num_sequences_in_batch if num_sequences_in_batch is not None
-                          else logps.shape[0])
-    num_tokens = (mask.sum().clamp(min=1.0) if num_tokens_in_batch is None
-                  else torch.as_tensor(float(num_tokens_in_batch), dtype=logps.dtype))
-    masked = per_token_loss * mask
-    if loss_type in ("grpo", "gspo"):
-        loss = (masked.sum(-1) / tokens_per_sequence).sum() / num_sequences
-    elif loss_type == "dapo":
-        loss = masked.sum() / num_tokens
-    else:  # dr_grpo
-        loss = masked.sum() / (num_sequences * max_completion_length)
-
+    token_weights = weights["token_mean"].to(logps.dtype)
+    loss = (per_token_loss * weights["loss"].to(logps.dtype)).sum()
     if entropy_weight != 0.0:
-        loss = loss - entropy_weight * (entropies * mask).sum() / num_tokens
-
-    metrics = _metrics(mask, ratio, advantages, clamp_eps_lower, clamp_eps_upper,
-                       per_token_kl if kl_beta != 0.0 else None, entropies)
+        loss = loss - entropy_weight * (entropies * token_weights).sum()
+    metrics = _metrics(sequence_weights if loss_type == "gspo" else token_weights, token_weights,
+                       ratio, advantages, clamp_eps_lower, clamp_eps_upper, per_token_kl, entropies)
     return loss, metrics
 
 
 @torch.no_grad()
-def _metrics(mask, ratio, advantages, eps_lower, eps_upper, per_token_kl, entropies):
-    count = mask.sum().clamp(min=1.0)
+def _metrics(ratio_weights, token_weights, ratio, advantages, eps_lower, eps_upper,
+             per_token_kl, entropies):
+    def mean(values, weights):
+        return (values.to(weights.dtype) * weights).sum()
 
-    def masked_mean(values):
-        return (values.to(mask.dtype) * mask).sum() / count
-
-    def ratio_level_mean(values):
-        # A sequence-level ratio (gspo, [B, 1]) is averaged over sequences, as TRL logs it.
-        if values.shape[-1] == 1:
-            return values.to(mask.dtype).mean()
-        return masked_mean(values)
-
-    low = ratio < 1.0 - eps_lower
-    high = ratio > 1.0 + eps_upper
-    if advantages.shape[-1] != ratio.shape[-1]:
-        advantages = advantages.expand(-1, ratio.shape[-1])
+    low = (ratio < 1.0 - eps_lower) & (advantages < 0)
+    high = (ratio > 1.0 + eps_upper) & (advantages > 0)
+    outside = (ratio < 1.0 - eps_lower) | (ratio > 1.0 + eps_upper)
     metrics = {
-        "clip_ratio/low_mean": ratio_level_mean(low & (advantages < 0)),
-        "clip_ratio/high_mean": ratio_level_mean(high & (advantages > 0)),
-        "clip_ratio/region_mean": ratio_level_mean((low & (advantages < 0)) | (high & (advantages > 0))),
-        "clip_fraction": ratio_level_mean(low | high),
-        "ratio_mean": ratio_level_mean(ratio),
+        "clip_ratio/low_mean": mean(low, ratio_weights),
+        "clip_ratio/high_mean": mean(high, ratio_weights),
+        "clip_ratio/region_mean": mean(low | high, ratio_weights),
+        "clip_fraction": mean(outside, ratio_weights),
+        "ratio_mean": mean(ratio, ratio_weights),
     }
     if per_token_kl is not None:
-        metrics["kl"] = masked_mean(per_token_kl)
+        metrics["kl"] = mean(per_token_kl, token_weights)
     if entropies is not None:
-        metrics["entropy"] = masked_mean(entropies)
+        metrics["entropy"] = mean(entropies, token_weights)
     return metrics
 
 

@@ -1,0 +1,110 @@
+"""From generated rollouts to a training batch: advantages per group (with DAPO's filter), and
+the token layout the training step reads, packed or one rollout per row.
+
+The batch has the keys of the SFT / GPT datasets (tokens, labels, loss_mask, position_ids,
+document_ids, all [rows, seq_length]) so the model runs on it as on any packed batch, plus per
+label position: `advantages`, `sequence_ids` (the rollout each position belongs to) and the
+`loss_weights` of `grpo.loss_weights` over the whole batch (`loss_weight`, `token_mean_weight`,
+`sequence_mean_weight`), which make the loss of any row, micro-batch or shard a weighted sum.
+"""
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_smp.data.gpt_dataset import document_ids_and_position_ids
+from megatron_smp.data.sft_dataset import pack_best_fit
+from megatron_smp.post_training.grpo import group_advantages, groups_with_distinct_rewards, loss_weights
+
+
+def rollout_advantages(rewards: Sequence[float], group_size: int, scale_rewards: str = "group",
+                       unbiased_std: bool = False, filter_groups_with_same_reward: bool = False,
+                       ) -> Tuple[torch.Tensor, List[int]]:
+    """Advantages of rollouts listed group by group (the group_size completions of prompt 0,
+    then of prompt 1, ...).
+
+    Returns:
+        (advantages [kept rollouts] float64, kept rollout indices into `rewards`): with
+        `filter_groups_with_same_reward`, the groups whose rewards are all equal are left out.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"rollout_advantages: {len(rewards)} rewards do not split into groups "
+                         f"of --grpo-group-size {group_size}")
+    grouped = torch.tensor(list(rewards), dtype=torch.float64).view(-1, group_size)
+    advantages = group_advantages(grouped, scale_rewards, unbiased_std)
+    keep = (groups_with_distinct_rewards(grouped) if filter_groups_with_same_reward
+            else torch.ones(grouped.shape[0], dtype=torch.bool))
+    kept = [group * group_size + member for group in keep.nonzero().flatten().tolist()
+            for member in range(group_size)]
+    return advantages.flatten()[kept], kept
+
+
+def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
+                        completion_ids: Sequence[Sequence[int]],
+                        advantages: Sequence[float], *, seq_length: int, pad_id: int,
+                        loss_type: str, max_completion_length: Optional[int] = None,
+                        pack: bool = True) -> Dict[str, torch.Tensor]:
+    """The training batch of rollouts i = prompt_ids[i] + completion_ids[i].
+
+    A rollout of n tokens gives n - 1 (input, label) positions; those whose label is a
+    completion token are trained (loss_mask 1). With `pack`, rollouts share rows (best-fit
+    decreasing, each attending only to itself, positions restarting at 0); otherwise one
+    rollout per row. Padding is never trained on.
+    """
+    if not len(prompt_ids) == len(completion_ids) == len(advantages):
+        raise ValueError(f"build_rollout_batch: {len(prompt_ids)} prompts, {len(completion_ids)} "
+                         f"completions and {len(advantages)} advantages must match")
+    lengths = []
+    for index, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        if not prompt or not completion:
+            raise ValueError(f"build_rollout_batch: rollout {index} has an empty prompt or "
+                             f"completion")
+        lengths.append(len(prompt) + len(completion) - 1)
+        if lengths[-1] > seq_length:
+            raise ValueError(f"build_rollout_batch: rollout {index} needs {lengths[-1]} positions, "
+                             f"more than --seq-length {seq_length}; shorten the prompt or "
+                             f"--rl-max-completion-length")
+    rows = pack_best_fit(lengths, seq_length) if pack else [[i] for i in range(len(lengths))]
+    shape = (len(rows), seq_length)
+    batch = {
+        "tokens": torch.full(shape, pad_id, dtype=torch.long),
+        "labels": torch.full(shape, pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros(shape),
+        "advantages": torch.zeros(shape),
+        "sequence_ids": torch.zeros(shape, dtype=torch.long),
+    }
+    position_ids, document_ids = [], []
+    for row, members in enumerate(rows):
+        starts, position = [], 0
+        for index in members:
+            ids = torch.tensor(list(prompt_ids[index]) + list(completion_ids[index]))
+            n, first_trained = lengths[index], len(prompt_ids[index]) - 1
+            span = slice(position, position + n)
+            batch["tokens"][row, span] = ids[:-1]
+            batch["labels"][row, span] = ids[1:]
+            batch["loss_mask"][row, position + first_trained:position + n] = 1.0
+            batch["advantages"][row, span] = float(advantages[index])
+            batch["sequence_ids"][row, span] = index
+            starts.append(position)
+            position += n
+        if position < seq_length:
+            starts.append(position)  # the padding is a document of its own
+        positions, documents = document_ids_and_position_ids(starts, seq_length, True, True)
+        position_ids.append(positions)
+        document_ids.append(documents)
+    batch["position_ids"] = torch.stack(position_ids)
+    batch["document_ids"] = torch.stack(document_ids)
+    completion_lengths = torch.tensor([float(len(c)) for c in completion_ids],
+                                      dtype=torch.float64)
+    weights = loss_weights(loss_type, batch["loss_mask"], batch["sequence_ids"],
+                           num_sequences=len(lengths), num_tokens=completion_lengths.sum().item(),
+                           max_completion_length=max_completion_length,
+                           tokens_per_sequence=completion_lengths)
+    for name, values in weights.items():
+        batch[f"{name}_weight"] = values
+    return batch
+
+
+def rollout_weights(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The `weights` argument of `grpo.weighted_grpo_loss` from (a slice of) a rollout batch."""
+    return {"loss": batch["loss_weight"], "token_mean": batch["token_mean_weight"],
+            "sequence_mean": batch["sequence_mean_weight"]}
