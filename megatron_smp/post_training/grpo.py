@@ -38,7 +38,7 @@ def _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies):
         raise ValueError("grpo_loss: kl_beta != 0 needs ref_logps (the reference policy's log-probs)")
     if entropy_weight != 0.0 and entropies is None:
         raise ValueError("grpo_loss: entropy_weight != 0 needs entropies (the policy's per-token "
-                         "entropy, e.g. from token_entropy(logits))")
+                         "entropy, e.g. from compute_logprobs(..., with_entropy=True))")
 
 
 def loss_weights(loss_type: str, response_mask: torch.Tensor, sequence_ids: torch.Tensor,
@@ -205,12 +205,6 @@ def _metrics(ratio_weights, token_weights, ratio, advantages, eps_lower, eps_upp
     if entropies is not None:
         metrics["entropy"] = mean(entropies, token_weights)
     return metrics
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) at each position: [..., V] -> [...] (differentiable)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def group_advantages(rewards: torch.Tensor, scale_rewards: str = "group",

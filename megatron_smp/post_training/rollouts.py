@@ -108,3 +108,35 @@ def rollout_weights(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The `weights` argument of `grpo.weighted_grpo_loss` from (a slice of) a rollout batch."""
     return {"loss": batch["loss_weight"], "token_mean": batch["token_mean_weight"],
             "sequence_mean": batch["sequence_mean_weight"]}
+
+
+def rollout_metrics(rewards: Sequence[float], per_function: Sequence[Dict[str, float]],
+                    completion_lengths: Sequence[int], group_size: int,
+                    truncated: Optional[Sequence[bool]] = None) -> Dict[str, float]:
+    """The rollout half of an RL step's log line, under TRL's metric names: `reward`,
+    `reward_std` (over all rollouts, Bessel-corrected), `rewards/<function>/mean|std` (over the
+    rollouts that function scored), `frac_reward_zero_std` (groups whose rewards are all equal),
+    `completions/mean_length|min_length|max_length` and, given `truncated` (stopped by the
+    length limit, not by an end token), `completions/clipped_ratio`."""
+    if not len(rewards) == len(per_function) == len(completion_lengths):
+        raise ValueError("rollout_metrics: rewards, per_function and completion_lengths must "
+                         "have one entry per rollout")
+    values = torch.tensor(list(rewards), dtype=torch.float64)
+    lengths = torch.tensor(list(completion_lengths), dtype=torch.float64)
+    grouped = values.view(-1, group_size)
+    metrics = {
+        "reward": values.mean().item(),
+        "reward_std": values.std().item() if values.numel() > 1 else 0.0,
+        "frac_reward_zero_std": (~groups_with_distinct_rewards(grouped)).double().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+    }
+    names = sorted({name for scores in per_function for name in scores})
+    for name in names:
+        scored = torch.tensor([s[name] for s in per_function if name in s], dtype=torch.float64)
+        metrics[f"rewards/{name}/mean"] = scored.mean().item()
+        metrics[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
+    if truncated is not None:
+        metrics["completions/clipped_ratio"] = sum(map(bool, truncated)) / len(truncated)
+    return metrics

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_smp.post_training.grpo import (group_advantages, groups_with_distinct_rewards,
-                                             grpo_loss, token_entropy)
+                                             grpo_loss)
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -45,7 +45,7 @@ def _rollouts(seed=0):
     lengths = torch.tensor([9, 4, 1, 7, 9, 3])
     mask = (torch.arange(LENGTH).unsqueeze(0) < lengths.unsqueeze(1)).float()
     advantages = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.0, 0.9])
-    entropies = token_entropy(logits)
+    entropies = torch.distributions.Categorical(logits=logits).entropy()
     return logps, old, ref, advantages, mask, entropies
 
 
@@ -172,12 +172,6 @@ def test_on_policy_first_iteration_gradient_is_policy_gradient():
     expected = -advantages[:, None] * mask / mask.sum(-1, keepdim=True) / BATCH
     assert torch.allclose(current.grad, expected, atol=1e-7)
     assert metrics["clip_fraction"].item() == 0.0
-
-
-def test_token_entropy_matches_distribution_entropy():
-    logits = torch.randn(3, 5, 7)
-    expected = torch.distributions.Categorical(logits=logits).entropy()
-    assert torch.allclose(token_entropy(logits), expected, atol=1e-6)
 
 
 def test_loss_errors_name_what_is_missing():

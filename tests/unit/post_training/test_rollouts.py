@@ -5,7 +5,7 @@ import torch
 
 from megatron_smp.post_training.grpo import GRPO_LOSS_TYPES, grpo_loss, weighted_grpo_loss
 from megatron_smp.post_training.rollouts import (build_rollout_batch, rollout_advantages,
-                                                 rollout_weights)
+                                                 rollout_metrics, rollout_weights)
 
 SEQ_LENGTH, MAX_COMPLETION, PAD = 16, 6, 0
 OPTIONS = dict(clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.04, entropy_weight=0.01)
@@ -116,3 +116,22 @@ def test_rollout_advantages_filter_groups_with_same_reward():
     assert torch.allclose(no_std[:3], torch.tensor([1 / 3, -2 / 3, 1 / 3], dtype=torch.float64))
     with pytest.raises(ValueError, match="do not split into groups of --grpo-group-size 4"):
         rollout_advantages(rewards, group_size=4)
+
+
+def test_rollout_metrics_under_trl_names():
+    from trl.trainer.utils import nanstd
+
+    rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    per_function = [{"exact": r, "len": 0.1 * i} for i, r in enumerate(rewards[:4])] + \
+        [{"exact": 1.0}, {"exact": 1.0}]
+    metrics = rollout_metrics(rewards, per_function, [3, 5, 4, 2, 6, 1], group_size=3,
+                              truncated=[False, True, False, False, False, False])
+    values = torch.tensor(rewards)
+    assert metrics["reward"] == pytest.approx(values.mean().item())
+    assert metrics["reward_std"] == pytest.approx(nanstd(values).item())  # TRL's reward_std
+    assert metrics["frac_reward_zero_std"] == 0.5
+    assert metrics["rewards/len/mean"] == pytest.approx(0.15)  # only the rollouts it scored
+    assert metrics["rewards/exact/mean"] == pytest.approx(5 / 6)
+    assert (metrics["completions/mean_length"], metrics["completions/min_length"],
+            metrics["completions/max_length"]) == (3.5, 1.0, 6.0)
+    assert metrics["completions/clipped_ratio"] == pytest.approx(1 / 6)
