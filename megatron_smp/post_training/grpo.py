@@ -3,12 +3,13 @@
 The loss types and their normalisations are those of TRL's `GRPOTrainer` (`loss_type`) and
 verl's `core_algos` (`loss_agg_mode`):
 
-| loss_type | ratio        | aggregation of the masked per-token terms                    | verl agg mode            |
-| --------- | ------------ | ------------------------------------------------------------ | ------------------------ |
-| grpo      | per token    | mean over each sequence's tokens, then mean over sequences   | seq-mean-token-mean      |
-| dapo      | per token    | sum over all tokens / number of response tokens in the batch | token-mean               |
-| dr_grpo   | per token    | sum over all tokens / (sequences x max completion length)    | seq-mean-token-sum-norm  |
-| gspo      | per sequence | as grpo; the ratio is exp(mean token log-ratio) per sequence | seq-mean-token-mean      |
+| loss_type | masked per-token terms aggregated as               | verl loss_agg_mode      |
+| --------- | -------------------------------------------------- | ----------------------- |
+| grpo      | mean over each sequence's tokens, then sequences   | seq-mean-token-mean     |
+| dapo      | sum over all tokens / response tokens in the batch | token-mean              |
+| dr_grpo   | sum over all tokens / (sequences x max length)     | seq-mean-token-sum-norm |
+| gspo      | as grpo, with one ratio per sequence: exp(mean     | seq-mean-token-mean     |
+|           | token log-ratio), GSPO's sequence-level ratio      |                         |
 
 Every normaliser is a count over the *whole* batch (`num_tokens_in_batch`,
 `num_sequences_in_batch`; by default the tensors' own), so the losses of the micro-batches and
@@ -35,7 +36,8 @@ def _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies):
         raise ValueError(f"grpo_loss: unknown loss_type {loss_type!r}; choose one of "
                          f"{', '.join(GRPO_LOSS_TYPES)}")
     if kl_beta != 0.0 and ref_logps is None:
-        raise ValueError("grpo_loss: kl_beta != 0 needs ref_logps (the reference policy's log-probs)")
+        raise ValueError("grpo_loss: kl_beta != 0 needs ref_logps (the reference policy's "
+                         "log-probs)")
     if entropy_weight != 0.0 and entropies is None:
         raise ValueError("grpo_loss: entropy_weight != 0 needs entropies (the policy's per-token "
                          "entropy, e.g. from compute_logprobs(..., with_entropy=True))")

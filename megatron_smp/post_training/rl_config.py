@@ -105,7 +105,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "over the batch (Megatron-LM's), dr_grpo sum / max length, gspo "
                             "sequence-level ratio.")
     group.add_argument("--grpo-scale-rewards", choices=SCALE_REWARDS, default="group",
-                       help="Divide advantages by the group's std, the batch's, or none (Dr. GRPO).")
+                       help="Divide advantages by the group's std, the batch's, or none "
+                            "(Dr. GRPO).")
     group.add_argument("--grpo-unbiased-reward-std", action="store_true",
                        help="Bessel-corrected std in the advantages (TRL's; Megatron-LM's is the "
                             "population std).")

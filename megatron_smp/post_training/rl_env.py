@@ -26,8 +26,8 @@ import math
 import numbers
 import os
 import random
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 _ENV_KEYS = {"name", "prompts", "prompt_args", "prompt_key", "answer_key", "reward_functions",
              "weight", "evaluation_only"}
@@ -168,7 +168,8 @@ def parse_environment(entry: Any, index: int, base_dir: str, path: str) -> Envir
     reward_entries = entry.get("reward_functions")
     if not isinstance(reward_entries, list) or not reward_entries:
         raise EnvConfigError(f"{where}: 'reward_functions' must be a non-empty list of "
-                             f"'module:function' strings or {{function: ..., weight: ...}} mappings")
+                             f"'module:function' strings or {{function: ..., weight: ...}} "
+                             f"mappings")
     rewards = []
     for number, reward in enumerate(reward_entries):
         reward_where = f"{where} reward_functions[{number}]"

@@ -13,7 +13,8 @@ import torch
 
 from megatron_smp.data.gpt_dataset import document_ids_and_position_ids
 from megatron_smp.data.sft_dataset import pack_best_fit
-from megatron_smp.post_training.grpo import group_advantages, groups_with_distinct_rewards, loss_weights
+from megatron_smp.post_training.grpo import (group_advantages, groups_with_distinct_rewards,
+                                             loss_weights)
 
 
 def rollout_advantages(rewards: Sequence[float], group_size: int, scale_rewards: str = "group",

@@ -6,10 +6,8 @@ import os
 import sys
 
 import pytest
-import torch
 
 from megatron_smp.config import ConfigError
-from megatron_smp.post_training import rl_env
 from megatron_smp.post_training.envs import addition
 from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
 from megatron_smp.post_training.rl_env import (EnvConfigError, PromptSampler, load_env_config,
@@ -99,7 +97,8 @@ def test_jsonl_prompts_user_rewards_and_weights(tmp_path, reward_module):
 
 
 @pytest.mark.parametrize("body,message", [
-    ("- prompts: nowhere.jsonl\n  reward_functions: [my_rewards:length_reward]\n", "prompts file 'nowhere.jsonl' not found"),
+    ("- prompts: nowhere.jsonl\n  reward_functions: [my_rewards:length_reward]\n",
+     "prompts file 'nowhere.jsonl' not found"),
     ("- prompts: megatron_smp.post_training.envs.addition:prompts\n"
      "  reward_functions: [exact_match]\n", "'exact_match' is not of the form 'module:function'"),
     ("- prompts: megatron_smp.post_training.envs.addition:prompts\n"
@@ -108,7 +107,8 @@ def test_jsonl_prompts_user_rewards_and_weights(tmp_path, reward_module):
      "  reward_functions: [megatron_smp.post_training.envs.addition:nope]\n",
      "has no attribute 'nope'"),
     ("- prompts: megatron_smp.post_training.envs.addition:prompts\n"
-     "  reward_functions: [my_rewards:NOT_CALLABLE]\n", "'my_rewards:NOT_CALLABLE' is not callable"),
+     "  reward_functions: [my_rewards:NOT_CALLABLE]\n",
+     "'my_rewards:NOT_CALLABLE' is not callable"),
     ("- prompts: megatron_smp.post_training.envs.addition:prompts\n  reward_functions: []\n",
      "'reward_functions' must be a non-empty list"),
     ("- agent_type: CountdownAgent\n  agent_args: {}\n  weight: 1.0\n",
@@ -173,7 +173,8 @@ def test_sampler_is_deterministic_weighted_and_resumes(tmp_path, reward_module):
     environments = load_env_config(path)
     uninterrupted = PromptSampler(environments, seed=7).sample(40)
     assert uninterrupted == PromptSampler(environments, seed=7).sample(40)
-    counts = {name: sum(p.environment == name for p in uninterrupted) for name in ("small", "large")}
+    counts = {name: sum(p.environment == name for p in uninterrupted)
+              for name in ("small", "large")}
     assert counts["large"] > counts["small"] > 0
     # Each pass over an environment visits every record once before any repeats.
     small = [p.prompt for p in uninterrupted if p.environment == "small"][:5]
