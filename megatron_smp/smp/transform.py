@@ -51,6 +51,7 @@ class TransformedModel(torch.nn.Module):
       * Logits: without labels, the full [b, s, vocab] (gathered over TP and CP, padding
         columns sliced off). With labels they are not formed (`.logits` is None: gathering
         the vocabulary costs memory the loss does not need) unless `return_logits=True`.
+      * `generate(...)`: Hugging Face's generate with a KV cache (see its docstring).
       * Keywords it cannot honour (past_key_values / cache, use_cache=True, inputs_embeds,
         output_attentions=True, output_hidden_states=True, output_router_logits=True or
         config.output_router_logits, ...) are a ConfigError naming them.
@@ -290,12 +291,26 @@ class TransformedModel(torch.nn.Module):
         tags = [tags] if isinstance(tags, str) else list(tags)
         self.model_tags = list(dict.fromkeys((self.model_tags or []) + tags))
 
-    def generate(self, *args, **kwargs):
-        """Not available: the transformed model keeps no key/value cache."""
-        raise ConfigError(
-            "transformed model: generate() is not supported (no key/value cache); "
-            "load hf_state_dict() into the Hugging Face model and generate with it"
-        )
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None,
+                 attention_mask: Optional[torch.Tensor] = None, *,
+                 input_ids: Optional[torch.Tensor] = None, **kwargs):
+        """Hugging Face's `generate` (greedy or sampled, HF's keywords and GenerationConfig,
+        left-padded attention_mask) on the inference engine's KV cache
+        (`megatron_smp.inference.hf_generate`): input ids [b, s] -> [b, s + new] tokens.
+        Collective over the model's ranks (every rank passes the same inputs)."""
+        from megatron_smp.inference.hf_generate import generate, resolve_generation_config
+
+        if inputs is not None and input_ids is not None:
+            raise ConfigError("generate: give inputs or input_ids, not both")
+        input_ids = inputs if inputs is not None else input_ids
+        if input_ids is None:
+            raise ConfigError("generate: input_ids is required")
+        settings = resolve_generation_config(self, generation_config, **kwargs)
+        parallel_state = self.module.state
+        # Expert parallelism exchanges tokens over data-parallel ranks too: run the whole
+        # world as one model then.
+        group = parallel_state.model_parallel_group if parallel_state.ep_size == 1 else None
+        return generate(self.module, input_ids, attention_mask, settings, group)
 
     def _full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Our full (TP=1) state dict, LoRA adapters included: this rank's TP (and EP)

@@ -34,6 +34,7 @@ from megatron_smp.tensor_parallel import (
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
@@ -374,7 +375,8 @@ class DotProductAttention(torch.nn.Module):
 
     forward(query [s, b, nh_local, d], key/value [s, b, ng_local, d], attention_mask=None)
     -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked, a
-    `PackedSequence`, or None = causal.
+    `PackedSequence`, None = causal, or at inference a `KVCacheContext` (the keys/values
+    are cached and the queries attend over their request's cache).
     """
 
     def __init__(
@@ -387,6 +389,7 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = state.tp_group
+        self.layer_number = layer_number
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim)
@@ -413,6 +416,11 @@ class DotProductAttention(torch.nn.Module):
         if softmax_offset is None:
             softmax_offset = self.softmax_offset
         s, b = query.shape[:2]
+        if isinstance(attention_mask, KVCacheContext):
+            context = attention_mask.attend(
+                self.layer_number, query, key, value, self.softmax_scale, self.window_size,
+                softmax_offset, self.alibi_slopes if self.use_alibi else None)
+            return context.reshape(s, b, self.num_heads_per_partition * self.head_dim)
         # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.window_size is not None:
