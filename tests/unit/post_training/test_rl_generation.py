@@ -1,0 +1,106 @@
+"""Rollouts from the inference engine: at temperature 0 they equal HF `generate` on the same
+weights (tokens and log-probs); sampled rollouts are reproducible from (seed, step, index);
+rewards are scored on the decoded completions."""
+import os
+
+import pytest
+import torch
+
+import megatron_smp as smp
+from megatron_smp.inference import InferenceEngine
+from megatron_smp.post_training.envs import addition
+from megatron_smp.post_training.rl_config import RLConfig
+from megatron_smp.post_training.rl_env import PromptSampler, load_env_config
+from megatron_smp.post_training.rl_generation import (generate_rollouts, rollout_fields,
+                                                      sampling_params, score_rollouts)
+from megatron_smp.post_training.rollouts import build_rollout_batch, rollout_advantages
+from tests.unit.inference.common import build
+from tests.unit.inference.test_generation import _stage
+
+SHIPPED = os.path.join(os.path.dirname(addition.__file__), "addition.yaml")
+EOS = 0  # the small HF GPT-2's eos
+
+
+class CharTokenizer:
+    """Digits, '+', '=' and newline as ids 3..15; other ids decode to '?'."""
+    alphabet = "0123456789+=\n"
+
+    def tokenize(self, text):
+        return [3 + self.alphabet.index(c) for c in text]
+
+    def detokenize(self, ids):
+        return "".join(self.alphabet[i - 3] if 3 <= i < 3 + len(self.alphabet) else "?"
+                       for i in ids)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    smp.init({"random_seed": 3})
+    hf = build("gpt2").eval()
+    engine = InferenceEngine(_stage(hf, smp.state.parallel_state), max_tokens=512)
+    environments = load_env_config(SHIPPED)
+    return hf, engine, environments
+
+
+def test_greedy_rollouts_equal_hf_generate(setup):
+    hf, engine, environments = setup
+    prompts = PromptSampler(environments, seed=0).sample(3)
+    config = RLConfig(group_size=2, prompts_per_step=3, temperature=0.0, top_k=-1, top_p=0.0,
+                      max_completion_length=8)
+    rollouts = generate_rollouts(engine, CharTokenizer(), prompts, config, step=0, seed=0,
+                                 end_token_ids=[EOS])
+    assert len(rollouts) == 6
+    for index, rollout in enumerate(rollouts):
+        assert rollout.prompt is prompts[index // 2]
+        ids = torch.tensor([rollout.prompt_ids])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                              do_sample=False, eos_token_id=EOS, pad_token_id=EOS)[0]
+            expected = out[ids.shape[1]:].tolist()
+            if EOS in expected:
+                expected = expected[:expected.index(EOS) + 1]
+            assert rollout.completion_ids == expected
+            logits = hf(torch.tensor([rollout.prompt_ids + rollout.completion_ids])).logits[0]
+        n = len(rollout.prompt_ids)
+        logprobs = torch.log_softmax(logits[n - 1:-1].float(), -1).gather(
+            1, torch.tensor(rollout.completion_ids)[:, None])[:, 0]
+        assert (torch.tensor(rollout.logprobs) - logprobs).abs().max() < 1e-5
+        assert rollout.finish_reason == ("stop" if rollout.completion_ids[-1] == EOS
+                                         else "length")
+    # Greedy: the members of a group are the same completion.
+    assert rollouts[0].completion_ids == rollouts[1].completion_ids
+
+    score_rollouts(environments, rollouts)
+    for rollout in rollouts:
+        expected = addition.exact_match("", rollout.completion, rollout.prompt.answer)
+        assert rollout.reward == expected and list(rollout.rewards.values()) == [expected]
+
+
+def test_sampled_rollouts_are_seeded_by_step_and_index(setup):
+    _, engine, environments = setup
+    prompts = PromptSampler(environments, seed=1).sample(2)
+    config = RLConfig(group_size=4, prompts_per_step=2, temperature=1.0, top_k=-1, top_p=0.0,
+                      max_completion_length=6)
+    params = sampling_params(config, seed=5, stop_token_ids=[EOS])
+    assert (params.top_k, params.top_p, params.temperature, params.seed) == (0, 1.0, 1.0, 5)
+    tokenizer = CharTokenizer()
+    first = generate_rollouts(engine, tokenizer, prompts, config, step=3, seed=11,
+                              end_token_ids=[EOS])
+    again = generate_rollouts(engine, tokenizer, prompts, config, step=3, seed=11,
+                              end_token_ids=[EOS])
+    other_step = generate_rollouts(engine, tokenizer, prompts, config, step=4, seed=11,
+                                   end_token_ids=[EOS])
+    assert [r.completion_ids for r in first] == [r.completion_ids for r in again]
+    assert [r.completion_ids for r in first] != [r.completion_ids for r in other_step]
+    assert len({tuple(r.completion_ids) for r in first[:4]}) > 1  # members of a group differ
+
+    # The rollouts become a training batch.
+    score_rollouts(environments, first)
+    fields = rollout_fields(first)
+    advantages, kept = rollout_advantages(fields["rewards"], config.group_size)
+    batch = build_rollout_batch(fields["prompt_ids"], fields["completion_ids"], advantages,
+                                seq_length=32, pad_id=EOS, loss_type="dapo")
+    assert int(batch["loss_mask"].sum()) == sum(fields["completion_lengths"])
+    # Every completion token is a trained label once (packing only reorders the rollouts).
+    assert (sorted(batch["labels"][batch["loss_mask"] > 0].tolist())
+            == sorted(sum(fields["completion_ids"], [])))
