@@ -104,3 +104,68 @@ def test_sampled_rollouts_are_seeded_by_step_and_index(setup):
     # Every completion token is a trained label once (packing only reorders the rollouts).
     assert (sorted(batch["labels"][batch["loss_mask"] > 0].tolist())
             == sorted(sum(fields["completion_ids"], [])))
+
+
+def test_one_grpo_update_on_engine_weights():
+    """Rollouts -> fixed rewards -> packed batch -> the model's log-probs (they equal the
+    engine's sampling log-probs) -> one clipped-objective update -> the engine, sharing the
+    model's parameters, scores the rollouts with the updated weights: the positive-advantage
+    completions became likelier and the negative ones less likely."""
+    from megatron_smp.post_training.grpo import weighted_grpo_loss
+    from megatron_smp.post_training.rollouts import rollout_weights
+    from megatron_smp.inference import SamplingParams
+
+    smp.init({"random_seed": 3})
+    hf = build("gpt2", seed=1)
+    model = _stage(hf, smp.state.parallel_state)
+    engine = InferenceEngine(model, max_tokens=512)
+    environments = load_env_config(SHIPPED)
+    prompts = PromptSampler(environments, seed=2).sample(2)
+    config = RLConfig(group_size=4, prompts_per_step=2, temperature=1.0, max_completion_length=5,
+                      loss_type="grpo", kl_beta=0.0)
+    rollouts = generate_rollouts(engine, CharTokenizer(), prompts, config, step=0, seed=0,
+                                 end_token_ids=[EOS])
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # fixed, so both signs are present
+    advantages, _ = rollout_advantages(rewards, config.group_size)
+    fields = rollout_fields(rollouts)
+    batch = build_rollout_batch(fields["prompt_ids"], fields["completion_ids"], advantages,
+                                seq_length=32, pad_id=EOS, loss_type=config.loss_type)
+
+    def batch_logps():
+        logits = model(batch["tokens"], position_ids=batch["position_ids"],
+                       document_ids=batch["document_ids"])[..., :hf.config.vocab_size]
+        return torch.log_softmax(logits.float(), -1).gather(
+            -1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+
+    def per_rollout(values):
+        trained = batch["loss_mask"] > 0
+        return [values[trained & (batch["sequence_ids"] == i)] for i in range(len(rollouts))]
+
+    # No dropout (RL runs set --hidden-dropout 0 --attention-dropout 0): the policy that is
+    # trained is the one that sampled.
+    model.eval()
+    logps = batch_logps()
+    # The training forward's log-probs equal what the engine reported while sampling.
+    for ours, rollout in zip(per_rollout(logps.detach()), rollouts):
+        assert (ours - torch.tensor(rollout.logprobs)).abs().max() < 1e-5
+    loss, metrics = weighted_grpo_loss(
+        logps, logps.detach(), batch["advantages"], rollout_weights(batch),
+        sequence_ids=batch["sequence_ids"], loss_type="grpo", clamp_eps_lower=0.2,
+        clamp_eps_upper=0.2)
+    assert metrics["clip_fraction"] == 0 and abs(metrics["ratio_mean"] - 1) < 1e-6
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+
+    # The engine reads the updated parameters directly: its prompt log-probs of each rollout
+    # equal a fresh forward of the updated model, and moved with the advantage's sign.
+    requests = engine.generate(
+        [r.prompt_ids + r.completion_ids for r in rollouts],
+        [SamplingParams(max_new_tokens=0, prompt_logprobs=True)] * len(rollouts))
+    with torch.no_grad():
+        after = per_rollout(batch_logps())
+    before = per_rollout(logps.detach())
+    for index, (rollout, request) in enumerate(zip(rollouts, requests)):
+        engine_after = torch.tensor(request.prompt_logprobs[len(rollout.prompt_ids):])
+        assert (engine_after - after[index]).abs().max() < 1e-5
+        change = (after[index] - before[index]).mean().item()
+        assert change * advantages[index].item() > 0, (index, change)
