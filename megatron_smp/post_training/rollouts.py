@@ -14,7 +14,7 @@ import torch
 from megatron_smp.data.gpt_dataset import document_ids_and_position_ids
 from megatron_smp.data.sft_dataset import pack_best_fit
 from megatron_smp.post_training.grpo import (group_advantages, groups_with_distinct_rewards,
-                                             loss_weights)
+                                             loss_weights, weighted_grpo_loss)
 
 
 def rollout_advantages(rewards: Sequence[float], group_size: int, scale_rewards: str = "group",
@@ -141,3 +141,40 @@ def rollout_metrics(rewards: Sequence[float], per_function: Sequence[Dict[str, f
     if truncated is not None:
         metrics["completions/clipped_ratio"] = sum(map(bool, truncated)) / len(truncated)
     return metrics
+
+
+def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
+    """A trainer loss function `loss_fn(logits, batch) -> (loss, metrics)` over a micro-batch
+    of `build_rollout_batch` rows: log-probs of the labels from this rank's vocabulary shard
+    of the logits [b, s, v/tp], then `weighted_grpo_loss` with the batch's weights.
+
+    config: an RLConfig (loss_type, clamp eps, kl_beta). The batch may carry "old_logps"
+    (Trainer.compute_logprobs before the first of --grpo-iterations updates; without them the
+    rollouts are on-policy: old = current, detached, as TRL does for one iteration) and must
+    carry "ref_logps" when kl_beta != 0.
+    loss_scale: undoes the schedule's and the gradient reduction's averaging, since the
+    weights already normalise over the whole batch: num_microbatches x dp_size x cp_size.
+    """
+    from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    if config.entropy_term_weight != 0.0:
+        # The entropy of vocabulary-sharded logits needs its own all-reduces; until that
+        # function is here, the flag is refused rather than ignored.
+        raise ValueError("--grpo-entropy-term-weight: the entropy bonus is not available in the "
+                         "training step yet; set it to 0")
+
+    def loss_fn(logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
+        logps = -vocab_parallel_cross_entropy(logits, batch["labels"], tp_group, vocab_size)
+        old = batch.get("old_logps")
+        if config.kl_beta != 0.0 and "ref_logps" not in batch:
+            raise ValueError("--grpo-kl-beta != 0 needs the reference log-probs "
+                             "(batch['ref_logps']) in each micro-batch")
+        loss, metrics = weighted_grpo_loss(
+            logps, logps.detach() if old is None else old, batch["advantages"],
+            rollout_weights(batch), sequence_ids=batch["sequence_ids"],
+            loss_type=config.loss_type, clamp_eps_lower=config.clamp_eps_lower,
+            clamp_eps_upper=config.clamp_eps_upper, ref_logps=batch.get("ref_logps"),
+            kl_beta=config.kl_beta)
+        return loss * loss_scale, metrics
+
+    return loss_fn

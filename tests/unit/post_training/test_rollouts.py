@@ -135,3 +135,40 @@ def test_rollout_metrics_under_trl_names():
     assert (metrics["completions/mean_length"], metrics["completions/min_length"],
             metrics["completions/max_length"]) == (3.5, 1.0, 6.0)
     assert metrics["completions/clipped_ratio"] == pytest.approx(1 / 6)
+
+
+def test_trainer_loss_fn_on_micro_batches_gives_the_whole_batch_gradient():
+    """grpo_loss_fn with loss_scale = num_microbatches: the schedule's 1 / num_microbatches
+    per micro-batch backward adds up to the gradient of the whole batch's loss."""
+    from megatron_smp.post_training.rl_config import RLConfig
+    from megatron_smp.post_training.rollouts import grpo_loss_fn
+
+    prompts, completions, advantages, _, _, _, _ = _rollouts(seed=4)
+    config = RLConfig(loss_type="grpo", clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.04)
+    batch = build_rollout_batch(prompts, completions, advantages, seq_length=SEQ_LENGTH,
+                                pad_id=PAD, loss_type="grpo", pack=False)
+    vocab = 50
+    logits = torch.randn(batch["tokens"].shape + (vocab,), requires_grad=True)
+    logps = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None])[..., 0]
+    batch["old_logps"] = logps.detach() + 0.3 * torch.randn(logps.shape)
+    batch["ref_logps"] = logps.detach() + 0.2 * torch.randn(logps.shape)
+    expected, _ = weighted_grpo_loss(
+        logps, batch["old_logps"], batch["advantages"], rollout_weights(batch),
+        sequence_ids=batch["sequence_ids"], loss_type="grpo", clamp_eps_lower=0.2,
+        clamp_eps_upper=0.28, ref_logps=batch["ref_logps"], kl_beta=0.04)
+    expected_grad, = torch.autograd.grad(expected, logits)
+
+    loss_fn = grpo_loss_fn(config, tp_group=None, vocab_size=vocab, loss_scale=2)
+    total = 0.0
+    for rows in (slice(0, 3), slice(3, None)):
+        micro = {key: value[rows] for key, value in batch.items()}
+        loss, metrics = loss_fn(logits[rows], micro)
+        (loss / 2).backward()  # what the schedule does with each micro-batch's loss
+        total += loss.item() / 2
+    assert abs(total - expected.item()) < 1e-6
+    assert torch.allclose(logits.grad, expected_grad, atol=1e-7)
+    with pytest.raises(ValueError, match="--grpo-entropy-term-weight"):
+        grpo_loss_fn(RLConfig(entropy_term_weight=0.01), None, vocab)
+    with pytest.raises(ValueError, match="batch\\['ref_logps'\\]"):
+        grpo_loss_fn(config, None, vocab)(logits, {k: v for k, v in batch.items()
+                                                   if k != "ref_logps"})
