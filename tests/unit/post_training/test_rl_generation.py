@@ -19,6 +19,7 @@ from tests.unit.inference.test_generation import _stage
 
 SHIPPED = os.path.join(os.path.dirname(addition.__file__), "addition.yaml")
 EOS = 0  # the small HF GPT-2's eos
+STEPS = 16
 
 
 class CharTokenizer:
@@ -169,3 +170,54 @@ def test_one_grpo_update_on_engine_weights():
         assert (engine_after - after[index]).abs().max() < 1e-5
         change = (after[index] - before[index]).mean().item()
         assert change * advantages[index].item() > 0, (index, change)
+
+
+def test_grpo_steps_raise_a_reward():
+    """The pieces in sequence for a few steps (rollouts from the engine on the trained weights,
+    rewards, advantages, packed batch, two clipped updates per batch against the sampling
+    policy's log-probs): a reward the random model earns half the time (the first completion
+    token is in the lower half of the vocabulary) rises from about 0.5 to above 0.8."""
+    from megatron_smp.post_training.rollouts import grpo_loss_fn
+
+    smp.init({"random_seed": 3})
+    hf = build("gpt2", seed=2)
+    model = _stage(hf, smp.state.parallel_state)
+    engine = InferenceEngine(model, max_tokens=2048, max_requests=64)
+    environments = load_env_config(SHIPPED)
+    sampler = PromptSampler(environments, seed=0)
+    config = RLConfig(group_size=4, prompts_per_step=8, iterations=2, temperature=1.0,
+                      max_completion_length=2, loss_type="dapo", clamp_eps_lower=0.2,
+                      clamp_eps_upper=0.28, kl_beta=0.0)
+    vocab = hf.config.vocab_size
+    loss_fn = grpo_loss_fn(config, smp.state.parallel_state.tp_group, vocab)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    means = []
+    for step in range(STEPS):
+        rollouts = generate_rollouts(engine, CharTokenizer(), sampler.sample(8), config,
+                                     step=step, seed=0)
+        rewards = [float(r.completion_ids[0] < vocab // 2) for r in rollouts]
+        means.append(sum(rewards) / len(rewards))
+        advantages, kept = rollout_advantages(rewards, config.group_size,
+                                              filter_groups_with_same_reward=True)
+        if not kept:
+            continue
+        # The batch's sequence_ids number the kept rollouts 0, 1, ...
+        batch = build_rollout_batch([rollouts[i].prompt_ids for i in kept],
+                                    [rollouts[i].completion_ids for i in kept], advantages,
+                                    seq_length=32, pad_id=EOS, loss_type=config.loss_type)
+        # The sampling policy's log-probs, as the engine reported them, at the trained labels.
+        batch["old_logps"] = torch.zeros(batch["labels"].shape)
+        trained = batch["loss_mask"] > 0
+        for position, i in enumerate(kept):
+            where = trained & (batch["sequence_ids"] == position)
+            batch["old_logps"][where] = torch.tensor(rollouts[i].logprobs)
+        for _ in range(config.iterations):
+            optimizer.zero_grad()
+            logits = model(batch["tokens"], position_ids=batch["position_ids"],
+                           document_ids=batch["document_ids"])
+            loss, metrics = loss_fn(logits, batch)
+            loss.backward()
+            optimizer.step()
+    # Measured: 0.59 0.44 0.34 0.53 ... 0.91 0.94 0.97 0.97 0.91 (first four 0.48, last four 0.94).
+    first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
+    assert first < 0.6 and last > first + 0.3, means
