@@ -229,7 +229,17 @@ _SAME_MEANING = {
     "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_head_dim",
     "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim",
     "mtp_num_layers": "mtp_num_layers", "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
+    # Gemma 3: Megatron-LM main's linear RoPE scaling and its TransformerConfig.softmax_scale
+    # (taken from args by field name), then ours, which Megatron-LM has not (GEMMA_ONLY_ARGS).
+    "rotary_seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+    "softmax_scale": "softmax_scale",
+    "sandwich_norm": "sandwich_norm", "apply_embedding_scaling": "apply_embedding_scaling",
+    "local_rotary_base": "local_rotary_base",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
+# Args recorded for our reader that Megatron-LM would ignore (building another model).
+GEMMA_ONLY_ARGS = ("sandwich_norm", "apply_embedding_scaling", "local_rotary_base",
+                   "final_logit_softcapping", "geglu")
 # Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
 _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
                           "rope_scaling_high_freq_factor": 4.0,
@@ -257,6 +267,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
         fields.update(gated_linear_unit=True, activation="silu")
     elif args.get("quick_geglu"):
         fields.update(gated_linear_unit=True, activation="quick_gelu")
+    elif args.get("geglu"):
+        fields.update(gated_linear_unit=True, activation="gelu_tanh")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
     elif "swiglu" in args:
@@ -303,6 +315,7 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         swiglu=config.gated_linear_unit and config.activation == "silu",
         quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
+        geglu=config.gated_linear_unit and config.activation == "gelu_tanh",
         squared_relu=config.activation == "squared_relu",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
@@ -504,6 +517,12 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
     per_stage = config.num_layers // pp
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
     args = args_from_config(config, tp, pp, iteration)
+    lacking = [f"--{name.replace('_', '-')}" for name in GEMMA_ONLY_ARGS
+               if getattr(args, name) not in (None, False)]
+    if lacking:
+        raise CheckpointError(f"Megatron-LM has no {', '.join(lacking)} (Gemma 3's numerics): it "
+                              "would load this checkpoint as another model; keep it in "
+                              "megatron_smp's format or export it to Hugging Face")
     tied = not config.untie_embeddings_and_output_weights
     written = []
     for stage in range(pp):

@@ -15,6 +15,7 @@ import dataclasses
 import re
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -158,6 +159,26 @@ _FLAGS: List[_Flag] = [
     _f("--activation-func-clamp-value", "model", type=float,
        help="clamp the gate from above and up on both sides before the gated unit "
        "(gpt-oss's swiglu_limit, 7)"),
+    # Gemma 3 (README "Gemma 3"): Megatron-LM main's --rotary-seq-len-interpolation-factor;
+    # Megatron-LM has no flags for the rest, named here after Megatron-Bridge's Gemma fields.
+    _f("--rotary-seq-len-interpolation-factor", "model", type=float,
+       help="linear RoPE scaling: positions / F (HF rope_type linear; Gemma 3's global "
+       "layers: 8)"),
+    _f("--local-rotary-base", "model", type=float,
+       help="RoPE base of the sliding-window layers, unscaled (Gemma 3's "
+       "rope_local_base_freq, 10000); the full-attention layers keep --rotary-base"),
+    _f("--sandwich-norm", "model", action="store_true",
+       help="normalise the attention's and the MLP's outputs before each residual add "
+       "(Gemma 2/3's post norms)"),
+    _f("--apply-embedding-scaling", "model", action="store_true",
+       help="multiply the word embeddings by sqrt(hidden size) (Gemma)"),
+    _f("--softmax-scale", "model", type=float,
+       help="attention scores q.k times this (default 1/sqrt(kv channels); Gemma 3's "
+       "query_pre_attn_scalar S: S**-0.5)"),
+    _f("--final-logit-softcapping", "model", type=float,
+       help="logits = C * tanh(logits / C) (Gemma 2)"),
+    _f("--geglu", None, "geglu", action="store_true",
+       help="gated MLP gelu_tanh(gate) * up (Gemma's GeGLU), ffn size as given"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion",
@@ -188,6 +209,29 @@ _FLAGS: List[_Flag] = [
     # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
     _f("--mtp-num-layers", "model", type=int),
     _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
+    # Hybrid models (Megatron-LM main's flags; see README "Hybrid models").
+    _f("--hybrid-layer-pattern", "model",
+       help="one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; "
+       "| between pipeline stages; decides --num-layers"),
+    _f("--hybrid-override-pattern", None, "hybrid_override_pattern",
+       help="Megatron's deprecated spelling of --hybrid-layer-pattern"),
+    _f("--spec", None, "spec", nargs="*",
+       help="Megatron's layer-spec module and function: only the hybrid stack specs, which "
+       "--hybrid-layer-pattern builds here"),
+    _f("--linear-attention-freq", "model", metavar="N|PATTERN",
+       help="with --experimental-attention-variant gated_delta_net: N-1 Gated DeltaNet layers "
+       "per full attention layer, or a 0/1 list per layer (1 = linear)"),
+    _f("--experimental-attention-variant", "model", choices=["gated_delta_net", "gdn"]),
+    _f("--attention-output-gate", "model", action="store_true"),
+    _f("--mamba-state-dim", "model", type=int, default=128),
+    _f("--mamba-head-dim", "model", type=int, default=64),
+    _f("--mamba-num-groups", "model", type=int, default=8),
+    _f("--mamba-num-heads", "model", type=int),
+    _f("--linear-conv-kernel-dim", "model", type=int, default=4),
+    _f("--linear-key-head-dim", "model", type=int, default=128),
+    _f("--linear-value-head-dim", "model", type=int, default=128),
+    _f("--linear-num-key-heads", "model", type=int, default=16),
+    _f("--linear-num-value-heads", "model", type=int, default=32),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -594,6 +638,43 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
         optimizer["use_distributed_optimizer"] = True
 
 
+# --spec values of Megatron's hybrid scripts: the stack --hybrid-layer-pattern builds here.
+HYBRID_SPECS = (("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+                ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"))
+
+
+def hybrid_pattern_given(argv: Sequence[str]) -> bool:
+    """Whether `argv` gives --hybrid-layer-pattern (or its deprecated spelling)."""
+    return any(token.split("=", 1)[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+               for token in argv)
+
+
+def _apply_hybrid_flags(args, model: Dict[str, Any]) -> None:
+    """--hybrid-layer-pattern (or its deprecated --hybrid-override-pattern) sets --num-layers
+    (Megatron warns and takes the pattern's count); --spec may only name the hybrid stack."""
+    if args.hybrid_override_pattern is not None:
+        if model.get("hybrid_layer_pattern") is not None:
+            raise ConfigError("--hybrid-override-pattern and --hybrid-layer-pattern cannot both "
+                              "be given (the first is the deprecated name of the second)")
+        model["hybrid_layer_pattern"] = args.hybrid_override_pattern
+    pattern = model.get("hybrid_layer_pattern")
+    if args.spec is not None and (pattern is None or tuple(args.spec) not in HYBRID_SPECS):
+        raise ConfigError(
+            f"--spec {' '.join(args.spec)}: layer specs are not loaded from modules here; the "
+            "hybrid stack specs (" + ", ".join(" ".join(spec) for spec in HYBRID_SPECS)
+            + ") are accepted with --hybrid-layer-pattern, which builds that stack")
+    if pattern is None:
+        return
+    from megatron_smp.config import HYBRID_MTP_SEPARATOR, HYBRID_STAGE_BREAK
+
+    count = len(pattern.split(HYBRID_MTP_SEPARATOR)[0].replace(HYBRID_STAGE_BREAK, ""))
+    given = model.get("num_layers")
+    if given is not None and given != count:
+        warnings.warn(f"--hybrid-layer-pattern is set; ignoring --num-layers ({given}) and "
+                      f"using the layer count derived from the pattern ({count})")
+    model["num_layers"] = count
+
+
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
@@ -755,6 +836,8 @@ def parse_args(
             key = spec.flag.lstrip("-").replace("-", "_")
             by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if hybrid_pattern_given(argv):  # the pattern gives the layer count, as in Megatron
+        parser._option_string_actions["--num-layers"].required = False
     if "--use-checkpoint-args" in argv:
         # As in Megatron, the model's shape may come from the --load checkpoint alone.
         for action in parser._actions:
@@ -773,6 +856,7 @@ def parse_args(
     model = sections["model"]
     training = sections["training"]
     data = sections["data"]
+    _apply_hybrid_flags(args, model)
     if args.use_rotary_position_embeddings:
         model["position_embedding_type"] = "rope"
     if not args.add_position_embedding and model.get("position_embedding_type") != "rope":
@@ -787,10 +871,11 @@ def parse_args(
             and model.get("position_embedding_type") == "rope"):
         model["position_embedding_type"] = "yarn"
     _check_rope_scaling_flags(argv, model)
-    activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
-                                            ("--swiglu", args.swiglu),
-                                            ("--openai-gelu", args.openai_gelu),
-                                            ("--quick-geglu", args.quick_geglu)) if given]
+    choices = (("--squared-relu", args.squared_relu), ("--openai-gelu", args.openai_gelu),
+               ("--quick-geglu", args.quick_geglu), ("--geglu", args.geglu))
+    if args.swiglu and "--swiglu" not in argv and any(given for _, given in choices):
+        args.swiglu = False  # an entry script's default (pretrain_llama.py) gives way
+    activations = [flag for flag, given in (("--swiglu", args.swiglu),) + choices if given]
     if len(activations) > 1:
         raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
     if args.squared_relu:
@@ -807,6 +892,9 @@ def parse_args(
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
+    if args.geglu:
+        model["gated_linear_unit"] = True
+        model["activation"] = "gelu_tanh"
     if args.disable_bias_linear:
         model["add_bias_linear"] = False
     if args.group_query_attention:

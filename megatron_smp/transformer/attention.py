@@ -17,6 +17,7 @@ than the product itself (`_causal_attention_with_dropout_cpu`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -41,6 +42,19 @@ from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerTypeRotaryEmbeddings:
+    """The cos/sin tables of a model whose sliding-window layers rotate with their own base
+    (Gemma 3, --local-rotary-base): each decoder layer takes the one of its kind
+    (`for_layer`). Not a tuple, so no attention can mistake it for one (cos, sin) pair."""
+
+    full: RotaryEmbeddings
+    sliding: RotaryEmbeddings
+
+    def for_layer(self, sliding_window: bool) -> RotaryEmbeddings:
+        return self.sliding if sliding_window else self.full
 
 
 # Rotary position embeddings ----------------------------------------------------------------------
@@ -392,7 +406,8 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim)
+        # None: 1/sqrt(head_dim), or the config's (--softmax-scale, Gemma's query_pre_attn_scalar).
+        self.softmax_scale = config.softmax_scale if softmax_scale is None else softmax_scale
         self.attention_dropout = config.attention_dropout
         # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
         # keep SDPA's causal kernel for it.
@@ -488,7 +503,11 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm = build_norm(config, self.head_dim, partial, device)
             self.k_layernorm = build_norm(config, self.head_dim, partial, device)
 
-        qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+        # --attention-output-gate: each group's rows also hold a gate per query channel,
+        # [q heads, gates, k, v], so the TP split by groups keeps a head's gate with it.
+        self.output_gate = config.attention_output_gate
+        gated_heads = self.num_heads if self.output_gate else 0
+        qkv_size = (self.num_heads + gated_heads + 2 * self.num_query_groups) * self.head_dim
         init_method = init_method_normal(config.init_method_std)
         output_init = (
             scaled_init_method_normal(config.init_method_std, config.num_layers)
@@ -522,12 +541,16 @@ class SelfAttention(torch.nn.Module):
         )
 
     def _split_qkv(self, mixed: torch.Tensor):
-        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d]."""
+        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d],
+        gate [s, b, nh_local * d] (--attention-output-gate: qpg more rows per group) or None."""
         s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + 2, self.head_dim)
-        query, key, value = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
+        gates = self.q_per_group if self.output_gate else 0
+        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + gates + 2,
+                           self.head_dim)
+        query, gate, key, value = torch.split(mixed, [self.q_per_group, gates, 1, 1], dim=3)
         query = query.reshape(s, b, self.num_heads_per_partition, self.head_dim)
-        return query, key.squeeze(3), value.squeeze(3)
+        gate = gate.reshape(s, b, -1) if self.output_gate else None
+        return query, key.squeeze(3), value.squeeze(3), gate
 
     def forward(
         self,
@@ -536,7 +559,7 @@ class SelfAttention(torch.nn.Module):
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
         mixed, _ = self.linear_qkv(hidden_states)
-        query, key, value = self._split_qkv(mixed)
+        query, key, value, gate = self._split_qkv(mixed)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
@@ -546,6 +569,8 @@ class SelfAttention(torch.nn.Module):
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
+        if gate is not None:
+            context = context * torch.sigmoid(gate)
         output, _ = self.linear_proj(context)
         return output
 
@@ -665,6 +690,7 @@ def _flash_forward(q, k, v, bias, causal, cast_dtype, layout, dropout_p, scale, 
 
 
 __all__ = [
+    "LayerTypeRotaryEmbeddings",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "alibi_slopes",
