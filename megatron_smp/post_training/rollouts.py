@@ -122,6 +122,9 @@ def rollout_metrics(rewards: Sequence[float], per_function: Sequence[Dict[str, f
     if not len(rewards) == len(per_function) == len(completion_lengths):
         raise ValueError("rollout_metrics: rewards, per_function and completion_lengths must "
                          "have one entry per rollout")
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"rollout_metrics: {len(rewards)} rewards do not split into groups of "
+                         f"--grpo-group-size {group_size}")
     values = torch.tensor(list(rewards), dtype=torch.float64)
     lengths = torch.tensor(list(completion_lengths), dtype=torch.float64)
     grouped = values.view(-1, group_size)
