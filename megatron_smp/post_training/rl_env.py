@@ -237,11 +237,16 @@ class PromptSampler:
         self.seed = seed
         self.draws = 0
         self.positions = {env.name: 0 for env in self.environments}
+        self._orders: Dict[str, Tuple[int, List[int]]] = {}
 
     def _order(self, env: Environment, epoch: int) -> List[int]:
-        order = list(range(len(env.records)))
-        random.Random(f"{self.seed}:{env.name}:{epoch}").shuffle(order)
-        return order
+        # One shuffle per pass, kept until the pass ends (a function of seed, name and pass).
+        cached = self._orders.get(env.name)
+        if cached is None or cached[0] != epoch:
+            order = list(range(len(env.records)))
+            random.Random(f"{self.seed}:{env.name}:{epoch}").shuffle(order)
+            cached = self._orders[env.name] = (epoch, order)
+        return cached[1]
 
     def sample(self, num_prompts: int) -> List[Prompt]:
         prompts = []
@@ -267,6 +272,7 @@ class PromptSampler:
                                  f"{sorted(self.positions)}")
         self.seed, self.draws = state["seed"], state["draws"]
         self.positions = dict(state["positions"])
+        self._orders = {}
 
 
 def score_completions(environments: Sequence[Environment], prompts: Sequence[Prompt],
