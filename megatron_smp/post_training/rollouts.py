@@ -43,13 +43,20 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
                         completion_ids: Sequence[Sequence[int]],
                         advantages: Sequence[float], *, seq_length: int, pad_id: int,
                         loss_type: str, max_completion_length: Optional[int] = None,
-                        pack: bool = True) -> Dict[str, torch.Tensor]:
+                        pack: bool = True,
+                        old_logprobs: Optional[Sequence[Sequence[float]]] = None,
+                        ) -> Dict[str, torch.Tensor]:
     """The training batch of rollouts i = prompt_ids[i] + completion_ids[i].
 
     A rollout of n tokens gives n - 1 (input, label) positions; those whose label is a
     completion token are trained (loss_mask 1). With `pack`, rollouts share rows (best-fit
     decreasing, each attending only to itself, positions restarting at 0); otherwise one
     rollout per row. Padding is never trained on.
+
+    old_logprobs: per rollout, the sampling policy's log-prob of each completion token (the
+    engine's `Request.logprobs`), stored as "old_logps" at the trained positions. In fp32 they
+    equal a training forward on the same weights; where inference numerics differ (bf16
+    kernels), compute "old_logps" with a training-side forward instead.
     """
     if not len(prompt_ids) == len(completion_ids) == len(advantages):
         raise ValueError(f"build_rollout_batch: {len(prompt_ids)} prompts, {len(completion_ids)} "
@@ -64,6 +71,9 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
             raise ValueError(f"build_rollout_batch: rollout {index} needs {lengths[-1]} positions, "
                              f"more than --seq-length {seq_length}; shorten the prompt or "
                              f"--rl-max-completion-length")
+    if old_logprobs is not None and [len(x) for x in old_logprobs] != [len(c) for c in
+                                                                       completion_ids]:
+        raise ValueError("build_rollout_batch: old_logprobs needs one value per completion token")
     rows = pack_best_fit(lengths, seq_length) if pack else [[i] for i in range(len(lengths))]
     shape = (len(rows), seq_length)
     batch = {
@@ -73,6 +83,8 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
         "advantages": torch.zeros(shape),
         "sequence_ids": torch.zeros(shape, dtype=torch.long),
     }
+    if old_logprobs is not None:
+        batch["old_logps"] = torch.zeros(shape)
     position_ids, document_ids = [], []
     for row, members in enumerate(rows):
         starts, position = [], 0
@@ -85,6 +97,9 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
             batch["loss_mask"][row, position + first_trained:position + n] = 1.0
             batch["advantages"][row, span] = float(advantages[index])
             batch["sequence_ids"][row, span] = index
+            if old_logprobs is not None:
+                batch["old_logps"][row, position + first_trained:position + n] = torch.tensor(
+                    [float(x) for x in old_logprobs[index]])
             starts.append(position)
             position += n
         if position < seq_length:

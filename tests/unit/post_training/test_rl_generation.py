@@ -149,6 +149,10 @@ def test_one_grpo_update_on_engine_weights():
     # The training forward's log-probs equal what the engine reported while sampling.
     for ours, rollout in zip(per_rollout(logps.detach()), rollouts):
         assert (ours - torch.tensor(rollout.logprobs)).abs().max() < 1e-5
+    engine_logps = build_rollout_batch(
+        fields["prompt_ids"], fields["completion_ids"], advantages, seq_length=32, pad_id=EOS,
+        loss_type=config.loss_type, old_logprobs=[r.logprobs for r in rollouts])["old_logps"]
+    assert ((engine_logps - logps.detach()) * batch["loss_mask"]).abs().max() < 1e-5
     loss, metrics = weighted_grpo_loss(
         logps, logps.detach(), batch["advantages"], rollout_weights(batch),
         sequence_ids=batch["sequence_ids"], loss_type="grpo", clamp_eps_lower=0.2,
@@ -201,16 +205,11 @@ def test_grpo_steps_raise_a_reward():
                                               filter_groups_with_same_reward=True)
         if not kept:
             continue
-        # The batch's sequence_ids number the kept rollouts 0, 1, ...
+        # Old log-probs: the sampling policy's, as the engine reported them.
         batch = build_rollout_batch([rollouts[i].prompt_ids for i in kept],
                                     [rollouts[i].completion_ids for i in kept], advantages,
-                                    seq_length=32, pad_id=EOS, loss_type=config.loss_type)
-        # The sampling policy's log-probs, as the engine reported them, at the trained labels.
-        batch["old_logps"] = torch.zeros(batch["labels"].shape)
-        trained = batch["loss_mask"] > 0
-        for position, i in enumerate(kept):
-            where = trained & (batch["sequence_ids"] == position)
-            batch["old_logps"][where] = torch.tensor(rollouts[i].logprobs)
+                                    seq_length=32, pad_id=EOS, loss_type=config.loss_type,
+                                    old_logprobs=[rollouts[i].logprobs for i in kept])
         for _ in range(config.iterations):
             optimizer.zero_grad()
             logits = model(batch["tokens"], position_ids=batch["position_ids"],
