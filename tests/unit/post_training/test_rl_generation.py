@@ -84,6 +84,9 @@ def test_sampled_rollouts_are_seeded_by_step_and_index(setup):
                       max_completion_length=6)
     params = sampling_params(config, seed=5, stop_token_ids=[EOS])
     assert (params.top_k, params.top_p, params.temperature, params.seed) == (0, 1.0, 1.0, 5)
+    nucleus = sampling_params(RLConfig(temperature=0.7, top_k=20, top_p=0.9), seed=5)
+    assert (nucleus.top_k, nucleus.top_p, nucleus.temperature) == (20, 0.9, 0.7)
+    assert sampling_params(RLConfig(temperature=0.0), seed=5).seed is None  # greedy
     tokenizer = CharTokenizer()
     first = generate_rollouts(engine, tokenizer, prompts, config, step=3, seed=11,
                               end_token_ids=[EOS])
