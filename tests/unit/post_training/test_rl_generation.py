@@ -1,6 +1,7 @@
 """Rollouts from the inference engine: at temperature 0 they equal HF `generate` on the same
 weights (tokens and log-probs); sampled rollouts are reproducible from (seed, step, index);
 rewards are scored on the decoded completions."""
+import copy
 import os
 
 import pytest
@@ -179,47 +180,81 @@ def test_one_grpo_update_on_engine_weights():
         assert change * advantages[index].item() > 0, (index, change)
 
 
-def test_grpo_steps_raise_a_reward():
-    """The pieces in sequence for a few steps (rollouts from the engine on the trained weights,
-    rewards, advantages, packed batch, two clipped updates per batch against the sampling
-    policy's log-probs): a reward the random model earns half the time (the first completion
-    token is in the lower half of the vocabulary) rises from about 0.5 to above 0.8."""
-    from megatron_smp.post_training.rollouts import grpo_loss_fn
+class _Run:
+    """The pieces of an RL step in sequence, as a loop will run them (a plain optimizer and
+    the model's own forward stand in for the trainer)."""
 
-    smp.init({"random_seed": 3})
-    hf = build("gpt2", seed=2)
-    model = _stage(hf, smp.state.parallel_state)
-    engine = InferenceEngine(model, max_tokens=2048, max_requests=64)
-    environments = load_env_config(SHIPPED)
-    sampler = PromptSampler(environments, seed=0)
-    config = RLConfig(group_size=4, prompts_per_step=8, iterations=2, temperature=1.0,
-                      max_completion_length=2, loss_type="dapo", clamp_eps_lower=0.2,
-                      clamp_eps_upper=0.28, kl_beta=0.0)
-    vocab = hf.config.vocab_size
-    loss_fn = grpo_loss_fn(config, smp.state.parallel_state.tp_group, vocab)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    means = []
-    for step in range(STEPS):
-        rollouts = generate_rollouts(engine, CharTokenizer(), sampler.sample(8), config,
-                                     step=step, seed=0)
-        rewards = [float(r.completion_ids[0] < vocab // 2) for r in rollouts]
-        means.append(sum(rewards) / len(rewards))
-        advantages, kept = rollout_advantages(rewards, config.group_size,
-                                              filter_groups_with_same_reward=True)
-        if not kept:
-            continue
-        # Old log-probs: the sampling policy's, as the engine reported them.
-        batch = build_rollout_batch([rollouts[i].prompt_ids for i in kept],
-                                    [rollouts[i].completion_ids for i in kept], advantages,
-                                    seq_length=32, pad_id=EOS, loss_type=config.loss_type,
-                                    old_logprobs=[rollouts[i].logprobs for i in kept])
-        for _ in range(config.iterations):
-            optimizer.zero_grad()
-            logits = model(batch["tokens"], position_ids=batch["position_ids"],
-                           document_ids=batch["document_ids"])
-            loss, metrics = loss_fn(logits, batch)
-            loss.backward()
-            optimizer.step()
+    def __init__(self):
+        from megatron_smp.post_training.rollouts import grpo_loss_fn
+
+        smp.init({"random_seed": 3})
+        self.hf = build("gpt2", seed=2)
+        self.model = _stage(self.hf, smp.state.parallel_state)
+        self.engine = InferenceEngine(self.model, max_tokens=2048, max_requests=64)
+        self.sampler = PromptSampler(load_env_config(SHIPPED), seed=0)
+        self.config = RLConfig(group_size=4, prompts_per_step=8, iterations=2, temperature=1.0,
+                               max_completion_length=2, loss_type="dapo", clamp_eps_lower=0.2,
+                               clamp_eps_upper=0.28, kl_beta=0.0)
+        self.vocab = self.hf.config.vocab_size
+        self.loss_fn = grpo_loss_fn(self.config, smp.state.parallel_state.tp_group, self.vocab)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+
+    def steps(self, first, last):
+        """Steps first..last-1: each step's mean reward and its updates' losses."""
+        config, means, losses = self.config, [], []
+        for step in range(first, last):
+            rollouts = generate_rollouts(self.engine, CharTokenizer(),
+                                         self.sampler.sample(config.prompts_per_step), config,
+                                         step=step, seed=0)
+            rewards = [float(r.completion_ids[0] < self.vocab // 2) for r in rollouts]
+            means.append(sum(rewards) / len(rewards))
+            advantages, kept = rollout_advantages(rewards, config.group_size,
+                                                  filter_groups_with_same_reward=True)
+            if not kept:
+                continue
+            # Old log-probs: the sampling policy's, as the engine reported them.
+            batch = build_rollout_batch([rollouts[i].prompt_ids for i in kept],
+                                        [rollouts[i].completion_ids for i in kept], advantages,
+                                        seq_length=32, pad_id=EOS, loss_type=config.loss_type,
+                                        old_logprobs=[rollouts[i].logprobs for i in kept])
+            for _ in range(config.iterations):
+                self.optimizer.zero_grad()
+                logits = self.model(batch["tokens"], position_ids=batch["position_ids"],
+                                    document_ids=batch["document_ids"])
+                loss, _ = self.loss_fn(logits, batch)
+                loss.backward()
+                self.optimizer.step()
+                losses.append(loss.item())
+        return means, losses
+
+
+def test_grpo_steps_raise_a_reward_and_resume_exactly():
+    """Rollouts from the engine on the trained weights, rewards, advantages (DAPO's filter),
+    packed batch, two clipped updates per batch against the sampling policy's log-probs: a
+    reward the random model earns half the time (the first completion token is in the lower
+    half of the vocabulary) rises from about 0.5 to above 0.8. Resumed from step 8's state
+    (weights, optimizer, prompt sampler; rollout seeds follow the step), the run repeats the
+    uninterrupted run's rewards and losses."""
+    run = _Run()
+    means, losses = run.steps(0, 8)
+    state = copy.deepcopy(run.state_dict())
+    later_means, later_losses = run.steps(8, STEPS)
+    means += later_means
     # Measured: 0.59 0.44 0.34 0.53 ... 0.91 0.94 0.97 0.97 0.91 (first four 0.48, last four 0.94).
     first, last = sum(means[:4]) / 4, sum(means[-4:]) / 4
     assert first < 0.6 and last > first + 0.3, means
+
+    resumed = _Run()
+    resumed.load_state_dict(state)
+    resumed_means, resumed_losses = resumed.steps(8, STEPS)
+    assert resumed_means == later_means
+    assert resumed_losses == later_losses
