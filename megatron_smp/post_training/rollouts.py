@@ -43,7 +43,7 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
                         completion_ids: Sequence[Sequence[int]],
                         advantages: Sequence[float], *, seq_length: int, pad_id: int,
                         loss_type: str, max_completion_length: Optional[int] = None,
-                        pack: bool = True,
+                        pack: bool = True, pad_to_multiple: int = 1,
                         old_logprobs: Optional[Sequence[Sequence[float]]] = None,
                         ) -> Dict[str, torch.Tensor]:
     """The training batch of rollouts i = prompt_ids[i] + completion_ids[i].
@@ -51,7 +51,9 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
     A rollout of n tokens gives n - 1 (input, label) positions; those whose label is a
     completion token are trained (loss_mask 1). With `pack`, rollouts share rows (best-fit
     decreasing, each attending only to itself, positions restarting at 0); otherwise one
-    rollout per row. Padding is never trained on.
+    rollout per row. Padding is never trained on. `pad_to_multiple` (2 x context-parallel
+    size, as for SFT packs) rounds each rollout's slot up, so that every rollout splits evenly
+    over the context-parallel ranks.
 
     old_logprobs: per rollout, the sampling policy's log-prob of each completion token (the
     engine's `Request.logprobs`), stored as "old_logps" at the trained positions. In fp32 they
@@ -61,20 +63,21 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
     if not len(prompt_ids) == len(completion_ids) == len(advantages):
         raise ValueError(f"build_rollout_batch: {len(prompt_ids)} prompts, {len(completion_ids)} "
                          f"completions and {len(advantages)} advantages must match")
-    lengths = []
+    lengths, slots = [], []
     for index, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
         if not prompt or not completion:
             raise ValueError(f"build_rollout_batch: rollout {index} has an empty prompt or "
                              f"completion")
         lengths.append(len(prompt) + len(completion) - 1)
-        if lengths[-1] > seq_length:
-            raise ValueError(f"build_rollout_batch: rollout {index} needs {lengths[-1]} positions, "
+        slots.append(-(-lengths[-1] // pad_to_multiple) * pad_to_multiple)
+        if slots[-1] > seq_length:
+            raise ValueError(f"build_rollout_batch: rollout {index} needs {slots[-1]} positions, "
                              f"more than --seq-length {seq_length}; shorten the prompt or "
                              f"--rl-max-completion-length")
     if old_logprobs is not None and [len(x) for x in old_logprobs] != [len(c) for c in
                                                                        completion_ids]:
         raise ValueError("build_rollout_batch: old_logprobs needs one value per completion token")
-    rows = pack_best_fit(lengths, seq_length) if pack else [[i] for i in range(len(lengths))]
+    rows = pack_best_fit(slots, seq_length) if pack else [[i] for i in range(len(lengths))]
     shape = (len(rows), seq_length)
     batch = {
         "tokens": torch.full(shape, pad_id, dtype=torch.long),
@@ -101,7 +104,7 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
                 batch["old_logps"][row, position + first_trained:position + n] = torch.tensor(
                     [float(x) for x in old_logprobs[index]])
             starts.append(position)
-            position += n
+            position += slots[index]
         if position < seq_length:
             starts.append(position)  # the padding is a document of its own
         positions, documents = document_ids_and_position_ids(starts, seq_length, True, True)

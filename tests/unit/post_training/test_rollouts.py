@@ -100,6 +100,12 @@ def test_batch_layout_tokens_labels_masks():
     assert packed["tokens"].shape == (1, 8)
     assert packed["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
     assert packed["document_ids"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
+    # Context parallelism: each rollout's slot is a multiple of 2 x CP = 4 positions.
+    padded = build_rollout_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [0.5, -1.0],
+                                 seq_length=8, pad_id=PAD, loss_type="grpo", pad_to_multiple=4)
+    assert padded["document_ids"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert padded["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0]
+    assert padded["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="rollout 0 needs 9 positions, more than --seq-length 8"):
         build_rollout_batch([[1] * 5], [[2] * 5], [0.0], seq_length=8, pad_id=PAD,
                             loss_type="grpo")
