@@ -817,6 +817,13 @@ class TransformerConfig:
         _require(self.experimental_attention_variant in (None, "gated_delta_net", "gdn"),
                  f"--experimental-attention-variant {self.experimental_attention_variant!r} is "
                  "not supported; gated_delta_net (gdn) is")
+        # As in Megatron: in a GPT stack the variant's layers are placed by the frequency; a
+        # hybrid pattern places them by its G symbols.
+        _require(self.experimental_attention_variant is None or symbols is not None
+                 or self.linear_attention_freq is not None,
+                 f"--experimental-attention-variant {self.experimental_attention_variant} needs "
+                 "--linear-attention-freq N (N - 1 Gated DeltaNet layers, then one attention "
+                 "layer), or a --hybrid-layer-pattern with G where they go")
         if uses_mamba:
             heads, groups = self.mamba_heads(), self.mamba_num_groups
             _require(min(heads, groups, self.mamba_head_dim, self.mamba_state_dim) >= 1
