@@ -165,6 +165,35 @@ def materialize_meta_model(model: torch.nn.Module, device: torch.device) -> torc
     return model
 
 
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under wrappers (`TransformedModel`, our DDP/FSDP wrapper)."""
+    for module in model.modules():
+        if hasattr(module, "decoder") and hasattr(module, "share_embeddings_and_output_weights"):
+            return module
+    raise ConfigError(
+        f"{type(model).__name__} holds no megatron_smp GPTModel; wrap a GPTModel or a model "
+        "returned by smp.transform (for another model pass its layers as layers=)"
+    )
+
+
+META_DEVICE_PROVIDER_ERROR = (
+    "--init-model-with-meta-device builds the model on the meta device, but the model "
+    "provider takes no device= argument: forward device= to the model (pretrain_gpt.py's "
+    "model_provider does, through **stage), or drop the flag"
+)
+
+
+def provider_accepts_device(model_provider: Callable) -> bool:
+    """Whether `model_provider` takes `device=` (and can therefore build on the meta device)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model_provider).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 class DelayedParamIniter:
     """SMP v2's delayed parameter initialiser for a model built on the meta device.
 
@@ -191,8 +220,6 @@ class DelayedParamIniter:
         self._seeds: Dict[int, Optional[int]] = {}
         self._gpt = None
         if init_method_using_config is None:
-            from megatron_smp.distributed.fsdp import language_model
-
             try:
                 self._gpt = language_model(model)
             except ConfigError:
