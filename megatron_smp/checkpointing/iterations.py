@@ -171,29 +171,10 @@ def save_checkpoint(
     staging_dir = final_dir + STAGING_SUFFIX
     queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
 
-    def prepare() -> str:
-        if ckpt_format not in CHECKPOINT_FORMATS:
-            raise CheckpointError(
-                f"--ckpt-format {ckpt_format!r} is not supported; use one of {CHECKPOINT_FORMATS}"
-            )
-        if extra_files and ckpt_format != "torch":
-            raise CheckpointError("extra_files are written with ckpt_format='torch' only")
-        if not isinstance(iteration, int) or iteration < 0:
-            raise CheckpointError(f"iteration must be a non-negative int, got {iteration!r}")
-        check_state_dict(state_dict)
-        if RNG_KEY in state_dict:
-            raise CheckpointError(f"state dict key {RNG_KEY!r} is reserved for the RNG states")
-        common = _common_metadata(iteration, state, ckpt_format, config)
-        if state.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            if os.path.exists(staging_dir):  # left by a killed save of this iteration
-                shutil.rmtree(staging_dir)
-            os.makedirs(staging_dir)
-            write_file_atomically(os.path.join(staging_dir, COMMON_FILENAME), common)
-        return common
-
     # Collective: no rank writes before rank 0 has made a clean staging directory.
-    _agreed(prepare, f"preparing checkpoint {staging_dir}")
+    _agreed(lambda: _prepare_staging(iteration, state_dict, save_dir, state, ckpt_format,
+                                     config, extra_files),
+            f"preparing checkpoint {staging_dir}")
 
     full_state_dict = dict(state_dict)
     if save_rng:
@@ -212,25 +193,58 @@ def save_checkpoint(
             )
             return
         dcp.save(full_state_dict, checkpoint_id=staging_dir, planner=planner)
-    else:
-        path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
-        files = {path: full_state_dict}
-        files.update({os.path.join(staging_dir, name): value
-                      for name, value in (extra_files or {}).items()})
-        payload = _torch_payload(files)
-        if async_save:
-            schedule_staged_write(
-                payload,
-                lambda staged: _torch_save_files(staged),
-                queue,
-                stage_in_background=stage_in_background,
-                finalize_fns=finalize_fns,
-                description=f"asynchronous save of {path}",
-            )
-            return
-        _agreed(lambda: _torch_save_files(payload), f"saving {staging_dir}")
+    elif _write_torch_files(full_state_dict, staging_dir, state, extra_files, async_save,
+                            queue, stage_in_background, finalize_fns):
+        return
     for fn in finalize_fns:
         fn()
+
+
+def _prepare_staging(iteration, state_dict, save_dir: str, state, ckpt_format: str, config,
+                     extra_files) -> None:
+    """Check what is saved, then (rank 0) a clean staging directory with common.json."""
+    if ckpt_format not in CHECKPOINT_FORMATS:
+        raise CheckpointError(
+            f"--ckpt-format {ckpt_format!r} is not supported; use one of {CHECKPOINT_FORMATS}"
+        )
+    if extra_files and ckpt_format != "torch":
+        raise CheckpointError("extra_files are written with ckpt_format='torch' only")
+    if not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointError(f"iteration must be a non-negative int, got {iteration!r}")
+    check_state_dict(state_dict)
+    if RNG_KEY in state_dict:
+        raise CheckpointError(f"state dict key {RNG_KEY!r} is reserved for the RNG states")
+    common = _common_metadata(iteration, state, ckpt_format, config)
+    if state.rank == 0:
+        staging_dir = checkpoint_dir(save_dir, iteration) + STAGING_SUFFIX
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(staging_dir):  # left by a killed save of this iteration
+            shutil.rmtree(staging_dir)
+        os.makedirs(staging_dir)
+        write_file_atomically(os.path.join(staging_dir, COMMON_FILENAME), common)
+
+
+def _write_torch_files(full_state_dict, staging_dir: str, state, extra_files, async_save: bool,
+                       queue, stage_in_background: bool, finalize_fns) -> bool:
+    """The "torch" format's per-rank file (and `extra_files`); True when the write was
+    scheduled asynchronously (finalised later), False when it is done."""
+    path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
+    files = {path: full_state_dict}
+    files.update({os.path.join(staging_dir, name): value
+                  for name, value in (extra_files or {}).items()})
+    payload = _torch_payload(files)
+    if async_save:
+        schedule_staged_write(
+            payload,
+            lambda staged: _torch_save_files(staged),
+            queue,
+            stage_in_background=stage_in_background,
+            finalize_fns=finalize_fns,
+            description=f"asynchronous save of {path}",
+        )
+        return True
+    _agreed(lambda: _torch_save_files(payload), f"saving {staging_dir}")
+    return False
 
 
 def prepare_async_staging(

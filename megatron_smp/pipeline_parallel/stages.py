@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron_smp.config import ConfigError
+from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches, schedule_name
 
 
 @dataclass
@@ -133,17 +134,6 @@ def pipeline_layer_layout(
     return layout
 
 
-def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> None:
-    """The virtual schedule walks microbatches in groups of pp; a partial group cannot work."""
-    if num_microbatches % pipeline_size:
-        raise ConfigError(
-            f"the interleaved virtual-pipeline schedule needs the number of microbatches "
-            f"({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be a multiple of --pipeline-model-parallel-size ({pipeline_size}); "
-            "change --global-batch-size or drop the virtual stages"
-        )
-
-
 def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
     parallel = configs.parallel
     return pipeline_layer_layout(
@@ -161,8 +151,6 @@ def validate_pipeline_configs(configs, pipeline_size: int,
     """Every check of a pipeline layout; pure, so `validate_configs` runs it on every rank
     before any collective. Returns the layout."""
     # Imported here: schedules imports this module.
-    from megatron_smp.pipeline_parallel.schedules import schedule_name
-
     layout = layout_from_configs(configs, pipeline_size)
     # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
     if schedule_name(configs.training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b":
