@@ -74,3 +74,32 @@ def test_load_reads_common_json_and_dcp_metadata_once(tmp_path):
             _load_counting_opens, 2, args=(str(tmp_path / "ckpt"),), timeout=300):
         assert iteration == 2
         assert (common_opens, metadata_opens) == (1, 1)
+
+
+def _count_validations(rank, world_size, argv):
+    """How often each config's checks run while a run is configured and built."""
+    import pretrain_gpt
+    from megatron_smp import config
+    from megatron_smp.training import Trainer, build_configs
+
+    counts = {}
+    for cls in (config.ParallelConfig, config.TransformerConfig, config.OptimizerConfig):
+        def counted(self, *args, _check=cls._check, _name=cls.__name__, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _check(self, *args, **kwargs)
+        cls._check = counted
+    configs, _ = build_configs(argv)
+    Trainer.build(configs, pretrain_gpt.model_provider)
+    return counts
+
+
+def test_each_config_is_validated_once():
+    """validate_configs checks each config; build_parallel_state, GPTModel (each pipeline
+    chunk) and get_megatron_optimizer find it validated."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from trainer_custom_loss import FLAGS
+
+    argv = FLAGS + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--num-layers-per-virtual-pipeline-stage", "1"]
+    for counts in run_distributed(_count_validations, 2, args=(argv,), timeout=300):
+        assert counts == {"ParallelConfig": 1, "TransformerConfig": 1, "OptimizerConfig": 1}
