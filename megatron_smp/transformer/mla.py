@@ -60,6 +60,10 @@ class _ReplicatedLinear(torch.nn.Module):
     `sequence_parallel` marks the weight for the TP sum of its grad when each rank feeds it
     another sequence shard."""
 
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
                  sequence_parallel: bool, device: Optional[torch.device]) -> None:
         super().__init__()

@@ -34,6 +34,10 @@ def _use_apex(x: torch.Tensor) -> bool:
 
 
 class LayerNorm(torch.nn.Module):
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(
         self,
         hidden_size: int,
@@ -71,6 +75,10 @@ class LayerNorm(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.Module):
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(
         self,
         hidden_size: int,
