@@ -4,6 +4,7 @@
     trainer.load()                                        # --load / --pretrained-checkpoint
     step = trainer.train_step(batches, loss_fn=my_loss)   # one global batch, one update
     losses = trainer.evaluate(batches, eval_iters, loss_fn=my_loss)
+    logprobs = trainer.compute_logprobs(batches)          # [b, s] per microbatch, no grad
     trainer.save(); trainer.finalize_saves()
 
 A loss function sees what the model returns on the last pipeline stage -- the logits
@@ -462,6 +463,31 @@ class Trainer:
             return None
         keys = loss_keys(all_reports, self.metric_keys, self.state)
         return agree_on_step(self.state, all_reports, keys)[1]
+
+    def compute_logprobs(self, batch_iter, num_microbatches: Optional[int] = None
+                         ) -> List[torch.Tensor]:
+        """Per-token log-probabilities [b, s] (fp32) of each microbatch's "labels" under the
+        model, in eval mode and without grad (what a DPO reference or a GRPO old policy
+        needs): one per microbatch on the last pipeline stage, [] on the others (this rank's
+        sequence share under context parallelism)."""
+        from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+        vocab_size, tp_group = self.configs.model.vocab_size, self.state.tp_group
+
+        def logprobs(logits, batch):
+            values = -vocab_parallel_cross_entropy(logits, batch["labels"], tp_group,
+                                                   vocab_size)
+            return values.sum() * 0.0, {"logprobs": values}
+
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            reports = self.forward_backward(batch_iter, logprobs, forward_only=True,
+                                            num_microbatches=num_microbatches)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return [report["logprobs"] for report in reports]
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -21,11 +21,11 @@ def _example(rank, world_size, argv):
 
 
 def test_custom_loss_example_trains_alike_at_every_layout():
-    """The example's label-smoothed loss falls, and TP=2 and PP=2 (through the 1F1B schedule)
-    follow the one-process trajectory."""
+    """The example's label-smoothed loss falls, and PP=2 (through the 1F1B schedule) follows
+    the one-process trajectory (TP=2: see the log-probs test)."""
     reference, = run_distributed(_example, 1, args=([],), timeout=300)
     assert len(reference) == 6 and reference[-1] < reference[0] - 0.3, reference
-    for flags in ("--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"):
+    for flags in ("--pipeline-model-parallel-size 2",):
         for losses in run_distributed(_example, 2, args=(flags.split(),), timeout=300):
             assert losses == pytest.approx(reference, rel=1e-5), (flags, losses)
 
@@ -76,10 +76,14 @@ def test_load_reads_common_json_and_dcp_metadata_once(tmp_path):
         assert (common_opens, metadata_opens) == (1, 1)
 
 
-def _count_validations(rank, world_size, argv):
-    """How often each config's checks run while a run is configured and built."""
+def _count_validations_and_logprobs(rank, world_size, argv):
+    """How often each config's checks run while a run is configured and built; then
+    compute_logprobs at this layout against the log-softmax of the full logits."""
+    import torch
+
     import pretrain_gpt
     from megatron_smp import config
+    from megatron_smp.models.gpt import gather_full_logits
     from megatron_smp.training import Trainer, build_configs
 
     counts = {}
@@ -88,18 +92,29 @@ def _count_validations(rank, world_size, argv):
             counts[_name] = counts.get(_name, 0) + 1
             return _check(self, *args, **kwargs)
         cls._check = counted
-    configs, _ = build_configs(argv)
-    Trainer.build(configs, pretrain_gpt.model_provider)
-    return counts
-
-
-def test_each_config_is_validated_once():
-    """validate_configs checks each config; build_parallel_state, GPTModel (each pipeline
-    chunk) and get_megatron_optimizer find it validated."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from trainer_custom_loss import FLAGS
 
-    argv = FLAGS + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                    "--num-layers-per-virtual-pipeline-stage", "1"]
-    for counts in run_distributed(_count_validations, 2, args=(argv,), timeout=300):
+    configs, _ = build_configs(FLAGS + ["--global-batch-size", "2"] + argv)
+    trainer = Trainer.build(configs, pretrain_gpt.model_provider)
+    vocab_size = configs.model.vocab_size
+    tokens = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(3))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    values, = trainer.compute_logprobs(iter([batch]))
+    model = trainer.model[0]
+    model.eval()
+    with torch.no_grad():
+        full = gather_full_logits(model(batch["tokens"]), trainer.state, vocab_size).float()
+    expected = torch.log_softmax(full, dim=-1).gather(-1, batch["labels"][..., None])[..., 0]
+    return counts, (values - expected).abs().max().item(), tuple(values.shape)
+
+
+def test_configs_validated_once_and_logprobs_at_tp2():
+    """validate_configs checks each config; build_parallel_state, GPTModel and
+    get_megatron_optimizer find it validated. compute_logprobs over vocab-parallel logits
+    equals the log-softmax of the gathered logits."""
+    for counts, error, shape in run_distributed(
+            _count_validations_and_logprobs, 2, args=(["--tensor-model-parallel-size", "2"],),
+            timeout=300):
         assert counts == {"ParallelConfig": 1, "TransformerConfig": 1, "OptimizerConfig": 1}
+        assert shape == (2, 32) and error < 1e-5, error
