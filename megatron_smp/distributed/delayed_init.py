@@ -26,7 +26,7 @@ called on every submodule that owns meta parameters, as in SMP: by default the m
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 

@@ -28,9 +28,9 @@ from megatron_smp.training.logging import (
 from megatron_smp.training.profiling import StepProfiler
 from megatron_smp.training.result_validation import ReplayIterator
 from megatron_smp.training.run_control import check_weight_hashes, data_worker_init_fn
-from megatron_smp.training.trainer import (  # noqa: F401  (build_model_chunks: public here too)
-    PIPELINE_LOSS_KEYS, StepResult, Trainer, build_model_chunks, empty_unused_memory,
-)
+from megatron_smp.training.trainer import StepResult, Trainer
+# Re-exported: callers import them from here (the loop's helpers before the Trainer).
+from megatron_smp.training.trainer import build_model_chunks, empty_unused_memory  # noqa: F401
 from megatron_smp.training.wandb_logger import init_wandb
 
 
