@@ -8,7 +8,7 @@
     trainer.save(); trainer.finalize_saves()
 
 A loss function sees what the model returns on the last pipeline stage -- the logits
-[b, s, padded_vocab / tp] (this rank's vocabulary shard) when the batch has no "labels" --
+[b, s, padded_vocab / tp] (this rank's vocabulary shard; the model runs without labels) --
 and the microbatch (a dict of device tensors, this rank's share under context parallelism):
 
     def my_loss(logits, batch) -> (loss: 0-dim tensor, metrics: {name: tensor})
