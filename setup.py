@@ -23,6 +23,13 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    extras_require={"test": ["pytest", "tiktoken", "peft"], "tiktoken": ["tiktoken"],
-                    "peft": ["peft"]},
+    # trl: the tests train a transformed model with SFTTrainer(padding_free=True).
+    # serve: the inference server (tools/run_text_generation_server.py); the tests drive it
+    # with the openai client and lm-evaluation-harness.
+    extras_require={"test": ["pytest", "tiktoken", "peft",
+                             "trl",
+                             "fastapi", "uvicorn", "openai", "requests", "lm-eval[api]==0.4.13"],
+                    "tiktoken": ["tiktoken"],
+                    "peft": ["peft"],
+                    "serve": ["fastapi", "uvicorn"]},
 )

@@ -237,7 +237,16 @@ FUNCTION_FIELDS = (
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
     "yarn_correction_range_round_to_int",
+    "hybrid_layer_pattern", "linear_attention_freq", "attention_output_gate", "mamba_dt_min",
+    # Gemma 3's numerics (see TransformerConfig).
+    "sandwich_norm", "apply_embedding_scaling", "softmax_scale", "final_logit_softcapping",
+    "local_rotary_base", "rotary_seq_len_interpolation_factor",
 )
+
+# --hybrid-layer-pattern's symbols (Megatron's): Mamba, Gated DeltaNet, attention, MLP, MoE.
+HYBRID_SYMBOLS = "MG*-E"
+HYBRID_STAGE_BREAK = "|"
+HYBRID_MTP_SEPARATOR = "/"
 
 # Megatron's --softmax-type: "vanilla" softmax, "off-by-one" (a zero logit in every
 # denominator) or "learnable" (a learned logit per head: gpt-oss's attention sinks).
@@ -426,6 +435,56 @@ class TransformerConfig:
     # their mean loss enters backward scaled by mtp_loss_scaling_factor (Megatron's flags).
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # Hybrid models (transformer/hybrid.py, transformer/ssm/): Megatron's --hybrid-layer-pattern,
+    # one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; | cuts the
+    # pattern into pipeline stages. A layer is then norm -> that one part -> residual. None: the
+    # GPT layer (attention + MLP) everywhere.
+    hybrid_layer_pattern: Optional[str] = None
+    # Megatron's --linear-attention-freq with --experimental-attention-variant gated_delta_net
+    # (Qwen3-Next / Qwen3.5): in GPT layers the attention is a Gated DeltaNet on the layers
+    # the pattern marks 1; an int N is N-1 linear layers then one full attention layer.
+    linear_attention_freq: Optional[Union[int, List[int], str]] = None
+    experimental_attention_variant: Optional[str] = None  # "gated_delta_net" (alias "gdn")
+    # Megatron's --attention-output-gate: the query projection also gives a gate per channel,
+    # the attention output is multiplied by sigmoid(gate) before the output projection.
+    attention_output_gate: bool = False
+    # Mamba-2 mixer (Megatron's flags); heads None: 2 * hidden / head dim.
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    mamba_chunk_size: int = 128  # the scan's chunk (no effect on results)
+    mamba_conv_kernel_dim: int = 4  # Megatron's d_conv (HF conv_kernel); no flag
+    # Lower clamp of the Mamba time step after softplus (HF Nemotron-H: time_step_min;
+    # Megatron: 0). No flag: set by the HF adapter.
+    mamba_dt_min: float = 0.0
+    # Gated DeltaNet mixer (Megatron's flags).
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_chunk_size: int = 64  # the delta rule's chunk (no effect on results)
+
+    # Gemma 2/3 numerics (models/hf/gemma3.py). Megatron-LM has no flags for the first two
+    # and the last but one; ours are named after Megatron-Bridge's Gemma fields.
+    # --sandwich-norm: the attention's and the MLP's outputs are normalised once more before
+    # they join the residual (`post_self_attn_layernorm`, `post_mlp_layernorm`).
+    sandwich_norm: bool = False
+    # --apply-embedding-scaling: the word embeddings are multiplied by sqrt(hidden_size)
+    # (in the activation dtype, as Gemma does).
+    apply_embedding_scaling: bool = False
+    # Megatron core's softmax_scale (--softmax-scale): scores q.k * scale; None:
+    # 1/sqrt(kv_channels). Gemma's query_pre_attn_scalar S is S**-0.5.
+    softmax_scale: Optional[float] = None
+    # --final-logit-softcapping C: logits = C * tanh(logits / C) (Gemma 2; Gemma 3 has None).
+    final_logit_softcapping: Optional[float] = None
+    # --local-rotary-base B: the sliding-window layers' RoPE uses base B, unscaled (Gemma 3's
+    # rope_local_base_freq); the full-attention layers keep --rotary-base and its scaling.
+    local_rotary_base: Optional[float] = None
+    # Megatron's --rotary-seq-len-interpolation-factor F: linear RoPE scaling, positions / F
+    # (HF rope_type "linear"; Gemma 3's full-attention layers: 8).
+    rotary_seq_len_interpolation_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -440,6 +499,9 @@ class TransformerConfig:
         if isinstance(self.window_attn_skip_freq, str):  # the flag's text: one stored form
             self.window_attn_skip_freq = parse_moe_layer_freq(self.window_attn_skip_freq,
                                                               "--window-attn-skip-freq")
+        if isinstance(self.linear_attention_freq, str):  # the flag's text: one stored form
+            self.linear_attention_freq = parse_moe_layer_freq(self.linear_attention_freq,
+                                                              "--linear-attention-freq")
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
@@ -536,10 +598,12 @@ class TransformerConfig:
         self._validate_recompute_modules()
         self._validate_moe(parallel, dict(FLAG_NAMES, **(names or {})))
         self._validate_gpt_oss_numerics()
+        self._validate_gemma_numerics()
         if self.multi_latent_attention:
             self._validate_mla(parallel)
         if self.mtp_num_layers is not None:
             self._validate_mtp(parallel)
+        self._validate_hybrid(parallel)
         if self.window_size is not None:
             left, right = self.window_size
             _require(
@@ -639,6 +703,37 @@ class TransformerConfig:
                      "--window-size LEFT,0, or drop it")
             self.window_layer_pattern()  # raises for a malformed or wrong-length pattern
 
+    def _validate_gemma_numerics(self) -> None:
+        """--sandwich-norm, --softmax-scale, --final-logit-softcapping, --local-rotary-base,
+        --rotary-seq-len-interpolation-factor."""
+        _require(not (self.sandwich_norm and self.parallel_residual),
+                 "--sandwich-norm normalises each branch's output before its residual add, "
+                 "which --use-parallel-residual does not have; drop one of them")
+        for flag, value in (("--softmax-scale", self.softmax_scale),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--local-rotary-base", self.local_rotary_base),
+                            ("--rotary-seq-len-interpolation-factor",
+                             self.rotary_seq_len_interpolation_factor)):
+            _require(value is None or (math.isfinite(value) and value > 0),
+                     f"{flag} must be finite and > 0, got {value}")
+        _require(self.softmax_scale is None or not self.multi_latent_attention,
+                 "--softmax-scale: multi-latent attention derives its own scale (YaRN's "
+                 "mscale); drop --softmax-scale")
+        if self.local_rotary_base is not None:
+            _require(self.uses_rotary_embedding() and not self.multi_latent_attention,
+                     "--local-rotary-base is the RoPE base of the sliding-window layers: it "
+                     "needs --position-embedding-type rope (or yarn) without "
+                     "--multi-latent-attention")
+            _require(any(self.window_layer_pattern()),
+                     "--local-rotary-base applies to the sliding-window layers, and this model "
+                     "has none: add --window-size LEFT,0 (and --window-attn-skip-freq), or "
+                     "drop it")
+        if self.rotary_seq_len_interpolation_factor is not None:
+            _require(self.position_embedding_type == "rope" and not self.use_rope_scaling,
+                     "--rotary-seq-len-interpolation-factor scales plain RoPE linearly: it "
+                     "needs --position-embedding-type rope and no other scaling "
+                     "(--use-rope-scaling, yarn)")
+
     def window_layer_pattern(self) -> List[int]:
         """1 for each (0-based) layer that attends through `window_size`, 0 for a layer with
         full attention (Megatron's is_layer_window_attention)."""
@@ -699,6 +794,96 @@ class TransformerConfig:
             "is not kept in sync; use --position-embedding-type rope (DeepSeek-V3's) or one "
             "pipeline stage",
         )
+
+    def hybrid_layer_symbols(self) -> Optional[str]:
+        """--hybrid-layer-pattern without its stage breaks: one symbol per layer, or None."""
+        if self.hybrid_layer_pattern is None:
+            return None
+        return self.hybrid_layer_pattern.replace(HYBRID_STAGE_BREAK, "")
+
+    def hybrid_stage_layer_counts(self) -> Optional[List[int]]:
+        """Layers of each `|`-separated segment of --hybrid-layer-pattern; None without breaks."""
+        if self.hybrid_layer_pattern is None or HYBRID_STAGE_BREAK not in self.hybrid_layer_pattern:
+            return None
+        return [len(part) for part in self.hybrid_layer_pattern.split(HYBRID_STAGE_BREAK)]
+
+    def linear_attention_pattern(self) -> List[int]:
+        """1 for each (0-based) GPT layer whose attention is a Gated DeltaNet
+        (--linear-attention-freq: N gives N - 1 linear layers then one full one)."""
+        if self.linear_attention_freq is None:
+            return [0] * self.num_layers
+        freq = parse_moe_layer_freq(self.linear_attention_freq, "--linear-attention-freq")
+        if isinstance(freq, int):
+            _require(freq >= 1, f"--linear-attention-freq must be >= 1, got {freq}")
+            return [int((index + 1) % freq != 0) for index in range(self.num_layers)]
+        _require(len(freq) == self.num_layers and set(freq) <= {0, 1},
+                 f"--linear-attention-freq pattern {freq} must hold one 0 or 1 per layer "
+                 f"(--num-layers {self.num_layers})")
+        return list(freq)
+
+    def mamba_heads(self) -> int:
+        """Mamba-2 heads: --mamba-num-heads, else 2 * hidden / --mamba-head-dim (Megatron's)."""
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return 2 * self.hidden_size // self.mamba_head_dim
+
+    def _validate_hybrid(self, parallel: ParallelConfig) -> None:
+        """--hybrid-layer-pattern, --linear-attention-freq and the mixers' sizes."""
+        tp = parallel.tensor_model_parallel_size
+        symbols = self.hybrid_layer_symbols()
+        uses_mamba = uses_gdn = False
+        if symbols is not None:
+            _require(HYBRID_MTP_SEPARATOR not in symbols,
+                     f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r}: multi-token "
+                     "prediction parts ('/') are not supported yet in hybrid models; drop them")
+            unknown = sorted(set(symbols) - set(HYBRID_SYMBOLS))
+            _require(not unknown and symbols,
+                     f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r}: unknown symbols "
+                     f"{unknown}; use M (Mamba), G (Gated DeltaNet), * (attention), - (MLP), "
+                     "E (MoE) and | (pipeline stage break)")
+            _require(len(symbols) == self.num_layers,
+                     f"--hybrid-layer-pattern has {len(symbols)} layers but --num-layers is "
+                     f"{self.num_layers}; the pattern decides the layer count (drop --num-layers)")
+            _require("E" not in symbols or self.num_moe_experts is not None,
+                     "--hybrid-layer-pattern has MoE layers (E): give --num-experts")
+            _require(self.linear_attention_freq is None,
+                     "--linear-attention-freq picks linear attention in GPT layers; with "
+                     "--hybrid-layer-pattern write G where a Gated DeltaNet goes instead")
+            _require(self.mtp_num_layers is None,
+                     "--mtp-num-layers with --hybrid-layer-pattern is not supported yet")
+            uses_mamba, uses_gdn = "M" in symbols, "G" in symbols
+        if self.linear_attention_freq is not None:
+            _require(self.experimental_attention_variant in ("gated_delta_net", "gdn"),
+                     "--linear-attention-freq needs --experimental-attention-variant "
+                     "gated_delta_net (the linear attention it places)")
+            uses_gdn = uses_gdn or any(self.linear_attention_pattern())
+        _require(self.experimental_attention_variant in (None, "gated_delta_net", "gdn"),
+                 f"--experimental-attention-variant {self.experimental_attention_variant!r} is "
+                 "not supported; gated_delta_net (gdn) is")
+        if uses_mamba:
+            heads, groups = self.mamba_heads(), self.mamba_num_groups
+            _require(min(heads, groups, self.mamba_head_dim, self.mamba_state_dim) >= 1
+                     and heads % groups == 0,
+                     f"Mamba: --mamba-num-heads ({heads}) must be a multiple of "
+                     f"--mamba-num-groups ({groups}), all sizes >= 1")
+            _require(groups % tp == 0,
+                     f"Mamba: --mamba-num-groups ({groups}) must be divisible by "
+                     f"--tensor-model-parallel-size ({tp}): each rank holds whole groups")
+        if uses_gdn:
+            keys, values = self.linear_num_key_heads, self.linear_num_value_heads
+            _require(min(keys, values, self.linear_key_head_dim, self.linear_value_head_dim,
+                         self.linear_conv_kernel_dim) >= 1 and values % keys == 0,
+                     f"Gated DeltaNet: --linear-num-value-heads ({values}) must be a multiple "
+                     f"of --linear-num-key-heads ({keys}), all sizes >= 1")
+            _require(keys % tp == 0,
+                     f"Gated DeltaNet: --linear-num-key-heads ({keys}) must be divisible by "
+                     f"--tensor-model-parallel-size ({tp})")
+        if (uses_mamba or uses_gdn) and parallel.context_parallel_size > 1:
+            raise ConfigError(
+                "--context-parallel-size > 1 with Mamba / Gated DeltaNet layers: context "
+                "parallelism of the recurrent mixers (passing each rank's final state to the "
+                "next, as Megatron's mamba_context_parallel does) is not built yet; use "
+                "--context-parallel-size 1")
 
     def layer_pattern_number(self, layer_number: int) -> int:
         """The decoder layer whose kind (window, MoE or dense) global layer `layer_number`
@@ -806,23 +991,22 @@ class TransformerConfig:
 
     def _check_router(self, experts: int) -> None:
         """The DeepSeek-V3 router flags (sigmoid scores, expert bias, group-limited top-k)."""
-        _require(self.moe_router_score_function in ("softmax", "sigmoid"),
-                 f"--moe-router-score-function must be softmax or sigmoid, got "
+        _require(self.moe_router_score_function in ("softmax", "sigmoid", "sqrtsoftplus"),
+                 f"--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, got "
                  f"{self.moe_router_score_function!r}")
         _require(self.moe_router_dtype in (None, "fp32", "fp64"),
                  f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
-        sigmoid = self.moe_router_score_function == "sigmoid"
-        _require(not (sigmoid and self.moe_router_pre_softmax),
-                 "--moe-router-pre-softmax applies to softmax scores; drop it with "
-                 "--moe-router-score-function sigmoid")
+        # sigmoid and sqrtsoftplus score every expert before top-k, which is what
+        # --moe-router-pre-softmax asks (Megatron accepts the pair; it changes nothing there).
+        sigmoid = self.moe_router_score_function in ("sigmoid", "sqrtsoftplus")
         _require(not self.moe_router_enable_expert_bias or sigmoid,
                  "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                 "(as in Megatron-LM)")
+                 "or sqrtsoftplus (as in Megatron-LM)")
         _require(self.moe_router_bias_update_rate >= 0,
                  f"--moe-router-bias-update-rate must be >= 0, got "
                  f"{self.moe_router_bias_update_rate}")
         special = [flag for flag, on in (
-            ("--moe-router-score-function sigmoid", sigmoid),
+            (f"--moe-router-score-function {self.moe_router_score_function}", sigmoid),
             ("--moe-router-num-groups", self.moe_router_num_groups is not None),
             ("--moe-router-topk-scaling-factor",
              self.moe_router_topk_scaling_factor is not None)) if on]
@@ -919,6 +1103,13 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
+# The values of Megatron-LM's --muon-* choices (optimizer/muon.py implements each).
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4")
+
+
 @dataclass
 class OptimizerConfig:
     optimizer: str = "adam"  # "adam" | "sgd"
@@ -967,6 +1158,26 @@ class OptimizerConfig:
     accumulate_allreduce_grads_in_fp32: bool = True
     # Count zero grad elements each step (returned by optimizer.step()).
     log_num_zeros_in_grad: bool = False
+    # Muon and Lion (Megatron-LM 0.19 / main's flags and defaults; optimizer/muon.py). With
+    # --use-distributed-optimizer they shard whole matrices over data-parallel ranks (the
+    # layer-wise distributed optimizer, `use_layer_wise_distributed_optimizer`).
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
+    muon_fp32_matmul_prec: str = "medium"  # medium: the NS iteration in bf16; high/low: fp32
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"  # adam | lion: embeddings, output layer, norms, biases
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+
+    @property
+    def use_layer_wise_distributed_optimizer(self) -> bool:
+        """Muon and Lion shard whole params over DP ranks (Megatron's layer-wise optimizer)."""
+        return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
         """Check the optimizer settings (once per contents)."""
@@ -977,9 +1188,21 @@ class OptimizerConfig:
 
     def _check(self) -> None:
         _require(
-            self.optimizer in ("adam", "sgd"),
-            f"--optimizer must be adam or sgd, got {self.optimizer!r}",
+            self.optimizer in ("adam", "sgd", "muon", "lion"),
+            f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",
         )
+        for flag, value, allowed in (
+                ("--muon-scale-mode", self.muon_scale_mode, MUON_SCALE_MODES),
+                ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MUON_MATMUL_PRECISIONS),
+                ("--muon-coefficient-type", self.muon_coefficient_type, MUON_COEFFICIENT_TYPES),
+                ("--muon-tp-mode", self.muon_tp_mode, MUON_TP_MODES),
+                ("--muon-scalar-optimizer", self.muon_scalar_optimizer, ("adam", "lion"))):
+            _require(value in allowed,
+                     f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        _require(self.muon_num_ns_steps >= 1,
+                 f"--muon-num-ns-steps must be at least 1, got {self.muon_num_ns_steps}")
+        for flag, beta in (("--lion-beta1", self.lion_beta1), ("--lion-beta2", self.lion_beta2)):
+            _require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
         _require(
             self.lr_decay_style in LR_DECAY_STYLES,
             f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got "

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import itertools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -103,14 +104,18 @@ def init_process_group(
 def _elastic_attempt_store(
     world_size: int, rank: int, timeout: Optional[datetime.timedelta]
 ) -> Optional[dist.Store]:
-    """Under torchrun (TORCHELASTIC_RESTART_COUNT set): the launcher's store, with every key
-    under this restart attempt's prefix; else None (plain env:// initialisation).
+    """Under torchrun (TORCHELASTIC_RESTART_COUNT set): a store no earlier restart attempt
+    has written to; else None (plain env:// initialisation).
 
-    torchrun's agent keeps one TCPStore for the whole job, and `env://` initialisation reuses
-    key names, so after a restart (--max-restarts) the new workers read the dead attempt's
-    keys and wait in init_process_group until the timeout. A per-attempt prefix gives each
-    attempt a clean namespace. When the agent does not host the store
-    (TORCHELASTIC_USE_AGENT_STORE != True) rank 0 hosts it, as env:// would.
+    When torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True, its default)
+    the one store lives as long as the job, and `env://` initialisation reuses key names, so
+    after a restart (--max-restarts) the new workers would read the dead attempt's keys and
+    wait in init_process_group until the timeout: every key goes under the attempt's prefix.
+    The restart count is only the same on every node when each node's workers failed; an
+    agent whose workers were healthy restarts them for a node that rejoins without counting
+    a restart. So on several nodes scripts/launch_env.sh sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 of each rendezvous round then hosts a new
+    store (on a port the round's agents agree on), with nothing stale in it.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or attempt == "":
@@ -122,6 +127,14 @@ def _elastic_attempt_store(
         timeout=timeout if timeout is not None else default_pg_timeout,
         multi_tenant=not agent_hosts_store,
     )
+    if not agent_hosts_store:
+        return store
+    if rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE") or 1) > 1 \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+        warnings.warn(
+            "torchrun on several nodes with --max-restarts and the agent's shared store: a "
+            "restart for a rejoining node can hang in init_process_group; export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (scripts/launch_env.sh does)")
     return dist.PrefixStore(f"attempt_{attempt}", store)
 
 

@@ -11,7 +11,9 @@
 #    for the validation loss), resuming from OUT/lora when it already holds a checkpoint
 #    (small: the adapters and their optimizer state over the base OUT/base);
 # 4. exports OUT/peft_adapter (peft.PeftModel.from_pretrained(HF model, it)) and
-#    OUT/hf_merged (the adapters merged: from_pretrained as it is).
+#    OUT/hf_merged (the adapters merged: from_pretrained as it is);
+# 5. asks the fine-tuned model the first questions of CHAT_DATA (greedy, through its chat
+#    template: tools/generate.py on the merged weights) and prints its answers.
 # Settings (environment): HF_MODEL (required), TOKENIZER (default HF_MODEL: its tokenizer
 # files with a chat template), CHAT_DATA, OUT (default runs/finetune_llama_lora), SEQ_LENGTH
 # (2048), LORA_RANK (16), LORA_ALPHA (32), TP (1), MICRO_BATCH (1), GLOBAL_BATCH (8),
@@ -52,3 +54,27 @@ LOAD=(--pretrained-checkpoint "$OUT/base" --load "$OUT/lora")
 rm -rf "$OUT/hf_merged" "$OUT/peft_adapter"   # this script's exports: written anew each run
 "$PYTHON" tools/checkpoint/convert.py --model-type llama --loader megatron_smp --saver hf \
   --load-dir "$OUT/lora" --save-dir "$OUT/hf_merged" --peft-dir "$OUT/peft_adapter"
+
+# What did it learn? The merged model answers the first questions of the data (greedy).
+rm -rf "$OUT/merged"
+"$PYTHON" tools/checkpoint/convert.py --model-type llama --loader hf --saver megatron_smp \
+  --load-dir "$OUT/hf_merged" --save-dir "$OUT/merged"
+"$PYTHON" - "$CHAT_DATA" "$OUT/questions.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1]) as source, open(sys.argv[2], "w") as out:
+    asked = 0
+    for line in source:
+        messages = json.loads(line).get("messages")
+        if messages and messages[-1]["role"] == "assistant" and asked < 3:
+            out.write(json.dumps({"messages": messages[:-1]}) + "\n")
+            asked += 1
+PY
+"$PYTHON" tools/generate.py --load "$OUT/merged" --use-checkpoint-args \
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" \
+  --input "$OUT/questions.jsonl" --output "$OUT/answers.jsonl" --max-new-tokens 48
+"$PYTHON" - "$OUT/answers.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    record = json.loads(line)
+    print(f"\n  {record['messages'][-1]['content']}\n  -> {record['completion'].strip()}")
+PY

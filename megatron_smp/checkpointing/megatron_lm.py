@@ -1,8 +1,11 @@
-"""Megatron-LM checkpoints (megatron-core 0.16 `GPTModel`): read either format, write legacy.
+"""Megatron-LM checkpoints (megatron-core 0.16 - 0.19 `GPTModel`): read either format, write
+legacy.
 
     {dir}/latest_checkpointed_iteration.txt      "10" (or "release": {dir}/release/)
     {dir}/iter_0000010/                          "torch_dist" (megatron-core dist_checkpointing)
-        metadata.json, common.pt                 backends; args, iteration, ... (pickled)
+        metadata.json, common.pt                 backends; args, iteration, ... (pickled; from
+                                                 megatron-core 0.17 on, the DCP bytes item
+                                                 common_state instead of common.pt)
         .metadata, __0_0.distcp ...              DCP; layers stacked: decoder.layers.<name>
                                                  [num_layers, ...], TE norm names
     {dir}/iter_0000010/mp_rank_00[_000]/model_optim_rng.pt    legacy "torch": one file per
@@ -135,11 +138,17 @@ def find_megatron_checkpoint(load_dir: str, prefer_ours: bool = True
 # -- restricted unpickling --------------------------------------------------------------------
 
 
-def safe_load(path: str) -> Any:
+def safe_load(path: str, data: Optional[bytes] = None) -> Any:
     """torch.load with weights_only=True, allowing argparse.Namespace, numpy RNG arrays and
-    (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError."""
+    (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError.
+    With `data`, those bytes are read (`path` then only names them in errors)."""
+    import io
+
+    def source():
+        return io.BytesIO(data) if data is not None else path
+
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(source())
     except (RuntimeError, OSError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable torch file: {error}") from error
     allowed: List[Any] = [argparse.Namespace]
@@ -163,18 +172,61 @@ def safe_load(path: str) -> Any:
         )
     with torch.serialization.safe_globals(allowed):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source(), map_location="cpu", weights_only=True)
         except Exception as error:  # pickle errors come in many types
             raise CheckpointError(f"{path} cannot be read: {error}") from error
 
 
+def _read_dcp_bytes(checkpoint_path: str, key: str) -> Optional[bytes]:
+    """The raw bytes DCP stores under `key` (a bytes item), or None when it holds none.
+
+    torch's default load planner unpickles bytes items with `torch.load(weights_only=False)`,
+    which could run code from the file: this planner keeps the bytes, for `safe_load`."""
+    import io
+
+    import torch.distributed.checkpoint as torch_dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    class _RawBytesPlanner(torch_dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn].write(value.read())
+
+    reader = torch_dcp.FileSystemReader(checkpoint_path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{checkpoint_path}/.metadata cannot be read: {error}") from error
+    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+        return None
+    holder = {key: io.BytesIO()}
+    torch_dcp.load(holder, storage_reader=reader, planner=_RawBytesPlanner(), no_dist=True)
+    return holder[key].getvalue()
+
+
+# megatron-core >= 0.17 keeps the common state (args, iteration, checkpoint version) inside
+# the DCP files as this one bytes item: a torch.save of [common dict] (its ShardedObject).
+_COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
 def _common_state(checkpoint: MegatronCheckpoint) -> Dict[str, Any]:
-    """common.pt (torch_dist) or the first rank's file without its tensors' use (legacy)."""
+    """common.pt (torch_dist up to megatron-core 0.16), the DCP item `common_state` (0.17 and
+    later), or the first rank's file without its tensors' use (legacy)."""
     if checkpoint.ckpt_format == "torch_dist":
         path = os.path.join(checkpoint.path, COMMON_PT_FILENAME)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing: {checkpoint.path} is incomplete")
-        return safe_load(path)
+        if os.path.isfile(path):
+            return safe_load(path)
+        data = _read_dcp_bytes(checkpoint.path, _COMMON_STATE_KEY)
+        if data is None:
+            raise CheckpointError(
+                f"{checkpoint.path} has neither common.pt (megatron-core <= 0.16) nor the "
+                f"'{_COMMON_STATE_KEY}' item of megatron-core >= 0.17: it is incomplete")
+        where = f"{checkpoint.path} ({_COMMON_STATE_KEY})"
+        common = safe_load(where, data)
+        if isinstance(common, (list, tuple)) and len(common) == 1:
+            common = common[0]
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{where} holds {type(common).__name__}, not the common dict")
+        return common
     first = checkpoint.rank_dirs[min(checkpoint.rank_dirs)]
     return safe_load(os.path.join(first, LEGACY_FILENAME))
 
@@ -229,7 +281,17 @@ _SAME_MEANING = {
     "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_head_dim",
     "qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "v_head_dim": "v_head_dim",
     "mtp_num_layers": "mtp_num_layers", "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
+    # Gemma 3: Megatron-LM main's linear RoPE scaling and its TransformerConfig.softmax_scale
+    # (taken from args by field name), then ours, which Megatron-LM has not (GEMMA_ONLY_ARGS).
+    "rotary_seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+    "softmax_scale": "softmax_scale",
+    "sandwich_norm": "sandwich_norm", "apply_embedding_scaling": "apply_embedding_scaling",
+    "local_rotary_base": "local_rotary_base",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
+# Args recorded for our reader that Megatron-LM would ignore (building another model).
+GEMMA_ONLY_ARGS = ("sandwich_norm", "apply_embedding_scaling", "local_rotary_base",
+                   "final_logit_softcapping", "geglu")
 # Megatron's Llama 3.x scaling has these fixed (RotaryEmbedding._apply_scaling's defaults).
 _MEGATRON_LLAMA3_FIXED = {"rope_scaling_low_freq_factor": 1.0,
                           "rope_scaling_high_freq_factor": 4.0,
@@ -257,6 +319,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
         fields.update(gated_linear_unit=True, activation="silu")
     elif args.get("quick_geglu"):
         fields.update(gated_linear_unit=True, activation="quick_gelu")
+    elif args.get("geglu"):
+        fields.update(gated_linear_unit=True, activation="gelu_tanh")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
     elif "swiglu" in args:
@@ -303,6 +367,7 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         swiglu=config.gated_linear_unit and config.activation == "silu",
         quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
+        geglu=config.gated_linear_unit and config.activation == "gelu_tanh",
         squared_relu=config.activation == "squared_relu",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
@@ -504,6 +569,12 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
     per_stage = config.num_layers // pp
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
     args = args_from_config(config, tp, pp, iteration)
+    lacking = [f"--{name.replace('_', '-')}" for name in GEMMA_ONLY_ARGS
+               if getattr(args, name) not in (None, False)]
+    if lacking:
+        raise CheckpointError(f"Megatron-LM has no {', '.join(lacking)} (Gemma 3's numerics): it "
+                              "would load this checkpoint as another model; keep it in "
+                              "megatron_smp's format or export it to Hugging Face")
     tied = not config.untie_embeddings_and_output_weights
     written = []
     for stage in range(pp):

@@ -66,7 +66,10 @@ class _ContextParallelCore(torch.nn.Module):
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
         self.head_dim = config.kv_channels
-        # Default 1/sqrt(d); multi-latent attention gives its own (YaRN's mscale).
+        # Multi-latent attention gives its own (YaRN's mscale); else the config's
+        # (--softmax-scale), else 1/sqrt(d).
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
         self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         self.cp_group = state.cp_group
         self.cp_size = group_size(state.cp_group)

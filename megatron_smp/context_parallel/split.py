@@ -74,16 +74,27 @@ def split_for_context_parallel(
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-def gather_from_context_parallel(tensor: torch.Tensor, cp_group) -> torch.Tensor:
+def gather_from_context_parallel(tensor: torch.Tensor, cp_group,
+                                 rank_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[b, s/cp, ...] of every rank -> [b, s, ...] in sequence order, the inverse of
-    `split_for_context_parallel(tensor, 1, ...)`. Backward keeps this rank's rows (the
-    consumer of the whole sequence is replicated over the group)."""
+    `split_for_context_parallel(tensor, 1, ...)`, or with `rank_indices` [cp, b, s/cp] (packed
+    rows, `packed_rank_indices`) the inverse of that split. Backward keeps this rank's rows
+    (the consumer of the whole sequence is replicated over the group)."""
     gathered = gather_from_sequence_parallel_region(tensor.transpose(0, 1), cp_group, False)
     cp_size = gathered.shape[0] // tensor.shape[1]
     if cp_size == 1:
         return tensor
-    order = gathered_order(gathered.shape[0], cp_size, tensor.device)
-    return gathered.index_select(0, torch.argsort(order)).transpose(0, 1)
+    if rank_indices is None:
+        order = gathered_order(gathered.shape[0], cp_size, tensor.device)
+        return gathered.index_select(0, torch.argsort(order)).transpose(0, 1)
+    # Gathered rows are rank by rank: row r * s/cp + j of batch entry i sits at
+    # rank_indices[r, i, j] of its row.
+    b = tensor.shape[0]
+    order = rank_indices.to(tensor.device).permute(1, 0, 2).reshape(b, -1)  # [b, s]
+    inverse = torch.argsort(order, dim=1)
+    rows = gathered.transpose(0, 1)  # [b, s, ...] in gathered order
+    index = inverse.view(*inverse.shape, *([1] * (rows.dim() - 2))).expand_as(rows)
+    return rows.gather(1, index)
 
 
 def packed_rank_indices(document_ids: torch.Tensor, cp_size: int) -> torch.Tensor:

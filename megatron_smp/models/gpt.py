@@ -15,6 +15,7 @@ the embedding's seed, so it starts equal to the first stage's table.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -33,9 +34,10 @@ from megatron_smp.tensor_parallel import (
 from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.random import dropout, get_rng_tracker
-from megatron_smp.transformer.attention import RotaryEmbedding
+from megatron_smp.transformer.attention import LayerTypeRotaryEmbeddings, RotaryEmbedding
 from megatron_smp.transformer.rope import rope_scaling_of
 from megatron_smp.transformer.block import TransformerBlock
+from megatron_smp.transformer.hybrid import hybrid_layer_spec, linear_attention_layer_spec
 from megatron_smp.transformer.layer import get_gpt_layer_spec
 from megatron_smp.transformer.mla import MLASelfAttention
 from megatron_smp.transformer.packed import PackedSequence
@@ -49,13 +51,18 @@ _EMBEDDING_SEED_INDEX = 0
 def get_gpt_decoder_layer_spec(config: TransformerConfig, state: ParallelState) -> LayerSpec:
     """The decoder layer this configuration and layout ask for: the dense layer, with the
     context-parallel core attention (`--cp-comm-type`) when cp > 1, and a mixture of experts
-    in place of the MLP on the `--moe-layer-freq` layers of an MoE model. GPTModel's default,
+    in place of the MLP on the `--moe-layer-freq` layers of an MoE model; hybrid stacks by
+    `--hybrid-layer-pattern` or `--linear-attention-freq` (transformer.hybrid). GPTModel's default,
     so the entry scripts, `smp.transform` and tests all build the same layers."""
     spec = get_gpt_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(config, state)
     if config.multi_latent_attention:
         spec.submodules.self_attention = ModuleSpec(
             MLASelfAttention, submodules=spec.submodules.self_attention.submodules)
+    if config.hybrid_layer_pattern is not None:  # one part per layer (transformer.hybrid)
+        return hybrid_layer_spec(config, spec.submodules.self_attention)
+    if config.linear_attention_freq is not None:
+        return linear_attention_layer_spec(config, moe_layer_spec(config, spec))
     return moe_layer_spec(config, spec)
 
 
@@ -77,6 +84,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.tp_group = state.tp_group
         self.dropout = config.hidden_dropout
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
+        # --apply-embedding-scaling (Gemma): word embeddings times sqrt(hidden).
+        self.scale = math.sqrt(config.hidden_size) if config.apply_embedding_scaling else None
         init_method = init_method_normal(config.init_method_std)
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
@@ -123,6 +132,9 @@ class LanguageModelEmbedding(torch.nn.Module):
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids.transpose(0, 1))  # [s(/tp), b, h]
+        if self.scale is not None:
+            # In the activation dtype, as Gemma rounds it (sqrt(3072) is 55.5 in bf16).
+            embeddings = embeddings * torch.tensor(self.scale, dtype=embeddings.dtype)
         if self.add_position_embedding:
             # Positions of this rank's rows: all of them, or its sequence shard with SP.
             shard = embeddings.shape[0]
@@ -154,7 +166,8 @@ class GPTModel(torch.nn.Module):
       * last stage, labels [b, s] given: per-token loss [b, s] (fp32);
       * last stage, no labels: logits [b, s, padded_vocab / tp] (this rank's vocab shard;
         `gather_full_logits` gives [b, s, vocab]);
-      * other stages: hidden states [s, b, h] ([s/tp, b, h] with sequence parallelism).
+      * other stages, or return_hidden_states=True: hidden states [s, b, h] ([s/tp, b, h]
+        with sequence parallelism; after the final norm on the last stage).
     A stage other than the first reads its input from `set_input_tensor(t)`.
     With --mtp-num-layers the last stage also runs the multi-token-prediction layers when
     labels are given (input_ids then needed there too) and attaches their loss, over
@@ -209,6 +222,13 @@ class GPTModel(torch.nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(
                 rotary_dim, config.rotary_percent, config.rotary_base, device=device,
                 interleaved=config.rotary_interleaved, scaling=rope_scaling_of(config),
+            )
+        # Gemma 3: the sliding-window layers rotate with their own base, unscaled.
+        self.local_rotary_pos_emb = None
+        if config.local_rotary_base is not None:
+            self.local_rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.local_rotary_base,
+                device=device, interleaved=config.rotary_interleaved,
             )
 
         layer_spec = transformer_layer_spec or get_gpt_decoder_layer_spec(config, state)
@@ -290,7 +310,11 @@ class GPTModel(torch.nn.Module):
         if self.rotary_pos_emb is None:
             return None
         seq_length = hidden_states.shape[0] * (self.state.tp_size if self.sequence_parallel else 1)
-        return self.rotary_pos_emb(seq_length, position_ids)
+        table = self.rotary_pos_emb(seq_length, position_ids)
+        if self.local_rotary_pos_emb is None:
+            return table
+        return LayerTypeRotaryEmbeddings(
+            full=table, sliding=self.local_rotary_pos_emb(seq_length, position_ids))
 
     def _context_parallel_positions(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """Global positions [b, s/cp] of this CP rank's tokens."""
@@ -334,6 +358,7 @@ class GPTModel(torch.nn.Module):
         labels: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        return_hidden_states: bool = False,
     ) -> torch.Tensor:
         if document_ids is not None:
             if attention_mask is not None:
@@ -357,7 +382,7 @@ class GPTModel(torch.nn.Module):
             hidden_states = self.input_tensor
         rotary_pos_emb = self._rotary(hidden_states, position_ids)
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
-        if not self.post_process:
+        if not self.post_process or return_hidden_states:
             return hidden_states
 
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
@@ -365,10 +390,16 @@ class GPTModel(torch.nn.Module):
             hidden_states = self._attach_mtp_loss(hidden_states, input_ids, position_ids,
                                                   attention_mask, rotary_pos_emb, labels,
                                                   loss_mask, weight)
-        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, v/tp]
+        logits = self._logits(hidden_states, weight)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self._per_token_loss(logits, labels)
+
+    def _logits(self, hidden_states: torch.Tensor, weight) -> torch.Tensor:
+        """hidden [s, b, h] -> this rank's logits [s, b, v/tp], soft-capped with
+        --final-logit-softcapping (elementwise, so each vocab shard on its own)."""
+        logits, _ = self.output_layer(hidden_states, weight=weight)
+        return soft_cap_logits(logits, self.config.final_logit_softcapping)
 
     def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, v/tp], labels [b, s] -> fp32 [b, s]."""
@@ -394,10 +425,17 @@ class GPTModel(torch.nn.Module):
                            rotary_pos_emb, self.embedding)
 
         def per_token_loss(output, shifted_labels):
-            logits, _ = self.output_layer(output, weight=weight)
-            return self._per_token_loss(logits, shifted_labels)
+            return self._per_token_loss(self._logits(output, weight), shifted_labels)
 
         return self.mtp.attach_loss(hidden_states, outputs, labels, loss_mask, per_token_loss)
+
+
+def soft_cap_logits(logits: torch.Tensor, cap) -> torch.Tensor:
+    """--final-logit-softcapping: cap * tanh(logits / cap), elementwise (so any vocab shard on
+    its own); the logits unchanged when `cap` is None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def gather_full_logits(
@@ -409,4 +447,4 @@ def gather_full_logits(
     return full[..., :vocab_size]
 
 
-__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits"]
+__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits", "soft_cap_logits"]

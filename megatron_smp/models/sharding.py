@@ -63,6 +63,8 @@ def default_layout(config: TransformerConfig) -> Layout:
             layout[f"decoder.layers.*.{mlp}linear_fc1.weight"] = (0, fc1_stride)
             layout[f"decoder.layers.*.{mlp}linear_fc1.bias"] = (0, fc1_stride)
             layout[f"decoder.layers.*.{mlp}linear_fc2.weight"] = (1, 1)
+    if config.hybrid_layer_pattern is not None or config.linear_attention_freq is not None:
+        _add_mixer_layout(layout, config)
     if config.mtp_num_layers:  # each MTP layer: eh_proj, then a decoder layer
         layout["mtp.layers.*.eh_proj.weight"] = (0, 1)
         for name, split in list(layout.items()):
@@ -70,6 +72,28 @@ def default_layout(config: TransformerConfig) -> Layout:
                 inner = name[len("decoder.layers.*."):]
                 layout[f"mtp.layers.*.mtp_model_layer.{inner}"] = split
     return layout
+
+
+# The recurrent mixers' split tensors (transformer/ssm): group-major rows, split contiguously.
+_MIXER_SPLIT = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "D",
+                "norm_weight")
+
+
+def _add_mixer_layout(layout: Layout, config: TransformerConfig) -> None:
+    """Hybrid models: a layer's one part sits under `mixer.` (attention, MLP and MoE names as
+    in GPT layers), Mamba / Gated DeltaNet tensors under `mixer.` or, for
+    --linear-attention-freq, under `self_attention.`."""
+    mixer_prefixes = ["decoder.layers.*.self_attention."]
+    if config.hybrid_layer_pattern is not None:
+        mixer_prefixes = ["decoder.layers.*.mixer."]
+        for name, split in list(layout.items()):
+            for part in ("decoder.layers.*.self_attention.", "decoder.layers.*.mlp."):
+                if name.startswith(part):
+                    layout["decoder.layers.*.mixer." + name[len(part):]] = split
+    for prefix in mixer_prefixes:
+        for name in _MIXER_SPLIT:
+            layout[prefix + name] = (0, 1)
+        layout[prefix + "out_proj.weight"] = (1, 1)
 
 
 def expert_parallel_shard(

@@ -134,8 +134,33 @@ def pipeline_layer_layout(
     return layout
 
 
+def hybrid_pattern_layout(segments: List[int], pipeline_size: int, parallel) -> List[List[tuple]]:
+    """The layout --hybrid-layer-pattern's `|` breaks give: segment r on pipeline stage r
+    (Megatron's; more segments than stages, its virtual stages, are not built here)."""
+    given = [flag for flag, value in (
+        ("--decoder-first-pipeline-num-layers", parallel.decoder_first_pipeline_num_layers),
+        ("--decoder-last-pipeline-num-layers", parallel.decoder_last_pipeline_num_layers),
+        ("--num-layers-per-virtual-pipeline-stage", parallel.num_layers_per_virtual_pipeline_stage),
+        ("--virtual-pipeline-model-parallel-size", parallel.virtual_pipeline_model_parallel_size),
+    ) if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: the | breaks of --hybrid-layer-pattern define "
+                          "the pipeline layout; drop them (or the breaks)")
+    if len(segments) != pipeline_size or min(segments) < 1:
+        raise ConfigError(
+            f"--hybrid-layer-pattern has {len(segments)} |-separated segments of {segments} "
+            f"layers for --pipeline-model-parallel-size {pipeline_size}: give one non-empty "
+            "segment per stage (virtual stages from more segments are not supported yet), or "
+            "no breaks for an even split")
+    offsets = [sum(segments[:rank]) for rank in range(pipeline_size)]
+    return [[(offsets[rank], segments[rank])] for rank in range(pipeline_size)]
+
+
 def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
     parallel = configs.parallel
+    segments = configs.model.hybrid_stage_layer_counts()
+    if segments is not None and pipeline_size > 1:
+        return hybrid_pattern_layout(segments, pipeline_size, parallel)
     return pipeline_layer_layout(
         configs.model.num_layers,
         pipeline_size,
@@ -153,8 +178,13 @@ def validate_pipeline_configs(configs, pipeline_size: int,
     # Imported here: schedules imports this module.
     layout = layout_from_configs(configs, pipeline_size)
     # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
-    if schedule_name(configs.training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b":
-        check_virtual_microbatches(configs.training.num_microbatches(data_parallel_size),
+    training = configs.training
+    # With a batch-size ramp-up or step schedule every batch size it reaches is checked in
+    # arguments (_validate_training_length); --global-batch-size alone is not the one used.
+    varying = training.rampup_batch_size or training.step_batch_size_schedule
+    if (schedule_name(training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b"
+            and not varying):
+        check_virtual_microbatches(training.num_microbatches(data_parallel_size),
                                    pipeline_size)
     return layout
 

@@ -27,9 +27,19 @@ class TransformedModel(torch.nn.Module):
 
     forward(input_ids [b, s], attention_mask=None, position_ids=None, labels=None,
             return_dict=None, *, shift_labels=None, num_items_in_batch=None,
-            return_logits=None)
-      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or our bool
-        [b, 1, s, s] (True = masked); None = causal.
+            return_logits=None, use_cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+            max_length_q=None, max_length_k=None, seq_idx=None)
+      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or a 4-D mask as
+        HF takes one ([b, 1, s, s], bool True = attend, or additive float 0 / -inf); None =
+        causal.
+      * Padding-free batches (several documents in a row, each attending only to itself), as
+        HF decides them (`hf_contract.packed_document_ids`): position_ids that restart, with
+        no attention_mask and use_cache False (the call's, else config.use_cache); or flash
+        attention's cu_seq_lens_q/k + max_length_q/k, or seq_idx (what
+        `DataCollatorWithFlattening` and TRL's padding-free collator send). They run on the
+        packed attention path (`transformer.packed`) at every layout; under context
+        parallelism with cp_comm_type "all_gather", split per document where the lengths
+        allow (`packed_rank_indices`). Boundaries that disagree are a ConfigError.
       * labels: HF's, unshifted, -100 = ignored; the loss is HF's (shift by one, mean over
         the scored positions, or sum / `num_items_in_batch`). `shift_labels`: already
         shifted targets instead (as HF takes them).
@@ -41,8 +51,13 @@ class TransformedModel(torch.nn.Module):
       * Logits: without labels, the full [b, s, vocab] (gathered over TP and CP, padding
         columns sliced off). With labels they are not formed (`.logits` is None: gathering
         the vocabulary costs memory the loss does not need) unless `return_logits=True`.
-      * Keywords it cannot honour (past_key_values, use_cache=True, inputs_embeds,
-        output_attentions=True, output_hidden_states=True, ...) are a ConfigError naming them.
+      * `generate(...)`: Hugging Face's generate with a KV cache (see its docstring).
+      * Keywords it cannot honour (past_key_values / cache, use_cache=True, inputs_embeds,
+        output_attentions=True, output_hidden_states=True, output_router_logits=True or
+        config.output_router_logits, ...) are a ConfigError naming them.
+    `base_model(...)` (the backbone: `BaseModelOutputWithPast` of the final norm's output
+    [b, s, h]), `get_output_embeddings()` (the full LM head weight) and `add_model_tags` are
+    HF's, for TRL's fused LM head.
     `config` is the HF model's config, `generation_config` its generation config,
     `transformer_config` ours; `hf_state_dict()` gives HF's state dict back (collective over
     the TP and EP groups).
@@ -68,61 +83,234 @@ class TransformedModel(torch.nn.Module):
         shift_labels: Optional[torch.Tensor] = None,
         num_items_in_batch: Optional[Any] = None,
         return_logits: Optional[bool] = None,
-        **unsupported: Any,
+        **keywords: Any,
     ):
         from megatron_smp.models.gpt import gather_full_logits
         from megatron_smp.smp import hf_contract
         from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-        hf_contract.check_forward_keywords(unsupported)
-        if input_ids is None:
-            raise ConfigError("transformed model forward: input_ids is required")
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
-        mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
         targets = keep = None
         if shift_labels is None and labels is not None:
             shift_labels = hf_contract.shift_labels(labels)
         if shift_labels is not None:
             targets, keep = hf_contract.targets_and_keep(shift_labels)
+        batch = self._prepare_batch(input_ids, attention_mask, position_ids, keywords,
+                                    targets=targets)
         parallel_state = self.module.state
-        batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
-                 "targets": targets}
-        if parallel_state.cp_size > 1:
-            # This rank's share of the sequence in, the whole sequence's outputs back.
-            from megatron_smp.context_parallel import (
-                gather_from_context_parallel, get_batch_on_this_cp_rank,
-            )
-
-            batch = get_batch_on_this_cp_rank(batch, parallel_state.cp_size,
-                                              parallel_state.cp_rank)
         local_logits = self.module(batch["tokens"], position_ids=batch["position_ids"],
-                                   attention_mask=batch["attention_mask"])  # [b, s/cp, v/tp]
+                                   attention_mask=batch["attention_mask"],
+                                   document_ids=batch["document_ids"])  # [b, s/cp, v/tp]
         loss = None
         if targets is not None:
             per_token = vocab_parallel_cross_entropy(
                 local_logits, batch["targets"], parallel_state.tp_group,
                 vocab_size=self.transformer_config.vocab_size,
             )
-            if parallel_state.cp_size > 1:
-                per_token = gather_from_context_parallel(per_token, parallel_state.cp_group)
+            per_token = self._gather_sequence(per_token, batch)
             loss = hf_contract.causal_lm_loss(per_token, keep, num_items_in_batch)
         logits = None
         if targets is None or return_logits:
-            if parallel_state.cp_size > 1:
-                local_logits = gather_from_context_parallel(local_logits,
-                                                            parallel_state.cp_group)
-            logits = gather_full_logits(local_logits, parallel_state,
-                                        self.transformer_config.vocab_size)
+            logits = gather_full_logits(self._gather_sequence(local_logits, batch),
+                                        parallel_state, self.transformer_config.vocab_size)
         moe = self.transformer_config.num_moe_experts is not None
         return hf_contract.causal_lm_output(loss, logits, return_dict, moe)
 
-    def generate(self, *args, **kwargs):
-        """Not available: the transformed model keeps no key/value cache."""
-        raise ConfigError(
-            "transformed model: generate() is not supported (no key/value cache); "
-            "load hf_state_dict() into the Hugging Face model and generate with it"
-        )
+    def _prepare_batch(self, input_ids, attention_mask, position_ids, keywords,
+                       **sequences) -> Dict[str, Any]:
+        """HF's forward keywords -> this rank's inputs of `GPTModel`: "tokens", "position_ids",
+        "attention_mask" (ours), "document_ids" (padding-free rows, `hf_contract.
+        packed_document_ids`, from position_ids or the `keywords` of PACKING_KEYWORDS),
+        "rank_indices" (packed rows under CP) and `sequences` ([b, s] tensors such as
+        targets), split over context parallelism. The other `keywords` are checked
+        (`check_forward_keywords`). Every check runs before any collective."""
+        from megatron_smp.models.hf import get_adapter
+        from megatron_smp.smp import hf_contract
+
+        keywords = dict(keywords)
+        packing = {name: keywords.pop(name, None) for name in hf_contract.PACKING_KEYWORDS}
+        use_cache = keywords.get("use_cache")
+        hf_contract.check_forward_keywords(keywords, self.config)
+        if input_ids is None:
+            raise ConfigError("transformed model forward: input_ids is required")
+        if input_ids.dim() != 2:
+            raise ConfigError(f"transformed model forward: input_ids must be [batch, seq], got "
+                              f"{tuple(input_ids.shape)}")
+        use_cache = hf_contract.resolve_config_default("use_cache", use_cache, self.config)
+        if self.is_activation_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # HF turns the cache off under gradient checkpointing
+        mask = hf_contract.padding_to_attention_mask(attention_mask, input_ids.shape[1])
+        document_ids = hf_contract.packed_document_ids(
+            input_ids.shape, attention_mask, position_ids, use_cache, **packing,
+            masks_read_position_ids=getattr(get_adapter(self.family),
+                                            "HF_MASKS_READ_POSITION_IDS", True),
+            attn_implementation=getattr(self.config, "_attn_implementation", None))
+        if position_ids is not None and position_ids.dim() <= 2:
+            position_ids = position_ids.expand(input_ids.shape)  # HF broadcasts [s], [1, s]
+        parallel_state = self.module.state
+        batch = {"tokens": input_ids, "position_ids": position_ids, "attention_mask": mask,
+                 "document_ids": document_ids, **sequences}
+        if parallel_state.cp_size == 1:
+            return dict(batch, rank_indices=None)
+        # This rank's share of the sequence in, the whole sequence's outputs back.
+        from megatron_smp.context_parallel import get_batch_on_this_cp_rank
+        from megatron_smp.context_parallel.split import packed_rank_indices
+
+        rank_indices = None
+        if document_ids is not None:
+            self._check_packed_context_parallel(input_ids.shape[1])
+            rank_indices = packed_rank_indices(document_ids, parallel_state.cp_size)
+        batch = get_batch_on_this_cp_rank(batch, parallel_state.cp_size, parallel_state.cp_rank)
+        return dict(batch, rank_indices=rank_indices)
+
+    def _check_packed_context_parallel(self, seq_length: int) -> None:
+        """ConfigError for a padding-free batch under a context-parallel layout that cannot
+        keep its documents apart (the same rules as --sft's)."""
+        from megatron_smp.context_parallel.split import check_divisible
+
+        config = self.transformer_config
+        check_divisible(seq_length, self.module.state.cp_size)
+        if config.cp_comm_type != "all_gather":
+            raise ConfigError(
+                f"transformed model forward: a padding-free batch (documents packed in a row) "
+                f"under context parallelism needs cp_comm_type 'all_gather' (each rank's "
+                f"queries attend to their document's gathered keys), got "
+                f"{config.cp_comm_type!r}; pass transform(..., cp_comm_type='all_gather')")
+        windowed = any((config.layer_window_size(n) or (-1,))[0] >= 0
+                       for n in range(1, config.num_layers + 1))
+        features = [name for name, on in (
+            ("sliding windows", windowed), ("attention sinks", config.softmax_type != "vanilla"),
+            ("ALiBi", config.position_embedding_type == "alibi")) if on]
+        if features:
+            raise ConfigError(
+                f"transformed model forward: a padding-free batch under context parallelism "
+                f"attends without {', '.join(features)}, which this model has; use "
+                "context_parallel_degree 1 for it, or pad the documents into rows of their own")
+
+    def _gather_sequence(self, tensor: torch.Tensor, batch: Dict[str, Any]) -> torch.Tensor:
+        """[b, s/cp, ...] of this CP rank -> [b, s, ...] of the whole rows (differentiable)."""
+        parallel_state = self.module.state
+        if parallel_state.cp_size == 1:
+            return tensor
+        from megatron_smp.context_parallel import gather_from_context_parallel
+
+        return gather_from_context_parallel(tensor, parallel_state.cp_group,
+                                            batch["rank_indices"])
+
+    def hidden_states(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        **keywords: Any,
+    ) -> torch.Tensor:
+        """The backbone's output, after the final norm: [b, s, h], whole rows on every rank
+        (gathered over SP and CP; backward keeps this rank's share, the consumer being
+        replicated over the TP and CP groups). The same keywords and checks as `forward`."""
+        from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        batch = self._prepare_batch(input_ids, attention_mask, position_ids, keywords)
+        hidden = self.module(batch["tokens"], position_ids=batch["position_ids"],
+                             attention_mask=batch["attention_mask"],
+                             document_ids=batch["document_ids"], return_hidden_states=True)
+        if self.module.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.module.state.tp_group,
+                                                          tensor_parallel_output_grad=False)
+        return self._gather_sequence(hidden.transpose(0, 1), batch)
+
+    @property
+    def base_model(self) -> "_Backbone":
+        """HF's `base_model`: the backbone, called like HF's (`model.model(...)`), returning
+        `BaseModelOutputWithPast(last_hidden_state=[b, s, h])` (what TRL's fused LM head
+        runs)."""
+        return _Backbone(self)
+
+    def get_output_embeddings(self) -> "_FullOutputLayer":
+        """HF's LM head, read-only: `.weight` [vocab, h] (gathered over TP, vocabulary padding
+        cut off; backward keeps this rank's rows, and 1 / cp of their grad under CP, where every
+        rank forms the whole loss) and `.bias` (None, or [vocab]). Rebuilt on each call, so a
+        caller reads it per forward (as TRL's fused LM head does)."""
+        return _FullOutputLayer(self)
+
+    supports_gradient_checkpointing = True
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """HF's flag: whether `activation_checkpointing_enable` turned layer recompute on."""
+        return self.module.decoder.recompute_granularity == "full"
+
+    is_gradient_checkpointing = is_activation_checkpointing  # HF's older name
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """HF's activation checkpointing (what HF's Trainer and TRL call with
+        `gradient_checkpointing=True`): every decoder layer recomputed in backward, our
+        `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`.
+        `use_reentrant` picks torch's mechanism, which has no counterpart here (one recompute,
+        the same numbers either way); other kwargs, every_n_layers > 1 and offload are a
+        ConfigError."""
+        unknown = sorted(set(activation_checkpointing_kwargs or {}) - {"use_reentrant"})
+        if every_n_layers != 1:
+            unknown.append(f"every_n_layers={every_n_layers}")
+        if offload:
+            unknown.append("offload=True")
+        if unknown:
+            raise ConfigError(
+                f"transformed model activation_checkpointing_enable: {', '.join(unknown)} not "
+                "supported; it recomputes every layer (use_reentrant alone is taken; for "
+                "offloading see sm_activation_offloading)")
+        decoder = self.module.decoder
+        if not self.is_activation_checkpointing:
+            self._recompute_before = (decoder.recompute_granularity, decoder.recompute_method,
+                                      decoder.recompute_num_layers)
+        decoder.recompute_granularity, decoder.recompute_method = "full", "uniform"
+        decoder.recompute_num_layers = 1
+
+    def activation_checkpointing_disable(self) -> None:
+        """Back to the recompute the model was built with."""
+        before = getattr(self, "_recompute_before", None)
+        if before is not None:
+            decoder = self.module.decoder
+            (decoder.recompute_granularity, decoder.recompute_method,
+             decoder.recompute_num_layers) = before
+            self._recompute_before = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None,
+                                      **kwargs) -> None:
+        """HF's older name of `activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    gradient_checkpointing_disable = activation_checkpointing_disable  # HF's older name
+
+    model_tags: Optional[list] = None
+
+    def add_model_tags(self, tags) -> None:
+        """HF's `add_model_tags`: the tags HF writes into a model card, kept in `model_tags`
+        as HF keeps them (TRL's trainers add theirs), for whoever saves the HF model."""
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        self.model_tags = list(dict.fromkeys((self.model_tags or []) + tags))
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None,
+                 attention_mask: Optional[torch.Tensor] = None, *,
+                 input_ids: Optional[torch.Tensor] = None, **kwargs):
+        """Hugging Face's `generate` (greedy or sampled, HF's keywords and GenerationConfig,
+        left-padded attention_mask) on the inference engine's KV cache
+        (`megatron_smp.inference.hf_generate`): input ids [b, s] -> [b, s + new] tokens.
+        Collective over the model's ranks (every rank passes the same inputs)."""
+        from megatron_smp.inference.hf_generate import generate, resolve_generation_config
+
+        if inputs is not None and input_ids is not None:
+            raise ConfigError("generate: give inputs or input_ids, not both")
+        input_ids = inputs if inputs is not None else input_ids
+        if input_ids is None:
+            raise ConfigError("generate: input_ids is required")
+        settings = resolve_generation_config(self, generation_config, **kwargs)
+        parallel_state = self.module.state
+        # Expert parallelism exchanges tokens over data-parallel ranks too: run the whole
+        # world as one model then.
+        group = parallel_state.model_parallel_group if parallel_state.ep_size == 1 else None
+        return generate(self.module, input_ids, attention_mask, settings, group)
 
     def _full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Our full (TP=1) state dict, LoRA adapters included: this rank's TP (and EP)
@@ -192,6 +380,54 @@ class TransformedModel(torch.nn.Module):
         save_peft_adapter(directory, full, self.transformer_config, self.lora["rank"],
                           self.lora["alpha"], self.lora["dropout"], self.lora["targets"],
                           base_model_name_or_path)
+
+
+class _Backbone:
+    """`TransformedModel.base_model`: the backbone behind HF's call and output."""
+
+    def __init__(self, model: TransformedModel) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.model.hidden_states(*args,
+                                                                                   **kwargs))
+
+
+class _FullOutputLayer:
+    """`TransformedModel.get_output_embeddings()`: the output layer's full weight and bias."""
+
+    def __init__(self, model: TransformedModel) -> None:
+        module = model.module
+        self._model = model
+        self._layer = module.output_layer
+        self._tied = module.output_layer.weight is None
+
+    def _full(self, shard: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if shard is None:
+            return None
+        state = self._model.module.state
+        full = gather_from_sequence_parallel_region(shard, state.tp_group,
+                                                    tensor_parallel_output_grad=False)
+        full = full[: self._model.transformer_config.vocab_size]
+        if state.cp_size > 1:
+            # Every CP rank forms the whole loss from this weight: 1 / cp of its grad on each
+            # makes the CP ranks' grads add up to the whole one, as the backbone's do.
+            full.register_hook(lambda grad: grad / state.cp_size)
+        return full
+
+    @property
+    def weight(self) -> torch.Tensor:
+        module = self._model.module
+        shard = module.embedding.word_embeddings.weight if self._tied else self._layer.weight
+        return self._full(shard)
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self._full(getattr(self._layer, "bias", None))
 
 
 def _has_meta(module: torch.nn.Module) -> bool:

@@ -15,6 +15,7 @@ import dataclasses
 import re
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -158,6 +159,26 @@ _FLAGS: List[_Flag] = [
     _f("--activation-func-clamp-value", "model", type=float,
        help="clamp the gate from above and up on both sides before the gated unit "
        "(gpt-oss's swiglu_limit, 7)"),
+    # Gemma 3 (README "Gemma 3"): Megatron-LM main's --rotary-seq-len-interpolation-factor;
+    # Megatron-LM has no flags for the rest, named here after Megatron-Bridge's Gemma fields.
+    _f("--rotary-seq-len-interpolation-factor", "model", type=float,
+       help="linear RoPE scaling: positions / F (HF rope_type linear; Gemma 3's global "
+       "layers: 8)"),
+    _f("--local-rotary-base", "model", type=float,
+       help="RoPE base of the sliding-window layers, unscaled (Gemma 3's "
+       "rope_local_base_freq, 10000); the full-attention layers keep --rotary-base"),
+    _f("--sandwich-norm", "model", action="store_true",
+       help="normalise the attention's and the MLP's outputs before each residual add "
+       "(Gemma 2/3's post norms)"),
+    _f("--apply-embedding-scaling", "model", action="store_true",
+       help="multiply the word embeddings by sqrt(hidden size) (Gemma)"),
+    _f("--softmax-scale", "model", type=float,
+       help="attention scores q.k times this (default 1/sqrt(kv channels); Gemma 3's "
+       "query_pre_attn_scalar S: S**-0.5)"),
+    _f("--final-logit-softcapping", "model", type=float,
+       help="logits = C * tanh(logits / C) (Gemma 2)"),
+    _f("--geglu", None, "geglu", action="store_true",
+       help="gated MLP gelu_tanh(gate) * up (Gemma's GeGLU), ffn size as given"),
     _f("--untie-embeddings-and-output-weights", "model", action="store_true"),
     _f("--hidden-dropout", "model", type=float, default=0.1),
     _f("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion",
@@ -188,6 +209,29 @@ _FLAGS: List[_Flag] = [
     # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
     _f("--mtp-num-layers", "model", type=int),
     _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
+    # Hybrid models (Megatron-LM main's flags; see README "Hybrid models").
+    _f("--hybrid-layer-pattern", "model",
+       help="one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; "
+       "| between pipeline stages; decides --num-layers"),
+    _f("--hybrid-override-pattern", None, "hybrid_override_pattern",
+       help="Megatron's deprecated spelling of --hybrid-layer-pattern"),
+    _f("--spec", None, "spec", nargs="*",
+       help="Megatron's layer-spec module and function: only the hybrid stack specs, which "
+       "--hybrid-layer-pattern builds here"),
+    _f("--linear-attention-freq", "model", metavar="N|PATTERN",
+       help="with --experimental-attention-variant gated_delta_net: N-1 Gated DeltaNet layers "
+       "per full attention layer, or a 0/1 list per layer (1 = linear)"),
+    _f("--experimental-attention-variant", "model", choices=["gated_delta_net", "gdn"]),
+    _f("--attention-output-gate", "model", action="store_true"),
+    _f("--mamba-state-dim", "model", type=int, default=128),
+    _f("--mamba-head-dim", "model", type=int, default=64),
+    _f("--mamba-num-groups", "model", type=int, default=8),
+    _f("--mamba-num-heads", "model", type=int),
+    _f("--linear-conv-kernel-dim", "model", type=int, default=4),
+    _f("--linear-key-head-dim", "model", type=int, default=128),
+    _f("--linear-value-head-dim", "model", type=int, default=128),
+    _f("--linear-num-key-heads", "model", type=int, default=16),
+    _f("--linear-num-value-heads", "model", type=int, default=32),
     # Mixture of experts (Megatron's flags; see README "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
@@ -195,7 +239,7 @@ _FLAGS: List[_Flag] = [
     _f("--moe-ffn-hidden-size", "model", type=int),
     _f("--moe-router-topk", "model", type=int, default=2),
     _f("--moe-router-pre-softmax", "model", action="store_true"),
-    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid"],
+    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid", "sqrtsoftplus"],
        default="softmax"),
     _f("--moe-router-enable-expert-bias", "model", action="store_true"),
     _f("--moe-router-bias-update-rate", "model", type=float, default=1e-3),
@@ -288,7 +332,53 @@ _FLAGS: List[_Flag] = [
        "(suffixes K M B T; the first threshold is 0; needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
-    _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
+    _f("--optimizer", "optimizer", choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                            "adaptive_muon"], default="adam",
+       help="muon and lion: optimizer/muon.py; dist_muon is Megatron's deprecated spelling of "
+       "--optimizer muon --use-distributed-optimizer; soap and adaptive_muon are an error"),
+    # Muon and Lion (Megatron-LM 0.19 / main's flags and defaults).
+    _f("--muon-momentum", "optimizer", type=float, default=0.9),
+    _f("--muon-nesterov", "optimizer", action="store_true"),
+    _f("--muon-no-split-qkv", "optimizer", "muon_split_qkv", action="store_false", default=True,
+       help="orthogonalise the fused QKV weight whole, not q, k and v each"),
+    _f("--muon-scale-mode", "optimizer", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+       default="spectral"),
+    _f("--muon-fp32-matmul-prec", "optimizer", choices=["low", "medium", "high"],
+       default="medium", help="medium: the Newton-Schulz iteration in bf16; low, high: fp32"),
+    _f("--muon-coefficient-type", "optimizer", default="quintic"),
+    _f("--muon-num-ns-steps", "optimizer", type=int, default=5),
+    _f("--muon-tp-mode", "optimizer", choices=["blockwise", "duplicated", "distributed"],
+       default="duplicated"),
+    _f("--muon-extra-scale-factor", "optimizer", type=float, default=1.0),
+    _f("--muon-scalar-optimizer", "optimizer", choices=["adam", "lion"], default="adam"),
+    _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
+    _f("--lion-beta1", "optimizer", type=float, default=0.95),
+    _f("--lion-beta2", "optimizer", type=float, default=0.98),
+    # Megatron-LM 0.19 / main flags of launch scripts written in 2026 (see
+    # _apply_megatron_main_flags for what each does or why it is refused).
+    _f("--disable-bf16-reduced-precision-matmul", None,
+       "disable_bf16_reduced_precision_matmul", action="store_true",
+       help="CUDA: bf16 matmuls accumulate in full precision "
+       "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)"),
+    _f("--dataloader-inter-document-masking", None, "dataloader_inter_document_masking",
+       action="store_true", help="attention stays inside each document (--reset-attention-mask)"),
+    _f("--eval-micro-batch-size", None, "eval_micro_batch_size", type=int),
+    _f("--eval-global-batch-size", None, "eval_global_batch_size", type=int),
+    _f("--null-tokenizer-eod-id", None, "null_tokenizer_eod_id", type=int),
+    _f("--exit-signal-handler-for-training", None, "exit_signal_handler_for_training",
+       action="store_true"),
+    _f("--megatron-fsdp-main-params-dtype", None, "megatron_fsdp_main_params_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-main-grads-dtype", None, "megatron_fsdp_main_grads_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-grad-comm-dtype", None, "megatron_fsdp_grad_comm_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
+       type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
+    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
+       type=int, default=1),
+    _f("--cuda-graph-impl", None, "cuda_graph_impl",
+       choices=["none", "local", "transformer_engine"], default="none"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -435,7 +525,7 @@ _FLAGS: List[_Flag] = [
     _f("--pretrained-checkpoint", "checkpoint",
        help="the base checkpoint of a --lora-rank run: loaded before the --load adapters (or "
        "alone when --load holds none); overrides the base a LoRA checkpoint records"),
-    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor"],
+    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor", "torch_dcp"],
        default="torch_dist",
        help="fsdp_dtensor (Megatron-FSDP's DCP format) is accepted with FSDP2 runs and writes "
        "torch_dist: DCP with global names and shapes, loadable at any layout"),
@@ -462,7 +552,7 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--attention-backend": "SDPA picks its kernel (flash, efficient, math) itself",
     "--transformer-impl": "one transformer implementation (the Megatron 'local' layout)",
     "--use-mcore-models": "one model implementation",
-    "--use-legacy-models": "one model implementation",
+    "--use-legacy-models": "one model implementation (Megatron-LM main removed the flag)",
     "--DDP-impl": "one DDP implementation (Megatron's local DDP: contiguous buffers)",
     "--use-contiguous-buffers-in-local-ddp": "buffers are always contiguous",
     "--no-masked-softmax-fusion": "kernel fusion choice",
@@ -500,16 +590,69 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
+    "--use-persistent-ckpt-worker": "Megatron-LM main: whether its async-save worker outlives "
+                                    "one save; the bytes written are the same",
+    "--async-strategy": "Megatron-LM main: which of its async-save engines (nvrx, mcore) "
+                        "writes; here --async-save has one",
+    "--async-ckpt-use-cpu-shm": "Megatron-LM main: how the nvrx async worker receives GPU "
+                                "tensors (CPU shared memory instead of CUDA IPC)",
+    "--ckpt-assume-constant-structure": "Megatron-LM main: caches its save plan between saves "
+                                        "of the same structure; the files are the same",
+    "--dist-ckpt-workers": "Megatron-LM main: how many processes write an async save; the "
+                           "files are the same",
+    "--verify-integrity": "Megatron-LM main: hash the files on save, check them on load; here "
+                          "every checkpoint file always carries CRC-32 sidecars checked on load",
+    "--no-save-tokenizer-assets": "Megatron-LM main saves tokenizer files into checkpoints by "
+                                  "default; checkpoints here never hold them (what this flag "
+                                  "asks)",
+    "--moe-permute-fusion": "kernel fusion choice (Transformer Engine's fused token "
+                            "permutation: the same tokens reach the same experts)",
+    "--moe-router-fusion": "kernel fusion choice (Transformer Engine's fused router top-k and "
+                           "scores: the same routing)",
+    "--overlap-moe-expert-parallel-comm": "communication overlap choice (Megatron-LM main "
+                                          "overlaps the expert all-to-all with another "
+                                          "microbatch's compute; the same result)",
+    "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
+                                       "(Megatron defers it to overlap the pipeline's last "
+                                       "backward); the same grad",
+    "--use-tp-pp-dp-mapping": "the order ranks are laid out in (tp-pp-dp instead of "
+                              "tp-cp-ep-dp-pp): which ranks form each group, not what is "
+                              "computed",
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
-                       "--timing-log-option"}
+                       "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
+    # Megatron-LM 0.19 / main.
+    "--use-mup": "Maximal Update Parametrisation (muP: width-scaled init, learning rates and "
+                 "attention scale)",
+    "--mup-base-hidden-size": "Maximal Update Parametrisation (--use-mup)",
+    "--mup-base-head-dim": "Maximal Update Parametrisation (--use-mup)",
+    "--multiple-validation-sets": "separate validation losses per validation dataset",
+    "--validation-set-names": "separate validation losses per validation dataset "
+                              "(--multiple-validation-sets)",
+    "--start-eval-at-iter": "a first evaluation iteration other than --eval-interval's",
+    "--freeze-all-layers": "freezing the whole model (LoRA, --lora-rank, freezes the base)",
+    "--chat-template": "a custom jinja chat template (--sft uses the tokenizer's)",
+    "--save-retain-interval": "deleting checkpoints between retained ones",
+    "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
+    "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
+                         "--expert-tensor-parallel-size)",
+    "--qk-clip": "Kimi's QK-clip (rescaling the query and key weights whose attention logits "
+                 "exceed a threshold)",
+    "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
+    "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
+}
+# Values Megatron-LM main added to existing flags that are not built here.
+_NOT_SUPPORTED_YET_VALUES = {
+    ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
+                                                                 "per-expert bias by dual "
+                                                                 "coordinate descent)",
 }
 
 
@@ -594,16 +737,150 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
         optimizer["use_distributed_optimizer"] = True
 
 
+# --spec values of Megatron's hybrid scripts: the stack --hybrid-layer-pattern builds here.
+HYBRID_SPECS = (("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
+                ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"))
+
+
+def hybrid_pattern_given(argv: Sequence[str]) -> bool:
+    """Whether `argv` gives --hybrid-layer-pattern (or its deprecated spelling)."""
+    return any(token.split("=", 1)[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+               for token in argv)
+
+
+def _apply_hybrid_flags(args, model: Dict[str, Any]) -> None:
+    """--hybrid-layer-pattern (or its deprecated --hybrid-override-pattern) sets --num-layers
+    (Megatron warns and takes the pattern's count); --spec may only name the hybrid stack."""
+    if args.hybrid_override_pattern is not None:
+        if model.get("hybrid_layer_pattern") is not None:
+            raise ConfigError("--hybrid-override-pattern and --hybrid-layer-pattern cannot both "
+                              "be given (the first is the deprecated name of the second)")
+        model["hybrid_layer_pattern"] = args.hybrid_override_pattern
+    pattern = model.get("hybrid_layer_pattern")
+    if args.spec is not None and (pattern is None or tuple(args.spec) not in HYBRID_SPECS):
+        raise ConfigError(
+            f"--spec {' '.join(args.spec)}: layer specs are not loaded from modules here; the "
+            "hybrid stack specs (" + ", ".join(" ".join(spec) for spec in HYBRID_SPECS)
+            + ") are accepted with --hybrid-layer-pattern, which builds that stack")
+    if pattern is None:
+        return
+    from megatron_smp.config import HYBRID_MTP_SEPARATOR, HYBRID_STAGE_BREAK
+
+    count = len(pattern.split(HYBRID_MTP_SEPARATOR)[0].replace(HYBRID_STAGE_BREAK, ""))
+    given = model.get("num_layers")
+    if given is not None and given != count:
+        warnings.warn(f"--hybrid-layer-pattern is set; ignoring --num-layers ({given}) and "
+                      f"using the layer count derived from the pattern ({count})")
+    model["num_layers"] = count
+
+
+def _apply_megatron_main_flags(args: argparse.Namespace,
+                               sections: Dict[str, Dict[str, Any]]) -> None:
+    """Megatron-LM 0.19 / main flags: what each does here, or the error saying why not."""
+    training, data, parallel = sections["training"], sections["data"], sections["parallel"]
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if args.dataloader_inter_document_masking:
+        data["reset_attention_mask"] = True
+    for flag, value, same, what in (
+            ("--eval-micro-batch-size", args.eval_micro_batch_size,
+             training.get("micro_batch_size", 1), "--micro-batch-size"),
+            ("--eval-global-batch-size", args.eval_global_batch_size,
+             training.get("global_batch_size"), "--global-batch-size")):
+        if value is not None and value != same:
+            raise ConfigError(f"{flag} {value}: evaluation here runs with the training batch "
+                              f"({what} {same}); drop it or give the same value")
+    if args.null_tokenizer_eod_id is not None:
+        vocab = data.get("vocab_size")
+        if args.null_tokenizer_eod_id != vocab:
+            raise ConfigError(
+                f"--null-tokenizer-eod-id {args.null_tokenizer_eod_id}: the NullTokenizer here "
+                f"gives EOD the id after the text ids (--vocab-size, {vocab}); Megatron-LM "
+                "main's default, vocab_size - 1, is one of the text ids; drop it")
+    if args.exit_signal_handler_for_training:
+        raise ConfigError("--exit-signal-handler-for-training (Megatron-LM main: exit quietly on "
+                          "SIGINT/SIGTERM) is not built; --exit-signal-handler saves a "
+                          "checkpoint and exits on --exit-signal")
+    fsdp_dtypes = [(flag, value) for flag, value in (
+        ("--megatron-fsdp-main-params-dtype", args.megatron_fsdp_main_params_dtype),
+        ("--megatron-fsdp-main-grads-dtype", args.megatron_fsdp_main_grads_dtype),
+        ("--megatron-fsdp-grad-comm-dtype", args.megatron_fsdp_grad_comm_dtype))
+        if value is not None]
+    if fsdp_dtypes and not args.use_megatron_fsdp:
+        raise ConfigError(f"{', '.join(f for f, _ in fsdp_dtypes)} configure Megatron-FSDP: "
+                          "add --use-megatron-fsdp, or drop them")
+    for flag, value in fsdp_dtypes:
+        # FSDP2 here keeps fp32 main params and fp32 grads (reduced in fp32, or bf16 with
+        # --grad-reduce-in-bf16): those values, and auto for an fp32 model, are what it does.
+        fp32_model = not (args.bf16 or args.fp16)
+        if value == "fp32" or (value == "auto" and (fp32_model or "comm" in flag)):
+            continue
+        raise ConfigError(f"{flag} {value}: FSDP2 here keeps fp32 main params and grads; give "
+                          "fp32 (or auto), or drop it")
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        given = parallel.get("virtual_pipeline_model_parallel_size")
+        if given is not None and given != args.num_virtual_stages_per_pipeline_rank:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
+                              "--virtual-pipeline-model-parallel-size are one setting; give one")
+        parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
+    if args.num_distributed_optimizer_instances != 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances "
+                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
+                          "here shards over the whole data-parallel group (one instance); drop it")
+    if args.cuda_graph_impl != "none":
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
+                          "megatron_smp does not build; drop it (a hardware-only switch)")
+    if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
+        # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
+        if not parallel.get("use_torch_fsdp2"):
+            raise ConfigError("--ckpt-format torch_dcp is Megatron-LM's FSDP2 format: add "
+                              "--use-torch-fsdp2, or use torch_dist")
+        sections["checkpoint"]["ckpt_format"] = "torch_dist"
+
+
+def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
+                            argv: Sequence[str]) -> None:
+    """Megatron-LM main's emerging optimizers: dist_muon is its deprecated spelling of muon
+    with --use-distributed-optimizer; SOAP, adaptive Muon and the Triton SYRK kernel are not
+    built here."""
+    if optimizer.get("optimizer") == "dist_muon":
+        optimizer["optimizer"] = "muon"
+        optimizer["use_distributed_optimizer"] = True
+    if optimizer.get("optimizer") in ("soap", "adaptive_muon"):
+        raise ConfigError(f"--optimizer {optimizer['optimizer']} is not built here; use "
+                          "--optimizer muon (or lion, adam, sgd)")
+    if args.muon_use_syrk:
+        raise ConfigError("--muon-use-syrk picks emerging_optimizers' Triton SYRK kernel "
+                          "(CUDA, emerging_optimizers >= 0.4) for the Gram matrix; the "
+                          "iteration here uses torch's matmul: drop it")
+    given = {token.split("=", 1)[0] for token in argv}
+    muon_flags = sorted(flag for flag in given if flag.startswith("--muon-"))
+    if muon_flags and optimizer.get("optimizer") != "muon":
+        raise ConfigError(f"{', '.join(muon_flags)} configure Muon: add --optimizer muon, or "
+                          "drop them")
+    lion_flags = sorted(flag for flag in given if flag.startswith("--lion-"))
+    lion_used = optimizer.get("optimizer") == "lion" or (
+        optimizer.get("optimizer") == "muon" and optimizer.get("muon_scalar_optimizer") == "lion")
+    if lion_flags and not lion_used:
+        raise ConfigError(f"{', '.join(lion_flags)} configure Lion: add --optimizer lion (or "
+                          "--optimizer muon --muon-scalar-optimizer lion), or drop them")
+
+
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
+    for token, value in zip(argv, list(argv[1:]) + [""]):
+        flag, _, inline = token.partition("=")
+        what = _NOT_SUPPORTED_YET_VALUES.get((flag, inline or value))
+        if what:
+            raise not_supported(f"{flag} {inline or value}", what)
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
-        if flag.startswith("--moe-") and flag not in _MOE_FLAGS:
+        if flag.startswith("--moe-") and flag not in _MOE_FLAGS and flag not in IGNORED_FLAGS:
             raise not_supported(flag, "this mixture-of-experts option")
 
 
@@ -745,6 +1022,8 @@ def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
             key = spec.flag.lstrip("-").replace("-", "_")
             by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if hybrid_pattern_given(argv):  # the pattern gives the layer count, as in Megatron
+        parser._option_string_actions["--num-layers"].required = False
     if "--use-checkpoint-args" in argv:
         # As in Megatron, the model's shape may come from the --load checkpoint alone.
         for action in parser._actions:
@@ -770,12 +1049,15 @@ def _position_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
         model["position_embedding_type"] = "yarn"
 
 
-def _activation_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
-    """The MLP activation from --squared-relu / --swiglu / --openai-gelu / --quick-geglu."""
-    activations = [flag for flag, given in (("--squared-relu", args.squared_relu),
-                                            ("--swiglu", args.swiglu),
-                                            ("--openai-gelu", args.openai_gelu),
-                                            ("--quick-geglu", args.quick_geglu)) if given]
+def _activation_fields(args: argparse.Namespace, argv: List[str],
+                       model: Dict[str, Any]) -> None:
+    """The MLP activation from --squared-relu / --swiglu / --openai-gelu / --quick-geglu /
+    --geglu."""
+    choices = (("--squared-relu", args.squared_relu), ("--openai-gelu", args.openai_gelu),
+               ("--quick-geglu", args.quick_geglu), ("--geglu", args.geglu))
+    if args.swiglu and "--swiglu" not in argv and any(given for _, given in choices):
+        args.swiglu = False  # an entry script's default (pretrain_llama.py) gives way
+    activations = [flag for flag, given in (("--swiglu", args.swiglu),) + choices if given]
     if len(activations) > 1:
         raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
     if args.squared_relu:
@@ -792,6 +1074,9 @@ def _activation_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
             model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
     if args.openai_gelu:
         model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
+    if args.geglu:
+        model["gated_linear_unit"] = True
+        model["activation"] = "gelu_tanh"
 
 
 def _model_fields(args: argparse.Namespace, argv: List[str],
@@ -852,11 +1137,14 @@ def parse_args(
 
     model = sections["model"]
     training = sections["training"]
+    _apply_hybrid_flags(args, model)
     _position_fields(args, model)
     _check_rope_scaling_flags(argv, model)
-    _activation_fields(args, model)
+    _activation_fields(args, argv, model)
     _model_fields(args, argv, sections)
+    _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
+    _apply_megatron_main_flags(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
         # with global tensor names and shapes, which FSDP2 runs write and read already.

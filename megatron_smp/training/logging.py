@@ -60,6 +60,48 @@ def mla_attention_terms(config: TransformerConfig, seq_length: int) -> float:
     return q_term + kv_term + n * config.v_head_dim * h + core
 
 
+def mamba_layer_flops(config: TransformerConfig) -> float:
+    """Forward FLOPs per token of a Mamba-2 mixer, Megatron-LM main's formula (d_in = 2 h, as
+    there): in_proj 2 h (2 d_in + 2 g n + heads), scan 7 d_in n, out_proj 2 d_in h."""
+    h, n = config.hidden_size, config.mamba_state_dim
+    d_in = 2 * h
+    return (2 * h * (2 * d_in + 2 * config.mamba_num_groups * n + config.mamba_heads())
+            + 7 * d_in * n + 2 * d_in * h)
+
+
+def gdn_layer_flops(config: TransformerConfig) -> float:
+    """Forward FLOPs per token of a Gated DeltaNet mixer, Megatron-LM main's formula: in_proj
+    to 2 qk + 2 v + 2 h_v, the conv over 2 qk + v channels, 4 h_v d_v^2 for the delta rule,
+    out_proj."""
+    h = config.hidden_size
+    qk = config.linear_key_head_dim * config.linear_num_key_heads
+    v = config.linear_value_head_dim * config.linear_num_value_heads
+    heads = config.linear_num_value_heads
+    return 2 * (h * (2 * qk + 2 * v + 2 * heads) + config.linear_conv_kernel_dim * (2 * qk + v)
+                + heads * config.linear_value_head_dim ** 2 * 4 + h * v)
+
+
+def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
+                               global_batch_size: int, padded_vocab_size: int) -> float:
+    """Megatron-LM main's `hybrid_flops` for --hybrid-layer-pattern: per token, each layer of
+    its one part (attention 4 h q (1 + g/n) + 2 s q, MLP and MoE as GPT's, Mamba and GDN as
+    above) plus the logits 2 h V, times 3 (forward and two backward GEMMs)."""
+    h = config.hidden_size
+    q = config.num_attention_heads * config.kv_channels
+    gated = 3 if config.gated_linear_unit else 2
+    attention = 2 * h * (q + 2 * config.num_query_groups * config.kv_channels) + 2 * q * h
+    attention += 2 * seq_length * q
+    moe = 0.0
+    if config.num_moe_experts is not None:
+        moe = gated * h * 2 * (config.moe_ffn_hidden_size * config.moe_router_topk
+                               + (config.moe_shared_expert_intermediate_size or 0))
+    per_layer = {"*": attention, "-": 2 * gated * h * config.ffn_hidden_size, "E": moe,
+                 "M": mamba_layer_flops(config), "G": gdn_layer_flops(config)}
+    per_token = sum(per_layer[symbol] for symbol in config.hybrid_layer_symbols())
+    per_token += 2 * h * padded_vocab_size
+    return 3.0 * per_token * seq_length * global_batch_size
+
+
 def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,
                         padded_vocab_size: int) -> float:
     """Model FLOPs of one training iteration, as Megatron-LM (core_v0.16.1) prints them.
@@ -73,12 +115,19 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     window of W keys (--window-size, --window-attn-skip-freq) counts 2*q*(2*W - W^2/s) for
     scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
     (W keys each once the window is full); W >= s is the causal term. A gated MLP counts 3
-    GEMMs for --quick-geglu too (Megatron counts 3 only for --swiglu).
+    GEMMs for --quick-geglu and --geglu too (Megatron counts 3 only for --swiglu). Norms
+    (also --sandwich-norm's and --qk-layernorm's), --apply-embedding-scaling and
+    --final-logit-softcapping are elementwise: not counted, as Megatron counts no norms.
     Multi-token prediction (Megatron's count): each of the D MTP layers counts as one more
     layer of the last layer's kind (attention, and MoE or dense MLP), plus its two input
     norms and final norm (3*h) and eh_proj (2*h*h), and the logits are computed D + 1 times.
+    Hybrid models: `hybrid_flops_per_iteration`; a --linear-attention-freq layer's Gated
+    DeltaNet counts `gdn_layer_flops` in place of its attention.
     Returns FLOPs for `global_batch_size` sequences of `seq_length` tokens.
     """
+    if config.hybrid_layer_pattern is not None:
+        return hybrid_flops_per_iteration(config, seq_length, global_batch_size,
+                                          padded_vocab_size)
     h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     kv = config.num_query_groups * config.kv_channels
@@ -103,8 +152,11 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     if num_moe_layers:
         shared = config.moe_shared_expert_intermediate_size or 0
         mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
-    per_token = (mlp_factor * h * mlp + num_layers * attention + core
+    linear = sum(config.linear_attention_pattern())  # Gated DeltaNet layers, no attention
+    per_token = (mlp_factor * h * mlp + (num_layers - linear) * attention + core
                  + mtp * (3 * h + 2 * h * h) + h * padded_vocab_size * (1 + mtp))
+    if linear:
+        per_token += linear * (gdn_layer_flops(config) / 2 - q * seq_length)
     return 6.0 * per_token * seq_length * global_batch_size
 
 

@@ -14,11 +14,17 @@ implementation's saved tensors (checked against the tensors autograd saves in a 
 forward, `tests/unit/training/test_memory_planner.py`): per layer and token, in units of the
 activation dtype,
 
-    replicated over TP (split by SP):  norm inputs (LayerNorm 1 h, RMSNorm 2 h each),
-                                       the two norm outputs (2 h), hidden-dropout masks (2 h)
+    replicated over TP (split by SP):  norm inputs (LayerNorm 1 h, RMSNorm 2 h each; with
+                                       --sandwich-norm four norms), the two pre-norm outputs
+                                       (2 h), hidden-dropout masks (2 h)
     split over TP:                     fused QKV (a + 2g) d, context a d,
                                        RoPE's rotated q/k (a + g) d, or the contiguous q copy
-                                       of grouped-query attention a d; log-sum-exp (fp32, a)
+                                       of grouped-query attention a d; log-sum-exp (fp32, a);
+                                       --qk-layernorm: the normalised q/k (a + g) d, their
+                                       statistics (fp32, a + g), and with RoPE and
+                                       1 < g < a the contiguous q copy the norm reads (a d)
+    sliding-window layer:              the dense window mask, s_q s_k in the activation dtype
+                                       (not with selective recompute of core_attn)
                                        dense MLP 2 f (4 f gated)
                                        MoE: top-k x (3 h + 2 f (4 f gated) / tp) per
                                        token of the whole sequence (gathered over TP)
@@ -30,7 +36,8 @@ then selective recompute removes what it recomputes (`core_attn`: the log-sum-ex
 scores; `mlp`: the dense MLP; `layernorm`: 3 h), full recompute keeps one layer input per
 checkpointed group (and, in backward, the group being recomputed: a transient that never
 meets the logits); the first/last stage add the embedding and the output layer's input and
-logits. A pipeline rank holds `in_flight` micro-batches
+logits (with --final-logit-softcapping also the tanh's output, one more logits-sized
+tensor). A pipeline rank holds `in_flight` micro-batches
 (1F1B: pp - rank; interleaved: the warm-up forwards + 1, in chunks; GPipe: all), and its
 peak adds the transient logits and cross-entropy buffers of one micro-batch and one
 parameter's gradient: the largest one autograd materialises (with gradient-accumulation fusion
@@ -97,9 +104,51 @@ class StageCount:
 
 def _layer_kinds(model_config, offset: int, count: int) -> List[bool]:
     """Whether each layer of a chunk is an MoE layer."""
+    symbols = model_config.hybrid_layer_symbols()
+    if symbols is not None:
+        return [symbols[i] == "E" for i in range(offset, offset + count)]
     if not model_config.num_moe_experts:
         return [False] * count
     pattern = model_config.moe_layer_pattern()
+    return [bool(pattern[i]) for i in range(offset, offset + count)]
+
+
+def _mixer_kinds(model_config, offset: int, count: int) -> List[Optional[str]]:
+    """Each layer's --hybrid-layer-pattern symbol, "G" for a --linear-attention-freq GPT
+    layer's Gated DeltaNet, None for a GPT layer with attention."""
+    symbols = model_config.hybrid_layer_symbols()
+    if symbols is not None:
+        return [symbols[i] for i in range(offset, offset + count)]
+    linear = model_config.linear_attention_pattern()
+    return ["G" if linear[i] else None for i in range(offset, offset + count)]
+
+
+def mixer_activation_bytes(model_config, kind: str, seq_length: int, tokens: int,
+                           tp: int) -> float:
+    """Bytes a Mamba-2 ("M") or Gated DeltaNet ("G") mixer keeps for backward per micro-batch
+    on one rank: its saved tensors per token in fp32 units (the scans compute in fp32), fitted
+    to the tensors autograd saves (saved-tensor hooks, 64 configurations, within 1% / 4%):
+        Mamba: 13 d_inner + 8.5 g n + 2.5 h_m + 2 L h_m + 2 d_inner n / L
+        GDN:   12 h_v d_v + 5 h_k d_k + 15 h_v + 5 L h_v + h_v d_k d_v / L + 10 h_v d_k
+    (L the chunk, no longer than the sequence); all of it split over TP with the heads."""
+    m = model_config
+    if kind == "M":
+        heads, n = m.mamba_heads(), m.mamba_state_dim
+        inner, chunk = heads * m.mamba_head_dim, min(m.mamba_chunk_size, seq_length)
+        units = (13 * inner + 8.5 * m.mamba_num_groups * n + 2.5 * heads + 2 * chunk * heads
+                 + 2 * inner * n / chunk)
+    else:
+        values, keys = m.linear_num_value_heads, m.linear_num_key_heads
+        dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+        chunk = min(m.linear_chunk_size, seq_length)
+        units = (12 * values * dv + 5 * keys * dk + 15 * values + 5 * chunk * values
+                 + values * dk * dv / chunk + 10 * values * dk)
+    return tokens * 4 * units / tp
+
+
+def _layer_windows(model_config, offset: int, count: int) -> List[bool]:
+    """Whether each layer of a chunk attends through a sliding window."""
+    pattern = model_config.window_layer_pattern()
     return [bool(pattern[i]) for i in range(offset, offset + count)]
 
 
@@ -157,7 +206,9 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
             chunks.append(model_provider(configs, state, pre_process=pre, post_process=post,
                                          device=torch.device("meta"), **stage))
             count.chunks.append({"pre": pre, "post": post,
-                                 "moe": _layer_kinds(configs.model, offset, num_layers)})
+                                 "moe": _layer_kinds(configs.model, offset, num_layers),
+                                 "kinds": _mixer_kinds(configs.model, offset, num_layers),
+                                 "windows": _layer_windows(configs.model, offset, num_layers)})
     fused = set()
     if configs.model.gradient_accumulation_fusion and not parallel.use_torch_fsdp2:
         fused = {id(m.weight) for chunk in chunks for m in chunk.modules()
@@ -199,10 +250,15 @@ def _act_bytes(model_config) -> int:
 def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int, tp: int,
                            cp: int, moe: bool, device_type: str = "cuda",
                            recompute_modules: Optional[List[str]] = None,
-                           moe_capacity_tokens: Optional[float] = None) -> Dict[str, float]:
+                           moe_capacity_tokens: Optional[float] = None,
+                           windowed: bool = False,
+                           kind: Optional[str] = None) -> Dict[str, float]:
     """Bytes one transformer layer keeps for backward per micro-batch on one rank, by part
     (see the module docstring for the terms). `recompute_modules` are the selective-recompute
-    modules in effect (None: no selective recompute)."""
+    modules in effect (None: no selective recompute); `windowed`: the layer attends through
+    its sliding window. `kind`: the layer's --hybrid-layer-pattern symbol (one norm and that
+    one part), or "G" for a GPT layer whose attention is a Gated DeltaNet
+    (`mixer_activation_bytes`)."""
     m = model_config
     p = _act_bytes(m)
     tokens = seq_length // cp * micro_batch_size
@@ -210,6 +266,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
     modules = set(recompute_modules or ())
     norms_in = (2 if m.normalization == "RMSNorm" else 1) * 2
+    if m.sandwich_norm:  # the post norms' inputs; their outputs only meet the residual add
+        norms_in *= 2
     replicated = norms_in + 2 + (2 if m.hidden_dropout > 0 else 0)
     if "layernorm" in modules:
         replicated -= 3
@@ -219,7 +277,13 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
         attention += (a + g) * d
     elif 1 < g < a:
         attention += a * d
+    if m.qk_layernorm:
+        attention += (a + g) * d + (a + g) * 4 / p
+        if m.position_embedding_type == "rope" and 1 < g < a:
+            attention += a * d
     parts["attention"] = tokens * attention * p / tp
+    if windowed and "core_attn" not in modules:  # built inside the core attention
+        parts["window_mask"] = seq_length // cp * seq_length * p
     if "core_attn" not in modules:
         parts["core_attention"] = tokens * a * 4 / tp  # log-sum-exp, fp32
         if device_type == "cpu" and m.attention_dropout > 0:
@@ -237,6 +301,18 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
             parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
     elif "mlp" not in modules:
         parts["mlp"] = tokens * 2 * gated * m.ffn_hidden_size * p / tp
+    if kind is None:
+        return parts
+    if kind in ("M", "G"):
+        parts.pop("attention"), parts.pop("core_attention", None)
+        parts["mixer"] = mixer_activation_bytes(m, kind, seq_length, tokens, tp)
+    if m.hybrid_layer_pattern is not None:  # one norm, one part
+        kept = {"M": ("mixer",), "G": ("mixer",),
+                "*": ("attention", "core_attention", "window_mask"),
+                "-": ("mlp",), "E": ("moe",)}[kind]
+        parts = {name: value for name, value in parts.items() if name in kept}
+        norm = (2 if m.normalization == "RMSNorm" else 1) + 1 + (1 if m.hidden_dropout > 0 else 0)
+        parts["replicated"] = tokens * h * norm * p / sp
     return parts
 
 
@@ -321,7 +397,10 @@ class MemoryReport:
 def _optimizer_bytes_per_param(configs) -> int:
     optimizer = configs.optimizer
     half = configs.model.params_dtype != torch.float32
-    state = 8 if optimizer.optimizer == "adam" else (4 if optimizer.sgd_momentum else 0)
+    # Muon keeps one momentum per matrix (its few scalar params' Adam moments are neglected),
+    # Lion one moment per param.
+    state = {"adam": 8, "muon": 4, "lion": 4}.get(optimizer.optimizer,
+                                                 4 if optimizer.sgd_momentum else 0)
     return state + (4 if half else 0)  # + fp32 main params of bf16/fp16 models
 
 
@@ -347,9 +426,9 @@ def _state_bytes(stage, configs, p: int, grad_bytes: int, opt_bytes: float,
 
 
 def _chunk_activation_bytes(chunk, layer_bytes: List[float], model, layer_input: float,
-                            loss_softmax: float) -> Tuple[float, float]:
+                            loss_softmax: float, softcap: float) -> Tuple[float, float]:
     """(activations held per microbatch, recompute transient) of one model chunk, given its
-    layers' activation bytes."""
+    layers' activation bytes (`softcap`: the logit soft-cap's output, 0 without)."""
     acts, recompute_peak = 0.0, 0.0
     if model.recompute_granularity == "full":
         # Held: the checkpointed inputs. The group being recomputed exists only in
@@ -369,6 +448,8 @@ def _chunk_activation_bytes(chunk, layer_bytes: List[float], model, layer_input:
     if chunk["post"]:
         # final norm input and output layer input; cross entropy's fp32 softmax
         acts += 2 * layer_input + loss_softmax
+        if softcap:
+            acts += softcap
     return acts, recompute_peak
 
 
@@ -411,10 +492,13 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
         for chunk in stage.chunks:
             layer_bytes = [sum(layer_activation_bytes(
                 model, training.seq_length, training.micro_batch_size, tp, cp, moe,
-                device_type, modules, capacity).values()) for moe in chunk["moe"]]
+                device_type, modules, capacity, windowed, kind).values())
+                for moe, windowed, kind in zip(chunk["moe"], chunk["windows"], chunk["kinds"])]
+            softcap = (tokens * vocab / tp * p  # the soft-cap's tanh output
+                       if model.final_logit_softcapping is not None else 0.0)
             acts, peak = _chunk_activation_bytes(chunk, layer_bytes, model,
                                                  tokens * model.hidden_size * p / sp,
-                                                 tokens * vocab / tp * 4)
+                                                 tokens * vocab / tp * 4, softcap)
             recompute_peak = max(recompute_peak, peak)
             per_chunk.append(acts)
         in_flight = in_flight_microbatches(schedule, pp, stage.pp_rank, num_mb, num_chunks)

@@ -17,6 +17,7 @@ than the product itself (`_causal_attention_with_dropout_cpu`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -34,6 +35,7 @@ from megatron_smp.tensor_parallel import (
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
@@ -41,6 +43,19 @@ from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, b
 from megatron_smp.transformer.utils import device_capability as _capability
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerTypeRotaryEmbeddings:
+    """The cos/sin tables of a model whose sliding-window layers rotate with their own base
+    (Gemma 3, --local-rotary-base): each decoder layer takes the one of its kind
+    (`for_layer`). Not a tuple, so no attention can mistake it for one (cos, sin) pair."""
+
+    full: RotaryEmbeddings
+    sliding: RotaryEmbeddings
+
+    def for_layer(self, sliding_window: bool) -> RotaryEmbeddings:
+        return self.sliding if sliding_window else self.full
 
 
 # Rotary position embeddings ----------------------------------------------------------------------
@@ -363,7 +378,8 @@ class DotProductAttention(torch.nn.Module):
 
     forward(query [s, b, nh_local, d], key/value [s, b, ng_local, d], attention_mask=None)
     -> context [s, b, nh_local * d]. attention_mask: bool [b, 1, s, s], True = masked, a
-    `PackedSequence`, or None = causal.
+    `PackedSequence`, None = causal, or at inference a `KVCacheContext` (the keys/values
+    are cached and the queries attend over their request's cache).
     """
 
     def __init__(
@@ -376,9 +392,11 @@ class DotProductAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = state.tp_group
+        self.layer_number = layer_number
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim)
+        # None: 1/sqrt(head_dim), or the config's (--softmax-scale, Gemma's query_pre_attn_scalar).
+        self.softmax_scale = config.softmax_scale if softmax_scale is None else softmax_scale
         self.attention_dropout = config.attention_dropout
         # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
         # keep SDPA's causal kernel for it.
@@ -402,6 +420,11 @@ class DotProductAttention(torch.nn.Module):
         if softmax_offset is None:
             softmax_offset = self.softmax_offset
         s, b = query.shape[:2]
+        if isinstance(attention_mask, KVCacheContext):
+            context = attention_mask.attend(
+                self.layer_number, query, key, value, self.softmax_scale, self.window_size,
+                softmax_offset, self.alibi_slopes if self.use_alibi else None)
+            return context.reshape(s, b, self.num_heads_per_partition * self.head_dim)
         # [s, b, n, d] -> [b, n, s, d] views: SDPA takes strided inputs.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.window_size is not None:
@@ -469,7 +492,11 @@ class SelfAttention(torch.nn.Module):
             self.q_layernorm = build_norm(config, self.head_dim, partial, device)
             self.k_layernorm = build_norm(config, self.head_dim, partial, device)
 
-        qkv_size = (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+        # --attention-output-gate: each group's rows also hold a gate per query channel,
+        # [q heads, gates, k, v], so the TP split by groups keeps a head's gate with it.
+        self.output_gate = config.attention_output_gate
+        gated_heads = self.num_heads if self.output_gate else 0
+        qkv_size = (self.num_heads + gated_heads + 2 * self.num_query_groups) * self.head_dim
         init_method = init_method_normal(config.init_method_std)
         output_init = (
             scaled_init_method_normal(config.init_method_std, config.num_layers)
@@ -486,6 +513,9 @@ class SelfAttention(torch.nn.Module):
             gather_output=False,
             device=device,
         )
+        # Rows of q, k and v per query group: Muon orthogonalises each part on its own.
+        self.linear_qkv.weight.qkv_split_shapes = (
+            self.q_per_group * self.head_dim, self.head_dim, self.head_dim)
         submodules = submodules or SelfAttentionSubmodules(
             core_attention=ModuleSpec(DotProductAttention))
         self.core_attention = build_module(
@@ -503,12 +533,16 @@ class SelfAttention(torch.nn.Module):
         )
 
     def _split_qkv(self, mixed: torch.Tensor):
-        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d]."""
+        """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d],
+        gate [s, b, nh_local * d] (--attention-output-gate: qpg more rows per group) or None."""
         s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + 2, self.head_dim)
-        query, key, value = torch.split(mixed, [self.q_per_group, 1, 1], dim=3)
+        gates = self.q_per_group if self.output_gate else 0
+        mixed = mixed.view(s, b, self.num_groups_per_partition, self.q_per_group + gates + 2,
+                           self.head_dim)
+        query, gate, key, value = torch.split(mixed, [self.q_per_group, gates, 1, 1], dim=3)
         query = query.reshape(s, b, self.num_heads_per_partition, self.head_dim)
-        return query, key.squeeze(3), value.squeeze(3)
+        gate = gate.reshape(s, b, -1) if self.output_gate else None
+        return query, key.squeeze(3), value.squeeze(3), gate
 
     def forward(
         self,
@@ -517,7 +551,7 @@ class SelfAttention(torch.nn.Module):
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
         mixed, _ = self.linear_qkv(hidden_states)
-        query, key, value = self._split_qkv(mixed)
+        query, key, value, gate = self._split_qkv(mixed)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
@@ -527,6 +561,8 @@ class SelfAttention(torch.nn.Module):
             context = checkpoint(self.core_attention, False, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
+        if gate is not None:
+            context = context * torch.sigmoid(gate)
         output, _ = self.linear_proj(context)
         return output
 
@@ -646,6 +682,7 @@ def _flash_forward(q, k, v, bias, causal, cast_dtype, layout, dropout_p, scale, 
 
 
 __all__ = [
+    "LayerTypeRotaryEmbeddings",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
     "alibi_slopes",

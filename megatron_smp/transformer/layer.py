@@ -3,11 +3,12 @@
     sequential (GPT, Llama):  x = x + drop(attn(ln1(x)));  x = x + drop(mlp(ln2(x)))
     parallel residual (NeoX): x = x + drop(attn(ln1(x))) + drop(mlp(ln2(x)))
     parallel, one norm (GPT-J): x = x + (drop(attn(ln1(x))) + drop(mlp(ln1(x))))
+    sandwich (Gemma 2/3):     x = x + drop(ln1'(attn(ln1(x))));  x = x + drop(ln2'(mlp(ln2(x))))
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -21,6 +22,7 @@ from megatron_smp.tensor_parallel.random import (
 )
 from megatron_smp.transformer.attention import (
     DotProductAttention,
+    LayerTypeRotaryEmbeddings,
     RotaryEmbeddings,
     SelfAttention,
 )
@@ -86,6 +88,16 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(
             submodules.mlp, config, state, layer_number=layer_number, device=device
         )
+        # --sandwich-norm: each branch's output normalised again before its residual add.
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if config.sandwich_norm:
+            self.post_self_attn_layernorm = build_norm(
+                config, sequence_parallel=self.sequence_parallel, device=device)
+            self.post_mlp_layernorm = build_norm(
+                config, sequence_parallel=self.sequence_parallel, device=device)
+        # Which RoPE table this layer takes when the sliding-window layers have their own
+        # (--local-rotary-base).
+        self.sliding_window = config.layer_window_size(layer_number) is not None
         # --recompute-granularity selective --recompute-modules (Megatron's TransformerLayer):
         # "layernorm" discards both norms' outputs after use and recomputes them in backward;
         # "mlp" recomputes a dense MLP ("core_attn" is SelfAttention's).
@@ -110,9 +122,11 @@ class TransformerLayer(torch.nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
-        rotary_pos_emb: Optional[RotaryEmbeddings] = None,
+        rotary_pos_emb: Union[None, RotaryEmbeddings, LayerTypeRotaryEmbeddings] = None,
     ) -> torch.Tensor:
         recompute = self.training and torch.is_grad_enabled()
+        if isinstance(rotary_pos_emb, LayerTypeRotaryEmbeddings):
+            rotary_pos_emb = rotary_pos_emb.for_layer(self.sliding_window)
         if self.pre_mlp_layernorm is None:  # GPT-J: one norm's output feeds both branches
             def both_branches(x):
                 attention_output = self.self_attention(x, attention_mask, rotary_pos_emb)
@@ -128,9 +142,13 @@ class TransformerLayer(torch.nn.Module):
             mlp_output = self._normed(self.pre_mlp_layernorm, hidden_states, recompute,
                                       lambda x: self._mlp(x, recompute))
             return hidden_states + self._dropout(attention_output) + self._dropout(mlp_output)
+        if self.post_self_attn_layernorm is not None:
+            attention_output = self.post_self_attn_layernorm(attention_output)
         hidden_states = hidden_states + self._dropout(attention_output)
         mlp_output = self._normed(self.pre_mlp_layernorm, hidden_states, recompute,
                                   lambda x: self._mlp(x, recompute))
+        if self.post_mlp_layernorm is not None:
+            mlp_output = self.post_mlp_layernorm(mlp_output)
         return hidden_states + self._dropout(mlp_output)
 
     def _normed(self, norm, hidden_states, recompute: bool, consumer):

@@ -11,6 +11,13 @@
     qk_pos_emb_head_dim channels from the model's RotaryEmbedding); the core attention sees
     q/k of qk_head_dim + pos channels and values of v_head_dim, scaled 1/sqrt(q/k width).
 
+At inference (a `KVCacheContext` in place of the mask) a token's cache entry is its normed kv
+latent and its rotated positional key, `kv_lora_rank + qk_pos_emb_head_dim` values per layer;
+the key and value up-projections are absorbed (DeepSeek's decoding): each head's q_nope is
+taken into the latent space through its key up-projection, the attention runs over the
+cached latents as one shared key/value head, and its context leaves the latent space through
+the head's value up-projection.
+
 Tensor parallelism splits the heads (the up-projections and linear_proj, whole heads per rank
 because their rows are laid out per head); the down-projections and latent norms are
 replicated (Megatron's choice: they are small). With sequence parallelism they run on the
@@ -48,6 +55,7 @@ from megatron_smp.transformer.attention import (
     apply_rotary_pos_emb,
     core_attention,
 )
+from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.rope import yarn_get_mscale
 from megatron_smp.transformer.spec import SelfAttentionSubmodules, build_module
@@ -226,12 +234,51 @@ class MLASelfAttention(torch.nn.Module):
             value = value.clone(memory_format=torch.contiguous_format)
         return query, key, value
 
+    def _forward_cached(self, hidden_states: torch.Tensor, cache: KVCacheContext,
+                        rotary_pos_emb: Optional[RotaryEmbeddings]) -> torch.Tensor:
+        """Inference over the cache with absorbed up-projections (see the module docstring)."""
+        if self.linear_kv_up_proj.lora is not None:
+            raise ValueError("multi-latent attention at inference absorbs linear_kv_up_proj, "
+                             "which has LoRA adapters: merge them into the weights first")
+        if hasattr(self, "linear_q_proj"):
+            query, _ = self.linear_q_proj(hidden_states)
+        else:
+            query, _ = self.linear_q_up_proj(
+                self.q_layernorm(self.linear_q_down_proj(hidden_states)))
+        latent, k_pos = torch.split(self.linear_kv_down_proj(hidden_states),
+                                    [self.kv_lora_rank, self.pos_dim], dim=-1)
+        latent = self.kv_layernorm(latent)
+        if self.sequence_parallel:
+            latent = gather_from_sequence_parallel_region(latent, self.tp_group, False)
+            k_pos = gather_from_sequence_parallel_region(k_pos, self.tp_group, False)
+        s, b = query.shape[:2]
+        heads = self.num_heads_per_partition
+        query = query.view(s, b, heads, self.q_head_width)
+        q_nope, q_pos = torch.split(query, [self.qk_head_dim, self.pos_dim], dim=-1)
+        if rotary_pos_emb is not None:
+            q_pos = apply_rotary_pos_emb(q_pos, rotary_pos_emb, self.rotary_interleaved)
+            k_pos = apply_rotary_pos_emb(k_pos.unsqueeze(2), rotary_pos_emb,
+                                         self.rotary_interleaved).squeeze(2)
+        up = self.linear_kv_up_proj.weight.view(heads, self.qk_head_dim + self.v_head_dim,
+                                                 self.kv_lora_rank)
+        key_up, value_up = torch.split(up, [self.qk_head_dim, self.v_head_dim], dim=1)
+        q_latent = torch.einsum("sbhd,hdr->sbhr", q_nope, key_up.to(q_nope.dtype))
+        query = torch.cat((q_latent, q_pos), dim=-1).reshape(s * b, heads, -1)
+        entries = torch.cat((latent, k_pos), dim=-1).reshape(s * b, -1)
+        context = cache.attend_latent(self.layer_number, query, entries, self.kv_lora_rank,
+                                      self.softmax_scale)  # [s * b, heads, kv_lora_rank]
+        context = torch.einsum("thr,hvr->thv", context, value_up.to(context.dtype))
+        output, _ = self.linear_proj(context.reshape(s, b, heads * self.v_head_dim))
+        return output
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[RotaryEmbeddings] = None,
     ) -> torch.Tensor:
+        if isinstance(attention_mask, KVCacheContext):
+            return self._forward_cached(hidden_states, attention_mask, rotary_pos_emb)
         if hasattr(self, "linear_q_proj"):
             q_input = hidden_states
         else:

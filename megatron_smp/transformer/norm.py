@@ -7,7 +7,8 @@ tensor-parallel group before the optimizer step.
 
 `zero_centered_gamma` (Megatron's --apply-layernorm-1p) stores the scale as w with
 y = norm(x) * (1 + w): w starts at 0, and where norms are decayed (--apply-wd-to-qk-layernorm)
-the decay pulls the scale towards 1 rather than 0.
+the decay pulls the scale towards 1 rather than 0. Such a norm runs in fp32 and casts its
+output back, as Gemma does: 1 + w in bf16 would round small w away (8 mantissa bits).
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ except Exception:  # ImportError, or a broken build
 
 def _use_apex(x: torch.Tensor) -> bool:
     return _HAVE_APEX and x.is_cuda
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class LayerNorm(torch.nn.Module):
@@ -65,10 +70,14 @@ class LayerNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> [..., h]."""
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if self.zero_centered_gamma:
+            dtype = _at_least_fp32(x)
+            return F.layer_norm(x.to(dtype), (self.hidden_size,), self.weight.to(dtype) + 1,
+                                self.bias.to(dtype), self.eps).to(x.dtype)
         if _use_apex(x):
-            return fused_layer_norm_affine(x, weight, self.bias, (self.hidden_size,), self.eps)
-        return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
+            return fused_layer_norm_affine(x, self.weight, self.bias, (self.hidden_size,),
+                                           self.eps)
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
@@ -103,10 +112,13 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> [..., h]."""
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if self.zero_centered_gamma:
+            dtype = _at_least_fp32(x)
+            return F.rms_norm(x.to(dtype), (self.hidden_size,), self.weight.to(dtype) + 1,
+                              self.eps).to(x.dtype)
         if _use_apex(x):
-            return fused_rms_norm_affine(x, weight, (self.hidden_size,), self.eps)
-        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+            return fused_rms_norm_affine(x, self.weight, (self.hidden_size,), self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

@@ -1,9 +1,10 @@
-"""RoPE frequencies: the plain RoFormer table, Llama 3.x's frequency scaling and YaRN.
+"""RoPE frequencies: the plain RoFormer table, linear scaling, Llama 3.x's frequency scaling
+and YaRN.
 
 A scaling is a small frozen value with two methods, so any attention that rotates channels
 (the standard one, gpt-oss's, DeepSeek-V3's decoupled RoPE head) builds the same table:
 
-    scaling = rope_scaling_of(config)           # None | Llama3RopeScaling | YarnRopeScaling
+    scaling = rope_scaling_of(config)   # None | Linear- | Llama3- | YarnRopeScaling
     inv_freq, attention_scaling = rope_frequencies(dim, base, scaling)
     # cos/sin = cos(pos * inv_freq) * attention_scaling, sin(...) * attention_scaling
 
@@ -30,6 +31,20 @@ def _wavelength_factors(dim: int, base: float) -> torch.Tensor:
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:
     """[dim / 2] fp32: base^(-2i/dim), RoFormer's frequencies."""
     return 1.0 / _wavelength_factors(dim, base)
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear position interpolation (Megatron's --rotary-seq-len-interpolation-factor, HF
+    rope_type "linear"): every frequency divided by `factor`, i.e. positions / factor."""
+
+    factor: float
+
+    def inv_freq(self, dim: int, base: float) -> torch.Tensor:
+        return default_inv_freq(dim, base) / self.factor
+
+    def attention_scaling(self) -> float:
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -112,12 +127,13 @@ class YarnRopeScaling:
                      / yarn_get_mscale(self.factor, self.mscale_all_dim))
 
 
-RopeScaling = Union[Llama3RopeScaling, YarnRopeScaling]
+RopeScaling = Union[LinearRopeScaling, Llama3RopeScaling, YarnRopeScaling]
 
 
 def rope_scaling_of(config) -> Optional[RopeScaling]:
     """The scaling a TransformerConfig asks for: YaRN for --position-embedding-type yarn,
-    Llama 3.x's for --use-rope-scaling, else None (plain RoPE)."""
+    Llama 3.x's for --use-rope-scaling, linear for --rotary-seq-len-interpolation-factor,
+    else None (plain RoPE)."""
     if config.position_embedding_type == "yarn":
         return YarnRopeScaling(
             factor=config.yarn_rotary_scaling_factor,
@@ -135,6 +151,8 @@ def rope_scaling_of(config) -> Optional[RopeScaling]:
             high_freq_factor=config.rope_scaling_high_freq_factor,
             original_max_position_embeddings=config.rope_scaling_original_max_position_embeddings,
         )
+    if config.rotary_seq_len_interpolation_factor is not None:
+        return LinearRopeScaling(factor=config.rotary_seq_len_interpolation_factor)
     return None
 
 
@@ -147,6 +165,7 @@ def rope_frequencies(dim: int, base: float,
 
 
 __all__ = [
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "YarnRopeScaling",
     "RopeScaling",

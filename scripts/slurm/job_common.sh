@@ -3,7 +3,16 @@
 #
 # The caller sets `repo`, the clone (see the batch scripts).
 cd "$repo"
-export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+if [ -z "${MASTER_ADDR:-}" ]; then
+  # The first node, at the address SLURM itself reaches it at (its NodeAddr): on the node, its
+  # own name may resolve to a loopback address (Debian's 127.0.1.1) that no other node reaches.
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  _node_addr=$(scontrol show node "$MASTER_ADDR" 2>/dev/null \
+    | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+  MASTER_ADDR=${_node_addr:-$MASTER_ADDR}
+  unset _node_addr
+fi
+export MASTER_ADDR
 # One port per job, so two jobs sharing a node do not meet in one rendezvous.
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 export NNODES=$SLURM_NNODES
@@ -30,6 +39,11 @@ run_step() {
     rm -f "$attempt_log"
     scontrol requeue "$SLURM_JOB_ID"
     return 0
+  fi
+  if grep -q 'RendezvousTimeoutError' "$attempt_log"; then
+    echo "rendezvous timed out: not all $NNODES nodes joined $MASTER_ADDR:$MASTER_PORT within" \
+      "RDZV_TIMEOUT=${RDZV_TIMEOUT:-600} s. A node slow to start, or one that cannot reach" \
+      "that address (the 'rendezvous' line of each node above names its interface)."
   fi
   rm -f "$attempt_log"
   return "$rc"

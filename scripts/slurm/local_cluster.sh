@@ -12,20 +12,25 @@
 # with the daemons up changes nothing.
 set -uo pipefail
 
-say() { echo "local_cluster: $*" >&2; }
+source "$(dirname "${BASH_SOURCE[0]}")/cluster_common.sh"
 STATE=${SLURM_LOCAL_STATE:-/var/tmp/megatron_smp_slurm}
 
+# The daemons by their pid files, not by name: other SLURM daemons on this machine (such as
+# local_two_node_cluster.sh's) are not ours.
+MUNGED_PID=/run/munge/munged.pid
+running() { local pid; pid=$(cat "$1" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }
 stop() {
-  pkill -x slurmd 2>/dev/null; pkill -x slurmctld 2>/dev/null; pkill -x munged 2>/dev/null
+  local file
+  for file in "$STATE/slurmd.pid" "$STATE/slurmctld.pid" "$MUNGED_PID"; do
+    running "$file" && kill "$(cat "$file")" 2>/dev/null
+  done
   return 0
 }
 if [ "${1:-}" = "stop" ]; then stop; exit 0; fi
 
+host=$(hostname -s)
 conf() {  # the one-node configuration, on stdout
-  local host cpus
-  host=$(hostname -s)
-  # The hardware as slurmd sees it (`nproc` follows OMP_NUM_THREADS, which the test runner
-  # sets to 1: a node configured below its hardware holds every 2-CPU job pending for ever).
+  local cpus
   cpus=$(hw_cpus)
   [ -n "$cpus" ] || cpus=$(nproc --all)
   # Leave the OS 1 GiB; slurmd refuses a node whose configured memory exceeds what it sees.
@@ -34,32 +39,15 @@ conf() {  # the one-node configuration, on stdout
 # Written by megatron_smp scripts/slurm/local_cluster.sh: one node, CPU only.
 ClusterName=megatron_smp_local
 SlurmctldHost=$host
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-# A requeued job waits until its credential expires before it starts again (default 120 s).
-AuthInfo=cred_expire=5
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/slurmd.pid
 SlurmctldLogFile=$STATE/slurmctld.log
 SlurmdLogFile=$STATE/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-# Seconds between SIGTERM and SIGKILL when a job is cancelled or requeued: the time a run
-# with --exit-signal-handler has to save.
-KillWait=60
-# A requeued job may start again at once (the default holds it for a minute or more).
-MinJobAge=10
-# A requeued job becomes eligible cred_expire + 1 s after the requeue; nothing but the
-# periodic scheduling passes (60 s and 30 s by default) looks at it then: every second here.
-SchedulerParameters=sched_interval=1,bf_interval=1
+EOF
+  common_conf cred_expire=5
+  cat <<EOF
 NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=cpu Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
@@ -67,7 +55,6 @@ EOF
 
 node_idle() { sinfo -h -o '%t' 2>/dev/null | grep -qE '^(idle|mix|alloc)'; }
 node_cpus() { sinfo -h -o '%c' 2>/dev/null | head -1; }
-hw_cpus() { slurmd -C 2>/dev/null | sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' | head -1; }
 if command -v sinfo >/dev/null && node_idle; then
   if [ "$(id -u)" != 0 ]; then exit 0; fi
   if [ "$(node_cpus)" = "$(hw_cpus)" ]; then
@@ -86,18 +73,7 @@ fi
 if [ "$(id -u)" != 0 ]; then
   say "needs root to install and start SLURM (run it with sudo)"; exit 1
 fi
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-    || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
-  if ! command -v apt-get >/dev/null; then
-    say "SLURM is not installed and there is no apt-get to install it"; exit 1
-  fi
-  say "installing slurmctld slurmd slurm-client munge (Debian packages)"
-  export DEBIAN_FRONTEND=noninteractive
-  if ! { apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge; } \
-      >"${TMPDIR:-/tmp}/megatron_smp_slurm_install.log" 2>&1; then
-    say "apt-get install failed: see ${TMPDIR:-/tmp}/megatron_smp_slurm_install.log"; exit 1
-  fi
-fi
+install_slurm || exit 1
 
 mkdir -p "$STATE/ctld" "$STATE/d" /etc/slurm /run/munge /var/log/munge /var/lib/munge
 conf > /etc/slurm/slurm.conf
@@ -107,16 +83,18 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null
 chmod 0400 /etc/munge/munge.key
 
-pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged --force 2>/dev/null \
+running "$MUNGED_PID" || runuser -u munge -- /usr/sbin/munged --force 2>/dev/null \
   || /usr/sbin/munged --force
-pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
-for _ in $(seq 1 30); do
+running "$STATE/slurmctld.pid" || slurmctld
+running "$STATE/slurmd.pid" || slurmd
+for second in $(seq 1 30); do
   if node_idle; then
     scontrol update nodename="$host" state=resume >/dev/null 2>&1
     exit 0
   fi
-  if ! pgrep -x slurmctld >/dev/null || ! pgrep -x slurmd >/dev/null; then
+  # (the daemons write their pid files a moment after they start)
+  if [ "$second" -gt 2 ] \
+      && { ! running "$STATE/slurmctld.pid" || ! running "$STATE/slurmd.pid"; }; then
     say "a SLURM daemon exited at start; logs in $STATE"; exit 1
   fi
   state=$(sinfo -h -o '%t' 2>/dev/null)

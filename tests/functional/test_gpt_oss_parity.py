@@ -57,23 +57,37 @@ HF_SHAPE = (
 ).split()
 
 
+def layouts_match_and_converted_finetunes(tmp_path, model_type, flags, layouts, hf_shape):
+    """`COMMON + flags` in one process (10 iterations, the loss falls), then each layout and a
+    fine-tune of the HF model saved in `tmp_path / "hf"` (converted by convert.py, trained
+    with `hf_shape --load`) in one spawned group of 2: every layout's per-iteration losses
+    equal the single process's (rel 1e-4). Returns each rank's fine-tune lm losses."""
+    from tests.unit.tools.test_convert import _convert_ok
+
+    _convert_ok(model_type, "hf", "megatron_smp", tmp_path / "hf", tmp_path / "converted")
+    reference = run_distributed(_train_layouts, 1, args=([COMMON + flags],), timeout=300)[0][0]
+    assert len(reference) == 10 and reference[-1][0] < reference[0][0]
+    argvs = [COMMON + flags + layout.split() for layout in layouts]
+    argvs.append(hf_shape + ["--load", str(tmp_path / "converted")])
+    finetunes = []
+    for per_rank in run_distributed(_train_layouts, 2, args=(argvs,), timeout=400):
+        for layout, losses in zip(layouts, per_rank):
+            for step, (got, want) in enumerate(zip(losses, reference)):
+                given = [value for value in got if value is not None]
+                assert given == pytest.approx([value for value in want if value is not None],
+                                              rel=1e-4), (layout, step, got, want)
+        finetunes.append([loss[0] for loss in per_rank[-1]])
+    return finetunes
+
+
 def test_gpt_oss_layouts_match_single_process(tmp_path):
     """The layouts, and (in the same spawned group) an HF gpt-oss converted by convert.py
     fine-tuned under the gpt-oss flags at EP=2: the flags and the checkpoint agree."""
     from tests.unit.models.test_hf_gpt_oss import build_gpt_oss
-    from tests.unit.tools.test_convert import _convert_ok
 
     build_gpt_oss().save_pretrained(tmp_path / "hf")
-    _convert_ok("gpt_oss", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "converted")
-    reference = run_distributed(_train_layouts, 1, args=([COMMON + GPT_OSS],), timeout=300)[0][0]
-    assert len(reference) == 10 and reference[-1][0] < reference[0][0]
-    argvs = [COMMON + GPT_OSS + layout.split() for layout in LAYOUTS]
-    argvs.append(HF_SHAPE + ["--load", str(tmp_path / "converted")])
-    for per_rank in run_distributed(_train_layouts, 2, args=(argvs,), timeout=400):
-        for layout, losses in zip(LAYOUTS, per_rank):
-            for step, (got, want) in enumerate(zip(losses, reference)):
-                assert got == pytest.approx(want, rel=1e-4), (layout, step, got, want)
-        finetuned = [loss[0] for loss in per_rank[-1]]
+    for finetuned in layouts_match_and_converted_finetunes(tmp_path, "gpt_oss", GPT_OSS,
+                                                           LAYOUTS, HF_SHAPE):
         # Converted random weights (std 0.05) predict roughly uniformly over 1003 tokens.
         assert len(finetuned) == 3 and abs(finetuned[0] - 6.91) < 0.5, finetuned
 
@@ -104,9 +118,9 @@ def test_gpt_oss_20b_script_is_the_published_shape(tmp_path):
     assert round(total / 1e9, 1) == 20.9
 
 
-def test_gpt_oss_small_script_trains(tmp_path):
-    """scripts/small/pretrain_gpt_oss_small.sh runs as written (EP=2 on 2 processes); its
-    loss falls."""
+def small_script_losses(script: str, iterations: int = 6):
+    """Per-iteration lm loss of scripts/small/`script` run as written (its 2 processes) for
+    `iterations` iterations."""
     import os
     import re
     import subprocess
@@ -114,9 +128,15 @@ def test_gpt_oss_small_script_trains(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "scripts/small/pretrain_gpt_oss_small.sh",
-                           "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0"],
+    proc = subprocess.run(["bash", f"scripts/small/{script}", "--train-iters", str(iterations),
+                           "--log-interval", "1", "--eval-iters", "0"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]
+    return [float(x) for x in re.findall(r"\| lm loss: (\S+) \|", proc.stdout)]
+
+
+def test_gpt_oss_small_script_trains(tmp_path):
+    """scripts/small/pretrain_gpt_oss_small.sh runs as written (EP=2 on 2 processes); its
+    loss falls."""
+    losses = small_script_losses("pretrain_gpt_oss_small.sh")
     assert len(losses) == 6 and losses[-1] < losses[0], losses

@@ -79,46 +79,6 @@ def slurm():
         pytest.fail(problem)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """GPT-2 BPE files, a SentencePiece model and a corpus preprocessed with each."""
-    import gzip
-    import itertools
-    import json
-
-    import sentencepiece as spm
-    from tokenizers import ByteLevelBPETokenizer
-
-    directory = tmp_path_factory.mktemp("slurm_corpus")
-    with gzip.open(os.path.join(REPO, "data/corpus/kjv.jsonl.gz"), "rt") as handle:
-        texts = [json.loads(line)["text"] for line in itertools.islice(handle, 300)]
-    jsonl = directory / "corpus.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<|endoftext|>"],
-                            show_progress=False)
-    bpe.save_model(str(directory))
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), vocab_size=600,
-                                   model_prefix=str(directory / "sp"), minloglevel=2)
-    tokenizers = {
-        "gpt": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt")],
-        "llama": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                  str(directory / "sp.model")],
-    }
-    for name, flags in tokenizers.items():
-        subprocess.run([sys.executable, os.path.join(REPO, "tools/preprocess_data.py"),
-                        "--input", str(jsonl), "--json-keys", "text", "--output-prefix",
-                        str(directory / name), "--append-eod", "--workers", "1"] + flags,
-                       check=True, capture_output=True, timeout=300)
-    return {
-        "gpt": {"DATA_PATH": str(directory / "gpt_text_document"),
-                "VOCAB": str(directory / "vocab.json"), "MERGES": str(directory / "merges.txt")},
-        "llama": {"DATA_PATH": str(directory / "llama_text_document"),
-                  "TOKENIZER_MODEL": str(directory / "sp.model")},
-    }
-
-
 def _environment(data, checkpoints):
     env = dict(os.environ, CHECKPOINT_PATH=str(checkpoints), **data)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHON",
@@ -129,8 +89,10 @@ def _environment(data, checkpoints):
     return env
 
 
-def _submit(script, submit_dir, env, directives, args):
-    out = subprocess.run(["sbatch", "--parsable"] + directives
+def _submit(script, submit_dir, env, directives, args, client=()):
+    """sbatch the script from `submit_dir`; `client` prefixes the SLURM commands (to run them
+    on a node of the two-node cluster); the job id."""
+    out = subprocess.run([*client, "sbatch", "--parsable"] + directives
                          + [os.path.join(REPO, "scripts/slurm", script)] + args,
                          cwd=submit_dir, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -142,21 +104,23 @@ def _output(submit_dir, job):
     return (submit_dir / names[0]).read_text() if names else ""
 
 
-def _wait(job, submit_dir, timeout=300, until=None):
+def _wait(job, submit_dir, timeout=300, until=None, client=()):
     """Wait until the job has left the queue (or `until(output)` holds); its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         output = _output(submit_dir, job)
         if until is not None and until(output):
             return output
-        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
-                               text=True, timeout=30).stdout.strip()
-        if until is None and not state:
-            return output
+        state = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T"],
+                               capture_output=True, text=True, timeout=30)
+        # (a failed squeue, as under load, says nothing; the output is read again: the job
+        # may have written its last lines since)
+        if until is None and state.returncode == 0 and not state.stdout.strip():
+            return _output(submit_dir, job)
         time.sleep(0.3)
-    reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
-                            text=True, timeout=30).stdout.strip()
-    subprocess.run(["scancel", job], timeout=30)
+    reason = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T %r"],
+                            capture_output=True, text=True, timeout=30).stdout.strip()
+    subprocess.run([*client, "scancel", job], timeout=30)
     raise AssertionError(f"job {job} still queued after {timeout} s ({reason}):\n"
                          f"{_output(submit_dir, job)}")
 

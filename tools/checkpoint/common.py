@@ -26,7 +26,10 @@ MODEL_TYPES = {"gpt2": "gpt2", "gptneox": "gpt_neox", "gpt_neox": "gpt_neox", "g
                "llama": "llama", "mistral": "mistral", "mixtral": "mixtral", "qwen2": "qwen2",
                "qwen2_moe": "qwen2_moe", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss",
-               "deepseek_v3": "deepseek_v3"}
+               "deepseek_v3": "deepseek_v3",
+               "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text",
+               "qwen3_5_moe": "qwen3_5_moe_text", "nemotron_h": "nemotron_h",
+               "gemma3": "gemma3_text"}
 
 # TransformerConfig fields that decide the weights' meaning; a checkpoint and the family it is
 # converted to must agree on all of them (dropout, init, precision flags do not matter).

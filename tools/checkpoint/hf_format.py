@@ -78,19 +78,27 @@ def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
 
     if not os.path.isfile(os.path.join(load_dir, "config.json")):
         raise ConfigError(f"--load-dir {load_dir} has no config.json: not a Hugging Face model")
-    found = family_of(AutoConfig.from_pretrained(load_dir))
+    adapter = get_adapter(family)
+    hf_config = AutoConfig.from_pretrained(load_dir)
+    # A multimodal checkpoint whose language model is this family's (Gemma 3 4B-27B).
+    multimodal = hf_config.model_type in getattr(adapter, "MULTIMODAL_MODEL_TYPES", ())
+    found = family if multimodal else family_of(hf_config)
     if found != family:
         raise ConfigError(
             f"{load_dir}/config.json is a {found!r} model but --model-type is {model_type}; "
             "pass the model type of the checkpoint"
         )
-    hf_config = AutoConfig.from_pretrained(load_dir)
     if is_mxfp4(hf_config):
         hf_config, hf_sd = _read_mxfp4(load_dir, hf_config)
     else:
         model = _from_pretrained(load_dir, "--load-dir")
         hf_config, hf_sd = model.config, dict(model.state_dict())
-    config = get_adapter(family).config_from_hf(hf_config)
+    if multimodal:
+        hf_config, hf_sd, left_out = adapter.language_model_of(hf_config, hf_sd)
+        print(f"{load_dir}: converting the language model of {type(model).__name__}; its "
+              f"{len(left_out)} vision tensors ({', '.join(sorted(left_out)[:2])}, ...) are "
+              "left out")
+    config = adapter.config_from_hf(hf_config)
     if not config.untie_embeddings_and_output_weights:
         del hf_sd[HEAD]
     dtypes = {t.dtype for t in hf_sd.values()}

@@ -15,14 +15,17 @@ from typing import Any
 
 from megatron_smp.config import ConfigError
 from megatron_smp.models.hf import (
-    deepseek_v3, gpt2, gpt_neox, gpt_oss, gptj, llama, mixtral, qwen2, qwen2_moe, qwen3_moe,
+    deepseek_v3, gemma3, gpt2, gpt_neox, gpt_oss, gptj, llama, mixtral, nemotron_h, qwen2,
+    qwen2_moe, qwen3_5, qwen3_moe, qwen3_next,
 )
 from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
 
 _FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": llama, "qwen3": llama,
              "gpt_neox": gpt_neox, "gptj": gptj, "mixtral": mixtral, "qwen2": qwen2,
              "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss,
-             "deepseek_v3": deepseek_v3}
+             "deepseek_v3": deepseek_v3, "qwen3_next": qwen3_next, "qwen3_5_text": qwen3_5,
+             "qwen3_5_moe_text": qwen3_5, "nemotron_h": nemotron_h,
+             "gemma3_text": gemma3}
 
 
 def _architecture_index() -> dict:
@@ -87,6 +90,10 @@ __all__ = [
     "qwen3_moe",
     "gpt_oss",
     "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5",
+    "nemotron_h",
+    "gemma3",
 ]
 
 # translate_smp_state_dict_to_hf_<family> / translate_hf_state_dict_to_smp_<family> (our

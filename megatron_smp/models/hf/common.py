@@ -1,6 +1,6 @@
 """Pieces shared by the Hugging Face adapters: vocabulary padding, fused QKV packing,
-RoPE parameters both ways (`rope_fields_from_hf`, `rope_parameters_to_hf`: default, Llama 3.x
-and YaRN), and the framework's parameter names.
+RoPE parameters both ways (`rope_fields_from_hf`, `rope_parameters_to_hf`: default, linear,
+Llama 3.x and YaRN), and the framework's parameter names.
 
 Every adapter module (gpt2, llama, gpt_neox, ...) provides
 
@@ -112,6 +112,23 @@ def norms_from_hf(state_dict: StateDict, config: TransformerConfig) -> StateDict
     return state_dict
 
 
+def shape_fields_from_hf(hf_config) -> dict:
+    """TransformerConfig's shape fields of a Llama-style HF config: layers, hidden, heads,
+    query groups (num_key_value_heads), head dim (head_dim, else hidden / heads), vocabulary,
+    positions and the MLP width (intermediate_size)."""
+    heads = hf_config.num_attention_heads
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        ffn_hidden_size=hf_config.intermediate_size,
+    )
+
+
 def rope_parameters(hf_config) -> dict:
     """transformers 5 keeps RoPE settings in `rope_parameters`; older versions in attributes
     (`rope_theta`, `rope_scaling`). The plain dict, with rope_type and rope_theta set."""
@@ -133,14 +150,18 @@ def _get(params: dict, key: str, default):
 
 
 def rope_fields_from_hf(hf_config) -> dict:
-    """TransformerConfig fields of an HF config's RoPE: rotary_base, and Llama 3.x scaling
-    (rope_type "llama3": use_rope_scaling, rope_scaling_*) or YaRN (rope_type "yarn":
+    """TransformerConfig fields of an HF config's RoPE: rotary_base, and linear scaling
+    (rope_type "linear": rotary_seq_len_interpolation_factor), Llama 3.x scaling (rope_type
+    "llama3": use_rope_scaling, rope_scaling_*) or YaRN (rope_type "yarn":
     position_embedding_type "yarn", yarn_*). ConfigError for other rope types."""
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     fields = {"position_embedding_type": "rope", "rotary_base": float(params["rope_theta"])}
     original = params.get("original_max_position_embeddings")
     if rope_type == "default":
+        return fields
+    if rope_type == "linear":
+        fields["rotary_seq_len_interpolation_factor"] = float(params["factor"])
         return fields
     if rope_type == "llama3":
         fields.update(
@@ -183,8 +204,8 @@ def rope_fields_from_hf(hf_config) -> dict:
                 )
         return fields
     raise ConfigError(
-        f"RoPE scaling {rope_type!r} is not supported; default, llama3 (Llama 3.x) and yarn "
-        "convert"
+        f"RoPE scaling {rope_type!r} is not supported; default, linear, llama3 (Llama 3.x) and "
+        "yarn convert"
     )
 
 
@@ -205,6 +226,8 @@ def rope_parameters_to_hf(config: TransformerConfig) -> dict:
         elif (config.yarn_mscale, config.yarn_mscale_all_dim) != (1.0, 0.0):
             # A ratio HF's mscale fields cannot express: state the factor itself.
             params["attention_factor"] = rope_scaling_of(config).attention_scaling()
+    elif config.rotary_seq_len_interpolation_factor is not None:
+        params.update(rope_type="linear", factor=config.rotary_seq_len_interpolation_factor)
     elif config.use_rope_scaling:
         params.update(
             rope_type="llama3",
@@ -228,6 +251,7 @@ __all__ = [
     "unpad_vocab",
     "pack_qkv",
     "unpack_qkv",
+    "shape_fields_from_hf",
     "rope_parameters",
     "rope_fields_from_hf",
     "rope_parameters_to_hf",
@@ -241,7 +265,7 @@ __all__ = [
 def windows_from_hf(hf_config, family: str) -> Tuple[Optional[Tuple[int, int]],
                                                      Union[None, int, List[int]]]:
     """(--window-size, --window-attn-skip-freq) of an HF config's sliding windows: on the
-    layers its `layer_types` name `sliding_attention` (gpt-oss, Qwen2), or on every layer
+    layers its `layer_types` name `sliding_attention` (gpt-oss, Qwen2, Gemma 3), or on every layer
     when it has a `sliding_window` and no `layer_types` (Qwen3-MoE). HF's window W lets a
     token see itself and the W - 1 before it: our (W - 1, 0)."""
     window = getattr(hf_config, "sliding_window", None)
@@ -256,9 +280,12 @@ def windows_from_hf(hf_config, family: str) -> Tuple[Optional[Tuple[int, int]],
         pattern = [int(kind == "sliding_attention") for kind in types]
     if window is None or not any(pattern):
         return None, None
-    # --window-attn-skip-freq 2: sliding on the first layer of each pair (gpt-oss's layout).
-    alternating = [int((index + 1) % 2 != 0) for index in range(len(pattern))]
-    skip_freq = None if all(pattern) else 2 if pattern == alternating else pattern
+    # --window-attn-skip-freq N: every N-th layer full, e.g. 2 for gpt-oss's alternation
+    # (sliding first), 6 for Gemma 3's 5:1; else the 0/1 list.
+    every_nth_full = (freq for freq in range(2, len(pattern) + 1)
+                      if pattern == [int((index + 1) % freq != 0)
+                                     for index in range(len(pattern))])
+    skip_freq = None if all(pattern) else next(every_nth_full, pattern)
     return (window - 1, 0), skip_freq
 
 

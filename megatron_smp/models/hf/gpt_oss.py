@@ -27,13 +27,18 @@ import torch
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import llama
 from megatron_smp.models.hf.common import (
-    StateDict, rope_fields_from_hf, windows_from_hf, windows_to_hf,
+    StateDict, rope_fields_from_hf, shape_fields_from_hf, windows_from_hf, windows_to_hf,
 )
 from megatron_smp.models.hf.mixtral import check_moe_config
 from megatron_smp.models.hf.mxfp4 import dequantize_state_dict
 
 HF_ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
+# transformers 5.x's GptOssModel builds its masks without position_ids, so under sdpa / eager
+# restarting position ids do not separate packed documents (flash attention's cu_seq_lens do):
+# transform decides padding-free batches the same way (smp.hf_contract.packed_document_ids).
+# Families without this attribute read documents from position ids, as HF's masks do.
+HF_MASKS_READ_POSITION_IDS = False
 
 SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
 # The sigmoid gain of gpt-oss's GLU; Megatron's quick_gelu has it built in.
@@ -49,17 +54,9 @@ def config_from_hf(hf_config) -> TransformerConfig:
         raise ConfigError("gpt-oss attention_bias=False is not supported: the experts and the "
                           "router have biases, and so do the attention projections here "
                           "(add_bias_linear)")
-    heads = hf_config.num_attention_heads
     window_size, skip_freq = windows_from_hf(hf_config, "gpt-oss")
     return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        ffn_hidden_size=hf_config.intermediate_size,
+        **shape_fields_from_hf(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         activation="quick_gelu",

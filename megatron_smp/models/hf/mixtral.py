@@ -25,13 +25,14 @@ MODEL_TYPES = ("mixtral",)
 
 
 def experts_from_hf(sd: Mapping[str, torch.Tensor], hf: str, ours: str,
-                    num_experts: int) -> StateDict:
+                    num_experts: int, fc1: str = "gate_up_proj") -> StateDict:
     """HF `{hf}gate.weight`, `{hf}experts.gate_up_proj / down_proj` -> our router and experts
-    under `ours` (e.g. "decoder.layers.0.mlp.")."""
-    gate_up, down = sd[hf + "experts.gate_up_proj"], sd[hf + "experts.down_proj"]
+    under `ours` (e.g. "decoder.layers.0.mlp."); `fc1` names HF's first expert projection
+    (Nemotron-H's ungated experts: "up_proj")."""
+    gate_up, down = sd[hf + "experts." + fc1], sd[hf + "experts.down_proj"]
     if gate_up.shape[0] != num_experts:
         raise ConfigError(
-            f"{hf}experts.gate_up_proj holds {gate_up.shape[0]} experts, the config {num_experts}"
+            f"{hf}experts.{fc1} holds {gate_up.shape[0]} experts, the config {num_experts}"
         )
     out = {ours + "router.weight": sd[hf + "gate.weight"].clone()}
     for index in range(num_experts):
@@ -42,11 +43,11 @@ def experts_from_hf(sd: Mapping[str, torch.Tensor], hf: str, ours: str,
 
 
 def experts_to_hf(state_dict: Mapping[str, torch.Tensor], hf: str, ours: str,
-                  num_experts: int) -> StateDict:
+                  num_experts: int, fc1: str = "gate_up_proj") -> StateDict:
     experts = [f"{ours}experts.local_experts.{index}." for index in range(num_experts)]
     return {
         hf + "gate.weight": state_dict[ours + "router.weight"].clone(),
-        hf + "experts.gate_up_proj": torch.stack(
+        hf + "experts." + fc1: torch.stack(
             [state_dict[e + "linear_fc1.weight"] for e in experts]),
         hf + "experts.down_proj": torch.stack(
             [state_dict[e + "linear_fc2.weight"] for e in experts]),

@@ -84,15 +84,30 @@ def _is_moe(config: TransformerConfig, index: int) -> bool:
     return bool(config.moe_layer_pattern()[index])
 
 
+def shared_expert_moe_from_hf(sd: Mapping[str, torch.Tensor], hf: str, ours: str,
+                              num_experts: int) -> StateDict:
+    """A Qwen-MoE block under `hf` (router `gate`, fused `experts`, `shared_expert` and its
+    sigmoid `shared_expert_gate`) -> our MoE layer's tensors under `ours`."""
+    out = experts_from_hf(sd, hf, ours, num_experts)
+    out.update(llama.gated_mlp_from_hf(sd, hf + "shared_expert.", ours + "shared_experts."))
+    out[ours + "shared_experts.gate_weight"] = sd[hf + "shared_expert_gate.weight"].clone()
+    return out
+
+
+def shared_expert_moe_to_hf(state_dict: Mapping[str, torch.Tensor], hf: str, ours: str,
+                            num_experts: int) -> StateDict:
+    """Inverse of `shared_expert_moe_from_hf`."""
+    out = experts_to_hf(state_dict, hf, ours, num_experts)
+    out.update(llama.gated_mlp_to_hf(state_dict, hf + "shared_expert.", ours + "shared_experts."))
+    out[hf + "shared_expert_gate.weight"] = state_dict[ours + "shared_experts.gate_weight"].clone()
+    return out
+
+
 def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     def mlp(sd, hf, ours, index):
         if not _is_moe(config, index):
             return llama.gated_mlp_from_hf(sd, hf + "mlp.", ours + "mlp.")
-        out = experts_from_hf(sd, hf + "mlp.", ours + "mlp.", config.num_moe_experts)
-        shared = ours + "mlp.shared_experts."
-        out.update(llama.gated_mlp_from_hf(sd, hf + "mlp.shared_expert.", shared))
-        out[shared + "gate_weight"] = sd[hf + "mlp.shared_expert_gate.weight"].clone()
-        return out
+        return shared_expert_moe_from_hf(sd, hf + "mlp.", ours + "mlp.", config.num_moe_experts)
 
     return llama.from_hf(hf_state_dict, config, mlp_from_hf=mlp)
 
@@ -101,10 +116,6 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> 
     def mlp(sd, hf, ours, index):
         if not _is_moe(config, index):
             return llama.gated_mlp_to_hf(sd, hf + "mlp.", ours + "mlp.")
-        out = experts_to_hf(sd, hf + "mlp.", ours + "mlp.", config.num_moe_experts)
-        shared = ours + "mlp.shared_experts."
-        out.update(llama.gated_mlp_to_hf(sd, hf + "mlp.shared_expert.", shared))
-        out[hf + "mlp.shared_expert_gate.weight"] = sd[shared + "gate_weight"].clone()
-        return out
+        return shared_expert_moe_to_hf(sd, hf + "mlp.", ours + "mlp.", config.num_moe_experts)
 
     return llama.to_hf(state_dict, config, mlp_to_hf=mlp)

@@ -58,3 +58,29 @@ def test_bad_layout_raises_on_every_rank():
     errors = run_distributed(_bad, 2, allow_errors=True, timeout=60)
     for text in errors:
         assert "ConfigError" in text and "tensor-model-parallel-size (3)" in text
+
+
+def test_elastic_store_per_attempt_or_per_round(monkeypatch):
+    """Under torchrun: the agent's job-long store gets the attempt's key prefix (and on
+    several nodes with restarts a warning, as the nodes' restart counts can differ); a store
+    rank 0 hosts for this rendezvous round alone is used as it is."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_smp.parallel_state import _elastic_attempt_store
+
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+                        "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        store = _elastic_attempt_store(1, 0, timedelta(seconds=10))
+    store.set("key", "attempt 1")
+    assert agent.get("attempt_1/key") == b"attempt 1"
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("MASTER_PORT", "0")  # rank 0 hosts the round's store
+    store = _elastic_attempt_store(1, 0, timedelta(seconds=10))
+    assert isinstance(store, dist.TCPStore) and store.port not in (0, agent.port)

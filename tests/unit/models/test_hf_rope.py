@@ -29,6 +29,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
 YARN_DEFAULTS = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                  "original_max_position_embeddings": 16}
+# --rotary-seq-len-interpolation-factor (Gemma 3's full-attention layers use it).
+LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 
 
 def build_llama(rope_parameters, seed=0):
@@ -42,8 +44,8 @@ def build_llama(rope_parameters, seed=0):
     return tf.LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("rope", [LLAMA3, YARN, YARN_DEFAULTS],
-                         ids=["llama3", "yarn", "yarn_defaults"])
+@pytest.mark.parametrize("rope", [LLAMA3, YARN, YARN_DEFAULTS, LINEAR],
+                         ids=["llama3", "yarn", "yarn_defaults", "linear"])
 def test_scaled_rope_matches_hf_beyond_original_context(rope):
     smp.init({"random_seed": 3})
     hf = build_llama(rope)

@@ -78,5 +78,24 @@ def test_keywords_it_cannot_honour_are_errors():
             model(ids, **{keyword: value})
     with pytest.raises(ConfigError, match="unknown keyword 'foo'"):
         model(ids, foo=1)
-    with pytest.raises(ConfigError, match="generate"):
-        model.generate(ids)
+    with pytest.raises(ConfigError, match="num_beams"):  # generate: what the engine lacks
+        model.generate(ids, num_beams=2)
+
+
+def test_four_d_masks_mean_what_they_mean_to_hf():
+    """HF hands a 4-D attention_mask to its attention as it is: bool True = attend (SDPA's),
+    or additive float 0 / dtype minimum (eager's)."""
+    tsm.init({})
+    hf = build_hf("llama")
+    model = tsm.transform(hf)
+    ids, *_ = _batch(hf.config.vocab_size)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    allowed = causal & (torch.arange(SEQ) >= 5)[None, :] | torch.eye(SEQ, dtype=torch.bool)
+    allowed = allowed.expand(BATCH, 1, SEQ, SEQ)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=allowed).logits
+        assert (model(ids, attention_mask=allowed).logits - expected).abs().max() < 1e-4
+        assert (model(ids, attention_mask=additive).logits - expected).abs().max() < 1e-4
+    with pytest.raises(ConfigError, match="4-D attention_mask must be bool"):
+        model(ids, attention_mask=additive + 0.5)

@@ -85,6 +85,24 @@ def test_sliding_window_layers_count_the_keys_in_their_window():
     assert flops_per_iteration(wide, 1024, 2, 1024) == full
 
 
+def test_gemma3_1b_counts_its_gemms_and_windows():
+    """Gemma 3 1B (26 layers of h 1152, 4 heads / 1 group of 256, GeGLU 6912, vocab 262144,
+    window 512 on 22 of 26 layers: every 6th full) at s = 4096: the GEMMs as for any GQA
+    model, the sliding layers' core term over their 512 keys. The sandwich and q/k norms, the
+    embedding scaling and the soft-cap are no GEMMs: not counted (Megatron counts no norms)."""
+    gemma = _config(num_layers=26, hidden_size=1152, num_attention_heads=4, num_query_groups=1,
+                    kv_channels=256, ffn_hidden_size=6912, gated_linear_unit=True,
+                    activation="gelu_tanh", normalization="RMSNorm", qk_layernorm=True,
+                    sandwich_norm=True, apply_embedding_scaling=True,
+                    position_embedding_type="rope", local_rotary_base=1e4,
+                    window_size=(511, 0), window_attn_skip_freq=6, vocab_size=262144,
+                    final_logit_softcapping=30.0, layernorm_zero_centered_gamma=True)
+    h, q, kv, f, s, v, w = 1152, 1024, 256, 6912, 4096, 262144, 512
+    core = q * (4 * s + 22 * (2 * w - w * w / s))
+    per_token = 3 * h * f * 26 + 26 * (h * (q + 2 * kv) + q * h) + core + h * v
+    assert flops_per_iteration(gemma, s, 1, v) == 6.0 * per_token * s
+
+
 def test_multi_latent_attention_count_is_megatrons():
     """MLA, Megatron's terms by hand (L=2, h=64, 4 heads, q_lora 32, kv_lora 16, qk 8, pos 4,
     v 8, seq 32): q 32*(64+48+1) = 3616, kv 16*(64+4*16+1) + 64*4 = 2320, out 4*8*64 = 2048,

@@ -36,11 +36,25 @@ SCRIPTS = {
                                     position_embedding_type="yarn"),
     "small/pretrain_gpt_oss_small.sh": dict(softmax_type="learnable", window_size=(15, 0),
                                             activation="quick_gelu", num_moe_experts=4),
+    "pretrain_gemma3_1b.sh": dict(sandwich_norm=True, apply_embedding_scaling=True,
+                                  local_rotary_base=10000.0, window_attn_skip_freq=6,
+                                  softmax_scale=0.0625, activation="gelu_tanh"),
+    "small/pretrain_gemma3_small.sh": dict(sandwich_norm=True, kv_channels=48,
+                                           rotary_seq_len_interpolation_factor=8.0),
     "pretrain_deepseek_v3_671b.sh": dict(
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=1536, kv_lora_rank=512,
         position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0, yarn_mscale_all_dim=1.0,
         num_moe_experts=256, moe_router_num_groups=8, moe_router_group_topk=4,
         moe_router_enable_expert_bias=True, mtp_num_layers=1),
+    "pretrain_nemotron_h_8b.sh": dict(num_layers=52, mamba_num_heads=128, mamba_num_groups=8,
+                                      activation="squared_relu", position_embedding_type="none"),
+    "small/pretrain_nemotron_h_small.sh": dict(hybrid_layer_pattern="M-E|M*-", num_layers=6,
+                                               moe_router_score_function="sigmoid"),
+    "pretrain_qwen3_next_80b_a3b.sh": dict(linear_attention_freq=4, attention_output_gate=True,
+                                           rotary_percent=0.25, num_moe_experts=512,
+                                           moe_shared_expert_gate=True),
+    "small/pretrain_qwen3_next_small.sh": dict(linear_attention_freq=4, num_moe_experts=8,
+                                               layernorm_zero_centered_gamma=True),
     "small/pretrain_deepseek_v3_small.sh": dict(
         multi_latent_attention=True, qk_layernorm=True, position_embedding_type="yarn",
         yarn_original_max_position_embeddings=128, num_moe_experts=8, mtp_num_layers=1,
@@ -138,7 +152,12 @@ def test_finetune_llama_lora_steps(tmp_path):
                                 OUT=str(tmp_path / "run")))
         return [step.strip("\n").splitlines() for step in out.read_text().split("----")[:-1]]
 
-    preprocess, convert, train, export = steps()
+    preprocess, convert, train, export, *answer = steps()
+    # Then the merged model, converted back, answers the data's first questions.
+    back, _, generate, _ = answer
+    assert back[back.index("--load-dir") + 1] == str(tmp_path / "run" / "hf_merged")
+    assert generate[0] == "tools/generate.py"
+    assert generate[generate.index("--load") + 1] == str(tmp_path / "run" / "merged")
     assert preprocess[0] == "tools/preprocess_sft_data.py"
     assert preprocess[preprocess.index("--input") + 1] == "data/chat/tiny_chat.jsonl"
     assert preprocess[preprocess.index("--tokenizer-model") + 1] == "hf/llama"
@@ -162,8 +181,8 @@ def test_finetune_llama_lora_steps(tmp_path):
     # The base converted: no second conversion, the same training flags (resume or start).
     (tmp_path / "run" / "base").mkdir(parents=True, exist_ok=True)
     (tmp_path / "run" / "base" / "latest_checkpointed_iteration.txt").write_text("0")
-    preprocess, again, export = steps()
-    assert again == train
+    preprocess, again, export, *answer = steps()
+    assert again == train and len(answer) == 4
 
 
 def test_deepseek_v3_671b_script_is_the_published_shape(tmp_path):

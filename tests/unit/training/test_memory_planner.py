@@ -134,6 +134,27 @@ def test_layer_formula_matches_saved_tensors(extra):
     assert sum(parts.values()) == pytest.approx(two - one, rel=0.03)
 
 
+GEMMA3 = ["--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "RMSNorm",
+          "--geglu", "--position-embedding-type", "rope", "--group-query-attention",
+          "--num-query-groups", "2", "--qk-layernorm", "--sandwich-norm", "--apply-layernorm-1p",
+          "--apply-embedding-scaling", "--window-size", "7,0", "--local-rotary-base", "1000",
+          "--softmax-scale", "0.2"]
+
+
+def test_gemma3_terms_match_saved_tensors():
+    """Gemma 3's additions: the post norms, the q/k norms, the sliding window's mask (every
+    layer windowed here), and the final soft-cap's tanh output (one logits-sized tensor)."""
+    from megatron_smp.training.memory_planner import layer_activation_bytes
+
+    one, configs = _saved_bytes(GEMMA3, 1)
+    two, _ = _saved_bytes(GEMMA3, 2)
+    parts = layer_activation_bytes(configs.model, 64, 2, 1, 1, False, "cpu", None, windowed=True)
+    assert parts["window_mask"] == 64 * 64 * 4
+    assert sum(parts.values()) == pytest.approx(two - one, rel=0.01)
+    capped, _ = _saved_bytes(GEMMA3 + ["--final-logit-softcapping", "5"], 1)
+    assert capped - one == 2 * 64 * configs.model.padded_vocab_size(1) * 4
+
+
 def test_in_flight_microbatches_follow_the_schedules():
     from megatron_smp.training.memory_planner import in_flight_microbatches
 

@@ -56,6 +56,20 @@ def test_apply_layernorm_1p_norms_scale_by_one_plus_weight():
                                * (1 + w), rtol=1e-12, atol=1e-12)
 
 
+def test_apply_layernorm_1p_norms_run_in_fp32_for_16_bit_inputs():
+    """1 + w in bf16 keeps 8 mantissa bits: w = 0.003 would vanish. Zero-centred norms compute
+    in fp32 (as Gemma's RMSNorm and Transformer Engine's do) and cast the output back."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    for cls in (LayerNorm, RMSNorm):
+        norm = cls(16, dtype=torch.bfloat16, zero_centered_gamma=True)
+        reference = cls(16, zero_centered_gamma=True)
+        with torch.no_grad():
+            norm.weight.fill_(0.003), reference.weight.copy_(norm.weight.float())
+        out = norm(x.to(torch.bfloat16))
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, reference(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_apply_layernorm_1p_model_converts_to_hf_llama_with_the_one_added(state, interleaved):
     """Also --rotary-interleaved: its q/k rows are reordered to HF's rotate-half pairing."""

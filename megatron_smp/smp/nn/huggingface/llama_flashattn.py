@@ -18,8 +18,9 @@ class LlamaFlashAttention(torch.nn.Module):
 
     forward(hidden_states [b, s, hidden], attention_mask=None, position_ids=None,
             past_key_value=None, output_attentions=False, use_cache=False)
-      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or a bool
-        [b, 1, s, s] (True = masked); None = causal.
+      * attention_mask: HF's [b, s] padding mask (1 = token, 0 = padding), or the 4-D mask
+        HF's model hands its attention layers ([b, 1, s, s], bool True = attend, or additive
+        float 0 / -inf); None = causal.
       * position_ids [b, s]: positions for the rotary embedding (default 0..s-1).
       * past_key_value / output_attentions / use_cache: SMP's signature; a cache or attention
         probabilities cannot be produced by the fused kernel: any value but the default is a

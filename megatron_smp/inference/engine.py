@@ -1,0 +1,434 @@
+"""The continuous-batching inference engine.
+
+One engine runs on every rank of a model (its tensor, pipeline and expert parallel ranks, and
+any data-parallel replicas in the group, which then run the same batches). The *leader*
+(the group's first rank) owns the requests and the schedule; every `step()`:
+
+1. the leader admits waiting requests while a slot (`max_requests`) and cache blocks for
+   the whole request (prompt + max_new_tokens, reserved up front, so a running request
+   never waits for memory) are free, first come first served; it then broadcasts the step's
+   plan: each running request's new tokens (the whole prompt when it joins, then its last
+   generated token), where they start and its block table;
+2. every rank runs its pipeline stage over the step's flattened tokens with the cache
+   (`kv_cache.StepBatch`); stages pass the hidden states on with send/recv;
+3. the last stage gathers the logits of each request's last token (and of every prompt token
+   for requests that asked for prompt log-probs) over the vocabulary shards, one rank of it
+   samples (`sampling.sample`, a generator per request) and the leader gets the tokens;
+4. the leader appends them; a request that hits a stop token, a stop string or its
+   max_new_tokens leaves the batch and frees its blocks, and waiting requests take its place
+   at the next step.
+
+Requests therefore join and leave at token granularity, and a request's tokens do not depend
+on what else is in the batch (each request attends over its own cache only).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_smp.config import ConfigError
+from megatron_smp.inference.kv_cache import (
+    BlockAllocator,
+    CacheLayout,
+    PagedKVCache,
+    StepBatch,
+    StepRequest,
+    blocks_for,
+    bytes_per_token,
+    check_inference_layout,
+)
+from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
+from megatron_smp.models.gpt import soft_cap_logits
+from megatron_smp.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+
+
+@dataclass
+class Request:
+    """One generation request as the leader tracks it. `output` are the generated token ids,
+    `logprobs` their log-probs and `top_logprobs` per token its top alternatives;
+    `prompt_logprobs` (when asked) holds None for the first prompt token, then the log-prob of
+    each following one; `finish_reason` is "stop", "length" or "abort" once it is done."""
+
+    request_id: int
+    prompt: List[int]
+    params: SamplingParams
+    output: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: Optional[List[Optional[float]]] = None
+    prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
+    finish_reason: Optional[str] = None
+    blocks: Dict[Optional[int], List[int]] = field(default_factory=dict)
+    prefilled: bool = False
+    stop_string: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Plan:
+    """What the leader broadcasts each step (None instead: the engine stops)."""
+
+    request_ids: List[int]
+    steps: List[StepRequest]
+    prompt_logprobs: List[bool]
+    new_params: Dict[int, SamplingParams]
+    finished_ids: List[int]
+
+
+def _group_ranks(group) -> List[int]:
+    if group is None or group == dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+class InferenceEngine:
+    """Continuous batching over a paged KV cache, on every rank of `model`'s group.
+
+    model: this rank's `GPTModel` (one pipeline stage; virtual stages are not supported).
+    max_tokens: tokens the cache holds over all running requests (`--inference-max-tokens`),
+    rounded up to whole blocks of `block_size`; max_requests: requests running at once;
+    max_seq_length: longest prompt + generation (default: the model's
+    max_position_embeddings for learned positions, else unbounded);
+    group: the ranks that run this model together (default all); stop_checker(request) ->
+    the stop string found in the request's text, or None (the leader's tokenizer).
+    Collective over `group`: `step()`, `generate()`, `shutdown()`.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int = 4096, max_requests: int = 64,
+                 block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
+                 stop_checker: Optional[Callable[[Request], Optional[str]]] = None) -> None:
+        if isinstance(model, (list, tuple)):
+            if len(model) != 1:
+                raise ConfigError("inference: virtual pipeline stages are not supported "
+                                  "(--num-layers-per-virtual-pipeline-stage); one model chunk "
+                                  "per rank")
+            model = model[0]
+        model = getattr(model, "module", model)
+        while not hasattr(model, "decoder") and hasattr(model, "module"):
+            model = model.module
+        self.model = model.eval()
+        self.state = model.state
+        self.config = model.config
+        check_inference_layout(self.state)
+        for name, value in (("max_tokens", max_tokens), ("max_requests", max_requests),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"inference: {name} must be a positive integer, got {value!r}")
+        self.block_size = block_size
+        self.max_requests = max_requests
+        if max_seq_length is None and self.config.position_embedding_type == "learned_absolute":
+            max_seq_length = self.config.max_position_embeddings
+        self.max_seq_length = max_seq_length
+        num_blocks = blocks_for(max_tokens, block_size)
+        self.max_tokens = num_blocks * block_size
+        self.dtype = self.config.params_dtype
+        self.device = self.state.device
+        self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
+        self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
+        self.bytes_per_token = bytes_per_token(model, self.dtype)
+        self.allocators = {kind: BlockAllocator(count)
+                           for kind, count in self.layout.num_blocks.items()}
+        self.stop_checker = stop_checker
+        self.sequence_parallel = self.config.sequence_parallel and self.state.tp_size > 1
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        ranks = _group_ranks(group) if self.distributed else [0]
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.leader = ranks[0]
+        # The sampling rank: the first rank of the last pipeline stage in the group.
+        samples_here = self.state.is_pipeline_last_stage
+        flags = [samples_here]
+        if self.distributed and len(ranks) > 1:
+            flags = [None] * len(ranks)
+            dist.all_gather_object(flags, samples_here, group=group)
+        self.sampler = ranks[flags.index(True)]
+        self.group_size = len(ranks)
+
+        self._ids = itertools.count()
+        self.waiting: collections.deque = collections.deque()
+        self.running: List[Request] = []
+        self.requests: Dict[int, Request] = {}
+        self.params: Dict[int, SamplingParams] = {}
+        self.generators: Dict[int, Optional[torch.Generator]] = {}
+        self._aborts: List[int] = []
+        self._finished_ids: List[int] = []
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.num_aborted = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    # Requests (leader) ---------------------------------------------------------------------------
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise a ConfigError naming what does not fit: an empty prompt, ids outside the
+        vocabulary, a request longer than max_seq_length or than the whole cache."""
+        params.validate(self.config.vocab_size)
+        if len(prompt) == 0:
+            raise ConfigError("inference: the prompt is empty")
+        if any(not 0 <= int(t) < self.config.vocab_size for t in prompt):
+            raise ConfigError(f"inference: prompt token ids must be in [0, "
+                              f"{self.config.vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if self.max_seq_length is not None and total > self.max_seq_length:
+            raise ConfigError(
+                f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} is longer than the context "
+                f"({self.max_seq_length} tokens)")
+        if total > self.max_tokens:
+            raise ConfigError(
+                f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} does not fit in the KV cache "
+                f"(--inference-max-tokens {self.max_tokens}); raise it or ask for fewer tokens")
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a request (leader only; thread-safe). It joins the batch at a later step."""
+        self.check_request(prompt, params)
+        with self._lock:
+            request = Request(next(self._ids), [int(t) for t in prompt], params)
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step and free its blocks (leader; thread-safe)."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self._finished_ids.append(request.request_id)
+        for kind, blocks in request.blocks.items():
+            self.allocators[kind].free(blocks)
+        request.blocks = {}
+        if request in self.running:
+            self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+
+    def _schedule(self) -> _Plan:
+        with self._lock:
+            for request_id in self._aborts:
+                request = self.requests.get(request_id)
+                if request is not None and not request.finished:
+                    if request in self.waiting:
+                        self.waiting.remove(request)
+                    self._finish(request, "abort")
+                    self.num_aborted += 1
+            self._aborts.clear()
+            new_params = {}
+            while self.waiting and len(self.running) < self.max_requests:
+                request = self.waiting[0]
+                total = len(request.prompt) + request.params.max_new_tokens
+                needed = {kind: self.layout.blocks_needed(kind, total)
+                          for kind in self.layout.kinds}
+                if any(count > self.allocators[kind].num_free
+                       for kind, count in needed.items()):
+                    break  # first come first served: it waits for blocks to be freed
+                self.waiting.popleft()
+                request.blocks = {kind: self.allocators[kind].allocate(count)
+                                  for kind, count in needed.items()}
+                self.running.append(request)
+                new_params[request.request_id] = request.params
+        steps, wants = [], []
+        for request in self.running:
+            if request.prefilled:
+                start = len(request.prompt) + len(request.output) - 1
+                steps.append(StepRequest([request.output[-1]], start, request.blocks))
+                wants.append(False)
+            else:
+                steps.append(StepRequest(request.prompt, 0, request.blocks))
+                wants.append(request.params.prompt_logprobs)
+        finished, self._finished_ids = self._finished_ids, []
+        return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
+
+    # The step (every rank) ------------------------------------------------------------------------
+
+    def _broadcast(self, obj, src: int):
+        if not self.distributed or self.group_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def step(self, stop: bool = False) -> Optional[List[Request]]:
+        """One engine step on every rank of the group. The leader's `stop=True` ends the
+        engine on all ranks (every rank returns None); otherwise the leader gets the requests
+        that advanced (finished ones included), the other ranks []."""
+        plan = None if stop else (self._schedule() if self.is_leader else None)
+        plan = self._broadcast(plan, self.leader)
+        if plan is None:
+            return None
+        for request_id in plan.finished_ids:  # the sampling state of requests that left
+            self.params.pop(request_id, None)
+            self.generators.pop(request_id, None)
+        for request_id, params in plan.new_params.items():
+            self.params[request_id] = params
+            generator = None
+            if not params.greedy:
+                generator = torch.Generator()
+                generator.manual_seed(params.seed if params.seed is not None
+                                      else int(torch.randint(0, 2**62, (1,)).item()))
+            self.generators[request_id] = generator
+        if not plan.steps:
+            return []
+        self.steps += 1
+        results = self._forward(plan)
+        if self.sampler != self.leader:
+            results = self._broadcast(results, self.sampler)
+        if not self.is_leader:
+            return []
+        return self._apply(plan, results)
+
+    @torch.no_grad()
+    def _forward(self, plan: _Plan):
+        model, state = self.model, self.state
+        pad_to = state.tp_size if self.sequence_parallel else 1
+        batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
+        tokens, positions = batch.tokens[None], batch.positions[None]  # [1, T]
+        if state.is_pipeline_first_stage:
+            hidden = model.embedding(tokens, positions)
+        else:
+            rows = len(batch.tokens) // pad_to
+            hidden = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype,
+                                 device=self.device)
+            dist.recv(hidden, src=state.pp_prev_rank, group=state.pp_group)
+        hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
+        if not state.is_pipeline_last_stage:
+            dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
+            return None
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, state.tp_group, False)
+        rows, spans = [], []
+        for request_rows, want in zip(batch.request_rows, plan.prompt_logprobs):
+            chosen = request_rows if want else request_rows[-1:]
+            spans.append((len(rows), len(chosen)))
+            rows.extend(chosen)
+        logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
+        if self.rank != self.sampler:
+            return None
+        last = torch.tensor([start + count - 1 for start, count in spans], device=logits.device)
+        params = [self.params[i] for i in plan.request_ids]
+        tokens_out, chosen, alternatives = sample(
+            logits[last], params, [self.generators[i] for i in plan.request_ids])
+        results = []
+        for index, (request_id, step) in enumerate(zip(plan.request_ids, plan.steps)):
+            prompt_lp = prompt_top = None
+            if plan.prompt_logprobs[index]:
+                start, count = spans[index]
+                logprobs = torch.log_softmax(logits[start:start + count - 1].float(), dim=-1)
+                targets = torch.tensor(step.tokens[1:], device=logprobs.device)
+                prompt_lp = [None] + logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                prompt_top = [[]] + top_logprobs(logprobs, params[index].logprobs)
+            results.append((tokens_out[index], chosen[index], alternatives[index],
+                            (prompt_lp, prompt_top)))
+        return results
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, h] -> logits [R, vocab] (this rank's vocabulary shard, gathered)."""
+        layer = self.model.output_layer
+        weight = layer.weight if layer.weight is not None \
+            else self.model.embedding.word_embeddings.weight
+        logits = soft_cap_logits(F.linear(hidden, weight, layer.bias),
+                                 self.config.final_logit_softcapping)
+        logits = gather_from_tensor_model_parallel_region(logits, self.state.tp_group)
+        return logits[:, : self.config.vocab_size]
+
+    def _apply(self, plan: _Plan, results) -> List[Request]:
+        advanced = []
+        for request_id, (token, logprob, alternatives, prompt) in zip(plan.request_ids,
+                                                                       results):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if not request.prefilled:
+                request.prefilled = True
+                if request.params.prompt_logprobs:
+                    request.prompt_logprobs, request.prompt_top_logprobs = prompt
+            advanced.append(request)
+            params = request.params
+            if params.max_new_tokens == 0:
+                self._finish(request, "length")
+                continue
+            request.output.append(token)
+            request.logprobs.append(logprob)
+            request.top_logprobs.append(alternatives)
+            if token in params.stop_token_ids:
+                self._finish(request, "stop")
+            elif params.stop and self.stop_checker is not None and self.stop_checker(request):
+                request.stop_string = self.stop_checker(request)
+                self._finish(request, "stop")
+            elif len(request.output) >= params.max_new_tokens:
+                self._finish(request, "length")
+        return advanced
+
+    # Drivers ------------------------------------------------------------------------------------
+
+    def run_until_done(self) -> None:
+        """Step until the leader has nothing left, then stop every rank (collective)."""
+        while True:
+            stop = self.is_leader and not self.has_work
+            if self.step(stop=stop) is None:
+                return
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams]) -> List[Request]:
+        """Run `prompts` (all ranks pass the same) to completion; every rank gets the finished
+        requests, in prompt order."""
+        if len(params) != len(prompts):
+            raise ConfigError("generate: one SamplingParams per prompt")
+        requests = []
+        if self.is_leader:
+            requests = [self.add_request(p, q) for p, q in zip(prompts, params)]
+        self.run_until_done()
+        if self.distributed and self.group_size > 1:
+            requests = self._broadcast(requests if self.is_leader else None, self.leader)
+        return requests
+
+    def worker_loop(self) -> None:
+        """A non-leader rank's life in a server: follow the leader's steps until it stops."""
+        while self.step() is not None:
+            pass
+
+    def shutdown(self) -> None:
+        """The leader stops every rank's `worker_loop` (collective)."""
+        self.step(stop=True)
+
+    def held_bytes(self, request: Request) -> int:
+        """Cache bytes a running request holds on this rank: its blocks of each kind times
+        the per-token bytes of this stage's layers of that kind."""
+        from megatron_smp.inference.kv_cache import attention_layers, layer_bytes_per_token
+
+        total = 0
+        for number, attention in attention_layers(self.model).items():
+            blocks = request.blocks[self.layout.layer_kind[number]]
+            total += len(blocks) * self.block_size * layer_bytes_per_token(attention,
+                                                                           self.dtype)
+        return total
+
+    def memory_report(self) -> Dict[str, int]:
+        """The cache on this rank: bytes per token, token capacity and allocated bytes."""
+        return {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
+                "allocated_bytes": self.cache.allocated_bytes()}
+
+
+__all__ = ["InferenceEngine", "Request"]

@@ -1,0 +1,397 @@
+"""The paged (block) key/value cache and one step's attention over it.
+
+Memory: every attention layer of this pipeline stage owns one pool of token slots (plus one
+scratch slot that padding keys read): keys and values [slots, ng_local, d] for standard
+attention, or [slots, kv_lora_rank + pos] for multi-latent attention (the compressed latent
+and the positional key). Layers are grouped by *kind*: full attention, or a sliding window
+of `left` keys. Each kind has its blocks of `block_size` slots and its `BlockAllocator`, and a
+request holds one block table per kind, the same block ids in every layer of that kind; token
+`p` lives in slot `table[(p // block_size) % len(table)] * block_size + p % block_size`. A
+full-attention table covers the whole request; a windowed one is a ring of at most
+`ceil(left / block_size) + 1` blocks, which keeps only the window (older keys are
+overwritten). Blocks go back to their allocator when the request finishes, so requests of
+any length share one budget.
+
+A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
+requests into one sequence. Each layer runs its queries in groups (all one-token decodes
+together, each longer chunk on its own): a group's keys are its requests' cached keys and
+the step's new ones (full attention: written to the pool first and gathered back by slot in
+one go; a window: its still-visible cached keys, then the new ones, which are written
+afterwards, so a ring never loses a key the step needs), padded to the group's longest
+context, and one SDPA call (`transformer.attention.core_attention`, so GQA, sinks and
+scaling are the training attention's) attends under a mask built from the tokens' positions:
+causal, and the layer's sliding window.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_smp.config import ConfigError
+from megatron_smp.transformer.attention import core_attention
+from megatron_smp.transformer.kv_cache import KVCacheContext
+
+
+class BlockAllocator:
+    """Free list of block ids 0 .. num_blocks - 1 (lowest first, so runs are reproducible)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> List[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"KV cache: {count} blocks asked, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+        self._free.sort(reverse=True)
+
+
+def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
+    """{global layer number: its self-attention} of this stage's decoder."""
+    return {layer.layer_number: layer.self_attention for layer in model.decoder.layers}
+
+
+def is_latent(attention: torch.nn.Module) -> bool:
+    return hasattr(attention, "kv_lora_rank")
+
+
+def layer_bytes_per_token(attention: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cache bytes of one token in one layer on this rank: 2 * ng_local * d (key and value)
+    for standard attention, kv_lora_rank + qk_pos_emb_head_dim for multi-latent attention,
+    times the element size."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    if is_latent(attention):
+        return (attention.kv_lora_rank + attention.pos_dim) * size
+    return 2 * attention.num_groups_per_partition * attention.head_dim * size
+
+
+def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cache bytes one token costs on this rank, summed over this stage's layers (a windowed
+    layer's tokens past its window are not kept: see `CacheLayout`)."""
+    return sum(layer_bytes_per_token(a, dtype) for a in attention_layers(model).values())
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+Kind = Optional[int]  # None: full attention; an int: a sliding window of that many keys left
+
+
+class CacheLayout:
+    """The kinds of the model's layers (all of them, on every pipeline stage alike) and the
+    blocks each kind has: `num_blocks` for full attention (`max_tokens` / `block_size`),
+    for a window at most `max_requests` rings."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, max_requests: int) -> None:
+        self.block_size = block_size
+        self.layer_kind: Dict[int, Kind] = {}
+        for number in range(1, config.num_layers + 1):
+            window = config.layer_window_size(number)
+            causal_window = window is not None and window[0] >= 0 and window[1] == 0
+            self.layer_kind[number] = window[0] if causal_window else None
+        self.kinds = sorted(set(self.layer_kind.values()), key=lambda k: -1 if k is None else k)
+        self.num_blocks = {kind: num_blocks if kind is None
+                           else min(num_blocks, max_requests * self.ring_blocks(kind))
+                           for kind in self.kinds}
+
+    def ring_blocks(self, left: int) -> int:
+        """Blocks a window of `left` keys needs: a query at p sees p - left .. p, read before
+        p is written, and the ring turns a block at a time."""
+        return blocks_for(left, self.block_size) + 1
+
+    def blocks_needed(self, kind: Kind, total_tokens: int) -> int:
+        whole = blocks_for(total_tokens, self.block_size)
+        return whole if kind is None else min(whole, self.ring_blocks(kind))
+
+
+class PagedKVCache:
+    """The pools of this stage's attention layers (see `CacheLayout` for their sizes), in
+    `dtype` on `device`."""
+
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.pools: Dict[int, Tuple[torch.Tensor, ...]] = {}
+        self.scratch_slot: Dict[Kind, int] = {
+            kind: count * self.block_size for kind, count in layout.num_blocks.items()}
+        for number, attention in attention_layers(model).items():
+            slots = self.scratch_slot[layout.layer_kind[number]] + 1
+            if is_latent(attention):
+                width = attention.kv_lora_rank + attention.pos_dim
+                self.pools[number] = (torch.zeros(slots, width, dtype=dtype, device=device),)
+            else:
+                shape = (slots, attention.num_groups_per_partition, attention.head_dim)
+                self.pools[number] = (torch.zeros(shape, dtype=dtype, device=device),
+                                      torch.zeros(shape, dtype=dtype, device=device))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the token slots (the scratch slots not counted)."""
+        return sum(pool[:-1].numel() * pool.element_size()
+                   for pools in self.pools.values() for pool in pools)
+
+
+@dataclass
+class StepRequest:
+    """One request's share of a step: its new tokens start at position `start` (the tokens
+    before are cached), `blocks` its block table of each kind."""
+
+    tokens: List[int]
+    start: int
+    blocks: Dict[Kind, List[int]]
+
+
+@dataclass
+class _Group:
+    """One batched attention call over n requests: rows `q_index` [n, Lq] of the step's
+    tokens (padding: row 0, its output dropped) at positions `q_pos` (-1: padding); per kind
+    the cached keys' slots [n, Lc] and positions [n, Lc] (huge: padding); for full attention
+    `all_slots` [n, Lc + Lq], the cached keys' slots then the new keys' (written first).
+    `row_start`: the rows are row_start .. row_start + n * Lq - 1 in order, all real;
+    otherwise `out_rows` / `flat_valid` scatter the real rows back."""
+
+    q_index: torch.Tensor
+    q_pos: torch.Tensor
+    valid: torch.Tensor  # bool [n, Lq]: real query rows
+    cached: Dict["Kind", Tuple[torch.Tensor, torch.Tensor]]
+    all_slots: Optional[torch.Tensor]
+    row_start: Optional[int]
+    out_rows: Optional[torch.Tensor]
+    flat_valid: Optional[torch.Tensor]
+
+
+_FAR = 1 << 40
+
+
+def _slot(table: List[int], position: int, block_size: int) -> int:
+    return table[(position // block_size) % len(table)] * block_size + position % block_size
+
+
+class StepBatch(KVCacheContext):
+    """The flattened tokens of one step and their attention over the cache.
+
+    `tokens` [T_pad] / `positions` [T_pad] (T real tokens, then padding up to a multiple of
+    `pad_to`, for sequence parallelism), `request_rows` per request its rows."""
+
+    def __init__(self, cache: PagedKVCache, requests: Sequence[StepRequest], device,
+                 pad_to: int = 1) -> None:
+        self.cache = cache
+        layout = cache.layout
+        block_size = cache.block_size
+        tokens, positions, self.request_rows = [], [], []
+        writes = {kind: ([], []) for kind in layout.kinds}  # rows, slots
+        for request in requests:
+            first = len(tokens)
+            end = request.start + len(request.tokens)
+            tokens.extend(request.tokens)
+            positions.extend(range(request.start, end))
+            self.request_rows.append(list(range(first, len(tokens))))
+            for kind in layout.kinds:
+                table = request.blocks[kind]
+                # A ring keeps the last len(table) blocks' worth: write only those tokens
+                # (each to a slot of its own).
+                keep_from = max(request.start, end - len(table) * block_size)
+                rows, slots = writes[kind]
+                for position in range(keep_from, end):
+                    rows.append(first + position - request.start)
+                    slots.append(_slot(table, position, block_size))
+        self.num_tokens = len(tokens)
+        padding = (-len(tokens)) % pad_to
+        self.tokens = torch.tensor(tokens + [0] * padding, dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions + [0] * padding, dtype=torch.long,
+                                      device=device)
+        self.writes = {kind: (torch.tensor(rows, dtype=torch.long, device=device),
+                              torch.tensor(slots, dtype=torch.long, device=device))
+                       for kind, (rows, slots) in writes.items()}
+        self.groups = self._build_groups(requests, device)
+        self._masks: Dict[Tuple, torch.Tensor] = {}
+
+    def _build_groups(self, requests: Sequence[StepRequest], device) -> List[_Group]:
+        layout = self.cache.layout
+        block_size = self.cache.block_size
+        singles = [i for i, r in enumerate(requests) if len(r.tokens) == 1]
+        members = ([singles] if singles else []) + [
+            [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
+        groups = []
+        for indices in members:
+            counts = torch.tensor([len(requests[i].tokens) for i in indices])
+            starts = torch.tensor([requests[i].start for i in indices])
+            lq = int(counts.max())
+            offsets = torch.arange(lq)
+            valid = offsets[None, :] < counts[:, None]  # [n, Lq]
+            first_rows = torch.tensor([self.request_rows[i][0] for i in indices])
+            q_index = torch.where(valid, first_rows[:, None] + offsets, 0)
+            q_pos = torch.where(valid, starts[:, None] + offsets, -1)
+            cached, all_slots = {}, None
+            for kind in layout.kinds:
+                lows = torch.zeros_like(starts) if kind is None else (starts - kind).clamp(min=0)
+                lc = int((starts - lows).max())
+                positions = lows[:, None] + torch.arange(lc)  # [n, Lc]
+                present = positions < starts[:, None]
+                tables = [requests[i].blocks[kind] for i in indices]
+                width = max(len(t) for t in tables)
+                table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+                lengths = torch.tensor([len(t) for t in tables])
+                blocks = table.gather(1, (positions // block_size) % lengths[:, None])
+                slots = torch.where(present, blocks * block_size + positions % block_size,
+                                    self.cache.scratch_slot[kind])
+                k_pos = torch.where(present, positions, _FAR)
+                cached[kind] = (slots.to(device), k_pos.to(device))
+                if kind is None:
+                    new = table.gather(1, q_pos.clamp(min=0) // block_size) * block_size \
+                        + q_pos.clamp(min=0) % block_size
+                    new = torch.where(valid, new, self.cache.scratch_slot[kind])
+                    all_slots = torch.cat([slots, new], dim=1).to(device)
+            sizes = [len(requests[i].tokens) for i in indices]
+            firsts = [self.request_rows[i][0] for i in indices]
+            in_order = all(size == lq and row == firsts[0] + k * lq
+                           for k, (size, row) in enumerate(zip(sizes, firsts)))
+            out_rows = flat_valid = None
+            if not in_order:
+                out_rows = q_index[valid].to(device)
+                flat_valid = valid.flatten().nonzero().flatten().to(device)
+            groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
+                                 cached, all_slots, firsts[0] if in_order else None,
+                                 out_rows, flat_valid))
+        return groups
+
+    def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
+        """[n, Lc + Lq]: the cached keys' positions, then the new keys' (padding far)."""
+        new = group.q_pos.masked_fill(~group.valid, _FAR)
+        return torch.cat([group.cached[kind][1], new], dim=1)
+
+    def _mask(self, index: int, kind: Kind, window_size):
+        """(mask, plain): the bool mask [n, 1, Lq, Lk], True = masked (core_attention's
+        convention): the future, padding keys and keys left of the window (a padding query
+        row sees its first key, so no row is fully masked); and, where the mask says no more
+        than SDPA's own paths do, (None, causal) to call them instead (a decode seeing all
+        its keys: no mask; a prompt alone: is_causal), else None."""
+        key = (index, kind, window_size)
+        if key not in self._masks:
+            group = self.groups[index]
+            q_pos = group.q_pos[:, :, None]
+            k_pos = self._key_positions(group, kind)[:, None, :]
+            allowed = k_pos <= q_pos
+            if window_size is not None:
+                left, right = window_size
+                allowed = allowed & (k_pos - q_pos <= right)
+                if left >= 0:
+                    allowed = allowed & (q_pos - k_pos <= left)
+            allowed[:, :, 0] |= q_pos[:, :, 0] < 0
+            masked = (~allowed)[:, None]
+            plain = None
+            n, _, lq, lk = masked.shape
+            if not bool(masked.any()):
+                plain = (None, False)
+            elif n == 1 and lq == lk and torch.equal(
+                    masked[0, 0], torch.ones(lq, lk, dtype=torch.bool,
+                                             device=masked.device).triu(1)):
+                plain = (None, True)
+            self._masks[key] = (masked, plain)
+        return self._masks[key]
+
+    def _alibi(self, group: _Group, kind: Kind, slopes: torch.Tensor, dtype) -> torch.Tensor:
+        """[n, heads, Lq, Lk]: slope * (j - i) (ALiBi, as `alibi_bias`, from positions)."""
+        k_pos = self._key_positions(group, kind)
+        distance = (k_pos[:, None, :] - group.q_pos[:, :, None]).clamp(-_FAR, _FAR).float()
+        return (slopes.float()[None, :, None, None] * distance[:, None]).to(dtype)
+
+    def _run_groups(self, kind: Kind, query, new_keys, new_values, keys, values, scale,
+                    window_size, sinks=None, alibi_slopes=None) -> torch.Tensor:
+        """query [T_pad, nh, d], the step's keys / values [T_pad, nkv, d]; keys / values:
+        the pools [slots, nkv, d] (for full attention already holding the step's keys)
+        -> [T_pad, nh, dv]."""
+
+        def rows(source, index, n):  # [n, L, ...] gathered along dim 0
+            return source.index_select(0, index.flatten()).view(n, -1, *source.shape[1:])
+
+        output = None
+        for index, group in enumerate(self.groups):
+            n, lq = group.q_index.shape
+            if group.row_start is not None:
+                q = query[group.row_start:group.row_start + n * lq].view(n, lq,
+                                                                        *query.shape[1:])
+            else:
+                q = rows(query, group.q_index, n)
+            if kind is None:
+                k, v = rows(keys, group.all_slots, n), rows(values, group.all_slots, n)
+            else:
+                slots = group.cached[kind][0]
+                k = torch.cat([rows(keys, slots, n), rows(new_keys, group.q_index, n)], dim=1)
+                v = torch.cat([rows(values, slots, n), rows(new_values, group.q_index, n)],
+                              dim=1)
+            q, k, v = q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), \
+                v.to(q.dtype).transpose(1, 2)
+            bias = (None if alibi_slopes is None
+                    else self._alibi(group, kind, alibi_slopes, q.dtype))
+            mask, plain = self._mask(index, kind, window_size)
+            causal = False
+            if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
+                mask, causal = plain
+            context = core_attention(q, k, v, mask, causal, 0.0, scale, bias,
+                                     sinks).transpose(1, 2)  # [n, Lq, nh, dv]
+            if len(self.groups) == 1 and group.row_start == 0 \
+                    and n * lq == query.shape[0]:
+                return context.reshape(n * lq, *context.shape[2:])
+            if output is None:
+                output = query.new_zeros(query.shape[0], query.shape[1], context.shape[-1])
+            flat = context.reshape(n * lq, *context.shape[2:])
+            if group.row_start is not None:
+                output[group.row_start:group.row_start + n * lq] = flat
+            else:
+                output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
+        return output
+
+    def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
+        rows, slots = self.writes[kind]
+        pool.index_copy_(0, slots, new.index_select(0, rows).to(pool.dtype))
+
+    def attend(self, layer_number, query, key, value, scale=None, window_size=None,
+               sinks=None, alibi_slopes=None):
+        keys, values = self.cache.pools[layer_number]
+        kind = self.cache.layout.layer_kind[layer_number]
+        t = query.shape[0] * query.shape[1]
+        key, value = key.reshape(t, *key.shape[2:]), value.reshape(t, *value.shape[2:])
+        if kind is None:  # read back with the cached keys in one gather
+            self._write(kind, keys, key)
+            self._write(kind, values, value)
+        context = self._run_groups(kind, query.reshape(t, *query.shape[2:]), key, value, keys,
+                                   values, scale, window_size, sinks, alibi_slopes)
+        if kind is not None:  # a ring: written after, so no key the queries need is lost
+            self._write(kind, keys, key)
+            self._write(kind, values, value)
+        return context.view(*query.shape[:3], -1)
+
+    def attend_latent(self, layer_number, query, latent, latent_dim, scale):
+        (pool,) = self.cache.pools[layer_number]
+        kind = self.cache.layout.layer_kind[layer_number]
+        self._write(kind, pool, latent)  # multi-latent attention has no windows
+        entries = latent[:, None, :]  # one key/value head shared by all query heads
+        pooled = pool[:, None, :]
+        return self._run_groups(kind, query, entries, entries[..., :latent_dim], pooled,
+                                pooled[..., :latent_dim], scale, None)
+
+
+def check_inference_layout(state) -> None:
+    """Context parallelism splits a sequence over ranks, which a decode step of one token
+    per request cannot be: a clear error."""
+    if state.cp_size > 1:
+        raise ConfigError("inference: --context-parallel-size must be 1 (a decode step has "
+                          "one token per request; generate at tensor, pipeline or expert "
+                          "parallelism)")
+
+
+__all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",
+           "blocks_for", "bytes_per_token", "layer_bytes_per_token", "attention_layers",
+           "check_inference_layout"]

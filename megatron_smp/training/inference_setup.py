@@ -1,0 +1,112 @@
+"""A model for inference from Megatron's flags: what `tools/generate.py` and
+`tools/run_text_generation_server.py` share.
+
+    configs, state, engine, tokenizer = build_inference_engine(argv, extra_args_provider)
+
+parses the flags (`--load`, `--use-checkpoint-args`, the model and parallel sizes, the
+tokenizer), builds the process group and this rank's pipeline stage of `GPTModel`, loads the
+checkpoint's weights (model only; `torch_dist` reshards to this layout) and wraps it in an
+`inference.InferenceEngine` sized by the inference flags added here.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_smp.config import ConfigError
+
+
+def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The engine's flags (Megatron-LM's names where it has one)."""
+    group = parser.add_argument_group("inference")
+    group.add_argument("--inference-max-tokens", type=int, default=16384,
+                       help="tokens the paged KV cache holds over all running requests")
+    group.add_argument("--inference-max-requests", type=int, default=64,
+                       help="requests in the running batch at once (the rest queue)")
+    group.add_argument("--inference-max-seq-length", type=int, default=None,
+                       help="longest prompt + generation (default: --max-position-embeddings)")
+    group.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
+                       help="tokens per KV cache block")
+    return parser
+
+
+def _model_provider(configs, state, pre_process=True, post_process=True, **stage):
+    from megatron_smp.models.gpt import GPTModel
+
+    return GPTModel(configs.model, state, pre_process=pre_process, post_process=post_process,
+                    **stage)
+
+
+def build_inference_engine(argv: Optional[Sequence[str]] = None,
+                           extra_args_provider: Optional[Callable] = None,
+                           model_provider: Optional[Callable] = None):
+    """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
+    the model keeps its --seed initialisation (a clear warning on rank 0)."""
+    from megatron_smp.checkpointing.iterations import load_checkpoint
+    from megatron_smp.checkpointing.sharded_state import model_sharded_state_dict
+    from megatron_smp.data import build_tokenizer
+    from megatron_smp.inference import InferenceEngine
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    def providers(parser):
+        for action in parser._actions:  # a training length means nothing here
+            if action.dest == "training__seq_length":
+                action.required = False
+        parser = add_inference_args(parser)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser) or parser
+        return parser
+
+    argv = list(argv) if argv is not None else None
+    # Training's required numbers, at values every layout divides (the engine's own limits
+    # are the --inference-* flags).
+    defaults = {"micro_batch_size": 1, "train_iters": 1, "seq_length": 8, "mock_data": True}
+    configs = parse_args(argv, providers, defaults)
+    args = configs.args
+    tokenizer = build_tokenizer(configs.data)
+    configs.model.vocab_size = tokenizer.vocab_size
+    validate_configs(configs)
+    for flag in ("inference_max_tokens", "inference_max_requests",
+                 "inference_dynamic_batching_block_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if configs.parallel.context_parallel_size > 1:
+        raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
+                          "pipeline or expert parallelism)")
+    if configs.parallel.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ConfigError("inference: virtual pipeline stages are not supported; drop "
+                          "--num-layers-per-virtual-pipeline-stage")
+    timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
+    state = build_parallel_state(configs.parallel, timeout=timeout)
+    model_parallel_seed(configs.training.seed, state)
+    provider = model_provider or _model_provider
+    if state.pp_size > 1:
+        from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
+
+        chunks = build_pipeline_model_chunks(provider, configs, state)
+    else:
+        chunks = [provider(configs, state, pre_process=True, post_process=True)]
+    for chunk in chunks:
+        chunk.to(state.device)
+    load = configs.checkpoint.load
+    if load:
+        template = {"model": model_sharded_state_dict(chunks, state, configs.model.vocab_size,
+                                                      tied_copies=True)}
+        load_checkpoint(template, load, state, load_rng=False)
+    elif state.rank == 0:
+        print("warning: no --load given: generating from the --seed initialisation", flush=True)
+    engine = InferenceEngine(
+        chunks, max_tokens=args.inference_max_tokens,
+        max_requests=args.inference_max_requests,
+        block_size=args.inference_dynamic_batching_block_size,
+        max_seq_length=args.inference_max_seq_length or configs.model.max_position_embeddings)
+    torch.set_grad_enabled(False)
+    return configs, state, engine, tokenizer
+
+
+__all__ = ["add_inference_args", "build_inference_engine"]

@@ -1,0 +1,101 @@
+"""Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 linear attention; Megatron's GatedDeltaNet)
+over [s, b, h] activations, tensor-parallel.
+
+    in_proj -> per key head [q, k, v, z, b, a];  q k v -> causal depthwise conv1d -> SiLU;
+    q, k l2-normalised;  beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias);
+    o = gated delta rule(q, k, v, g, beta);  o = rmsnorm(o) * w * silu(z) per value head;  out_proj
+
+Each key head serves `linear_num_value_heads / linear_num_key_heads` consecutive value heads.
+Split tensors are laid out key head by key head (in_proj rows [q_i, k_i, v_i, z_i, b_i, a_i];
+conv channels [q_i, k_i, v_i]; value heads in order), so TP ranks hold whole key-head groups
+(key heads % tp == 0). The gated norm's weight [dv] is shared by all value heads: each rank's
+grad of it is partial, summed over TP like a sequence-parallel norm's (hence the mark).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel import divide
+from megatron_smp.tensor_parallel.mappings import group_size
+from megatron_smp.transformer.ssm.layers import (
+    CausalConv1d,
+    gated_rms_norm,
+    init_decays,
+    mixer_projections,
+    packed_segments,
+    project_per_group,
+    split_parameter,
+)
+from megatron_smp.transformer.ssm.ops import gated_delta_rule_chunked, l2norm
+
+
+class GatedDeltaNet(torch.nn.Module):
+    """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
+    -> [s(/tp), b, h]; attention_mask None or a `PackedSequence` (the state restarts at each
+    document); rotary_pos_emb ignored. Takes the place of `SelfAttention` in a layer spec."""
+
+    def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
+                 device: Optional[torch.device] = None, submodules=None) -> None:
+        super().__init__()
+        tp_group = state.tp_group
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
+        self.key_heads = config.linear_num_key_heads
+        self.value_heads = config.linear_num_value_heads
+        self.key_dim = config.linear_key_head_dim
+        self.value_dim = config.linear_value_head_dim
+        self.values_per_key = divide(self.value_heads, self.key_heads)
+        self.local_key_heads = divide(self.key_heads, tp)
+        self.local_value_heads = self.local_key_heads * self.values_per_key
+        self.chunk_size = config.linear_chunk_size
+        self.eps = config.layernorm_epsilon
+        r = self.values_per_key
+        conv_width = 2 * self.key_dim + r * self.value_dim
+        self.split_sizes = [conv_width, r * self.value_dim, r, r]  # [q k v | z | b | a]
+        self.in_proj, self.out_proj = mixer_projections(
+            config, tp_group, self.key_heads * sum(self.split_sizes),
+            self.value_heads * self.value_dim, device)
+        self.conv1d = CausalConv1d(self.key_heads * conv_width, config.linear_conv_kernel_dim,
+                                   False, tp_group, config.params_dtype, device)
+        dtype = config.params_dtype
+        self.A_log = split_parameter((self.value_heads,), tp_group, dtype, device)
+        self.dt_bias = split_parameter((self.value_heads,), tp_group, dtype, device)
+        self.out_norm_weight = torch.nn.Parameter(torch.empty(self.value_dim, dtype=dtype,
+                                                              device=device))
+        self.out_norm_weight.sequence_parallel = tp > 1
+        if self.A_log.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The decays (`init_decays`) for all heads, the norm ones."""
+        init_decays(self.A_log, self.dt_bias, self.value_heads, self.tp_group)
+        self.out_norm_weight.fill_(1.0)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                rotary_pos_emb=None) -> torch.Tensor:
+        segments = packed_segments(attention_mask, "GatedDeltaNet")
+        projected = project_per_group(self.in_proj, hidden_states, self.local_key_heads)
+        b, s = projected.shape[:2]
+        qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
+        qkv = F.silu(self.conv1d(qkv.reshape(b, s, -1), segments))
+        qkv = qkv.view(b, s, self.local_key_heads, -1)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim,
+                                    self.values_per_key * self.value_dim], dim=-1)
+        v = v.reshape(b, s, self.local_value_heads, self.value_dim)
+        q, k = l2norm(q.float()), l2norm(k.float())
+        beta = torch.sigmoid(beta.reshape(b, s, self.local_value_heads).float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(
+            a.reshape(b, s, self.local_value_heads).float() + self.dt_bias.float())
+        o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+        o = gated_rms_norm(o, z.reshape(b, s, self.local_value_heads, self.value_dim),
+                           self.out_norm_weight, self.eps, self.value_dim, norm_before_gate=True)
+        output, _ = self.out_proj(o.reshape(b, s, -1).to(hidden_states.dtype).transpose(0, 1))
+        return output
+
+
+__all__ = ["GatedDeltaNet"]

@@ -1,0 +1,155 @@
+"""Parameters and small parts the recurrent mixers share: tensor-parallel vectors drawn as
+full masters on the CPU (so the weights do not depend on TP), the causal depthwise
+convolution and the gated RMS norm.
+
+Both mixers lay their channels out per group (a Mamba group, a Gated DeltaNet key head) in
+every split tensor, so a contiguous split over TP ranks gives each rank whole groups and
+the mixer needs no communication between its in- and out-projection.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from megatron_smp.tensor_parallel.mappings import group_rank, group_size
+from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megatron_smp.transformer.packed import PackedSequence
+from megatron_smp.transformer.ssm.ops import causal_conv1d, segment_ids
+
+
+def _is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def split_parameter(shape, tp_group, dtype, device) -> torch.nn.Parameter:
+    """An empty parameter holding this rank's contiguous 1/tp share of dim 0 of `shape`."""
+    local = (shape[0] // group_size(tp_group),) + tuple(shape[1:])
+    param = torch.nn.Parameter(torch.empty(local, dtype=dtype, device=device))
+    set_tensor_model_parallel_attributes(param, True, 0, 1)
+    return param
+
+
+@torch.no_grad()
+def fill_from_master(param: torch.nn.Parameter, master: torch.Tensor, tp_group) -> None:
+    """Copy rank r's contiguous share (dim 0) of the full `master` into `param`."""
+    rows = param.shape[0]
+    start = group_rank(tp_group) * rows
+    param.copy_(master[start:start + rows])
+
+
+def mixer_projections(config, tp_group, projected: int, inner: int, device):
+    """A mixer's in_proj (h -> `projected` rows, split over TP) and out_proj (`inner` -> h,
+    split along its input), without biases, initialised as the attention's projections."""
+    init_method = init_method_normal(config.init_method_std)
+    output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
+                   if config.use_scaled_init_method else init_method)
+    in_proj = ColumnParallelLinear(config.hidden_size, projected, config=config,
+                                   tp_group=tp_group, init_method=init_method, bias=False,
+                                   gather_output=False, device=device)
+    out_proj = RowParallelLinear(inner, config.hidden_size, config=config, tp_group=tp_group,
+                                 init_method=output_init, bias=False, input_is_parallel=True,
+                                 device=device)
+    return in_proj, out_proj
+
+
+@torch.no_grad()
+def init_decays(A_log: torch.nn.Parameter, dt_bias: torch.nn.Parameter, heads: int,
+                tp_group) -> None:
+    """Both mixers' per-head decay parameters, drawn for all `heads`: A_log = log U(1, 16)
+    (A = -exp(A_log)), dt_bias with softplus(dt_bias) log-uniform in [1e-3, 0.1]."""
+    fill_from_master(A_log, torch.empty(heads).uniform_(1, 16).log(), tp_group)
+    fill_from_master(dt_bias, time_step_bias(heads), tp_group)
+
+
+def project_per_group(in_proj: torch.nn.Module, hidden_states: torch.Tensor,
+                      local_groups: int) -> torch.Tensor:
+    """in_proj of [s(/tp), b, h] (sequence gathered with SP) -> batch first
+    [b, s, local_groups, rows per group], for the scans."""
+    projected, _ = in_proj(hidden_states)
+    s, b = projected.shape[:2]
+    return projected.transpose(0, 1).reshape(b, s, local_groups, -1)
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+
+def time_step_bias(heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
+                   floor: float = 1e-4) -> torch.Tensor:
+    """[heads] dt biases with softplus(bias) log-uniform in [dt_min, dt_max] (Mamba's init)."""
+    dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return inverse_softplus(dt.clamp(min=floor))
+
+
+class CausalConv1d(torch.nn.Module):
+    """Depthwise causal convolution over this rank's channels, weight [c/tp, 1, k] (nn.Conv1d's
+    shape) and optional bias [c/tp]; forward(x [b, s, c/tp], segments=None) -> [b, s, c/tp]."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, tp_group, dtype, device) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.kernel = kernel
+        self.channels = channels
+        self.weight = split_parameter((channels, 1, kernel), tp_group, dtype, device)
+        self.bias = split_parameter((channels,), tp_group, dtype, device) if bias else None
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default (kaiming-uniform, fan-in = kernel), drawn for all channels.
+        bound = 1.0 / math.sqrt(self.kernel)
+        fill_from_master(self.weight, torch.empty(self.channels, 1, self.kernel)
+                         .uniform_(-bound, bound), self.tp_group)
+        if self.bias is not None:
+            fill_from_master(self.bias, torch.empty(self.channels).uniform_(-bound, bound),
+                             self.tp_group)
+
+    def forward(self, x: torch.Tensor, segments: Optional[torch.Tensor] = None,
+                initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return causal_conv1d(x, self.weight[:, 0], self.bias, segments, initial_state)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int, norm_before_gate: bool) -> torch.Tensor:
+    """RMS norm over groups of `group_size` channels of x [..., c] with a SiLU gate [..., c],
+    times weight [c]: `norm(x) * w * silu(gate)` (Gated DeltaNet) or, with
+    norm_before_gate=False, `norm(x * silu(gate)) * w` (Mamba-2). Computed in fp32."""
+    dtype = x.dtype
+    x = x.float()
+    gate = F.silu(gate.float())
+    if not norm_before_gate:
+        x = x * gate
+    shape = x.shape
+    grouped = x.view(*shape[:-1], shape[-1] // group_size, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    x = grouped.view(shape) * weight.float()
+    if norm_before_gate:
+        x = x * gate
+    return x.to(dtype)
+
+
+def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
+    """The document run numbers [b, s] of a packed batch (a `PackedSequence`), None for
+    plain causal rows; a dense mask cannot say where the recurrence restarts."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, PackedSequence):
+        return segment_ids(attention_mask.document_ids)
+    raise ValueError(f"{mixer}: an explicit attention mask cannot be followed by a recurrent "
+                     "mixer; pass document_ids (packed sequences) or no mask")
+
+
+__all__ = ["split_parameter", "fill_from_master", "mixer_projections", "init_decays",
+           "project_per_group", "time_step_bias",
+           "CausalConv1d",
+           "gated_rms_norm", "packed_segments"]

@@ -1,0 +1,102 @@
+"""Mamba-2 mixer (Megatron's MambaMixer) over [s, b, h] activations, tensor-parallel.
+
+    in_proj -> [z | x B C | dt] per group;  x B C -> causal depthwise conv1d -> SiLU;
+    dt = clamp(softplus(dt + dt_bias), mamba_dt_min);
+    y = SSD scan(x, dt, A = -exp(A_log), B, C) + D x;
+    y = rmsnorm_per_group(y * silu(z)) * w;  out_proj
+
+Heads come in `mamba_num_groups` groups sharing B and C. Every split tensor is laid out group
+by group (in_proj rows [z_g, x_g, B_g, C_g, dt_g] for each group g; conv channels [x_g, B_g,
+C_g]; heads in order), so TP ranks hold whole groups (groups % tp == 0, as in Megatron) and
+the scan runs on each rank's heads alone. The HF adapter reorders Hugging Face's
+[z | x | B | C | dt] rows into this layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_smp.config import TransformerConfig
+from megatron_smp.tensor_parallel import divide
+from megatron_smp.tensor_parallel.mappings import group_size
+from megatron_smp.transformer.ssm.layers import (
+    CausalConv1d,
+    gated_rms_norm,
+    init_decays,
+    mixer_projections,
+    packed_segments,
+    project_per_group,
+    split_parameter,
+)
+from megatron_smp.transformer.ssm.ops import ssd_chunked
+
+
+class MambaMixer(torch.nn.Module):
+    """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
+    -> [s(/tp), b, h]. attention_mask: None (causal rows) or a `PackedSequence` (the state
+    restarts at each document); rotary_pos_emb is ignored (no positions in a recurrence)."""
+
+    def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        tp_group = state.tp_group
+        self.tp_group = tp_group
+        tp = group_size(tp_group)
+        self.heads = config.mamba_heads()
+        self.groups = config.mamba_num_groups
+        self.head_dim = config.mamba_head_dim
+        self.state_dim = config.mamba_state_dim
+        self.heads_per_group = divide(self.heads, self.groups)
+        self.local_groups = divide(self.groups, tp)
+        self.local_heads = self.local_groups * self.heads_per_group
+        self.chunk_size = config.mamba_chunk_size
+        self.dt_min = config.mamba_dt_min
+        self.eps = config.layernorm_epsilon
+        inner = self.heads * self.head_dim
+        group_width = self.heads_per_group * self.head_dim
+        # Per group: z, x (group_width each), B, C (state_dim each), dt (heads_per_group).
+        self.split_sizes = [group_width, group_width + 2 * self.state_dim, self.heads_per_group]
+        self.in_proj, self.out_proj = mixer_projections(
+            config, tp_group, self.groups * sum(self.split_sizes), inner, device)
+        self.conv1d = CausalConv1d(self.groups * self.split_sizes[1], config.mamba_conv_kernel_dim,
+                                   True, tp_group, config.params_dtype, device)
+        dtype = config.params_dtype
+        self.A_log = split_parameter((self.heads,), tp_group, dtype, device)
+        self.dt_bias = split_parameter((self.heads,), tp_group, dtype, device)
+        self.D = split_parameter((self.heads,), tp_group, dtype, device)
+        self.norm_weight = split_parameter((inner,), tp_group, dtype, device)
+        if self.A_log.device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The decays (`init_decays`) for all heads, D and the norm ones."""
+        init_decays(self.A_log, self.dt_bias, self.heads, self.tp_group)
+        self.D.fill_(1.0)
+        self.norm_weight.fill_(1.0)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                rotary_pos_emb=None) -> torch.Tensor:
+        segments = packed_segments(attention_mask, "MambaMixer")
+        projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
+        b, s = projected.shape[:2]
+        z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
+        xbc = F.silu(self.conv1d(xbc.reshape(b, s, -1), segments))
+        xbc = xbc.view(b, s, self.local_groups, -1)
+        width = self.heads_per_group * self.head_dim
+        x, B, C = torch.split(xbc, [width, self.state_dim, self.state_dim], dim=-1)
+        x = x.reshape(b, s, self.local_heads, self.head_dim)
+        dt = F.softplus(dt.reshape(b, s, self.local_heads).float() + self.dt_bias.float())
+        dt = dt.clamp(min=self.dt_min)
+        A = -torch.exp(self.A_log.float())
+        # [b, s, local heads, head_dim]
+        y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+        y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1), self.norm_weight,
+                           self.eps, width, norm_before_gate=False)
+        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
+        return output
+
+
+__all__ = ["MambaMixer"]
