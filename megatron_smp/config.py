@@ -505,6 +505,11 @@ class TransformerConfig:
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
+    def sequence_parallel_at(self, tp_size: int) -> bool:
+        """Whether sequence parallelism is on at tensor-parallel size `tp_size` (--sequence-
+        parallel means nothing without tensor parallelism): the one place it is derived."""
+        return bool(self.sequence_parallel) and tp_size > 1
+
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
                  names: Optional[dict] = None) -> None:
         """Check the model against the parallel layout (and sequence length). Pure; once per

@@ -80,7 +80,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         self.tp_group = state.tp_group
         self.dropout = config.hidden_dropout
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
@@ -198,7 +198,7 @@ class GPTModel(torch.nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_group = state.tp_group
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: Optional[torch.Tensor] = None
         device = state.device if device is None else device

@@ -223,7 +223,7 @@ def build_pipeline_model_chunks(
             state=state, chunk_index=chunk_index, layer_offset=layer_offset,
             num_layers=num_layers, pre_process=pre_process, post_process=post_process,
             hidden_size=configs.model.hidden_size,
-            sequence_parallel=configs.model.sequence_parallel and state.tp_size > 1,
+            sequence_parallel=configs.model.sequence_parallel_at(state.tp_size),
             dtype=configs.model.params_dtype, timeline=timeline,
         )
         chunks.append(module)

@@ -212,9 +212,9 @@ class _ParallelLinear(torch.nn.Module):
         self.stride = stride
         self.is_expert = is_expert
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.sequence_parallel = (
-            config.sequence_parallel if sequence_parallel is None else sequence_parallel
-        ) and self.tp_size > 1
+        self.sequence_parallel = (config.sequence_parallel_at(self.tp_size)
+                                  if sequence_parallel is None
+                                  else sequence_parallel and self.tp_size > 1)
         device = torch.device("cpu") if device is None else torch.device(device)
         return device, config.params_dtype
 

@@ -262,7 +262,7 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     m = model_config
     p = _act_bytes(m)
     tokens = seq_length // cp * micro_batch_size
-    sp = tp if (m.sequence_parallel and tp > 1) else 1
+    sp = tp if m.sequence_parallel_at(tp) else 1
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
     modules = set(recompute_modules or ())
     norms_in = (2 if m.normalization == "RMSNorm" else 1) * 2
@@ -478,7 +478,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
 
         modules = list(active_modules(model))
     tokens = training.seq_length // cp * training.micro_batch_size
-    sp = tp if (model.sequence_parallel and tp > 1) else 1
+    sp = tp if model.sequence_parallel_at(tp) else 1
     capacity = moe_capacity_tokens(model, tokens) if model.num_moe_experts else None
     if model.num_moe_experts and capacity is None:
         notes.append("MoE dropless: routed tokens assume balanced routing (tokens x top-k per "

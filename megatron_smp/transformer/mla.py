@@ -111,7 +111,7 @@ class MLASelfAttention(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp_size = group_size(tp_group)
-        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(tp_size)
         self.num_heads = config.num_attention_heads
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.qk_head_dim = config.qk_head_dim
