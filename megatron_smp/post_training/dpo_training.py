@@ -13,8 +13,10 @@ reference log-probs and the loss function the loop's schedule calls.
 * The loss (`post_training.dpo`) and TRL's six metrics are reported as [sum, pairs], so the
   log line and TensorBoard show their means over the global batch's pairs.
 
-The loop is `training.pretrain`; this module plugs into it through `pretrain(run_hook=)`,
-`_Run.step_data` (the reference pass of each global batch) and `_Run.pipeline_loss_keys`.
+The loop is `training.pretrain` over a `Trainer`; this module plugs into it through
+`pretrain(run_hook=)`, `Trainer.step_data` (the reference pass of each global batch, before
+its schedule) and `Trainer.metric_keys`; `DPORun.loss_fn` has the `loss_fn(logits, batch)`
+shape `Trainer.forward_backward` takes.
 """
 from __future__ import annotations
 
@@ -127,7 +129,7 @@ class DPORun:
         configs = run.configs
         self.run = run
         self.config = dpo_config(configs)
-        run.pipeline_loss_keys = (LOSS_KEY,) + METRICS
+        run.metric_keys = (LOSS_KEY,) + METRICS
         mode = self.config.reference
         lora = bool(configs.training.lora_rank)
         if mode == "frozen":
@@ -142,7 +144,7 @@ class DPORun:
         if mode in ("frozen", "adapters-off"):
             run.step_data = self.step_data
 
-    # -- the reference pass of each global batch (_Run.step_data) ----------------------------
+    # -- the reference pass of each global batch (Trainer.step_data) -------------------------
     def step_data(self, run, data_iterator, num_microbatches: int):
         if data_iterator is None:
             return None

@@ -17,10 +17,10 @@ def test_offload_between_steps_on_the_fake_device(monkeypatch):
     from megatron_smp.post_training.engine import offload, onload
 
     pretrain_module = importlib.import_module("megatron_smp.training.pretrain")
-    original = pretrain_module.train_step
+    original = pretrain_module.Trainer.train_step
     seen = []
 
-    def train_step(run, *args, **kwargs):
+    def train_step(run, *args, **kwargs):  # run: the Trainer
         out = original(run, *args, **kwargs)
         handle = offload(run.model, run.optimizer)
         params = sum(p.numel() * p.element_size() for c in run.model for p in c.parameters())
@@ -30,7 +30,7 @@ def test_offload_between_steps_on_the_fake_device(monkeypatch):
         onload(handle)
         return out
 
-    monkeypatch.setattr(pretrain_module, "train_step", train_step)
+    monkeypatch.setattr(pretrain_module.Trainer, "train_step", train_step)
     # pretrain_on_fake_device wraps train_step itself: it takes the patched one.
     losses = pretrain_on_fake_device("pretrain_gpt", ARGV).losses
     assert len(seen) == 3 and losses[-1] < losses[0]
