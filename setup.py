@@ -26,7 +26,8 @@ setup(
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
-    # trl: the tests train a transformed model with SFTTrainer(padding_free=True).
+    # trl: the tests train a transformed model with SFTTrainer(padding_free=True), and compare
+    # our DPO losses with its DPOTrainer's (the library never imports it).
     # serve: the inference server (tools/run_text_generation_server.py); the tests drive it
     # with the openai client and lm-evaluation-harness.
     extras_require={"test": ["pytest", "tiktoken", "peft",

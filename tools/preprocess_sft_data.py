@@ -19,6 +19,15 @@ conversation before that turn (with the generation prompt) and the rendering thr
 (less trailing whitespace);
 the template must render a conversation's beginning as a prefix of the whole (all common
 chat templates do), else the line is refused.
+
+`--preference` reads preference pairs in TRL's layouts instead: `{"prompt", "chosen",
+"rejected"}` with strings (a user turn, then one assistant turn each) or message lists (the
+prompt's turns, then the chosen / rejected assistant turns), `{"messages", "chosen",
+"rejected"}` (the prompt as "messages"), or `{"chosen", "rejected"}` conversations that share
+their prompt turns (TRL's implicit prompt). Each pair becomes two consecutive documents,
+prompt + chosen then prompt + rejected, with the loss mask on the chosen / rejected turns
+only (not on earlier assistant turns of the prompt); `--seq-length` then bounds the pair
+(the two are packed together). Train with `train_dpo.py --data-path {prefix}_text_document`.
 """
 from __future__ import annotations
 
@@ -109,10 +118,10 @@ def conversation_of(record, line_number: int) -> List[dict]:
     return messages
 
 
-def encode_conversation(tokenizer, messages: List[dict],
-                        line_number: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+def encode_conversation(tokenizer, messages: List[dict], line_number: int = 0,
+                        first_trained_turn: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(token ids, loss mask) of one conversation rendered by the tokenizer's chat template;
-    the mask is 1 on the assistant turns' tokens."""
+    the mask is 1 on the tokens of the assistant turns from `first_trained_turn` on."""
     def render(upto, generation_prompt=False):
         return tokenizer.apply_chat_template(
             messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
@@ -121,7 +130,7 @@ def encode_conversation(tokenizer, messages: List[dict],
     text = render(len(messages))
     spans = []
     for k, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or k < first_trained_turn:
             continue
         before, through = render(k, generation_prompt=True), render(k + 1)
         if not (text.startswith(through) and through.startswith(before)):
@@ -142,6 +151,46 @@ def encode_conversation(tokenizer, messages: List[dict],
     return ids, mask
 
 
+def _messages(value, role: str, field: str, line_number: int) -> List[dict]:
+    """A TRL preference field: a string (one turn of `role`) or a list of messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return value
+    raise BadInputError(f"line {line_number}: \"{field}\" must be a string or a list of "
+                        "messages")
+
+
+def preference_of(record, line_number: int) -> Tuple[List[dict], List[dict], int]:
+    """(chosen conversation, rejected conversation, number of prompt turns) of one TRL
+    preference record."""
+    if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
+        raise BadInputError(f"line {line_number}: expected {{\"prompt\" or \"messages\", "
+                            "\"chosen\", \"rejected\"}} (TRL's preference layout)")
+    prompt_field = "prompt" if "prompt" in record else "messages" if "messages" in record \
+        else None
+    if prompt_field is None:
+        # TRL's implicit prompt: whole conversations; the prompt is their shared beginning.
+        chosen = _messages(record["chosen"], "assistant", "chosen", line_number)
+        rejected = _messages(record["rejected"], "assistant", "rejected", line_number)
+        shared = 0
+        while (shared < min(len(chosen), len(rejected)) - 1
+               and chosen[shared] == rejected[shared]):
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        prompt = _messages(record[prompt_field], "user", prompt_field, line_number)
+        chosen = _messages(record["chosen"], "assistant", "chosen", line_number)
+        rejected = _messages(record["rejected"], "assistant", "rejected", line_number)
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in turns):
+            raise BadInputError(f"line {line_number}: the {name} response has no assistant "
+                                "turn, nothing to compare")
+    # conversation_of checks every message's role and content.
+    return (conversation_of({"messages": prompt + chosen}, line_number),
+            conversation_of({"messages": prompt + rejected}, line_number), len(prompt))
+
+
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="chat JSON lines file")
@@ -154,7 +203,11 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "tokenizer's own (Megatron's flag name)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="refuse conversations longer than --seq-length + 1 tokens "
-                             "(the training --seq-length)")
+                             "(the training --seq-length); with --preference, pairs whose "
+                             "two sequences do not fit --seq-length together")
+    parser.add_argument("--preference", action="store_true",
+                        help="preference pairs (TRL's layouts) for DPO: chosen and rejected "
+                             "as two consecutive documents, the loss on their responses")
     return parser.parse_args(argv)
 
 
@@ -176,20 +229,35 @@ def preprocess(args: argparse.Namespace) -> dict:
                     record = json.loads(line)
                 except ValueError as error:
                     raise BadInputError(f"line {line_number}: not JSON ({error})") from None
-                ids, mask = encode_conversation(
-                    tokenizer, conversation_of(record, line_number), line_number
-                )
-                if args.seq_length is not None and ids.size > args.seq_length + 1:
-                    raise BadInputError(
-                        f"line {line_number}: the conversation has {ids.size} tokens, more "
-                        f"than --seq-length {args.seq_length} + 1; shorten it or raise "
-                        "--seq-length"
-                    )
-                tokens_out.add_document(ids)
-                masks_out.add_document(mask)
-                counts["conversations"] += 1
-                counts["tokens"] += int(ids.size)
-                counts["assistant_tokens"] += int(mask.sum())
+                if getattr(args, "preference", False):
+                    chosen, rejected, prompt_turns = preference_of(record, line_number)
+                    documents = [encode_conversation(tokenizer, messages, line_number,
+                                                     prompt_turns)
+                                 for messages in (chosen, rejected)]
+                    positions = sum(ids.size - 1 for ids, _ in documents)
+                    if args.seq_length is not None and positions > args.seq_length:
+                        raise BadInputError(
+                            f"line {line_number}: the pair has {positions} positions (chosen "
+                            "and rejected, n - 1 each), more than --seq-length "
+                            f"{args.seq_length}; shorten it or raise --seq-length")
+                    if any(int(mask[1:].sum()) == 0 for _, mask in documents):
+                        raise BadInputError(f"line {line_number}: a response renders to no "
+                                            "tokens")
+                else:
+                    documents = [encode_conversation(
+                        tokenizer, conversation_of(record, line_number), line_number)]
+                    if args.seq_length is not None and documents[0][0].size > args.seq_length + 1:
+                        raise BadInputError(
+                            f"line {line_number}: the conversation has {documents[0][0].size} "
+                            f"tokens, more than --seq-length {args.seq_length} + 1; shorten "
+                            "it or raise --seq-length"
+                        )
+                for ids, mask in documents:
+                    tokens_out.add_document(ids)
+                    masks_out.add_document(mask)
+                    counts["conversations"] += 1
+                    counts["tokens"] += int(ids.size)
+                    counts["assistant_tokens"] += int(mask.sum())
     except BaseException:
         tokens_out.discard()
         masks_out.discard()
@@ -210,8 +278,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BadInputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"{counts['conversations']} conversations, {counts['tokens']} tokens, "
-          f"{counts['assistant_tokens']} trained on (assistant)")
+    what = (f"{counts['conversations'] // 2} preference pairs" if args.preference
+            else f"{counts['conversations']} conversations")
+    print(f"{what}, {counts['tokens']} tokens, {counts['assistant_tokens']} trained on "
+          "(assistant)")
     return 0
 
 

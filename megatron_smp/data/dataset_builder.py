@@ -338,6 +338,7 @@ def build_train_valid_test_datasets(
     tokenizer,
     group=None,
     context_parallel_size: int = 1,
+    sft_options: Optional[dict] = None,
 ):
     """Build (train, valid, test) GPT datasets; None for a split with zero weight.
 
@@ -347,7 +348,8 @@ def build_train_valid_test_datasets(
     epoch). Index arrays are built by rank 0 of `group` (default: the whole world if
     torch.distributed is initialized) and cached; every rank of `group` must call this.
     With --sft and `context_parallel_size` > 1 every conversation is padded to a multiple of
-    2 x that size, so that each one splits the load-balanced way over the CP ranks.
+    2 x that size, so that each one splits the load-balanced way over the CP ranks;
+    `sft_options` are `build_sft_splits`'s `group_size` / `token_values` (preference pairs).
     """
     if seq_length < 1:
         raise ConfigError(f"--seq-length must be positive, got {seq_length}")
@@ -379,7 +381,8 @@ def build_train_valid_test_datasets(
 
     if getattr(data_config, "sft", False):
         return _build_sft(data_config, seq_length, seed, num_samples, tokenizer,
-                          2 * context_parallel_size if context_parallel_size > 1 else 1)
+                          2 * context_parallel_size if context_parallel_size > 1 else 1,
+                          **(sft_options or {}))
 
     builder = _Builder(data_config, seq_length, seed, tokenizer, group)
     per_split = per_split_data_paths(data_config)
@@ -411,7 +414,8 @@ def build_train_valid_test_datasets(
     return tuple(datasets)
 
 
-def _build_sft(data_config, seq_length, seed, num_samples, tokenizer, pad_to_multiple=1):
+def _build_sft(data_config, seq_length, seed, num_samples, tokenizer, pad_to_multiple=1,
+               **options):
     """--sft: packed conversations of one --data-path prefix, cut by --split."""
     from megatron_smp.data.sft_dataset import build_sft_splits
 
@@ -429,5 +433,5 @@ def _build_sft(data_config, seq_length, seed, num_samples, tokenizer, pad_to_mul
         prefixes[0], split_matrix(parse_split(data_config.split)), num_samples, seq_length,
         seed, pad, split_range, SPLIT_NAMES, mmap=bool(getattr(data_config, "mmap_bin_files",
                                                                True)),
-        pad_to_multiple=pad_to_multiple,
+        pad_to_multiple=pad_to_multiple, **options,
     ))

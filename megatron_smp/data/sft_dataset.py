@@ -11,6 +11,10 @@ itself and its positions restart at 0 (the document mask of --reset-attention-ma
 through `document_ids_and_position_ids`). Padding comes only at the end of a pack (and
 under context parallelism at the end of each conversation, up to a multiple of 2 x CP, so
 that each splits evenly over the CP ranks) and is never trained on.
+
+Preference data (`tools/preprocess_sft_data.py --preference`) stores each pair as two
+consecutive documents, chosen then rejected: with `group_size=2` a pair is packed whole, so
+within a packed row documents 2p and 2p + 1 are pair p's (what `post_training.dpo` reads).
 """
 from __future__ import annotations
 
@@ -67,10 +71,14 @@ class SFTDataset(torch.utils.data.Dataset):
     """Packed conversations of one split.
 
     `indexed_dataset` / `mask_dataset`: the token and loss-mask datasets (same sizes);
-    `sequence_ids`: the conversations of this split; `num_samples`: how many packed samples
-    to serve (None: one epoch of packs); later epochs visit the packs in a new order. Items
-    are the GPTDataset dict: tokens, labels, loss_mask, position_ids [s] and document_ids [s]
-    (the conversation of each position: `transformer.packed`).
+    `sequence_ids`: the units of this split (conversations, or with `group_size` g the
+    documents g*u ... g*u + g - 1 of unit u, packed together: preference pairs);
+    `num_samples`: how many packed samples to serve (None: one epoch of packs); later epochs
+    visit the packs in a new order. Items are the GPTDataset dict: tokens, labels,
+    loss_mask, position_ids [s] and document_ids [s] (the conversation of each position:
+    `transformer.packed`); with `token_values` {name: flat array over every document's
+    n - 1 label positions, in document order} also those, packed like the labels (0 on
+    padding).
     """
 
     def __init__(
@@ -85,8 +93,12 @@ class SFTDataset(torch.utils.data.Dataset):
         split_name: str = "train",
         source: str = "",
         pad_to_multiple: int = 1,
+        group_size: int = 1,
+        token_values: Optional[Dict[str, np.ndarray]] = None,
     ) -> None:
         self.indexed_dataset = indexed_dataset
+        self.group_size = int(group_size)
+        self.token_values = dict(token_values or {})
         self.mask_dataset = mask_dataset
         self.sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
         self.seq_length = int(seq_length)
@@ -99,14 +111,22 @@ class SFTDataset(torch.utils.data.Dataset):
                 f"--sft: {source}{LOSS_MASK_SUFFIX} does not match {source} (different "
                 "conversation lengths); write both with tools/preprocess_sft_data.py"
             )
-        self.lengths = sizes[self.sequence_ids].astype(np.int64) - 1
+        # Label positions before each document in the flat `token_values` arrays.
+        self.value_offsets = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) - 1)])
+        documents = (self.sequence_ids[:, None] * self.group_size
+                     + np.arange(self.group_size)[None, :])  # [units, group_size]
+        self.documents = documents
+        document_lengths = sizes[documents].astype(np.int64) - 1
         # Under context parallelism each conversation takes a multiple of 2 x CP positions
         # (loss-masked padding at its end) so that it splits evenly over the CP ranks.
         self.pad_to_multiple = int(pad_to_multiple)
-        self.slot_lengths = -(-self.lengths // self.pad_to_multiple) * self.pad_to_multiple
+        self.document_slots = (-(-document_lengths // self.pad_to_multiple)
+                               * self.pad_to_multiple)
+        self.lengths = document_lengths.sum(axis=1)
+        self.slot_lengths = self.document_slots.sum(axis=1)
         too_long = np.nonzero(self.slot_lengths > self.seq_length)[0]
         if too_long.size:
-            first = int(self.sequence_ids[too_long[0]])
+            first = int(documents[too_long[0], 0])
             padded = (f" (padded to a multiple of {self.pad_to_multiple} = 2 x "
                       "--context-parallel-size)" if self.pad_to_multiple > 1 else "")
             raise ConfigError(
@@ -139,17 +159,22 @@ class SFTDataset(torch.utils.data.Dataset):
         tokens = np.full(s, self.pad, dtype=np.int64)
         labels = np.full(s, self.pad, dtype=np.int64)
         loss_mask = np.zeros(s, dtype=np.float32)
+        values = {name: np.zeros(s, dtype=flat.dtype) for name, flat in self.token_values.items()}
         starts, position = [], 0
         for local in self._pack_of(index):
-            sequence = int(self.sequence_ids[local])
-            ids = np.asarray(self.indexed_dataset.get(sequence), dtype=np.int64)
-            mask = np.asarray(self.mask_dataset.get(sequence), dtype=np.float32)
-            n = ids.size - 1
-            starts.append(position)
-            tokens[position:position + n] = ids[:-1]
-            labels[position:position + n] = ids[1:]
-            loss_mask[position:position + n] = mask[1:]
-            position += int(self.slot_lengths[local])
+            for sequence, slot in zip(self.documents[local], self.document_slots[local]):
+                sequence = int(sequence)
+                ids = np.asarray(self.indexed_dataset.get(sequence), dtype=np.int64)
+                mask = np.asarray(self.mask_dataset.get(sequence), dtype=np.float32)
+                n = ids.size - 1
+                starts.append(position)
+                tokens[position:position + n] = ids[:-1]
+                labels[position:position + n] = ids[1:]
+                loss_mask[position:position + n] = mask[1:]
+                offset = int(self.value_offsets[sequence])
+                for name, flat in self.token_values.items():
+                    values[name][position:position + n] = flat[offset:offset + n]
+                position += int(slot)
         if position < s:
             # The padding is a document of its own, so that it attends to nothing real.
             starts.append(position)
@@ -160,13 +185,16 @@ class SFTDataset(torch.utils.data.Dataset):
             "loss_mask": torch.from_numpy(loss_mask),
             "position_ids": position_ids,
             "document_ids": document_ids,
+            **{name: torch.from_numpy(value) for name, value in values.items()},
         }
 
 
 def build_sft_splits(prefix: str, matrix, num_samples, seq_length: int, seed: int, pad: int,
-                     split_range, split_names, mmap: bool = True, pad_to_multiple: int = 1):
+                     split_range, split_names, mmap: bool = True, pad_to_multiple: int = 1,
+                     group_size: int = 1, token_values=None):
     """One SFTDataset per split of `prefix` (None where `matrix` has no split); the splits
-    cut the conversations by --split as GPT data is cut by sequences."""
+    cut the conversations (the units of `group_size` documents) by --split as GPT data is
+    cut by sequences."""
     import os
 
     mask_prefix = loss_mask_prefix(prefix)
@@ -178,15 +206,21 @@ def build_sft_splits(prefix: str, matrix, num_samples, seq_length: int, seed: in
             )
     indexed = IndexedDataset(prefix, mmap=mmap)
     masks = IndexedDataset(mask_prefix, mmap=mmap)
+    if len(indexed) % group_size:
+        raise ConfigError(f"{prefix}: {len(indexed)} documents do not form groups of "
+                          f"{group_size} (preference data holds a chosen and a rejected "
+                          "document per pair: tools/preprocess_sft_data.py --preference)")
     datasets = []
     for i, bookends in enumerate(matrix):
-        begin, end = split_range(bookends, len(indexed)) if bookends is not None else (0, 0)
+        units = len(indexed) // group_size
+        begin, end = split_range(bookends, units) if bookends is not None else (0, 0)
         if end <= begin:
             datasets.append(None)
             continue
         datasets.append(SFTDataset(
             indexed, masks, np.arange(begin, end), num_samples[i], seq_length, seed, pad,
             split_names[i], source=prefix, pad_to_multiple=pad_to_multiple,
+            group_size=group_size, token_values=token_values,
         ))
     return datasets
 

@@ -1,7 +1,8 @@
-"""Post-training on top of `training`: DPO (losses with TRL's names, preference data, the
-reference model) and the backend API that post-training frameworks drive (`engine`:
-per-token log-probs, the Hugging Face weight stream, offload / onload).
+"""Post-training on top of `training` and `inference`: DPO (losses with TRL's names,
+preference data, the reference model), GRPO and its variants (rollouts, group advantages,
+losses), and the backend API that post-training frameworks drive (`engine`: per-token
+log-probs, the Hugging Face weight stream, offload / onload).
 
-Imports point down: this package imports `training`, `models`, `data`; nothing in the
-library imports it (the entry script `train_dpo.py` does).
+Imports point down: nothing in the library imports this package (entry scripts such as
+`train_dpo.py` do).
 """

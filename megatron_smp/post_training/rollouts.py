@@ -176,16 +176,18 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
     loss_scale: undoes the schedule's and the gradient reduction's averaging, since the
     weights already normalise over the whole batch: num_microbatches x dp_size x cp_size.
     """
-    from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_smp.tensor_parallel.cross_entropy import (
+        vocab_parallel_cross_entropy, vocab_parallel_entropy,
+    )
 
-    if config.entropy_term_weight != 0.0:
-        # The entropy of vocabulary-sharded logits needs its own all-reduces; until that
-        # function is here, the flag is refused rather than ignored.
-        raise ValueError("--grpo-entropy-term-weight: the entropy bonus is not available in the "
-                         "training step yet; set it to 0")
+    entropy_weight = config.entropy_term_weight
 
     def loss_fn(logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
         logps = -vocab_parallel_cross_entropy(logits, batch["labels"], tp_group, vocab_size)
+        # The entropy bonus (--grpo-entropy-term-weight): the policy's entropy per token from
+        # the vocabulary-sharded logits (two all-reduces over TP, with grad).
+        entropies = (vocab_parallel_entropy(logits, tp_group, vocab_size)
+                     if entropy_weight != 0.0 else None)
         old = batch.get("old_logps")
         if config.kl_beta != 0.0 and "ref_logps" not in batch:
             raise ValueError("--grpo-kl-beta != 0 needs the reference log-probs "
@@ -195,7 +197,7 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
             rollout_weights(batch), sequence_ids=batch["sequence_ids"],
             loss_type=config.loss_type, clamp_eps_lower=config.clamp_eps_lower,
             clamp_eps_upper=config.clamp_eps_upper, ref_logps=batch.get("ref_logps"),
-            kl_beta=config.kl_beta)
+            kl_beta=config.kl_beta, entropies=entropies, entropy_weight=entropy_weight)
         return loss * loss_scale, metrics
 
     return loss_fn

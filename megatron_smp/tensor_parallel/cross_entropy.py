@@ -128,4 +128,36 @@ def vocab_parallel_cross_entropy(
     )
 
 
-__all__ = ["vocab_parallel_cross_entropy"]
+def vocab_parallel_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    group: ProcessGroup,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-token entropy of the softmax of logits split over the vocabulary, in fp32, without
+    gathering them: H = log Z - sum_j p_j z_j (z shifted by the global max), from two sums
+    all-reduced over `group`. Differentiable (the sums' backward is the identity: every rank
+    computes the same entropy from them).
+
+    vocab_parallel_logits: [..., v/tp] this rank's contiguous vocabulary shard; columns at
+        global index >= `vocab_size` (padding) are excluded. Returns [...] fp32.
+    """
+    from megatron_smp.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = vocab_parallel_logits.float()
+    local_vocab = logits.shape[-1]
+    vocab_start = group_rank(group) * local_vocab
+    if vocab_size is not None and vocab_start + local_vocab > vocab_size:
+        keep = torch.arange(local_vocab, device=logits.device) < vocab_size - vocab_start
+        logits = logits.masked_fill(~keep, float("-inf"))
+    with torch.no_grad():
+        logits_max = logits.amax(dim=-1)
+        _all_reduce_(logits_max, group, dist.ReduceOp.MAX)
+    shifted = logits - logits_max.unsqueeze(-1)
+    exp_logits = shifted.exp()  # padding columns: exactly 0
+    weighted = (exp_logits * shifted.masked_fill(exp_logits == 0, 0.0)).sum(dim=-1)
+    sum_exp = reduce_from_tensor_model_parallel_region(exp_logits.sum(dim=-1), group)
+    weighted = reduce_from_tensor_model_parallel_region(weighted, group)
+    return sum_exp.log() - weighted / sum_exp
+
+
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_entropy"]

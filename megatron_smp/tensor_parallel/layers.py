@@ -328,7 +328,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 x, weight, bias, self.tp_group if self.tp_size > 1 else None,
                 self.sequence_parallel, main_grad,
             )
-        if self.lora is not None:
+        if self.lora is not None and self.lora.enabled:
             output = output + self.lora(x)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -426,7 +426,7 @@ class RowParallelLinear(_ParallelLinear):
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.enabled:
             output = output + self.lora(x)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias

@@ -16,6 +16,8 @@ marked `sequence_parallel`, so finalize_model_grads all-reduces them like the no
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Iterable, List
 
@@ -54,6 +56,7 @@ class LoRAAdapter(torch.nn.Module):
         self.rank = int(rank)
         self.scale = float(alpha) / float(rank)
         self.dropout = float(dropout)
+        self.enabled = True  # False inside `adapters_disabled`: the base layer alone
         self.tp_group = layer.tp_group
         self.tp_size = layer.tp_size
         self.sequence_parallel = layer.sequence_parallel
@@ -149,6 +152,21 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
     return adapted
 
 
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Within the block every LoRA adapter of `model` (a module or a list of chunks) is off:
+    the base model's outputs, with no second copy of it (DPO's reference model)."""
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    adapters = [m for chunk in modules for m in chunk.modules() if isinstance(m, LoRAAdapter)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield adapters
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+
+
 def merge_lora(state_dict, alpha: float, rank: int):
     """A copy of a full (TP=1) state dict with every adapter merged into its base weight,
     `W + alpha / rank * B @ A`, and the adapter tensors dropped: the fine-tuned model as a
@@ -167,4 +185,5 @@ def merge_lora(state_dict, alpha: float, rank: int):
     return merged
 
 
-__all__ = ["LORA_TARGETS", "LoRAAdapter", "apply_lora", "check_lora_flags", "merge_lora"]
+__all__ = ["LORA_TARGETS", "LoRAAdapter", "adapters_disabled", "apply_lora", "check_lora_flags",
+           "merge_lora"]

@@ -349,13 +349,18 @@ def pretrain(
     extra_args_provider: Optional[Callable] = None,
     args_defaults: Optional[Dict[str, Any]] = None,
     argv: Optional[Sequence[str]] = None,
+    run_hook: Optional[Callable[[Trainer], None]] = None,
 ) -> TrainingResult:
-    """Parse flags, build everything, train, evaluate; returns the losses (on every rank)."""
+    """Parse flags, build everything, train, evaluate; returns the losses (on every rank).
+    `run_hook(trainer)` is called once the model, optimizer and checkpoint are in place,
+    before the datasets are built (a post-training mode's setup, e.g. DPO's reference)."""
     start_time = time.time()  # the origin of --exit-duration-in-mins
     configs, tokenizer = build_configs(argv, extra_args_provider, args_defaults, model_provider)
     trainer = Trainer.build(configs, model_provider, start_time)
     if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
         trainer.load()
+    if run_hook is not None:
+        run_hook(trainer)
     data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)
     state = trainer.state
     is_logging_rank = state.rank == state.world_size - 1

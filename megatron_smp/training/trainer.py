@@ -211,6 +211,10 @@ class Trainer:
     # The metrics every pipeline stage reduces (the stages before the last see no reports,
     # so with pipeline parallelism only these keys of a loss function's metrics are kept).
     metric_keys: Tuple[str, ...] = PIPELINE_LOSS_KEYS
+    # A post-training mode's seam (post_training.dpo_training): `step_data(trainer,
+    # data_iterator, num_microbatches)` gives the iterator a global batch's schedule reads
+    # (e.g. the batches with their reference log-probs, computed before the schedule).
+    step_data: Optional[Callable] = None
 
     # -- build ------------------------------------------------------------------------------
 
@@ -317,6 +321,8 @@ class Trainer:
                   forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         """One global batch through this layout's schedule; the per-microbatch reports."""
         training = self.configs.training
+        if self.step_data is not None:
+            data_iterator = self.step_data(self, data_iterator, num_microbatches)
         forward_backward = get_forward_backward_func(
             self.state.pp_size, schedule_name(training.pipeline_schedule, len(self.model)))
         return forward_backward(

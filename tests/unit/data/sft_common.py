@@ -12,16 +12,7 @@ import preprocess_sft_data  # noqa: E402
 
 # ChatML; {% generation %} marks what HF's return_assistant_tokens_mask reports, the
 # reference our own span finding is checked against.
-CHATML = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from make_tiny_llama import CHATML  # noqa: E402
 
 
 def make_chat_tokenizer(directory, records, vocab_size=400):

@@ -145,7 +145,8 @@ def test_rollout_metrics_under_trl_names():
 
 def test_trainer_loss_fn_on_micro_batches_gives_the_whole_batch_gradient():
     """grpo_loss_fn with loss_scale = num_microbatches: the schedule's 1 / num_microbatches
-    per micro-batch backward adds up to the gradient of the whole batch's loss."""
+    per micro-batch backward adds up to the gradient of the whole batch's loss; with
+    --grpo-entropy-term-weight its entropy bonus is the logits' own entropy."""
     from megatron_smp.post_training.rl_config import RLConfig
     from megatron_smp.post_training.rollouts import grpo_loss_fn
 
@@ -173,8 +174,19 @@ def test_trainer_loss_fn_on_micro_batches_gives_the_whole_batch_gradient():
         total += loss.item() / 2
     assert abs(total - expected.item()) < 1e-6
     assert torch.allclose(logits.grad, expected_grad, atol=1e-7)
-    with pytest.raises(ValueError, match="--grpo-entropy-term-weight"):
-        grpo_loss_fn(RLConfig(entropy_term_weight=0.01), None, vocab)
+    # The entropy bonus: the vocab-parallel entropy of the logits, as the loss takes it.
+    bonus = RLConfig(loss_type="grpo", clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.04,
+                     entropy_term_weight=0.01)
+    with torch.no_grad():
+        loss, metrics = grpo_loss_fn(bonus, None, vocab)(logits, batch)
+        expected, expected_metrics = weighted_grpo_loss(
+            logps, batch["old_logps"], batch["advantages"], rollout_weights(batch),
+            sequence_ids=batch["sequence_ids"], loss_type="grpo", clamp_eps_lower=0.2,
+            clamp_eps_upper=0.28, ref_logps=batch["ref_logps"], kl_beta=0.04,
+            entropies=torch.distributions.Categorical(logits=logits).entropy(),
+            entropy_weight=0.01)
+    assert abs(loss.item() - expected.item()) < 1e-6 and expected_metrics["entropy"] > 0
+    assert abs(metrics["entropy"].item() - expected_metrics["entropy"].item()) < 1e-5
     with pytest.raises(ValueError, match="batch\\['ref_logps'\\]"):
         grpo_loss_fn(config, None, vocab)(logits, {k: v for k, v in batch.items()
                                                    if k != "ref_logps"})

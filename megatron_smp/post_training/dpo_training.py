@@ -1,0 +1,302 @@
+"""DPO through the Megatron training loop (`train_dpo.py`): the preference data, the
+reference log-probs and the loss function the loop's schedule calls.
+
+* Data: `tools/preprocess_sft_data.py --preference` output, packed whole pairs per row (the
+  --sft path with `group_size=2`), cut by --split.
+* Reference log-probs (`--dpo-reference`), per token, travel in each batch as `ref_logps`
+  [b, s] and are summed per sequence like the policy's:
+    precomputed   one forward pass of the starting model over every split before training,
+                  kept in --save as dpo_reference_logps.npy (read back from --load);
+    frozen        a frozen copy of the starting model (no grads, no optimizer state), run
+                  over each global batch before its training forward;
+    adapters-off  with LoRA: the trained model itself with its adapters switched off.
+* The loss (`post_training.dpo`) and TRL's six metrics are reported as [sum, pairs], so the
+  log line and TensorBoard show their means over the global batch's pairs.
+
+The loop is `training.pretrain` over a `Trainer`; this module plugs into it through
+`pretrain(run_hook=)`, `Trainer.step_data` (the reference pass of each global batch, before
+its schedule) and `Trainer.metric_keys`; `DPORun.loss_fn` has the `loss_fn(logits, batch)`
+shape `Trainer.forward_backward` takes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+from megatron_smp.post_training.dpo import (
+    LOSS_KEY, LOSS_TYPES, METRICS, REFERENCE_MODES, DPOConfig, dpo_loss_and_metrics, pair_sums,
+)
+from megatron_smp.post_training.engine import (
+    compute_logprobs, model_outputs, split_batch_for_context_parallel, token_log_probs,
+)
+
+REF_KEY = "ref_logps"  # per-token reference log-probs [b, s] in a batch
+DOCUMENTS_KEY = "token_documents"  # document ids split like the tokens under CP
+REFERENCE_FILE = "dpo_reference_logps.npy"
+
+
+def add_dpo_args(parser):
+    """The --dpo-* flags (Megatron's style; TRL's DPOConfig names after the prefix)."""
+    group = parser.add_argument_group("DPO (train_dpo.py)")
+    group.add_argument("--dpo-beta", type=float, default=0.1,
+                       help="beta: the strength of the reference's pull (TRL's beta)")
+    group.add_argument("--dpo-loss-type", default="sigmoid",
+                       help=f"TRL's loss_type: {', '.join(LOSS_TYPES)}")
+    group.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                       help="the robust loss's label smoothing, in [0, 0.5)")
+    group.add_argument("--dpo-rpo-alpha", type=float, default=None,
+                       help="add this times the chosen responses' mean NLL (RPO; TRL's "
+                            "loss_type 'sft' weighted by it)")
+    group.add_argument("--dpo-reference", default=None,
+                       help=f"{', '.join(REFERENCE_MODES)} (default: adapters-off with "
+                            "--lora-rank, else frozen)")
+    return parser
+
+
+def dpo_config(configs) -> DPOConfig:
+    """The validated DPOConfig of parsed flags (ConfigError naming the flag)."""
+    args, lora = configs.args, bool(configs.training.lora_rank)
+    config = DPOConfig(beta=args.dpo_beta, loss_type=args.dpo_loss_type,
+                       label_smoothing=args.dpo_label_smoothing, rpo_alpha=args.dpo_rpo_alpha,
+                       reference=args.dpo_reference or ("adapters-off" if lora else "frozen"))
+    config.validate(lora)
+    if configs.optimizer.calculate_per_token_loss:
+        raise ConfigError("--calculate-per-token-loss does not apply to DPO (its loss is a mean "
+                          "over pairs); drop it")
+    if not configs.data.sft:
+        raise ConfigError("train_dpo.py reads packed preference pairs: keep --sft (its default "
+                          "here)")
+    return config
+
+
+def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def build_reference_chunks(model_provider: Callable, configs, state) -> List[torch.nn.Module]:
+    """A frozen copy of the model's structure (this rank's chunks, no DDP, no LoRA, no grads);
+    the CPU generator is left as it was (the policy's training draws do not change)."""
+    rng = torch.get_rng_state()
+    try:
+        if state.pp_size > 1:
+            from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
+
+            chunks = build_pipeline_model_chunks(model_provider, configs, state)
+        else:
+            chunks = [model_provider(configs, state, pre_process=True, post_process=True)]
+    finally:
+        torch.set_rng_state(rng)
+    for chunk in chunks:
+        chunk.to(state.device)
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return chunks
+
+
+def copy_base_weights(reference: Sequence[torch.nn.Module],
+                      model: Sequence[torch.nn.Module]) -> None:
+    """The policy's current weights into the reference chunks (LoRA adapters left out: the
+    base; FSDP2 shards gathered)."""
+    for target_chunk, source_chunk in zip(reference, model):
+        source = _inner(source_chunk).state_dict()
+        with torch.no_grad():
+            for name, tensor in target_chunk.state_dict().items():
+                value = source[name]
+                if hasattr(value, "full_tensor"):
+                    value = value.full_tensor()
+                tensor.copy_(value)
+
+
+class DPORun:
+    """The DPO mode's state across the loop: hook, dataset provider and forward step."""
+
+    def __init__(self, model_provider: Callable):
+        self.model_provider = model_provider
+        self.run = None
+        self.config: Optional[DPOConfig] = None
+        self.reference: Optional[List[torch.nn.Module]] = None
+
+    # -- pretrain(run_hook=) ----------------------------------------------------------------
+    def attach(self, run) -> None:
+        configs = run.configs
+        self.run = run
+        self.config = dpo_config(configs)
+        run.metric_keys = (LOSS_KEY,) + METRICS
+        mode = self.config.reference
+        lora = bool(configs.training.lora_rank)
+        if mode == "frozen":
+            if run.iteration > 0 and not lora:
+                raise ConfigError(
+                    "--dpo-reference frozen: resuming at iteration "
+                    f"{run.iteration}, the starting weights of full fine-tuning are gone; "
+                    "use --dpo-reference precomputed (its log-probs are kept beside the "
+                    "checkpoints) or LoRA (the base is the reference)")
+            self.reference = build_reference_chunks(self.model_provider, configs, run.state)
+            copy_base_weights(self.reference, run.model)
+        if mode in ("frozen", "adapters-off"):
+            run.step_data = self.step_data
+
+    # -- the reference pass of each global batch (Trainer.step_data) -------------------------
+    def step_data(self, run, data_iterator, num_microbatches: int):
+        if data_iterator is None:
+            return None
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        if REF_KEY in batches[0]:  # a rerun replays batches that have them already
+            return iter(batches)
+        keys = ("tokens", "labels", "position_ids", "document_ids")
+        whole = {key: torch.cat([b[key] for b in batches]) for key in keys if key in batches[0]}
+        if self.config.reference == "adapters-off":
+            from megatron_smp.tensor_parallel.lora import adapters_disabled
+
+            model, context = run.model, adapters_disabled([_inner(c) for c in run.model])
+        else:
+            model, context = self.reference, contextlib.nullcontext()
+        training = run.configs.training
+        with context:
+            logps = compute_logprobs(model, whole, run.state, run.configs.model.vocab_size,
+                                     micro_batch_size=training.micro_batch_size,
+                                     pipeline_schedule=training.pipeline_schedule)["logprobs"]
+        for batch, ref in zip(batches, logps.split(training.micro_batch_size)):
+            batch[REF_KEY] = ref
+        return iter(batches)
+
+    # -- the dataset provider ----------------------------------------------------------------
+    def datasets(self, num_samples, configs, tokenizer):
+        from megatron_smp.data import build_train_valid_test_datasets
+
+        def build(token_values=None):
+            return build_train_valid_test_datasets(
+                configs.data, configs.training.seq_length, configs.training.seed, num_samples,
+                tokenizer, context_parallel_size=configs.parallel.context_parallel_size,
+                sft_options={"group_size": 2, "token_values": token_values})
+
+        splits = build()
+        if self.config.reference != "precomputed":
+            return splits
+        total = int(next(s for s in splits if s is not None).value_offsets[-1])
+        reference = self._load_reference(configs, total)
+        if reference is None:
+            if self.run.iteration > 0:
+                raise ConfigError(
+                    f"--dpo-reference precomputed: resuming at iteration {self.run.iteration} "
+                    f"but --load has no {REFERENCE_FILE} (written at the start of the run)")
+            positions = np.arange(1, total + 1, dtype=np.int64)  # 1-based: 0 is padding
+            reference = self._precompute(build({"position": positions}), total)
+            self._save_reference(configs, reference)
+        return build({REF_KEY: reference})
+
+    def _reference_path(self, directory: Optional[str]) -> Optional[str]:
+        return os.path.join(directory, REFERENCE_FILE) if directory else None
+
+    def _load_reference(self, configs, total: int) -> Optional[np.ndarray]:
+        path = self._reference_path(configs.checkpoint.load)
+        if path is None or not os.path.isfile(path):
+            return None
+        reference = np.load(path, allow_pickle=False)
+        if reference.shape != (total,):
+            raise ConfigError(f"{path}: {reference.shape[0]} reference log-probs, the data has "
+                              f"{total} label positions; was it written for other data?")
+        return reference
+
+    def _save_reference(self, configs, reference: np.ndarray) -> None:
+        path = self._reference_path(configs.checkpoint.save)
+        if path is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path + ".tmp.npy", reference)
+        os.replace(path + ".tmp.npy", path)
+
+    def _precompute(self, splits, total: int) -> np.ndarray:
+        """Reference log-probs of every label position of every split's pairs (each pack once;
+        the packs are shared out over the data-parallel ranks, which then add them up)."""
+        run, state = self.run, self.run.state
+        micro = run.configs.training.micro_batch_size
+        values = torch.zeros(total, dtype=torch.float32, device=state.device)
+        for dataset in splits:
+            if dataset is None:
+                continue
+            count = len(dataset.packs)
+            # Every data-parallel rank runs as many microbatches (expert parallelism's
+            # all-to-alls span them); a rank past the end repeats its last pack, unused.
+            steps = -(-count // (state.dp_size * micro))
+            for step in range(steps):
+                indices = [(step * state.dp_size * micro + state.dp_rank * micro + i)
+                           for i in range(micro)]
+                samples = [dataset[min(i, count - 1)] for i in indices]
+                batch = {key: torch.stack([s[key] for s in samples])
+                         for key in ("tokens", "labels", "position_ids", "document_ids")}
+                logps = compute_logprobs(run.model, batch, state, run.configs.model.vocab_size,
+                                         micro_batch_size=micro,
+                                         pipeline_schedule=run.configs.training.pipeline_schedule
+                                         )["logprobs"]
+                for index, sample, row in zip(indices, samples, logps):
+                    if index >= count:
+                        continue
+                    position = sample["position"].to(state.device)
+                    keep = position > 0
+                    values[position[keep] - 1] = row[keep]
+        if state.dp_size > 1:
+            dist.all_reduce(values, group=state.dp_group)  # one writer per position
+        return values.cpu().numpy()
+
+    # -- the loss (a Trainer-style loss function) and the loop's forward step ---------------
+    def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
+        """(loss, reports) of one microbatch from the last stage's logits [b, s, v/tp] and the
+        (CP-local) batch with its `ref_logps` and `token_documents`: the shape of
+        `loss_fn(output, batch)` that `Trainer.forward_backward(batch_iter, loss_fn)` takes."""
+        state = self.run.state
+        configs = self.run.configs
+        cp_group = state.cp_group if state.cp_size > 1 else None
+        seq_length = configs.training.seq_length
+        logps, _ = token_log_probs(logits, batch["labels"], state, configs.model.vocab_size)
+        documents, mask = batch[DOCUMENTS_KEY], batch["loss_mask"]
+        sums, counts = pair_sums(logps, mask, documents, seq_length, cp_group)
+        with torch.no_grad():
+            ref_sums, _ = pair_sums(batch[REF_KEY].float(), mask, documents, seq_length,
+                                    cp_group)
+        loss, reports = dpo_loss_and_metrics(sums, ref_sums, counts, self.config)
+        # Every CP rank computes the whole loss and back-propagates into its own tokens; DDP
+        # averages grads over dp x cp, so the CP ranks' shares are scaled back up.
+        return loss * state.cp_size, reports
+
+    def forward_step(self, data_iterator, model):
+        """Megatron's forward_step(data_iterator, model) -> (output, loss_func) over
+        `loss_fn`: the microbatch on the device, its documents kept per token, this rank's
+        share under context parallelism, the model run without labels (logits)."""
+        state = model.state
+        batch = None
+        if data_iterator is not None:
+            batch = {key: value.to(state.device, non_blocking=True)
+                     for key, value in next(data_iterator).items()}
+            batch[DOCUMENTS_KEY] = batch["document_ids"].long()  # split like the tokens
+            batch = split_batch_for_context_parallel(batch, state)
+        output = model_outputs(model, batch)
+        return output, lambda logits: self.loss_fn(logits, batch)
+
+
+def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
+              argv: Optional[Sequence[str]] = None):
+    """Parse the flags (Megatron's and --dpo-*), then train with DPO through `pretrain`;
+    returns its TrainingResult."""
+    from megatron_smp.training import pretrain
+    from megatron_smp.training.arguments import parse_args
+
+    defaults = {"sft": True, **(args_defaults or {})}
+    # The --dpo-* flags are checked on every rank before anything is built.
+    dpo_config(parse_args(argv, add_dpo_args, defaults))
+    dpo = DPORun(model_provider)
+    return pretrain(dpo.datasets, model_provider, dpo.forward_step,
+                    extra_args_provider=add_dpo_args, args_defaults=defaults, argv=argv,
+                    run_hook=dpo.attach)
+
+
+__all__ = ["add_dpo_args", "dpo_config", "DPORun", "train_dpo", "build_reference_chunks",
+           "copy_base_weights", "REF_KEY", "REFERENCE_FILE"]

@@ -1,0 +1,172 @@
+"""train_dpo.py: DPO on the bundled preference pairs trains the same 10 iterations (1e-4) at
+TP=2+SP, PP=2, CP=2, DP=2 with the distributed optimizer, FSDP2 and (MoE) EP=2 as in one
+process; the three reference modes agree (LoRA with adapters off = a frozen copy; a
+precomputed pass = live); a run resumes exactly; the log line and TensorBoard carry TRL's
+metric names."""
+import json
+import os
+
+import pytest
+
+from megatron_smp.testing import run_distributed
+from tests.unit.data.sft_common import ROOT, make_chat_tokenizer, preprocess_sft_data
+
+ITERS = 10
+PREFERENCE = os.path.join(ROOT, "data", "chat", "tiny_preference.jsonl")
+LLAMA = ("--normalization RMSNorm --swiglu --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --disable-bias-linear "
+         "--group-query-attention --num-query-groups 2").split()
+MOE = "--num-experts 4 --moe-router-topk 2".split()
+LORA = "--lora-rank 4 --lora-alpha 8".split()
+KEYS = ("dpo loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+        "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def dpo_argv(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("dpo"))
+    with open(PREFERENCE) as handle:
+        records = [json.loads(line) for line in handle]
+    tokenizer = make_chat_tokenizer(directory, records)
+    prefix = os.path.join(directory, "pairs")
+    preprocess_sft_data.preprocess(preprocess_sft_data.get_args(
+        ["--input", PREFERENCE, "--output-prefix", prefix, "--tokenizer-model", tokenizer,
+         "--preference", "--seq-length", "96"]))
+    return (f"--data-path {prefix}_text_document --split 90,10,0 --tokenizer-type "
+            f"HuggingFaceTokenizer --tokenizer-model {tokenizer} --seq-length 96 "
+            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+            "--max-position-embeddings 96 --micro-batch-size 2 --global-batch-size 4 "
+            f"--train-iters {ITERS} --hidden-dropout 0 --attention-dropout 0 --lr 1e-3 "
+            "--log-interval 1 --eval-interval 100 --eval-iters 1 --seed 7 "
+            "--dpo-beta 0.5").split() + LLAMA
+
+
+def _train(rank, world_size, argv, pad_like_context_parallel=None):
+    """{key: [value per iteration]} and the last log line; `pad_like_context_parallel`: pad
+    the sequences as a run at that --context-parallel-size does (the reference of a CP run
+    packs the same way)."""
+    import contextlib
+    import io
+
+    import megatron_smp.data as data
+    from megatron_smp.post_training.dpo_training import train_dpo
+    from pretrain_gpt import model_provider
+
+    if pad_like_context_parallel:
+        build = data.build_train_valid_test_datasets
+
+        def padded(*args, **kwargs):
+            kwargs["context_parallel_size"] = pad_like_context_parallel
+            return build(*args, **kwargs)
+
+        data.build_train_valid_test_datasets = padded
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train_dpo(model_provider, argv=argv)
+    losses = {key: [result.train_losses[i][key] for i in sorted(result.train_losses)]
+              for key in KEYS}
+    lines = [line for line in out.getvalue().splitlines() if "consumed samples" in line]
+    return losses, lines[-1] if lines else ""
+
+
+def _same(losses, expected, what):
+    """Every key within 1e-4; rewards/accuracies from iteration 2 on: at iteration 1 the
+    policy is the reference, every reward is 0 up to rounding, and which side of the tie a
+    pair falls on depends on the order of the sums."""
+    for key in KEYS:
+        a, b = losses[key], expected[key]
+        if key == "rewards/accuracies":
+            a, b = a[1:], b[1:]
+        assert len(a) == len(b) and all(abs(x - y) <= 1e-4 * max(1.0, abs(y))
+                                        for x, y in zip(a, b)), (what, key, a, b)
+
+
+@pytest.fixture(scope="module")
+def single_process(dpo_argv, tmp_path_factory):
+    """The one-process run (frozen-copy reference), its last log line and TensorBoard dir."""
+    board = str(tmp_path_factory.mktemp("tb"))
+    (losses, line), = run_distributed(
+        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
+    return losses, line, board
+
+
+def test_dpo_layouts_match_single_process(dpo_argv, single_process):
+    """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, DP=2 with the
+    distributed optimizer and FSDP2 equal the single process's losses and metrics (1e-4);
+    the log line and TensorBoard carry TRL's names."""
+    from tests.functional.test_logging_flags import _scalars
+
+    reference, line, board = single_process
+    assert reference["dpo loss"][-1] < reference["dpo loss"][0]
+    scalars = _scalars(board)
+    for key in KEYS:
+        assert f" {key}: " in line
+        assert [value for _, value in scalars[key]] == pytest.approx(reference[key], rel=1e-6)
+    for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
+                  "--pipeline-model-parallel-size 2",
+                  "--use-distributed-optimizer",
+                  "--use-torch-fsdp2"):
+        for losses, _ in run_distributed(_train, 2, args=(dpo_argv + flags.split(),),
+                                         timeout=300):
+            _same(losses, reference, flags)
+
+
+def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
+    """CP=2 (all_gather; each sequence split the load-balanced way) equals one process that
+    packs alike; a Mixtral-style MoE at EP=2 equals its one-process run (1e-4)."""
+    cp = "--context-parallel-size 2 --cp-comm-type all_gather".split()
+    (padded, _), = run_distributed(_train, 1, args=(dpo_argv, 2), timeout=300)
+    for losses, _ in run_distributed(_train, 2, args=(dpo_argv + cp,), timeout=300):
+        _same(losses, padded, "cp")
+    (moe, _), = run_distributed(_train, 1, args=(dpo_argv + MOE,), timeout=300)
+    for losses, _ in run_distributed(_train, 2, args=(dpo_argv + MOE + [
+            "--expert-model-parallel-size", "2"],), timeout=300):
+        _same(losses, moe, "ep")
+
+
+def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp_path):
+    """LoRA with its adapters off as the reference equals a frozen copy of the base (also at
+    TP=2+SP); a precomputed reference pass equals the live frozen copy (also computed over
+    DP=2); a precomputed run resumed at
+    iteration 5 (its reference log-probs read back from the checkpoint directory) repeats
+    iterations 6-10 exactly, and so does a LoRA run (adapters-off) at DP=2."""
+    lora = dpo_argv + LORA + ["--lr", "1e-2"]
+    (frozen, _), = run_distributed(_train, 1, args=(lora + ["--dpo-reference", "frozen"],),
+                                   timeout=300)
+    (adapters_off, _), = run_distributed(_train, 1, args=(lora,), timeout=300)
+    _same(adapters_off, frozen, "adapters-off vs frozen")
+    for losses, _ in run_distributed(_train, 2, args=(
+            lora + "--tensor-model-parallel-size 2 --sequence-parallel".split(),), timeout=300):
+        _same(losses, frozen, "lora adapters-off tp=2")
+    assert frozen["dpo loss"][-1] < frozen["dpo loss"][0] - 0.02
+
+    save = str(tmp_path / "precomputed")
+    full_frozen = single_process[0]
+    saving = dpo_argv + ["--dpo-reference", "precomputed", "--save", save,
+                         "--save-interval", "5"]
+    (precomputed, _), = run_distributed(_train, 1, args=(saving,), timeout=300)
+    _same(precomputed, full_frozen, "precomputed vs frozen")
+    # At DP=2 the packs of the precomputing pass are shared out and the halves added up.
+    for losses, _ in run_distributed(_train, 2, args=(
+            dpo_argv + ["--dpo-reference", "precomputed"],), timeout=300):
+        _same(losses, full_frozen, "precomputed dp=2")
+    assert os.path.isfile(os.path.join(save, "dpo_reference_logps.npy"))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("5")
+    (resumed, _), = run_distributed(_train, 1, args=(saving + ["--load", save],), timeout=300)
+    assert all(resumed[key] == precomputed[key][5:] for key in KEYS), (resumed, precomputed)
+    # A frozen copy of the starting weights cannot be made when resuming full fine-tuning.
+    error, = run_distributed(_train, 1, args=(dpo_argv + ["--load", save],), timeout=300,
+                             allow_errors=True)
+    assert "--dpo-reference frozen: resuming at iteration 10, the starting weights" in error
+
+    save = str(tmp_path / "lora")
+    saving = lora + ["--use-distributed-optimizer", "--save", save, "--save-interval", "5"]
+    first = run_distributed(_train, 2, args=(saving,), timeout=300)
+    _same(first[0][0], frozen, "lora dp=2")
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("5")
+    for (resumed, _), (whole, _) in zip(run_distributed(_train, 2, args=(
+            saving + ["--load", save],), timeout=300), first):
+        assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
