@@ -43,6 +43,7 @@ from megatron_smp.inference.kv_cache import (
     blocks_for,
     bytes_per_token,
     check_inference_layout,
+    check_recurrent_model,
 )
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.tensor_parallel.mappings import (
@@ -122,6 +123,7 @@ class InferenceEngine:
         self.state = model.state
         self.config = model.config
         check_inference_layout(self.state)
+        check_recurrent_model(model)
         for name, value in (("max_tokens", max_tokens), ("max_requests", max_requests),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:

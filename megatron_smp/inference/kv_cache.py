@@ -56,9 +56,42 @@ class BlockAllocator:
         self._free.sort(reverse=True)
 
 
+def _sequence_mixer(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A layer's part that reads the sequence: a GPT layer's self-attention (or the Gated
+    DeltaNet in its place), a hybrid layer's mixer; None for a hybrid MLP / MoE layer."""
+    if hasattr(layer, "self_attention"):
+        return layer.self_attention
+    mixer = getattr(layer, "mixer", None)
+    return mixer if getattr(layer, "symbol", None) in ("M", "G", "*") else None
+
+
+def is_recurrent(mixer: torch.nn.Module) -> bool:
+    """A Mamba-2 or Gated DeltaNet mixer (a recurrent state, no keys/values)."""
+    from megatron_smp.transformer.ssm.gated_delta_net import GatedDeltaNet
+    from megatron_smp.transformer.ssm.mamba_mixer import MambaMixer
+
+    return isinstance(mixer, (MambaMixer, GatedDeltaNet))
+
+
 def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
-    """{global layer number: its self-attention} of this stage's decoder."""
-    return {layer.layer_number: layer.self_attention for layer in model.decoder.layers}
+    """{global layer number: its self-attention} of this stage's decoder (the layers with
+    keys and values; recurrent mixers and hybrid MLP / MoE layers left out)."""
+    layers = {}
+    for layer in model.decoder.layers:
+        mixer = _sequence_mixer(layer)
+        if mixer is not None and not is_recurrent(mixer):
+            layers[layer.layer_number] = mixer
+    return layers
+
+
+def recurrent_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
+    """{global layer number: its Mamba-2 / Gated DeltaNet mixer} of this stage's decoder."""
+    layers = {}
+    for layer in model.decoder.layers:
+        mixer = _sequence_mixer(layer)
+        if mixer is not None and is_recurrent(mixer):
+            layers[layer.layer_number] = mixer
+    return layers
 
 
 def is_latent(attention: torch.nn.Module) -> bool:
@@ -383,6 +416,18 @@ class StepBatch(KVCacheContext):
                                 pooled[..., :latent_dim], scale, None)
 
 
+def check_recurrent_model(model: torch.nn.Module) -> None:
+    """Generation keeps keys and values only: a model with Mamba-2 / Gated DeltaNet layers
+    (which need their recurrent state carried between steps) is a clear error."""
+    layers = recurrent_layers(model)
+    if layers:
+        kinds = sorted({type(m).__name__ for m in layers.values()})
+        raise ConfigError(
+            f"inference: layers {sorted(layers)} are recurrent mixers ({', '.join(kinds)}); "
+            "generation with a recurrent-state cache (conv + SSM / delta-rule state) is not "
+            "implemented yet, only attention layers' KV cache")
+
+
 def check_inference_layout(state) -> None:
     """Context parallelism splits a sequence over ranks, which a decode step of one token
     per request cannot be: a clear error."""
@@ -394,4 +439,5 @@ def check_inference_layout(state) -> None:
 
 __all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",
            "blocks_for", "bytes_per_token", "layer_bytes_per_token", "attention_layers",
-           "check_inference_layout"]
+           "recurrent_layers", "is_recurrent", "check_inference_layout",
+           "check_recurrent_model"]
