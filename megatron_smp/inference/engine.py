@@ -43,7 +43,7 @@ from megatron_smp.inference.kv_cache import (
     blocks_for,
     bytes_per_token,
     check_inference_layout,
-    check_recurrent_model,
+    state_bytes_per_request,
 )
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.tensor_parallel.mappings import (
@@ -69,6 +69,7 @@ class Request:
     prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     finish_reason: Optional[str] = None
     blocks: Dict[Optional[int], List[int]] = field(default_factory=dict)
+    slot: Optional[int] = None
     prefilled: bool = False
     stop_string: Optional[str] = None
 
@@ -123,7 +124,6 @@ class InferenceEngine:
         self.state = model.state
         self.config = model.config
         check_inference_layout(self.state)
-        check_recurrent_model(model)
         for name, value in (("max_tokens", max_tokens), ("max_requests", max_requests),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -140,6 +140,9 @@ class InferenceEngine:
         self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
         self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
+        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
+        self.state_bytes_per_request = state_bytes_per_request(model)
+        self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
         self.stop_checker = stop_checker
@@ -222,6 +225,9 @@ class InferenceEngine:
         for kind, blocks in request.blocks.items():
             self.allocators[kind].free(blocks)
         request.blocks = {}
+        if request.slot is not None:
+            self.state_slots.free([request.slot])
+            request.slot = None
         if request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
@@ -248,16 +254,18 @@ class InferenceEngine:
                 self.waiting.popleft()
                 request.blocks = {kind: self.allocators[kind].allocate(count)
                                   for kind, count in needed.items()}
+                request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
         steps, wants = [], []
         for request in self.running:
             if request.prefilled:
                 start = len(request.prompt) + len(request.output) - 1
-                steps.append(StepRequest([request.output[-1]], start, request.blocks))
+                steps.append(StepRequest([request.output[-1]], start, request.blocks,
+                                         request.slot))
                 wants.append(False)
             else:
-                steps.append(StepRequest(request.prompt, 0, request.blocks))
+                steps.append(StepRequest(request.prompt, 0, request.blocks, request.slot))
                 wants.append(request.params.prompt_logprobs)
         finished, self._finished_ids = self._finished_ids, []
         return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
@@ -415,7 +423,8 @@ class InferenceEngine:
 
     def held_bytes(self, request: Request) -> int:
         """Cache bytes a running request holds on this rank: its blocks of each kind times
-        the per-token bytes of this stage's layers of that kind."""
+        the per-token bytes of this stage's layers of that kind, plus its recurrent-state
+        slot."""
         from megatron_smp.inference.kv_cache import attention_layers, layer_bytes_per_token
 
         total = 0
@@ -423,11 +432,14 @@ class InferenceEngine:
             blocks = request.blocks[self.layout.layer_kind[number]]
             total += len(blocks) * self.block_size * layer_bytes_per_token(attention,
                                                                            self.dtype)
+        if request.slot is not None:
+            total += self.state_bytes_per_request
         return total
 
     def memory_report(self) -> Dict[str, int]:
         """The cache on this rank: bytes per token, token capacity and allocated bytes."""
         return {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
+                "state_bytes_per_request": self.state_bytes_per_request,
                 "allocated_bytes": self.cache.allocated_bytes()}
 
 

@@ -12,6 +12,12 @@ full-attention table covers the whole request; a windowed one is a ring of at mo
 overwritten). Blocks go back to their allocator when the request finishes, so requests of
 any length share one budget.
 
+Recurrent layers (Mamba-2, Gated DeltaNet) keep no keys: each holds, per request, a
+fixed-size state (its conv state and its SSM / delta-rule state, `state_shapes()` of the
+mixer) in one of `max_requests` slots; a request takes a slot when it joins and gives it back
+when it leaves, so its state costs the same bytes at any length
+(`state_bytes_per_request`). The attention layers of a hybrid model keep the paged KV cache.
+
 A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
 requests into one sequence. Each layer runs its queries in groups (all one-token decodes
 together, each longer chunk on its own): a group's keys are its requests' cached keys and
@@ -114,6 +120,18 @@ def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(layer_bytes_per_token(a, dtype) for a in attention_layers(model).values())
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+
+def state_bytes_per_request(model: torch.nn.Module) -> int:
+    """Recurrent-state bytes one request holds on this rank, summed over this stage's
+    Mamba-2 / Gated DeltaNet layers: conv channels/tp x (kernel - 1) in the model's dtype plus
+    heads/tp x the state's two dims in fp32 (`state_shapes()`), at any request length."""
+    return sum(_nbytes(shape, dtype) for mixer in recurrent_layers(model).values()
+               for shape, dtype in mixer.state_shapes())
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
@@ -128,6 +146,7 @@ class CacheLayout:
 
     def __init__(self, config, num_blocks: int, block_size: int, max_requests: int) -> None:
         self.block_size = block_size
+        self.max_requests = max_requests
         self.layer_kind: Dict[int, Kind] = {}
         for number in range(1, config.num_layers + 1):
             window = config.layer_window_size(number)
@@ -168,21 +187,31 @@ class PagedKVCache:
                 shape = (slots, attention.num_groups_per_partition, attention.head_dim)
                 self.pools[number] = (torch.zeros(shape, dtype=dtype, device=device),
                                       torch.zeros(shape, dtype=dtype, device=device))
+        # Recurrent layers: one state slot per running request.
+        self.states: Dict[int, Tuple[torch.Tensor, ...]] = {
+            number: tuple(torch.zeros(layout.max_requests, *shape, dtype=state_dtype,
+                                      device=device)
+                          for shape, state_dtype in mixer.state_shapes())
+            for number, mixer in recurrent_layers(model).items()}
 
     def allocated_bytes(self) -> int:
-        """Bytes of the token slots (the scratch slots not counted)."""
-        return sum(pool[:-1].numel() * pool.element_size()
-                   for pools in self.pools.values() for pool in pools)
+        """Bytes of the token slots (the scratch slots not counted) and the state slots."""
+        tokens = sum(pool[:-1].numel() * pool.element_size()
+                     for pools in self.pools.values() for pool in pools)
+        return tokens + sum(pool.numel() * pool.element_size()
+                            for pools in self.states.values() for pool in pools)
 
 
 @dataclass
 class StepRequest:
     """One request's share of a step: its new tokens start at position `start` (the tokens
-    before are cached), `blocks` its block table of each kind."""
+    before are cached), `blocks` its block table of each kind, `slot` its recurrent-state
+    slot (models with recurrent layers)."""
 
     tokens: List[int]
     start: int
     blocks: Dict[Kind, List[int]]
+    slot: Optional[int] = None
 
 
 @dataclass
@@ -202,6 +231,9 @@ class _Group:
     row_start: Optional[int]
     out_rows: Optional[torch.Tensor]
     flat_valid: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor] = None  # [n] real tokens per request
+    slots: Optional[torch.Tensor] = None  # [n] recurrent-state slots
+    fresh: Optional[torch.Tensor] = None  # bool [n]: the request's first tokens (zero state)
 
 
 _FAR = 1 << 40
@@ -294,9 +326,13 @@ class StepBatch(KVCacheContext):
             if not in_order:
                 out_rows = q_index[valid].to(device)
                 flat_valid = valid.flatten().nonzero().flatten().to(device)
+            slots = None
+            if self.cache.states:
+                slots = torch.tensor([requests[i].slot for i in indices], device=device)
             groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
                                  cached, all_slots, firsts[0] if in_order else None,
-                                 out_rows, flat_valid))
+                                 out_rows, flat_valid, counts.to(device), slots,
+                                 (starts == 0).to(device)))
         return groups
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
@@ -377,14 +413,43 @@ class StepBatch(KVCacheContext):
             if len(self.groups) == 1 and group.row_start == 0 \
                     and n * lq == query.shape[0]:
                 return context.reshape(n * lq, *context.shape[2:])
-            if output is None:
-                output = query.new_zeros(query.shape[0], query.shape[1], context.shape[-1])
-            flat = context.reshape(n * lq, *context.shape[2:])
-            if group.row_start is not None:
-                output[group.row_start:group.row_start + n * lq] = flat
-            else:
-                output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
+            output = self._scatter(output, group, context, query.shape[0])
         return output
+
+    def _scatter(self, output: Optional[torch.Tensor], group: _Group, context: torch.Tensor,
+                 rows: int) -> torch.Tensor:
+        """Put a group's [n, Lq, ...] results into output [rows, ...] (made on first use)."""
+        n, lq = group.q_index.shape
+        flat = context.reshape(n * lq, *context.shape[2:])
+        if output is None:
+            output = context.new_zeros(rows, *context.shape[2:])
+        if group.row_start is not None:
+            output[group.row_start:group.row_start + n * lq] = flat
+        else:
+            output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
+        return output
+
+    def recurrent(self, layer_number, inputs, step):
+        pools = self.cache.states[layer_number]
+        outputs = None
+        for group in self.groups:
+            n, lq = group.q_index.shape
+            rows = [x.index_select(0, group.q_index.flatten()).view(n, lq, *x.shape[1:])
+                    for x in inputs]
+            states = []
+            for pool in pools:
+                state = pool.index_select(0, group.slots)
+                fresh = group.fresh.view(-1, *([1] * (state.dim() - 1)))
+                states.append(state.masked_fill(fresh, 0))
+            results, new_states = step(rows, group.lengths, tuple(states))
+            for pool, state in zip(pools, new_states):
+                pool.index_copy_(0, group.slots, state.to(pool.dtype))
+            if outputs is None:
+                outputs = [None] * len(results)
+            rows_total = inputs[0].shape[0]
+            outputs = [self._scatter(out, group, result, rows_total)
+                       for out, result in zip(outputs, results)]
+        return tuple(outputs)
 
     def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
         rows, slots = self.writes[kind]
@@ -416,18 +481,6 @@ class StepBatch(KVCacheContext):
                                 pooled[..., :latent_dim], scale, None)
 
 
-def check_recurrent_model(model: torch.nn.Module) -> None:
-    """Generation keeps keys and values only: a model with Mamba-2 / Gated DeltaNet layers
-    (which need their recurrent state carried between steps) is a clear error."""
-    layers = recurrent_layers(model)
-    if layers:
-        kinds = sorted({type(m).__name__ for m in layers.values()})
-        raise ConfigError(
-            f"inference: layers {sorted(layers)} are recurrent mixers ({', '.join(kinds)}); "
-            "generation with a recurrent-state cache (conv + SSM / delta-rule state) is not "
-            "implemented yet, only attention layers' KV cache")
-
-
 def check_inference_layout(state) -> None:
     """Context parallelism splits a sequence over ranks, which a decode step of one token
     per request cannot be: a clear error."""
@@ -440,4 +493,4 @@ def check_inference_layout(state) -> None:
 __all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",
            "blocks_for", "bytes_per_token", "layer_bytes_per_token", "attention_layers",
            "recurrent_layers", "is_recurrent", "check_inference_layout",
-           "check_recurrent_model"]
+           "state_bytes_per_request"]

@@ -29,8 +29,15 @@ from megatron_smp.transformer.ssm.layers import (
     packed_segments,
     project_per_group,
     split_parameter,
+    state_dtype,
+    step_mask,
 )
-from megatron_smp.transformer.ssm.ops import gated_delta_rule_chunked, l2norm
+from megatron_smp.transformer.kv_cache import KVCacheContext
+from megatron_smp.transformer.ssm.ops import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    l2norm,
+)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -44,6 +51,8 @@ class GatedDeltaNet(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp = group_size(tp_group)
+        self.layer_number = layer_number
+        self.dtype = config.params_dtype
         self.key_heads = config.linear_num_key_heads
         self.value_heads = config.linear_num_value_heads
         self.key_dim = config.linear_key_head_dim
@@ -76,14 +85,43 @@ class GatedDeltaNet(torch.nn.Module):
         init_decays(self.A_log, self.dt_bias, self.value_heads, self.tp_group)
         self.out_norm_weight.fill_(1.0)
 
+    def state_shapes(self):
+        """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
+        of the conv state [conv channels/tp, k - 1] and the delta-rule state
+        [value heads/tp, key_dim, value_dim]."""
+        return [((self.conv1d.weight.shape[0], self.conv1d.kernel - 1), self.dtype),
+                ((self.local_value_heads, self.key_dim, self.value_dim),
+                 state_dtype(self.dtype))]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 rotary_pos_emb=None) -> torch.Tensor:
-        segments = packed_segments(attention_mask, "GatedDeltaNet")
         projected = project_per_group(self.in_proj, hidden_states, self.local_key_heads)
+        if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
+            (o,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
+            o = o[None]
+        else:
+            o, _ = self._mix(projected, packed_segments(attention_mask, "GatedDeltaNet"))
+        b, s = o.shape[:2]
+        output, _ = self.out_proj(o.reshape(b, s, -1).to(hidden_states.dtype).transpose(0, 1))
+        return output
+
+    def _step(self, rows, lengths, states):
+        """`KVCacheContext.recurrent`'s step: rows [n, L, key heads/tp, per key head]."""
+        (projected,), (conv_state, delta_state) = rows, states
+        o, new_states = self._mix(projected, None, lengths, conv_state, delta_state)
+        return (o,), new_states
+
+    def _mix(self, projected, segments, lengths=None, conv_state=None, delta_state=None):
+        """in_proj's rows [b, s, key heads/tp, per key head] -> (o [b, s, value heads/tp,
+        dv] before out_proj, the new (conv state, delta state) with a cache's states)."""
         b, s = projected.shape[:2]
         qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
-        qkv = F.silu(self.conv1d(qkv.reshape(b, s, -1), segments))
-        qkv = qkv.view(b, s, self.local_key_heads, -1)
+        qkv = qkv.reshape(b, s, -1)
+        if conv_state is None:
+            qkv = self.conv1d(qkv, segments)
+        else:
+            qkv, conv_state = self.conv1d.forward_with_state(qkv, lengths, conv_state)
+        qkv = F.silu(qkv).view(b, s, self.local_key_heads, -1)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim,
                                     self.values_per_key * self.value_dim], dim=-1)
         v = v.reshape(b, s, self.local_value_heads, self.value_dim)
@@ -91,11 +129,19 @@ class GatedDeltaNet(torch.nn.Module):
         beta = torch.sigmoid(beta.reshape(b, s, self.local_value_heads).float())
         g = -torch.exp(self.A_log.float()) * F.softplus(
             a.reshape(b, s, self.local_value_heads).float() + self.dt_bias.float())
-        o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+        if delta_state is None:
+            o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+        else:
+            # g = 0, beta = 0 on padding: the state neither decays nor takes an update.
+            real = step_mask(lengths, s)[..., None].to(g.dtype)
+            g, beta = g * real, beta * real
+            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_chunked
+            kwargs = {} if s == 1 else {"chunk_size": self.chunk_size}
+            o, delta_state = scan(q, k, v, g, beta, initial_state=delta_state,
+                                  return_final_state=True, **kwargs)
         o = gated_rms_norm(o, z.reshape(b, s, self.local_value_heads, self.value_dim),
                            self.out_norm_weight, self.eps, self.value_dim, norm_before_gate=True)
-        output, _ = self.out_proj(o.reshape(b, s, -1).to(hidden_states.dtype).transpose(0, 1))
-        return output
+        return o, (conv_state, delta_state)
 
 
 __all__ = ["GatedDeltaNet"]

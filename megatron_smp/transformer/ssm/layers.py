@@ -118,6 +118,19 @@ class CausalConv1d(torch.nn.Module):
                 initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
         return causal_conv1d(x, self.weight[:, 0], self.bias, segments, initial_state)
 
+    def forward_with_state(self, x: torch.Tensor, lengths: torch.Tensor,
+                           state: torch.Tensor):
+        """A cache step: x [n, L, c/tp] (row i's first lengths[i] tokens real, then padding),
+        state [n, c/tp, k - 1] (the inputs before x) -> (out [n, L, c/tp], the new state: the
+        last k - 1 real inputs)."""
+        out = causal_conv1d(x, self.weight[:, 0], self.bias, None, state)
+        history = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [n, k-1+L, c]
+        # history row j holds input j - (k - 1): the last k - 1 real inputs are rows
+        # lengths .. lengths + k - 2.
+        index = lengths[:, None] + torch.arange(self.kernel - 1, device=x.device)
+        kept = history.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+        return out, kept.transpose(1, 2)
+
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    group_size: int, norm_before_gate: bool) -> torch.Tensor:
@@ -138,6 +151,16 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return x.to(dtype)
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scans compute (and a cache keeps) the recurrent state in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def step_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """[n, length] bool: the real tokens of a cache step's right-padded rows."""
+    return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
+
+
 def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
     """The document run numbers [b, s] of a packed batch (a `PackedSequence`), None for
     plain causal rows; a dense mask cannot say where the recurrence restarts."""
@@ -152,4 +175,4 @@ def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
 __all__ = ["split_parameter", "fill_from_master", "mixer_projections", "init_decays",
            "project_per_group", "time_step_bias",
            "CausalConv1d",
-           "gated_rms_norm", "packed_segments"]
+           "gated_rms_norm", "packed_segments", "state_dtype", "step_mask"]

@@ -29,8 +29,11 @@ from megatron_smp.transformer.ssm.layers import (
     packed_segments,
     project_per_group,
     split_parameter,
+    state_dtype,
+    step_mask,
 )
-from megatron_smp.transformer.ssm.ops import ssd_chunked
+from megatron_smp.transformer.kv_cache import KVCacheContext
+from megatron_smp.transformer.ssm.ops import ssd_chunked, ssd_recurrent
 
 
 class MambaMixer(torch.nn.Module):
@@ -44,6 +47,8 @@ class MambaMixer(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp = group_size(tp_group)
+        self.layer_number = layer_number
+        self.dtype = config.params_dtype
         self.heads = config.mamba_heads()
         self.groups = config.mamba_num_groups
         self.head_dim = config.mamba_head_dim
@@ -77,26 +82,60 @@ class MambaMixer(torch.nn.Module):
         self.D.fill_(1.0)
         self.norm_weight.fill_(1.0)
 
+    def state_shapes(self):
+        """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
+        of the conv state [conv channels/tp, k - 1] and the SSM state [heads/tp, head_dim,
+        state_dim]."""
+        return [((self.conv1d.weight.shape[0], self.conv1d.kernel - 1), self.dtype),
+                ((self.local_heads, self.head_dim, self.state_dim), state_dtype(self.dtype))]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 rotary_pos_emb=None) -> torch.Tensor:
-        segments = packed_segments(attention_mask, "MambaMixer")
         projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
+        if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
+            (y,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
+            y = y[None]
+        else:
+            y, _ = self._mix(projected, packed_segments(attention_mask, "MambaMixer"))
+        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
+        return output
+
+    def _step(self, rows, lengths, states):
+        """`KVCacheContext.recurrent`'s step: rows [n, L, groups/tp, per group]."""
+        (projected,), (conv_state, ssm_state) = rows, states
+        y, new_states = self._mix(projected, None, lengths, conv_state, ssm_state)
+        return (y,), new_states
+
+    def _mix(self, projected, segments, lengths=None, conv_state=None, ssm_state=None):
+        """in_proj's rows [b, s, groups/tp, per group] -> (y [b, s, inner/tp] before
+        out_proj, the new (conv state, SSM state) when called with a cache's states)."""
         b, s = projected.shape[:2]
         z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
-        xbc = F.silu(self.conv1d(xbc.reshape(b, s, -1), segments))
-        xbc = xbc.view(b, s, self.local_groups, -1)
+        xbc = xbc.reshape(b, s, -1)
+        if conv_state is None:
+            xbc = self.conv1d(xbc, segments)
+        else:
+            xbc, conv_state = self.conv1d.forward_with_state(xbc, lengths, conv_state)
+        xbc = F.silu(xbc).view(b, s, self.local_groups, -1)
         width = self.heads_per_group * self.head_dim
         x, B, C = torch.split(xbc, [width, self.state_dim, self.state_dim], dim=-1)
         x = x.reshape(b, s, self.local_heads, self.head_dim)
         dt = F.softplus(dt.reshape(b, s, self.local_heads).float() + self.dt_bias.float())
         dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
-        # [b, s, local heads, head_dim]
-        y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+        if ssm_state is None:  # [b, s, local heads, head_dim]
+            y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+        else:
+            dt = dt * step_mask(lengths, s)[..., None]  # dt = 0: padding leaves the state
+            if s == 1:  # a decode step: the recurrence, one token
+                y, ssm_state = ssd_recurrent(x, dt, A, B, C, self.D, initial_state=ssm_state,
+                                             return_final_state=True)
+            else:  # a prompt: the chunked scan from the (zero) state, its final state kept
+                y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D,
+                                           initial_state=ssm_state, return_final_state=True)
         y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1), self.norm_weight,
                            self.eps, width, norm_before_gate=False)
-        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
-        return output
+        return y, (conv_state, ssm_state)
 
 
 __all__ = ["MambaMixer"]
