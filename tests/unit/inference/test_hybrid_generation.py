@@ -1,18 +1,121 @@
-"""Generation for hybrid models (Mamba-2 / Gated DeltaNet layers beside attention)."""
+"""Generation for hybrid models: Mamba-2 and Gated DeltaNet layers keep a fixed-size recurrent
+state per request (conv state + SSM / delta-rule state) beside the attention layers' paged KV
+cache. Greedy tokens equal HF's `generate` (left-padded batch) for Qwen3-Next, Qwen3.5 and
+Nemotron-H at TP=1 and TP=2 (sequence parallel); the log-probs of prompt and generated tokens
+are HF's within 1e-4; a request's tokens do not depend on the batch or on which slot it gets;
+the state bytes per request follow the formula."""
 import pytest
 import torch
 
 import megatron_smp as smp
-from megatron_smp.config import ConfigError
-from tests.unit.inference.common import prompts
+from megatron_smp.inference import InferenceEngine, SamplingParams
+from megatron_smp.testing import run_distributed
+from tests.unit.inference.common import PROMPT, hf_prompt_logprobs, prompts
+from tests.unit.models.common import to_numpy, to_torch
 from tests.unit.models.test_hf_hybrid import build_hf
 
+FAMILIES = ("qwen3_next", "qwen3_5", "nemotron_h")
+NEW = 8
 
-@pytest.mark.parametrize("family,kind", [("qwen3_5", "GatedDeltaNet"),
-                                         ("nemotron_h", "MambaMixer")])
-def test_recurrent_layers_are_a_clear_error(family, kind):
+
+def _hf(hf, ids, mask):
+    """HF's greedy tokens [b, PROMPT + NEW] and the log-prob of each generated one [b, NEW]."""
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                          pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+                          output_logits=True)
+    logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
+    return out.sequences, logprobs.gather(2, out.sequences[:, PROMPT:, None])[..., 0]
+
+
+def _greedy(model, ids, mask):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logprobs_match_hf(family):
     smp.init({"random_seed": 3})
     hf = build_hf(family)
     ids, mask = prompts(hf.config.vocab_size)
-    with pytest.raises(ConfigError, match=f"recurrent mixers.*{kind}"):
-        smp.transform(hf).generate(ids, attention_mask=mask, max_new_tokens=2)
+    expected, expected_logprobs = _hf(hf, ids, mask)
+    assert len(set(expected[:, PROMPT:].flatten().tolist())) > 4  # not one repeated token
+    model = smp.transform(hf)
+    assert torch.equal(_greedy(model, ids, mask), expected)
+
+    # The engine: generated tokens' and prompt tokens' log-probs; requests joining as others
+    # leave (max_requests 2: the third takes the first one's freed slot) give the same tokens.
+    rows = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    engine = InferenceEngine(model.module, max_tokens=64, block_size=4, max_requests=2)
+    params = SamplingParams(max_new_tokens=NEW, prompt_logprobs=True)
+    requests = engine.generate(rows, [params, params.replace(max_new_tokens=3), params])
+    assert requests[1].output == expected[1, PROMPT:PROMPT + 3].tolist()
+    for index in (0, 2):
+        assert requests[index].output == expected[index, PROMPT:].tolist()
+        got = torch.tensor(requests[index].logprobs)
+        assert (got - expected_logprobs[index]).abs().max() < 1e-4
+        got = torch.tensor(requests[index].prompt_logprobs[1:])
+        assert (got - hf_prompt_logprobs(hf, rows[index])).abs().max() < 1e-4
+    assert engine.state_slots.num_free == 2  # every slot back
+
+
+def _state_bytes(config, tp):
+    """Per request and rank: conv channels/tp x (kernel - 1) + heads/tp x state dims, fp32."""
+    if config.model_type == "nemotron_h":
+        layers = config.hybrid_override_pattern.count("M")
+        inner = config.mamba_num_heads * config.mamba_head_dim
+        conv = (inner + 2 * config.n_groups * config.ssm_state_size) * (config.conv_kernel - 1)
+        state = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size
+    else:
+        layers = config.layer_types.count("linear_attention")
+        keys = config.linear_num_key_heads * config.linear_key_head_dim
+        values = config.linear_num_value_heads * config.linear_value_head_dim
+        conv = (2 * keys + values) * (config.linear_conv_kernel_dim - 1)
+        state = config.linear_num_value_heads * config.linear_key_head_dim \
+            * config.linear_value_head_dim
+    return layers * (conv + state) * 4 // tp
+
+
+@pytest.mark.parametrize("family,expected", [("qwen3_5", 3 * (80 * 3 + 4 * 8 * 12) * 4),
+                                             ("nemotron_h", 2 * (128 * 3 + 8 * 12 * 8) * 4)])
+def test_state_bytes_per_request(family, expected):
+    """Fixed per request (any length): allocated once per slot, held while running, beside
+    the attention layers' per-token KV bytes."""
+    smp.init({"random_seed": 3})
+    hf = build_hf(family)
+    assert _state_bytes(hf.config, 1) == expected
+    engine = InferenceEngine(smp.transform(hf).module, max_tokens=32, block_size=16,
+                             max_requests=3)
+    assert engine.state_bytes_per_request == expected
+    attention = 2 * 2 * 24 * 4  # one attention layer: keys and values, 2 kv heads x 24
+    assert engine.bytes_per_token == attention
+    assert engine.cache.allocated_bytes() == 32 * attention + 3 * expected
+    request = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    engine.step()
+    assert engine.held_bytes(request) == 16 * attention + expected
+
+
+def _tp2(rank, world_size):
+    results = {}
+    for family in FAMILIES:
+        smp.init({"tensor_parallel_degree": 2, "random_seed": 3})
+        hf = build_hf(family)
+        ids, mask = prompts(hf.config.vocab_size)
+        model = smp.transform(hf)
+        engine = InferenceEngine(model.module, max_tokens=64, max_requests=2)
+        results[family] = (_greedy(model, ids, mask), engine.state_bytes_per_request)
+    return to_numpy(results)
+
+
+def test_tp2_generation_matches_hf():
+    """TP=2 (sequence parallel where transform turns it on): each rank holds its groups'
+    state (half the bytes) and both ranks give HF's tokens."""
+    results = to_torch(run_distributed(_tp2, 2, timeout=300))
+    for family in FAMILIES:
+        hf = build_hf(family)
+        ids, mask = prompts(hf.config.vocab_size)
+        expected, _ = _hf(hf, ids, mask)
+        for rank in (0, 1):
+            tokens, state_bytes = results[rank][family]
+            assert torch.equal(tokens, expected), (family, rank)
+            assert state_bytes == _state_bytes(hf.config, 2)
