@@ -119,3 +119,28 @@ def test_tp2_generation_matches_hf():
             tokens, state_bytes = results[rank][family]
             assert torch.equal(tokens, expected), (family, rank)
             assert state_bytes == _state_bytes(hf.config, 2)
+
+
+@pytest.mark.parametrize("family", ("qwen3_5", "nemotron_h"))
+def test_padded_rows_leave_the_state_alone(family):
+    """A cache step over right-padded rows (a group of requests of different lengths, from
+    non-zero states) gives each request's outputs and new states as running it alone: the
+    padding never enters the conv or the SSM / delta-rule state."""
+    from megatron_smp.inference.kv_cache import recurrent_layers
+
+    smp.init({"random_seed": 3})
+    mixer = next(iter(recurrent_layers(smp.transform(build_hf(family)).module).values()))
+    groups = mixer.in_proj.weight.shape[0] // sum(mixer.split_sizes)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 11, groups, sum(mixer.split_sizes), generator=generator)
+    states = tuple(torch.randn(2, *shape, generator=generator).to(dtype)
+                   for shape, dtype in mixer.state_shapes())
+    lengths = torch.tensor([11, 6])
+    with torch.no_grad():
+        (joint,), joint_states = mixer._step([rows], lengths, states)
+        for i, n in enumerate(lengths.tolist()):
+            (alone,), alone_states = mixer._step([rows[i:i + 1, :n]], lengths[i:i + 1],
+                                                 tuple(s[i:i + 1] for s in states))
+            assert (joint[i, :n] - alone[0]).abs().max() < 1e-5
+            for got, want in zip(joint_states, alone_states):
+                assert (got[i] - want[0]).abs().max() < 1e-5
