@@ -96,7 +96,19 @@ def test_state_bytes_per_request(family, expected):
 
 
 def _tp2(rank, world_size):
+    from tests.unit.inference.test_generation import _stage
+
     results = {}
+    # PP=2: qwen3_5's stages are (GDN, GDN) and (GDN, attention); the engine passes each
+    # step's hidden states on and each stage keeps its own layers' states.
+    smp.init({"pipeline_parallel_degree": 2, "random_seed": 3})
+    hf = build_hf("qwen3_5")
+    ids, mask = prompts(hf.config.vocab_size)
+    stage = _stage(hf, smp.state.parallel_state)
+    engine = InferenceEngine(stage, max_tokens=64, max_requests=2)
+    rows = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    requests = engine.generate(rows, [SamplingParams(max_new_tokens=NEW)] * 3)
+    results["pipeline"] = ([r.output for r in requests], engine.state_bytes_per_request)
     for family in FAMILIES:
         smp.init({"tensor_parallel_degree": 2, "random_seed": 3})
         hf = build_hf(family)
@@ -107,10 +119,19 @@ def _tp2(rank, world_size):
     return to_numpy(results)
 
 
-def test_tp2_generation_matches_hf():
+def test_tp2_pp2_generation_matches_hf():
     """TP=2 (sequence parallel where transform turns it on): each rank holds its groups'
-    state (half the bytes) and both ranks give HF's tokens."""
+    state (half the bytes) and both ranks give HF's tokens; PP=2 (qwen3_5): HF's tokens,
+    each stage holding its own layers' states."""
     results = to_torch(run_distributed(_tp2, 2, timeout=300))
+    hf = build_hf("qwen3_5")
+    ids, mask = prompts(hf.config.vocab_size)
+    expected, _ = _hf(hf, ids, mask)
+    per_layer = _state_bytes(hf.config, 1) // 3
+    for rank in (0, 1):
+        outputs, state_bytes = results[rank]["pipeline"]
+        assert outputs == expected[:, PROMPT:].tolist(), rank
+        assert state_bytes == (2 if rank == 0 else 1) * per_layer
     for family in FAMILIES:
         hf = build_hf(family)
         ids, mask = prompts(hf.config.vocab_size)
