@@ -23,16 +23,13 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
+    RecurrentMixer,
     gated_rms_norm,
     init_decays,
     mixer_projections,
-    packed_segments,
-    project_per_group,
     split_parameter,
-    state_dtype,
     step_mask,
 )
-from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.ssm.ops import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -40,10 +37,11 @@ from megatron_smp.transformer.ssm.ops import (
 )
 
 
-class GatedDeltaNet(torch.nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
     -> [s(/tp), b, h]; attention_mask None or a `PackedSequence` (the state restarts at each
-    document); rotary_pos_emb ignored. Takes the place of `SelfAttention` in a layer spec."""
+    document); rotary_pos_emb ignored. Takes the place of `SelfAttention` in a layer spec.
+    In generation attention_mask is a `KVCacheContext` (see `RecurrentMixer`)."""
 
     def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
                  device: Optional[torch.device] = None, submodules=None) -> None:
@@ -60,6 +58,8 @@ class GatedDeltaNet(torch.nn.Module):
         self.values_per_key = divide(self.value_heads, self.key_heads)
         self.local_key_heads = divide(self.key_heads, tp)
         self.local_value_heads = self.local_key_heads * self.values_per_key
+        self.local_groups = self.local_key_heads  # in_proj's rows come per key head
+        self.state_shape = (self.local_value_heads, self.key_dim, self.value_dim)
         self.chunk_size = config.linear_chunk_size
         self.eps = config.layernorm_epsilon
         r = self.values_per_key
@@ -85,43 +85,13 @@ class GatedDeltaNet(torch.nn.Module):
         init_decays(self.A_log, self.dt_bias, self.value_heads, self.tp_group)
         self.out_norm_weight.fill_(1.0)
 
-    def state_shapes(self):
-        """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
-        of the conv state [conv channels/tp, k - 1] and the delta-rule state
-        [value heads/tp, key_dim, value_dim]."""
-        return [((self.conv1d.weight.shape[0], self.conv1d.kernel - 1), self.dtype),
-                ((self.local_value_heads, self.key_dim, self.value_dim),
-                 state_dtype(self.dtype))]
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                rotary_pos_emb=None) -> torch.Tensor:
-        projected = project_per_group(self.in_proj, hidden_states, self.local_key_heads)
-        if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
-            (o,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
-            o = o[None]
-        else:
-            o, _ = self._mix(projected, packed_segments(attention_mask, "GatedDeltaNet"))
-        b, s = o.shape[:2]
-        output, _ = self.out_proj(o.reshape(b, s, -1).to(hidden_states.dtype).transpose(0, 1))
-        return output
-
-    def _step(self, rows, lengths, states):
-        """`KVCacheContext.recurrent`'s step: rows [n, L, key heads/tp, per key head]."""
-        (projected,), (conv_state, delta_state) = rows, states
-        o, new_states = self._mix(projected, None, lengths, conv_state, delta_state)
-        return (o,), new_states
-
     def _mix(self, projected, segments, lengths=None, conv_state=None, delta_state=None):
-        """in_proj's rows [b, s, key heads/tp, per key head] -> (o [b, s, value heads/tp,
+        """in_proj's rows [b, s, key heads/tp, per key head] -> (o [b, s, value heads/tp *
         dv] before out_proj, the new (conv state, delta state) with a cache's states)."""
         b, s = projected.shape[:2]
         qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
-        qkv = qkv.reshape(b, s, -1)
-        if conv_state is None:
-            qkv = self.conv1d(qkv, segments)
-        else:
-            qkv, conv_state = self.conv1d.forward_with_state(qkv, lengths, conv_state)
-        qkv = F.silu(qkv).view(b, s, self.local_key_heads, -1)
+        qkv, conv_state = self._conv(qkv.reshape(b, s, -1), segments, lengths, conv_state)
+        qkv = qkv.view(b, s, self.local_key_heads, -1)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim,
                                     self.values_per_key * self.value_dim], dim=-1)
         v = v.reshape(b, s, self.local_value_heads, self.value_dim)
@@ -141,7 +111,7 @@ class GatedDeltaNet(torch.nn.Module):
                                   return_final_state=True, **kwargs)
         o = gated_rms_norm(o, z.reshape(b, s, self.local_value_heads, self.value_dim),
                            self.out_norm_weight, self.eps, self.value_dim, norm_before_gate=True)
-        return o, (conv_state, delta_state)
+        return o.reshape(b, s, -1), (conv_state, delta_state)
 
 
 __all__ = ["GatedDeltaNet"]

@@ -23,23 +23,21 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
+    RecurrentMixer,
     gated_rms_norm,
     init_decays,
     mixer_projections,
-    packed_segments,
-    project_per_group,
     split_parameter,
-    state_dtype,
     step_mask,
 )
-from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.ssm.ops import ssd_chunked, ssd_recurrent
 
 
-class MambaMixer(torch.nn.Module):
+class MambaMixer(RecurrentMixer):
     """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
     -> [s(/tp), b, h]. attention_mask: None (causal rows) or a `PackedSequence` (the state
-    restarts at each document); rotary_pos_emb is ignored (no positions in a recurrence)."""
+    restarts at each document); rotary_pos_emb is ignored (no positions in a recurrence).
+    In generation attention_mask is a `KVCacheContext` (see `RecurrentMixer`)."""
 
     def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
                  device: Optional[torch.device] = None) -> None:
@@ -59,6 +57,7 @@ class MambaMixer(torch.nn.Module):
         self.chunk_size = config.mamba_chunk_size
         self.dt_min = config.mamba_dt_min
         self.eps = config.layernorm_epsilon
+        self.state_shape = (self.local_heads, self.head_dim, self.state_dim)
         inner = self.heads * self.head_dim
         group_width = self.heads_per_group * self.head_dim
         # Per group: z, x (group_width each), B, C (state_dim each), dt (heads_per_group).
@@ -82,41 +81,13 @@ class MambaMixer(torch.nn.Module):
         self.D.fill_(1.0)
         self.norm_weight.fill_(1.0)
 
-    def state_shapes(self):
-        """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
-        of the conv state [conv channels/tp, k - 1] and the SSM state [heads/tp, head_dim,
-        state_dim]."""
-        return [((self.conv1d.weight.shape[0], self.conv1d.kernel - 1), self.dtype),
-                ((self.local_heads, self.head_dim, self.state_dim), state_dtype(self.dtype))]
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                rotary_pos_emb=None) -> torch.Tensor:
-        projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
-        if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
-            (y,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
-            y = y[None]
-        else:
-            y, _ = self._mix(projected, packed_segments(attention_mask, "MambaMixer"))
-        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
-        return output
-
-    def _step(self, rows, lengths, states):
-        """`KVCacheContext.recurrent`'s step: rows [n, L, groups/tp, per group]."""
-        (projected,), (conv_state, ssm_state) = rows, states
-        y, new_states = self._mix(projected, None, lengths, conv_state, ssm_state)
-        return (y,), new_states
-
     def _mix(self, projected, segments, lengths=None, conv_state=None, ssm_state=None):
         """in_proj's rows [b, s, groups/tp, per group] -> (y [b, s, inner/tp] before
         out_proj, the new (conv state, SSM state) when called with a cache's states)."""
         b, s = projected.shape[:2]
         z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
-        xbc = xbc.reshape(b, s, -1)
-        if conv_state is None:
-            xbc = self.conv1d(xbc, segments)
-        else:
-            xbc, conv_state = self.conv1d.forward_with_state(xbc, lengths, conv_state)
-        xbc = F.silu(xbc).view(b, s, self.local_groups, -1)
+        xbc, conv_state = self._conv(xbc.reshape(b, s, -1), segments, lengths, conv_state)
+        xbc = xbc.view(b, s, self.local_groups, -1)
         width = self.heads_per_group * self.head_dim
         x, B, C = torch.split(xbc, [width, self.state_dim, self.state_dim], dim=-1)
         x = x.reshape(b, s, self.local_heads, self.head_dim)
