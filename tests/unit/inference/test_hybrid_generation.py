@@ -165,3 +165,41 @@ def test_padded_rows_leave_the_state_alone(family):
             assert (joint[i, :n] - alone[0]).abs().max() < 1e-5
             for got, want in zip(joint_states, alone_states):
                 assert (got[i] - want[0]).abs().max() < 1e-5
+
+
+# Every symbol of Megatron's --hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP,
+# MoE); the | puts two layers on the first of two pipeline stages.
+HYBRID_FLAGS = (
+    "--num-layers 5 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 64 "
+    "--tokenizer-type NullTokenizer --vocab-size 1000 --seed 7 --normalization RMSNorm "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention "
+    "--num-query-groups 2 --hybrid-layer-pattern MG|*-E --position-embedding-type none "
+    "--squared-relu --mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 "
+    "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
+    "--linear-value-head-dim 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+    "--max-new-tokens 6"
+).split()
+
+
+def test_generate_tool_on_a_megatron_hybrid_pattern(tmp_path):
+    """tools/generate.py on a --hybrid-layer-pattern model (the --seed initialisation, which
+    does not depend on the layout): PP=2 (stages split at the |) gives the single process's
+    tokens and log-probs."""
+    import json
+
+    from tests.unit.inference.common import launch, wait_all
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"prompt_ids": [5, 9, 17, 3, 44]}\n'
+                      '{"prompt_ids": [8, 2], "max_new_tokens": 3}\n')
+    records = {}
+    for world, layout in ((1, []), (2, ["--pipeline-model-parallel-size", "2"])):
+        output = tmp_path / f"out{world}.jsonl"
+        procs = launch("generate.py", HYBRID_FLAGS + layout + ["--input", source, "--output",
+                                                               output], world, tmp_path)
+        assert wait_all(procs, 180) == [0] * world, (tmp_path / "rank0.log").read_text()[-3000:]
+        records[world] = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [len(r["tokens"]) for r in records[1]] == [6, 3]
+    for one, two in zip(records[1], records[2]):
+        assert one["tokens"] == two["tokens"]
+        assert max(abs(a - b) for a, b in zip(one["logprobs"], two["logprobs"])) < 1e-4
