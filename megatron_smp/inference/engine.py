@@ -6,7 +6,8 @@ any data-parallel replicas in the group, which then run the same batches). The *
 
 1. the leader admits waiting requests while a slot (`max_requests`) and cache blocks for
    the whole request (prompt + max_new_tokens, reserved up front, so a running request
-   never waits for memory) are free, first come first served; it then broadcasts the step's
+   never waits for memory; models with Mamba-2 / Gated DeltaNet layers: also a recurrent-state
+   slot) are free, first come first served; it then broadcasts the step's
    plan: each running request's new tokens (the whole prompt when it joins, then its last
    generated token), where they start and its block table;
 2. every rank runs its pipeline stage over the step's flattened tokens with the cache

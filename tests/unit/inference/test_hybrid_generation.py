@@ -1,7 +1,8 @@
 """Generation for hybrid models: Mamba-2 and Gated DeltaNet layers keep a fixed-size recurrent
 state per request (conv state + SSM / delta-rule state) beside the attention layers' paged KV
-cache. Greedy tokens equal HF's `generate` (left-padded batch) for Qwen3-Next, Qwen3.5 and
-Nemotron-H at TP=1 and TP=2 (sequence parallel); the log-probs of prompt and generated tokens
+cache. Greedy tokens equal HF's `generate` (left-padded batch) for Qwen3-Next, Qwen3.5 (dense
+and MoE) and Nemotron-H at TP=1, Qwen3-Next, Qwen3.5 and Nemotron-H at TP=2 (sequence
+parallel), Qwen3.5 at PP=2, and tools/generate.py on a Megatron hybrid pattern at PP=2; the log-probs of prompt and generated tokens
 are HF's within 1e-4; a request's tokens do not depend on the batch or on which slot it gets;
 the state bytes per request follow the formula."""
 import pytest
@@ -33,7 +34,7 @@ def _greedy(model, ids, mask):
                           pad_token_id=0, eos_token_id=None)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("qwen3_5_moe",))
 def test_greedy_tokens_and_logprobs_match_hf(family):
     smp.init({"random_seed": 3})
     hf = build_hf(family)
