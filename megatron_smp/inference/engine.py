@@ -196,7 +196,7 @@ class InferenceEngine:
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} is longer than the context "
                 f"({self.max_seq_length} tokens)")
-        if total > self.max_tokens:
+        if total > self.max_tokens and self.layout.kinds:  # (all-recurrent: no KV cache)
             raise ConfigError(
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} does not fit in the KV cache "

@@ -139,16 +139,29 @@ def blocks_for(tokens: int, block_size: int) -> int:
 Kind = Optional[int]  # None: full attention; an int: a sliding window of that many keys left
 
 
+def keeps_keys(config, layer_number: int) -> bool:
+    """Whether global layer `layer_number` is an attention layer (keys and values in the
+    cache), not a Mamba-2 / Gated DeltaNet mixer or a hybrid MLP / MoE layer."""
+    index = config.layer_pattern_number(layer_number) - 1
+    symbols = config.hybrid_layer_symbols()
+    if symbols is not None:
+        return symbols[index] == "*"
+    return not config.linear_attention_pattern()[index]
+
+
 class CacheLayout:
-    """The kinds of the model's layers (all of them, on every pipeline stage alike) and the
-    blocks each kind has: `num_blocks` for full attention (`max_tokens` / `block_size`),
-    for a window at most `max_requests` rings."""
+    """The kinds of the model's attention layers (all of them, on every pipeline stage alike)
+    and the blocks each kind has: `num_blocks` for full attention (`max_tokens` /
+    `block_size`), for a window at most `max_requests` rings. A model without attention
+    layers (all recurrent) has no kinds: its requests need no blocks."""
 
     def __init__(self, config, num_blocks: int, block_size: int, max_requests: int) -> None:
         self.block_size = block_size
         self.max_requests = max_requests
         self.layer_kind: Dict[int, Kind] = {}
         for number in range(1, config.num_layers + 1):
+            if not keeps_keys(config, number):
+                continue
             window = config.layer_window_size(number)
             causal_window = window is not None and window[0] >= 0 and window[1] == 0
             self.layer_kind[number] = window[0] if causal_window else None

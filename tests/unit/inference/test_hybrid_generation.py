@@ -204,3 +204,33 @@ def test_generate_tool_on_a_megatron_hybrid_pattern(tmp_path):
     for one, two in zip(records[1], records[2]):
         assert one["tokens"] == two["tokens"]
         assert max(abs(a - b) for a, b in zip(one["logprobs"], two["logprobs"])) < 1e-4
+
+
+def test_all_recurrent_model_needs_no_kv_blocks():
+    """A Nemotron-H of Mamba and MLP layers only: no KV cache at all (no blocks, so a request
+    longer than --inference-max-tokens still runs), only the state slots; HF's tokens."""
+    import transformers as tf
+
+    smp.init({"random_seed": 3})
+    torch.manual_seed(0)
+    hf = tf.NemotronHForCausalLM(tf.NemotronHConfig(
+        vocab_size=301, hidden_size=64, layers_block_type=["mamba", "mlp", "mamba"],
+        mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
+        intermediate_size=96, chunk_size=4, max_position_embeddings=64)).eval()
+    ids, mask = prompts(hf.config.vocab_size)
+    # HF's generate needs an attention layer in its cache: greedy by full forwards instead.
+    expected = []
+    for row, keep in zip(ids, mask):
+        tokens = row[keep.bool()].tolist()
+        for _ in range(NEW):
+            with torch.no_grad():
+                logits = hf(torch.tensor([tokens]), use_cache=False).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+        expected.append(tokens[-NEW:])
+    model = smp.transform(hf)
+    assert _greedy(model, ids, mask)[:, PROMPT:].tolist() == expected
+    engine = InferenceEngine(model.module, max_tokens=4, block_size=4, max_requests=2)
+    assert engine.layout.kinds == [] and engine.bytes_per_token == 0
+    assert engine.cache.allocated_bytes() == 2 * engine.state_bytes_per_request
+    [request] = engine.generate([ids[0].tolist()], [SamplingParams(max_new_tokens=NEW)])
+    assert request.output == expected[0]
