@@ -2,9 +2,10 @@
 state per request (conv state + SSM / delta-rule state) beside the attention layers' paged KV
 cache. Greedy tokens equal HF's `generate` (left-padded batch) for Qwen3-Next, Qwen3.5 (dense
 and MoE) and Nemotron-H at TP=1, Qwen3-Next, Qwen3.5 and Nemotron-H at TP=2 (sequence
-parallel), Qwen3.5 at PP=2, and tools/generate.py on a Megatron hybrid pattern at PP=2; the log-probs of prompt and generated tokens
-are HF's within 1e-4; a request's tokens do not depend on the batch or on which slot it gets;
-the state bytes per request follow the formula."""
+parallel), Qwen3.5 at PP=2, Qwen3.5-MoE at EP=2; tools/generate.py on a Megatron hybrid
+pattern gives the same tokens at PP=2 as in one process; the log-probs of prompt and generated
+tokens are HF's within 1e-4; a request's tokens do not depend on the batch or on which slot it
+gets; padding never enters a state; the state bytes per request follow the formula."""
 import pytest
 import torch
 
@@ -110,6 +111,10 @@ def _tp2(rank, world_size):
     rows = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     requests = engine.generate(rows, [SamplingParams(max_new_tokens=NEW)] * 3)
     results["pipeline"] = ([r.output for r in requests], engine.state_bytes_per_request)
+    smp.init({"expert_parallel_degree": 2, "random_seed": 3})
+    hf = build_hf("qwen3_5_moe")
+    ids, mask = prompts(hf.config.vocab_size)
+    results["expert"] = _greedy(smp.transform(hf), ids, mask)
     for family in FAMILIES:
         smp.init({"tensor_parallel_degree": 2, "random_seed": 3})
         hf = build_hf(family)
@@ -120,10 +125,10 @@ def _tp2(rank, world_size):
     return to_numpy(results)
 
 
-def test_tp2_pp2_generation_matches_hf():
+def test_tp2_pp2_ep2_generation_matches_hf():
     """TP=2 (sequence parallel where transform turns it on): each rank holds its groups'
     state (half the bytes) and both ranks give HF's tokens; PP=2 (qwen3_5): HF's tokens,
-    each stage holding its own layers' states."""
+    each stage holding its own layers' states; EP=2 (qwen3_5_moe): HF's tokens."""
     results = to_torch(run_distributed(_tp2, 2, timeout=300))
     hf = build_hf("qwen3_5")
     ids, mask = prompts(hf.config.vocab_size)
@@ -133,6 +138,10 @@ def test_tp2_pp2_generation_matches_hf():
         outputs, state_bytes = results[rank]["pipeline"]
         assert outputs == expected[:, PROMPT:].tolist(), rank
         assert state_bytes == (2 if rank == 0 else 1) * per_layer
+    hf = build_hf("qwen3_5_moe")
+    expected, _ = _hf(hf, *prompts(hf.config.vocab_size))
+    for rank in (0, 1):
+        assert torch.equal(results[rank]["expert"], expected), rank
     for family in FAMILIES:
         hf = build_hf(family)
         ids, mask = prompts(hf.config.vocab_size)
