@@ -8,7 +8,8 @@ setup(
     "parallelism and a distributed optimizer, with the SageMaker model-parallel API.",
     packages=find_packages(include=["megatron_smp", "megatron_smp.*"]),
     # C sources compiled at first use (megatron_smp/native): index builders, CRC-32.
-    package_data={"megatron_smp.data": ["helpers.c"], "megatron_smp.native": ["crc32.c"]},
+    package_data={"megatron_smp.data": ["helpers.c"], "megatron_smp.native": ["crc32.c"],
+                  "megatron_smp.post_training.envs": ["*.yaml"]},
     python_requires=">=3.10",
     # torch is deliberately a range: scripts/setup_env.sh pins the CPU build before this
     # runs, and a GPU machine keeps whatever CUDA build it already has.
@@ -20,6 +21,8 @@ setup(
         "tensorboard",
         "safetensors",
         "tokenizers",
+        # pyyaml: the RL environment configs (--langrl-env-config).
+        "pyyaml",
     ],
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).

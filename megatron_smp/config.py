@@ -817,6 +817,13 @@ class TransformerConfig:
         _require(self.experimental_attention_variant in (None, "gated_delta_net", "gdn"),
                  f"--experimental-attention-variant {self.experimental_attention_variant!r} is "
                  "not supported; gated_delta_net (gdn) is")
+        # As in Megatron: in a GPT stack the variant's layers are placed by the frequency; a
+        # hybrid pattern places them by its G symbols.
+        _require(self.experimental_attention_variant is None or symbols is not None
+                 or self.linear_attention_freq is not None,
+                 f"--experimental-attention-variant {self.experimental_attention_variant} needs "
+                 "--linear-attention-freq N (N - 1 Gated DeltaNet layers, then one attention "
+                 "layer), or a --hybrid-layer-pattern with G where they go")
         if uses_mamba:
             heads, groups = self.mamba_heads(), self.mamba_num_groups
             _require(min(heads, groups, self.mamba_head_dim, self.mamba_state_dim) >= 1
@@ -948,23 +955,22 @@ class TransformerConfig:
 
     def _check_router(self, experts: int) -> None:
         """The DeepSeek-V3 router flags (sigmoid scores, expert bias, group-limited top-k)."""
-        _require(self.moe_router_score_function in ("softmax", "sigmoid"),
-                 f"--moe-router-score-function must be softmax or sigmoid, got "
+        _require(self.moe_router_score_function in ("softmax", "sigmoid", "sqrtsoftplus"),
+                 f"--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, got "
                  f"{self.moe_router_score_function!r}")
         _require(self.moe_router_dtype in (None, "fp32", "fp64"),
                  f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
-        sigmoid = self.moe_router_score_function == "sigmoid"
-        _require(not (sigmoid and self.moe_router_pre_softmax),
-                 "--moe-router-pre-softmax applies to softmax scores; drop it with "
-                 "--moe-router-score-function sigmoid")
+        # sigmoid and sqrtsoftplus score every expert before top-k, which is what
+        # --moe-router-pre-softmax asks (Megatron accepts the pair; it changes nothing there).
+        sigmoid = self.moe_router_score_function in ("sigmoid", "sqrtsoftplus")
         _require(not self.moe_router_enable_expert_bias or sigmoid,
                  "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                 "(as in Megatron-LM)")
+                 "or sqrtsoftplus (as in Megatron-LM)")
         _require(self.moe_router_bias_update_rate >= 0,
                  f"--moe-router-bias-update-rate must be >= 0, got "
                  f"{self.moe_router_bias_update_rate}")
         special = [flag for flag, on in (
-            ("--moe-router-score-function sigmoid", sigmoid),
+            (f"--moe-router-score-function {self.moe_router_score_function}", sigmoid),
             ("--moe-router-num-groups", self.moe_router_num_groups is not None),
             ("--moe-router-topk-scaling-factor",
              self.moe_router_topk_scaling_factor is not None)) if on]
@@ -1061,6 +1067,13 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
+# The values of Megatron-LM's --muon-* choices (optimizer/muon.py implements each).
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4")
+
+
 @dataclass
 class OptimizerConfig:
     optimizer: str = "adam"  # "adam" | "sgd"
@@ -1109,12 +1122,44 @@ class OptimizerConfig:
     accumulate_allreduce_grads_in_fp32: bool = True
     # Count zero grad elements each step (returned by optimizer.step()).
     log_num_zeros_in_grad: bool = False
+    # Muon and Lion (Megatron-LM 0.19 / main's flags and defaults; optimizer/muon.py). With
+    # --use-distributed-optimizer they shard whole matrices over data-parallel ranks (the
+    # layer-wise distributed optimizer, `use_layer_wise_distributed_optimizer`).
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
+    muon_fp32_matmul_prec: str = "medium"  # medium: the NS iteration in bf16; high/low: fp32
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"  # adam | lion: embeddings, output layer, norms, biases
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+
+    @property
+    def use_layer_wise_distributed_optimizer(self) -> bool:
+        """Muon and Lion shard whole params over DP ranks (Megatron's layer-wise optimizer)."""
+        return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
         _require(
-            self.optimizer in ("adam", "sgd"),
-            f"--optimizer must be adam or sgd, got {self.optimizer!r}",
+            self.optimizer in ("adam", "sgd", "muon", "lion"),
+            f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",
         )
+        for flag, value, allowed in (
+                ("--muon-scale-mode", self.muon_scale_mode, MUON_SCALE_MODES),
+                ("--muon-fp32-matmul-prec", self.muon_fp32_matmul_prec, MUON_MATMUL_PRECISIONS),
+                ("--muon-coefficient-type", self.muon_coefficient_type, MUON_COEFFICIENT_TYPES),
+                ("--muon-tp-mode", self.muon_tp_mode, MUON_TP_MODES),
+                ("--muon-scalar-optimizer", self.muon_scalar_optimizer, ("adam", "lion"))):
+            _require(value in allowed,
+                     f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        _require(self.muon_num_ns_steps >= 1,
+                 f"--muon-num-ns-steps must be at least 1, got {self.muon_num_ns_steps}")
+        for flag, beta in (("--lion-beta1", self.lion_beta1), ("--lion-beta2", self.lion_beta2)):
+            _require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
         _require(
             self.lr_decay_style in LR_DECAY_STYLES,
             f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got "

@@ -13,7 +13,9 @@ Reads every `model_config.yaml` under the given folders (their `MODEL_ARGS`: `--
 with the number of configs using each, then how many whole configs parse (flags only: no
 data, no launch). A Megatron-LM checkout at core_v0.16.1 gives the figures of issue 15.
 
-`--arguments PATH` takes every flag Megatron-LM's own parser declares instead
+`--arguments PATH` takes every flag Megatron-LM's own parser declares instead (a checkout's
+arguments.py, or an installed megatron-core wheel's: 0.19.2 ships megatron/training; give
+`--python` a Python >= 3.12 interpreter of a venv holding it)
 (`add_megatron_arguments` of that arguments.py, which on Megatron-LM main also generates
 flags from config dataclasses, so the file's text alone does not list them). The checkout is
 imported in a child process with this interpreter; modules it needs that are not installed
@@ -200,16 +202,18 @@ sys.stdout.write("\nFLAGS_JSON " + json.dumps(flags) + "\n")
 """
 
 
-def megatron_parser_flags(arguments_path: str) -> List[dict]:
+def megatron_parser_flags(arguments_path: str, python: Optional[str] = None) -> List[dict]:
     """Every `--flag` Megatron-LM's parser declares (see the module docstring), as
-    {"flag", "nargs", "choices", "type"} dicts, from its `megatron/training/arguments.py`."""
+    {"flag", "nargs", "choices", "type"} dicts, from its `megatron/training/arguments.py`
+    (a checkout's, or an installed megatron-core wheel's), imported by `python` (default:
+    this interpreter; megatron-core >= 0.17 needs Python >= 3.12)."""
     arguments_path = os.path.abspath(arguments_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(arguments_path)))
     if not os.path.isfile(arguments_path) or not os.path.isdir(os.path.join(root, "megatron")):
         raise SystemExit(f"--arguments {arguments_path}: expected megatron/training/arguments.py "
-                         "inside a Megatron-LM checkout")
+                         "inside a Megatron-LM checkout or a megatron-core wheel's site-packages")
     env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _MEGATRON_PARSER], capture_output=True,
+    proc = subprocess.run([python or sys.executable, "-c", _MEGATRON_PARSER], capture_output=True,
                           text=True, env=env, cwd=root, timeout=600)
     marker = "\nFLAGS_JSON "
     if proc.returncode != 0 or marker not in proc.stdout:
@@ -261,6 +265,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--arguments", metavar="PATH",
                         help="Megatron-LM's megatron/training/arguments.py: audit every flag "
                         "its parser declares instead")
+    parser.add_argument("--python", metavar="PATH",
+                        help="with --arguments: the interpreter that imports Megatron-LM "
+                        "(megatron-core >= 0.17 needs Python >= 3.12)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--skip", metavar="TEXT",
                         help="leave out tests whose name contains TEXT (e.g. inference)")
@@ -268,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.arguments:
         if args.folders:
             parser.error("give folders or --arguments, not both")
-        result = audit_parser(megatron_parser_flags(args.arguments))
+        result = audit_parser(megatron_parser_flags(args.arguments, args.python))
         print(f"{result['flags']} flags in Megatron-LM's parser: {len(result['accepted'])} "
               f"accepted ({len(result['ignored'])} of them ignored), {len(result['error'])} "
               f"clear errors, {len(result['missing'])} missing")

@@ -1,8 +1,11 @@
-"""Megatron-LM checkpoints (megatron-core 0.16 `GPTModel`): read either format, write legacy.
+"""Megatron-LM checkpoints (megatron-core 0.16 - 0.19 `GPTModel`): read either format, write
+legacy.
 
     {dir}/latest_checkpointed_iteration.txt      "10" (or "release": {dir}/release/)
     {dir}/iter_0000010/                          "torch_dist" (megatron-core dist_checkpointing)
-        metadata.json, common.pt                 backends; args, iteration, ... (pickled)
+        metadata.json, common.pt                 backends; args, iteration, ... (pickled; from
+                                                 megatron-core 0.17 on, the DCP bytes item
+                                                 common_state instead of common.pt)
         .metadata, __0_0.distcp ...              DCP; layers stacked: decoder.layers.<name>
                                                  [num_layers, ...], TE norm names
     {dir}/iter_0000010/mp_rank_00[_000]/model_optim_rng.pt    legacy "torch": one file per
@@ -135,11 +138,17 @@ def find_megatron_checkpoint(load_dir: str, prefer_ours: bool = True
 # -- restricted unpickling --------------------------------------------------------------------
 
 
-def safe_load(path: str) -> Any:
+def safe_load(path: str, data: Optional[bytes] = None) -> Any:
     """torch.load with weights_only=True, allowing argparse.Namespace, numpy RNG arrays and
-    (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError."""
+    (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError.
+    With `data`, those bytes are read (`path` then only names them in errors)."""
+    import io
+
+    def source():
+        return io.BytesIO(data) if data is not None else path
+
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(source())
     except (RuntimeError, OSError, ValueError) as error:
         raise CheckpointError(f"{path} is not a readable torch file: {error}") from error
     allowed: List[Any] = [argparse.Namespace]
@@ -163,18 +172,61 @@ def safe_load(path: str) -> Any:
         )
     with torch.serialization.safe_globals(allowed):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source(), map_location="cpu", weights_only=True)
         except Exception as error:  # pickle errors come in many types
             raise CheckpointError(f"{path} cannot be read: {error}") from error
 
 
+def _read_dcp_bytes(checkpoint_path: str, key: str) -> Optional[bytes]:
+    """The raw bytes DCP stores under `key` (a bytes item), or None when it holds none.
+
+    torch's default load planner unpickles bytes items with `torch.load(weights_only=False)`,
+    which could run code from the file: this planner keeps the bytes, for `safe_load`."""
+    import io
+
+    import torch.distributed.checkpoint as torch_dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    class _RawBytesPlanner(torch_dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn].write(value.read())
+
+    reader = torch_dcp.FileSystemReader(checkpoint_path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{checkpoint_path}/.metadata cannot be read: {error}") from error
+    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+        return None
+    holder = {key: io.BytesIO()}
+    torch_dcp.load(holder, storage_reader=reader, planner=_RawBytesPlanner(), no_dist=True)
+    return holder[key].getvalue()
+
+
+# megatron-core >= 0.17 keeps the common state (args, iteration, checkpoint version) inside
+# the DCP files as this one bytes item: a torch.save of [common dict] (its ShardedObject).
+_COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
 def _common_state(checkpoint: MegatronCheckpoint) -> Dict[str, Any]:
-    """common.pt (torch_dist) or the first rank's file without its tensors' use (legacy)."""
+    """common.pt (torch_dist up to megatron-core 0.16), the DCP item `common_state` (0.17 and
+    later), or the first rank's file without its tensors' use (legacy)."""
     if checkpoint.ckpt_format == "torch_dist":
         path = os.path.join(checkpoint.path, COMMON_PT_FILENAME)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing: {checkpoint.path} is incomplete")
-        return safe_load(path)
+        if os.path.isfile(path):
+            return safe_load(path)
+        data = _read_dcp_bytes(checkpoint.path, _COMMON_STATE_KEY)
+        if data is None:
+            raise CheckpointError(
+                f"{checkpoint.path} has neither common.pt (megatron-core <= 0.16) nor the "
+                f"'{_COMMON_STATE_KEY}' item of megatron-core >= 0.17: it is incomplete")
+        where = f"{checkpoint.path} ({_COMMON_STATE_KEY})"
+        common = safe_load(where, data)
+        if isinstance(common, (list, tuple)) and len(common) == 1:
+            common = common[0]
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{where} holds {type(common).__name__}, not the common dict")
+        return common
     first = checkpoint.rank_dirs[min(checkpoint.rank_dirs)]
     return safe_load(os.path.join(first, LEGACY_FILENAME))
 

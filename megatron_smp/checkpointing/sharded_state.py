@@ -242,6 +242,8 @@ def _apex_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> Tuple[str, ...]:
+    if hasattr(optimizer, "state_keys"):  # optimizer.muon's Muon / Lion
+        return optimizer.state_keys(group)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or _apex_fused_adam(optimizer):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
     if isinstance(optimizer, torch.optim.SGD):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_smp.config import OptimizerConfig
 from megatron_smp.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron_smp.optimizer.muon import is_muon_parameter
 from megatron_smp.tensor_parallel.utils import is_expert_param
 
 # Megatron's default when overlapping: large enough to keep the link busy, and at least
@@ -56,13 +57,17 @@ class DistributedDataParallel(torch.nn.Module):
         param_names = {p: n for n, p in module.named_parameters()}
         dense: Dict[tuple, List[torch.nn.Parameter]] = {}
         expert: Dict[tuple, List[torch.nn.Parameter]] = {}
+        # Muon's layer-wise distributed optimizer: the matrices Muon steps go to buffers that
+        # keep each whole in one rank's shard; the scalar optimizer's params stay byte-sharded.
+        layer_wise = config.use_layer_wise_distributed_optimizer
         for param in module.parameters():
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if config.accumulate_allreduce_grads_in_fp32 else param.dtype
             # Expert grads are reduced only among the replicas holding the same experts.
             target = expert if is_expert_param(param) else dense
-            target.setdefault((param.dtype, grad_dtype), []).append(param)
+            whole = layer_wise and is_muon_parameter(param_names[param], param)
+            target.setdefault((param.dtype, grad_dtype, whole), []).append(param)
 
         # Loss is averaged over all dp x cp replicas. Expert grads are summed over fewer
         # replicas (expert_dp), so they are scaled by 1/(dp x cp) as well, and with AVG the
@@ -79,12 +84,12 @@ class DistributedDataParallel(torch.nn.Module):
             (dense, state.dp_cp_group, dense_scale),
             (expert, state.expert_dp_group, expert_scale),
         ):
-            for (param_dtype, grad_dtype), params in params_by_dtype.items():
+            for (param_dtype, grad_dtype, whole), params in params_by_dtype.items():
                 self.param_and_grad_buffers.append(
                     ParamAndGradBuffer(
                         params, param_dtype, grad_dtype, group, bucket_size, scale,
                         config.ddp_average_in_collective, self.use_distributed_optimizer,
-                        param_names,
+                        param_names, layer_wise=whole,
                     )
                 )
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}

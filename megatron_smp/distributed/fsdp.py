@@ -45,7 +45,7 @@ from megatron_smp.config import ConfigError
 # Attributes of our parameters that FSDP2's new sharded parameters must keep.
 _PARAM_ATTRIBUTES = (
     "tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-    "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename",
+    "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename", "qkv_split_shapes",
 )
 
 

@@ -97,6 +97,37 @@ def balanced_bucket_boundaries(
     return ends
 
 
+def layer_wise_shard_layout(
+    numels: Sequence[int], world_size: int, loads: Optional[List[int]] = None
+) -> Tuple[List[int], int]:
+    """Whole params placed in `world_size` equal shards of one bucket, balanced by size.
+
+    Largest first, each param goes to the rank holding the fewest elements so far (LPT) --
+    counted over the buffer's earlier buckets too (`loads`, updated in place), so buckets of
+    one large param each still spread over the ranks -- among the shards it fits into without
+    growing this bucket past 1.3x an even split (padding); inside a shard params keep their
+    order. Returns each param's start in the bucket and the shard size (the fullest shard's:
+    the others are padded to it).
+    """
+    loads = [0] * world_size if loads is None else loads
+    cap = max(max(numels, default=0), sum(numels) / world_size * 1.3)
+    filled = [0] * world_size
+    shard_of = [0] * len(numels)
+    for index in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        fitting = [r for r in range(world_size) if filled[r] + numels[index] <= cap]
+        shard = min(fitting or range(world_size), key=lambda r: (loads[r], filled[r], r))
+        shard_of[index] = shard
+        filled[shard] += numels[index]
+        loads[shard] += numels[index]
+    shard_size = max(filled)
+    cursors = [rank * shard_size for rank in range(world_size)]
+    starts = []
+    for index, numel in enumerate(numels):
+        starts.append(cursors[shard_of[index]])
+        cursors[shard_of[index]] += numel
+    return starts, shard_size
+
+
 class Bucket:
     """A slice of a `ParamAndGradBuffer` whose grads are reduced by one collective.
 
@@ -260,6 +291,8 @@ class ParamAndGradBuffer:
         gradient_scaling_factor: grads are multiplied by it before the collective (1/dp when
             pre-scaling, or ep-correction with AVG).
         average_in_collective: use ReduceOp.AVG instead of SUM.
+        layer_wise: every param lies whole in one data-parallel rank's shard
+            (`layer_wise_shard_layout`), as Muon's layer-wise distributed optimizer needs.
     """
 
     def __init__(
@@ -274,6 +307,7 @@ class ParamAndGradBuffer:
         use_distributed_optimizer: bool,
         param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
         device: Optional[torch.device] = None,
+        layer_wise: bool = False,
     ):
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -320,20 +354,33 @@ class ParamAndGradBuffer:
             [p.numel() for p in ordered], bucket_size, own_bucket
         )
 
-        # Layout: offsets of each param, each bucket padded to a multiple of dp.
+        # Layout: offsets of each param, each bucket padded to a multiple of dp. Layer-wise
+        # (Muon's distributed optimizer), each param lies whole in one rank's shard.
+        self.layer_wise = layer_wise
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
         bucket_specs = []  # (params, start, unpadded_end, padded_end)
         offset, start_param = 0, 0
+        rank_loads = [0] * self.data_parallel_world_size
         for bucket_index, end_param in enumerate(ends):
             bucket_start = offset
-            for param in ordered[start_param:end_param]:
-                self.param_index_map[param] = (offset, offset + param.numel(), bucket_index)
-                offset += param.numel()
-            unpadded_end = offset
-            offset = bucket_start + pad_to_multiple(
-                unpadded_end - bucket_start, self.data_parallel_world_size
-            )
             bucket_params = ordered[start_param:end_param]
+            if layer_wise:
+                starts, shard_size = layer_wise_shard_layout(
+                    [p.numel() for p in bucket_params], self.data_parallel_world_size,
+                    rank_loads)
+                for param, start in zip(bucket_params, starts):
+                    begin = bucket_start + start
+                    self.param_index_map[param] = (begin, begin + param.numel(), bucket_index)
+                offset = bucket_start + shard_size * self.data_parallel_world_size
+                unpadded_end = offset
+            else:
+                for param in bucket_params:
+                    self.param_index_map[param] = (offset, offset + param.numel(), bucket_index)
+                    offset += param.numel()
+                unpadded_end = offset
+                offset = bucket_start + pad_to_multiple(
+                    unpadded_end - bucket_start, self.data_parallel_world_size
+                )
             bucket_specs.append((bucket_params, bucket_start, unpadded_end, offset))
             start_param = end_param
         self.numel = offset

@@ -47,6 +47,7 @@ from megatron_smp.inference.kv_cache import (
     state_bytes_per_request,
 )
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
+from megatron_smp.models.gpt import soft_cap_logits
 from megatron_smp.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -358,7 +359,8 @@ class InferenceEngine:
         layer = self.model.output_layer
         weight = layer.weight if layer.weight is not None \
             else self.model.embedding.word_embeddings.weight
-        logits = F.linear(hidden, weight, layer.bias)
+        logits = soft_cap_logits(F.linear(hidden, weight, layer.bias),
+                                 self.config.final_logit_softcapping)
         logits = gather_from_tensor_model_parallel_region(logits, self.state.tp_group)
         return logits[:, : self.config.vocab_size]
 

@@ -362,10 +362,7 @@ class GPTModel(torch.nn.Module):
         """hidden [s, b, h] -> this rank's logits [s, b, v/tp], soft-capped with
         --final-logit-softcapping (elementwise, so each vocab shard on its own)."""
         logits, _ = self.output_layer(hidden_states, weight=weight)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap_logits(logits, self.config.final_logit_softcapping)
 
     def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, v/tp], labels [b, s] -> fp32 [b, s]."""
@@ -396,6 +393,14 @@ class GPTModel(torch.nn.Module):
         return self.mtp.attach_loss(hidden_states, outputs, labels, loss_mask, per_token_loss)
 
 
+def soft_cap_logits(logits: torch.Tensor, cap) -> torch.Tensor:
+    """--final-logit-softcapping: cap * tanh(logits / cap), elementwise (so any vocab shard on
+    its own); the logits unchanged when `cap` is None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def gather_full_logits(
     logits_local: torch.Tensor, state: ParallelState, vocab_size: int
 ) -> torch.Tensor:
@@ -405,4 +410,4 @@ def gather_full_logits(
     return full[..., :vocab_size]
 
 
-__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits"]
+__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits", "soft_cap_logits"]

@@ -1,6 +1,7 @@
 """Optimizers: fp32, fp16/bf16 with fp32 main params, and the distributed (sharded) one."""
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -17,6 +18,7 @@ from megatron_smp.optimizer.clip_grads import (
 from megatron_smp.optimizer.distrib_optimizer import DistributedOptimizer, Range
 from megatron_smp.optimizer.fsdp_optimizer import FSDPOptimizer
 from megatron_smp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_smp.optimizer.muon import Lion, Muon, is_muon_parameter
 from megatron_smp.optimizer.optimizer import (
     HALF_DTYPES,
     Float16OptimizerWithFloat16Params,
@@ -63,16 +65,19 @@ def get_param_groups(
         _no_weight_decay_but_qk_layernorm if config.apply_wd_to_qk_layernorm
         else _default_no_weight_decay)
     decoupled = config.decoupled_lr is not None
+    muon = config.optimizer == "muon"
     by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if param.requires_grad:
                 key = (decoupled and is_embedding_or_output_parameter(name),
-                       0.0 if condition(name, param) else 1.0)
+                       0.0 if condition(name, param) else 1.0,
+                       muon and is_muon_parameter(name, param))
                 by_key.setdefault(key, []).append(param)
     groups = []
-    for own_schedule, wd_mult in ((False, 1.0), (False, 0.0), (True, 1.0), (True, 0.0)):
-        params = by_key.get((own_schedule, wd_mult))
+    for own_schedule, wd_mult, use_muon in itertools.product((False, True), (1.0, 0.0),
+                                                            (True, False)):
+        params = by_key.get((own_schedule, wd_mult, use_muon))
         if not params:
             continue
         group = {
@@ -83,12 +88,28 @@ def get_param_groups(
             "weight_decay": config.weight_decay * wd_mult,
             "lr": config.lr,
         }
+        group.update(_optimizer_group_settings(config, use_muon))
         if own_schedule:
             group["max_lr"] = group["lr"] = config.decoupled_lr
             group["min_lr"] = (config.min_lr if config.decoupled_min_lr is None
                                else config.decoupled_min_lr)
         groups.append(group)
     return groups
+
+
+def _optimizer_group_settings(config: OptimizerConfig, use_muon: bool) -> Dict:
+    """The per-group keys of Muon / Lion (optimizer.muon.Muon steps each group by its own)."""
+    if config.optimizer == "muon" and use_muon:
+        return {"optimizer": "muon", "momentum": config.muon_momentum,
+                "nesterov": config.muon_nesterov}
+    scalar = config.optimizer if config.optimizer == "lion" else (
+        config.muon_scalar_optimizer if config.optimizer == "muon" else None)
+    if scalar == "lion":
+        return {"optimizer": "lion", "betas": (config.lion_beta1, config.lion_beta2)}
+    if scalar == "adam":
+        return {"optimizer": "adam", "betas": (config.adam_beta1, config.adam_beta2),
+                "eps": config.adam_eps}
+    return {}
 
 
 def _fused_supported(device: torch.device) -> bool:
@@ -110,6 +131,19 @@ def build_torch_optimizer(config: OptimizerConfig, device: torch.device) -> Call
     fused = _fused_supported(device)
 
     def factory(groups: List[Dict]) -> torch.optim.Optimizer:
+        if config.optimizer == "muon":
+            return Muon(
+                groups, lr=config.lr, weight_decay=config.weight_decay,
+                momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+                scale_mode=config.muon_scale_mode,
+                extra_scale_factor=config.muon_extra_scale_factor,
+                coefficient_type=config.muon_coefficient_type,
+                num_ns_steps=config.muon_num_ns_steps,
+                matmul_precision=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
+                split_qkv=config.muon_split_qkv)
+        if config.optimizer == "lion":
+            return Lion(groups, lr=config.lr, weight_decay=config.weight_decay,
+                        betas=(config.lion_beta1, config.lion_beta2))
         if config.optimizer == "adam":
             kwargs = dict(
                 lr=config.lr,
@@ -196,6 +230,9 @@ __all__ = [
     "get_megatron_optimizer",
     "get_param_groups",
     "is_embedding_or_output_parameter",
+    "is_muon_parameter",
+    "Muon",
+    "Lion",
     "build_torch_optimizer",
     "get_grad_scaler",
     "MegatronOptimizer",

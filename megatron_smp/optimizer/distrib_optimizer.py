@@ -1,4 +1,5 @@
-"""Megatron's distributed optimizer (ZeRO-1 over the contiguous grad buffers).
+"""Megatron's distributed optimizer (ZeRO-1 over the contiguous grad buffers), and with
+Muon or Lion its layer-wise form.
 
 Every bucket of every grad buffer is cut into dp equal contiguous shards (the buffer pads
 each bucket for this); data-parallel rank i owns shard i of each bucket:
@@ -12,6 +13,14 @@ Ranges (`Range`) are kept at three levels for each bucket: the world ranges of e
 (`world_all`), this rank's range (`world`, in buffer coordinates, and `local`, relative to
 the shard) and, per param overlapping it, the piece's position in the buffer (`gbuf_world`),
 in the shard (`gbuf_local`) and inside the flattened param (`param`).
+
+Layer-wise (`--optimizer muon|lion --use-distributed-optimizer`, Megatron's
+LayerWiseDistributedOptimizer): the buffers place every param whole inside one rank's shard,
+balanced by size (`param_and_grad_buffer.layer_wise_shard_layout`), so the same
+reduce-scatter, step on this rank's params and all-gather (overlapped with
+--overlap-param-gather) hand each rank whole matrices to orthogonalise. The optimizer state
+per rank is then the state of the params its shards hold: 1/DP of the whole up to the
+balance the placement achieves.
 """
 from __future__ import annotations
 
@@ -222,6 +231,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 ]["param"]
                 flat = model_param.detach().view(-1)
                 shard_model_param = flat[param_range.start : param_range.end]
+                if param_range.size == model_param.numel():
+                    # A whole param (always so in the layer-wise layout) keeps its shape:
+                    # Muon orthogonalises it as the matrix it is.
+                    shard_model_param = shard_model_param.view(model_param.shape)
                 if model_param.dtype in HALF_DTYPES:
                     model_float16.append(model_param)
                     shard_float16.append(shard_model_param)
@@ -258,7 +271,7 @@ class DistributedOptimizer(MegatronOptimizer):
         pairs = zip(self.param_pairs, self._pair_param_ranges)
         for (model_param, main_param), param_range in pairs:
             shard_grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
-            main_param.grad = shard_grad.float()
+            main_param.grad = shard_grad.view(main_param.shape).float()
 
     def _copy_main_params_to_model_params(self) -> None:
         for shard_models, shard_mains in zip(

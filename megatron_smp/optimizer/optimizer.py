@@ -60,9 +60,21 @@ class MegatronOptimizer:
         self.state = state
         self.model_chunks = list(model_chunks)
         self.grad_scaler = grad_scaler
-        self.param_pairs: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._param_pairs: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=state.device)
         self._model_has_expert_params: Optional[bool] = None
+
+    @property
+    def param_pairs(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(model param, main param) of every param this rank steps."""
+        return self._param_pairs
+
+    @param_pairs.setter
+    def param_pairs(self, pairs: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        self._param_pairs = pairs
+        # Muon reads each main param's TP layout and QKV split from its model param.
+        if hasattr(self.optimizer, "bind"):
+            self.optimizer.bind(pairs, self.state.tp_group)
 
     # Interface used by the training loop ---------------------------------------------------------
     @property

@@ -190,8 +190,13 @@ def validate_pipeline_configs(configs, pipeline_size: int,
 
     layout = layout_from_configs(configs, pipeline_size)
     # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
-    if schedule_name(configs.training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b":
-        check_virtual_microbatches(configs.training.num_microbatches(data_parallel_size),
+    training = configs.training
+    # With a batch-size ramp-up or step schedule every batch size it reaches is checked in
+    # arguments (_validate_training_length); --global-batch-size alone is not the one used.
+    varying = training.rampup_batch_size or training.step_batch_size_schedule
+    if (schedule_name(training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b"
+            and not varying):
+        check_virtual_microbatches(training.num_microbatches(data_parallel_size),
                                    pipeline_size)
     return layout
 

@@ -239,7 +239,7 @@ _FLAGS: List[_Flag] = [
     _f("--moe-ffn-hidden-size", "model", type=int),
     _f("--moe-router-topk", "model", type=int, default=2),
     _f("--moe-router-pre-softmax", "model", action="store_true"),
-    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid"],
+    _f("--moe-router-score-function", "model", choices=["softmax", "sigmoid", "sqrtsoftplus"],
        default="softmax"),
     _f("--moe-router-enable-expert-bias", "model", action="store_true"),
     _f("--moe-router-bias-update-rate", "model", type=float, default=1e-3),
@@ -332,7 +332,53 @@ _FLAGS: List[_Flag] = [
        "(suffixes K M B T; the first threshold is 0; needs --train-samples)"),
     _f("--seq-length", "training", type=int, required=True),
     # Optimisation.
-    _f("--optimizer", "optimizer", choices=["adam", "sgd"], default="adam"),
+    _f("--optimizer", "optimizer", choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                            "adaptive_muon"], default="adam",
+       help="muon and lion: optimizer/muon.py; dist_muon is Megatron's deprecated spelling of "
+       "--optimizer muon --use-distributed-optimizer; soap and adaptive_muon are an error"),
+    # Muon and Lion (Megatron-LM 0.19 / main's flags and defaults).
+    _f("--muon-momentum", "optimizer", type=float, default=0.9),
+    _f("--muon-nesterov", "optimizer", action="store_true"),
+    _f("--muon-no-split-qkv", "optimizer", "muon_split_qkv", action="store_false", default=True,
+       help="orthogonalise the fused QKV weight whole, not q, k and v each"),
+    _f("--muon-scale-mode", "optimizer", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+       default="spectral"),
+    _f("--muon-fp32-matmul-prec", "optimizer", choices=["low", "medium", "high"],
+       default="medium", help="medium: the Newton-Schulz iteration in bf16; low, high: fp32"),
+    _f("--muon-coefficient-type", "optimizer", default="quintic"),
+    _f("--muon-num-ns-steps", "optimizer", type=int, default=5),
+    _f("--muon-tp-mode", "optimizer", choices=["blockwise", "duplicated", "distributed"],
+       default="duplicated"),
+    _f("--muon-extra-scale-factor", "optimizer", type=float, default=1.0),
+    _f("--muon-scalar-optimizer", "optimizer", choices=["adam", "lion"], default="adam"),
+    _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
+    _f("--lion-beta1", "optimizer", type=float, default=0.95),
+    _f("--lion-beta2", "optimizer", type=float, default=0.98),
+    # Megatron-LM 0.19 / main flags of launch scripts written in 2026 (see
+    # _apply_megatron_main_flags for what each does or why it is refused).
+    _f("--disable-bf16-reduced-precision-matmul", None,
+       "disable_bf16_reduced_precision_matmul", action="store_true",
+       help="CUDA: bf16 matmuls accumulate in full precision "
+       "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)"),
+    _f("--dataloader-inter-document-masking", None, "dataloader_inter_document_masking",
+       action="store_true", help="attention stays inside each document (--reset-attention-mask)"),
+    _f("--eval-micro-batch-size", None, "eval_micro_batch_size", type=int),
+    _f("--eval-global-batch-size", None, "eval_global_batch_size", type=int),
+    _f("--null-tokenizer-eod-id", None, "null_tokenizer_eod_id", type=int),
+    _f("--exit-signal-handler-for-training", None, "exit_signal_handler_for_training",
+       action="store_true"),
+    _f("--megatron-fsdp-main-params-dtype", None, "megatron_fsdp_main_params_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-main-grads-dtype", None, "megatron_fsdp_main_grads_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--megatron-fsdp-grad-comm-dtype", None, "megatron_fsdp_grad_comm_dtype",
+       choices=["fp32", "bf16", "fp16", "auto"]),
+    _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
+       type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
+    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
+       type=int, default=1),
+    _f("--cuda-graph-impl", None, "cuda_graph_impl",
+       choices=["none", "local", "transformer_engine"], default="none"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -479,7 +525,7 @@ _FLAGS: List[_Flag] = [
     _f("--pretrained-checkpoint", "checkpoint",
        help="the base checkpoint of a --lora-rank run: loaded before the --load adapters (or "
        "alone when --load holds none); overrides the base a LoRA checkpoint records"),
-    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor"],
+    _f("--ckpt-format", "checkpoint", choices=["torch_dist", "torch", "fsdp_dtensor", "torch_dcp"],
        default="torch_dist",
        help="fsdp_dtensor (Megatron-FSDP's DCP format) is accepted with FSDP2 runs and writes "
        "torch_dist: DCP with global names and shapes, loadable at any layout"),
@@ -506,7 +552,7 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--attention-backend": "SDPA picks its kernel (flash, efficient, math) itself",
     "--transformer-impl": "one transformer implementation (the Megatron 'local' layout)",
     "--use-mcore-models": "one model implementation",
-    "--use-legacy-models": "one model implementation",
+    "--use-legacy-models": "one model implementation (Megatron-LM main removed the flag)",
     "--DDP-impl": "one DDP implementation (Megatron's local DDP: contiguous buffers)",
     "--use-contiguous-buffers-in-local-ddp": "buffers are always contiguous",
     "--no-masked-softmax-fusion": "kernel fusion choice",
@@ -544,16 +590,69 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--ckpt-fully-parallel-load": "how data-parallel replicas share reading: here each rank "
                                   "reads only its own chunks straight from the files, which "
                                   "gives the same tensors and memory with or without it",
+    "--use-persistent-ckpt-worker": "Megatron-LM main: whether its async-save worker outlives "
+                                    "one save; the bytes written are the same",
+    "--async-strategy": "Megatron-LM main: which of its async-save engines (nvrx, mcore) "
+                        "writes; here --async-save has one",
+    "--async-ckpt-use-cpu-shm": "Megatron-LM main: how the nvrx async worker receives GPU "
+                                "tensors (CPU shared memory instead of CUDA IPC)",
+    "--ckpt-assume-constant-structure": "Megatron-LM main: caches its save plan between saves "
+                                        "of the same structure; the files are the same",
+    "--dist-ckpt-workers": "Megatron-LM main: how many processes write an async save; the "
+                           "files are the same",
+    "--verify-integrity": "Megatron-LM main: hash the files on save, check them on load; here "
+                          "every checkpoint file always carries CRC-32 sidecars checked on load",
+    "--no-save-tokenizer-assets": "Megatron-LM main saves tokenizer files into checkpoints by "
+                                  "default; checkpoints here never hold them (what this flag "
+                                  "asks)",
+    "--moe-permute-fusion": "kernel fusion choice (Transformer Engine's fused token "
+                            "permutation: the same tokens reach the same experts)",
+    "--moe-router-fusion": "kernel fusion choice (Transformer Engine's fused router top-k and "
+                           "scores: the same routing)",
+    "--overlap-moe-expert-parallel-comm": "communication overlap choice (Megatron-LM main "
+                                          "overlaps the expert all-to-all with another "
+                                          "microbatch's compute; the same result)",
+    "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
+                                       "(Megatron defers it to overlap the pipeline's last "
+                                       "backward); the same grad",
+    "--use-tp-pp-dp-mapping": "the order ranks are laid out in (tp-pp-dp instead of "
+                              "tp-cp-ep-dp-pp): which ranks form each group, not what is "
+                              "computed",
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
-                       "--timing-log-option"}
+                       "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
+    # Megatron-LM 0.19 / main.
+    "--use-mup": "Maximal Update Parametrisation (muP: width-scaled init, learning rates and "
+                 "attention scale)",
+    "--mup-base-hidden-size": "Maximal Update Parametrisation (--use-mup)",
+    "--mup-base-head-dim": "Maximal Update Parametrisation (--use-mup)",
+    "--multiple-validation-sets": "separate validation losses per validation dataset",
+    "--validation-set-names": "separate validation losses per validation dataset "
+                              "(--multiple-validation-sets)",
+    "--start-eval-at-iter": "a first evaluation iteration other than --eval-interval's",
+    "--freeze-all-layers": "freezing the whole model (LoRA, --lora-rank, freezes the base)",
+    "--chat-template": "a custom jinja chat template (--sft uses the tokenizer's)",
+    "--save-retain-interval": "deleting checkpoints between retained ones",
+    "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
+    "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
+                         "--expert-tensor-parallel-size)",
+    "--qk-clip": "Kimi's QK-clip (rescaling the query and key weights whose attention logits "
+                 "exceed a threshold)",
+    "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
+    "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
+}
+# Values Megatron-LM main added to existing flags that are not built here.
+_NOT_SUPPORTED_YET_VALUES = {
+    ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
+                                                                 "per-expert bias by dual "
+                                                                 "coordinate descent)",
 }
 
 
@@ -675,16 +774,113 @@ def _apply_hybrid_flags(args, model: Dict[str, Any]) -> None:
     model["num_layers"] = count
 
 
+def _apply_megatron_main_flags(args: argparse.Namespace,
+                               sections: Dict[str, Dict[str, Any]]) -> None:
+    """Megatron-LM 0.19 / main flags: what each does here, or the error saying why not."""
+    training, data, parallel = sections["training"], sections["data"], sections["parallel"]
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if args.dataloader_inter_document_masking:
+        data["reset_attention_mask"] = True
+    for flag, value, same, what in (
+            ("--eval-micro-batch-size", args.eval_micro_batch_size,
+             training.get("micro_batch_size", 1), "--micro-batch-size"),
+            ("--eval-global-batch-size", args.eval_global_batch_size,
+             training.get("global_batch_size"), "--global-batch-size")):
+        if value is not None and value != same:
+            raise ConfigError(f"{flag} {value}: evaluation here runs with the training batch "
+                              f"({what} {same}); drop it or give the same value")
+    if args.null_tokenizer_eod_id is not None:
+        vocab = data.get("vocab_size")
+        if args.null_tokenizer_eod_id != vocab:
+            raise ConfigError(
+                f"--null-tokenizer-eod-id {args.null_tokenizer_eod_id}: the NullTokenizer here "
+                f"gives EOD the id after the text ids (--vocab-size, {vocab}); Megatron-LM "
+                "main's default, vocab_size - 1, is one of the text ids; drop it")
+    if args.exit_signal_handler_for_training:
+        raise ConfigError("--exit-signal-handler-for-training (Megatron-LM main: exit quietly on "
+                          "SIGINT/SIGTERM) is not built; --exit-signal-handler saves a "
+                          "checkpoint and exits on --exit-signal")
+    fsdp_dtypes = [(flag, value) for flag, value in (
+        ("--megatron-fsdp-main-params-dtype", args.megatron_fsdp_main_params_dtype),
+        ("--megatron-fsdp-main-grads-dtype", args.megatron_fsdp_main_grads_dtype),
+        ("--megatron-fsdp-grad-comm-dtype", args.megatron_fsdp_grad_comm_dtype))
+        if value is not None]
+    if fsdp_dtypes and not args.use_megatron_fsdp:
+        raise ConfigError(f"{', '.join(f for f, _ in fsdp_dtypes)} configure Megatron-FSDP: "
+                          "add --use-megatron-fsdp, or drop them")
+    for flag, value in fsdp_dtypes:
+        # FSDP2 here keeps fp32 main params and fp32 grads (reduced in fp32, or bf16 with
+        # --grad-reduce-in-bf16): those values, and auto for an fp32 model, are what it does.
+        fp32_model = not (args.bf16 or args.fp16)
+        if value == "fp32" or (value == "auto" and (fp32_model or "comm" in flag)):
+            continue
+        raise ConfigError(f"{flag} {value}: FSDP2 here keeps fp32 main params and grads; give "
+                          "fp32 (or auto), or drop it")
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        given = parallel.get("virtual_pipeline_model_parallel_size")
+        if given is not None and given != args.num_virtual_stages_per_pipeline_rank:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
+                              "--virtual-pipeline-model-parallel-size are one setting; give one")
+        parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
+    if args.num_distributed_optimizer_instances != 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances "
+                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
+                          "here shards over the whole data-parallel group (one instance); drop it")
+    if args.cuda_graph_impl != "none":
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
+                          "megatron_smp does not build; drop it (a hardware-only switch)")
+    if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
+        # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
+        if not parallel.get("use_torch_fsdp2"):
+            raise ConfigError("--ckpt-format torch_dcp is Megatron-LM's FSDP2 format: add "
+                              "--use-torch-fsdp2, or use torch_dist")
+        sections["checkpoint"]["ckpt_format"] = "torch_dist"
+
+
+def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
+                            argv: Sequence[str]) -> None:
+    """Megatron-LM main's emerging optimizers: dist_muon is its deprecated spelling of muon
+    with --use-distributed-optimizer; SOAP, adaptive Muon and the Triton SYRK kernel are not
+    built here."""
+    if optimizer.get("optimizer") == "dist_muon":
+        optimizer["optimizer"] = "muon"
+        optimizer["use_distributed_optimizer"] = True
+    if optimizer.get("optimizer") in ("soap", "adaptive_muon"):
+        raise ConfigError(f"--optimizer {optimizer['optimizer']} is not built here; use "
+                          "--optimizer muon (or lion, adam, sgd)")
+    if args.muon_use_syrk:
+        raise ConfigError("--muon-use-syrk picks emerging_optimizers' Triton SYRK kernel "
+                          "(CUDA, emerging_optimizers >= 0.4) for the Gram matrix; the "
+                          "iteration here uses torch's matmul: drop it")
+    given = {token.split("=", 1)[0] for token in argv}
+    muon_flags = sorted(flag for flag in given if flag.startswith("--muon-"))
+    if muon_flags and optimizer.get("optimizer") != "muon":
+        raise ConfigError(f"{', '.join(muon_flags)} configure Muon: add --optimizer muon, or "
+                          "drop them")
+    lion_flags = sorted(flag for flag in given if flag.startswith("--lion-"))
+    lion_used = optimizer.get("optimizer") == "lion" or (
+        optimizer.get("optimizer") == "muon" and optimizer.get("muon_scalar_optimizer") == "lion")
+    if lion_flags and not lion_used:
+        raise ConfigError(f"{', '.join(lion_flags)} configure Lion: add --optimizer lion (or "
+                          "--optimizer muon --muon-scalar-optimizer lion), or drop them")
+
+
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
     """ConfigError for the first flag in `argv` whose capability does not exist yet (FP8/FP4
     flags included)."""
+    for token, value in zip(argv, list(argv[1:]) + [""]):
+        flag, _, inline = token.partition("=")
+        what = _NOT_SUPPORTED_YET_VALUES.get((flag, inline or value))
+        if what:
+            raise not_supported(f"{flag} {inline or value}", what)
     for token in argv:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
-        if flag.startswith("--moe-") and flag not in _MOE_FLAGS:
+        if flag.startswith("--moe-") and flag not in _MOE_FLAGS and flag not in IGNORED_FLAGS:
             raise not_supported(flag, "this mixture-of-experts option")
 
 
@@ -924,7 +1120,9 @@ def parse_args(
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
+    _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
+    _apply_megatron_main_flags(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
         # with global tensor names and shapes, which FSDP2 runs write and read already.

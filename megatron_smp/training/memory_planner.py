@@ -397,7 +397,10 @@ class MemoryReport:
 def _optimizer_bytes_per_param(configs) -> int:
     optimizer = configs.optimizer
     half = configs.model.params_dtype != torch.float32
-    state = 8 if optimizer.optimizer == "adam" else (4 if optimizer.sgd_momentum else 0)
+    # Muon keeps one momentum per matrix (its few scalar params' Adam moments are neglected),
+    # Lion one moment per param.
+    state = {"adam": 8, "muon": 4, "lion": 4}.get(optimizer.optimizer,
+                                                 4 if optimizer.sgd_momentum else 0)
     return state + (4 if half else 0)  # + fp32 main params of bf16/fp16 models
 
 

@@ -524,6 +524,9 @@ class SelfAttention(torch.nn.Module):
             gather_output=False,
             device=device,
         )
+        # Rows of q, k and v per query group: Muon orthogonalises each part on its own.
+        self.linear_qkv.weight.qkv_split_shapes = (
+            self.q_per_group * self.head_dim, self.head_dim, self.head_dim)
         submodules = submodules or SelfAttentionSubmodules(
             core_attention=ModuleSpec(DotProductAttention))
         self.core_attention = build_module(

@@ -27,6 +27,7 @@ CASES = {
     "gpt_torch_dist": ("pretrain_gpt", GPT),
     "llama_torch_dist": ("pretrain_llama", LLAMA),
     "llama_legacy_tp2": ("pretrain_llama", LLAMA),
+    "llama_torch_dist_0192": ("pretrain_llama", LLAMA),  # megatron-core 0.19.2: no common.pt
 }
 
 

@@ -154,7 +154,8 @@ def topk_routing(
 
     softmax (default): softmax over the k chosen logits (Mixtral); `pre_softmax`: softmax over
     all experts, then the k largest probabilities, not renormalised (Qwen-MoE).
-    sigmoid (DeepSeek-V3): sigmoid scores; the choice is made on scores + `expert_bias` (the
+    sigmoid (DeepSeek-V3), sqrtsoftplus (Megatron-LM main): per-expert scores; the choice is
+    made on scores + `expert_bias` (the
     aux-loss-free bias steers the choice only), the chosen unbiased scores are renormalised
     to sum to 1 when k > 1. With `num_groups` the choice is group-limited
     (`group_limited_topk`); `scaling_factor` multiplies the final probs.
@@ -164,8 +165,8 @@ def topk_routing(
             return group_limited_topk(scores, topk, num_groups, group_topk)
         return torch.topk(scores, k=topk, dim=-1)
 
-    if score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float()).to(logits.dtype)
+    if score_function in BOUNDED_SCORE_FUNCTIONS:
+        scores = bounded_scores(logits, score_function).to(logits.dtype)
         if expert_bias is not None:
             _, top_indices = choose(scores + expert_bias.to(scores.dtype))
             top_probs = torch.gather(scores, 1, top_indices)
@@ -192,10 +193,22 @@ def scores_for_aux_loss(logits: torch.Tensor, score_function: str = "softmax") -
     """The fp32 scores [T, E] the load-balancing losses see: softmax, or sigmoid normalised
     over the experts (DeepSeek-V3's sequence-wise loss; Megatron's
     `compute_routing_scores_for_aux_loss`). Neither bias nor groups enter."""
-    if score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
+    if score_function in BOUNDED_SCORE_FUNCTIONS:
+        scores = bounded_scores(logits, score_function)
         return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return torch.softmax(logits.float(), dim=-1)
+
+
+# Per-expert scores taken before top-k and renormalised over the chosen (DeepSeek-V3's
+# sigmoid; Megatron-LM main's sqrtsoftplus, sqrt(softplus(x))).
+BOUNDED_SCORE_FUNCTIONS = ("sigmoid", "sqrtsoftplus")
+
+
+def bounded_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 [T, E] scores of a BOUNDED_SCORE_FUNCTIONS function."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return torch.nn.functional.softplus(logits.float()).sqrt()
 
 
 def updated_expert_bias(

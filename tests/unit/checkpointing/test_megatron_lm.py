@@ -16,6 +16,7 @@ from megatron_smp.checkpointing.megatron_lm import (
     read_args,
     safe_load,
 )
+from megatron_smp.checkpointing.engine.storage import CheckpointError
 from megatron_smp.config import ConfigError
 from megatron_smp.checkpointing.loop import check_key_mismatch
 from tools.checkpoint.convert import main
@@ -23,8 +24,11 @@ from tools.checkpoint.smp_format import read_smp_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                         "fixtures", "megatron")
+# *_0192: written by megatron-core 0.19.2 (its torch_dist keeps the common state in the DCP
+# files: no common.pt).
 MODEL_TYPES = {"gpt_torch_dist": "gpt2", "llama_torch_dist": "llama",
-               "llama_legacy_tp2": "llama"}
+               "llama_legacy_tp2": "llama", "llama_torch_dist_0192": "llama",
+               "llama_legacy_tp2_0192": "llama"}
 VOCAB = 100
 
 
@@ -180,13 +184,15 @@ def test_moe_checkpoint_reads_megatron_core_tensors_exactly(tmp_path):
     assert all(torch.equal(again[name], model[name]) for name in model)
 
 
-@pytest.mark.parametrize("ours", [False, True])
-def test_use_checkpoint_args_takes_the_model_shape(ours, tmp_path):
+@pytest.mark.parametrize("ours,fixture", [(False, "llama_torch_dist"), (True, "llama_torch_dist"),
+                                          (False, "llama_torch_dist_0192")])
+def test_use_checkpoint_args_takes_the_model_shape(ours, fixture, tmp_path):
     """--use-checkpoint-args: the model flags give way to the checkpoint's (Megatron's pickled
-    args, or our common.json), for every shape and function field."""
+    args -- in common.pt, or in megatron-core 0.19's DCP files -- or our common.json), for
+    every shape and function field."""
     from megatron_smp.training.arguments import parse_args
 
-    load = os.path.join(FIXTURES, "llama_torch_dist")
+    load = os.path.join(FIXTURES, fixture)
     if ours:
         _convert("llama", "megatron", "megatron_smp", load, tmp_path / "ours")
         load = str(tmp_path / "ours")
@@ -279,3 +285,36 @@ def test_transformer_engine_mla_and_mtp_names_map_to_ours():
     assert _our_name("mtp.layers.0.eh_proj._extra_state") is None
     assert _megatron_name("mtp.layers.0.mtp_model_layer.mlp.router.expert_bias") == \
         "mtp.layers.0.transformer_layer.mlp.router.expert_bias"
+
+
+def test_megatron_core_019_common_state_is_read_safely_and_tensor_exact(tmp_path):
+    """megatron-core 0.19.2's torch_dist: args, iteration and version come from the DCP item
+    common_state (raw bytes, restricted unpickling); every tensor equals its state dict."""
+    from megatron_smp.checkpointing.megatron_lm import _common_state, _read_dcp_bytes
+
+    fixture = os.path.join(FIXTURES, "llama_torch_dist_0192")
+    checkpoint = find_megatron_checkpoint(fixture)
+    assert not os.path.exists(os.path.join(checkpoint.path, "common.pt"))
+    common = _common_state(checkpoint)
+    assert (common["iteration"], common["checkpoint_version"]) == (10, 3.0)
+    assert read_args(checkpoint)["num_query_groups"] == 2
+    # Bytes holding a global outside the allowed plain data are refused, never executed.
+    import io
+    import pickle
+
+    evil = io.BytesIO()
+    torch.save([{"args": pickle.loads(pickle.dumps(os.getcwd))}], evil)
+    with pytest.raises(CheckpointError, match="not plain data"):
+        safe_load("common_state", evil.getvalue())
+    assert _read_dcp_bytes(checkpoint.path, "no/such_item") is None
+
+    _convert("llama", "megatron", "megatron_smp", fixture, tmp_path / "ours")
+    _, model, _ = read_smp_checkpoint(str(tmp_path / "ours"), "llama", "llama")
+    reference = torch.load(os.path.join(fixture, "reference.pt"))["state_dict"]
+    renamed = {name.replace("self_attention.linear_qkv.layer_norm_weight",
+                            "input_layernorm.weight")
+               .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"): t
+               for name, t in reference.items() if "_extra_state" not in name}
+    assert sorted(model) == sorted(renamed)
+    for name, tensor in model.items():
+        assert torch.equal(tensor, renamed[name][: tensor.shape[0]]), name

@@ -9,13 +9,18 @@ warnings.filterwarnings("ignore", message=".*")
 # Every family of the zoo: odd vocabularies, GQA, head dims != hidden / heads, Llama 3.1 and
 # YaRN RoPE with original contexts (8) the generations run past, sliding windows (mistral,
 # gpt-oss), sinks (gpt-oss), MLA (deepseek_v3), MoE (mixtral, qwen2_moe, qwen3_moe, gpt-oss,
-# deepseek_v3), parallel residuals (gpt_neox, gptj).
+# deepseek_v3), parallel residuals (gpt_neox, gptj), Gemma 3's 5:1 sliding/global layers with
+# per-type RoPE, sandwich norms and logit soft-capping (gemma3).
 FAMILIES = ("gpt2", "llama", "llama31", "mistral", "gpt_neox", "gptj", "qwen2", "mixtral",
-            "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+            "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma3")
 PROMPT, NEW = 9, 12
 
 
 def build(family, seed=0):
+    if family == "gemma3":
+        from tests.unit.models.test_hf_gemma3 import build_gemma3
+
+        return build_gemma3(seed)
     if family == "gpt_oss":
         from tests.unit.models.test_hf_gpt_oss import build_gpt_oss
 

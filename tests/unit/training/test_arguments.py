@@ -240,7 +240,8 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
                       "moe_layer_freq": "moe_layer_pattern",
                       "expert_tensor_parallel_size": "validate",
                       "recompute_modules": "recompute_modules",
-                      "window_attn_skip_freq": "layer_window_size"}
+                      "window_attn_skip_freq": "layer_window_size",
+                      "experimental_attention_variant": "validate"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:

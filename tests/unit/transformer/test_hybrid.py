@@ -80,6 +80,8 @@ def test_config_errors_name_the_flag():
     linear = CONFIGS["linear_attention"]()
     assert "--experimental-attention-variant" in _errors(
         linear.replace(experimental_attention_variant=None))
+    # The variant alone places nothing in a GPT stack (Megatron asserts the same).
+    assert "needs --linear-attention-freq" in _errors(linear.replace(linear_attention_freq=None))
 
 
 BASE = ("--hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "

@@ -239,7 +239,6 @@ STATE_GROUPS = SimpleNamespace(tp_group=None, dp_cp_group=None)
     (dict(moe_router_num_groups=3, moe_router_group_topk=1), "must divide --num-experts"),
     (dict(moe_router_num_groups=2), "go together"),
     (dict(moe_router_num_groups=2, moe_router_group_topk=3), "between 1 and"),
-    (dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True), "pre-softmax"),
     (dict(moe_router_score_function="sigmoid", moe_router_load_balancing_type="sinkhorn"),
      "sinkhorn"),
 ])

@@ -1,0 +1,1 @@
+"""Small RL environments shipped with the project (prompt generators and verifiable rewards)."""
