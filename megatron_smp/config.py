@@ -33,6 +33,29 @@ def not_supported(setting: str, what: str) -> ConfigError:
     return ConfigError(f"{setting} {NOT_SUPPORTED_YET.format(what=what)}")
 
 
+# -- validated once ---------------------------------------------------------------------------
+# Each config is validated where it is built (training.arguments.validate_configs, smp.init);
+# the library entry points that take a config (build_parallel_state, GPTModel,
+# get_megatron_optimizer) call `validate` too, for callers that build configs by hand. A
+# config remembers the contents and layout it was validated with, so those repeated calls
+# return at once; a config changed since (or a copy, dataclasses.replace) is checked again.
+
+
+def _fingerprint(config, skip: Tuple[str, ...] = ()) -> str:
+    """A config's contents (every dataclass field but `skip`), as text."""
+    return repr([(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+                 if f.name not in skip])
+
+
+def _validated(config, key) -> bool:
+    return key in config.__dict__.get("_validated_keys", ())
+
+
+def _remember_validated(config, key) -> None:
+    config.__dict__.setdefault("_validated_keys", set()).add(key)
+
+
+
 # How validation messages name ParallelConfig fields: Megatron's flags by default; `smp.init`
 # passes the SMP v2 keys instead so each user sees the name they wrote.
 FLAG_NAMES = {
@@ -105,10 +128,17 @@ class ParallelConfig:
         return dp_cp if self.hybrid_shard_degree == 0 else self.hybrid_shard_degree
 
     def validate(self, world_size: int, names: Optional[dict] = None) -> None:
-        """Check the degrees against `world_size`. Pure: reads the config, never changes it.
+        """Check the degrees against `world_size`. Pure: reads the config, never changes it
+        (once per contents and world size: see `_fingerprint`).
 
         `names` maps field names to how the user spelled them (default: Megatron's flags).
         """
+        key = (_fingerprint(self), world_size)
+        if not _validated(self, key):
+            self._check(world_size, names)
+            _remember_validated(self, key)
+
+    def _check(self, world_size: int, names: Optional[dict]) -> None:
         name = dict(FLAG_NAMES, **(names or {}))
         for field_name in (
             "tensor_model_parallel_size",
@@ -475,9 +505,27 @@ class TransformerConfig:
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
+    def sequence_parallel_at(self, tp_size: int) -> bool:
+        """Whether sequence parallelism is on at tensor-parallel size `tp_size` (--sequence-
+        parallel means nothing without tensor parallelism): the one place it is derived."""
+        return bool(self.sequence_parallel) and tp_size > 1
+
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
                  names: Optional[dict] = None) -> None:
-        """Check the model against the parallel layout (and sequence length). Pure."""
+        """Check the model against the parallel layout (and sequence length). Pure; once per
+        contents and layout (a check with a sequence length covers one without)."""
+        # The data-parallel size is derived (ParallelState's copy has it, the flags' not);
+        # the model's checks never read it.
+        layout = (_fingerprint(self), _fingerprint(parallel, ("data_parallel_size",)))
+        if _validated(self, layout + (seq_length,)) or (
+                seq_length is None and any(key[:2] == layout for key in
+                                           self.__dict__.get("_validated_keys", ()))):
+            return
+        self._check(parallel, seq_length, names)
+        _remember_validated(self, layout + (seq_length,))
+
+    def _check(self, parallel: ParallelConfig, seq_length: Optional[int],
+               names: Optional[dict]) -> None:
         parallel.check_supported(names)
         tp = parallel.tensor_model_parallel_size
         _require(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
@@ -1144,6 +1192,13 @@ class OptimizerConfig:
         return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
+        """Check the optimizer settings (once per contents)."""
+        key = _fingerprint(self)
+        if not _validated(self, key):
+            self._check()
+            _remember_validated(self, key)
+
+    def _check(self) -> None:
         _require(
             self.optimizer in ("adam", "sgd", "muon", "lion"),
             f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",

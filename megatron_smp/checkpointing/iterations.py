@@ -171,29 +171,10 @@ def save_checkpoint(
     staging_dir = final_dir + STAGING_SUFFIX
     queue = queue if queue is not None else DEFAULT_ASYNC_QUEUE
 
-    def prepare() -> str:
-        if ckpt_format not in CHECKPOINT_FORMATS:
-            raise CheckpointError(
-                f"--ckpt-format {ckpt_format!r} is not supported; use one of {CHECKPOINT_FORMATS}"
-            )
-        if extra_files and ckpt_format != "torch":
-            raise CheckpointError("extra_files are written with ckpt_format='torch' only")
-        if not isinstance(iteration, int) or iteration < 0:
-            raise CheckpointError(f"iteration must be a non-negative int, got {iteration!r}")
-        check_state_dict(state_dict)
-        if RNG_KEY in state_dict:
-            raise CheckpointError(f"state dict key {RNG_KEY!r} is reserved for the RNG states")
-        common = _common_metadata(iteration, state, ckpt_format, config)
-        if state.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            if os.path.exists(staging_dir):  # left by a killed save of this iteration
-                shutil.rmtree(staging_dir)
-            os.makedirs(staging_dir)
-            write_file_atomically(os.path.join(staging_dir, COMMON_FILENAME), common)
-        return common
-
     # Collective: no rank writes before rank 0 has made a clean staging directory.
-    _agreed(prepare, f"preparing checkpoint {staging_dir}")
+    _agreed(lambda: _prepare_staging(iteration, state_dict, save_dir, state, ckpt_format,
+                                     config, extra_files),
+            f"preparing checkpoint {staging_dir}")
 
     full_state_dict = dict(state_dict)
     if save_rng:
@@ -212,25 +193,58 @@ def save_checkpoint(
             )
             return
         dcp.save(full_state_dict, checkpoint_id=staging_dir, planner=planner)
-    else:
-        path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
-        files = {path: full_state_dict}
-        files.update({os.path.join(staging_dir, name): value
-                      for name, value in (extra_files or {}).items()})
-        payload = _torch_payload(files)
-        if async_save:
-            schedule_staged_write(
-                payload,
-                lambda staged: _torch_save_files(staged),
-                queue,
-                stage_in_background=stage_in_background,
-                finalize_fns=finalize_fns,
-                description=f"asynchronous save of {path}",
-            )
-            return
-        _agreed(lambda: _torch_save_files(payload), f"saving {staging_dir}")
+    elif _write_torch_files(full_state_dict, staging_dir, state, extra_files, async_save,
+                            queue, stage_in_background, finalize_fns):
+        return
     for fn in finalize_fns:
         fn()
+
+
+def _prepare_staging(iteration, state_dict, save_dir: str, state, ckpt_format: str, config,
+                     extra_files) -> None:
+    """Check what is saved, then (rank 0) a clean staging directory with common.json."""
+    if ckpt_format not in CHECKPOINT_FORMATS:
+        raise CheckpointError(
+            f"--ckpt-format {ckpt_format!r} is not supported; use one of {CHECKPOINT_FORMATS}"
+        )
+    if extra_files and ckpt_format != "torch":
+        raise CheckpointError("extra_files are written with ckpt_format='torch' only")
+    if not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointError(f"iteration must be a non-negative int, got {iteration!r}")
+    check_state_dict(state_dict)
+    if RNG_KEY in state_dict:
+        raise CheckpointError(f"state dict key {RNG_KEY!r} is reserved for the RNG states")
+    common = _common_metadata(iteration, state, ckpt_format, config)
+    if state.rank == 0:
+        staging_dir = checkpoint_dir(save_dir, iteration) + STAGING_SUFFIX
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(staging_dir):  # left by a killed save of this iteration
+            shutil.rmtree(staging_dir)
+        os.makedirs(staging_dir)
+        write_file_atomically(os.path.join(staging_dir, COMMON_FILENAME), common)
+
+
+def _write_torch_files(full_state_dict, staging_dir: str, state, extra_files, async_save: bool,
+                       queue, stage_in_background: bool, finalize_fns) -> bool:
+    """The "torch" format's per-rank file (and `extra_files`); True when the write was
+    scheduled asynchronously (finalised later), False when it is done."""
+    path = os.path.join(staging_dir, f"{_rank_key(state.rank)}.pt")
+    files = {path: full_state_dict}
+    files.update({os.path.join(staging_dir, name): value
+                  for name, value in (extra_files or {}).items()})
+    payload = _torch_payload(files)
+    if async_save:
+        schedule_staged_write(
+            payload,
+            lambda staged: _torch_save_files(staged),
+            queue,
+            stage_in_background=stage_in_background,
+            finalize_fns=finalize_fns,
+            description=f"asynchronous save of {path}",
+        )
+        return True
+    _agreed(lambda: _torch_save_files(payload), f"saving {staging_dir}")
+    return False
 
 
 def prepare_async_staging(
@@ -348,6 +362,52 @@ def _find_checkpoint(load_dir: str, iteration: Optional[int]):
     return iteration, path, common
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedCheckpoint:
+    """One checkpoint on disk, read once per load and passed down: its directory and
+    iteration, common.json's content and (for "torch_dist") the DCP metadata."""
+
+    load_dir: str
+    iteration: int
+    path: str
+    common: Dict[str, Any]
+    metadata: Any = None  # torch.distributed.checkpoint Metadata, "torch_dist" only
+
+    @property
+    def ckpt_format(self) -> str:
+        return self.common["ckpt_format"]
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The configs saved with the checkpoint ({} when none were)."""
+        config = self.common.get("config")
+        return config if isinstance(config, dict) else {}
+
+    def rank_file(self, rank: int) -> str:
+        """A "torch"-format checkpoint's file of `rank`."""
+        return os.path.join(self.path, f"{_rank_key(rank)}.pt")
+
+
+def read_saved_checkpoint(load_dir: str, state, iteration: Optional[int] = None
+                          ) -> SavedCheckpoint:
+    """Find iteration `iteration` (default: the tracker's) of `load_dir` and read what
+    describes it (collective; errors are raised on every rank)."""
+    load_dir = os.fspath(load_dir)
+    if is_distributed():
+        # Rank 0's view decides, should a shared file system show ranks different trackers.
+        if iteration is None:
+            iteration = _agreed(lambda: read_tracker(load_dir),
+                                f"finding a checkpoint in {load_dir}")
+        box = [iteration]
+        dist.broadcast_object_list(box, src=0)
+        iteration = box[0]
+    iteration, path, common = _agreed(
+        lambda: _find_checkpoint(load_dir, iteration), f"finding a checkpoint in {load_dir}")
+    metadata = (dcp.read_checkpoint_metadata(path) if common["ckpt_format"] == "torch_dist"
+                else None)
+    return SavedCheckpoint(load_dir, iteration, path, common, metadata)
+
+
 def load_checkpoint(
     state_dict_template: Dict[str, Any],
     load_dir: str,
@@ -355,24 +415,19 @@ def load_checkpoint(
     iteration: Optional[int] = None,
     *,
     load_rng: bool = True,
+    saved: Optional[SavedCheckpoint] = None,
 ) -> int:
     """Load iteration `iteration` (default: the tracker's) into the template; returns it.
 
     Collective. Tensors are filled in place (resharded for "torch_dist"); other values are
     replaced in the template. The RNG states are restored when the layout (world size and
-    parallel sizes) is the one that saved them, else left alone with a warning.
+    parallel sizes) is the one that saved them, else left alone with a warning. `saved`:
+    the checkpoint as `read_saved_checkpoint` read it (then `load_dir` and `iteration` are
+    its own), so that nothing describing it is read twice.
     """
-    load_dir = os.fspath(load_dir)
-    found = _agreed(
-        lambda: _find_checkpoint(load_dir, iteration), f"finding a checkpoint in {load_dir}"
-    )
-    if is_distributed():
-        # Rank 0's view decides, should a shared file system show ranks different trackers.
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = _agreed(lambda: _find_checkpoint(load_dir, box[0][0]), f"reading {box[0][1]}")
-    iteration, path, common = found
-
+    if saved is None:
+        saved = read_saved_checkpoint(load_dir, state, iteration)
+    path, common = saved.path, saved.common
     saved_layout = {k: common.get(k) for k in _layout(state)}
     same_layout = saved_layout == _layout(state)
     restore_rng = load_rng and same_layout
@@ -385,8 +440,8 @@ def load_checkpoint(
     if restore_rng:
         template[RNG_KEY] = {_rank_key(state.rank): b""}
 
-    if common["ckpt_format"] == "torch_dist":
-        dcp.load(template, checkpoint_id=path)
+    if saved.ckpt_format == "torch_dist":
+        dcp.load(template, checkpoint_id=path, metadata=saved.metadata)
     else:
         if not same_layout:
             raise CheckpointError(
@@ -394,14 +449,14 @@ def load_checkpoint(
                 f"loaded at {_layout(state)}. Load it at the saving layout, or save with "
                 "--ckpt-format torch_dist, which reshards"
             )
-        file = os.path.join(path, f"{_rank_key(state.rank)}.pt")
+        file = saved.rank_file(state.rank)
         _agreed(lambda: _torch_load_into(template, file), f"loading {path}")
 
     for key in state_dict_template:
         state_dict_template[key] = template[key]
     if restore_rng:
         set_rng_state(rng_state_from_bytes(template[RNG_KEY][_rank_key(state.rank)]))
-    return iteration
+    return saved.iteration
 
 
 def _torch_load_into(template: Dict[str, Any], file: str) -> None:

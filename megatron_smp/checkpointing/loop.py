@@ -1,13 +1,14 @@
-"""The training loop's checkpoints: what `pretrain` saves and restores, and when (the top
-layer of `megatron_smp.checkpointing`; `pretrain` imports it as `checkpointing`).
+"""The training loop's checkpoints: what a run saves and restores, and when (the top layer of
+`megatron_smp.checkpointing`). Every function takes a `record.CheckpointRecord` -- the parts
+a run checkpoints and its progress counters -- never the run itself:
 
-    checkpointing.load(run, tokenizer)   # before the data loaders: restores the model,
+    checkpointing.load(record)           # before the data loaders: restores the model,
                                          # optimizer, scheduler, progress counters and RNG
-    checkpointing.save(run)              # at --save-interval and at the end
-    checkpointing.prepare_async_save(run)  # after the first step: warms --async-save's memory
-    checkpointing.wait_for_staging(run)  # in train_step, before optimizer.step()
-    checkpointing.poll(run)              # every iteration: publishes finished async saves
-    checkpointing.finalize(run)          # at exit: waits for the last async save
+    checkpointing.save(record)           # at --save-interval and at the end
+    checkpointing.prepare_async_save(record)  # after the first step: warms --async-save's memory
+    checkpointing.wait_for_staging(record)  # in train_step, before optimizer.step()
+    checkpointing.poll(record)           # every iteration: publishes finished async saves
+    checkpointing.finalize(record)       # at exit: waits for the last async save
 
 A checkpoint holds (see megatron_smp.checkpointing.sharded_state for the tensors' form)
 
@@ -24,6 +25,7 @@ without the distributed optimizer; "torch" ones (a file per rank) only at the sa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -35,14 +37,22 @@ import torch.distributed as dist
 from megatron_smp.checkpointing import (
     COMMON_FILENAME,
     CheckpointError,
+    SavedCheckpoint,
     checkpoint_dir,
     complete_iterations,
     load_checkpoint,
     maybe_finalize_async_calls,
     prepare_async_staging,
+    read_saved_checkpoint,
     read_tracker,
     save_checkpoint,
     tracker_path,
+)
+from megatron_smp.checkpointing.record import (
+    PROGRESS_KEYS,
+    CheckpointRecord,
+    LoraBase,
+    Progress,
 )
 from megatron_smp.checkpointing.sharded_state import (
     finish_optimizer_load,
@@ -73,7 +83,6 @@ from megatron_smp.checkpointing.engine.loader import format_listing
 # common.json's config key naming the base checkpoint of a small LoRA checkpoint:
 # {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
 LORA_BASE_KEY = "lora_base"
-PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")
 # Megatron's --dist-ckpt-strictness values (megatron.core.dist_checkpointing StrictHandling).
 STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
                       "raise_all", "return_unexpected", "return_all", "ignore_all")
@@ -156,103 +165,100 @@ def check_key_mismatch(strictness: str, unexpected: List[str], missing: List[str
     return warnings
 
 
-def _print_rank_0(run, message: str) -> None:
-    if run.state.rank == 0:
+
+def _print_rank_0(record: CheckpointRecord, message: str) -> None:
+    if record.state.rank == 0:
         print(message, flush=True)
 
 
-def _state_dict(run, tied_copies: bool, optimizer: bool, scheduler: bool,
+def _is_adapter(name: str) -> bool:
+    return ".lora.lora_" in name
+
+
+def _state_dict(record: CheckpointRecord, tied_copies: bool, optimizer: bool, scheduler: bool,
                 progress: bool) -> Dict[str, Any]:
-    vocab_size = run.configs.model.vocab_size
+    vocab_size = record.configs.model.vocab_size
     state_dict: Dict[str, Any] = {
-        "model": model_sharded_state_dict(run.model, run.state, vocab_size, tied_copies)
+        "model": model_sharded_state_dict(record.model, record.state, vocab_size, tied_copies)
     }
     if optimizer:
         state_dict["optimizer"] = optimizer_sharded_state_dict(
-            run.optimizer, run.model, run.state, vocab_size, tied_copies
+            record.optimizer, record.model, record.state, vocab_size, tied_copies
         )
     if scheduler:
-        state_dict["opt_param_scheduler"] = run.scheduler.state_dict()
+        state_dict["opt_param_scheduler"] = record.scheduler.state_dict()
     if progress:
-        for key in PROGRESS_KEYS:
-            state_dict[key] = int(getattr(run, key))
+        state_dict.update(record.progress.as_dict())
     return state_dict
+
+
+def _saved_state_dict(record: CheckpointRecord) -> Dict[str, Any]:
+    """What a save writes (and --async-save stages)."""
+    config = record.configs.checkpoint
+    # DCP writes a key once, so the tied output copy (equal to the embedding) is left out; a
+    # "torch" file holds exactly what its rank loads back.
+    return _state_dict(record, tied_copies=config.ckpt_format == "torch",
+                       optimizer=not config.no_save_optim, scheduler=True, progress=True)
 
 
 # -- saving -----------------------------------------------------------------------------------
 
 
-def save(run) -> None:
-    """Save iteration `run.iteration` to --save (collective). With --async-save, returns at
-    once: the copy to CPU memory runs in the background until `wait_for_staging(run)`, the
-    write after it; an earlier async save is finished first."""
-    config = run.configs.checkpoint
+def save(record: CheckpointRecord) -> None:
+    """Save iteration `record.iteration` to --save (collective). With --async-save, returns
+    at once: the copy to CPU memory runs in the background until `wait_for_staging`, the write
+    after it; an earlier async save is finished first."""
+    config = record.configs.checkpoint
     if config.async_save:
         maybe_finalize_async_calls(blocking=True)
     # With --overlap-param-gather, the last step's all-gathers may still be writing params:
     # finish them now, so nothing but the next optimizer.step() modifies the saved tensors
     # (the next forward's pre-hooks then find no gather in flight).
-    for chunk in run.model:
+    for chunk in record.model:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     start = time.perf_counter()
-    state_dict = _state_dict(
-        run,
-        # DCP writes a key once, so the tied output copy (equal to the embedding) is left
-        # out; a "torch" file holds exactly what its rank loads back.
-        tied_copies=config.ckpt_format == "torch",
-        optimizer=not config.no_save_optim,
-        scheduler=True,
-        progress=True,
-    )
-    saved_config = run.configs.to_dict()
-    base = getattr(run, "lora_base", None)
-    if run.configs.training.lora_rank and base is not None:
+    state_dict = _saved_state_dict(record)
+    saved_config = record.configs.to_dict()
+    if record.configs.training.lora_rank and record.lora_base is not None:
         # A small checkpoint: the adapters (the only trainable tensors), their optimizer
         # state, scheduler, progress and RNG; the frozen base is named, not copied.
         state_dict["model"] = {name: view for name, view in state_dict["model"].items()
                                if _is_adapter(name)}
-        saved_config[LORA_BASE_KEY] = {"load": base[0], "iteration": base[1]}
-    validator = getattr(run, "validator", None)
-    if validator is not None and validator.rerun_iteration:
+        saved_config[LORA_BASE_KEY] = {"load": record.lora_base[0],
+                                       "iteration": record.lora_base[1]}
+    if record.validates_results and record.rerun is not None:
         # --rerun-mode validate_results: the resumed job first reruns this iteration.
-        state_dict["rerun_iteration"] = int(validator.rerun_iteration)
-        state_dict["rerun_device"] = int(validator.rerun_device)
+        state_dict["rerun_iteration"], state_dict["rerun_device"] = map(int, record.rerun)
     save_checkpoint(
-        run.iteration,
-        state_dict,
-        config.save,
-        run.state,
+        record.iteration, state_dict, config.save, record.state,
         async_save=config.async_save,
         config=saved_config,
         ckpt_format=config.ckpt_format,
         save_rng=not config.no_save_rng,
         stage_in_background=config.async_save,
         # (Not for a small LoRA checkpoint: the legacy files would copy the whole model.)
-        extra_files=(_megatron_legacy_files(run)
+        extra_files=(_megatron_legacy_files(record)
                      if config.ckpt_format == "torch" and LORA_BASE_KEY not in saved_config
                      else None),
         fully_parallel=config.ckpt_fully_parallel_save,
-        writer_backend="gloo" if run.configs.parallel.use_gloo_process_groups else None,
+        writer_backend="gloo" if record.configs.parallel.use_gloo_process_groups else None,
     )
     how = "scheduled for an asynchronous write" if config.async_save else "saved"
-    _print_rank_0(
-        run,
-        f"checkpoint of iteration {run.iteration} {how} to {config.save} in "
-        f"{time.perf_counter() - start:.2f} s",
-    )
-    if getattr(run, "progress_log", None) is not None:  # --log-progress
-        run.progress_log.checkpoint_saved(run.iteration, run.consumed_train_samples,
-                                          config.async_save)
+    _print_rank_0(record, f"checkpoint of iteration {record.iteration} {how} to {config.save} "
+                          f"in {time.perf_counter() - start:.2f} s")
+    if record.on_saved is not None:  # --log-progress
+        record.on_saved(record.iteration, record.progress.consumed_train_samples,
+                        config.async_save)
 
 
-def _megatron_legacy_files(run) -> Dict[str, Any]:
+def _megatron_legacy_files(record: CheckpointRecord) -> Dict[str, Any]:
     """--ckpt-format torch: besides our per-rank files (exact resume), the model in Megatron-LM's
     legacy layout, written by the first data-/context-parallel replica of each TP x PP (x EP)
     rank: mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt with args, iteration and the TP-local,
     stage-local state dict (our names are Megatron's). No optimizer or RNG states in it: it
     loads in Megatron-LM, or back here, with --finetune / --no-load-optim --no-load-rng."""
-    state = run.state
+    state = record.state
     # The first dp x cp member of each expert-parallel group (ep ranks are consecutive there):
     # dp_rank = cp_rank = 0 without experts.
     if state.dp_cp_rank >= state.ep_size:
@@ -262,36 +268,35 @@ def _megatron_legacy_files(run) -> Dict[str, Any]:
         name += f"_{state.pp_rank:03d}"
     if state.ep_size > 1:
         name += f"_{state.ep_rank:03d}"
-    args = args_from_config(run.configs.model, state.tp_size, state.pp_size, run.iteration)
-    args.consumed_train_samples = int(run.consumed_train_samples)
+    args = args_from_config(record.configs.model, state.tp_size, state.pp_size,
+                            record.iteration)
+    args.consumed_train_samples = int(record.progress.consumed_train_samples)
     content: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                               "iteration": int(run.iteration)}
-    for index, chunk in enumerate(run.model):
+                               "iteration": int(record.iteration)}
+    for index, chunk in enumerate(record.model):
         local = {key: tensor for key, tensor in chunk.state_dict().items()
                  if isinstance(tensor, torch.Tensor)}
         local.update({key: None for key in extra_state_names(list(local))})
-        content["model" if len(run.model) == 1 else f"model{index}"] = local
+        content["model" if len(record.model) == 1 else f"model{index}"] = local
     return {os.path.join(name, LEGACY_FILENAME): content}
 
 
-def prepare_async_save(run) -> None:
+def prepare_async_save(record: CheckpointRecord) -> None:
     """--async-save: allocate and write the CPU memory the saves stage into, in the
     background, so that the first save copies as fast as the later ones (local; once the
     optimizer state exists, i.e. after the first step, and before the first save)."""
-    config = run.configs.checkpoint
-    if not (config.async_save and config.save):
-        return
-    state_dict = _state_dict(run, tied_copies=config.ckpt_format == "torch",
-                             optimizer=not config.no_save_optim, scheduler=True, progress=True)
-    prepare_async_staging(state_dict, config.ckpt_format)
+    config = record.configs.checkpoint
+    if config.async_save and config.save:
+        prepare_async_staging(_saved_state_dict(record), config.ckpt_format)
 
 
-def wait_for_staging(run) -> None:
+def wait_for_staging(record: CheckpointRecord) -> None:
     """Block until an --async-save has copied the state to CPU memory (collective once per
     save, a no-op otherwise). Call it before anything modifies params or optimizer state:
     forward and backward do not, `optimizer.step()` does. A failed copy is raised on every
     rank."""
-    if not run.configs.checkpoint.async_save or not DEFAULT_ASYNC_QUEUE.has_unchecked_staging():
+    if (not record.configs.checkpoint.async_save
+            or not DEFAULT_ASYNC_QUEUE.has_unchecked_staging()):
         return
     error = None
     try:
@@ -301,22 +306,22 @@ def wait_for_staging(run) -> None:
     raise_if_any_rank_failed(error, None, "copying the checkpoint to CPU memory")
 
 
-def poll(run) -> None:
+def poll(record: CheckpointRecord) -> None:
     """Publish asynchronous saves every rank has finished writing (collective, cheap)."""
-    if run.configs.checkpoint.async_save:
+    if record.configs.checkpoint.async_save:
         maybe_finalize_async_calls(blocking=False)
 
 
-def finalize(run) -> None:
+def finalize(record: CheckpointRecord) -> None:
     """Wait for the last asynchronous save and publish it (collective)."""
-    if run.configs.checkpoint.async_save:
+    if record.configs.checkpoint.async_save:
         maybe_finalize_async_calls(blocking=True)
 
 
-# -- loading ----------------------------------------------------------------------------------
+# -- what is on disk --------------------------------------------------------------------------
 
 
-def _all_ranks_agree(flag: bool, state) -> bool:
+def _all_ranks_agree(flag: bool) -> bool:
     """True when `flag` holds on every rank (collective)."""
     if not is_distributed():
         return flag
@@ -325,42 +330,35 @@ def _all_ranks_agree(flag: bool, state) -> bool:
     return bool(value.item())
 
 
-def _saved_top_level_keys(path: str, state) -> Optional[Set[str]]:
-    """Top-level keys of the checkpoint at `path` (None: cannot tell at this layout)."""
-    from megatron_smp.checkpointing.engine import read_checkpoint_metadata
+@dataclasses.dataclass(frozen=True)
+class _SavedContents:
+    """What a checkpoint holds, as far as a load must know before reading it."""
 
-    with open(os.path.join(path, COMMON_FILENAME)) as f:
-        ckpt_format = json.load(f)["ckpt_format"]
-    if ckpt_format == "torch_dist":
-        metadata = read_checkpoint_metadata(path)
-        return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-    # "torch": this rank's file, memory-mapped; a missing file (another layout) is reported by
-    # the loader, which names both layouts.
-    file = os.path.join(path, f"rank_{state.rank:05d}.pt")
+    top_level_keys: Optional[Set[str]]  # None: cannot tell at this layout
+    has_adapters: bool  # LoRA adapter tensors among the model's
+
+
+def _saved_contents(saved: SavedCheckpoint, state) -> _SavedContents:
+    """From the DCP metadata already read ("torch_dist"), or this rank's file memory-mapped
+    ("torch"; a missing file -- another layout -- is reported by the loader, which names
+    both layouts). Collective for "torch"."""
+    if saved.ckpt_format == "torch_dist":
+        keys = saved.metadata.state_dict_metadata
+        return _SavedContents({key.split(".", 1)[0] for key in keys},
+                              any(_is_adapter(key) for key in keys))
+    file = saved.rank_file(state.rank)
     found = os.path.isfile(file)
-    if not _all_ranks_agree(found, state):
-        return None
-    return set(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
+    payload = (torch.load(file, map_location="cpu", mmap=True, weights_only=True) if found
+               else None)
+    agreed = _all_ranks_agree(found)
+    return _SavedContents(
+        set(payload) if agreed else None,
+        payload is None or any(_is_adapter(key) for key in payload.get("model", {})))
 
 
-def _saved_adapters(path: str, state) -> bool:
-    """Whether the checkpoint at `path` holds LoRA adapter tensors."""
-    from megatron_smp.checkpointing.engine import read_checkpoint_metadata
-
-    with open(os.path.join(path, COMMON_FILENAME)) as f:
-        ckpt_format = json.load(f)["ckpt_format"]
-    if ckpt_format == "torch_dist":
-        keys = read_checkpoint_metadata(path).state_dict_metadata
-        return any(".lora.lora_" in key for key in keys)
-    file = os.path.join(path, f"rank_{state.rank:05d}.pt")
-    if not os.path.isfile(file):
-        return True  # the loader reports the missing file
-    payload = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    return any(".lora.lora_" in key for key in payload.get("model", {}))
-
-
-def _is_adapter(name: str) -> bool:
-    return ".lora.lora_" in name
+def _recorded_base(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    base = config.get(LORA_BASE_KEY)
+    return base if isinstance(base, dict) else None
 
 
 def recorded_lora_base(path: str) -> Optional[Dict[str, Any]]:
@@ -368,16 +366,17 @@ def recorded_lora_base(path: str) -> Optional[Dict[str, Any]]:
     any other checkpoint."""
     try:
         with open(os.path.join(path, COMMON_FILENAME)) as handle:
-            base = (json.load(handle).get("config") or {}).get(LORA_BASE_KEY)
+            return _recorded_base(json.load(handle).get("config") or {})
     except (OSError, ValueError, AttributeError):
         return None  # the engine reports an unreadable common.json when it loads
-    return base if isinstance(base, dict) else None
 
 
-def resolve_lora_base(path: str, pretrained: Optional[str]) -> "tuple[str, int]":
+def resolve_lora_base(path: str, pretrained: Optional[str],
+                      recorded: Optional[Dict[str, Any]] = None) -> LoraBase:
     """(directory, iteration) of the base model under the small LoRA checkpoint at `path`:
-    --pretrained-checkpoint when given (its latest iteration), else the recorded base. Pure
-    (file reads only), so every rank raises alike before any collective."""
+    --pretrained-checkpoint when given (its latest iteration), else the recorded base
+    (`recorded`, when the caller has read it, else read from `path`). Pure (file reads
+    only), so every rank raises alike before any collective."""
     if pretrained:
         if not os.path.isfile(tracker_path(pretrained)):
             raise CheckpointError(
@@ -385,7 +384,7 @@ def resolve_lora_base(path: str, pretrained: Optional[str]) -> "tuple[str, int]"
                 f"({os.path.basename(tracker_path(pretrained))} is missing)")
         base_dir, iteration, how = pretrained, read_tracker(pretrained), "--pretrained-checkpoint"
     else:
-        recorded = recorded_lora_base(path) or {}
+        recorded = (recorded if recorded is not None else recorded_lora_base(path)) or {}
         base_dir, iteration = recorded.get("load"), recorded.get("iteration")
         how = f"the base recorded in {path}"
         if not base_dir or iteration is None:
@@ -404,46 +403,6 @@ def resolve_lora_base(path: str, pretrained: Optional[str]) -> "tuple[str, int]"
     return os.path.abspath(base_dir), int(iteration)
 
 
-def _load_lora_base(run, base_dir: str, iteration: int) -> None:
-    """Load the frozen base weights of a LoRA run (every model tensor but the adapters)
-    from `base_dir` at `iteration` (collective), and remember it as the base that this run's
-    checkpoints record."""
-    config = run.configs.checkpoint
-    path = checkpoint_dir(base_dir, iteration)
-    with open(os.path.join(path, COMMON_FILENAME)) as handle:
-        _check_format(config, json.load(handle).get("ckpt_format", "torch_dist"), path)
-    check_architecture_matches(path, run.configs.model)
-    views = {name: view for name, view in model_sharded_state_dict(
-        run.model, run.state, run.configs.model.vocab_size, True).items()
-        if not _is_adapter(name)}
-    load_checkpoint({"model": views}, base_dir, run.state, iteration, load_rng=False)
-    run.lora_base = (os.path.abspath(base_dir), int(iteration))
-    _print_rank_0(run, f"loaded the LoRA base model {path}")
-
-
-def _find_iteration(run) -> Optional[int]:
-    """The iteration to resume from, or None (with a warning) when --load holds none."""
-    load_dir = run.configs.checkpoint.load
-    has_tracker = _all_ranks_agree(os.path.isfile(tracker_path(load_dir)), run.state)
-    if has_tracker:
-        return read_tracker(load_dir)
-    if not os.path.isdir(load_dir):
-        why = "does not exist"
-    else:
-        found = complete_iterations(load_dir)
-        why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
-            f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
-        )
-    if run.configs.checkpoint.pretrained_checkpoint:
-        _print_rank_0(run, f"--load directory {load_dir} {why}: the LoRA adapters start "
-                           "fresh over --pretrained-checkpoint")
-    else:
-        _print_rank_0(
-            run, f"WARNING: --load directory {load_dir} {why}; training starts from scratch"
-        )
-    return None
-
-
 def check_architecture_matches(path: str, model_config) -> None:
     """Compare the saved model config (common.json) with this run's; raise naming every
     field that differs. Checkpoints without a saved model config are not checked."""
@@ -452,6 +411,11 @@ def check_architecture_matches(path: str, model_config) -> None:
             saved = (json.load(handle).get("config") or {}).get("model") or {}
     except (OSError, ValueError, AttributeError):
         return  # the engine reports an unreadable common.json when it loads
+    _check_architecture(saved, path, model_config)
+
+
+def _check_architecture(saved: Dict[str, Any], path: str, model_config) -> None:
+    """`check_architecture_matches` over the saved model config `saved` (already read)."""
     # Compared in their JSON form: a tuple (window_size) is saved as a list.
     differences = [
         f"{name}: checkpoint {saved[name]!r} vs flags {getattr(model_config, name)!r}"
@@ -465,15 +429,6 @@ def check_architecture_matches(path: str, model_config) -> None:
         )
 
 
-def _owner(name: str):
-    """The part of the model a parameter belongs to: (layer, expert) or its top module."""
-    parts = name.split(".")
-    if name.startswith("decoder.layers."):
-        expert = parts[parts.index("local_experts") + 1] if "local_experts" in parts else None
-        return int(parts[2]), expert
-    return ".".join(parts[:2]) if parts[0] == "decoder" else parts[0]
-
-
 def _check_format(config, found: str, where: str) -> None:
     """Megatron's rule: --ckpt-format torch loads legacy per-rank files only, unless
     --auto-detect-ckpt-format (torch_dist, the default, detects the format itself)."""
@@ -483,14 +438,59 @@ def _check_format(config, found: str, where: str) -> None:
             "--auto-detect-ckpt-format (or --ckpt-format torch_dist) to load it")
 
 
-def _load_megatron(run, checkpoint) -> None:
-    """Restore a Megatron-LM checkpoint's weights (any TP/PP layout of ours), and with
-    --no-load-optim its iteration and consumed samples. Every error is raised on every rank
-    alike (each reads the same files) before any collective."""
-    config = run.configs.checkpoint
-    model_config = run.configs.model
-    where = describe(checkpoint)
-    _check_format(config, checkpoint.ckpt_format, where)
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _load_lora_base(record: CheckpointRecord, base_dir: str, iteration: int) -> None:
+    """Load the frozen base weights of a LoRA run (every model tensor but the adapters)
+    from `base_dir` at `iteration` (collective), and remember it as the base that this run's
+    checkpoints record."""
+    saved = read_saved_checkpoint(base_dir, record.state, iteration)
+    _check_format(record.configs.checkpoint, saved.ckpt_format, saved.path)
+    _check_architecture(saved.config.get("model") or {}, saved.path, record.configs.model)
+    views = {name: view for name, view in model_sharded_state_dict(
+        record.model, record.state, record.configs.model.vocab_size, True).items()
+        if not _is_adapter(name)}
+    load_checkpoint({"model": views}, base_dir, record.state, iteration, load_rng=False,
+                    saved=saved)
+    record.lora_base = (os.path.abspath(base_dir), int(iteration))
+    _print_rank_0(record, f"loaded the LoRA base model {saved.path}")
+
+
+def _find_iteration(record: CheckpointRecord) -> Optional[int]:
+    """The iteration to resume from, or None (with a warning) when --load holds none."""
+    load_dir = record.configs.checkpoint.load
+    if _all_ranks_agree(os.path.isfile(tracker_path(load_dir))):
+        return read_tracker(load_dir)
+    if not os.path.isdir(load_dir):
+        why = "does not exist"
+    else:
+        found = complete_iterations(load_dir)
+        why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
+            f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
+        )
+    if record.configs.checkpoint.pretrained_checkpoint:
+        _print_rank_0(record, f"--load directory {load_dir} {why}: the LoRA adapters start "
+                              "fresh over --pretrained-checkpoint")
+    else:
+        _print_rank_0(record, f"WARNING: --load directory {load_dir} {why}; training starts "
+                              "from scratch")
+    return None
+
+
+def _owner(name: str):
+    """The part of the model a parameter belongs to: (layer, expert) or its top module."""
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        expert = parts[parts.index("local_experts") + 1] if "local_experts" in parts else None
+        return int(parts[2]), expert
+    return ".".join(parts[:2]) if parts[0] == "decoder" else parts[0]
+
+
+def _check_megatron_flags(config, where: str, found_format: str) -> None:
+    """What loading a Megatron-LM checkpoint needs of the flags (pure: every rank raises
+    alike, before any collective)."""
+    _check_format(config, found_format, where)
     if not config.finetune and not config.no_load_optim:
         raise CheckpointError(
             f"{where}: Megatron-LM's optimizer state does not map onto megatron_smp's; add "
@@ -499,20 +499,35 @@ def _load_megatron(run, checkpoint) -> None:
     if not config.finetune and not config.no_load_rng:
         raise CheckpointError(f"{where}: Megatron-LM's RNG states are not restored here; add "
                               "--no-load-rng (or --finetune)")
+
+
+def _check_megatron_args(args, model_config, where: str) -> None:
+    """The saved Megatron args' model shape against the flags (pure)."""
+    if args is None:
+        return
+    saved = config_fields_from_args(args)
+    differing = [f"{name}: checkpoint {saved[name]!r} vs flags "
+                 f"{getattr(model_config, name)!r}" for name in CHECKPOINT_ARGS_FIELDS
+                 if name in saved and saved[name] != getattr(model_config, name)]
+    if differing:
+        raise CheckpointError(
+            f"{where} was trained with a different model; change the flags to match it "
+            f"or add --use-checkpoint-args: {'; '.join(differing)}")
+
+
+def _load_megatron(record: CheckpointRecord, checkpoint) -> None:
+    """Restore a Megatron-LM checkpoint's weights (any TP/PP layout of ours), and with
+    --no-load-optim its iteration and consumed samples. Every error is raised on every rank
+    alike (each reads the same files) before any collective."""
+    config, model_config = record.configs.checkpoint, record.configs.model
+    where = describe(checkpoint)
+    _check_megatron_flags(config, where, checkpoint.ckpt_format)
     start = time.perf_counter()
     args = read_args(checkpoint)
-    if args is not None:
-        saved = config_fields_from_args(args)
-        differing = [f"{name}: checkpoint {saved[name]!r} vs flags "
-                     f"{getattr(model_config, name)!r}" for name in CHECKPOINT_ARGS_FIELDS
-                     if name in saved and saved[name] != getattr(model_config, name)]
-        if differing:
-            raise CheckpointError(
-                f"{where} was trained with a different model; change the flags to match it "
-                f"or add --use-checkpoint-args: {'; '.join(differing)}")
+    _check_megatron_args(args, model_config, where)
     full = trim_vocab_rows(read_model(checkpoint, model_config), model_config.vocab_size,
                            where)
-    views = model_sharded_state_dict(run.model, run.state, model_config.vocab_size)
+    views = model_sharded_state_dict(record.model, record.state, model_config.vocab_size)
     wrong = [f"{name}: checkpoint {list(full[name].shape)} vs model "
              f"{list(view.global_shape)}" for name, view in views.items()
              if name in full and full[name].shape != view.global_shape]
@@ -524,137 +539,163 @@ def _load_megatron(run, checkpoint) -> None:
     missing = sorted(name for name in set(full) - set(views) if _owner(name) in held)
     for line in check_key_mismatch(config.dist_ckpt_strictness,
                                    sorted(set(views) - set(full)), missing, where):
-        _print_rank_0(run, line)
+        _print_rank_0(record, line)
     with torch.no_grad():
         for name, view in views.items():
             if name in full:
                 for offsets, local in view.chunks:
                     index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
                     local.copy_(full[name][index])
-    run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+    record.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
     if not config.finetune:
-        run.iteration = checkpoint.iteration
-        run.consumed_train_samples = int((args or {}).get("consumed_train_samples") or 0)
-    _print_rank_0(run, f"loaded {where} in {time.perf_counter() - start:.2f} s; resuming at "
-                       f"iteration {run.iteration}")
+        record.progress = dataclasses.replace(
+            record.progress, iteration=checkpoint.iteration,
+            consumed_train_samples=int((args or {}).get("consumed_train_samples") or 0))
+    _print_rank_0(record, f"loaded {where} in {time.perf_counter() - start:.2f} s; resuming "
+                          f"at iteration {record.iteration}")
 
 
-def load(run, tokenizer=None) -> None:
-    """Restore --load into `run` (collective): model always; optimizer, grad scaler and
-    scheduler unless --no-load-optim / --finetune; progress counters unless --finetune;
-    RNG states unless --no-load-rng / --finetune (and only at the saving layout). A
-    Megatron-LM checkpoint (torch_dist or legacy) is detected and read as such."""
-    config = run.configs.checkpoint
-    lora = bool(run.configs.training.lora_rank)
-    # (directory, iteration) of a LoRA run's base model: set, this run saves small
-    # checkpoints (adapters only, the base recorded); None, whole ones.
-    run.lora_base = None
-    megatron = find_megatron_checkpoint(config.load) if config.load else None
-    if megatron is not None:
-        if config.pretrained_checkpoint:
-            raise CheckpointError(
-                f"--load {config.load} is a Megatron-LM checkpoint and --pretrained-checkpoint "
-                "names a base too; give the base once")
-        _load_megatron(run, megatron)
-        return
-    iteration = _find_iteration(run) if config.load else None
-    if iteration is None:
-        if config.pretrained_checkpoint:  # a LoRA run's start: the base, fresh adapters
-            _load_lora_base(run, *resolve_lora_base("", config.pretrained_checkpoint))
-            run.optimizer.reload_model_params()
-        return
-    start = time.perf_counter()
-    path = checkpoint_dir(config.load, iteration)
-    with open(os.path.join(path, COMMON_FILENAME)) as handle:
-        _check_format(config, json.load(handle).get("ckpt_format", "torch_dist"), path)
-    recorded = recorded_lora_base(path)
+@dataclasses.dataclass(frozen=True)
+class _LoadPlan:
+    """What one load restores, decided from the flags and what the checkpoint holds."""
+
+    optimizer: bool
+    scheduler: bool
+    progress: bool
+    rng: bool
+    rerun: bool  # the saved --rerun-mode validate_results position
+    base: Optional[LoraBase]  # a small LoRA checkpoint's base, loaded first
+    adapters_fresh: bool  # --lora-rank over a checkpoint without adapters
+
+
+def _plan_load(record: CheckpointRecord, saved: SavedCheckpoint) -> _LoadPlan:
+    """Check the checkpoint against the flags and decide what to load (every rank alike;
+    collective only for a "torch" checkpoint's file listing)."""
+    config, path = record.configs.checkpoint, saved.path
+    lora = bool(record.configs.training.lora_rank)
+    _check_format(config, saved.ckpt_format, path)
+    recorded = _recorded_base(saved.config)
     if recorded is not None and not lora:
         raise CheckpointError(
             f"checkpoint {path} holds only the LoRA adapters of a --lora-rank run (base: "
             f"{recorded.get('load')}); resume it with the --lora-* flags it was trained with, "
             "or export it with tools/checkpoint/convert.py --loader megatron_smp (--peft-dir)")
-    has_adapters = lora and _saved_adapters(path, run.state)
+    contents = _saved_contents(saved, record.state)
+    has_adapters = lora and contents.has_adapters
     if lora and config.pretrained_checkpoint and not has_adapters:
         raise CheckpointError(
             f"--load checkpoint {path} has no LoRA adapters and --pretrained-checkpoint names a "
             "base too; give the base once (--pretrained-checkpoint BASE --load ADAPTERS_DIR)")
     base = None
     if lora and (recorded is not None or config.pretrained_checkpoint):
-        base = resolve_lora_base(path, config.pretrained_checkpoint)
-    check_architecture_matches(path, run.configs.model)
-    saved = _saved_top_level_keys(path, run.state)
+        base = resolve_lora_base(path, config.pretrained_checkpoint, recorded or {})
+    _check_architecture(saved.config.get("model") or {}, path, record.configs.model)
+    keys = contents.top_level_keys
     load_optimizer = not (config.no_load_optim or config.finetune)
-    if load_optimizer and saved is not None and "optimizer" not in saved:
+    if load_optimizer and keys is not None and "optimizer" not in keys:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state (a model-only checkpoint, e.g. a "
             "converted one); add --no-load-optim to train from its weights with a fresh "
             "optimizer, or --finetune to also restart at iteration 0"
         )
-    load_progress = not config.finetune and (saved is None or "iteration" in saved)
-    load_rng = not (config.no_load_rng or config.finetune) and (
-        saved is None or "rng_state" in saved
-    )
-    state_dict = _state_dict(
-        run,
-        tied_copies=True,
+    if lora and not has_adapters and load_optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} has no LoRA adapters, so its optimizer state is the full "
+            "model's; add --finetune (or --no-load-optim) to fine-tune it with --lora-rank")
+    load_progress = not config.finetune and (keys is None or "iteration" in keys)
+    return _LoadPlan(
         optimizer=load_optimizer,
-        scheduler=load_optimizer and (saved is None or "opt_param_scheduler" in saved),
+        scheduler=load_optimizer and (keys is None or "opt_param_scheduler" in keys),
         progress=load_progress,
-    )
-    if base is not None:
+        rng=not (config.no_load_rng or config.finetune) and (keys is None or "rng_state" in keys),
+        rerun=(load_progress and record.validates_results and keys is not None
+               and "rerun_iteration" in keys),
+        base=base, adapters_fresh=lora and not has_adapters)
+
+
+def _load_template(record: CheckpointRecord, plan: _LoadPlan, path: str) -> Dict[str, Any]:
+    """The sharded state dict the load fills."""
+    state_dict = _state_dict(record, tied_copies=True, optimizer=plan.optimizer,
+                             scheduler=plan.scheduler, progress=plan.progress)
+    if plan.base is not None:
         state_dict["model"] = {name: view for name, view in state_dict["model"].items()
                                if _is_adapter(name)}
-    if lora and not has_adapters:
+    if plan.adapters_fresh:
         # --lora-rank on a base checkpoint: the base loads, the adapters keep their
         # initialisation (B = 0: training starts from the base model).
-        if load_optimizer:
-            raise CheckpointError(
-                f"checkpoint {path} has no LoRA adapters, so its optimizer state is the full "
-                "model's; add --finetune (or --no-load-optim) to fine-tune it with --lora-rank")
-        adapters = [name for name in state_dict["model"] if ".lora.lora_" in name]
+        adapters = [name for name in state_dict["model"] if _is_adapter(name)]
         for name in adapters:
             del state_dict["model"][name]
-        _print_rank_0(run, f"checkpoint {path} has no LoRA adapters: loading the base, the "
-                           f"{len(adapters)} adapter tensors start from their initialisation")
-    validator = getattr(run, "validator", None)
-    rerun_pending = (load_progress and validator is not None and saved is not None
-                     and "rerun_iteration" in saved)
-    if rerun_pending:
+        _print_rank_0(record, f"checkpoint {path} has no LoRA adapters: loading the base, the "
+                              f"{len(adapters)} adapter tensors start from their initialisation")
+    if plan.rerun:
         state_dict["rerun_iteration"] = 0
         state_dict["rerun_device"] = 0
-    if base is not None:
-        _load_lora_base(run, *base)
-    load_checkpoint(state_dict, config.load, run.state, iteration, load_rng=load_rng)
-    if lora and base is None:
-        # A base checkpoint, or a whole (older) LoRA one: its weights are this run's base.
-        run.lora_base = (os.path.abspath(config.load), int(iteration))
-    if rerun_pending:
-        validator.rerun_iteration = int(state_dict["rerun_iteration"])
-        validator.rerun_device = int(state_dict["rerun_device"])
+    return state_dict
 
-    if load_optimizer:
-        finish_optimizer_load(run.optimizer, state_dict["optimizer"])
+
+def _apply_loaded(record: CheckpointRecord, plan: _LoadPlan, state_dict: Dict[str, Any],
+                  saved: SavedCheckpoint) -> None:
+    """After the tensors are in place: the optimizer's fp32 copies, the scheduler, the
+    progress counters, the rerun position and the LoRA base into the record."""
+    config = record.configs.checkpoint
+    if record.configs.training.lora_rank and plan.base is None:
+        # A base checkpoint, or a whole (older) LoRA one: its weights are this run's base.
+        record.lora_base = (os.path.abspath(saved.load_dir), int(saved.iteration))
+    if plan.rerun:
+        record.rerun = (int(state_dict["rerun_iteration"]), int(state_dict["rerun_device"]))
+    if plan.optimizer:
+        finish_optimizer_load(record.optimizer, state_dict["optimizer"])
     else:
-        run.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+        record.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
     if "opt_param_scheduler" in state_dict:
         # Raises on every rank alike (the saved values are the same everywhere) and after the
         # last collective of the load, so no rank is left waiting.
-        resolved = run.scheduler.load_state_dict(
+        resolved = record.scheduler.load_state_dict(
             state_dict["opt_param_scheduler"],
             override_opt_param_scheduler=config.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         )
         for line in resolved:
-            _print_rank_0(run, f"learning-rate schedule: {line}")
-    if load_progress:
-        for key in PROGRESS_KEYS:
-            setattr(run, key, int(state_dict[key]))
-    _print_rank_0(
-        run,
-        f"loaded checkpoint {path} in {time.perf_counter() - start:.2f} s; "
-        f"resuming at iteration {run.iteration}",
-    )
+            _print_rank_0(record, f"learning-rate schedule: {line}")
+    if plan.progress:
+        record.progress = Progress(**{key: int(state_dict[key]) for key in PROGRESS_KEYS})
+
+
+def load(record: CheckpointRecord) -> None:
+    """Restore --load into the record (collective): model always; optimizer, grad scaler and
+    scheduler unless --no-load-optim / --finetune; progress counters unless --finetune;
+    RNG states unless --no-load-rng / --finetune (and only at the saving layout). A
+    Megatron-LM checkpoint (torch_dist or legacy) is detected and read as such. common.json
+    and the DCP metadata are read once (`read_saved_checkpoint`)."""
+    config = record.configs.checkpoint
+    record.lora_base = None
+    megatron = find_megatron_checkpoint(config.load) if config.load else None
+    if megatron is not None:
+        if config.pretrained_checkpoint:
+            raise CheckpointError(
+                f"--load {config.load} is a Megatron-LM checkpoint and --pretrained-checkpoint "
+                "names a base too; give the base once")
+        _load_megatron(record, megatron)
+        return
+    iteration = _find_iteration(record) if config.load else None
+    if iteration is None:
+        if config.pretrained_checkpoint:  # a LoRA run's start: the base, fresh adapters
+            _load_lora_base(record, *resolve_lora_base("", config.pretrained_checkpoint))
+            record.optimizer.reload_model_params()
+        return
+    start = time.perf_counter()
+    saved = read_saved_checkpoint(config.load, record.state, iteration)
+    plan = _plan_load(record, saved)
+    state_dict = _load_template(record, plan, saved.path)
+    if plan.base is not None:
+        _load_lora_base(record, *plan.base)
+    load_checkpoint(state_dict, config.load, record.state, saved.iteration, load_rng=plan.rng,
+                    saved=saved)
+    _apply_loaded(record, plan, state_dict, saved)
+    _print_rank_0(record, f"loaded checkpoint {saved.path} in {time.perf_counter() - start:.2f}"
+                          f" s; resuming at iteration {record.iteration}")
 
 
 __all__ = ["save", "load", "prepare_async_save", "wait_for_staging", "poll", "finalize",
-           "PROGRESS_KEYS"]
+           "PROGRESS_KEYS", "CheckpointRecord", "Progress"]

@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView
+from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, local_to_global_blocks
 from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -57,31 +57,18 @@ class ParamLayout:
         Yields (global offsets, start within the block, sizes). A block crossing a stride
         boundary of a strided (fused) weight splits in two; rows past `row_limit` vanish.
         """
-        start, sizes = list(start), list(sizes)
-        if self.partition_dim is None:
-            pieces = [(list(start), [0] * len(start), sizes)]
-        else:
-            dim = self.partition_dim
-            piece = self.local_shape[dim] // self.partition_stride
+        offset = [0] * len(self.local_shape)
+        piece = block = 0
+        if self.partition_dim is not None:
+            piece = self.local_shape[self.partition_dim] // self.partition_stride
             block = piece * self.tp_size
-            pieces = []
-            position, end = start[dim], start[dim] + sizes[dim]
-            while position < end:
-                index, within = divmod(position, piece)
-                length = min(end, (index + 1) * piece) - position
-                offsets = list(start)
-                offsets[dim] = index * block + self.tp_rank * piece + within
-                relative = [0] * len(start)
-                relative[dim] = position - start[dim]
-                lengths = list(sizes)
-                lengths[dim] = length
-                pieces.append((offsets, relative, lengths))
-                position += length
-        for offsets, relative, lengths in pieces:
+            offset[self.partition_dim] = self.tp_rank * piece
+        for offsets, relative, lengths in local_to_global_blocks(
+                start, sizes, offset, self.partition_dim, piece, block):
             if self.row_limit is not None:
-                lengths[0] = min(lengths[0], self.row_limit - offsets[0])
+                lengths = (min(lengths[0], self.row_limit - offsets[0]),) + lengths[1:]
             if all(n > 0 for n in lengths):
-                yield tuple(offsets), tuple(relative), tuple(lengths)
+                yield offsets, relative, lengths
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

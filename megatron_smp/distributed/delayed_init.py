@@ -26,7 +26,7 @@ called on every submodule that owns meta parameters, as in SMP: by default the m
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -85,48 +85,19 @@ def _has_meta_params(module: torch.nn.Module, recurse: bool = True) -> bool:
 # Replaying our models' initialisation --------------------------------------------------------
 
 
-def _gpt_parts(gpt: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[int]]]:
-    """(part, CPU seed) of every randomly initialised part of a GPTModel (see models.gpt)."""
-    from megatron_smp.models.gpt import _EMBEDDING_SEED_INDEX
-    from megatron_smp.transformer.utils import derive_seed
-
-    base = gpt.init_base_seed
-    parts: List[Tuple[torch.nn.Module, Optional[int]]] = []
-    if getattr(gpt, "embedding", None) is not None:
-        parts.append((gpt.embedding, derive_seed(base, _EMBEDDING_SEED_INDEX)))
-    for layer in gpt.decoder.layers:
-        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
-        parts.append((inner, derive_seed(base, inner.layer_number)))
-    mtp = getattr(gpt, "mtp", None)
-    for depth, layer in enumerate(mtp.layers if mtp is not None else (), start=1):
-        parts.append((layer, derive_seed(base, gpt.config.num_layers + 1 + depth)))
-    output_layer = getattr(gpt, "output_layer", None)
-    if output_layer is not None and output_layer.weight is not None:
-        index = (_EMBEDDING_SEED_INDEX if gpt.share_embeddings_and_output_weights
-                 else gpt.config.num_layers + 1)
-        parts.append((output_layer, derive_seed(base, index)))
-    return parts
-
-
 def _replay_module(module: torch.nn.Module, device: torch.device) -> int:
     """Materialise and initialise `module`'s own meta params as its constructor did (the
-    caller has seeded the generator). Returns the number of elements initialised."""
-    from megatron_smp.models.gpt import LanguageModelEmbedding
+    caller has seeded the generator). Returns the number of elements initialised.
 
+    The model owns how: a module whose `reset_parameters()` draws what its constructor drew
+    says so (`REPLAYS_CONSTRUCTOR_INIT = True`: the parallel linears and embedding, the
+    norms); one that draws in several modules' order has `replay_init(replay, materialize)`
+    (GPT's embedding)."""
+    replay_init = getattr(module, "replay_init", None)
+    if replay_init is not None:
+        return replay_init(lambda part: _replay_module(part, device),
+                           lambda part: empty_module_params(part, device))
     own = [p for p in module.parameters(recurse=False) if p.is_meta]
-    if isinstance(module, LanguageModelEmbedding):
-        # The word table draws first (its own module, visited next), then the position
-        # table is drawn here with the same init method: do both in that order.
-        count = _replay_module(module.word_embeddings, device)
-        if module.add_position_embedding and module.position_embeddings.weight.is_meta:
-            weight = module.position_embeddings.weight
-            table = torch.empty(weight.shape)
-            module.word_embeddings.init_method(table)
-            empty_module_params(module.position_embeddings, device)
-            with torch.no_grad():
-                module.position_embeddings.weight.copy_(table)
-            count += weight.numel()
-        return count
     if not own:
         return 0
     if not hasattr(module, "reset_parameters"):
@@ -135,14 +106,7 @@ def _replay_module(module: torch.nn.Module, device: torch.device) -> int:
             "device and no reset_parameters(); pass DelayedParamIniter(model, "
             "init_method_using_config=fn) that initialises it"
         )
-    from megatron_smp.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-    )
-    from megatron_smp.transformer.mla import _ReplicatedLinear
-    from megatron_smp.transformer.norm import LayerNorm, RMSNorm
-
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               LayerNorm, RMSNorm, _ReplicatedLinear)):
+    if not getattr(module, "REPLAYS_CONSTRUCTOR_INIT", False):
         # torch's own reset_parameters would draw other values than the constructor here.
         raise ConfigError(
             f"delayed initialisation does not know how {type(module).__name__} was "
@@ -163,6 +127,35 @@ def materialize_meta_model(model: torch.nn.Module, device: torch.device) -> torc
         initer.get_param_init_fn()(model)
         initer.get_post_param_init_fn()(model)
     return model
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under wrappers (`TransformedModel`, our DDP/FSDP wrapper)."""
+    for module in model.modules():
+        if hasattr(module, "decoder") and hasattr(module, "share_embeddings_and_output_weights"):
+            return module
+    raise ConfigError(
+        f"{type(model).__name__} holds no megatron_smp GPTModel; wrap a GPTModel or a model "
+        "returned by smp.transform (for another model pass its layers as layers=)"
+    )
+
+
+META_DEVICE_PROVIDER_ERROR = (
+    "--init-model-with-meta-device builds the model on the meta device, but the model "
+    "provider takes no device= argument: forward device= to the model (pretrain_gpt.py's "
+    "model_provider does, through **stage), or drop the flag"
+)
+
+
+def provider_accepts_device(model_provider: Callable) -> bool:
+    """Whether `model_provider` takes `device=` (and can therefore build on the meta device)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model_provider).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 class DelayedParamIniter:
@@ -191,14 +184,12 @@ class DelayedParamIniter:
         self._seeds: Dict[int, Optional[int]] = {}
         self._gpt = None
         if init_method_using_config is None:
-            from megatron_smp.distributed.fsdp import language_model
-
             try:
                 self._gpt = language_model(model)
             except ConfigError:
                 self.init_method_using_config = self._hf_init_method(model)
             else:
-                self._seeds = {id(part): seed for part, seed in _gpt_parts(self._gpt)}
+                self._seeds = {id(part): seed for part, seed in self._gpt.init_seed_parts()}
         if device is None:
             state = getattr(self._gpt, "state", None)
             device = state.device if state is not None else torch.device("cpu")

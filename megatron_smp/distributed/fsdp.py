@@ -41,23 +41,19 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from megatron_smp.config import ConfigError
+# (Defined beside the meta-device initialiser, which needs them too; re-exported here.)
+from megatron_smp.distributed.delayed_init import (  # noqa: F401
+    META_DEVICE_PROVIDER_ERROR,
+    DelayedParamIniter,
+    language_model,
+    provider_accepts_device,
+)
 
 # Attributes of our parameters that FSDP2's new sharded parameters must keep.
 _PARAM_ATTRIBUTES = (
     "tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
     "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename", "qkv_split_shapes",
 )
-
-
-def language_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel under wrappers (`TransformedModel`, our DDP/FSDP wrapper)."""
-    for module in model.modules():
-        if hasattr(module, "decoder") and hasattr(module, "share_embeddings_and_output_weights"):
-            return module
-    raise ConfigError(
-        f"{type(model).__name__} holds no megatron_smp GPTModel; wrap a GPTModel or a model "
-        "returned by smp.transform (for another model pass its layers as layers=)"
-    )
 
 
 def transformer_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -408,24 +404,6 @@ def validate_fsdp_configs(configs) -> None:
             raise ConfigError(f"--use-torch-fsdp2 does not combine with {flag}: {why}")
 
 
-META_DEVICE_PROVIDER_ERROR = (
-    "--init-model-with-meta-device builds the model on the meta device, but the model "
-    "provider takes no device= argument: forward device= to the model (pretrain_gpt.py's "
-    "model_provider does, through **stage), or drop the flag"
-)
-
-
-def provider_accepts_device(model_provider: Callable) -> bool:
-    """Whether `model_provider` takes `device=` (and can therefore build on the meta device)."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(model_provider).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullyShardedDataParallel:
     """The training loop's model under --use-torch-fsdp2: built in fp32 (FSDP2's sharded
     params are the optimizer's main params), gathered in the run's bf16 for compute.
@@ -436,8 +414,6 @@ def build_fsdp_model_chunk(model_provider: Callable, configs, state) -> FullySha
     model's for the same seed. Other providers build eagerly (an error with
     --init-model-with-meta-device, which asks for the meta device)."""
     import dataclasses
-
-    from megatron_smp.distributed.delayed_init import DelayedParamIniter
 
     params_dtype = configs.model.params_dtype
     fp32_configs = dataclasses.replace(

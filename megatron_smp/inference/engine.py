@@ -148,7 +148,7 @@ class InferenceEngine:
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
         self.stop_checker = stop_checker
-        self.sequence_parallel = self.config.sequence_parallel and self.state.tp_size > 1
+        self.sequence_parallel = self.config.sequence_parallel_at(self.state.tp_size)
 
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group

@@ -16,7 +16,7 @@ the embedding's seed, so it starts equal to the first stage's table.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -80,7 +80,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         self.tp_group = state.tp_group
         self.dropout = config.hidden_dropout
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
@@ -110,6 +110,23 @@ class LanguageModelEmbedding(torch.nn.Module):
             # With SP each rank adds the positions of its own shard only: the (replicated)
             # table's grad is partial and must be summed over TP, like a norm weight's.
             self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+
+    def replay_init(self, replay: Callable[[torch.nn.Module], int],
+                    materialize: Callable[[torch.nn.Module], torch.nn.Module]) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`; the
+        caller has seeded the generator as the constructor was): the word table first
+        (`replay`, its own module), then the position table drawn with the same init method
+        (`materialize` gives its params storage). Returns the elements initialised."""
+        count = replay(self.word_embeddings)
+        if self.add_position_embedding and self.position_embeddings.weight.is_meta:
+            weight = self.position_embeddings.weight
+            table = torch.empty(weight.shape)
+            self.word_embeddings.init_method(table)
+            materialize(self.position_embeddings)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(table)
+            count += weight.numel()
+        return count
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
@@ -181,7 +198,7 @@ class GPTModel(torch.nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_group = state.tp_group
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: Optional[torch.Tensor] = None
         device = state.device if device is None else device
@@ -312,6 +329,26 @@ class GPTModel(torch.nn.Module):
         positions = local_positions(local_length * state.cp_size, state.cp_size, state.cp_rank,
                                     device)
         return positions.expand(batch, local_length)
+
+    def init_seed_parts(self) -> List[Tuple[torch.nn.Module, Optional[int]]]:
+        """(part, CPU seed) of every randomly initialised part, in the order the constructor
+        draws them: what a meta-device build replays (`distributed.delayed_init`)."""
+        base = self.init_base_seed
+        parts: List[Tuple[torch.nn.Module, Optional[int]]] = []
+        if getattr(self, "embedding", None) is not None:
+            parts.append((self.embedding, derive_seed(base, _EMBEDDING_SEED_INDEX)))
+        for layer in self.decoder.layers:
+            inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+            parts.append((inner, derive_seed(base, inner.layer_number)))
+        mtp = getattr(self, "mtp", None)
+        for depth, layer in enumerate(mtp.layers if mtp is not None else (), start=1):
+            parts.append((layer, derive_seed(base, self.config.num_layers + 1 + depth)))
+        output_layer = getattr(self, "output_layer", None)
+        if output_layer is not None and output_layer.weight is not None:
+            index = (_EMBEDDING_SEED_INDEX if self.share_embeddings_and_output_weights
+                     else self.config.num_layers + 1)
+            parts.append((output_layer, derive_seed(base, index)))
+        return parts
 
     def forward(
         self,

@@ -74,7 +74,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = state.tp_group
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         self.recompute = config.recompute_granularity == "full"
         sp = self.sequence_parallel
         self.enorm = build_norm(config, sequence_parallel=sp, device=device)

@@ -32,7 +32,6 @@ from megatron_smp.pipeline_parallel.p2p import (
     backward_output_tensor,
     deallocate_output_tensor,
 )
-from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
 
 
 @dataclass
@@ -636,6 +635,17 @@ _VIRTUAL_FLAGS = ("--virtual-pipeline-model-parallel-size / "
                   "--num-layers-per-virtual-pipeline-stage")
 
 
+def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> None:
+    """The virtual schedule walks microbatches in groups of pp; a partial group cannot work."""
+    if num_microbatches % pipeline_size:
+        raise ConfigError(
+            f"the interleaved virtual-pipeline schedule needs the number of microbatches "
+            f"({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
+            f"size)) to be a multiple of --pipeline-model-parallel-size ({pipeline_size}); "
+            "change --global-batch-size or drop the virtual stages"
+        )
+
+
 def schedule_name(name: str, virtual_size: int) -> str:
     """The internal schedule for a --pipeline-schedule value and v virtual stages per rank.
 
@@ -696,5 +706,6 @@ __all__ = [
     "schedule_step",
     "interleaved_num_warmup",
     "schedule_name",
+    "check_virtual_microbatches",
     "get_forward_backward_func",
 ]

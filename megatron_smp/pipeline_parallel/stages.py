@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron_smp.config import ConfigError
+from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches, schedule_name
 
 
 @dataclass
@@ -133,17 +134,6 @@ def pipeline_layer_layout(
     return layout
 
 
-def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> None:
-    """The virtual schedule walks microbatches in groups of pp; a partial group cannot work."""
-    if num_microbatches % pipeline_size:
-        raise ConfigError(
-            f"the interleaved virtual-pipeline schedule needs the number of microbatches "
-            f"({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be a multiple of --pipeline-model-parallel-size ({pipeline_size}); "
-            "change --global-batch-size or drop the virtual stages"
-        )
-
-
 def hybrid_pattern_layout(segments: List[int], pipeline_size: int, parallel) -> List[List[tuple]]:
     """The layout --hybrid-layer-pattern's `|` breaks give: segment r on pipeline stage r
     (Megatron's; more segments than stages, its virtual stages, are not built here)."""
@@ -186,8 +176,6 @@ def validate_pipeline_configs(configs, pipeline_size: int,
     """Every check of a pipeline layout; pure, so `validate_configs` runs it on every rank
     before any collective. Returns the layout."""
     # Imported here: schedules imports this module.
-    from megatron_smp.pipeline_parallel.schedules import schedule_name
-
     layout = layout_from_configs(configs, pipeline_size)
     # Raises for a schedule that contradicts the virtual stages (gpipe / 1f1b with v > 1).
     training = configs.training
@@ -235,7 +223,7 @@ def build_pipeline_model_chunks(
             state=state, chunk_index=chunk_index, layer_offset=layer_offset,
             num_layers=num_layers, pre_process=pre_process, post_process=post_process,
             hidden_size=configs.model.hidden_size,
-            sequence_parallel=configs.model.sequence_parallel and state.tp_size > 1,
+            sequence_parallel=configs.model.sequence_parallel_at(state.tp_size),
             dtype=configs.model.params_dtype, timeline=timeline,
         )
         chunks.append(module)

@@ -107,7 +107,7 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
     # torch's own FSDP entry points follow these keys from now on (see smp.torch_fsdp).
     from megatron_smp.smp.torch_fsdp import install
 
-    install()
+    install(lambda: state if is_initialized() else None)
 
 
 def is_initialized() -> bool:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,10 +68,13 @@ _pending: Dict[str, bool] = {}
 _expert_mesh_infos: Dict[int, tuple] = {}
 
 
-def _smp_state():
-    from megatron_smp.smp.state import is_initialized, state
+# The SMP state the hooks follow, given by `install` (smp.state calls it from `init`, so this
+# module never imports smp.state back).
+_state_provider: Optional[Callable[[], Any]] = None
 
-    return state if is_initialized() else None
+
+def _smp_state():
+    return _state_provider() if _state_provider is not None else None
 
 
 # FSDP1 ------------------------------------------------------------------------------------------
@@ -524,8 +527,11 @@ def _install_offload_wrapper() -> None:
     _installed["offload"] = (wrappers, original)
 
 
-def install() -> None:
-    """Hook torch's FSDP1, FSDP2 and offload_wrapper entry points (once per process)."""
+def install(state_provider: Callable[[], Any]) -> None:
+    """Hook torch's FSDP1, FSDP2 and offload_wrapper entry points (once per process); the
+    hooks follow the SMP state `state_provider()` returns (None before `init`)."""
+    global _state_provider
+    _state_provider = state_provider
     if _installed:
         return
     _install_fsdp1()

@@ -187,7 +187,46 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup):
     return out, handle
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ParallelLinear(torch.nn.Module):
+    """What the column- and row-parallel linears share: their sizes, group, init method and
+    options, the sequence-parallel decision (the config's unless given, and only at tp > 1),
+    and the end of construction (expert marks, no LoRA adapter yet, the weights drawn unless
+    built on the meta device)."""
+
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
+    def _init_common(self, input_size: int, output_size: int, config: TransformerConfig,
+                     tp_group: ProcessGroup, init_method: InitMethod, skip_bias_add: bool,
+                     stride: int, is_expert: bool, sequence_parallel: Optional[bool],
+                     device: Optional[torch.device]) -> Tuple[torch.device, torch.dtype]:
+        """Set the shared attributes; returns (the device, the params' dtype)."""
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.init_method = init_method
+        self.skip_bias_add = skip_bias_add
+        self.stride = stride
+        self.is_expert = is_expert
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.sequence_parallel = (config.sequence_parallel_at(self.tp_size)
+                                  if sequence_parallel is None
+                                  else sequence_parallel and self.tp_size > 1)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        return device, config.params_dtype
+
+    def _finish_init(self, is_expert: bool, device: torch.device) -> None:
+        _mark_expert(self, is_expert)
+        # A LoRAAdapter set by tensor_parallel.lora.apply_lora, else None.
+        self.lora = None
+        if not _is_meta(device):
+            self.reset_parameters()
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer whose weight [output_size, input_size] is split along the output dim.
 
     forward(x [s, b, input_size], weight=None) -> (output, output_bias)
@@ -221,26 +260,14 @@ class ColumnParallelLinear(torch.nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.tp_group = tp_group
-        self.tp_size = group_size(tp_group)
-        self.tp_rank = group_rank(tp_group)
-        self.init_method = init_method
+        device, dtype = self._init_common(input_size, output_size, config, tp_group,
+                                          init_method, skip_bias_add, stride, is_expert,
+                                          sequence_parallel, device)
         self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
-        self.stride = stride
-        self.is_expert = is_expert
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.sequence_parallel = (
-            config.sequence_parallel if sequence_parallel is None else sequence_parallel
-        ) and self.tp_size > 1
         self.true_output_size = true_output_size
         if true_output_size is not None and stride != 1:
             raise ValueError("ColumnParallelLinear: true_output_size needs stride == 1")
         self.output_size_per_partition = divide(output_size, self.tp_size)
-        device = torch.device("cpu") if device is None else torch.device(device)
-        dtype = config.params_dtype
 
         if skip_weight_param_allocation:
             self.weight = None
@@ -256,11 +283,7 @@ class ColumnParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
-        _mark_expert(self, is_expert)
-        # A LoRAAdapter set by tensor_parallel.lora.apply_lora, else None.
-        self.lora = None
-        if not _is_meta(device):
-            self.reset_parameters()
+        self._finish_init(is_expert, device)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -323,7 +346,7 @@ class ColumnParallelLinear(torch.nn.Module):
         )
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer whose weight [output_size, input_size] is split along the input dim.
 
     forward(x [s, b, input_size/tp]) -> (output, output_bias)
@@ -354,27 +377,15 @@ class RowParallelLinear(torch.nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.tp_group = tp_group
-        self.tp_size = group_size(tp_group)
-        self.tp_rank = group_rank(tp_group)
-        self.init_method = init_method
+        device, dtype = self._init_common(input_size, output_size, config, tp_group,
+                                          init_method, skip_bias_add, stride, is_expert,
+                                          sequence_parallel, device)
         self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        self.stride = stride
-        self.is_expert = is_expert
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.sequence_parallel = (
-            config.sequence_parallel if sequence_parallel is None else sequence_parallel
-        ) and self.tp_size > 1
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence parallelism needs input_is_parallel=True"
             )
         self.input_size_per_partition = divide(input_size, self.tp_size)
-        device = torch.device("cpu") if device is None else torch.device(device)
-        dtype = config.params_dtype
 
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, self.input_size_per_partition, dtype=dtype, device=device)
@@ -386,11 +397,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
-        _mark_expert(self, is_expert)
-        # A LoRAAdapter set by tensor_parallel.lora.apply_lora, else None.
-        self.lora = None
-        if not _is_meta(device):
-            self.reset_parameters()
+        self._finish_init(is_expert, device)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -445,6 +452,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     With `reduce_scatter_embeddings=True` the caller passes ids [s, b] and gets this rank's
     sequence shard [s/tp, b, h] (reduce-scattered along dim 0, for sequence parallelism).
     """
+
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
 
     def __init__(
         self,

@@ -1011,19 +1011,9 @@ def _apply_smp_v1_settings(v1: Dict[str, Any], sections: Dict[str, Dict[str, Any
         sections["model"]["sequence_parallel"] = v1["sequence_parallel"] and tp > 1
 
 
-def parse_args(
-    argv: Optional[Sequence[str]] = None,
-    extra_args_provider: Optional[Callable] = None,
-    args_defaults: Optional[Dict[str, Any]] = None,
-) -> Configs:
-    """Parse Megatron flags into `Configs`; `validate_configs` checks them (once the tokenizer
-    has given the vocabulary size). Raises ConfigError for flags that contradict each other
-    or name a capability that does not exist yet; argparse exits for malformed values.
-
-    `args_defaults` maps flag destinations without dashes (e.g. "tokenizer_type") to defaults
-    an entry script wants (Megatron's convention).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
+                     args_defaults: Optional[Dict[str, Any]]) -> argparse.Namespace:
+    """The argparse namespace of `argv`, with the entry script's defaults."""
     _reject_not_supported_yet(argv)
     parser = build_parser(extra_args_provider)
     if args_defaults:
@@ -1039,20 +1029,11 @@ def parse_args(
         for action in parser._actions:
             if action.dest.startswith("model__"):
                 action.required = False
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
-    for spec in _FLAGS:
-        if spec.section is None:
-            continue
-        value = getattr(args, f"{spec.section}__{spec.field}")
-        if value is not None:
-            sections[spec.section][spec.field] = value
 
-    model = sections["model"]
-    training = sections["training"]
-    data = sections["data"]
-    _apply_hybrid_flags(args, model)
+def _position_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
+    """The position-embedding fields from Megatron's spellings of them."""
     if args.use_rotary_position_embeddings:
         model["position_embedding_type"] = "rope"
     if not args.add_position_embedding and model.get("position_embedding_type") != "rope":
@@ -1066,7 +1047,12 @@ def parse_args(
     if (model.get("multi_latent_attention") and args.rope_type != "rope"
             and model.get("position_embedding_type") == "rope"):
         model["position_embedding_type"] = "yarn"
-    _check_rope_scaling_flags(argv, model)
+
+
+def _activation_fields(args: argparse.Namespace, argv: List[str],
+                       model: Dict[str, Any]) -> None:
+    """The MLP activation from --squared-relu / --swiglu / --openai-gelu / --quick-geglu /
+    --geglu."""
     choices = (("--squared-relu", args.squared_relu), ("--openai-gelu", args.openai_gelu),
                ("--quick-geglu", args.quick_geglu), ("--geglu", args.geglu))
     if args.swiglu and "--swiglu" not in argv and any(given for _, given in choices):
@@ -1091,6 +1077,12 @@ def parse_args(
     if args.geglu:
         model["gated_linear_unit"] = True
         model["activation"] = "gelu_tanh"
+
+
+def _model_fields(args: argparse.Namespace, argv: List[str],
+                  sections: Dict[str, Dict[str, Any]]) -> None:
+    """Bias, attention groups, MoE, precision and vocabulary fields from the flags."""
+    model, training, data = sections["model"], sections["training"], sections["data"]
     if args.disable_bias_linear:
         model["add_bias_linear"] = False
     if args.group_query_attention:
@@ -1120,6 +1112,36 @@ def parse_args(
     # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+) -> Configs:
+    """Parse Megatron flags into `Configs`; `validate_configs` checks them (once the tokenizer
+    has given the vocabulary size). Raises ConfigError for flags that contradict each other
+    or name a capability that does not exist yet; argparse exits for malformed values.
+
+    `args_defaults` maps flag destinations without dashes (e.g. "tokenizer_type") to defaults
+    an entry script wants (Megatron's convention).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_namespace(argv, extra_args_provider, args_defaults)
+    sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for spec in _FLAGS:
+        if spec.section is None:
+            continue
+        value = getattr(args, f"{spec.section}__{spec.field}")
+        if value is not None:
+            sections[spec.section][spec.field] = value
+
+    model = sections["model"]
+    training = sections["training"]
+    _apply_hybrid_flags(args, model)
+    _position_fields(args, model)
+    _check_rope_scaling_flags(argv, model)
+    _activation_fields(args, argv, model)
+    _model_fields(args, argv, sections)
     _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
     _apply_megatron_main_flags(args, sections)
@@ -1196,7 +1218,7 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
             and (training.rampup_batch_size or training.step_batch_size_schedule)
             and (parallel.virtual_pipeline_model_parallel_size
                  or parallel.num_layers_per_virtual_pipeline_stage)):
-        from megatron_smp.pipeline_parallel.stages import check_virtual_microbatches
+        from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches
 
         for count in calculator.microbatch_counts():
             check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
@@ -1240,6 +1262,15 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
 
         validate_pipeline_configs(configs, parallel.pipeline_model_parallel_size,
                                   data_parallel_size)
+    _validate_logging_flags(configs)
+    _validate_feature_combinations(configs)
+    _validate_data_flags(configs)
+    _validate_checkpoint_flags(configs)
+
+
+def _validate_logging_flags(configs: Configs) -> None:
+    """Log intervals, --manual-gc's companions, TensorBoard-only logging."""
+    training = configs.training
     for flag, value in (("--log-interval", training.log_interval),
                         ("--tensorboard-log-interval", training.tensorboard_log_interval),
                         ("--tensorboard-queue-size", training.tensorboard_queue_size)):
@@ -1265,6 +1296,11 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         if configs.model.num_moe_experts is None:
             raise ConfigError("--moe-per-layer-logging needs a mixture-of-experts model "
                               "(--num-experts)")
+
+
+def _validate_feature_combinations(configs: Configs) -> None:
+    """LoRA's and multi-token prediction's flags and what they do not combine with."""
+    training, parallel = configs.training, configs.parallel
     if training.lora_rank:
         from megatron_smp.tensor_parallel.lora import check_lora_flags
 
@@ -1288,7 +1324,11 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
             raise ConfigError(f"--mtp-num-layers with {', '.join(unsupported)} is not "
                               "supported yet; drop one of them (MTP trains with the mean loss "
                               "on unpacked sequences, with DDP or --use-distributed-optimizer)")
-    data = configs.data
+
+
+def _validate_data_flags(configs: Configs) -> None:
+    """SFT packing, packed documents under context parallelism, the dataset paths."""
+    data, parallel = configs.data, configs.parallel
     if data.sft:
         # Packing is computed in memory from the conversation lengths; these flags shape
         # pretraining samples only, and the loss mask comes from the data.
@@ -1331,6 +1371,10 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     if data.mid_level_dataset_surplus < 0:
         raise ConfigError(f"--mid-level-dataset-surplus must be >= 0, got "
                           f"{data.mid_level_dataset_surplus}")
+
+
+def _validate_checkpoint_flags(configs: Configs) -> None:
+    """--save-interval, the run-control flags, the LR-schedule choice on load, the format."""
     checkpoint = configs.checkpoint
     if checkpoint.save_interval is not None and not checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")

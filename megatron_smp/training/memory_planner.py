@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -262,7 +262,7 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
     m = model_config
     p = _act_bytes(m)
     tokens = seq_length // cp * micro_batch_size
-    sp = tp if (m.sequence_parallel and tp > 1) else 1
+    sp = tp if m.sequence_parallel_at(tp) else 1
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
     modules = set(recompute_modules or ())
     norms_in = (2 if m.normalization == "RMSNorm" else 1) * 2
@@ -404,6 +404,55 @@ def _optimizer_bytes_per_param(configs) -> int:
     return state + (4 if half else 0)  # + fp32 main params of bf16/fp16 models
 
 
+def _state_bytes(stage, configs, p: int, grad_bytes: int, opt_bytes: float,
+                 dp: int) -> Tuple[float, float, float]:
+    """(params, grads, optimizer state) bytes of one pipeline stage's rank."""
+    parallel = configs.parallel
+    cp, ep = parallel.context_parallel_size, parallel.expert_model_parallel_size
+    trainable = stage.dense_numel + stage.expert_numel
+    if parallel.use_torch_fsdp2:
+        params = stage.fsdp_shard_numel * 4  # fp32 shards are the main params
+        grads = stage.fsdp_shard_numel * 4
+        optimizer = stage.fsdp_shard_numel * (opt_bytes - (4 if p != 4 else 0))
+    else:
+        params = stage.param_bytes
+        grads = trainable * grad_bytes
+        optimizer = trainable * opt_bytes
+        if configs.optimizer.use_distributed_optimizer:
+            expert_dp = max(dp * cp // ep, 1)  # expert grids fold cp in (Megatron's)
+            optimizer = (stage.dense_numel * opt_bytes / (dp * cp)
+                         + stage.expert_numel * opt_bytes / expert_dp)
+    return params, grads, optimizer
+
+
+def _chunk_activation_bytes(chunk, layer_bytes: List[float], model, layer_input: float,
+                            loss_softmax: float, softcap: float) -> Tuple[float, float]:
+    """(activations held per microbatch, recompute transient) of one model chunk, given its
+    layers' activation bytes (`softcap`: the logit soft-cap's output, 0 without)."""
+    acts, recompute_peak = 0.0, 0.0
+    if model.recompute_granularity == "full":
+        # Held: the checkpointed inputs. The group being recomputed exists only in
+        # backward, after the logits and the loss buffers are gone: a transient.
+        n = model.recompute_num_layers or 1
+        if model.recompute_method == "block":
+            acts += layer_input * len(layer_bytes[:n]) + sum(layer_bytes[n:])
+            recompute_peak = max(layer_bytes[:n], default=0)
+        else:
+            groups = [layer_bytes[i:i + n] for i in range(0, len(layer_bytes), n)]
+            acts += layer_input * len(groups)
+            recompute_peak = max((sum(g) for g in groups), default=0)
+    else:
+        acts += sum(layer_bytes)
+    if chunk["pre"] and model.hidden_dropout > 0:
+        acts += layer_input  # the embedding dropout's mask
+    if chunk["post"]:
+        # final norm input and output layer input; cross entropy's fp32 softmax
+        acts += 2 * layer_input + loss_softmax
+        if softcap:
+            acts += softcap
+    return acts, recompute_peak
+
+
 def estimate_memory(configs, world_size: int, model_provider: Callable,
                     device_type: str = "cuda") -> MemoryReport:
     """The per-rank memory of `configs` at `world_size`; `configs.model.vocab_size` must be
@@ -429,7 +478,7 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
 
         modules = list(active_modules(model))
     tokens = training.seq_length // cp * training.micro_batch_size
-    sp = tp if (model.sequence_parallel and tp > 1) else 1
+    sp = tp if model.sequence_parallel_at(tp) else 1
     capacity = moe_capacity_tokens(model, tokens) if model.num_moe_experts else None
     if model.num_moe_experts and capacity is None:
         notes.append("MoE dropless: routed tokens assume balanced routing (tokens x top-k per "
@@ -437,52 +486,20 @@ def estimate_memory(configs, world_size: int, model_provider: Callable,
     vocab = model.padded_vocab_size(tp)
     ranks = []
     for stage in stages:
-        trainable = stage.dense_numel + stage.expert_numel
-        if parallel.use_torch_fsdp2:
-            params = stage.fsdp_shard_numel * 4  # fp32 shards are the main params
-            grads = stage.fsdp_shard_numel * 4
-            optimizer = stage.fsdp_shard_numel * (opt_bytes - (4 if p != 4 else 0))
-        else:
-            params = stage.param_bytes
-            grads = trainable * grad_bytes
-            optimizer = trainable * opt_bytes
-            if configs.optimizer.use_distributed_optimizer:
-                expert_dp = max(dp * cp // ep, 1)  # expert grids fold cp in (Megatron's)
-                optimizer = (stage.dense_numel * opt_bytes / (dp * cp)
-                             + stage.expert_numel * opt_bytes / expert_dp)
+        params, grads, optimizer = _state_bytes(stage, configs, p, grad_bytes, opt_bytes, dp)
         per_chunk = []
         recompute_peak = 0.0
         for chunk in stage.chunks:
-            acts = 0.0
-            layer_parts = [layer_activation_bytes(model, training.seq_length,
-                                                  training.micro_batch_size, tp, cp, moe,
-                                                  device_type, modules, capacity, windowed,
-                                                  kind)
-                           for moe, windowed, kind in zip(chunk["moe"], chunk["windows"],
-                                                          chunk["kinds"])]
-            layer_bytes = [sum(parts.values()) for parts in layer_parts]
-            layer_input = tokens * model.hidden_size * p / sp
-            if model.recompute_granularity == "full":
-                # Held: the checkpointed inputs. The group being recomputed exists only in
-                # backward, after the logits and the loss buffers are gone: a transient.
-                n = model.recompute_num_layers or 1
-                if model.recompute_method == "block":
-                    acts += layer_input * len(layer_bytes[:n]) + sum(layer_bytes[n:])
-                    recompute_peak = max(recompute_peak, max(layer_bytes[:n], default=0))
-                else:
-                    groups = [layer_bytes[i:i + n] for i in range(0, len(layer_bytes), n)]
-                    acts += layer_input * len(groups)
-                    recompute_peak = max(recompute_peak,
-                                         max((sum(g) for g in groups), default=0))
-            else:
-                acts += sum(layer_bytes)
-            if chunk["pre"] and model.hidden_dropout > 0:
-                acts += layer_input  # the embedding dropout's mask
-            if chunk["post"]:
-                # final norm input and output layer input; cross entropy's fp32 softmax
-                acts += 2 * layer_input + tokens * vocab / tp * 4
-                if model.final_logit_softcapping is not None:
-                    acts += tokens * vocab / tp * p  # the soft-cap's tanh output
+            layer_bytes = [sum(layer_activation_bytes(
+                model, training.seq_length, training.micro_batch_size, tp, cp, moe,
+                device_type, modules, capacity, windowed, kind).values())
+                for moe, windowed, kind in zip(chunk["moe"], chunk["windows"], chunk["kinds"])]
+            softcap = (tokens * vocab / tp * p  # the soft-cap's tanh output
+                       if model.final_logit_softcapping is not None else 0.0)
+            acts, peak = _chunk_activation_bytes(chunk, layer_bytes, model,
+                                                 tokens * model.hidden_size * p / sp,
+                                                 tokens * vocab / tp * 4, softcap)
+            recompute_peak = max(recompute_peak, peak)
             per_chunk.append(acts)
         in_flight = in_flight_microbatches(schedule, pp, stage.pp_rank, num_mb, num_chunks)
         # Chunks of a rank take turns: the in-flight chunk forwards spread evenly over them.

@@ -1,4 +1,6 @@
-"""The training loop: `pretrain(...)` wires config, parallel state, model, optimizer, data.
+"""The pretraining driver: `pretrain(...)` parses and validates the flags once, builds a
+`Trainer` (training/trainer.py: parallel state, model, optimizer, scheduler, checkpoints),
+the data, and runs Megatron's loop over it (log lines, evaluations, saves, exits).
 
 Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and call it:
 
@@ -9,9 +11,7 @@ Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and ca
 """
 from __future__ import annotations
 
-import datetime
 import gc
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,27 +21,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-from megatron_smp.parallel_state import ParallelState, build_parallel_state
-from megatron_smp.pipeline_parallel.schedules import (
-    ScheduleHooks, get_forward_backward_func, schedule_name,
-)
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
-from megatron_smp.training.compile import compile_transformer_layers
 from megatron_smp.training.logging import (
     ProgressLog, Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
 )
-from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
-from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_smp.training.profiling import StepProfiler
-from megatron_smp.training.result_validation import (
-    ReplayIterator,
-    ResultValidator,
-    validation_enabled,
-)
-from megatron_smp.training.run_control import (
-    ExitConditions, apply_deterministic_mode, check_weight_hashes, data_worker_init_fn,
-)
-from megatron_smp.training.step_agreement import agree_on_step, loss_keys
+from megatron_smp.training.result_validation import ReplayIterator
+from megatron_smp.training.run_control import check_weight_hashes, data_worker_init_fn
+from megatron_smp.training.trainer import StepResult, Trainer
+# Re-exported: callers import them from here (the loop's helpers before the Trainer).
+from megatron_smp.training.trainer import build_model_chunks, empty_unused_memory  # noqa: F401
 from megatron_smp.training.wandb_logger import init_wandb
 
 
@@ -61,310 +50,10 @@ class TrainingResult:
     exit_reason: Optional[str] = None  # why training stopped before --train-iters
 
 
-class _PendingLosses:
-    """Each iteration's losses stay on the device until they are needed on the host -- the
-    log line, a checkpoint's nan-iteration count, the end of training -- and are then read
-    with one host sync for all of them (Megatron, too, reads its losses at the log interval).
-    `read()` fills `result.train_losses` and counts NaN/Inf iterations into the run."""
-
-    def __init__(self, result: "TrainingResult") -> None:
-        self.result = result
-        self.entries: List[Any] = []  # (iteration, keys, [keys] tensor)
-        self.nan_iterations = 0
-        self.interval_sums: Dict[str, float] = {}  # since the last log line
-
-    def add(self, iteration: int, losses: Dict[str, torch.Tensor]) -> None:
-        keys = list(losses)
-        values = (torch.stack([v.reshape(()).double() for v in losses.values()]) if keys
-                  else None)
-        self.entries.append((iteration, keys, values))
-
-    def read(self) -> List[Dict[str, float]]:
-        """The pending iterations' losses, in order (one host sync)."""
-        if not self.entries:
-            return []
-        tensors = [values for _, _, values in self.entries if values is not None]
-        flat = torch.cat(tensors).tolist() if tensors else []
-        out, position = [], 0
-        for iteration, keys, _ in self.entries:
-            losses = dict(zip(keys, flat[position:position + len(keys)]))
-            position += len(keys)
-            if any(math.isnan(v) or math.isinf(v) for v in losses.values()):
-                self.nan_iterations += 1
-            self.result.train_losses[iteration] = losses
-            for key, value in losses.items():
-                self.interval_sums[key] = self.interval_sums.get(key, 0.0) + value
-            out.append(losses)
-        self.entries = []
-        return out
-
-
 def _cyclic(loader) -> Iterator:
     while True:
         for batch in loader:
             yield batch
-
-
-class _Run:
-    """State of one training run (kept small: everything is built in `pretrain`)."""
-
-    def __init__(self, configs: Configs, state: ParallelState):
-        self.configs = configs
-        self.state = state
-        self.model: List[torch.nn.Module] = []
-        self.optimizer = None
-        self.scheduler: Optional[OptimizerParamScheduler] = None
-        self.iteration = 0
-        self.consumed_train_samples = 0
-        self.skipped_iterations = 0
-        self.pending_losses: Optional[_PendingLosses] = None
-        self._nan_iterations = 0
-        self.validator = None  # result_validation.ResultValidator (--rerun-mode)
-        self.exits = None  # run_control.ExitConditions
-        self.progress_log = None  # logging.ProgressLog (--log-progress), told of each save
-
-    @property
-    def nan_iterations(self) -> int:
-        """Iterations with a NaN/Inf loss; reading it reads the pending losses first."""
-        pending = self.pending_losses
-        if pending is not None:
-            pending.read()
-            return self._nan_iterations + pending.nan_iterations
-        return self._nan_iterations
-
-    @nan_iterations.setter
-    def nan_iterations(self, value: int) -> None:
-        pending = self.pending_losses
-        if pending is not None:
-            pending.read()
-            pending.nan_iterations = 0
-        self._nan_iterations = value
-
-
-def build_model_chunks(
-    model_provider: Callable, configs: Configs, state: ParallelState
-) -> List[torch.nn.Module]:
-    """This rank's model chunk(s), on the device, wrapped for data parallelism: our DDP, or
-    FSDP2 with --use-torch-fsdp2. With --init-model-with-meta-device each chunk is built on
-    the meta device and materialised on the device (the same values)."""
-    from megatron_smp.distributed import DistributedDataParallel
-
-    if configs.parallel.use_torch_fsdp2:
-        from megatron_smp.distributed.fsdp import build_fsdp_model_chunk
-
-        if configs.training.torch_compile:
-            raise ConfigError("--torch-compile is not supported with --use-torch-fsdp2 yet; "
-                              "drop one of them")
-
-        return [build_fsdp_model_chunk(model_provider, configs, state)]
-    meta = configs.parallel.init_model_with_meta_device
-    if meta:
-        from megatron_smp.distributed.delayed_init import materialize_meta_model
-        from megatron_smp.distributed.fsdp import (
-            META_DEVICE_PROVIDER_ERROR,
-            provider_accepts_device,
-        )
-
-        if not provider_accepts_device(model_provider):
-            raise ConfigError(META_DEVICE_PROVIDER_ERROR)
-    provider_kwargs = {"device": torch.device("meta")} if meta else {}
-    if state.pp_size > 1:
-        from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
-
-        raw_chunks = build_pipeline_model_chunks(model_provider, configs, state,
-                                                 **provider_kwargs)
-    else:
-        raw_chunks = [model_provider(configs, state, pre_process=True, post_process=True,
-                                     **provider_kwargs)]
-    chunks = []
-    for chunk in raw_chunks:
-        if meta:
-            materialize_meta_model(chunk, state.device)
-        chunk.to(state.device)
-        if configs.training.lora_rank:
-            from megatron_smp.tensor_parallel.lora import apply_lora
-
-            # Before DDP: only the adapters get grad buffers and optimizer state.
-            apply_lora(chunk, configs.training.lora_rank, configs.training.lora_alpha,
-                       configs.training.lora_dropout, configs.training.lora_target_modules)
-        if configs.training.torch_compile:
-            # torchtitan's order: compile after TP and recompute wrapping, before DP.
-            compile_transformer_layers(chunk, configs.training.torch_compile)
-        chunks.append(DistributedDataParallel(chunk, configs.optimizer, state))
-    return chunks
-
-
-def _schedule_hooks(run: _Run) -> ScheduleHooks:
-    optimizer = run.optimizer
-    model = run.model
-
-    # One no_sync per chunk, so each virtual-pipeline chunk launches its reduction during its
-    # own last backward (one shared context could not release chunks one at a time).
-    no_sync = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
-
-    return ScheduleHooks(
-        grad_scale_func=optimizer.scale_loss,
-        no_sync_func=no_sync,
-        finalize_model_grads_func=lambda chunks: _finalize(chunks, run),
-    )
-
-
-def _finalize(chunks, run: _Run) -> None:
-    """After the last backward: the grad reductions, then the aux-loss-free expert-bias update
-    (Megatron does both in finalize_model_grads)."""
-    from megatron_smp.distributed import finalize_model_grads
-    from megatron_smp.transformer.moe import reset_global_aux_loss, update_expert_bias
-
-    finalize_model_grads(chunks, run.state)
-    update_expert_bias(chunks, run.configs.model, run.state)
-    reset_global_aux_loss(chunks)
-
-
-def _run_schedule(run: _Run, forward_step_func: Callable, data_iterator,
-                  num_microbatches: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
-    """One global batch through this layout's schedule; the per-microbatch loss reports."""
-    configs = run.configs
-    forward_backward = get_forward_backward_func(
-        run.state.pp_size, schedule_name(configs.training.pipeline_schedule, len(run.model))
-    )
-    return forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=run.model,
-        num_microbatches=num_microbatches,
-        seq_length=configs.training.seq_length,
-        micro_batch_size=configs.training.micro_batch_size,
-        forward_only=forward_only,
-        hooks=None if forward_only else _schedule_hooks(run),
-    )
-
-
-def empty_unused_memory(run: _Run, level: int) -> None:
-    """Megatron's --empty-unused-memory-level: return the CUDA caching allocator's unused
-    blocks when the flag is at least `level` (nothing to return on other devices)."""
-    if run.configs.training.empty_unused_memory_level >= level and run.state.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _forward_backward(run: _Run, forward_step_func: Callable, data_iterator,
-                      num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
-    """Zeroed grads, then the global batch's forward and backward; the loss reports."""
-    from megatron_smp.models.multi_token_prediction import set_mtp_loss_scale
-    from megatron_smp.transformer.moe import set_aux_loss_scale
-
-    # Zeroes each chunk's grad buffer (zero_grad_buffer) and the main params' grads: once,
-    # the buffers are the size of the model.
-    run.optimizer.zero_grad()
-    # MoE auxiliary losses and the MTP loss enter backward scaled like each microbatch's lm
-    # loss. A device tensor: a float() here would wait for the device before every forward.
-    aux_scale = run.optimizer.get_loss_scale()[0] * run.state.cp_size / num_microbatches
-    set_aux_loss_scale(run.model, aux_scale)
-    set_mtp_loss_scale(run.model, aux_scale)
-    reports = _run_schedule(run, forward_step_func, data_iterator, num_microbatches, False)
-    if run.validator is not None and run.configs.parallel.use_torch_fsdp2:
-        run.validator.check_sharded_grads(run.model)
-    return reports
-
-
-def _build_validator(run: _Run):
-    """--check-for-nan-in-loss-and-grad's checker (None when off), hooked into each DDP
-    bucket's grad reduction."""
-    configs, state = run.configs, run.state
-    if not validation_enabled(configs.training, configs.model.fp16, configs.optimizer.loss_scale):
-        return None
-
-    def log(message: str, every_rank: bool = False) -> None:
-        if every_rank or state.rank == 0:
-            print(message, flush=True)
-
-    validator = ResultValidator(configs.training.rerun_mode, state, log)
-    for chunk in run.model:
-        for buffer in getattr(chunk, "param_and_grad_buffers", []):
-            buffer.grad_check = validator.check_grads
-    return validator
-
-
-# Losses the pipeline's stages share (the stages before the last see no reports).
-PIPELINE_LOSS_KEYS = ("lm loss",)
-
-
-def _agree(run: _Run, reports, num_microbatches: int):
-    """The step's agreement (`step_agreement`): the NaN/Inf checks, the exit conditions, the
-    per-token loss's token count and the logged losses in one all-reduce. Returns (the
-    agreed host values by name, the losses as device tensors)."""
-    from megatron_smp.training.per_token_loss import local_token_count
-
-    rank_counts, replica_sums = {}, {}
-    if run.validator is not None:
-        checks = run.validator.local_counts()
-        if checks is not None:
-            rank_counts["checks"] = checks
-    exit_flags = run.exits.local_flags() if run.exits is not None else None
-    if exit_flags is not None:
-        rank_counts["exit"] = exit_flags
-    if run.configs.optimizer.calculate_per_token_loss:
-        replica_sums["tokens"] = local_token_count(reports, run.state.device)
-    keys = loss_keys(reports, PIPELINE_LOSS_KEYS, run.state)
-    return agree_on_step(run.state, reports, keys, rank_counts, replica_sums)
-
-
-def train_step(run: _Run, forward_step_func: Callable, data_iterator, num_microbatches: int):
-    """One iteration: forward and backward, the ranks' agreement, the optimizer step.
-    Returns (losses: {key: 0-dim device tensor}, the agreed exit flags or None,
-    update_successful, grad_norm, num_zeros_in_grad)."""
-    validator = run.validator
-    if validator is not None:
-        # --check-for-nan-in-loss-and-grad: losses checked as computed, grads as reduced;
-        # the ranks agree after the backward, before anything is updated.
-        forward_step_func = validator.wrap(forward_step_func)
-        validator.start_iteration(run.iteration + 1, data_iterator)
-    reports = _forward_backward(run, forward_step_func, data_iterator, num_microbatches)
-    agreed, losses = _agree(run, reports, num_microbatches)
-    if validator is not None:
-        def rerun():
-            reports[:] = _forward_backward(run, forward_step_func, data_iterator,
-                                           num_microbatches)
-        validator.finish_step(run, data_iterator, rerun, agreed.get("checks"))
-    if run.configs.optimizer.calculate_per_token_loss:
-        from megatron_smp.training.per_token_loss import scale_grads_to_per_token_mean
-
-        scale_grads_to_per_token_mean(run.model, agreed["tokens"][0], run.state,
-                                      num_microbatches)
-    empty_unused_memory(run, 1)
-    if run.configs.checkpoint.async_save:
-        from megatron_smp.checkpointing.loop import wait_for_staging
-
-        # The last --async-save may still be copying params and optimizer state to CPU
-        # memory; step() is the first thing to modify them.
-        wait_for_staging(run)
-    update_successful, grad_norm, num_zeros_in_grad = run.optimizer.step()
-    empty_unused_memory(run, 2)
-    return losses, agreed.get("exit"), update_successful, grad_norm, num_zeros_in_grad
-
-
-def evaluate(run: _Run, forward_step_func: Callable, data_iterator, eval_iters: int,
-             num_microbatches: int) -> Optional[Dict[str, float]]:
-    """Mean losses of `eval_iters` global batches; None when the run went past
-    --exit-duration-in-mins meanwhile (Megatron abandons the evaluation; the exit check after
-    the iteration then saves and stops)."""
-    for chunk in run.model:
-        chunk.eval()
-    all_reports: Optional[List[Dict[str, torch.Tensor]]] = []
-    for _ in range(eval_iters):
-        all_reports += _run_schedule(run, forward_step_func, data_iterator, num_microbatches,
-                                     True)
-        empty_unused_memory(run, 1)
-        if run.exits is not None and run.exits.out_of_time():
-            if run.state.rank == 0:
-                print("Exiting during evaluation, timelimit reached", flush=True)
-            all_reports = None
-            break
-    for chunk in run.model:
-        chunk.train()
-    if all_reports is None:
-        return None
-    keys = loss_keys(all_reports, PIPELINE_LOSS_KEYS, run.state)
-    return agree_on_step(run.state, all_reports, keys)[1]
 
 
 def _to_host(values: Optional[Dict[str, torch.Tensor]]) -> Optional[Dict[str, float]]:
@@ -373,29 +62,6 @@ def _to_host(values: Optional[Dict[str, torch.Tensor]]) -> Optional[Dict[str, fl
         return None
     return dict(zip(values, torch.stack([v.double() for v in values.values()]).tolist())
                 if values else {})
-
-
-def _final_evaluation(run: _Run, forward_step_func: Callable, valid_iter, test_loader,
-                      num_microbatches: int, logger: TrainingLogger,
-                      result: TrainingResult) -> None:
-    """Megatron's evaluations "after training is done": --eval-iters batches of the
-    validation set (continuing where training's evaluations stopped) and of the test set."""
-    training = run.configs.training
-    if training.eval_iters <= 0:
-        return
-    for dataset, iterator in (("validation", valid_iter),
-                              ("test", None if test_loader is None else iter(test_loader))):
-        if iterator is None:
-            continue
-        losses = evaluate(run, forward_step_func, iterator, training.eval_iters, num_microbatches)
-        if losses is None:
-            return
-        losses = _to_host(losses)
-        setattr(result, "final_valid_losses" if dataset == "validation" else "test_losses",
-                losses)
-        result.log_lines.append(logger.validation_line(
-            "validation", run.iteration, losses, dataset=dataset,
-            to_scalars=not training.skip_train))
 
 
 def dataset_num_samples(training, global_batch_size: int) -> List[int]:
@@ -426,22 +92,14 @@ def _report_memory(configs: Configs, model_provider: Callable) -> None:
     print(report.table(), flush=True)
 
 
-def pretrain(
-    train_valid_test_datasets_provider: Callable,
-    model_provider: Callable,
-    forward_step_func: Callable,
-    extra_args_provider: Optional[Callable] = None,
-    args_defaults: Optional[Dict[str, Any]] = None,
-    argv: Optional[Sequence[str]] = None,
-) -> TrainingResult:
-    """Parse flags, build everything, train, evaluate; returns the losses (on every rank)."""
-    from megatron_smp.data import build_pretraining_data_loader, build_tokenizer
-    from megatron_smp.optimizer import get_megatron_optimizer
-    from megatron_smp.tensor_parallel.random import model_parallel_seed
-    from megatron_smp.models.multi_token_prediction import mtp_metrics
-    from megatron_smp.transformer.moe import moe_metrics
+def build_configs(argv: Optional[Sequence[str]] = None,
+                  extra_args_provider: Optional[Callable] = None,
+                  args_defaults: Optional[Dict[str, Any]] = None,
+                  model_provider: Optional[Callable] = None):
+    """(configs, tokenizer): the flags parsed and validated once, with the tokenizer's
+    vocabulary (--report-memory's table too, given the `model_provider`)."""
+    from megatron_smp.data import build_tokenizer
 
-    start_time = time.time()  # the origin of --exit-duration-in-mins
     configs = parse_args(argv, extra_args_provider, args_defaults)
     set_logging_level(configs.training)
     # The tokenizer is local work (no collective): build it first, so the one validation
@@ -450,45 +108,28 @@ def pretrain(
     tokenizer = build_tokenizer(configs.data)
     configs.model.vocab_size = tokenizer.vocab_size
     validate_configs(configs)
-    if configs.training.report_memory:
+    if configs.training.report_memory and model_provider is not None:
         _report_memory(configs, model_provider)
-    timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-    state = build_parallel_state(configs.parallel, timeout=timeout)
-    training = configs.training
-    if training.deterministic_mode:
-        apply_deterministic_mode(state.device)
-    exits = ExitConditions(training, state.device, start_time)
-    model_parallel_seed(training.seed, state)
+    return configs, tokenizer
 
-    run = _Run(configs, state)
-    run.exits = exits
-    run.model = build_model_chunks(model_provider, configs, state)
-    run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
-    run.validator = _build_validator(run)
-    # --rampup-batch-size changes the global batch (and the microbatches per step) as samples
-    # are consumed; --train-samples gives the length in samples (Megatron's update_train_iters).
-    batch_sizes = NumMicrobatchesCalculator(training, state.dp_size)
-    training.train_iters = batch_sizes.train_iters(training.train_iters, training.train_samples)
-    run.scheduler = OptimizerParamScheduler(
-        run.optimizer, configs.optimizer, training.train_iters,
-        train_samples=training.train_samples, global_batch_size=batch_sizes.global_batch_size,
-    )
 
-    num_microbatches = batch_sizes.num_microbatches_at(0)
-    global_batch_size = batch_sizes.global_batch_size
+@dataclass
+class _Data:
+    """The run's data: the training iterator (from the consumed samples on), the cyclic
+    validation iterator and the test loader (None with --eval-iters 0)."""
 
-    checkpointing = None
-    loading = configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint
-    if loading or configs.checkpoint.save:
-        from megatron_smp.checkpointing import loop as checkpointing_module
+    train: Iterator
+    valid: Optional[Iterator]
+    test_loader: Any
+    datasets: tuple  # (train, validation, test)
 
-        checkpointing = checkpointing_module
-        if loading:
-            checkpointing.load(run, tokenizer)
-    num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
 
-    num_samples = dataset_num_samples(training, global_batch_size)
-    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(num_samples, configs, tokenizer)
+def _build_data(trainer: Trainer, provider: Callable, tokenizer) -> _Data:
+    from megatron_smp.data import build_pretraining_data_loader
+
+    configs, state, training = trainer.configs, trainer.state, trainer.configs.training
+    num_samples = dataset_num_samples(training, trainer.batch_sizes.global_batch_size)
+    train_ds, valid_ds, test_ds = provider(num_samples, configs, tokenizer)
 
     def loader(dataset, consumed):
         if dataset is None:
@@ -498,166 +139,232 @@ def pretrain(
             configs.data.num_workers, worker_init_fn=data_worker_init_fn(training),
         )
 
-    train_iter = iter(loader(train_ds, run.consumed_train_samples))
-    if run.validator is not None and run.validator.mode == "validate_results":
-        train_iter = ReplayIterator(train_iter)  # an iteration can be rerun on its batches
+    train = iter(loader(train_ds, trainer.progress.consumed_train_samples))
+    if trainer.validator is not None and trainer.validator.mode == "validate_results":
+        train = ReplayIterator(train)  # an iteration can be rerun on its batches
     # --eval-iters 0 evaluates nothing (Megatron's do_valid / do_test): its splits are not
     # read, and may hold less than one sample.
-    valid_loader = loader(valid_ds, 0) if training.eval_iters > 0 else None
-    valid_iter = _cyclic(valid_loader) if valid_loader is not None else None
+    evaluating = training.eval_iters > 0
+    valid_loader = loader(valid_ds, 0) if evaluating else None
+    return _Data(train, _cyclic(valid_loader) if valid_loader is not None else None,
+                 loader(test_ds, 0) if evaluating else None, (train_ds, valid_ds, test_ds))
 
-    is_logging_rank = state.rank == state.world_size - 1
-    wandb = (init_wandb(training, configs.checkpoint.save, configs.to_dict())
-             if is_logging_rank else None)
-    logger = TrainingLogger(is_logging_rank, training, state.device, wandb=wandb,
-                            world_size=state.world_size)
-    for split, dataset in zip(("train", "validation", "test"), (train_ds, valid_ds, test_ds)):
-        # --sft packs conversations: report what the packing pays for padding.
+
+def _report_packing(datasets, logger: TrainingLogger) -> None:
+    """--sft packs conversations: report what the packing pays for padding."""
+    for split, dataset in zip(("train", "validation", "test"), datasets):
         if getattr(dataset, "efficiency", None) is not None:
             logger.print(f" > --sft {split}: {dataset.sequence_ids.size} conversations in "
                          f"{len(dataset.packs)} packs, packing efficiency "
                          f"{dataset.efficiency:.4f} (tokens used / tokens paid)")
-    profiler = StepProfiler(training, state.rank, state.device, run.iteration, is_logging_rank)
-    if training.log_progress:
-        run.progress_log = ProgressLog(
-            configs.checkpoint.save, state.world_size, state.rank,
-            flops_per_iteration(configs.model, training.seq_length, 1,
-                                configs.model.padded_vocab_size(state.tp_size)),
-            training.seq_length, run.consumed_train_samples, start_time)
-        run.progress_log.job_started()
-    result = TrainingResult()
-    padded_vocab_size = configs.model.padded_vocab_size(state.tp_size)
-    timer = Timer(state.device)
-    interval_iters = 0
-    run.pending_losses = pending = _PendingLosses(result)
 
-    if training.manual_gc:
-        # Megatron's --manual-gc: no automatic collections in the middle of a step.
-        gc.disable()
-        gc.collect()
-    hash_interval = training.check_weight_hash_across_dp_replicas_interval
-    if hash_interval is not None and not training.skip_train:
-        check_weight_hashes(run.model, state, run.iteration)
-    timer.start()
-    start_iteration = run.iteration
-    while run.iteration < training.train_iters and not training.skip_train:
-        profiler.before_iteration(run.iteration)
-        previous_num_microbatches = num_microbatches
-        num_microbatches = batch_sizes.num_microbatches_at(run.consumed_train_samples)
-        global_batch_size = num_microbatches * training.micro_batch_size * state.dp_size
-        save_interval = configs.checkpoint.save_interval
-        if (num_microbatches != previous_num_microbatches and checkpointing is not None
-                and configs.checkpoint.save
-                and not (save_interval and run.iteration % save_interval == 0)):
-            # Megatron saves where --rampup-batch-size changes the batch size (unless this
-            # iteration was just saved).
-            checkpointing.save(run)
-        losses, exit_flags, update_successful, grad_norm, num_zeros_in_grad = train_step(
-            run, forward_step_func, train_iter, num_microbatches
-        )
-        run.iteration += 1
-        profiler.after_iteration(run.iteration)
-        if checkpointing is not None and run.iteration == start_iteration + 1:
-            checkpointing.prepare_async_save(run)  # --async-save: the optimizer state exists
-        run.consumed_train_samples += global_batch_size
-        if update_successful:
-            run.scheduler.step(global_batch_size)
-        else:
-            run.skipped_iterations += 1
-        # load_balancing_loss / z_loss of MoE models (Megatron's log fields).
-        metrics = moe_metrics(run.model, configs.model, state, num_microbatches,
-                              per_layer=training.moe_per_layer_logging)
-        # --moe-per-layer-logging's values go to TensorBoard / W&B only, as in Megatron.
-        per_layer = {key: metrics.pop(key) for key in list(metrics) if key.startswith("moe/")}
-        losses.update(metrics)
-        # Each multi-token-prediction depth's loss (Megatron's "mtp_1 loss", ...).
-        losses.update(mtp_metrics(run.model, configs.model, state, num_microbatches))
-        pending.add(run.iteration, losses)  # read on the host at the log line
-        lr = run.optimizer.param_groups[0]["lr"]
-        loss_scale = run.optimizer.get_loss_scale()[0]  # a device tensor, read when logged
-        params_norm = run.optimizer.get_params_norm() if training.log_params_norm else None
-        logger.iteration_scalars(run.iteration, lr, global_batch_size, losses, loss_scale,
-                                 grad_norm, num_zeros_in_grad, params_norm, per_layer)
-        interval_iters += 1
 
-        if run.iteration % training.log_interval == 0 or run.iteration == training.train_iters:
-            pending.read()
-            loss_scale = float(loss_scale)
-            elapsed = timer.stop() / interval_iters
-            averaged = {k: v / interval_iters for k, v in pending.interval_sums.items()}
-            tokens_per_second = global_batch_size * training.seq_length / elapsed
-            # This iteration's batch, as Megatron counts it (batch ramp-up changes it).
-            flops = flops_per_iteration(configs.model, training.seq_length, global_batch_size,
-                                        padded_vocab_size)
-            line = logger.training_line(
-                run.iteration, run.consumed_train_samples, elapsed * 1000.0, lr,
-                global_batch_size, averaged, loss_scale, grad_norm, num_zeros_in_grad,
-                run.skipped_iterations, run.nan_iterations,
-                tokens_per_second, flops / elapsed / 1e12 / state.world_size,
-                params_norm=params_norm,
-            )
-            result.log_lines.append(line)
-            pending.interval_sums, interval_iters = {}, 0
-            timer.start()
+class _TrainingLoop:
+    """`pretrain`'s loop over a Trainer: when to log, evaluate, check weights, save and stop
+    (Megatron's train())."""
 
-        if hash_interval is not None and run.iteration % hash_interval == 0:
-            check_weight_hashes(run.model, state, run.iteration)
-            timer.start()
-        if valid_iter is not None and training.eval_interval and (
-            run.iteration % training.eval_interval == 0
-        ):
-            if training.manual_gc and training.manual_gc_eval:
-                gc.collect()
-            valid = evaluate(run, forward_step_func, valid_iter, training.eval_iters,
-                             num_microbatches)
-            if training.manual_gc and training.manual_gc_eval:
-                gc.collect()
-            if valid is not None:
-                valid = _to_host(valid)
-                result.valid_losses[run.iteration] = valid
-                result.log_lines.append(logger.validation_line("validation", run.iteration,
-                                                               valid))
-            timer.start()
+    def __init__(self, trainer: Trainer, forward_step: Callable, data: _Data,
+                 logger: TrainingLogger, start_time: float) -> None:
+        configs, state = trainer.configs, trainer.state
+        self.trainer, self.forward_step, self.data, self.logger = (
+            trainer, forward_step, data, logger)
+        self.training, self.checkpoint = configs.training, configs.checkpoint
+        is_logging_rank = state.rank == state.world_size - 1
+        self.profiler = StepProfiler(self.training, state.rank, state.device, trainer.iteration,
+                                     is_logging_rank)
+        if self.training.log_progress:
+            trainer.progress_log = ProgressLog(
+                self.checkpoint.save, state.world_size, state.rank,
+                flops_per_iteration(configs.model, self.training.seq_length, 1,
+                                    configs.model.padded_vocab_size(state.tp_size)),
+                self.training.seq_length, trainer.progress.consumed_train_samples, start_time)
+            trainer.progress_log.job_started()
+        self.checkpointing = bool(self.checkpoint.load or self.checkpoint.pretrained_checkpoint
+                                  or self.checkpoint.save)
+        self.result = TrainingResult(train_losses=trainer.pending_losses.train_losses)
+        self.timer = Timer(state.device)
+        self.interval_iters = 0
+        self.num_microbatches = trainer.num_microbatches()
 
-        if checkpointing is not None and configs.checkpoint.save_interval and (
-            run.iteration % configs.checkpoint.save_interval == 0
-        ):
-            checkpointing.save(run)
-            timer.start()
-        if checkpointing is not None:
-            checkpointing.poll(run)  # publishes asynchronous saves that every rank finished
-        if training.manual_gc and training.manual_gc_interval and (
-            run.iteration % training.manual_gc_interval == 0
-        ):
+    def _saving(self, iteration: int) -> bool:
+        interval = self.checkpoint.save_interval
+        return bool(self.checkpointing and interval and iteration % interval == 0)
+
+    def run(self) -> TrainingResult:
+        trainer, training = self.trainer, self.training
+        if training.manual_gc:
+            # Megatron's --manual-gc: no automatic collections in the middle of a step.
+            gc.disable()
             gc.collect()
-        result.exit_reason = exits.reason_to_exit(run.iteration, exit_flags)
-        if result.exit_reason is not None:
-            logger.print(result.exit_reason)
-            break
-    profiler.close()
-    exits.close()
-    pending.read()
+        hash_interval = training.check_weight_hash_across_dp_replicas_interval
+        if hash_interval is not None and not training.skip_train:
+            check_weight_hashes(trainer.model, trainer.state, trainer.iteration)
+        self.timer.start()
+        start_iteration = trainer.iteration
+        while trainer.iteration < training.train_iters and not training.skip_train:
+            self.profiler.before_iteration(trainer.iteration)
+            self._save_at_batch_size_change()
+            step = trainer.train_step(self.data.train, forward_step=self.forward_step)
+            self.num_microbatches = step.num_microbatches
+            self.profiler.after_iteration(trainer.iteration)
+            if self.checkpointing and trainer.iteration == start_iteration + 1:
+                trainer.prepare_async_save()  # --async-save: the optimizer state exists
+            self._log(step)
+            if self._after_step(step, hash_interval):
+                break
+        self.profiler.close()
+        trainer.exits.close()
+        trainer.pending_losses.read()
+        return self._finish()
 
-    # An early exit saves too (Megatron saves on every exit condition), then skips the
-    # evaluations below.
-    if checkpointing is not None and configs.checkpoint.save and not training.skip_train and (
-        not configs.checkpoint.save_interval
-        or run.iteration % configs.checkpoint.save_interval != 0
-    ):
-        checkpointing.save(run)
-    if result.exit_reason is None:
-        _final_evaluation(run, forward_step_func, valid_iter,
-                          loader(test_ds, 0) if training.eval_iters > 0 else None,
-                          num_microbatches, logger, result)
-    if checkpointing is not None:
-        checkpointing.finalize(run)
-    logger.close()
-    if training.manual_gc:
-        gc.enable()
-    result.skipped_iterations = run.skipped_iterations
-    result.iteration = run.iteration
-    result.consumed_train_samples = run.consumed_train_samples
-    return result
+    def _save_at_batch_size_change(self) -> None:
+        """Megatron saves where --rampup-batch-size changes the batch size (unless this
+        iteration was just saved)."""
+        previous, self.num_microbatches = self.num_microbatches, self.trainer.num_microbatches()
+        if (self.num_microbatches != previous and self.checkpointing and self.checkpoint.save
+                and not self._saving(self.trainer.iteration)):
+            self.trainer.save()
+
+    def _log(self, step: StepResult) -> None:
+        """The step's scalars, and Megatron's log line every --log-interval iterations."""
+        trainer, training = self.trainer, self.training
+        iteration, pending = trainer.iteration, trainer.pending_losses
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        loss_scale = trainer.optimizer.get_loss_scale()[0]  # a device tensor, read when logged
+        params_norm = trainer.optimizer.get_params_norm() if training.log_params_norm else None
+        self.logger.iteration_scalars(iteration, lr, step.global_batch_size, step.losses,
+                                      loss_scale, step.grad_norm, step.num_zeros_in_grad,
+                                      params_norm, step.per_layer)
+        self.interval_iters += 1
+        if iteration % training.log_interval != 0 and iteration != training.train_iters:
+            return
+        pending.read()
+        elapsed = self.timer.stop() / self.interval_iters
+        averaged = {k: v / self.interval_iters for k, v in pending.interval_sums.items()}
+        configs, state = trainer.configs, trainer.state
+        # This iteration's batch, as Megatron counts it (batch ramp-up changes it).
+        flops = flops_per_iteration(configs.model, training.seq_length, step.global_batch_size,
+                                    configs.model.padded_vocab_size(state.tp_size))
+        self.result.log_lines.append(self.logger.training_line(
+            iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
+            step.global_batch_size, averaged, float(loss_scale), step.grad_norm,
+            step.num_zeros_in_grad, trainer.progress.skipped_iterations,
+            trainer.nan_iterations,
+            step.global_batch_size * training.seq_length / elapsed,
+            flops / elapsed / 1e12 / state.world_size, params_norm=params_norm,
+        ))
+        pending.interval_sums, self.interval_iters = {}, 0
+        self.timer.start()
+
+    def _after_step(self, step: StepResult, hash_interval: Optional[int]) -> bool:
+        """Weight hashes, evaluation, saves, garbage collection and the exit check after an
+        iteration; True when the run stops here."""
+        trainer, training = self.trainer, self.training
+        iteration = trainer.iteration
+        if hash_interval is not None and iteration % hash_interval == 0:
+            check_weight_hashes(trainer.model, trainer.state, iteration)
+            self.timer.start()
+        if self.data.valid is not None and training.eval_interval and (
+                iteration % training.eval_interval == 0):
+            self._evaluate_during_training()
+            self.timer.start()
+        if self._saving(iteration):
+            trainer.save()
+            self.timer.start()
+        if self.checkpointing:
+            trainer.poll_saves()  # publishes asynchronous saves that every rank finished
+        if training.manual_gc and training.manual_gc_interval and (
+                iteration % training.manual_gc_interval == 0):
+            gc.collect()
+        self.result.exit_reason = trainer.exits.reason_to_exit(iteration, step.exit_flags)
+        if self.result.exit_reason is not None:
+            self.logger.print(self.result.exit_reason)
+            return True
+        return False
+
+    def _evaluate_during_training(self) -> None:
+        training, iteration = self.training, self.trainer.iteration
+        if training.manual_gc and training.manual_gc_eval:
+            gc.collect()
+        valid = self.trainer.evaluate(self.data.valid, training.eval_iters,
+                                      forward_step=self.forward_step,
+                                      num_microbatches=self.num_microbatches)
+        if training.manual_gc and training.manual_gc_eval:
+            gc.collect()
+        if valid is not None:
+            valid = _to_host(valid)
+            self.result.valid_losses[iteration] = valid
+            self.result.log_lines.append(
+                self.logger.validation_line("validation", iteration, valid))
+
+    def _finish(self) -> TrainingResult:
+        """The save at the end (an early exit saves too: Megatron saves on every exit
+        condition), the final evaluations (not after an early exit), the counters."""
+        trainer, training, result = self.trainer, self.training, self.result
+        if (self.checkpointing and self.checkpoint.save and not training.skip_train
+                and not self._saving(trainer.iteration)):
+            trainer.save()
+        if result.exit_reason is None:
+            self._final_evaluation()
+        if self.checkpointing:
+            trainer.finalize_saves()
+        self.logger.close()
+        if training.manual_gc:
+            gc.enable()
+        result.skipped_iterations = trainer.progress.skipped_iterations
+        result.iteration = trainer.iteration
+        result.consumed_train_samples = trainer.progress.consumed_train_samples
+        return result
+
+    def _final_evaluation(self) -> None:
+        """Megatron's evaluations "after training is done": --eval-iters batches of the
+        validation set (continuing where training's evaluations stopped) and of the test
+        set."""
+        training, test_loader = self.training, self.data.test_loader
+        if training.eval_iters <= 0:
+            return
+        for dataset, iterator in (("validation", self.data.valid),
+                                  ("test", None if test_loader is None else iter(test_loader))):
+            if iterator is None:
+                continue
+            losses = self.trainer.evaluate(iterator, training.eval_iters,
+                                           forward_step=self.forward_step,
+                                           num_microbatches=self.num_microbatches)
+            if losses is None:
+                return
+            losses = _to_host(losses)
+            if dataset == "validation":
+                self.result.final_valid_losses = losses
+            else:
+                self.result.test_losses = losses
+            self.result.log_lines.append(self.logger.validation_line(
+                "validation", self.trainer.iteration, losses, dataset=dataset,
+                to_scalars=not training.skip_train))
+
+
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+    argv: Optional[Sequence[str]] = None,
+) -> TrainingResult:
+    """Parse flags, build everything, train, evaluate; returns the losses (on every rank)."""
+    start_time = time.time()  # the origin of --exit-duration-in-mins
+    configs, tokenizer = build_configs(argv, extra_args_provider, args_defaults, model_provider)
+    trainer = Trainer.build(configs, model_provider, start_time)
+    if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
+        trainer.load()
+    data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)
+    state = trainer.state
+    is_logging_rank = state.rank == state.world_size - 1
+    wandb = (init_wandb(configs.training, configs.checkpoint.save, configs.to_dict())
+             if is_logging_rank else None)
+    logger = TrainingLogger(is_logging_rank, configs.training, state.device, wandb=wandb,
+                            world_size=state.world_size)
+    _report_packing(data.datasets, logger)
+    return _TrainingLoop(trainer, forward_step_func, data, logger, start_time).run()
 
 
 _CONFIG_ERROR_GRACE_S = 3.0

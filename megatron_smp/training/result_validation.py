@@ -226,7 +226,8 @@ class ResultValidator:
                      f"iteration #{self.iteration}: unexpected result "
                      f"(message='{'; '.join(seen)}')", every_rank=True)
 
-    def finish_step(self, run, data_iterator, rerun: Callable[[], Any],
+    def finish_step(self, save: Optional[Callable[[], None]], data_iterator,
+                    rerun: Callable[[], Any],
                     counts: Optional[List[float]]):
         """After the step's backward (before the optimizer step), with `counts`: the ranks
         that saw each check fail (the sum of `local_counts()` over all ranks; None when the
@@ -252,7 +253,7 @@ class ResultValidator:
                 "validate_results reruns the iteration to tell a transient fault from a "
                 "reproducible result)")
         if from_checkpoint:
-            self._second_rerun(run, rejected, where)
+            self._second_rerun(rejected, where)
         self.log(f"{where}. Need to rerun step to check reproducibility of initial result")
         initial = local
         set_rng_state(self._rng)
@@ -266,14 +267,14 @@ class ResultValidator:
             self.log("First rerun: unexpected result is not reproducible within the tolerance. "
                      "Possible transient error! Exiting now. A checkpoint at the last "
                      "iteration is being saved if further examination is needed")
-            self._save_and_exit(run, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, pending=False)
+            self._save_and_exit(save, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, pending=False)
         self.log("First rerun: unexpected result is reproducible within the tolerance. Need to "
                  "rerun on a different GPU to verify correctness. Saving a checkpoint and "
                  "exiting now. Please resume the job from the checkpoint to rerun the last "
                  "iteration and establish a diagnostic")
-        self._save_and_exit(run, EXIT_CODE_RESUME_TO_DISAMBIGUATE, pending=True)
+        self._save_and_exit(save, EXIT_CODE_RESUME_TO_DISAMBIGUATE, pending=True)
 
-    def _second_rerun(self, run, rejected: bool, where: str) -> None:
+    def _second_rerun(self, rejected: bool, where: str) -> None:
         """The resumed job's rerun of the iteration whose result was reproduced."""
         same_device = torch.tensor([float(device_identity(self.state.device)
                                           == self.rerun_device)], device=self.state.device)
@@ -296,16 +297,16 @@ class ResultValidator:
                  "examination is needed")
         raise SystemExit(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
 
-    def _save_and_exit(self, run, code: int, pending: bool) -> None:
-        from megatron_smp.checkpointing import loop as checkpointing
-
-        if run.configs.checkpoint.save:
+    def _save_and_exit(self, save: Optional[Callable[[], None]], code: int,
+                       pending: bool) -> None:
+        """`save`: saves a checkpoint (with the rerun position, when `pending`) and waits for
+        it; None without --save."""
+        if save is not None:
             if pending:
                 self.rerun_iteration = self.iteration
                 self.rerun_device = device_identity(self.state.device)
             try:
-                checkpointing.save(run)
-                checkpointing.finalize(run)
+                save()
             finally:
                 self.rerun_iteration = self.rerun_device = 0
         raise SystemExit(code)

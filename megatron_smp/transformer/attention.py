@@ -40,6 +40,7 @@ from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.rope import RopeScaling, rope_frequencies
 from megatron_smp.transformer.spec import ModuleSpec, SelfAttentionSubmodules, build_module
+from megatron_smp.transformer.utils import device_capability as _capability
 
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
 
@@ -236,18 +237,6 @@ def _repeat_kv(key: torch.Tensor, value: torch.Tensor, num_heads: int):
     if groups == 1:
         return key, value
     return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-
-
-_CAPABILITY = {}
-
-
-def _capability(device: torch.device) -> Tuple[int, int]:
-    if device.type != "cuda":
-        return (0, 0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
 
 
 def build_softmax_offset(config: TransformerConfig, tp_group: ProcessGroup,

@@ -67,7 +67,7 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = None
         if post_layer_norm:
-            sequence_parallel = config.sequence_parallel and group_size(state.tp_group) > 1
+            sequence_parallel = config.sequence_parallel_at(group_size(state.tp_group))
             self.final_layernorm = build_norm(
                 config, sequence_parallel=sequence_parallel, device=device
             )

@@ -45,7 +45,7 @@ class HybridLayer(TransformerLayer):
         self.layer_number = layer_number
         self.symbol = symbol
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel and group_size(state.tp_group) > 1
+        self.sequence_parallel = config.sequence_parallel_at(group_size(state.tp_group))
         self.norm = build_norm(config, sequence_parallel=self.sequence_parallel, device=device)
         self.mixer = build_module(submodules, config, state, layer_number=layer_number,
                                   device=device)

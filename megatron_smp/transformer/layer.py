@@ -75,7 +75,7 @@ class TransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         self.parallel_residual = config.parallel_residual
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel and group_size(state.tp_group) > 1
+        self.sequence_parallel = config.sequence_parallel_at(group_size(state.tp_group))
         self.input_layernorm = build_norm(
             config, sequence_parallel=self.sequence_parallel, device=device
         )

@@ -68,6 +68,10 @@ class _ReplicatedLinear(torch.nn.Module):
     `sequence_parallel` marks the weight for the TP sum of its grad when each rank feeds it
     another sequence shard."""
 
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
                  sequence_parallel: bool, device: Optional[torch.device]) -> None:
         super().__init__()
@@ -107,7 +111,7 @@ class MLASelfAttention(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp_size = group_size(tp_group)
-        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(tp_size)
         self.num_heads = config.num_attention_heads
         self.num_heads_per_partition = divide(self.num_heads, tp_size)
         self.qk_head_dim = config.qk_head_dim

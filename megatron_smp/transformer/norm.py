@@ -39,6 +39,10 @@ def _at_least_fp32(x: torch.Tensor) -> torch.dtype:
 
 
 class LayerNorm(torch.nn.Module):
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(
         self,
         hidden_size: int,
@@ -80,6 +84,10 @@ class LayerNorm(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.Module):
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(
         self,
         hidden_size: int,

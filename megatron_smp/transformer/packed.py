@@ -233,7 +233,7 @@ class PackedSequence:
                dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
         """Document-causal attention of whole rows: q [b, nq, s, d], k/v [b, nkv, s, d]
         (nkv divides nq) -> [b, nq, s, d]."""
-        from megatron_smp.transformer.attention import _capability
+        from megatron_smp.transformer.utils import device_capability as _capability
 
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value))

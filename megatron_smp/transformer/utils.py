@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -32,4 +32,20 @@ def init_rng_scope(seed: Optional[int]) -> Iterator[None]:
         yield
 
 
-__all__ = ["derive_seed", "init_rng_scope"]
+
+
+# CUDA device index -> compute capability.
+_CAPABILITY = {}
+
+
+def device_capability(device: torch.device) -> Tuple[int, int]:
+    """The CUDA compute capability of `device` ((0, 0) off CUDA), asked once per device."""
+    if device.type != "cuda":
+        return (0, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
+__all__ = ["derive_seed", "init_rng_scope", "device_capability"]

@@ -564,20 +564,20 @@ def pretrain_on_fake_device(script: str, argv: List[str], measured_iteration: in
     entry = importlib.import_module(script)
     starts: List[int] = []
     with FakeDevice() as device:
-        original = pretrain_module.train_step
+        original = pretrain_module.Trainer.train_step
 
         def train_step(*args, **kwargs):
             starts.append(len(device.syncs))
             return original(*args, **kwargs)
 
-        pretrain_module.train_step = train_step
+        pretrain_module.Trainer.train_step = train_step
         try:
             result = pretrain_module.pretrain(
                 entry.train_valid_test_datasets_provider, entry.model_provider,
                 entry.forward_step, argv=argv,
                 args_defaults=getattr(entry, "LLAMA_DEFAULTS", None))
         finally:
-            pretrain_module.train_step = original
+            pretrain_module.Trainer.train_step = original
             if dist.is_initialized():
                 dist.destroy_process_group()
     begin, end = starts[measured_iteration - 1], starts[measured_iteration]

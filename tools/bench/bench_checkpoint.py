@@ -115,7 +115,7 @@ def _added_peak_mb(rss_before_kib: int) -> float:
 
 def _build_run(argv):
     """What `pretrain` builds before the data: configs, parallel state, model chunks (DDP),
-    optimizer, scheduler, as a `_Run`."""
+    optimizer, scheduler, as the `CheckpointRecord` the loop's checkpoints take."""
     import pretrain_gpt
     from megatron_smp.data import build_tokenizer
     from megatron_smp.optimizer import get_megatron_optimizer
@@ -124,19 +124,20 @@ def _build_run(argv):
     from megatron_smp.training.arguments import parse_args, validate_configs
     from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
 
-    pretrain = importlib.import_module("megatron_smp.training.pretrain")
+    from megatron_smp.checkpointing.record import CheckpointRecord, Progress
+
+    trainer = importlib.import_module("megatron_smp.training.trainer")
     configs = parse_args(argv)
     configs.model.vocab_size = build_tokenizer(configs.data).vocab_size
     validate_configs(configs)
     state = build_parallel_state(configs.parallel)
     model_parallel_seed(configs.training.seed, state)
-    run = pretrain._Run(configs, state)
-    run.model = pretrain.build_model_chunks(pretrain_gpt.model_provider, configs, state)
-    run.optimizer = get_megatron_optimizer(configs.optimizer, run.model, state)
-    run.scheduler = OptimizerParamScheduler(
-        run.optimizer, configs.optimizer, configs.training.train_iters,
+    model = trainer.build_model_chunks(pretrain_gpt.model_provider, configs, state)
+    optimizer = get_megatron_optimizer(configs.optimizer, model, state)
+    scheduler = OptimizerParamScheduler(
+        optimizer, configs.optimizer, configs.training.train_iters,
         global_batch_size=configs.training.global_batch_size)
-    return run
+    return CheckpointRecord(configs, state, model, optimizer, scheduler, Progress())
 
 
 def _fill_optimizer_state(run, seed: int) -> None:
@@ -205,7 +206,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
     # writes of a process into memory the guest has not touched for a while run 3-4x slower
     # (the host faults the page cache's memory in: a plain 16 MiB-block writer shows 5.6 s
     # for 2.3 GB per rank, then 1.2-1.9 s), which would land on whichever timed step ran first.
-    run.iteration = 0
+    run.progress.iteration = 0
     settle()
     checkpointing.save(run)
     warm = os.path.join(root, f"raw_rank{rank}.bin")
@@ -226,7 +227,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         raw = os.path.join(root, f"raw_rank{rank}.bin")
         before = barrier_then_time(lambda: _raw_write(raw, rank_bytes, block))
         os.remove(raw)
-        run.iteration = 10 * repeat + 1
+        run.progress.iteration = 10 * repeat + 1
         configs.checkpoint.async_save = False
         rss = _reset_peak_rss()
         record["sync_s"] = barrier_then_time(lambda: checkpointing.save(run))
@@ -255,7 +256,7 @@ def _training_body(rank, world_size, argv, root, repeats, step_seconds):
         assert float(sum(p.detach().float().sum() for p in params)) == total, "load differs"
 
         # -- async save, as the loop runs it
-        run.iteration += 1
+        run.progress.iteration += 1
         configs.checkpoint.async_save = True
         rss = _reset_peak_rss()
         settle()

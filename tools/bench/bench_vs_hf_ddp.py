@@ -110,7 +110,7 @@ def _run_ours(argv: list) -> dict:
     pretrain_module = importlib.import_module("megatron_smp.training.pretrain")
 
     starts, cpu_starts, counts = [], [], []
-    original = pretrain_module.train_step
+    original = pretrain_module.Trainer.train_step
     counter = _CountCollectives()
 
     def timed_train_step(*args, **kwargs):
@@ -119,7 +119,7 @@ def _run_ours(argv: list) -> dict:
         counts.append(dict(counter.counts))
         return original(*args, **kwargs)
 
-    pretrain_module.train_step = timed_train_step
+    pretrain_module.Trainer.train_step = timed_train_step
     try:
         with counter, contextlib.redirect_stdout(io.StringIO()):
             result = pretrain_module.pretrain(
@@ -127,7 +127,7 @@ def _run_ours(argv: list) -> dict:
                 pretrain_gpt.forward_step, argv=argv,
                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     finally:
-        pretrain_module.train_step = original
+        pretrain_module.Trainer.train_step = original
     per_iteration = []
     for before, after in zip(counts, counts[1:]):
         per_iteration.append({k: after.get(k, 0) - before.get(k, 0) for k in after

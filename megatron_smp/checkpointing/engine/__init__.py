@@ -23,6 +23,7 @@ from megatron_smp.checkpointing.engine.async_queue import (
 from megatron_smp.checkpointing.engine.sharded_tensor import (
     ShardedTensorView,
     flat_sharded_tensor,
+    local_to_global_blocks,
     make_sharded_tensor,
     sharded_state_dict,
     tp_sharded_tensor,
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_ASYNC_QUEUE",
     "ShardedTensorView",
     "make_sharded_tensor",
+    "local_to_global_blocks",
     "tp_sharded_tensor",
     "flat_sharded_tensor",
     "sharded_state_dict",

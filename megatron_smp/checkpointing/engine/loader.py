@@ -147,6 +147,7 @@ def load(
     coordinator_rank: int = 0,
     s3_region: Optional[str] = None,
     s3client_config=None,
+    metadata: Optional[Metadata] = None,
 ) -> None:
     """Load `checkpoint_id` into `state_dict` in place; collective over `process_group`.
 
@@ -154,6 +155,8 @@ def load(
     layout saved them; non-tensor values are replaced in `state_dict`. Every file is checked
     first (metadata readable, data files present and long enough), then with
     `check_keys_matched` the keys and global shapes (see `check_keys_against_checkpoint`).
+    `metadata`: the checkpoint's metadata as `read_checkpoint_metadata` returned it (read and
+    checked once per load by a caller that needed it before); read here otherwise.
     """
     reject_s3(s3_region, s3client_config)
     if storage_reader is None:
@@ -162,7 +165,10 @@ def load(
         storage_reader = SafeFileSystemReader(os.fspath(checkpoint_id))
     elif checkpoint_id is not None:
         storage_reader.reset(checkpoint_id)
-    metadata = read_checkpoint_metadata(checkpoint_id, storage_reader, process_group)
+    if metadata is None:
+        metadata = read_checkpoint_metadata(checkpoint_id, storage_reader, process_group)
+    if isinstance(storage_reader, SafeFileSystemReader):
+        storage_reader.use_metadata(metadata)  # DCP's own read_metadata() returns it
     if check_keys_matched:
         check_keys_against_checkpoint(state_dict, metadata, checkpoint_id, process_group)
     try:

@@ -21,7 +21,7 @@ caller's tensors, so an in-place load writes straight into the parameters.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -137,6 +137,41 @@ def _validate_chunks(chunks: List[Chunk], global_shape: torch.Size, dtype: torch
                 )
 
 
+def local_to_global_blocks(
+    start: Sequence[int], sizes: Sequence[int], global_offset: Sequence[int],
+    partition_dim: Optional[int] = None, piece: int = 0, global_block: int = 0,
+) -> Iterator[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+    """Where the block [start, start + sizes) of a rank's local tensor lives in the global
+    tensor -- the one mapping every sharded view here is built with.
+
+    The local tensor sits at `global_offset`; split along `partition_dim` into pieces of
+    `piece` elements (Megatron's strided split of fused weights: piece j at
+    `j * global_block` past the offset), a block crossing a piece boundary splits in two.
+    Yields (global offsets, start within the block, sizes) of each part.
+    """
+    start, sizes = list(start), list(sizes)
+    if partition_dim is None:
+        parts = [(start, [0] * len(start), sizes)]
+    else:
+        dim = partition_dim
+        parts = []
+        position, end = start[dim], start[dim] + sizes[dim]
+        while position < end:
+            index, within = divmod(position, piece)
+            length = min(end, (index + 1) * piece) - position
+            offsets = list(start)
+            offsets[dim] = index * global_block + within
+            relative = [0] * len(start)
+            relative[dim] = position - start[dim]
+            lengths = list(sizes)
+            lengths[dim] = length
+            parts.append((offsets, relative, lengths))
+            position += length
+    for offsets, relative, lengths in parts:
+        yield (tuple(o + int(g) for o, g in zip(offsets, global_offset)), tuple(relative),
+               tuple(lengths))
+
+
 def make_sharded_tensor(
     local_tensor: torch.Tensor,
     global_shape: Sequence[int],
@@ -164,13 +199,14 @@ def make_sharded_tensor(
                 f"dim {partition_dim} (local {local_len}, global {global_shape[partition_dim]}) "
                 f"is not divisible by partition_stride {partition_stride}"
             )
-        piece = local_len // partition_stride
-        block = global_shape[partition_dim] // partition_stride
-        chunks = []
-        for j in range(partition_stride):
-            offsets = list(global_offset)
-            offsets[partition_dim] = j * block + global_offset[partition_dim]
-            chunks.append((tuple(offsets), local_tensor.narrow(partition_dim, j * piece, piece)))
+        chunks = [
+            (offsets, local_tensor.narrow(partition_dim, relative[partition_dim],
+                                          lengths[partition_dim]))
+            for offsets, relative, lengths in local_to_global_blocks(
+                (0,) * local_tensor.dim(), tuple(local_tensor.shape), global_offset,
+                partition_dim, local_len // partition_stride,
+                global_shape[partition_dim] // partition_stride)
+        ]
     return ShardedTensorView(chunks, global_shape, local_tensor.dtype, local_tensor.device)
 
 
@@ -238,6 +274,7 @@ def sharded_state_dict(module: torch.nn.Module, state, prefix: str = "") -> dict
 __all__ = [
     "ShardedTensorView",
     "make_sharded_tensor",
+    "local_to_global_blocks",
     "tp_sharded_tensor",
     "flat_sharded_tensor",
     "sharded_state_dict",

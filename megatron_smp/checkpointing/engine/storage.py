@@ -374,15 +374,22 @@ class SafeFileSystemReader(FileSystemReader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sidecars: Dict[str, Optional[dict]] = {}
+        self._metadata: Optional[Metadata] = None
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
         self._sidecars = {}
+        self._metadata = None
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Answer `read_metadata` with `metadata` (already read and checked) instead of
+        reading the file again."""
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("per-rank DCP metadata files are not supported")
-        metadata = read_dcp_metadata(os.fspath(self.path))
+        metadata = self._metadata or read_dcp_metadata(os.fspath(self.path))
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata

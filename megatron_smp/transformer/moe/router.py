@@ -72,7 +72,7 @@ class TopKRouter(torch.nn.Module):
         # tp_cp group): losses are partial sums over them and the token counts are summed over
         # them.
         self.sequence_group = state.tp_cp_group if state.cp_size > 1 else state.tp_group
-        self.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel_at(state.tp_size)
         # global_aux_loss: the counts are summed over tp, then dp x cp (together Megatron's
         # tp_dp_cp group: every rank of this pipeline stage).
         self.global_groups = (state.tp_group, getattr(state, "dp_cp_group", None))

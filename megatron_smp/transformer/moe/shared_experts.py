@@ -39,7 +39,7 @@ class SharedExpertMLP(MLP):
             if self.gate_weight.device.type != "meta":
                 with torch.no_grad():
                     self.gate_weight.copy_(master)
-            self.gate_weight.sequence_parallel = config.sequence_parallel and state.tp_size > 1
+            self.gate_weight.sequence_parallel = config.sequence_parallel_at(state.tp_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output = super().forward(hidden_states)

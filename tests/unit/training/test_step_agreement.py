@@ -70,8 +70,9 @@ def _collectives_per_iteration(argv):
     import pretrain_gpt
 
     pretrain_module = importlib.import_module("megatron_smp.training.pretrain")
+    trainer_class = importlib.import_module("megatron_smp.training.trainer").Trainer
     calls, marks = [0], []
-    original_reduce, original_step = dist.all_reduce, pretrain_module.train_step
+    original_reduce, original_step = dist.all_reduce, trainer_class.train_step
 
     def counting(*args, **kwargs):
         calls[0] += 1
@@ -81,14 +82,14 @@ def _collectives_per_iteration(argv):
         marks.append(calls[0])
         return original_step(*args, **kwargs)
 
-    dist.all_reduce, pretrain_module.train_step = counting, step
+    dist.all_reduce, trainer_class.train_step = counting, step
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             result = pretrain_module.pretrain(
                 pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
                 pretrain_gpt.forward_step, argv=argv)
     finally:
-        dist.all_reduce, pretrain_module.train_step = original_reduce, original_step
+        dist.all_reduce, trainer_class.train_step = original_reduce, original_step
     per_iteration = [b - a for a, b in zip(marks, marks[1:])]
     return per_iteration, [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 

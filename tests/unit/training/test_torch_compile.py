@@ -17,8 +17,8 @@ def _train(rank, world_size, argv):
     import pretrain_llama as entry
     from megatron_smp.training import pretrain
 
-    # The package exports the function under the module's name: reach the module itself.
-    pretrain_module = sys.modules["megatron_smp.training.pretrain"]
+    # The module that builds the chunks (Trainer.build calls it there).
+    pretrain_module = sys.modules["megatron_smp.training.trainer"]
     built = []
     build = pretrain_module.build_model_chunks
 

@@ -1,0 +1,74 @@
+"""The package root is lazy: a config or a data tool imports only what it uses."""
+import json
+import os
+import subprocess
+import sys
+
+
+def _our_modules(statement: str):
+    code = (f"import json, sys; {statement}; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('megatron_smp'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_config_is_cheap():
+    modules = _our_modules("import megatron_smp.config")
+    assert len(modules) <= 15, modules
+
+
+def test_indexed_dataset_imports_no_model_code():
+    modules = _our_modules("import megatron_smp.data.indexed_dataset")
+    model_code = [m for m in modules if not m.startswith("megatron_smp.data")
+                  and m not in ("megatron_smp", "megatron_smp.config")]
+    assert model_code == [], model_code
+
+
+def test_root_names_still_resolve():
+    import megatron_smp as smp
+    from megatron_smp.smp import MoEConfig, init
+
+    assert smp.init is init and smp.MoEConfig is MoEConfig
+    assert smp.smp.__name__ == "megatron_smp.smp"
+
+
+def _imports_by_module(package_dir: str):
+    """{module: modules of ours it imports (at the top or inside functions)}."""
+    import ast
+
+    root = os.path.dirname(package_dir)
+    modules = {}
+    for folder, _, files in os.walk(package_dir):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                modules[module.removesuffix(".__init__")] = path
+    edges = {module: set() for module in modules}
+    for module, path in modules.items():
+        with open(path) as handle:
+            tree = ast.parse(handle.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    candidate = f"{node.module}.{alias.name}"
+                    target = candidate if candidate in modules else node.module
+                    if target in modules and target != module:
+                        edges[module].add(target)
+            elif isinstance(node, ast.Import):
+                edges[module].update(a.name for a in node.names
+                                     if a.name in modules and a.name != module)
+    return edges
+
+
+def test_no_two_file_import_circles():
+    """Imports point down: no two modules import each other (a package and its own
+    submodules excepted: the package re-exports them)."""
+    import megatron_smp
+
+    edges = _imports_by_module(os.path.dirname(megatron_smp.__file__))
+    circles = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a]
+                      if a in edges.get(b, ()) and not b.startswith(a + ".")
+                      and not a.startswith(b + ".")})
+    assert circles == [], circles
