@@ -39,6 +39,7 @@ import torch
 from megatron_smp.config import ConfigError
 from megatron_smp.transformer.attention import core_attention
 from megatron_smp.transformer.kv_cache import KVCacheContext
+from megatron_smp.transformer.ssm.layers import RecurrentMixer
 
 
 class BlockAllocator:
@@ -73,10 +74,7 @@ def _sequence_mixer(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
 
 def is_recurrent(mixer: torch.nn.Module) -> bool:
     """A Mamba-2 or Gated DeltaNet mixer (a recurrent state, no keys/values)."""
-    from megatron_smp.transformer.ssm.gated_delta_net import GatedDeltaNet
-    from megatron_smp.transformer.ssm.mamba_mixer import MambaMixer
-
-    return isinstance(mixer, (MambaMixer, GatedDeltaNet))
+    return isinstance(mixer, RecurrentMixer)
 
 
 def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
