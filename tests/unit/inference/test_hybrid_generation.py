@@ -243,3 +243,11 @@ def test_all_recurrent_model_needs_no_kv_blocks():
     assert engine.cache.allocated_bytes() == 2 * engine.state_bytes_per_request
     [request] = engine.generate([ids[0].tolist()], [SamplingParams(max_new_tokens=NEW)])
     assert request.output == expected[0]
+    # An aborted request gives its slot back.
+    request = engine.add_request(ids[1].tolist(), SamplingParams(max_new_tokens=NEW))
+    engine.step()
+    assert engine.state_slots.num_free == 1
+    assert engine.held_bytes(request) == engine.state_bytes_per_request
+    engine.abort(request.request_id)
+    engine.step()
+    assert request.finish_reason == "abort" and engine.state_slots.num_free == 2
