@@ -77,25 +77,24 @@ def is_recurrent(mixer: torch.nn.Module) -> bool:
     return isinstance(mixer, RecurrentMixer)
 
 
-def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
-    """{global layer number: its self-attention} of this stage's decoder (the layers with
-    keys and values; recurrent mixers and hybrid MLP / MoE layers left out)."""
+def _mixers(model: torch.nn.Module, recurrent: bool) -> Dict[int, torch.nn.Module]:
     layers = {}
     for layer in model.decoder.layers:
         mixer = _sequence_mixer(layer)
-        if mixer is not None and not is_recurrent(mixer):
+        if mixer is not None and is_recurrent(mixer) == recurrent:
             layers[layer.layer_number] = mixer
     return layers
+
+
+def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
+    """{global layer number: its self-attention} of this stage's decoder (the layers with
+    keys and values; recurrent mixers and hybrid MLP / MoE layers left out)."""
+    return _mixers(model, recurrent=False)
 
 
 def recurrent_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
     """{global layer number: its Mamba-2 / Gated DeltaNet mixer} of this stage's decoder."""
-    layers = {}
-    for layer in model.decoder.layers:
-        mixer = _sequence_mixer(layer)
-        if mixer is not None and is_recurrent(mixer):
-            layers[layer.layer_number] = mixer
-    return layers
+    return _mixers(model, recurrent=True)
 
 
 def is_latent(attention: torch.nn.Module) -> bool:
