@@ -6,7 +6,8 @@ any data-parallel replicas in the group, which then run the same batches). The *
 
 1. the leader admits waiting requests while a slot (`max_requests`) and cache blocks for
    the whole request (prompt + max_new_tokens, reserved up front, so a running request
-   never waits for memory) are free, first come first served; it then broadcasts the step's
+   never waits for memory; models with Mamba-2 / Gated DeltaNet layers: also a recurrent-state
+   slot) are free, first come first served; it then broadcasts the step's
    plan: each running request's new tokens (the whole prompt when it joins, then its last
    generated token), where they start and its block table;
 2. every rank runs its pipeline stage over the step's flattened tokens with the cache
@@ -43,6 +44,7 @@ from megatron_smp.inference.kv_cache import (
     blocks_for,
     bytes_per_token,
     check_inference_layout,
+    state_bytes_per_request,
 )
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.models.gpt import soft_cap_logits
@@ -69,6 +71,7 @@ class Request:
     prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     finish_reason: Optional[str] = None
     blocks: Dict[Optional[int], List[int]] = field(default_factory=dict)
+    slot: Optional[int] = None
     prefilled: bool = False
     stop_string: Optional[str] = None
 
@@ -139,6 +142,9 @@ class InferenceEngine:
         self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
         self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
+        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
+        self.state_bytes_per_request = state_bytes_per_request(model)
+        self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
         self.stop_checker = stop_checker
@@ -191,7 +197,7 @@ class InferenceEngine:
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} is longer than the context "
                 f"({self.max_seq_length} tokens)")
-        if total > self.max_tokens:
+        if total > self.max_tokens and self.layout.kinds:  # (all-recurrent: no KV cache)
             raise ConfigError(
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} does not fit in the KV cache "
@@ -221,6 +227,9 @@ class InferenceEngine:
         for kind, blocks in request.blocks.items():
             self.allocators[kind].free(blocks)
         request.blocks = {}
+        if request.slot is not None:
+            self.state_slots.free([request.slot])
+            request.slot = None
         if request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
@@ -247,16 +256,18 @@ class InferenceEngine:
                 self.waiting.popleft()
                 request.blocks = {kind: self.allocators[kind].allocate(count)
                                   for kind, count in needed.items()}
+                request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
         steps, wants = [], []
         for request in self.running:
             if request.prefilled:
                 start = len(request.prompt) + len(request.output) - 1
-                steps.append(StepRequest([request.output[-1]], start, request.blocks))
+                steps.append(StepRequest([request.output[-1]], start, request.blocks,
+                                         request.slot))
                 wants.append(False)
             else:
-                steps.append(StepRequest(request.prompt, 0, request.blocks))
+                steps.append(StepRequest(request.prompt, 0, request.blocks, request.slot))
                 wants.append(request.params.prompt_logprobs)
         finished, self._finished_ids = self._finished_ids, []
         return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
@@ -415,7 +426,8 @@ class InferenceEngine:
 
     def held_bytes(self, request: Request) -> int:
         """Cache bytes a running request holds on this rank: its blocks of each kind times
-        the per-token bytes of this stage's layers of that kind."""
+        the per-token bytes of this stage's layers of that kind, plus its recurrent-state
+        slot."""
         from megatron_smp.inference.kv_cache import attention_layers, layer_bytes_per_token
 
         total = 0
@@ -423,11 +435,14 @@ class InferenceEngine:
             blocks = request.blocks[self.layout.layer_kind[number]]
             total += len(blocks) * self.block_size * layer_bytes_per_token(attention,
                                                                            self.dtype)
+        if request.slot is not None:
+            total += self.state_bytes_per_request
         return total
 
     def memory_report(self) -> Dict[str, int]:
         """The cache on this rank: bytes per token, token capacity and allocated bytes."""
         return {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
+                "state_bytes_per_request": self.state_bytes_per_request,
                 "allocated_bytes": self.cache.allocated_bytes()}
 
 

@@ -12,6 +12,12 @@ full-attention table covers the whole request; a windowed one is a ring of at mo
 overwritten). Blocks go back to their allocator when the request finishes, so requests of
 any length share one budget.
 
+Recurrent layers (Mamba-2, Gated DeltaNet) keep no keys: each holds, per request, a
+fixed-size state (its conv state and its SSM / delta-rule state, `state_shapes()` of the
+mixer) in one of `max_requests` slots; a request takes a slot when it joins and gives it back
+when it leaves, so its state costs the same bytes at any length
+(`state_bytes_per_request`). The attention layers of a hybrid model keep the paged KV cache.
+
 A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
 requests into one sequence. Each layer runs its queries in groups (all one-token decodes
 together, each longer chunk on its own): a group's keys are its requests' cached keys and
@@ -33,6 +39,7 @@ import torch
 from megatron_smp.config import ConfigError
 from megatron_smp.transformer.attention import core_attention
 from megatron_smp.transformer.kv_cache import KVCacheContext
+from megatron_smp.transformer.ssm.layers import RecurrentMixer
 
 
 class BlockAllocator:
@@ -56,9 +63,38 @@ class BlockAllocator:
         self._free.sort(reverse=True)
 
 
+def _sequence_mixer(layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A layer's part that reads the sequence: a GPT layer's self-attention (or the Gated
+    DeltaNet in its place), a hybrid layer's mixer; None for a hybrid MLP / MoE layer."""
+    if hasattr(layer, "self_attention"):
+        return layer.self_attention
+    mixer = getattr(layer, "mixer", None)
+    return mixer if getattr(layer, "symbol", None) in ("M", "G", "*") else None
+
+
+def is_recurrent(mixer: torch.nn.Module) -> bool:
+    """A Mamba-2 or Gated DeltaNet mixer (a recurrent state, no keys/values)."""
+    return isinstance(mixer, RecurrentMixer)
+
+
+def _mixers(model: torch.nn.Module, recurrent: bool) -> Dict[int, torch.nn.Module]:
+    layers = {}
+    for layer in model.decoder.layers:
+        mixer = _sequence_mixer(layer)
+        if mixer is not None and is_recurrent(mixer) == recurrent:
+            layers[layer.layer_number] = mixer
+    return layers
+
+
 def attention_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
-    """{global layer number: its self-attention} of this stage's decoder."""
-    return {layer.layer_number: layer.self_attention for layer in model.decoder.layers}
+    """{global layer number: its self-attention} of this stage's decoder (the layers with
+    keys and values; recurrent mixers and hybrid MLP / MoE layers left out)."""
+    return _mixers(model, recurrent=False)
+
+
+def recurrent_layers(model: torch.nn.Module) -> Dict[int, torch.nn.Module]:
+    """{global layer number: its Mamba-2 / Gated DeltaNet mixer} of this stage's decoder."""
+    return _mixers(model, recurrent=True)
 
 
 def is_latent(attention: torch.nn.Module) -> bool:
@@ -81,6 +117,18 @@ def bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(layer_bytes_per_token(a, dtype) for a in attention_layers(model).values())
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+
+def state_bytes_per_request(model: torch.nn.Module) -> int:
+    """Recurrent-state bytes one request holds on this rank, summed over this stage's
+    Mamba-2 / Gated DeltaNet layers: conv channels/tp x (kernel - 1) in the model's dtype plus
+    heads/tp x the state's two dims in fp32 (`state_shapes()`), at any request length."""
+    return sum(_nbytes(shape, dtype) for mixer in recurrent_layers(model).values()
+               for shape, dtype in mixer.state_shapes())
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
@@ -88,15 +136,29 @@ def blocks_for(tokens: int, block_size: int) -> int:
 Kind = Optional[int]  # None: full attention; an int: a sliding window of that many keys left
 
 
+def keeps_keys(config, layer_number: int) -> bool:
+    """Whether global layer `layer_number` is an attention layer (keys and values in the
+    cache), not a Mamba-2 / Gated DeltaNet mixer or a hybrid MLP / MoE layer."""
+    index = config.layer_pattern_number(layer_number) - 1
+    symbols = config.hybrid_layer_symbols()
+    if symbols is not None:
+        return symbols[index] == "*"
+    return not config.linear_attention_pattern()[index]
+
+
 class CacheLayout:
-    """The kinds of the model's layers (all of them, on every pipeline stage alike) and the
-    blocks each kind has: `num_blocks` for full attention (`max_tokens` / `block_size`),
-    for a window at most `max_requests` rings."""
+    """The kinds of the model's attention layers (all of them, on every pipeline stage alike)
+    and the blocks each kind has: `num_blocks` for full attention (`max_tokens` /
+    `block_size`), for a window at most `max_requests` rings. A model without attention
+    layers (all recurrent) has no kinds: its requests need no blocks."""
 
     def __init__(self, config, num_blocks: int, block_size: int, max_requests: int) -> None:
         self.block_size = block_size
+        self.max_requests = max_requests
         self.layer_kind: Dict[int, Kind] = {}
         for number in range(1, config.num_layers + 1):
+            if not keeps_keys(config, number):
+                continue
             window = config.layer_window_size(number)
             causal_window = window is not None and window[0] >= 0 and window[1] == 0
             self.layer_kind[number] = window[0] if causal_window else None
@@ -135,21 +197,31 @@ class PagedKVCache:
                 shape = (slots, attention.num_groups_per_partition, attention.head_dim)
                 self.pools[number] = (torch.zeros(shape, dtype=dtype, device=device),
                                       torch.zeros(shape, dtype=dtype, device=device))
+        # Recurrent layers: one state slot per running request.
+        self.states: Dict[int, Tuple[torch.Tensor, ...]] = {
+            number: tuple(torch.zeros(layout.max_requests, *shape, dtype=state_dtype,
+                                      device=device)
+                          for shape, state_dtype in mixer.state_shapes())
+            for number, mixer in recurrent_layers(model).items()}
 
     def allocated_bytes(self) -> int:
-        """Bytes of the token slots (the scratch slots not counted)."""
-        return sum(pool[:-1].numel() * pool.element_size()
-                   for pools in self.pools.values() for pool in pools)
+        """Bytes of the token slots (the scratch slots not counted) and the state slots."""
+        tokens = sum(pool[:-1].numel() * pool.element_size()
+                     for pools in self.pools.values() for pool in pools)
+        return tokens + sum(pool.numel() * pool.element_size()
+                            for pools in self.states.values() for pool in pools)
 
 
 @dataclass
 class StepRequest:
     """One request's share of a step: its new tokens start at position `start` (the tokens
-    before are cached), `blocks` its block table of each kind."""
+    before are cached), `blocks` its block table of each kind, `slot` its recurrent-state
+    slot (models with recurrent layers)."""
 
     tokens: List[int]
     start: int
     blocks: Dict[Kind, List[int]]
+    slot: Optional[int] = None
 
 
 @dataclass
@@ -169,6 +241,9 @@ class _Group:
     row_start: Optional[int]
     out_rows: Optional[torch.Tensor]
     flat_valid: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor] = None  # [n] real tokens per request
+    slots: Optional[torch.Tensor] = None  # [n] recurrent-state slots
+    fresh: Optional[torch.Tensor] = None  # bool [n]: the request's first tokens (zero state)
 
 
 _FAR = 1 << 40
@@ -261,9 +336,13 @@ class StepBatch(KVCacheContext):
             if not in_order:
                 out_rows = q_index[valid].to(device)
                 flat_valid = valid.flatten().nonzero().flatten().to(device)
+            slots = None
+            if self.cache.states:
+                slots = torch.tensor([requests[i].slot for i in indices], device=device)
             groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
                                  cached, all_slots, firsts[0] if in_order else None,
-                                 out_rows, flat_valid))
+                                 out_rows, flat_valid, counts.to(device), slots,
+                                 (starts == 0).to(device)))
         return groups
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
@@ -344,14 +423,43 @@ class StepBatch(KVCacheContext):
             if len(self.groups) == 1 and group.row_start == 0 \
                     and n * lq == query.shape[0]:
                 return context.reshape(n * lq, *context.shape[2:])
-            if output is None:
-                output = query.new_zeros(query.shape[0], query.shape[1], context.shape[-1])
-            flat = context.reshape(n * lq, *context.shape[2:])
-            if group.row_start is not None:
-                output[group.row_start:group.row_start + n * lq] = flat
-            else:
-                output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
+            output = self._scatter(output, group, context, query.shape[0])
         return output
+
+    def _scatter(self, output: Optional[torch.Tensor], group: _Group, context: torch.Tensor,
+                 rows: int) -> torch.Tensor:
+        """Put a group's [n, Lq, ...] results into output [rows, ...] (made on first use)."""
+        n, lq = group.q_index.shape
+        flat = context.reshape(n * lq, *context.shape[2:])
+        if output is None:
+            output = context.new_zeros(rows, *context.shape[2:])
+        if group.row_start is not None:
+            output[group.row_start:group.row_start + n * lq] = flat
+        else:
+            output.index_copy_(0, group.out_rows, flat.index_select(0, group.flat_valid))
+        return output
+
+    def recurrent(self, layer_number, inputs, step):
+        pools = self.cache.states[layer_number]
+        outputs = None
+        for group in self.groups:
+            n, lq = group.q_index.shape
+            rows = [x.index_select(0, group.q_index.flatten()).view(n, lq, *x.shape[1:])
+                    for x in inputs]
+            states = []
+            for pool in pools:
+                state = pool.index_select(0, group.slots)
+                fresh = group.fresh.view(-1, *([1] * (state.dim() - 1)))
+                states.append(state.masked_fill(fresh, 0))
+            results, new_states = step(rows, group.lengths, tuple(states))
+            for pool, state in zip(pools, new_states):
+                pool.index_copy_(0, group.slots, state.to(pool.dtype))
+            if outputs is None:
+                outputs = [None] * len(results)
+            rows_total = inputs[0].shape[0]
+            outputs = [self._scatter(out, group, result, rows_total)
+                       for out, result in zip(outputs, results)]
+        return tuple(outputs)
 
     def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
         rows, slots = self.writes[kind]
@@ -394,4 +502,5 @@ def check_inference_layout(state) -> None:
 
 __all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",
            "blocks_for", "bytes_per_token", "layer_bytes_per_token", "attention_layers",
-           "check_inference_layout"]
+           "recurrent_layers", "is_recurrent", "check_inference_layout",
+           "state_bytes_per_request"]

@@ -5,12 +5,15 @@ into one sequence of T tokens (`[T, 1, h]` activations, batch 1), and hands the 
 `KVCacheContext` where training hands them an attention mask. The layers compute their
 projections, norms and RoPE as in training, then give the cache their new keys/values and
 queries: the cache stores the keys/values and returns each query's attention over its own
-request's cached tokens. The engine that implements the context lives in
+request's cached tokens. Recurrent mixers (Mamba-2, Gated DeltaNet) keep no keys: they
+hand the cache a step function over their projected rows, and the cache runs it request group
+by group with each request's recurrent state (conv state + SSM / delta-rule state), which it
+keeps in a fixed-size slot per request. The engine that implements the context lives in
 `megatron_smp.inference`; the layers only know this interface.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +38,17 @@ class KVCacheContext:
         query [T, nh, r + pos] (q_nope absorbed into the latent space, then q_pos) over the
         cached latents as keys and their first `latent_dim` channels as values
         -> [T, nh, latent_dim]."""
+        raise NotImplementedError
+
+    def recurrent(self, layer_number: int, inputs: Sequence[torch.Tensor],
+                  step: Callable) -> Tuple[torch.Tensor, ...]:
+        """Run a recurrent mixer over the step's rows: `inputs` [T, ...] each (the step's
+        flattened tokens) -> outputs [T, ...] (padding rows zero). The cache calls
+        `step(rows, lengths, states)` once per group of requests with rows [n, L, ...] (each
+        request's new tokens, right-padded to the group's longest), lengths [n] (its real
+        tokens; padding must leave the state as it is) and states (the layer's state tensors
+        [n, ...], zero for a request's first tokens); step returns (outputs [n, L, ...],
+        new states [n, ...]), which the cache keeps for the next step."""
         raise NotImplementedError
 
 

@@ -23,20 +23,25 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
+    RecurrentMixer,
     gated_rms_norm,
     init_decays,
     mixer_projections,
-    packed_segments,
-    project_per_group,
     split_parameter,
+    step_mask,
 )
-from megatron_smp.transformer.ssm.ops import gated_delta_rule_chunked, l2norm
+from megatron_smp.transformer.ssm.ops import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    l2norm,
+)
 
 
-class GatedDeltaNet(torch.nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
     -> [s(/tp), b, h]; attention_mask None or a `PackedSequence` (the state restarts at each
-    document); rotary_pos_emb ignored. Takes the place of `SelfAttention` in a layer spec."""
+    document); rotary_pos_emb ignored. Takes the place of `SelfAttention` in a layer spec.
+    In generation attention_mask is a `KVCacheContext` (see `RecurrentMixer`)."""
 
     def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
                  device: Optional[torch.device] = None, submodules=None) -> None:
@@ -44,6 +49,8 @@ class GatedDeltaNet(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp = group_size(tp_group)
+        self.layer_number = layer_number
+        self.dtype = config.params_dtype
         self.key_heads = config.linear_num_key_heads
         self.value_heads = config.linear_num_value_heads
         self.key_dim = config.linear_key_head_dim
@@ -51,6 +58,8 @@ class GatedDeltaNet(torch.nn.Module):
         self.values_per_key = divide(self.value_heads, self.key_heads)
         self.local_key_heads = divide(self.key_heads, tp)
         self.local_value_heads = self.local_key_heads * self.values_per_key
+        self.local_groups = self.local_key_heads  # in_proj's rows come per key head
+        self.state_shape = (self.local_value_heads, self.key_dim, self.value_dim)
         self.chunk_size = config.linear_chunk_size
         self.eps = config.layernorm_epsilon
         r = self.values_per_key
@@ -76,13 +85,12 @@ class GatedDeltaNet(torch.nn.Module):
         init_decays(self.A_log, self.dt_bias, self.value_heads, self.tp_group)
         self.out_norm_weight.fill_(1.0)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                rotary_pos_emb=None) -> torch.Tensor:
-        segments = packed_segments(attention_mask, "GatedDeltaNet")
-        projected = project_per_group(self.in_proj, hidden_states, self.local_key_heads)
+    def _mix(self, projected, segments, lengths=None, conv_state=None, delta_state=None):
+        """in_proj's rows [b, s, key heads/tp, per key head] -> (o [b, s, value heads/tp *
+        dv] before out_proj, the new (conv state, delta state) with a cache's states)."""
         b, s = projected.shape[:2]
         qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
-        qkv = F.silu(self.conv1d(qkv.reshape(b, s, -1), segments))
+        qkv, conv_state = self._conv(qkv.reshape(b, s, -1), segments, lengths, conv_state)
         qkv = qkv.view(b, s, self.local_key_heads, -1)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim,
                                     self.values_per_key * self.value_dim], dim=-1)
@@ -91,11 +99,19 @@ class GatedDeltaNet(torch.nn.Module):
         beta = torch.sigmoid(beta.reshape(b, s, self.local_value_heads).float())
         g = -torch.exp(self.A_log.float()) * F.softplus(
             a.reshape(b, s, self.local_value_heads).float() + self.dt_bias.float())
-        o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+        if delta_state is None:
+            o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+        else:
+            # g = 0, beta = 0 on padding: the state neither decays nor takes an update.
+            real = step_mask(lengths, s)[..., None].to(g.dtype)
+            g, beta = g * real, beta * real
+            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_chunked
+            kwargs = {} if s == 1 else {"chunk_size": self.chunk_size}
+            o, delta_state = scan(q, k, v, g, beta, initial_state=delta_state,
+                                  return_final_state=True, **kwargs)
         o = gated_rms_norm(o, z.reshape(b, s, self.local_value_heads, self.value_dim),
                            self.out_norm_weight, self.eps, self.value_dim, norm_before_gate=True)
-        output, _ = self.out_proj(o.reshape(b, s, -1).to(hidden_states.dtype).transpose(0, 1))
-        return output
+        return o.reshape(b, s, -1), (conv_state, delta_state)
 
 
 __all__ = ["GatedDeltaNet"]

@@ -22,6 +22,7 @@ from megatron_smp.tensor_parallel import (
 )
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.ssm.ops import causal_conv1d, segment_ids
 
@@ -118,6 +119,19 @@ class CausalConv1d(torch.nn.Module):
                 initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
         return causal_conv1d(x, self.weight[:, 0], self.bias, segments, initial_state)
 
+    def forward_with_state(self, x: torch.Tensor, lengths: torch.Tensor,
+                           state: torch.Tensor):
+        """A cache step: x [n, L, c/tp] (row i's first lengths[i] tokens real, then padding),
+        state [n, c/tp, k - 1] (the inputs before x) -> (out [n, L, c/tp], the new state: the
+        last k - 1 real inputs)."""
+        out = causal_conv1d(x, self.weight[:, 0], self.bias, None, state)
+        history = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [n, k-1+L, c]
+        # history row j holds input j - (k - 1): the last k - 1 real inputs are rows
+        # lengths .. lengths + k - 2.
+        index = lengths[:, None] + torch.arange(self.kernel - 1, device=x.device)
+        kept = history.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+        return out, kept.transpose(1, 2)
+
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    group_size: int, norm_before_gate: bool) -> torch.Tensor:
@@ -138,6 +152,61 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return x.to(dtype)
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scans compute (and a cache keeps) the recurrent state in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def step_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """[n, length] bool: the real tokens of a cache step's right-padded rows."""
+    return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
+
+
+class RecurrentMixer(torch.nn.Module):
+    """What both mixers share: forward(hidden_states [s(/tp), b, h], attention_mask=None,
+    rotary_pos_emb=None) -> [s(/tp), b, h] is in_proj, `_mix` and out_proj. attention_mask:
+    None (causal rows), a `PackedSequence` (the state restarts at each document) or, in
+    generation, a `KVCacheContext`, which runs `_mix` per group of requests with their
+    states; rotary_pos_emb is ignored (no positions in a recurrence).
+
+    Subclasses set layer_number, dtype, in_proj, out_proj, conv1d, local_groups, state_shape
+    (the SSM / delta-rule state of one request on this rank) and
+    `_mix(projected [b, s, groups/tp, per group], segments, lengths=None, conv_state=None,
+    state=None) -> (y [b, s, inner/tp], (conv_state, state))`."""
+
+    def state_shapes(self):
+        """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
+        of the conv state [conv channels/tp, k - 1] (the model's dtype) and the SSM /
+        delta-rule state (`state_shape`, in the scans' dtype)."""
+        return [((self.conv1d.weight.shape[0], self.conv1d.kernel - 1), self.dtype),
+                (self.state_shape, state_dtype(self.dtype))]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                rotary_pos_emb=None) -> torch.Tensor:
+        projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
+        if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
+            (y,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
+            y = y[None]
+        else:
+            y, _ = self._mix(projected, packed_segments(attention_mask, type(self).__name__))
+        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
+        return output
+
+    def _step(self, rows, lengths, states):
+        """`KVCacheContext.recurrent`'s step: rows [n, L, groups/tp, per group]."""
+        (projected,) = rows
+        y, new_states = self._mix(projected, None, lengths, *states)
+        return (y,), new_states
+
+    def _conv(self, x: torch.Tensor, segments, lengths, conv_state):
+        """SiLU(causal conv) of x [b, s, c/tp], threading a cache's conv state when given
+        -> (out, new conv state or None)."""
+        if conv_state is None:
+            return F.silu(self.conv1d(x, segments)), None
+        out, conv_state = self.conv1d.forward_with_state(x, lengths, conv_state)
+        return F.silu(out), conv_state
+
+
 def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
     """The document run numbers [b, s] of a packed batch (a `PackedSequence`), None for
     plain causal rows; a dense mask cannot say where the recurrence restarts."""
@@ -151,5 +220,5 @@ def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:
 
 __all__ = ["split_parameter", "fill_from_master", "mixer_projections", "init_decays",
            "project_per_group", "time_step_bias",
-           "CausalConv1d",
-           "gated_rms_norm", "packed_segments"]
+           "CausalConv1d", "RecurrentMixer",
+           "gated_rms_norm", "packed_segments", "state_dtype", "step_mask"]

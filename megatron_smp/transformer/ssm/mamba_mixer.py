@@ -23,20 +23,21 @@ from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
     CausalConv1d,
+    RecurrentMixer,
     gated_rms_norm,
     init_decays,
     mixer_projections,
-    packed_segments,
-    project_per_group,
     split_parameter,
+    step_mask,
 )
-from megatron_smp.transformer.ssm.ops import ssd_chunked
+from megatron_smp.transformer.ssm.ops import ssd_chunked, ssd_recurrent
 
 
-class MambaMixer(torch.nn.Module):
+class MambaMixer(RecurrentMixer):
     """forward(hidden_states [s(/tp), b, h], attention_mask=None, rotary_pos_emb=None)
     -> [s(/tp), b, h]. attention_mask: None (causal rows) or a `PackedSequence` (the state
-    restarts at each document); rotary_pos_emb is ignored (no positions in a recurrence)."""
+    restarts at each document); rotary_pos_emb is ignored (no positions in a recurrence).
+    In generation attention_mask is a `KVCacheContext` (see `RecurrentMixer`)."""
 
     def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
                  device: Optional[torch.device] = None) -> None:
@@ -44,6 +45,8 @@ class MambaMixer(torch.nn.Module):
         tp_group = state.tp_group
         self.tp_group = tp_group
         tp = group_size(tp_group)
+        self.layer_number = layer_number
+        self.dtype = config.params_dtype
         self.heads = config.mamba_heads()
         self.groups = config.mamba_num_groups
         self.head_dim = config.mamba_head_dim
@@ -54,6 +57,7 @@ class MambaMixer(torch.nn.Module):
         self.chunk_size = config.mamba_chunk_size
         self.dt_min = config.mamba_dt_min
         self.eps = config.layernorm_epsilon
+        self.state_shape = (self.local_heads, self.head_dim, self.state_dim)
         inner = self.heads * self.head_dim
         group_width = self.heads_per_group * self.head_dim
         # Per group: z, x (group_width each), B, C (state_dim each), dt (heads_per_group).
@@ -77,13 +81,12 @@ class MambaMixer(torch.nn.Module):
         self.D.fill_(1.0)
         self.norm_weight.fill_(1.0)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                rotary_pos_emb=None) -> torch.Tensor:
-        segments = packed_segments(attention_mask, "MambaMixer")
-        projected = project_per_group(self.in_proj, hidden_states, self.local_groups)
+    def _mix(self, projected, segments, lengths=None, conv_state=None, ssm_state=None):
+        """in_proj's rows [b, s, groups/tp, per group] -> (y [b, s, inner/tp] before
+        out_proj, the new (conv state, SSM state) when called with a cache's states)."""
         b, s = projected.shape[:2]
         z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
-        xbc = F.silu(self.conv1d(xbc.reshape(b, s, -1), segments))
+        xbc, conv_state = self._conv(xbc.reshape(b, s, -1), segments, lengths, conv_state)
         xbc = xbc.view(b, s, self.local_groups, -1)
         width = self.heads_per_group * self.head_dim
         x, B, C = torch.split(xbc, [width, self.state_dim, self.state_dim], dim=-1)
@@ -91,12 +94,19 @@ class MambaMixer(torch.nn.Module):
         dt = F.softplus(dt.reshape(b, s, self.local_heads).float() + self.dt_bias.float())
         dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
-        # [b, s, local heads, head_dim]
-        y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+        if ssm_state is None:  # [b, s, local heads, head_dim]
+            y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+        else:
+            dt = dt * step_mask(lengths, s)[..., None]  # dt = 0: padding leaves the state
+            if s == 1:  # a decode step: the recurrence, one token
+                y, ssm_state = ssd_recurrent(x, dt, A, B, C, self.D, initial_state=ssm_state,
+                                             return_final_state=True)
+            else:  # a prompt: the chunked scan from the (zero) state, its final state kept
+                y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D,
+                                           initial_state=ssm_state, return_final_state=True)
         y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1), self.norm_weight,
                            self.eps, width, norm_before_gate=False)
-        output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
-        return output
+        return y, (conv_state, ssm_state)
 
 
 __all__ = ["MambaMixer"]
