@@ -330,12 +330,23 @@ def test_node_slow_to_join_fails_after_rdzv_timeout_with_a_clear_error(
 
 def test_start_without_root_skips_with_the_reason(tmp_path):
     """Not permitted to make network namespaces: exit 2 and say so (the tests skip on it)."""
+    import shutil
+    import tempfile
+
     state = tmp_path / "state"
-    command = ["bash", CLUSTER]
-    if os.geteuid() == 0:
-        command = ["runuser", "-u", "nobody", "--"] + command
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, SLURM_TWO_NODE_STATE=str(state)))
+    # A clone may sit under a directory only root can enter (mktemp -d is 0700): the
+    # unprivileged user runs a copy of the scripts from a directory it can read.
+    readable = tempfile.mkdtemp()
+    try:
+        os.chmod(readable, 0o755)
+        scripts = shutil.copytree(os.path.dirname(CLUSTER), os.path.join(readable, "slurm"))
+        command = ["bash", os.path.join(scripts, os.path.basename(CLUSTER))]
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", "nobody", "--"] + command
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                              cwd=readable, env=dict(os.environ, SLURM_TWO_NODE_STATE=str(state)))
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert "network namespaces not permitted: needs root" in proc.stderr
     assert not state.exists()
