@@ -117,11 +117,15 @@ def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
     packs alike; a Mixtral-style MoE at EP=2 equals its one-process run (1e-4)."""
     cp = "--context-parallel-size 2 --cp-comm-type all_gather".split()
     (padded, _), = run_distributed(_train, 1, args=(dpo_argv, 2), timeout=300)
+    assert len(padded["dpo loss"]) > 1
     for losses, _ in run_distributed(_train, 2, args=(dpo_argv + cp,), timeout=300):
+        assert len(losses["dpo loss"]) == len(padded["dpo loss"])
         _same(losses, padded, "cp")
     (moe, _), = run_distributed(_train, 1, args=(dpo_argv + MOE,), timeout=300)
+    assert len(moe["dpo loss"]) > 1
     for losses, _ in run_distributed(_train, 2, args=(dpo_argv + MOE + [
             "--expert-model-parallel-size", "2"],), timeout=300):
+        assert len(losses["dpo loss"]) == len(moe["dpo loss"])
         _same(losses, moe, "ep")
 
 
