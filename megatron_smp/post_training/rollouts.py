@@ -123,6 +123,38 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
     return batch
 
 
+def rollout_microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int,
+                         dp_size: int = 1, dp_rank: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of a rollout batch that every rank holds whole.
+
+    The rows are padded with untrained rows (loss mask and weights 0, positions 0..s-1) to a
+    multiple of micro_batch_size x dp_size; rank r takes the r-th contiguous share and cuts it
+    into micro-batches of exactly micro_batch_size rows (the shape pipeline stages exchange).
+    Every rank gets the same number of micro-batches, n = len(result): the step's
+    `Trainer.train_step(num_microbatches=n)`, and `grpo_loss_fn`'s loss_scale is
+    n x dp_size x context-parallel size. As the weights are global, the padding changes
+    neither the loss nor the gradient.
+
+    Returns:
+        n dicts with the batch's keys, each tensor [micro_batch_size, seq_length].
+    """
+    if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"rollout_microbatches: micro_batch_size {micro_batch_size}, dp_size "
+                         f"{dp_size} and dp_rank {dp_rank} must be positive (rank < size)")
+    rows, seq_length = batch["tokens"].shape
+    per_rank = -(-rows // (micro_batch_size * dp_size)) * micro_batch_size
+    missing = per_rank * dp_size - rows
+    padded = {}
+    for key, value in batch.items():
+        filler = torch.zeros((missing,) + tuple(value.shape[1:]), dtype=value.dtype)
+        if key == "position_ids":
+            filler += torch.arange(seq_length, dtype=value.dtype)
+        padded[key] = torch.cat([value, filler])
+    start = dp_rank * per_rank
+    return [{key: value[first:first + micro_batch_size] for key, value in padded.items()}
+            for first in range(start, start + per_rank, micro_batch_size)]
+
+
 def rollout_weights(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The `weights` argument of `grpo.weighted_grpo_loss` from (a slice of) a rollout batch."""
     return {"loss": batch["loss_weight"], "token_mean": batch["token_mean_weight"],
@@ -175,6 +207,8 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
     carry "ref_logps" when kl_beta != 0.
     loss_scale: undoes the schedule's and the gradient reduction's averaging, since the
     weights already normalise over the whole batch: num_microbatches x dp_size x cp_size.
+    The reports (`grpo_report_keys`): "loss" and `weighted_grpo_loss`'s metrics, scaled so
+    that the Trainer's step losses are the whole batch's values.
     """
     from megatron_smp.tensor_parallel.cross_entropy import (
         vocab_parallel_cross_entropy, vocab_parallel_entropy,
@@ -198,6 +232,24 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
             loss_type=config.loss_type, clamp_eps_lower=config.clamp_eps_lower,
             clamp_eps_upper=config.clamp_eps_upper, ref_logps=batch.get("ref_logps"),
             kl_beta=config.kl_beta, entropies=entropies, entropy_weight=entropy_weight)
-        return loss * loss_scale, metrics
+        loss = loss * loss_scale
+        # The loss and the metrics are weighted sums over the whole batch; the Trainer reports
+        # each value's mean over the micro-batches and data x context-parallel ranks, so
+        # scaled like the loss that mean is the whole batch's value.
+        reports = {key: value * loss_scale for key, value in metrics.items()}
+        reports["loss"] = loss.detach()
+        return loss, reports
 
     return loss_fn
+
+
+def grpo_report_keys(config) -> Tuple[str, ...]:
+    """The names `grpo_loss_fn` reports under `config` (RLConfig): the keys every pipeline
+    stage reduces (`Trainer.metric_keys`)."""
+    keys = ["loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "clip_fraction", "ratio_mean"]
+    if config.kl_beta != 0.0:
+        keys.append("kl")
+    if config.entropy_term_weight != 0.0:
+        keys.append("entropy")
+    return tuple(keys)
