@@ -1,7 +1,7 @@
 """GRPO steps through `Trainer.train_step` on fixed rollouts (DAPO-filtered, packed, split into
 a number of micro-batches that changes from step to step) give the single-process update --
 parameters and loss -- at TP=2 with sequence parallelism, PP=2, DP=2 with the distributed
-optimizer, FSDP2 and (an MoE model) EP=2; dapo's token-level and grpo's per-sequence
+optimizer, FSDP2, CP=2 and (an MoE model) EP=2; dapo's token-level and grpo's per-sequence
 normalisation, a KL term against reference log-probs. Greedy rollouts from the inference
 engine on the trainer's own model at TP=2 and PP=2 equal HF `generate` on the same weights;
 with LoRA the adapters-off reference equals a frozen copy of the base after a GRPO step.
@@ -32,6 +32,7 @@ LAYOUTS = {  # name: (flags, MoE)
     "dp2+distopt": ("--use-distributed-optimizer", False),
     "fsdp2": ("--use-torch-fsdp2", False),
     "ep2": ("--expert-model-parallel-size 2", True),
+    "cp2": ("--context-parallel-size 2 --cp-comm-type all_gather", False),
 }
 GENERATE_AT = ("tp2+sp", "pp2")
 # Two steps: DAPO's filter drops a group of the first (equal rewards), the second is smaller,
@@ -129,7 +130,9 @@ def _generate(trainer, seed):
 
 def _step_batches(trainer):
     """Each step's packed rollout batch with the initial model's log-probs as old policy
-    (stale by one update in step 2, so the ratio is clipped) and, perturbed, as reference."""
+    (stale by one update in step 2, so the ratio is clipped) and, perturbed, as reference.
+    Every rollout's slot is a multiple of 2 x CP, at every layout, so that CP=2 splits the
+    same rows."""
     from megatron_smp.post_training.engine import compute_logprobs
     from megatron_smp.post_training.rollouts import build_rollout_batch, rollout_advantages
 
@@ -140,7 +143,7 @@ def _step_batches(trainer):
                                               filter_groups_with_same_reward=True)
         batch = build_rollout_batch([prompts[i] for i in kept], [completions[i] for i in kept],
                                     advantages.tolist(), seq_length=16, pad_id=0,
-                                    loss_type=step["loss_type"])
+                                    loss_type=step["loss_type"], pad_to_multiple=4)
         logps = compute_logprobs(trainer.model, batch, trainer.state,
                                  trainer.configs.model.vocab_size)["logprobs"].cpu()
         noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(20 + index))
