@@ -207,8 +207,6 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
     carry "ref_logps" when kl_beta != 0.
     loss_scale: undoes the schedule's and the gradient reduction's averaging, since the
     weights already normalise over the whole batch: num_microbatches x dp_size x cp_size.
-    The reports (`grpo_report_keys`): "loss" and `weighted_grpo_loss`'s metrics, scaled so
-    that the Trainer's step losses are the whole batch's values.
     """
     from megatron_smp.tensor_parallel.cross_entropy import (
         vocab_parallel_cross_entropy, vocab_parallel_entropy,
@@ -232,24 +230,6 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
             loss_type=config.loss_type, clamp_eps_lower=config.clamp_eps_lower,
             clamp_eps_upper=config.clamp_eps_upper, ref_logps=batch.get("ref_logps"),
             kl_beta=config.kl_beta, entropies=entropies, entropy_weight=entropy_weight)
-        loss = loss * loss_scale
-        # The loss and the metrics are weighted sums over the whole batch; the Trainer reports
-        # each value's mean over the micro-batches and data x context-parallel ranks, so
-        # scaled like the loss that mean is the whole batch's value.
-        reports = {key: value * loss_scale for key, value in metrics.items()}
-        reports["loss"] = loss.detach()
-        return loss, reports
+        return loss * loss_scale, metrics
 
     return loss_fn
-
-
-def grpo_report_keys(config) -> Tuple[str, ...]:
-    """The names `grpo_loss_fn` reports under `config` (RLConfig): the keys every pipeline
-    stage reduces (`Trainer.metric_keys`)."""
-    keys = ["loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-            "clip_fraction", "ratio_mean"]
-    if config.kl_beta != 0.0:
-        keys.append("kl")
-    if config.entropy_term_weight != 0.0:
-        keys.append("entropy")
-    return tuple(keys)

@@ -26,13 +26,13 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-s
          "--lr-decay-style constant --tokenizer-type NullTokenizer --vocab-size 64 "
          "--hidden-dropout 0 --attention-dropout 0 --mock-data --seed 5").split() + LLAMA
 MOE = "--num-experts 4 --moe-router-topk 2".split()
-LAYOUTS = {  # name: (flags, MoE)
-    "tp2+sp": ("--tensor-model-parallel-size 2 --sequence-parallel", False),
-    "pp2": ("--pipeline-model-parallel-size 2", False),
-    "dp2+distopt": ("--use-distributed-optimizer", False),
-    "fsdp2": ("--use-torch-fsdp2", False),
-    "ep2": ("--expert-model-parallel-size 2", True),
-    "cp2": ("--context-parallel-size 2 --cp-comm-type all_gather", False),
+LAYOUTS = {  # name: (flags, MoE, the parallel sizes tp, cp, dp, pp, ep)
+    "tp2+sp": ("--tensor-model-parallel-size 2 --sequence-parallel", False, (2, 1, 1, 1, 1)),
+    "pp2": ("--pipeline-model-parallel-size 2", False, (1, 1, 1, 2, 1)),
+    "dp2+distopt": ("--use-distributed-optimizer", False, (1, 1, 2, 1, 1)),
+    "fsdp2": ("--use-torch-fsdp2", False, (1, 1, 2, 1, 1)),
+    "ep2": ("--expert-model-parallel-size 2", True, (1, 1, 2, 1, 2)),
+    "cp2": ("--context-parallel-size 2 --cp-comm-type all_gather", False, (1, 2, 1, 1, 1)),
 }
 GENERATE_AT = ("tp2+sp", "pp2")
 # Two steps: DAPO's filter drops a group of the first (equal rewards), the second is smaller,
@@ -43,6 +43,8 @@ STEPS = [
     {"loss_type": "grpo", "groups": 3, "rewards": [0, 1, 1, 0.25, 0, 0]},
 ]
 GROUP_SIZE, KL_BETA = 2, 0.05
+REPORTS = ("loss", "clip_fraction", "clip_ratio/low_mean", "clip_ratio/high_mean",
+           "clip_ratio/region_mean", "ratio_mean", "kl")
 PROMPTS = ["abcde", "hello", "xyz"]
 NEW_TOKENS = 6
 
@@ -157,18 +159,27 @@ def _grpo_steps(trainer, batches, whole=False):
     """The GRPO steps; per step (micro-batches on this rank, {reported key: value}). `whole`:
     each step's batch as one micro-batch (one process, no pipeline: any row count runs)."""
     from megatron_smp.post_training.rl_config import RLConfig
-    from megatron_smp.post_training.rollouts import (grpo_loss_fn, grpo_report_keys,
-                                                     rollout_microbatches)
+    from megatron_smp.post_training.rollouts import grpo_loss_fn, rollout_microbatches
 
     state, results = trainer.state, []
+    trainer.metric_keys = REPORTS
     for step, batch in zip(STEPS, batches):
         config = RLConfig(loss_type=step["loss_type"], clamp_eps_lower=0.2,
                           clamp_eps_upper=0.28, kl_beta=KL_BETA)
         micro = [batch] if whole else rollout_microbatches(
             batch, trainer.configs.training.micro_batch_size, state.dp_size, state.dp_rank)
-        trainer.metric_keys = grpo_report_keys(config)
-        loss_fn = grpo_loss_fn(config, state.tp_group, trainer.configs.model.vocab_size,
-                               loss_scale=len(micro) * state.dp_size * state.cp_size)
+        scale = len(micro) * state.dp_size * state.cp_size
+        policy_loss = grpo_loss_fn(config, state.tp_group, trainer.configs.model.vocab_size,
+                                   loss_scale=scale)
+
+        def loss_fn(logits, batch, policy_loss=policy_loss, scale=scale):
+            # The loss and metrics are weighted sums over the whole batch; the Trainer
+            # reports each value's mean over micro-batches and data x context-parallel
+            # ranks, so scaled like the loss that mean is the whole batch's value.
+            loss, metrics = policy_loss(logits, batch)
+            reports = {key: metrics[key] * scale for key in REPORTS[1:]}
+            return loss, {"loss": loss.detach(), **reports}
+
         result = trainer.train_step(iter(micro), loss_fn=loss_fn, num_microbatches=len(micro))
         assert result.update_successful
         results.append((len(micro), {k: v.item() for k, v in result.losses.items()}))
@@ -182,7 +193,10 @@ def _run(layout_flags, moe, generate=False, whole=False):
     configs, _ = build_configs(FLAGS + layout_flags + (MOE if moe else []))
     trainer = Trainer.build(configs, pretrain_gpt.model_provider)
     _load_hf(trainer, _hf_model(configs, moe), moe)
-    out = {"rollouts": _generate(trainer, seed=0) if generate else None}
+    state = trainer.state
+    out = {"sizes": (state.tp_size, state.cp_size, state.dp_size, state.pp_size,
+                     state.expert_model_parallel_size),
+           "rollouts": _generate(trainer, seed=0) if generate else None}
     out["steps"] = _grpo_steps(trainer, _step_batches(trainer), whole)
     out["params"] = _parameters(trainer)
     return out
@@ -263,7 +277,7 @@ def _reference(rank, world_size):
 def _layouts(rank, world_size):
     """Every layout at world size 2 in one spawn (each Trainer builds its own groups)."""
     results = {name: _run(flags.split(), moe, generate=name in GENERATE_AT)
-               for name, (flags, moe) in LAYOUTS.items()}
+               for name, (flags, moe, _) in LAYOUTS.items()}
     results["lora"] = _lora_reference("--tensor-model-parallel-size 2".split())
     results["errors"] = _errors()
     return to_numpy(results)
@@ -320,9 +334,10 @@ def test_grpo_steps_at_every_layout_equal_one_process(reference):
     assert step2["clip_fraction"] > 0 and step2["kl"] > 0, step2
 
     results = to_torch(run_distributed(_layouts, 2, timeout=600))
-    for name, (_, moe) in LAYOUTS.items():
+    for name, (_, moe, sizes) in LAYOUTS.items():
         ref = runs["moe" if moe else "dense"]
         ranks = [result[name] for result in results]
+        assert [run["sizes"] for run in ranks] == [sizes, sizes], name
         counts = [count for count, _ in ranks[0]["steps"]]
         assert counts[0] != counts[1], (name, counts)
         table[name] = (counts, [count for count, _ in ref["steps"]], _loss_diff(ranks, ref),
