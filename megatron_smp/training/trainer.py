@@ -304,9 +304,14 @@ class Trainer:
         a count that differs over ranks or that this layout's schedule cannot run."""
         if num_microbatches is None:
             return self.num_microbatches()
+        import operator
+
         import torch.distributed as dist
 
-        local = int(num_microbatches) if isinstance(num_microbatches, int) else 0
+        try:
+            local = operator.index(num_microbatches)
+        except TypeError:
+            local = 0  # not an integer: the error below, on every rank
         low = high = local
         if dist.is_initialized() and dist.get_world_size() > 1:
             bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.state.device)
