@@ -200,6 +200,7 @@ def _run(layout_flags, moe, generate=False, whole=False):
            "rollouts": _generate(trainer, seed=0) if generate else None}
     out["steps"] = _grpo_steps(trainer, _step_batches(trainer), whole)
     out["params"] = _parameters(trainer)
+    out["advanced"] = (trainer.progress.consumed_train_samples, trainer.scheduler.num_steps)
     return out
 
 
@@ -340,6 +341,8 @@ def test_grpo_steps_at_every_layout_equal_one_process(reference):
         ref = runs["moe" if moe else "dense"]
         ranks = [result[name] for result in results]
         assert [run["sizes"] for run in ranks] == [sizes, sizes], name
+        # Each step, whatever its rows, advanced the schedule by one --global-batch-size (4).
+        assert [run["advanced"] for run in ranks] == [(8, 8), (8, 8)], name
         counts = [count for count, _ in ranks[0]["steps"]]
         assert counts[0] != counts[1], (name, counts)
         table[name] = (counts, [count for count, _ in ref["steps"]], _loss_diff(ranks, ref),
