@@ -286,12 +286,54 @@ class Trainer:
                          forward_only: bool = False, num_microbatches: Optional[int] = None,
                          forward_step: Optional[ForwardStep] = None
                          ) -> List[Dict[str, torch.Tensor]]:
-        """One global batch (`num_microbatches`, default the next step's) through this
-        layout's pipeline schedule with `loss_fn` (or a Megatron-style `forward_step`); the
-        per-microbatch metric reports (last stage; [] elsewhere). Unless `forward_only`,
-        grads are zeroed first and are ready (reduced) when it returns."""
+        """One global batch through this layout's pipeline schedule with `loss_fn` (or a
+        Megatron-style `forward_step`); the per-microbatch metric reports (last stage; []
+        elsewhere). Unless `forward_only`, grads are zeroed first and are ready (reduced)
+        when it returns. `num_microbatches`: this call's count (default the next step's); an
+        explicit count may change from call to call (see `agree_num_microbatches`)."""
         step = self._forward_step(loss_fn, forward_step)
-        num_microbatches = num_microbatches or self.num_microbatches()
+        num_microbatches = self.agree_num_microbatches(num_microbatches)
+        return self._forward_backward(step, batch_iter, num_microbatches, forward_only)
+
+    def agree_num_microbatches(self, num_microbatches: Optional[int] = None) -> int:
+        """The microbatches of one call: the next step's (--global-batch-size /
+        --rampup-batch-size) when None; else `num_microbatches`, which may differ per call
+        (an RL step's rollouts after DAPO's filter, packed into a varying number of rows) but
+        must be the same on every rank: the pipeline stages and the expert-parallel all-to-alls
+        run that many. One all-reduce checks it, so every rank raises the same ValueError for
+        a count that differs over ranks or that this layout's schedule cannot run."""
+        if num_microbatches is None:
+            return self.num_microbatches()
+        import operator
+
+        import torch.distributed as dist
+
+        try:
+            local = operator.index(num_microbatches)
+        except TypeError:
+            local = 0  # not an integer: the error below, on every rank
+        low = high = local
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.state.device)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+            high, low = bounds.tolist()
+            low = -low
+        if low != high:
+            raise ValueError(f"Trainer: num_microbatches differs over the ranks ({low} to "
+                             f"{high}); every rank must run the same number of microbatches "
+                             "in a step (pad the short ranks with empty microbatches)")
+        if low < 1:
+            raise ValueError(f"Trainer: num_microbatches must be a positive integer, got "
+                             f"{num_microbatches!r}")
+        pp = self.state.pp_size
+        if len(self.model) > 1 and low % pp:
+            raise ValueError(f"Trainer: {low} microbatches cannot run the interleaved "
+                             f"virtual-pipeline schedule at --pipeline-model-parallel-size "
+                             f"{pp}: give a multiple of {pp} (pad with empty microbatches)")
+        return low
+
+    def _forward_backward(self, step: ForwardStep, batch_iter, num_microbatches: int,
+                          forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         if forward_only:
             return self._schedule(step, batch_iter, num_microbatches, True)
         from megatron_smp.models.multi_token_prediction import set_mtp_loss_scale
@@ -352,11 +394,19 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
 
     def train_step(self, data_iterator, loss_fn: Optional[LossFn] = None,
-                   forward_step: Optional[ForwardStep] = None) -> StepResult:
+                   forward_step: Optional[ForwardStep] = None,
+                   num_microbatches: Optional[int] = None) -> StepResult:
         """One iteration: forward and backward, the ranks' agreement (NaN checks, exit
         conditions, per-token counts), the optimizer and scheduler steps, the progress
-        counters; the losses are kept for the log (`pending_losses`)."""
-        num_microbatches = self.num_microbatches()
+        counters; the losses are kept for the log (`pending_losses`). `num_microbatches`:
+        this step's count when it is not --global-batch-size's (see
+        `agree_num_microbatches`). Such a step still advances the learning-rate schedule and
+        the consumed samples by one iteration of --global-batch-size, so a schedule over
+        --train-iters does not depend on how the step's rows were padded or split; its
+        StepResult.global_batch_size is the rows it ran."""
+        scheduled = self.batch_sizes.global_batch_size_at(self.progress.consumed_train_samples)
+        fixed_size = num_microbatches is None
+        num_microbatches = self.agree_num_microbatches(num_microbatches)
         global_batch_size = (num_microbatches * self.configs.training.micro_batch_size
                              * self.state.dp_size)
         step = self._forward_step(loss_fn, forward_step)
@@ -365,13 +415,12 @@ class Trainer:
             # the ranks agree after the backward, before anything is updated.
             step = self.validator.wrap(step)
             self.validator.start_iteration(self.iteration + 1, data_iterator)
-        reports = self.forward_backward(data_iterator, forward_step=step,
-                                        num_microbatches=num_microbatches)
+        reports = self._forward_backward(step, data_iterator, num_microbatches, False)
         agreed, losses = self._agree(reports)
         if self.validator is not None:
             def rerun():
-                reports[:] = self.forward_backward(data_iterator, forward_step=step,
-                                                   num_microbatches=num_microbatches)
+                reports[:] = self._forward_backward(step, data_iterator, num_microbatches,
+                                                    False)
             save = self._save_for_rerun if self.configs.checkpoint.save else None
             self.validator.finish_step(save, data_iterator, rerun, agreed.get("checks"))
         if self.configs.optimizer.calculate_per_token_loss:
@@ -380,7 +429,7 @@ class Trainer:
             scale_grads_to_per_token_mean(self.model, agreed["tokens"][0], self.state,
                                           num_microbatches)
         update_successful, grad_norm, num_zeros = self._optimizer_step()
-        self._advance(update_successful, global_batch_size)
+        self._advance(update_successful, global_batch_size if fixed_size else scheduled)
         per_layer = self._add_model_metrics(losses, num_microbatches)
         self.pending_losses.add(self.iteration, losses)  # read on the host at the log line
         return StepResult(losses, per_layer, agreed.get("exit"), update_successful, grad_norm,
