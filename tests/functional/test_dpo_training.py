@@ -84,11 +84,14 @@ def _same(losses, expected, what):
 
 @pytest.fixture(scope="module")
 def single_process(dpo_argv, tmp_path_factory):
-    """The one-process run (frozen-copy reference), its last log line and TensorBoard dir."""
+    """The one-process run (frozen-copy reference, from the initialisation), its last log
+    line, TensorBoard dir and checkpoints (iterations 5 and 10)."""
     board = str(tmp_path_factory.mktemp("tb"))
+    save = str(tmp_path_factory.mktemp("frozen"))
     (losses, line), = run_distributed(
-        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
-    return losses, line, board
+        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board, "--save", save,
+                                     "--save-interval", "5"],), timeout=300)
+    return losses, line, board, save
 
 
 def test_dpo_layouts_match_single_process(dpo_argv, single_process):
@@ -97,7 +100,7 @@ def test_dpo_layouts_match_single_process(dpo_argv, single_process):
     the log line and TensorBoard carry TRL's names."""
     from tests.functional.test_logging_flags import _scalars
 
-    reference, line, board = single_process
+    reference, line, board, _ = single_process
     assert reference["dpo loss"][-1] < reference["dpo loss"][0]
     scalars = _scalars(board)
     for key in KEYS:
@@ -160,10 +163,11 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
         handle.write("5")
     (resumed, _), = run_distributed(_train, 1, args=(saving + ["--load", save],), timeout=300)
     assert all(resumed[key] == precomputed[key][5:] for key in KEYS), (resumed, precomputed)
-    # A frozen copy of the starting weights cannot be made when resuming full fine-tuning.
+    # A precomputed run's checkpoints record no starting weights to rebuild a frozen copy of.
     error, = run_distributed(_train, 1, args=(dpo_argv + ["--load", save],), timeout=300,
                              allow_errors=True)
-    assert "--dpo-reference frozen: resuming at iteration 10, the starting weights" in error
+    assert ("--dpo-reference frozen: resuming at iteration 10, but --load has no "
+            "dpo_reference_source.json") in error
 
     save = str(tmp_path / "lora")
     saving = lora + ["--use-distributed-optimizer", "--save", save, "--save-interval", "5"]
@@ -174,3 +178,48 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
     for (resumed, _), (whole, _) in zip(run_distributed(_train, 2, args=(
             saving + ["--load", save],), timeout=300), first):
         assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
+
+
+def _set_latest(directory, iteration):
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+
+
+def test_full_fine_tuning_frozen_reference_resumes_exactly(dpo_argv, single_process, tmp_path):
+    """Full fine-tuning with a frozen copy resumes exactly: its reference is rebuilt from
+    the recorded starting point -- the initialisation under --seed (one process), or the
+    checkpoint the run started from with --finetune (TP=2+SP) -- and iterations 6-10 repeat
+    the uninterrupted run's loss and six metrics; a clear error when that checkpoint is
+    gone."""
+    import shutil
+
+    whole, _, _, start = single_process
+    with open(os.path.join(start, "dpo_reference_source.json")) as handle:
+        assert json.load(handle) == {"seed": 7}
+    _set_latest(start, 5)
+    (resumed, _), = run_distributed(_train, 1, args=(dpo_argv + [
+        "--load", start, "--save", str(tmp_path / "resumed")],), timeout=300)
+    assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
+
+    # DPO from the iteration-5 checkpoint, at TP=2+SP, saving at 5 and 10, then resumed at 5.
+    save = str(tmp_path / "from_checkpoint")
+    argv = dpo_argv + ["--load", start, "--finetune", "--save", save, "--save-interval", "5",
+                       "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    first = run_distributed(_train, 2, args=(argv,), timeout=300)
+    with open(os.path.join(save, "dpo_reference_source.json")) as handle:
+        assert json.load(handle) == {"load": os.path.abspath(start), "iteration": 5}
+    # At iteration 1 the policy is its reference: every reward is 0.
+    assert abs(first[0][0]["rewards/margins"][0]) < 1e-6, first[0][0]["rewards/margins"]
+    _set_latest(save, 5)
+    resume = [arg for arg in argv if arg != "--finetune"]
+    resume[resume.index(start)] = save
+    for (resumed, _), (uninterrupted, _) in zip(
+            run_distributed(_train, 2, args=(resume,), timeout=300), first):
+        assert all(resumed[key] == uninterrupted[key][5:] for key in KEYS), (
+            resumed, uninterrupted)
+
+    shutil.move(os.path.join(start, "iter_0000005"), str(tmp_path / "moved"))
+    for error in run_distributed(_train, 2, args=(resume,), timeout=300, allow_errors=True):
+        assert ("the reference is the checkpoint the run started from, "
+                f"{os.path.join(os.path.abspath(start), 'iter_0000005')}, which is gone"
+                ) in error, error
