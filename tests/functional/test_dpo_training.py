@@ -42,7 +42,8 @@ def dpo_argv(tmp_path_factory):
 
 
 def _train(rank, world_size, argv, pad_like_context_parallel=None):
-    """{key: [value per iteration]} and the last log line; `pad_like_context_parallel`: pad
+    """{key: [value per iteration]} and the last log line (then the validation lines);
+    `pad_like_context_parallel`: pad
     the sequences as a run at that --context-parallel-size does (the reference of a CP run
     packs the same way)."""
     import contextlib
@@ -66,8 +67,10 @@ def _train(rank, world_size, argv, pad_like_context_parallel=None):
         result = train_dpo(model_provider, argv=argv)
     losses = {key: [result.train_losses[i][key] for i in sorted(result.train_losses)]
               for key in KEYS}
-    lines = [line for line in out.getvalue().splitlines() if "consumed samples" in line]
-    return losses, lines[-1] if lines else ""
+    printed = out.getvalue().splitlines()
+    lines = [line for line in printed if "consumed samples" in line]
+    validation = [line for line in printed if "validation loss at iteration" in line]
+    return losses, "\n".join(lines[-1:] + validation)
 
 
 def _same(losses, expected, what):
@@ -90,22 +93,33 @@ def single_process(dpo_argv, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("frozen"))
     (losses, line), = run_distributed(
         _train, 1, args=(dpo_argv + ["--tensorboard-dir", board, "--save", save,
-                                     "--save-interval", "5"],), timeout=300)
+                                     "--save-interval", "5",
+                                     "--log-validation-ppl-to-tensorboard"],), timeout=300)
     return losses, line, board, save
 
 
 def test_dpo_layouts_match_single_process(dpo_argv, single_process):
     """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, DP=2 with the
     distributed optimizer and FSDP2 equal the single process's losses and metrics (1e-4);
-    the log line and TensorBoard carry TRL's names."""
+    the log line and TensorBoard carry TRL's names; the validation line gives each of them
+    Megatron's way ("<key> value: X |") with no perplexity (not even with
+    --log-validation-ppl-to-tensorboard)."""
+    import re
+
     from tests.functional.test_logging_flags import _scalars
 
     reference, line, board, _ = single_process
     assert reference["dpo loss"][-1] < reference["dpo loss"][0]
     scalars = _scalars(board)
+    train_line, validation = line.split("\n")
     for key in KEYS:
-        assert f" {key}: " in line
+        assert f" {key}: " in train_line
         assert [value for _, value in scalars[key]] == pytest.approx(reference[key], rel=1e-6)
+        assert [step for step, _ in scalars[f"{key} validation"]] == [10]
+    assert not any(tag.endswith("ppl") for tag in scalars)
+    number = r"-?\d\.\d{6}E[-+]\d\d"
+    assert re.fullmatch(r" validation loss at iteration 10 on validation set \|" + "".join(
+        rf" {re.escape(key)} value: {number} \|" for key in sorted(KEYS)), validation), validation
     for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
                   "--pipeline-model-parallel-size 2",
                   "--use-distributed-optimizer",
