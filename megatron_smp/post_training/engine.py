@@ -23,7 +23,7 @@ from megatron_smp.config import ConfigError
 from megatron_smp.training.logprobs import (
     compute_logprobs, context_parallel_local_indices, gather_tokens_from_context_parallel,
     logprobs_of_microbatches, model_chunks as _chunks, model_outputs,
-    split_batch_for_context_parallel, token_log_probs,
+    split_batch_for_context_parallel, token_budget_microbatches, token_log_probs,
 )
 
 
@@ -325,6 +325,7 @@ def onload(offloaded: Offloaded) -> None:
     offloaded.pairs = []
 
 
-__all__ = ["compute_logprobs", "logprobs_of_microbatches", "token_log_probs", "model_outputs", "iter_hf_weights", "trace_dependencies",
+__all__ = ["compute_logprobs", "logprobs_of_microbatches", "token_budget_microbatches",
+           "token_log_probs", "model_outputs", "iter_hf_weights", "trace_dependencies",
            "offload", "onload", "gather_tokens_from_context_parallel",
            "context_parallel_local_indices", "split_batch_for_context_parallel"]

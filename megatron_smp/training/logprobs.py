@@ -10,7 +10,8 @@ sequence order), EP and FSDP2 through the model's own forward.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,29 +174,136 @@ def logprobs_of_microbatches(model, microbatches: Sequence[Dict[str, torch.Tenso
     return out
 
 
+def token_budget_microbatches(lengths: Sequence[int], max_tokens: int, multiple: int,
+                              seq_length: int) -> List[Tuple[List[int], int]]:
+    """Rows of these `lengths` (their real tokens; the rest of each row is padding) grouped
+    into micro-batches of at most `max_tokens` tokens, counting rows x the micro-batch's
+    width: its longest row rounded up to `multiple` (at most `seq_length`). Longest first
+    (verl's dynamic batch size, NeMo-RL's dynamic batching, greedily). Returns [(row indices,
+    width)]."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    groups: List[Tuple[List[int], int]] = []
+    for row in order:
+        length = int(lengths[row])
+        if not 0 < length <= seq_length:
+            raise ConfigError(f"compute_logprobs: row {row} has length {length}, outside "
+                              f"1..{seq_length} (the batch's sequence length)")
+        width = min(seq_length, -(-length // multiple) * multiple)
+        if width > max_tokens:
+            raise ConfigError(f"compute_logprobs: max_tokens_per_microbatch={max_tokens} is "
+                              f"less than row {row}'s {width} positions; raise it to at least "
+                              f"{width}")
+        if groups and (len(groups[-1][0]) + 1) * groups[-1][1] <= max_tokens:
+            groups[-1][0].append(row)
+        else:
+            groups.append(([row], width))
+    return groups
+
+
 def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: int,
                      micro_batch_size: Optional[int] = None, with_entropy: bool = False,
-                     pipeline_schedule: str = "1f1b", temperature: float = 1.0
+                     pipeline_schedule: str = "1f1b", temperature: float = 1.0,
+                     max_tokens_per_microbatch: Optional[int] = None
                      ) -> Dict[str, torch.Tensor]:
     """Per-token log-probs of `batch["labels"]` under the model, fp32, on every rank: the
     rows of `batch` (tokens [B, s], labels [B, s], optional position_ids / document_ids) in
     microbatches of `micro_batch_size` (default all B) through `logprobs_of_microbatches`.
 
+    max_tokens_per_microbatch: instead of a fixed size, micro-batches of at most this many
+    tokens (`token_budget_microbatches`), each cut to its longest row: batch["lengths"] [B]
+    gives each row's real length (default s; the positions past it are padding and come back
+    0). The values of the real positions are those of fixed micro-batches. Collective over
+    the data-parallel group, whose ranks may hold different rows: they agree on the number of
+    micro-batches (expert parallelism's all-to-alls and FSDP2's all-gathers pair up); with
+    pipeline parallelism each micro-batch of its own width goes through the schedule alone.
+
     Returns {"logprobs": [B, s]} (+ "entropy": [B, s]), the whole sequences, shared by every
     rank of the TP / CP / PP groups.
     """
     total = batch["tokens"].shape[0]
+    if max_tokens_per_microbatch is not None:
+        return _token_budget_logprobs(model, batch, state, vocab_size, max_tokens_per_microbatch,
+                                      micro_batch_size, with_entropy, pipeline_schedule,
+                                      temperature)
     micro_batch_size = micro_batch_size or total
     if total % micro_batch_size:
         raise ConfigError(f"compute_logprobs: {total} sequences do not split into micro "
                           f"batches of {micro_batch_size}")
     microbatches = [{key: value[i:i + micro_batch_size] for key, value in batch.items()
-                     if value is not None} for i in range(0, total, micro_batch_size)]
+                     if value is not None and key != "lengths"}
+                    for i in range(0, total, micro_batch_size)]
     reports = logprobs_of_microbatches(model, microbatches, state, vocab_size, with_entropy,
                                        pipeline_schedule, temperature)
     return {key: torch.cat([report[key] for report in reports]) for key in reports[0]}
 
 
-__all__ = ["compute_logprobs", "logprobs_of_microbatches", "token_log_probs", "model_outputs",
+def _agree_over_data_parallel(microbatches: List[Dict[str, torch.Tensor]], state
+                              ) -> List[Dict[str, torch.Tensor]]:
+    """Token-budget micro-batches of data-parallel ranks that may hold different rows: every
+    rank runs as many forwards (FSDP2's all-gathers pair up across them), the shorter lists
+    repeating their last micro-batch; with expert parallelism also of the same [b, s] (the
+    token dispatcher exchanges equal shares), each padded to the largest over the ranks by
+    repeating its last row and adding padding columns. Whatever is added is dropped after."""
+    count = torch.tensor([len(microbatches)], device=state.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=state.dp_group)
+    microbatches = microbatches + microbatches[-1:] * (int(count.item()) - len(microbatches))
+    if state.ep_size == 1:
+        return microbatches
+    shapes = torch.tensor([list(mb["tokens"].shape) for mb in microbatches],
+                          device=state.device)
+    dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=state.dp_group)
+    padded = []
+    for microbatch, (rows, width) in zip(microbatches, shapes.tolist()):
+        out = {}
+        for key, value in microbatch.items():
+            value = torch.cat([value, value[-1:].expand(rows - value.shape[0],
+                                                        *value.shape[1:])])
+            out[key] = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+        padded.append(out)
+    return padded
+
+
+def _token_budget_logprobs(model, batch, state, vocab_size: int, max_tokens: int,
+                           micro_batch_size: Optional[int], with_entropy: bool,
+                           pipeline_schedule: str, temperature: float):
+    """`compute_logprobs` with max_tokens_per_microbatch (see there)."""
+    total, seq_length = batch["tokens"].shape
+    if micro_batch_size is not None:
+        raise ConfigError("compute_logprobs: give micro_batch_size or "
+                          "max_tokens_per_microbatch, not both")
+    for key in ("document_ids", "attention_mask"):
+        if batch.get(key) is not None:
+            raise ConfigError(f"compute_logprobs: max_tokens_per_microbatch cuts the padding of "
+                              f"causal rows; rows with {key} (packed or masked) keep their "
+                              f"width: give micro_batch_size")
+    lengths = batch.get("lengths")
+    lengths = [seq_length] * total if lengths is None else [int(n) for n in lengths.tolist()]
+    multiple = math.lcm(state.tp_size, 2 * state.cp_size if state.cp_size > 1 else 1)
+    groups = token_budget_microbatches(lengths, max_tokens, multiple, seq_length)
+    microbatches = []
+    for rows, width in groups:
+        index = torch.tensor(rows)
+        microbatches.append({key: value[index, :width] for key, value in batch.items()
+                             if value is not None and key != "lengths"})
+    if state.dp_size > 1:
+        microbatches = _agree_over_data_parallel(microbatches, state)
+    if state.pp_size > 1:  # the stages exchange one shape per schedule
+        reports = [report for microbatch in microbatches for report in logprobs_of_microbatches(
+            model, [microbatch], state, vocab_size, with_entropy, pipeline_schedule,
+            temperature)]
+    else:
+        reports = logprobs_of_microbatches(model, microbatches, state, vocab_size, with_entropy,
+                                           pipeline_schedule, temperature)
+    out = {key: torch.zeros(total, seq_length, dtype=torch.float32, device=state.device)
+           for key in reports[0]}
+    for (rows, width), report in zip(groups, reports):
+        for key, values in report.items():
+            for position, row in enumerate(rows):
+                out[key][row, :lengths[row]] = values[position, :lengths[row]]
+    return out
+
+
+__all__ = ["compute_logprobs", "logprobs_of_microbatches", "token_budget_microbatches",
+           "token_log_probs", "model_outputs",
            "model_chunks", "split_batch_for_context_parallel",
            "gather_tokens_from_context_parallel", "context_parallel_local_indices"]
