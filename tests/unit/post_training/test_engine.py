@@ -249,3 +249,29 @@ def test_iter_hf_weights_peak_memory_is_about_one_tensor(tmp_path):
           f"streamed {total / 1e6:.1f} MB")
     assert total > 2 * largest  # the stream holds much more than what it keeps at once
     assert peak < 2 * largest, (peak, largest)
+
+
+def test_token_budget_grouping_and_errors():
+    """Longest first, each micro-batch within the budget at its longest row's (rounded)
+    width; a row wider than the budget, both sizes at once, or packed rows: errors naming
+    what to change (raised before any collective)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.post_training.engine import compute_logprobs, token_budget_microbatches
+
+    assert token_budget_microbatches([16, 5, 9, 12], 24, 1, 16) == [([0], 16), ([3, 2], 12),
+                                                                    ([1], 5)]
+    assert token_budget_microbatches([3, 3, 3, 3, 1], 16, 4, 16) == [([0, 1, 2, 3], 4),
+                                                                     ([4], 4)]
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch=8 is less than row 0's "
+                                          "12 positions; raise it to at least 12"):
+        token_budget_microbatches([11, 2], 8, 4, 16)
+    with pytest.raises(ConfigError, match="row 1 has length 0"):
+        token_budget_microbatches([4, 0], 8, 1, 16)
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long),
+             "labels": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(ConfigError, match="give micro_batch_size or max_tokens_per_microbatch"):
+        compute_logprobs(None, batch, None, VOCAB, micro_batch_size=1,
+                         max_tokens_per_microbatch=8)
+    with pytest.raises(ConfigError, match="rows with document_ids .* give micro_batch_size"):
+        compute_logprobs(None, dict(batch, document_ids=batch["tokens"]), None, VOCAB,
+                         max_tokens_per_microbatch=8)
