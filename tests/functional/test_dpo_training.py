@@ -214,6 +214,9 @@ def test_full_fine_tuning_frozen_reference_resumes_exactly(dpo_argv, single_proc
     (resumed, _), = run_distributed(_train, 1, args=(dpo_argv + [
         "--load", start, "--save", str(tmp_path / "resumed")],), timeout=300)
     assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
+    # The resumed run's own checkpoints record the same starting point.
+    with open(tmp_path / "resumed" / "dpo_reference_source.json") as handle:
+        assert json.load(handle) == {"seed": 7}
 
     # DPO from the iteration-5 checkpoint, at TP=2+SP, saving at 5 and 10, then resumed at 5.
     save = str(tmp_path / "from_checkpoint")
