@@ -1,9 +1,10 @@
 """The backend API that post-training frameworks drive (verl's engine workers, NeMo-RL's
 policy interface), over a built model at any layout:
 
-* `compute_logprobs(model, batch, ...)` (from `training.logprobs`): per-token log-probs of the target tokens (and the
-  entropy), vocab-parallel (three all-reduces over TP, never a [s, b, V] gather), fp32,
-  packed or not, at TP/SP, PP, CP, EP; the whole sequences on every rank.
+* `compute_logprobs(model, batch, ...)` (`training.logprobs`'s, which `Trainer.compute_logprobs`
+  runs too): per-token log-probs of the target tokens (and the entropy), vocab-parallel
+  (three all-reduces over TP, never a [s, b, V] gather), fp32, packed or not, fixed or
+  token-budget micro-batches, at TP/SP, PP, CP, EP; the whole sequences on every rank.
 * `iter_hf_weights(model, ...)`: (Hugging Face name, full tensor) pairs, gathered over
   TP / EP / PP / FSDP one group of tensors at a time, converted by the family's HF adapter.
 * `offload(model, optimizer)` / `onload(...)`: params, grads and optimizer state to host
