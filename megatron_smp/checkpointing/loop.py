@@ -707,5 +707,5 @@ def load(record: CheckpointRecord) -> None:
                           f" s; resuming at iteration {record.iteration}")
 
 
-__all__ = ["save", "load", "load_model_weights", "prepare_async_save", "wait_for_staging",
-           "poll", "finalize", "PROGRESS_KEYS", "CheckpointRecord", "Progress"]
+__all__ = ["save", "load", "prepare_async_save", "wait_for_staging", "poll", "finalize",
+           "PROGRESS_KEYS", "CheckpointRecord", "Progress"]
