@@ -137,15 +137,23 @@ def copy_base_weights(reference: Sequence[torch.nn.Module],
 def starting_point(configs) -> Dict:
     """Where the weights of a run at iteration 0 came from: the checkpoint in --load it
     started from (--finetune; {"load": dir, "iteration": n}, or {"megatron": dir}), else the
-    initialisation under --seed ({"seed": n})."""
+    initialisation under --seed ({"seed": n}); {"unavailable": why} when --save is that
+    directory (a resume then names why)."""
     from megatron_smp.checkpointing.iterations import read_tracker, tracker_path
     from megatron_smp.checkpointing.megatron_lm import find_megatron_checkpoint
 
-    load = configs.checkpoint.load
+    load, save = configs.checkpoint.load, configs.checkpoint.save
     if load and find_megatron_checkpoint(load) is not None:
         return {"megatron": os.path.abspath(load)}
     if load and os.path.isfile(tracker_path(load)):
-        return {"load": os.path.abspath(load), "iteration": read_tracker(load)}
+        iteration = read_tracker(load)
+        if save and os.path.abspath(save) == os.path.abspath(load):
+            # This run's own saves may replace that checkpoint (the same iteration number).
+            return {"unavailable": f"the run started from iteration {iteration} of its own "
+                    f"--save directory {os.path.abspath(save)}, which its saves may have "
+                    "replaced; start DPO with --save in another directory than --load, or use "
+                    "--dpo-reference precomputed"}
+        return {"load": os.path.abspath(load), "iteration": iteration}
     return {"seed": configs.training.seed}
 
 
