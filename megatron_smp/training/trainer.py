@@ -170,11 +170,11 @@ def empty_unused_memory(run, level: int) -> None:
 def batch_on_device(data_iterator, state: ParallelState) -> Dict[str, torch.Tensor]:
     """The next microbatch on the device; with context parallelism this rank's share of each
     sequence (see `context_parallel.get_batch_on_this_cp_rank`)."""
-    from megatron_smp.context_parallel import get_batch_on_this_cp_rank
+    from megatron_smp.training.logprobs import split_batch_for_context_parallel
 
     batch = {key: value.to(state.device, non_blocking=True)
              for key, value in next(data_iterator).items()}
-    return get_batch_on_this_cp_rank(batch, state.cp_size, state.cp_rank)
+    return split_batch_for_context_parallel(batch, state)
 
 
 def loss_fn_forward_step(loss_fn: LossFn, state: ParallelState) -> ForwardStep:
@@ -182,11 +182,11 @@ def loss_fn_forward_step(loss_fn: LossFn, state: ParallelState) -> ForwardStep:
     "position_ids", "attention_mask", "document_ids"; never its labels, so the last stage
     returns logits [b, s, padded_vocab / tp]) and hands the output and the whole batch to
     `loss_fn(output, batch) -> (loss, metrics)`."""
+    from megatron_smp.training.logprobs import model_outputs
+
     def forward_step(data_iterator, model):
         batch = batch_on_device(data_iterator, state) if data_iterator is not None else {}
-        output = model(batch.get("tokens"), position_ids=batch.get("position_ids"),
-                       attention_mask=batch.get("attention_mask"),
-                       document_ids=batch.get("document_ids"))
+        output = model_outputs(model, batch)
         return output, lambda output_tensor: loss_fn(output_tensor, batch)
     return forward_step
 
@@ -519,29 +519,20 @@ class Trainer:
         keys = loss_keys(all_reports, self.metric_keys, self.state)
         return agree_on_step(self.state, all_reports, keys)[1]
 
-    def compute_logprobs(self, batch_iter, num_microbatches: Optional[int] = None
-                         ) -> List[torch.Tensor]:
-        """Per-token log-probabilities [b, s] (fp32) of each microbatch's "labels" under the
-        model, in eval mode and without grad (what a DPO reference or a GRPO old policy
-        needs): one per microbatch on the last pipeline stage, [] on the others (this rank's
-        sequence share under context parallelism)."""
-        from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    def compute_logprobs(self, batch_iter, num_microbatches: Optional[int] = None,
+                         temperature: float = 1.0) -> List[torch.Tensor]:
+        """Per-token log-probabilities [b, s] (fp32) of each of `num_microbatches` (default
+        the next step's) microbatches' "labels" under the model, in eval mode and without
+        grad (what a DPO reference or a GRPO old policy needs): the whole sequences, on every
+        rank of the TP / CP / PP groups. `training.logprobs.logprobs_of_microbatches` does
+        the work (the backend API's `compute_logprobs` too)."""
+        from megatron_smp.training.logprobs import logprobs_of_microbatches
 
-        vocab_size, tp_group = self.configs.model.vocab_size, self.state.tp_group
-
-        def logprobs(logits, batch):
-            values = -vocab_parallel_cross_entropy(logits, batch["labels"], tp_group,
-                                                   vocab_size)
-            return values.sum() * 0.0, {"logprobs": values}
-
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            reports = self.forward_backward(batch_iter, logprobs, forward_only=True,
-                                            num_microbatches=num_microbatches)
-        finally:
-            for chunk in self.model:
-                chunk.train()
+        count = num_microbatches or self.num_microbatches()
+        microbatches = [next(batch_iter) for _ in range(count)]
+        reports = logprobs_of_microbatches(
+            self.model, microbatches, self.state, self.configs.model.vocab_size,
+            pipeline_schedule=self.configs.training.pipeline_schedule, temperature=temperature)
         return [report["logprobs"] for report in reports]
 
     # -- checkpoints ------------------------------------------------------------------------
