@@ -1,7 +1,8 @@
 """Hybrid models under the entry scripts: one stack holding every part of Megatron's
 --hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE), and a Qwen3-Next-shaped
 GPT (--linear-attention-freq), train 10 iterations with the single-process losses at TP=2 +
-SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2; Megatron's
+SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2, and both
+mixers (with attention and an MLP) at FSDP2 under pretrain_hybrid.py; Megatron's
 hybrid flag set (examples/mamba/train.sh, shrunk) runs through pretrain_hybrid.py as written."""
 import pytest
 
@@ -30,7 +31,9 @@ QWEN3_NEXT = (
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
     "--linear-value-head-dim 16"
 ).split()
-MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT}
+# FSDP2 shards no MoE layers here (a clear error): both mixers with attention and an MLP.
+HYBRID_MLP = [a if a != "MG|*-E" else "MG*-" for a in HYBRID[:HYBRID.index("--num-experts")]]
+MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT, "hybrid_mlp": HYBRID_MLP}
 
 
 _BASELINES = {}
@@ -38,7 +41,8 @@ _BASELINES = {}
 
 def baseline(model):
     if model not in _BASELINES:
-        _BASELINES[model] = run_distributed(_train, 1, args=(COMMON + MODELS[model],))[0]
+        script = SCRIPTS.get(model, "pretrain_gpt")
+        _BASELINES[model] = run_distributed(_train, 1, args=(COMMON + MODELS[model], script))[0]
     return _BASELINES[model]
 
 
@@ -48,7 +52,11 @@ LAYOUTS = {
     ("hybrid", "dp2_distopt"): "--use-distributed-optimizer",
     ("hybrid", "ep2"): "--expert-model-parallel-size 2",
     ("qwen3_next", "tp2_sp"): "--tensor-model-parallel-size 2 --sequence-parallel",
+    # Built on the meta device, each layer materialised (the mixers replay their init), then
+    # sharded: the single-process trajectory under pretrain_hybrid.py.
+    ("hybrid_mlp", "fsdp2"): "--use-torch-fsdp2",
 }
+SCRIPTS = {"hybrid_mlp": "pretrain_hybrid"}
 
 
 @pytest.mark.parametrize("model,layout", sorted(LAYOUTS))
@@ -56,7 +64,8 @@ def test_layout_matches_single_process(model, layout):
     reference = baseline(model)
     assert len(reference) == 10 and reference[-1] < reference[0]
     argv = COMMON + MODELS[model] + LAYOUTS[(model, layout)].split()
-    for losses in run_distributed(_train, 2, args=(argv,), timeout=300):
+    script = SCRIPTS.get(model, "pretrain_gpt")
+    for losses in run_distributed(_train, 2, args=(argv, script), timeout=300):
         assert losses == pytest.approx(reference, rel=1e-4), (layout, losses, reference)
 
 

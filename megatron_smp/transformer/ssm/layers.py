@@ -9,7 +9,7 @@ the mixer needs no communication between its in- and out-projection.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,10 @@ class CausalConv1d(torch.nn.Module):
     """Depthwise causal convolution over this rank's channels, weight [c/tp, 1, k] (nn.Conv1d's
     shape) and optional bias [c/tp]; forward(x [b, s, c/tp], segments=None) -> [b, s, c/tp]."""
 
+    # Delayed (meta-device) initialisation replays `reset_parameters`: it draws what the
+    # constructor drew.
+    REPLAYS_CONSTRUCTOR_INIT = True
+
     def __init__(self, channels: int, kernel: int, bias: bool, tp_group, dtype, device) -> None:
         super().__init__()
         self.tp_group = tp_group
@@ -173,6 +177,20 @@ class RecurrentMixer(torch.nn.Module):
     (the SSM / delta-rule state of one request on this rank) and
     `_mix(projected [b, s, groups/tp, per group], segments, lengths=None, conv_state=None,
     state=None) -> (y [b, s, inner/tp], (conv_state, state))`."""
+
+    def replay_init(self, replay: Callable[[torch.nn.Module], int],
+                    materialize: Callable[[torch.nn.Module], torch.nn.Module]) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`; the
+        caller has seeded the generator as the constructor was): in_proj, out_proj and the
+        conv (`replay`), then the mixer's own vectors (`materialize` gives them storage,
+        `reset_parameters` draws them), the constructor's order. Returns the elements
+        initialised."""
+        count = sum(replay(part) for part in (self.in_proj, self.out_proj, self.conv1d))
+        own = [p for p in self.parameters(recurse=False) if p.is_meta]
+        if own:
+            materialize(self)
+            self.reset_parameters()
+        return count + sum(p.numel() for p in own)
 
     def state_shapes(self):
         """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
