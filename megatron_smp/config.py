@@ -430,6 +430,9 @@ class TransformerConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(x w) scales the shared expert
+    # Latent experts (Nemotron 3; Megatron's --moe-latent-size): routed experts work in this
+    # width between replicated projections h -> latent (fc1_latent_proj) and back (fc2_...).
+    moe_latent_size: Optional[int] = None
     # Multi-token prediction (DeepSeek-V3; transformer/multi_token_prediction.py): D extra
     # layers on the last pipeline stage, layer k predicting the token k + 1 places ahead;
     # their mean loss enters backward scaled by mtp_loss_scaling_factor (Megatron's flags).
@@ -986,6 +989,10 @@ class TransformerConfig:
         _require(
             not self.moe_shared_expert_gate or shared is not None,
             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size",
+        )
+        _require(
+            self.moe_latent_size is None or self.moe_latent_size >= 1,
+            f"--moe-latent-size must be >= 1, got {self.moe_latent_size}",
         )
         _require(
             tp == 1 or self.sequence_parallel,

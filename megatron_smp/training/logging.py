@@ -93,8 +93,13 @@ def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
     attention += 2 * seq_length * q
     moe = 0.0
     if config.num_moe_experts is not None:
-        moe = gated * h * 2 * (config.moe_ffn_hidden_size * config.moe_router_topk
-                               + (config.moe_shared_expert_intermediate_size or 0))
+        # Latent experts (--moe-latent-size L): the routed ones on L, plus the projections
+        # h -> L -> h (4 h L), as Megatron counts them.
+        routed = config.moe_latent_size or h
+        moe = 2 * gated * (routed * config.moe_ffn_hidden_size * config.moe_router_topk
+                           + h * (config.moe_shared_expert_intermediate_size or 0))
+        if config.moe_latent_size:
+            moe += 4 * h * config.moe_latent_size
     per_layer = {"*": attention, "-": 2 * gated * h * config.ffn_hidden_size, "E": moe,
                  "M": mamba_layer_flops(config), "G": gdn_layer_flops(config)}
     per_token = sum(per_layer[symbol] for symbol in config.hybrid_layer_symbols())
@@ -110,7 +115,8 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     recomputation is not counted. Per token and layer: QKV 2*h*(q + 2*kv) (GQA), attention
     scores and values 2*q*s (the causal mask halves the full square 4*q*s), output projection
     2*q*h, MLP 2*h*f*(3 if gated else 2), for an MoE layer topk routed experts of
-    moe_ffn_hidden_size plus the shared expert; plus the logits 2*h*V.
+    moe_ffn_hidden_size plus the shared expert (latent experts, --moe-latent-size L: the
+    routed ones on L plus 4*h*L for the projections); plus the logits 2*h*V.
     Beyond Megatron (whose formula has no sliding windows): a layer attending through a
     window of W keys (--window-size, --window-attn-skip-freq) counts 2*q*(2*W - W^2/s) for
     scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
@@ -151,9 +157,13 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     mlp = config.ffn_hidden_size * num_dense_layers
     if num_moe_layers:
         shared = config.moe_shared_expert_intermediate_size or 0
-        mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
+        routed = config.moe_ffn_hidden_size * config.moe_router_topk
+        if config.moe_latent_size:  # the routed experts on L, then h -> L -> h
+            routed = routed * config.moe_latent_size / h
+        mlp += (routed + shared) * num_moe_layers
     linear = sum(config.linear_attention_pattern())  # Gated DeltaNet layers, no attention
-    per_token = (mlp_factor * h * mlp + (num_layers - linear) * attention + core
+    latent = 2 * h * (config.moe_latent_size or 0) * num_moe_layers
+    per_token = (mlp_factor * h * mlp + latent + (num_layers - linear) * attention + core
                  + mtp * (3 * h + 2 * h * h) + h * padded_vocab_size * (1 + mtp))
     if linear:
         per_token += linear * (gdn_layer_flops(config) / 2 - q * seq_length)

@@ -70,7 +70,9 @@ class MoEExperts(torch.nn.Module):
         # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
         # grad inside backward (torch FSDP, see smp.fsdp_grads) runs on all of them.
         self.adds_output_bias = group_rank(state.tp_group) == 0
-        expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size)
+        # Latent experts (--moe-latent-size) read and write the latent width.
+        expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size,
+                                       hidden_size=config.moe_latent_size or config.hidden_size)
         # One draw (the same on every rank), then expert g is built under its own seed: its
         # weights do not depend on how the experts are spread over ranks.
         base_seed = int(torch.randint(0, 2**62, (1,)).item())

@@ -18,7 +18,7 @@ from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
-    scaled_init_method_normal,
+    output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
@@ -51,8 +51,7 @@ def mixer_projections(config, tp_group, projected: int, inner: int, device):
     """A mixer's in_proj (h -> `projected` rows, split over TP) and out_proj (`inner` -> h,
     split along its input), without biases, initialised as the attention's projections."""
     init_method = init_method_normal(config.init_method_std)
-    output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
-                   if config.use_scaled_init_method else init_method)
+    output_init = output_init_method(config)
     in_proj = ColumnParallelLinear(config.hidden_size, projected, config=config,
                                    tp_group=tp_group, init_method=init_method, bias=False,
                                    gather_output=False, device=device)

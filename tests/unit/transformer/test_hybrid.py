@@ -191,3 +191,21 @@ def test_meta_device_build_materialises_the_eager_weights(state, name):
     materialised = materialize_meta_model(meta, torch.device("cpu")).state_dict()
     assert eager.keys() == materialised.keys()
     assert all(torch.equal(eager[k], materialised[k]) for k in eager)
+
+
+def test_latent_experts_count_megatron_flops():
+    """--moe-latent-size 32 (h 256, topk 2, moe ffn 128, no shared expert), one E layer and
+    s 128: the routed experts on the latent width 2*2*32*128*2 = 32768 plus the projections
+    4*256*32 = 32768, logits 2*256*1024 = 524288 per token (Megatron's moe_layer_flops),
+    times 3 * 128; the GPT form counts the same MoE layer."""
+    from megatron_smp.config import TransformerConfig
+    from megatron_smp.training.logging import flops_per_iteration
+
+    common = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+                  vocab_size=1000, max_position_embeddings=128, num_moe_experts=4,
+                  moe_ffn_hidden_size=128, moe_latent_size=32)
+    hybrid = TransformerConfig(num_layers=1, hybrid_layer_pattern="E", **common)
+    assert flops_per_iteration(hybrid, 128, 1, 1024) == (65536 + 524288) * 3 * 128
+    gpt = TransformerConfig(num_layers=1, **common)
+    attention = 6 * 128 * (256 * 768 + 256 * 256 + 256 * 128)
+    assert flops_per_iteration(gpt, 128, 1, 1024) == attention + (65536 + 524288) * 3 * 128
