@@ -30,11 +30,8 @@ from megatron_smp.transformer.ssm.layers import (
     split_parameter,
     step_mask,
 )
-from megatron_smp.transformer.ssm.ops import (
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-    l2norm,
-)
+from megatron_smp.transformer.ssm.kernels import gated_delta_rule_scan
+from megatron_smp.transformer.ssm.ops import gated_delta_rule_recurrent, l2norm
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -100,12 +97,12 @@ class GatedDeltaNet(RecurrentMixer):
         g = -torch.exp(self.A_log.float()) * F.softplus(
             a.reshape(b, s, self.local_value_heads).float() + self.dt_bias.float())
         if delta_state is None:
-            o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+            o = gated_delta_rule_scan(q, k, v, g, beta, self.chunk_size, segments=segments)
         else:
             # g = 0, beta = 0 on padding: the state neither decays nor takes an update.
             real = step_mask(lengths, s)[..., None].to(g.dtype)
             g, beta = g * real, beta * real
-            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_chunked
+            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_scan
             kwargs = {} if s == 1 else {"chunk_size": self.chunk_size}
             o, delta_state = scan(q, k, v, g, beta, initial_state=delta_state,
                                   return_final_state=True, **kwargs)

@@ -30,7 +30,8 @@ from megatron_smp.transformer.ssm.layers import (
     split_parameter,
     step_mask,
 )
-from megatron_smp.transformer.ssm.ops import ssd_chunked, ssd_recurrent
+from megatron_smp.transformer.ssm.kernels import ssd_scan
+from megatron_smp.transformer.ssm.ops import ssd_recurrent
 
 
 class MambaMixer(RecurrentMixer):
@@ -95,15 +96,15 @@ class MambaMixer(RecurrentMixer):
         dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
         if ssm_state is None:  # [b, s, local heads, head_dim]
-            y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+            y = ssd_scan(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
         else:
             dt = dt * step_mask(lengths, s)[..., None]  # dt = 0: padding leaves the state
             if s == 1:  # a decode step: the recurrence, one token
                 y, ssm_state = ssd_recurrent(x, dt, A, B, C, self.D, initial_state=ssm_state,
                                              return_final_state=True)
             else:  # a prompt: the chunked scan from the (zero) state, its final state kept
-                y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D,
-                                           initial_state=ssm_state, return_final_state=True)
+                y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, self.D,
+                                        initial_state=ssm_state, return_final_state=True)
         y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1), self.norm_weight,
                            self.eps, width, norm_before_gate=False)
         return y, (conv_state, ssm_state)
