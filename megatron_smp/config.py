@@ -893,12 +893,18 @@ class TransformerConfig:
             _require(keys % tp == 0,
                      f"Gated DeltaNet: --linear-num-key-heads ({keys}) must be divisible by "
                      f"--tensor-model-parallel-size ({tp})")
-        if (uses_mamba or uses_gdn) and parallel.context_parallel_size > 1:
-            raise ConfigError(
-                "--context-parallel-size > 1 with Mamba / Gated DeltaNet layers: context "
-                "parallelism of the recurrent mixers (passing each rank's final state to the "
-                "next, as Megatron's mamba_context_parallel does) is not built yet; use "
-                "--context-parallel-size 1")
+        # Context parallelism (Megatron's all-to-all over the mixers' groups): each CP rank
+        # scans the whole sequence for whole groups of its TP rank's.
+        cp = parallel.context_parallel_size
+        if uses_mamba:
+            _require(groups % (tp * cp) == 0,
+                     f"Mamba: --mamba-num-groups ({groups}) must be divisible by "
+                     f"--tensor-model-parallel-size x --context-parallel-size ({tp * cp}): "
+                     "each rank scans whole groups")
+        if uses_gdn:
+            _require(keys % (tp * cp) == 0,
+                     f"Gated DeltaNet: --linear-num-key-heads ({keys}) must be divisible by "
+                     f"--tensor-model-parallel-size x --context-parallel-size ({tp * cp})")
 
     def layer_pattern_number(self, layer_number: int) -> int:
         """The decoder layer whose kind (window, MoE or dense) global layer `layer_number`

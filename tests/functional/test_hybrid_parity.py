@@ -2,7 +2,7 @@
 --hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE), and a Qwen3-Next-shaped
 GPT (--linear-attention-freq), train 10 iterations with the single-process losses at TP=2 +
 SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2, and both
-mixers (with attention and an MLP) at FSDP2 under pretrain_hybrid.py; Megatron's
+mixers (with attention and an MLP) at FSDP2 and CP=2 under pretrain_hybrid.py; Megatron's
 hybrid flag set (examples/mamba/train.sh, shrunk) runs through pretrain_hybrid.py as written."""
 import pytest
 
@@ -55,6 +55,9 @@ LAYOUTS = {
     # Built on the meta device, each layer materialised (the mixers replay their init), then
     # sharded: the single-process trajectory under pretrain_hybrid.py.
     ("hybrid_mlp", "fsdp2"): "--use-torch-fsdp2",
+    # Each CP rank scans the whole sequence for half the Mamba groups / key heads (all-to-all;
+    # packed rows: tests/unit/transformer/test_hybrid.py).
+    ("hybrid_mlp", "cp2"): "--context-parallel-size 2",
 }
 SCRIPTS = {"hybrid_mlp": "pretrain_hybrid"}
 

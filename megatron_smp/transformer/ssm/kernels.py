@@ -107,4 +107,5 @@ def gated_delta_rule_scan(q, k, v, g, beta, chunk_size: int = 64, scale: Optiona
     return (o, state) if return_final_state else o
 
 
-__all__ = ["KERNELS", "load_kernel", "kernel_fits", "kernel_plan", "ssd_scan", "gated_delta_rule_scan"]
+__all__ = ["KERNELS", "load_kernel", "kernel_fits", "kernel_plan", "ssd_scan",
+           "gated_delta_rule_scan"]

@@ -75,8 +75,8 @@ def test_config_errors_name_the_flag():
     assert "--linear-num-key-heads (3)" in _errors(
         hybrid.replace(linear_num_key_heads=3, linear_num_value_heads=6),
         ParallelConfig(tensor_model_parallel_size=2))
-    assert "context parallelism of the recurrent mixers" in _errors(
-        hybrid, ParallelConfig(context_parallel_size=2))
+    assert "--context-parallel-size (4)" in _errors(  # CP ranks scan whole groups
+        hybrid, ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2))
     linear = CONFIGS["linear_attention"]()
     assert "--experimental-attention-variant" in _errors(
         linear.replace(experimental_attention_variant=None))
@@ -209,3 +209,63 @@ def test_latent_experts_count_megatron_flops():
     gpt = TransformerConfig(num_layers=1, **common)
     attention = 6 * 128 * (256 * 768 + 256 * 256 + 256 * 128)
     assert flops_per_iteration(gpt, 128, 1, 1024) == attention + (65536 + 524288) * 3 * 128
+
+
+def _context_parallel_worker(rank, world_size):
+    """Per mixer kind and rows (plain, packed): the largest error, relative to the largest
+    value, of this CP rank's outputs and of the grads summed over CP, against one rank's."""
+    import torch.distributed as dist
+
+    from megatron_smp.context_parallel.split import packed_rank_indices, split_for_context_parallel
+    from megatron_smp.transformer.packed import PackedSequence
+    from megatron_smp.transformer.ssm.gated_delta_net import GatedDeltaNet
+    from megatron_smp.transformer.ssm.mamba_mixer import MambaMixer
+
+    config = CONFIGS["hybrid"]()
+    one, two = (build_parallel_state(ParallelConfig(context_parallel_size=cp)) for cp in (1, 2))
+    s, b = 16, 2
+    x = torch.randn(s, b, 64, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(s, b, 64, generator=torch.Generator().manual_seed(2))
+    # Row 0: documents of 4 and 12 tokens, each split the load-balanced way on its own.
+    documents = torch.tensor([[0] * 4 + [1] * 12, [5] * s])
+    errors = {}
+    for kind in (MambaMixer, GatedDeltaNet):
+        torch.manual_seed(0)
+        reference = kind(config, one)
+        torch.manual_seed(0)
+        split = kind(config, two)
+        for packed in (False, True):
+            if packed:
+                indices = packed_rank_indices(documents, 2)
+                masks = (PackedSequence(documents), PackedSequence(documents, indices, rank))
+                take = indices[rank].t()  # [s/cp, b] row positions
+                local = lambda t: t.gather(0, take[..., None].expand(-1, -1, t.shape[-1]))
+            else:
+                masks = (None, None)
+                local = lambda t: split_for_context_parallel(t, 0, 2, rank)
+            for model in (reference, split):
+                model.zero_grad()
+            full = reference(x, masks[0])
+            (full * weight).sum().backward()
+            mine = split(local(x), masks[1])
+            (mine * local(weight)).sum().backward()
+            def relative(ours, theirs):
+                return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+            error = relative(mine, local(full))
+            for (name, ours), theirs in zip(split.named_parameters(), reference.parameters()):
+                grad = ours.grad.clone()
+                dist.all_reduce(grad, group=two.cp_group)
+                error = max(error, relative(grad, theirs.grad))
+            errors[(kind.__name__, packed)] = error
+    return errors
+
+
+def test_context_parallel_mixers_match_one_rank():
+    """CP=2: each rank scans the whole sequence for half the groups / key heads, outputs and
+    (summed over CP) grads equal one rank's, for plain rows in CP's load-balanced order and
+    packed rows split per document."""
+    from megatron_smp.testing import run_distributed
+
+    for errors in run_distributed(_context_parallel_worker, 2, timeout=120):
+        assert len(errors) == 4 and max(errors.values()) < 1e-6, errors
