@@ -88,6 +88,17 @@ class MoEExperts(torch.nn.Module):
             experts.append(expert)
         self.local_experts = torch.nn.ModuleList(experts)
 
+    def replay_init(self, replay, materialize) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`): the
+        constructor's base-seed draw, then each expert's projections (`replay`) under the
+        seed of its global index."""
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        count = 0
+        for local_index, expert in enumerate(self.local_experts):
+            with init_rng_scope(derive_seed(base_seed, self.expert_offset + local_index)):
+                count += sum(replay(module) for module in expert.modules())
+        return count
+
     def _activate(self, intermediate: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return gated_linear_unit(intermediate, self.activation, self.config)

@@ -177,12 +177,14 @@ def test_linear_attention_layers_count_gated_delta_net_flops():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_meta_device_build_materialises_the_eager_weights(state, name):
     """Built on the meta device and materialised (--init-model-with-meta-device, FSDP2's
-    unit-by-unit init), the mixers hold exactly the eager build's weights for the seed."""
+    unit-by-unit init), the mixers and MoE layers (router, latent projections, experts under
+    their seeds, a gated shared expert) hold exactly the eager build's weights for the seed."""
     from megatron_smp.distributed.delayed_init import materialize_meta_model
 
     config = CONFIGS[name]()
-    if name == "hybrid":  # MoE routers are not replayed on meta (a clear error, below)
-        config = config.replace(hybrid_layer_pattern="MG*-", num_layers=4)
+    if name == "hybrid":
+        config = config.replace(moe_latent_size=40, moe_shared_expert_intermediate_size=48,
+                                moe_shared_expert_gate=True)
     torch.manual_seed(0)
     eager = GPTModel(config, state).state_dict()
     torch.manual_seed(0)
