@@ -85,7 +85,8 @@ def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
                                global_batch_size: int, padded_vocab_size: int) -> float:
     """Megatron-LM main's `hybrid_flops` for --hybrid-layer-pattern: per token, each layer of
     its one part (attention 4 h q (1 + g/n) + 2 s q, MLP and MoE as GPT's, Mamba and GDN as
-    above) plus the logits 2 h V, times 3 (forward and two backward GEMMs)."""
+    above) plus the logits 2 h V, times 3 (forward and two backward GEMMs); each
+    multi-token-prediction depth (`/` part) adds its layers and the logits once more."""
     h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     gated = 3 if config.gated_linear_unit else 2
@@ -102,8 +103,12 @@ def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
             moe += 4 * h * config.moe_latent_size
     per_layer = {"*": attention, "-": 2 * gated * h * config.ffn_hidden_size, "E": moe,
                  "M": mamba_layer_flops(config), "G": gdn_layer_flops(config)}
-    per_token = sum(per_layer[symbol] for symbol in config.hybrid_layer_symbols())
-    per_token += 2 * h * padded_vocab_size
+    # The multi-token-prediction depths (the pattern's `/` parts) count their layers and
+    # one more logits each, as Megatron counts them (eh_proj and norms not).
+    depths = config.hybrid_mtp_depths()
+    symbols = config.hybrid_layer_symbols() + (config.hybrid_mtp_symbols() or "") * depths
+    per_token = sum(per_layer[symbol] for symbol in symbols)
+    per_token += 2 * h * padded_vocab_size * (1 + depths)
     return 3.0 * per_token * seq_length * global_batch_size
 
 

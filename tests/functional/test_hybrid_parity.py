@@ -1,5 +1,6 @@
 """Hybrid models under the entry scripts: one stack holding every part of Megatron's
---hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE), and a Qwen3-Next-shaped
+--hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE, a `/` multi-token-
+prediction depth), and a Qwen3-Next-shaped
 GPT (--linear-attention-freq), train 10 iterations with the single-process losses at TP=2 +
 SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2, and both
 mixers (with attention and an MLP) at FSDP2 and CP=2 under pretrain_hybrid.py; Megatron's
@@ -17,9 +18,10 @@ COMMON = (
     "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
     "--group-query-attention --num-query-groups 2"
 ).split()
-# Every symbol; the | puts 2 layers on the first of two pipeline stages (ignored with one).
+# Every symbol; the | puts 2 layers on the first of two pipeline stages (ignored with one);
+# the / part is one multi-token-prediction depth (a Gated DeltaNet and an MLP, last stage).
 HYBRID = (
-    "--hybrid-layer-pattern MG|*-E --position-embedding-type none --squared-relu "
+    "--hybrid-layer-pattern MG|*-E/G- --position-embedding-type none --squared-relu "
     "--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 "
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
     "--linear-value-head-dim 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64"
@@ -32,7 +34,8 @@ QWEN3_NEXT = (
     "--linear-value-head-dim 16"
 ).split()
 # FSDP2 shards no MoE layers here (a clear error): both mixers with attention and an MLP.
-HYBRID_MLP = [a if a != "MG|*-E" else "MG*-" for a in HYBRID[:HYBRID.index("--num-experts")]]
+HYBRID_MLP = [a if a != "MG|*-E/G-" else "MG*-"
+              for a in HYBRID[:HYBRID.index("--num-experts")]]
 MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT, "hybrid_mlp": HYBRID_MLP}
 
 

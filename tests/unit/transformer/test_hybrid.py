@@ -15,7 +15,8 @@ SMALL = dict(max_position_embeddings=32, num_query_groups=2, ffn_hidden_size=96,
              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
              mamba_chunk_size=8, linear_chunk_size=8)
 CONFIGS = {
-    "hybrid": lambda **kw: llama_config(5, 64, 4, 1003, hybrid_layer_pattern="MG*-E",
+    # With one multi-token-prediction depth of a Gated DeltaNet and an MLP (the `/` part).
+    "hybrid": lambda **kw: llama_config(5, 64, 4, 1003, hybrid_layer_pattern="MG*-E/G-",
                                         num_moe_experts=4, **SMALL, **kw),
     "linear_attention": lambda **kw: llama_config(
         4, 64, 4, 1003, experimental_attention_variant="gated_delta_net",
@@ -67,7 +68,8 @@ def test_config_errors_name_the_flag():
     hybrid = CONFIGS["hybrid"](sequence_parallel=True)
     assert "--num-layers is 4" in _errors(hybrid.replace(num_layers=4))
     assert "unknown symbols ['D']" in _errors(hybrid.replace(hybrid_layer_pattern="MG*-D"))
-    assert "'/'" in _errors(hybrid.replace(hybrid_layer_pattern="MG*-E/M"))
+    assert "'/'" in _errors(hybrid.replace(hybrid_layer_pattern="MG*-E/M/G"))  # unequal depths
+    assert "the 2 '/' parts" in _errors(hybrid.replace(hybrid_layer_pattern="MG*-E/M/M"))
     assert "give --num-experts" in _errors(hybrid.replace(num_moe_experts=None))
     assert "--mamba-num-groups (3)" in _errors(
         hybrid.replace(mamba_num_groups=3, mamba_num_heads=6),
@@ -128,6 +130,10 @@ def test_hybrid_flops_follow_megatron_main():
         hybrid_layer_pattern="M*-G", linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32)
     assert flops_per_iteration(config, 128, 2, 1024) == 4106240 * 3 * 128 * 2
+    # One multi-token-prediction depth "-": its MLP 524288 and the logits once more 524288.
+    mtp = config.replace(hybrid_layer_pattern="M*-G/-", mtp_num_layers=None)
+    assert mtp.mtp_num_layers == 1
+    assert flops_per_iteration(mtp, 128, 2, 1024) == (4106240 + 2 * 524288) * 3 * 128 * 2
 
 
 @pytest.mark.parametrize("kind", ["M", "G"])
