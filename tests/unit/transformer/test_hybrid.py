@@ -102,6 +102,11 @@ def test_flags():
     configs = parse_args(BASE + ["--num-layers", "8", "--linear-attention-freq", "4",
                                  "--experimental-attention-variant", "gated_delta_net"])
     assert configs.model.linear_attention_pattern() == [1, 1, 1, 0] * 2
+    configs = parse_args(BASE + ["--hybrid-layer-pattern", "E", "--num-experts", "4",
+                                 "--moe-latent-size", "16"])
+    assert configs.model.moe_latent_size == 16
+    with pytest.raises(ConfigError, match="--moe-latent-size must be >= 1"):
+        configs.model.replace(moe_latent_size=0).validate(ParallelConfig())
 
 
 def test_stage_breaks_are_the_pipeline_layout():
@@ -191,6 +196,8 @@ def test_meta_device_build_materialises_the_eager_weights(state, name):
     if name == "hybrid":
         config = config.replace(moe_latent_size=40, moe_shared_expert_intermediate_size=48,
                                 moe_shared_expert_gate=True)
+        assert GPTModel(config, state, device=torch.device("meta")).decoder.layers[4].mixer \
+            .fc1_latent_proj.weight.shape == (40, 64)  # --moe-latent-size: experts in width 40
     torch.manual_seed(0)
     eager = GPTModel(config, state).state_dict()
     torch.manual_seed(0)
