@@ -244,6 +244,10 @@ class _Group:
     lengths: Optional[torch.Tensor] = None  # [n] real tokens per request
     slots: Optional[torch.Tensor] = None  # [n] recurrent-state slots
     fresh: Optional[torch.Tensor] = None  # bool [n]: the request's first tokens (zero state)
+    # One request whose full-attention blocks up to its last new token are consecutive (so
+    # at batch 1 always): its keys, cached and new, are pool rows span[0] .. span[1] - 1 in
+    # position order, read as a view instead of gathered.
+    span: Optional[Tuple[int, int]] = None
 
 
 _FAR = 1 << 40
@@ -286,7 +290,11 @@ class StepBatch(KVCacheContext):
         self.tokens = torch.tensor(tokens + [0] * padding, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions + [0] * padding, dtype=torch.long,
                                       device=device)
-        self.writes = {kind: (torch.tensor(rows, dtype=torch.long, device=device),
+        # rows None: the written rows are the step's first len(slots) rows in order (every
+        # decode step, and any step whose tokens all fit their tables), so a slice of the new
+        # keys is written, no gather.
+        self.writes = {kind: (None if rows == list(range(len(rows)))
+                              else torch.tensor(rows, dtype=torch.long, device=device),
                               torch.tensor(slots, dtype=torch.long, device=device))
                        for kind, (rows, slots) in writes.items()}
         self.groups = self._build_groups(requests, device)
@@ -339,10 +347,18 @@ class StepBatch(KVCacheContext):
             slots = None
             if self.cache.states:
                 slots = torch.tensor([requests[i].slot for i in indices], device=device)
+            span = None
+            if len(indices) == 1 and None in layout.kinds:
+                request = requests[indices[0]]
+                table = request.blocks[None]
+                end = request.start + len(request.tokens)
+                used = blocks_for(end, block_size)
+                if table[:used] == list(range(table[0], table[0] + used)):
+                    span = (table[0] * block_size, table[0] * block_size + end)
             groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
                                  cached, all_slots, firsts[0] if in_order else None,
                                  out_rows, flat_valid, counts.to(device), slots,
-                                 (starts == 0).to(device)))
+                                 (starts == 0).to(device), span))
         return groups
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
@@ -393,7 +409,7 @@ class StepBatch(KVCacheContext):
         -> [T_pad, nh, dv]."""
 
         def rows(source, index, n):  # [n, L, ...] gathered along dim 0
-            return source.index_select(0, index.flatten()).view(n, -1, *source.shape[1:])
+            return source.index_select(0, index.view(-1)).view(n, -1, *source.shape[1:])
 
         output = None
         for index, group in enumerate(self.groups):
@@ -403,21 +419,32 @@ class StepBatch(KVCacheContext):
                                                                         *query.shape[1:])
             else:
                 q = rows(query, group.q_index, n)
-            if kind is None:
+            if kind is None and group.span is not None:
+                k, v = keys[None, group.span[0]:group.span[1]], \
+                    values[None, group.span[0]:group.span[1]]
+            elif kind is None:
                 k, v = rows(keys, group.all_slots, n), rows(values, group.all_slots, n)
             else:
                 slots = group.cached[kind][0]
                 k = torch.cat([rows(keys, slots, n), rows(new_keys, group.q_index, n)], dim=1)
                 v = torch.cat([rows(values, slots, n), rows(new_values, group.q_index, n)],
                               dim=1)
-            q, k, v = q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), \
-                v.to(q.dtype).transpose(1, 2)
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             bias = (None if alibi_slopes is None
                     else self._alibi(group, kind, alibi_slopes, q.dtype))
-            mask, plain = self._mask(index, kind, window_size)
             causal = False
-            if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
-                mask, causal = plain
+            if (bias is None and kind is None and window_size is None
+                    and group.span is not None
+                    and (lq == 1 or group.span[1] - group.span[0] == lq)):
+                # One request over all its keys in order: a decode sees them all, a prompt
+                # from position 0 is plain causal; no mask to build.
+                mask, causal = None, lq > 1
+            else:
+                mask, plain = self._mask(index, kind, window_size)
+                if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
+                    mask, causal = plain
             context = core_attention(q, k, v, mask, causal, 0.0, scale, bias,
                                      sinks).transpose(1, 2)  # [n, Lq, nh, dv]
             if len(self.groups) == 1 and group.row_start == 0 \
@@ -463,7 +490,8 @@ class StepBatch(KVCacheContext):
 
     def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
         rows, slots = self.writes[kind]
-        pool.index_copy_(0, slots, new.index_select(0, rows).to(pool.dtype))
+        new = new[:len(slots)] if rows is None else new.index_select(0, rows)
+        pool.index_copy_(0, slots, new if new.dtype == pool.dtype else new.to(pool.dtype))
 
     def attend(self, layer_number, query, key, value, scale=None, window_size=None,
                sinks=None, alibi_slopes=None):
