@@ -310,7 +310,7 @@ class InferenceEngine:
             return []
         return self._apply(plan, results)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # (not only no_grad: no view / version-counter tracking either)
     def _forward(self, plan: _Plan):
         model, state = self.model, self.state
         pad_to = state.tp_size if self.sequence_parallel else 1
