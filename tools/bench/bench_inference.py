@@ -221,9 +221,10 @@ def main() -> None:
     line(f"{args.requests} requests decode tok/s", {n: flow[n][1] for n in names}, ".1f")
     line(f"{args.requests} requests overall tok/s", {n: flow[n][2] for n in names}, ".1f")
     each = flow["hf_each"]
-    print(f"{'  vs HF one request at a time':30}{each[2]:13.1f}{flow['ours'][2]:13.1f}"
-          f"{'':13}" * bool(vllm) + f"{flow['ours'][2] / each[2]:11.2f}"
-          f"   (HF prefill {each[0]:.0f}, decode {each[1]:.1f} tok/s)")
+    blank = " " * 13 if vllm else ""
+    print(f"{'  vs HF one request at a time':30}{each[2]:13.1f}{flow['ours'][2]:13.1f}{blank}"
+          f"{flow['ours'][2] / each[2]:11.2f}   (HF prefill {each[0]:.0f}, "
+          f"decode {each[1]:.1f} tok/s)")
     print(f"{'  tokens computed (padding)':30}"
           + "".join(f"{c:13d}" for c in [len(stream) * (longest + max(news)),
                                          sum(lengths) + sum(news)]
