@@ -310,7 +310,7 @@ class InferenceEngine:
             return []
         return self._apply(plan, results)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # (not only no_grad: no view / version-counter tracking either)
     def _forward(self, plan: _Plan):
         model, state = self.model, self.state
         pad_to = state.tp_size if self.sequence_parallel else 1
@@ -334,13 +334,19 @@ class InferenceEngine:
             chosen = request_rows if want else request_rows[-1:]
             spans.append((len(rows), len(chosen)))
             rows.extend(chosen)
-        logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
+        if rows == list(range(len(rows))):  # a decode step: every row, in order (no gather)
+            logits = self._logits(hidden[:len(rows), 0])
+        else:
+            logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
         if self.rank != self.sampler:
             return None
-        last = torch.tensor([start + count - 1 for start, count in spans], device=logits.device)
+        last = logits
+        if len(rows) != len(spans):  # rows for prompt log-probs too: each request's last
+            last = logits[torch.tensor([start + count - 1 for start, count in spans],
+                                       device=logits.device)]
         params = [self.params[i] for i in plan.request_ids]
         tokens_out, chosen, alternatives = sample(
-            logits[last], params, [self.generators[i] for i in plan.request_ids])
+            last, params, [self.generators[i] for i in plan.request_ids])
         results = []
         for index, (request_id, step) in enumerate(zip(plan.request_ids, plan.steps)):
             prompt_lp = prompt_top = None

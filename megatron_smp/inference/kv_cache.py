@@ -31,7 +31,7 @@ causal, and the layer's sliding window.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -227,8 +227,10 @@ class StepRequest:
 @dataclass
 class _Group:
     """One batched attention call over n requests: rows `q_index` [n, Lq] of the step's
-    tokens (padding: row 0, its output dropped) at positions `q_pos` (-1: padding); per kind
-    the cached keys' slots [n, Lc] and positions [n, Lc] (huge: padding); for full attention
+    tokens (padding: row 0, its output dropped) at positions `q_pos` (-1: padding);
+    `starts` [n] (CPU) the requests' first new positions and `tables` per kind their block
+    tables, from which `StepBatch._keys` makes (on first use) per kind the cached keys'
+    slots [n, Lc] and positions [n, Lc] (huge: padding) in `cached`, and for full attention
     `all_slots` [n, Lc + Lq], the cached keys' slots then the new keys' (written first).
     `row_start`: the rows are row_start .. row_start + n * Lq - 1 in order, all real;
     otherwise `out_rows` / `flat_valid` scatter the real rows back."""
@@ -236,14 +238,21 @@ class _Group:
     q_index: torch.Tensor
     q_pos: torch.Tensor
     valid: torch.Tensor  # bool [n, Lq]: real query rows
-    cached: Dict["Kind", Tuple[torch.Tensor, torch.Tensor]]
-    all_slots: Optional[torch.Tensor]
+    starts: torch.Tensor
+    host: Tuple[torch.Tensor, torch.Tensor]  # q_pos and valid on the CPU
+    tables: Dict["Kind", List[List[int]]]
     row_start: Optional[int]
     out_rows: Optional[torch.Tensor]
     flat_valid: Optional[torch.Tensor]
-    lengths: Optional[torch.Tensor] = None  # [n] real tokens per request
+    lengths: Optional[torch.Tensor] = None  # [n] real tokens per request (recurrent layers)
     slots: Optional[torch.Tensor] = None  # [n] recurrent-state slots
     fresh: Optional[torch.Tensor] = None  # bool [n]: the request's first tokens (zero state)
+    # One request whose full-attention blocks up to its last new token are consecutive (so
+    # at batch 1 always): its keys, cached and new, are pool rows span[0] .. span[1] - 1 in
+    # position order, read as a view instead of gathered.
+    span: Optional[Tuple[int, int]] = None
+    cached: Dict["Kind", Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    all_slots: Optional[torch.Tensor] = None
 
 
 _FAR = 1 << 40
@@ -286,7 +295,11 @@ class StepBatch(KVCacheContext):
         self.tokens = torch.tensor(tokens + [0] * padding, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions + [0] * padding, dtype=torch.long,
                                       device=device)
-        self.writes = {kind: (torch.tensor(rows, dtype=torch.long, device=device),
+        # rows None: the written rows are the step's first len(slots) rows in order (every
+        # decode step, and any step whose tokens all fit their tables), so a slice of the new
+        # keys is written, no gather.
+        self.writes = {kind: (None if rows == list(range(len(rows)))
+                              else torch.tensor(rows, dtype=torch.long, device=device),
                               torch.tensor(slots, dtype=torch.long, device=device))
                        for kind, (rows, slots) in writes.items()}
         self.groups = self._build_groups(requests, device)
@@ -300,55 +313,77 @@ class StepBatch(KVCacheContext):
             [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
         groups = []
         for indices in members:
-            counts = torch.tensor([len(requests[i].tokens) for i in indices])
-            starts = torch.tensor([requests[i].start for i in indices])
-            lq = int(counts.max())
-            offsets = torch.arange(lq)
-            valid = offsets[None, :] < counts[:, None]  # [n, Lq]
-            first_rows = torch.tensor([self.request_rows[i][0] for i in indices])
-            q_index = torch.where(valid, first_rows[:, None] + offsets, 0)
-            q_pos = torch.where(valid, starts[:, None] + offsets, -1)
-            cached, all_slots = {}, None
-            for kind in layout.kinds:
-                lows = torch.zeros_like(starts) if kind is None else (starts - kind).clamp(min=0)
-                lc = int((starts - lows).max())
-                positions = lows[:, None] + torch.arange(lc)  # [n, Lc]
-                present = positions < starts[:, None]
-                tables = [requests[i].blocks[kind] for i in indices]
-                width = max(len(t) for t in tables)
-                table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-                lengths = torch.tensor([len(t) for t in tables])
-                blocks = table.gather(1, (positions // block_size) % lengths[:, None])
-                slots = torch.where(present, blocks * block_size + positions % block_size,
-                                    self.cache.scratch_slot[kind])
-                k_pos = torch.where(present, positions, _FAR)
-                cached[kind] = (slots.to(device), k_pos.to(device))
-                if kind is None:
-                    new = table.gather(1, q_pos.clamp(min=0) // block_size) * block_size \
-                        + q_pos.clamp(min=0) % block_size
-                    new = torch.where(valid, new, self.cache.scratch_slot[kind])
-                    all_slots = torch.cat([slots, new], dim=1).to(device)
             sizes = [len(requests[i].tokens) for i in indices]
             firsts = [self.request_rows[i][0] for i in indices]
+            starts = torch.tensor([requests[i].start for i in indices])
+            lq = max(sizes)
+            if lq == 1:  # decodes: one real row each
+                host = (starts[:, None], torch.ones(len(indices), 1, dtype=torch.bool))
+                q_index = torch.tensor(firsts, device=device)[:, None]
+            else:
+                counts = torch.tensor(sizes)
+                offsets = torch.arange(lq)
+                valid = offsets[None, :] < counts[:, None]  # [n, Lq]
+                host = (torch.where(valid, starts[:, None] + offsets, -1), valid)
+                q_index = torch.where(valid, torch.tensor(firsts)[:, None] + offsets,
+                                      0).to(device)
+            q_pos, valid = host[0].to(device), host[1].to(device)
             in_order = all(size == lq and row == firsts[0] + k * lq
                            for k, (size, row) in enumerate(zip(sizes, firsts)))
             out_rows = flat_valid = None
             if not in_order:
-                out_rows = q_index[valid].to(device)
-                flat_valid = valid.flatten().nonzero().flatten().to(device)
-            slots = None
+                out_rows = q_index[valid]
+                flat_valid = valid.flatten().nonzero().flatten()
+            lengths = slots = fresh = None
             if self.cache.states:
+                lengths = torch.tensor(sizes, device=device)
                 slots = torch.tensor([requests[i].slot for i in indices], device=device)
-            groups.append(_Group(q_index.to(device), q_pos.to(device), valid.to(device),
-                                 cached, all_slots, firsts[0] if in_order else None,
-                                 out_rows, flat_valid, counts.to(device), slots,
-                                 (starts == 0).to(device)))
+                fresh = (starts == 0).to(device)
+            span = None
+            if len(indices) == 1 and None in layout.kinds:
+                request = requests[indices[0]]
+                table = request.blocks[None]
+                end = request.start + len(request.tokens)
+                used = blocks_for(end, block_size)
+                if table[:used] == list(range(table[0], table[0] + used)):
+                    span = (table[0] * block_size, table[0] * block_size + end)
+            tables = {kind: [requests[i].blocks[kind] for i in indices]
+                      for kind in layout.kinds}
+            groups.append(_Group(q_index, q_pos, valid, starts, host, tables,
+                                 firsts[0] if in_order else None, out_rows, flat_valid,
+                                 lengths, slots, fresh, span))
         return groups
+
+    def _keys(self, group: _Group, kind: Kind) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots [n, Lc], positions [n, Lc]) of the group's cached keys of `kind` (made on
+        first use; for full attention `group.all_slots` with them)."""
+        if kind not in group.cached:
+            block_size, device = self.cache.block_size, group.q_pos.device
+            starts = group.starts
+            lows = torch.zeros_like(starts) if kind is None else (starts - kind).clamp(min=0)
+            lc = int((starts - lows).max())
+            positions = lows[:, None] + torch.arange(lc)  # [n, Lc]
+            present = positions < starts[:, None]
+            tables = group.tables[kind]
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            lengths = torch.tensor([len(t) for t in tables])
+            blocks = table.gather(1, (positions // block_size) % lengths[:, None])
+            slots = torch.where(present, blocks * block_size + positions % block_size,
+                                self.cache.scratch_slot[kind])
+            k_pos = torch.where(present, positions, _FAR)
+            group.cached[kind] = (slots.to(device), k_pos.to(device))
+            if kind is None:
+                q_pos, valid = group.host[0].clamp(min=0), group.host[1]
+                new = table.gather(1, q_pos // block_size) * block_size + q_pos % block_size
+                new = torch.where(valid, new, self.cache.scratch_slot[kind])
+                group.all_slots = torch.cat([slots, new], dim=1).to(device)
+        return group.cached[kind]
 
     def _key_positions(self, group: _Group, kind: Kind) -> torch.Tensor:
         """[n, Lc + Lq]: the cached keys' positions, then the new keys' (padding far)."""
         new = group.q_pos.masked_fill(~group.valid, _FAR)
-        return torch.cat([group.cached[kind][1], new], dim=1)
+        return torch.cat([self._keys(group, kind)[1], new], dim=1)
 
     def _mask(self, index: int, kind: Kind, window_size):
         """(mask, plain): the bool mask [n, 1, Lq, Lk], True = masked (core_attention's
@@ -393,7 +428,7 @@ class StepBatch(KVCacheContext):
         -> [T_pad, nh, dv]."""
 
         def rows(source, index, n):  # [n, L, ...] gathered along dim 0
-            return source.index_select(0, index.flatten()).view(n, -1, *source.shape[1:])
+            return source.index_select(0, index.view(-1)).view(n, -1, *source.shape[1:])
 
         output = None
         for index, group in enumerate(self.groups):
@@ -403,21 +438,33 @@ class StepBatch(KVCacheContext):
                                                                         *query.shape[1:])
             else:
                 q = rows(query, group.q_index, n)
-            if kind is None:
+            if kind is None and group.span is not None:
+                k, v = keys[None, group.span[0]:group.span[1]], \
+                    values[None, group.span[0]:group.span[1]]
+            elif kind is None:
+                self._keys(group, kind)
                 k, v = rows(keys, group.all_slots, n), rows(values, group.all_slots, n)
             else:
-                slots = group.cached[kind][0]
+                slots = self._keys(group, kind)[0]
                 k = torch.cat([rows(keys, slots, n), rows(new_keys, group.q_index, n)], dim=1)
                 v = torch.cat([rows(values, slots, n), rows(new_values, group.q_index, n)],
                               dim=1)
-            q, k, v = q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), \
-                v.to(q.dtype).transpose(1, 2)
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             bias = (None if alibi_slopes is None
                     else self._alibi(group, kind, alibi_slopes, q.dtype))
-            mask, plain = self._mask(index, kind, window_size)
             causal = False
-            if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
-                mask, causal = plain
+            if (bias is None and kind is None and window_size is None
+                    and group.span is not None
+                    and (lq == 1 or group.span[1] - group.span[0] == lq)):
+                # One request over all its keys in order: a decode sees them all, a prompt
+                # from position 0 is plain causal; no mask to build.
+                mask, causal = None, lq > 1
+            else:
+                mask, plain = self._mask(index, kind, window_size)
+                if plain is not None and bias is None:  # ALiBi's bias carries no causal mask
+                    mask, causal = plain
             context = core_attention(q, k, v, mask, causal, 0.0, scale, bias,
                                      sinks).transpose(1, 2)  # [n, Lq, nh, dv]
             if len(self.groups) == 1 and group.row_start == 0 \
@@ -463,7 +510,8 @@ class StepBatch(KVCacheContext):
 
     def _write(self, kind: Kind, pool: torch.Tensor, new: torch.Tensor) -> None:
         rows, slots = self.writes[kind]
-        pool.index_copy_(0, slots, new.index_select(0, rows).to(pool.dtype))
+        new = new[:len(slots)] if rows is None else new.index_select(0, rows)
+        pool.index_copy_(0, slots, new if new.dtype == pool.dtype else new.to(pool.dtype))
 
     def attend(self, layer_number, query, key, value, scale=None, window_size=None,
                sinks=None, alibi_slopes=None):

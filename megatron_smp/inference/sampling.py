@@ -111,7 +111,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         tokens[row] = torch.multinomial(probs.cpu(), 1, generator=generator).to(tokens.device)[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     alternatives = [top_logprobs(logprobs[row:row + 1], request.logprobs)[0]
-                    for row, request in enumerate(params)]
+                    if request.logprobs else [] for row, request in enumerate(params)]
     return tokens.tolist(), chosen.tolist(), alternatives
 
 

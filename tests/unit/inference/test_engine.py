@@ -33,7 +33,9 @@ def _drain(engine, arrivals):
 
 
 @pytest.mark.parametrize("family", ["llama31", "gpt_oss"])
-def test_batch_invariance_under_continuous_batching(family):
+def test_batch_invariance_under_continuous_batching(family, monkeypatch):
+    from megatron_smp.inference.kv_cache import StepBatch
+
     hf, module = _module(family)
     vocab = hf.config.vocab_size
     generator = torch.Generator().manual_seed(5)
@@ -41,10 +43,25 @@ def test_batch_invariance_under_continuous_batching(family):
     batch = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     news = [12, 5, 9, 14, 3, 7, 10, 6]
     params = [SamplingParams(max_new_tokens=n) for n in news]
-    alone = []
+    # A request alone on consecutive blocks reads its full-attention keys as a view of the
+    # pool (no slot plan for them); in a batch, or on scattered blocks, they are gathered.
+    plans = []
+    keys = StepBatch._keys
+    monkeypatch.setattr(StepBatch, "_keys", lambda self, group, kind: (
+        plans.append(kind), keys(self, group, kind))[1])
+    alone, alone_requests = [], []
     for prompt, p in zip(batch, params):
         engine = InferenceEngine(module, max_tokens=64, block_size=4)
-        alone.append(engine.generate([prompt], [p])[0].output)
+        alone_requests.append(engine.generate([prompt], [p])[0])
+        alone.append(alone_requests[-1].output)
+    assert None not in plans
+    engine = InferenceEngine(module, max_tokens=128, block_size=4)
+    allocator = engine.allocators[None]
+    allocator.free(allocator.allocate(allocator.num_free)[1::2])  # every other block free
+    scattered = engine.generate([batch[2]], [params[2]])[0]
+    assert None in plans and scattered.output == alone[2]
+    assert torch.allclose(torch.tensor(scattered.logprobs),
+                          torch.tensor(alone_requests[2].logprobs), atol=1e-5)
     # 8 requests over 6 steps; 64 cache tokens hold 3-4 of them: the rest queue.
     engine = InferenceEngine(module, max_tokens=64, block_size=4, max_requests=8)
     arrivals = [[(batch[0], params[0]), (batch[1], params[1])], [], [(batch[2], params[2])],
@@ -148,3 +165,4 @@ def test_alibi_decoding_equals_full_recomputation():
         1, torch.tensor(sequence[1:])[:, None])[:, 0]
     got = torch.tensor(request.prompt_logprobs[1:] + request.logprobs)
     assert len(set(request.output)) > 3 and (got - expected).abs().max() < 1e-5
+
