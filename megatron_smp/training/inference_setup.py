@@ -5,8 +5,10 @@
 
 parses the flags (`--load`, `--use-checkpoint-args`, the model and parallel sizes, the
 tokenizer), builds the process group and this rank's pipeline stage of `GPTModel`, loads the
-checkpoint's weights (model only; `torch_dist` reshards to this layout) and wraps it in an
-`inference.InferenceEngine` sized by the inference flags added here.
+checkpoint's weights (model only: ours, or Megatron-LM's torch_dist / legacy checkpoints,
+detected; `torch_dist` reshards to this layout) and wraps it in an
+`inference.InferenceEngine` sized by the inference flags added here (with data-parallel
+replicas, `inference.replicas.DataParallelEngine`: each replica serves its share).
 """
 from __future__ import annotations
 
@@ -45,10 +47,10 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                            model_provider: Optional[Callable] = None):
     """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
     the model keeps its --seed initialisation (a clear warning on rank 0)."""
-    from megatron_smp.checkpointing.iterations import load_checkpoint
-    from megatron_smp.checkpointing.sharded_state import model_sharded_state_dict
+    from megatron_smp.checkpointing.loop import load_model_weights
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
+    from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
     from megatron_smp.training.arguments import parse_args, validate_configs
@@ -94,17 +96,30 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     for chunk in chunks:
         chunk.to(state.device)
     load = configs.checkpoint.load
-    if load:
-        template = {"model": model_sharded_state_dict(chunks, state, configs.model.vocab_size,
-                                                      tied_copies=True)}
-        load_checkpoint(template, load, state, load_rng=False)
+    loaded = load_model_weights(chunks, state, configs) if load else None
+    if loaded is None:
+        from megatron_smp.checkpointing import CheckpointError
+
+        if load:  # every rank alike: the tracker check above agreed
+            raise CheckpointError(f"--load {load} holds no checkpoint (neither ours nor "
+                                  "Megatron-LM's)")
+        if state.rank == 0:
+            print("warning: no --load given: generating from the --seed initialisation",
+                  flush=True)
     elif state.rank == 0:
-        print("warning: no --load given: generating from the --seed initialisation", flush=True)
-    engine = InferenceEngine(
-        chunks, max_tokens=args.inference_max_tokens,
-        max_requests=args.inference_max_requests,
-        block_size=args.inference_dynamic_batching_block_size,
-        max_seq_length=args.inference_max_seq_length or configs.model.max_position_embeddings)
+        print(f"loaded {loaded}", flush=True)
+
+    def make_engine(group=None):
+        return InferenceEngine(
+            chunks, max_tokens=args.inference_max_tokens,
+            max_requests=args.inference_max_requests,
+            block_size=args.inference_dynamic_batching_block_size,
+            max_seq_length=args.inference_max_seq_length
+            or configs.model.max_position_embeddings, group=group)
+
+    # Data-parallel replicas each serve their share of the requests (the caches per replica).
+    engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \
+        else make_engine()
     torch.set_grad_enabled(False)
     return configs, state, engine, tokenizer
 

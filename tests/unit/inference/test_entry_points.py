@@ -217,3 +217,28 @@ def test_lm_eval_scores_equal_hf_backend(server, tmp_path):
     generated = [doc["filtered_resps"] for doc in ours["samples"]["smp_tiny_gen"]]
     assert generated == [doc["filtered_resps"] for doc in reference["samples"]["smp_tiny_gen"]]
     assert any(text for (text,) in generated)
+
+
+def test_lm_eval_chat_completions_generations_equal_hf_backend(server, tmp_path):
+    """lm-eval's `local-chat-completions` (messages through our chat template) on the shipped
+    generation task gives the same generations and score as its `hf` backend with
+    apply_chat_template on the HF weights."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    url, _, _, root = server
+    tasks = TaskManager(include_path=str(_task_dir(tmp_path)), include_defaults=False)
+    names = ["smp_tiny_gen"]
+    ours = lm_eval.simple_evaluate(
+        model="local-chat-completions", tasks=names, task_manager=tasks, batch_size=1,
+        apply_chat_template=True,
+        model_args=f"model=ckpt,base_url={url}/v1/chat/completions,num_concurrent=2,"
+                   "max_retries=1")
+    reference = lm_eval.simple_evaluate(
+        model="hf", tasks=names, task_manager=tasks, batch_size=1, apply_chat_template=True,
+        model_args=f"pretrained={root / 'hf'},dtype=float32,device=cpu")
+    generated = [doc["filtered_resps"] for doc in ours["samples"]["smp_tiny_gen"]]
+    assert generated == [doc["filtered_resps"] for doc in reference["samples"]["smp_tiny_gen"]]
+    assert sum(len(text) for (text,) in generated) > 0
+    assert ours["results"]["smp_tiny_gen"]["exact_match,none"] == pytest.approx(
+        reference["results"]["smp_tiny_gen"]["exact_match,none"])
