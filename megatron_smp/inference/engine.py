@@ -1,7 +1,8 @@
 """The continuous-batching inference engine.
 
 One engine runs on every rank of a model (its tensor, pipeline and expert parallel ranks, and
-any data-parallel replicas in the group, which then run the same batches). The *leader*
+any data-parallel replicas in the group, which then run the same batches; `inference.replicas`
+gives each replica its own share of the requests instead). The *leader*
 (the group's first rank) owns the requests and the schedule; every `step()`:
 
 1. the leader admits waiting requests while a slot (`max_requests`) and cache blocks for
@@ -46,6 +47,7 @@ from megatron_smp.inference.kv_cache import (
     check_inference_layout,
     state_bytes_per_request,
 )
+from megatron_smp.inference.prefix_cache import PrefixCachingAllocator
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.models.gpt import soft_cap_logits
 from megatron_smp.tensor_parallel.mappings import (
@@ -74,6 +76,7 @@ class Request:
     slot: Optional[int] = None
     prefilled: bool = False
     stop_string: Optional[str] = None
+    cached_tokens: int = 0  # prompt tokens read from shared prefix blocks (prefix caching)
 
     @property
     def finished(self) -> bool:
@@ -106,13 +109,16 @@ class InferenceEngine:
     max_seq_length: longest prompt + generation (default: the model's
     max_position_embeddings for learned positions, else unbounded);
     group: the ranks that run this model together (default all); stop_checker(request) ->
-    the stop string found in the request's text, or None (the leader's tokenizer).
+    the stop string found in the request's text, or None (the leader's tokenizer);
+    prefix_caching: share the blocks of common prompt prefixes, freed by the eviction policy
+    "ref_zero" or "lru" (`inference.prefix_cache`); None: off.
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
     def __init__(self, model: torch.nn.Module, max_tokens: int = 4096, max_requests: int = 64,
                  block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
-                 stop_checker: Optional[Callable[[Request], Optional[str]]] = None) -> None:
+                 stop_checker: Optional[Callable[[Request], Optional[str]]] = None,
+                 prefix_caching: Optional[str] = None) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -147,6 +153,15 @@ class InferenceEngine:
         self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
+        self.prefix_cache = None
+        if prefix_caching is not None:
+            if self.layout.kinds != [None] or self.state_bytes_per_request:
+                raise ConfigError(
+                    "--inference-dynamic-batching-prefix-caching needs a model whose layers "
+                    "all keep full attention (sliding-window rings and Mamba / Gated DeltaNet "
+                    "states are overwritten as a request goes on); drop the flag")
+            self.prefix_cache = PrefixCachingAllocator(num_blocks, block_size, prefix_caching)
+            self.allocators[None] = self.prefix_cache
         self.stop_checker = stop_checker
         self.sequence_parallel = self.config.sequence_parallel_at(self.state.tp_size)
 
@@ -175,6 +190,7 @@ class InferenceEngine:
         self._lock = threading.Lock()
         self.steps = 0
         self.num_aborted = 0
+        self.computed_tokens = 0  # tokens run through the model (prompts and decodes)
 
     @property
     def is_leader(self) -> bool:
@@ -250,12 +266,20 @@ class InferenceEngine:
                 total = len(request.prompt) + request.params.max_new_tokens
                 needed = {kind: self.layout.blocks_needed(kind, total)
                           for kind in self.layout.kinds}
-                if any(count > self.allocators[kind].num_free
-                       for kind, count in needed.items()):
+                if self.prefix_cache is not None:  # (its blocks less the shared prefix)
+                    admitted = self.prefix_cache.admit(request.prompt, total,
+                                                       not request.params.prompt_logprobs)
+                    if admitted is None:
+                        break
+                    needed, (table, request.cached_tokens) = {}, admitted
+                elif any(count > self.allocators[kind].num_free
+                         for kind, count in needed.items()):
                     break  # first come first served: it waits for blocks to be freed
                 self.waiting.popleft()
                 request.blocks = {kind: self.allocators[kind].allocate(count)
                                   for kind, count in needed.items()}
+                if self.prefix_cache is not None:
+                    request.blocks[None] = table
                 request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
@@ -267,7 +291,9 @@ class InferenceEngine:
                                          request.slot))
                 wants.append(False)
             else:
-                steps.append(StepRequest(request.prompt, 0, request.blocks, request.slot))
+                cached = request.cached_tokens
+                steps.append(StepRequest(request.prompt[cached:], cached, request.blocks,
+                                         request.slot))
                 wants.append(request.params.prompt_logprobs)
         finished, self._finished_ids = self._finished_ids, []
         return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
@@ -303,6 +329,7 @@ class InferenceEngine:
         if not plan.steps:
             return []
         self.steps += 1
+        self.computed_tokens += sum(len(step.tokens) for step in plan.steps)
         results = self._forward(plan)
         if self.sampler != self.leader:
             results = self._broadcast(results, self.sampler)
@@ -441,9 +468,15 @@ class InferenceEngine:
 
     def memory_report(self) -> Dict[str, int]:
         """The cache on this rank: bytes per token, token capacity and allocated bytes."""
-        return {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
-                "state_bytes_per_request": self.state_bytes_per_request,
-                "allocated_bytes": self.cache.allocated_bytes()}
+        report = {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
+                  "state_bytes_per_request": self.state_bytes_per_request,
+                  "allocated_bytes": self.cache.allocated_bytes()}
+        if self.prefix_cache is not None:  # blocks in use, and those kept for their prefix
+            report["held_bytes"] = (self.prefix_cache.num_held * self.block_size
+                                    * self.bytes_per_token)
+            report["prefix_cached_blocks"] = self.prefix_cache.num_cached
+            report["cached_prompt_tokens"] = self.prefix_cache.cached_tokens
+        return report
 
 
 __all__ = ["InferenceEngine", "Request"]

@@ -86,6 +86,7 @@ class DataParallelEngine:
         self._sent: Dict[int, int] = {}  # tokens reported per request
         self.steps = 0
         self.num_aborted = 0
+        self.served = [0] * self.num_replicas  # requests handed to each replica
 
     # The engine's interface on the coordinator -----------------------------------------------
 
@@ -147,6 +148,7 @@ class DataParallelEngine:
             for request in self.waiting:
                 replica = load.index(min(load))
                 load[replica] += 1
+                self.served[replica] += 1
                 self._replica_of[request.request_id] = replica
                 plan[replica][0].append((request.request_id, request.prompt, request.params))
             self.waiting = []

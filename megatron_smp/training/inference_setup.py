@@ -32,6 +32,15 @@ def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="longest prompt + generation (default: --max-position-embeddings)")
     group.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
                        help="tokens per KV cache block")
+    group.add_argument("--inference-dynamic-batching-prefix-caching",
+                       dest="inference_dynamic_batching_enable_prefix_caching",
+                       action=argparse.BooleanOptionalAction, default=False,
+                       help="share the KV blocks of common prompt prefixes between requests")
+    group.add_argument("--inference-dynamic-batching-prefix-caching-eviction-policy",
+                       choices=["ref_zero", "lru"], default=None,
+                       help="ref_zero (default): a prefix block is freed when no request holds "
+                            "it; lru: kept until its space is needed (least recently used "
+                            "first)")
     return parser
 
 
@@ -77,6 +86,13 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                  "inference_dynamic_batching_block_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    prefix_caching = args.inference_dynamic_batching_prefix_caching_eviction_policy
+    if not args.inference_dynamic_batching_enable_prefix_caching:
+        if prefix_caching is not None:
+            raise ConfigError("--inference-dynamic-batching-prefix-caching-eviction-policy "
+                              "needs --inference-dynamic-batching-prefix-caching")
+    elif prefix_caching is None:
+        prefix_caching = "ref_zero"
     if configs.parallel.context_parallel_size > 1:
         raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
                           "pipeline or expert parallelism)")
@@ -115,7 +131,8 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             max_requests=args.inference_max_requests,
             block_size=args.inference_dynamic_batching_block_size,
             max_seq_length=args.inference_max_seq_length
-            or configs.model.max_position_embeddings, group=group)
+            or configs.model.max_position_embeddings, group=group,
+            prefix_caching=prefix_caching)
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \

@@ -1,10 +1,13 @@
 """tools/generate.py at PP=2 on a checkpoint converted from HF: HF's greedy tokens, prompts as
 text, token ids and chat messages; and tools/run_text_generation_server.py at TP=2 (two
-processes, rank 0 serving on 127.0.0.1) over a checkpoint converted from a HF Llama with a byte-level BPE tokenizer: the real `openai`
+processes, rank 0 serving on 127.0.0.1, prefix caching on) over a checkpoint converted from a
+HF Llama with a byte-level BPE tokenizer: the real `openai`
 client gets completions (HF's greedy tokens), chat completions (the chat template) and a
 streamed completion; 16 concurrent clients are all answered; bad requests get their 400 and
 the next request succeeds; Megatron's PUT /api; lm-evaluation-harness scores the shipped local
-tasks through the server exactly as its own `hf` backend does on the HF weights. The server
+tasks through the server exactly as its own `hf` backend does on the HF weights
+(`local-completions` for log-likelihoods and generation, `local-chat-completions` for
+generation through the chat template). The server
 always shuts down (SIGTERM, then SIGKILL)."""
 import concurrent.futures
 import json
@@ -64,7 +67,9 @@ def server(checkpoint):
     port_file = root / "port"
     flags = model_flags(root / "ckpt", root / "hf") + [
         "--tensor-model-parallel-size", "2", "--port", "0", "--port-file", port_file,
-        "--inference-max-seq-length", "96", "--inference-max-tokens", "2048"]
+        "--inference-max-seq-length", "96", "--inference-max-tokens", "2048",
+        "--inference-dynamic-batching-prefix-caching",
+        "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru"]
     procs = launch("run_text_generation_server.py", flags, 2, root)
     try:
         deadline = time.time() + 120
@@ -149,6 +154,8 @@ def test_sixteen_concurrent_clients_and_bad_requests(server):
         answers = list(pool.map(ask, prompts))
     for prompt, answer in zip(prompts[:3], answers[:3]):
         assert answer == tokenizer.decode(_hf_greedy(hf, tokenizer, prompt, 4))
+    # (prefix caching, lru) the clients' common prefix was read from the cache, not computed
+    assert requests.get(f"{url}/health").json()["cache"]["cached_prompt_tokens"] > 0
     completions = f"{url}/v1/completions"
     bad = [
         (dict(data="{not json", headers={"Content-Type": "application/json"}), "JSON"),

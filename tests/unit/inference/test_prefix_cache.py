@@ -1,0 +1,103 @@
+"""Prefix caching (--inference-dynamic-batching-prefix-caching): requests sharing a prompt
+prefix give the same tokens as without it, while the model computes fewer prompt tokens
+(counted) and running requests hold fewer cache bytes; `lru` keeps prefixes for later
+requests and evicts the least recently used; models it cannot serve are a clear error."""
+import pytest
+import torch
+
+import megatron_smp as smp
+from megatron_smp.config import ConfigError
+from megatron_smp.inference import InferenceEngine, SamplingParams
+from megatron_smp.inference.kv_cache import blocks_for
+from megatron_smp.inference.prefix_cache import PrefixCachingAllocator, block_hashes
+from tests.unit.inference.common import build, hf_greedy
+
+BLOCK = 4
+PREFIX = 21  # 5 full blocks shared
+SUFFIXES = (3, 1, 6, 2)
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llama():
+    smp.init({"random_seed": 3})
+    hf = build("llama")
+    generator = torch.Generator().manual_seed(0)
+    vocab = hf.config.vocab_size
+    prefix = torch.randint(0, vocab, (PREFIX,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(0, vocab, (n,), generator=generator).tolist()
+               for n in SUFFIXES]
+    return hf, smp.transform(hf).module, prompts
+
+
+def _params():
+    return [SamplingParams(max_new_tokens=NEW) for _ in SUFFIXES]
+
+
+def test_same_tokens_fewer_prompt_tokens_fewer_bytes(llama):
+    hf, module, prompts = llama
+    plain = InferenceEngine(module, max_tokens=256, block_size=BLOCK)
+    expected = [r.output for r in plain.generate(prompts, _params())]
+    assert expected[0] == hf_greedy(hf, torch.tensor([prompts[0]]), None, new=NEW,
+                                    eos_token_id=None)[0, len(prompts[0]):].tolist()
+    # Together (ref_zero): the first request computes the 5 prefix blocks, the others read them.
+    cached = InferenceEngine(module, max_tokens=256, block_size=BLOCK,
+                             prefix_caching="ref_zero")
+    requests = [cached.add_request(p, q) for p, q in zip(prompts, _params())]
+    cached.step()  # all four prefill in one step
+    shared = (PREFIX // BLOCK) * BLOCK
+    assert [r.cached_tokens for r in requests] == [0, shared, shared, shared]
+    whole = sum(blocks_for(len(p) + NEW, BLOCK) for p in prompts)
+    held = cached.memory_report()["held_bytes"]
+    assert held == (whole - 3 * (PREFIX // BLOCK)) * BLOCK * cached.bytes_per_token
+    cached.run_until_done()
+    assert [r.output for r in requests] == expected
+    decodes = len(prompts) * (NEW - 1)
+    assert plain.computed_tokens == sum(map(len, prompts)) + decodes
+    assert cached.computed_tokens == plain.computed_tokens - 3 * shared
+    # ref_zero freed everything: one after another, nothing is shared.
+    assert cached.prefix_cache.num_cached == 0 and cached.memory_report()["held_bytes"] == 0
+    # lru keeps the prefix: requests one after another read it.
+    lru = InferenceEngine(module, max_tokens=256, block_size=BLOCK, prefix_caching="lru")
+    alone = [lru.generate([p], [q])[0] for p, q in zip(prompts, _params())]
+    assert [r.output for r in alone] == expected
+    # (the third prompt's 6th block holds its own suffix: only the 5 prefix blocks are shared)
+    assert [r.cached_tokens for r in alone] == [0, shared, shared, shared]
+    assert lru.prefix_cache.num_free == lru.prefix_cache.num_blocks  # all evictable
+    # Prompt log-probs need every prompt token's logits: such a request computes its prompt.
+    wants = SamplingParams(max_new_tokens=1, prompt_logprobs=True)
+    with_lp = lru.generate([prompts[1]], [wants])[0]
+    without = plain.generate([prompts[1]], [wants])[0]
+    assert with_lp.cached_tokens == 0
+    assert with_lp.prompt_logprobs[1:] == pytest.approx(without.prompt_logprobs[1:], abs=1e-5)
+
+
+def test_lru_evicts_least_recently_used_first():
+    allocator = PrefixCachingAllocator(num_blocks=6, block_size=2, eviction_policy="lru")
+    first, second = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]  # 2 full blocks each
+    table_a, _ = allocator.admit(first, 6)
+    table_b, _ = allocator.admit(second, 6)
+    allocator.free(table_a)
+    allocator.free(table_b)  # both cached, a used less recently
+    assert allocator.num_free == 6 and allocator.num_cached == 4
+    table, cached = allocator.admit([20, 21, 22], 4)  # 2 blocks: the 2 free ones
+    assert cached == 0 and allocator.num_cached == 5  # its own full block is hashed
+    allocator.admit([30, 31, 32], 3)  # 2 more blocks: evicts a's two
+    hashes_a, hashes_b = block_hashes(first, 2), block_hashes(second, 2)
+    assert not any(h in allocator.block_of for h in hashes_a)
+    assert all(h in allocator.block_of for h in hashes_b)
+    allocator.free(table)  # its block 2 cached (most recent), block 5 free
+    # b's prefix still hits: 2 blocks (4 tokens) read, not computed; 1 new block (5)
+    assert allocator.admit(second + [12], 6)[1] == 4
+    allocator.admit([40, 41], 2)  # evicts block 2, the last cached one nobody holds
+    assert block_hashes([20, 21, 22], 2)[0] not in allocator.block_of
+    assert allocator.num_free == 0 and allocator.admit([50, 51], 2) is None
+
+
+def test_prefix_caching_needs_full_attention():
+    smp.init({"random_seed": 3})
+    module = smp.transform(build("mistral")).module  # sliding-window layers
+    with pytest.raises(ConfigError, match="--inference-dynamic-batching-prefix-caching"):
+        InferenceEngine(module, max_tokens=64, block_size=4, prefix_caching="lru")
+    with pytest.raises(ConfigError, match="eviction-policy"):
+        PrefixCachingAllocator(4, 4, "fifo")
