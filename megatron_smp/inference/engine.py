@@ -100,7 +100,38 @@ def _group_ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group)
 
 
-class InferenceEngine:
+class RequestIntake:
+    """The leader's intake of requests, shared by `InferenceEngine` and the data-parallel
+    coordinator (`replicas.DataParallelEngine`): ids, the waiting queue, the requests not yet
+    finished and the aborts asked for, under one lock (a server thread adds and aborts while
+    the engine steps)."""
+
+    def _init_intake(self) -> None:
+        self._ids = itertools.count()
+        self.waiting: collections.deque = collections.deque()
+        self.requests: Dict[int, Request] = {}
+        self._aborts: List[int] = []
+        self._lock = threading.Lock()
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a request (leader only; thread-safe). It joins the batch at a later step."""
+        self.check_request(prompt, params)
+        with self._lock:
+            request = Request(next(self._ids), [int(t) for t in prompt], params)
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step and free its blocks (leader; thread-safe)."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+
+class InferenceEngine(RequestIntake):
     """Continuous batching over a paged KV cache, on every rank of `model`'s group.
 
     model: this rank's `GPTModel` (one pipeline stage; virtual stages are not supported).
@@ -179,15 +210,11 @@ class InferenceEngine:
         self.sampler = ranks[flags.index(True)]
         self.group_size = len(ranks)
 
-        self._ids = itertools.count()
-        self.waiting: collections.deque = collections.deque()
+        self._init_intake()
         self.running: List[Request] = []
-        self.requests: Dict[int, Request] = {}
         self.params: Dict[int, SamplingParams] = {}
         self.generators: Dict[int, Optional[torch.Generator]] = {}
-        self._aborts: List[int] = []
         self._finished_ids: List[int] = []
-        self._lock = threading.Lock()
         self.steps = 0
         self.num_aborted = 0
         self.computed_tokens = 0  # tokens run through the model (prompts and decodes)
@@ -218,20 +245,6 @@ class InferenceEngine:
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} does not fit in the KV cache "
                 f"(--inference-max-tokens {self.max_tokens}); raise it or ask for fewer tokens")
-
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Queue a request (leader only; thread-safe). It joins the batch at a later step."""
-        self.check_request(prompt, params)
-        with self._lock:
-            request = Request(next(self._ids), [int(t) for t in prompt], params)
-            self.requests[request.request_id] = request
-            self.waiting.append(request)
-        return request
-
-    def abort(self, request_id: int) -> None:
-        """Stop a request at the next step and free its blocks (leader; thread-safe)."""
-        with self._lock:
-            self._aborts.append(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -479,4 +492,4 @@ class InferenceEngine:
         return report
 
 
-__all__ = ["InferenceEngine", "Request"]
+__all__ = ["InferenceEngine", "Request", "RequestIntake"]

@@ -20,14 +20,12 @@ from a generator of its own), so outputs are those of a single copy.
 """
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-from megatron_smp.inference.engine import InferenceEngine, Request
+from megatron_smp.inference.engine import InferenceEngine, Request, RequestIntake
 from megatron_smp.inference.sampling import SamplingParams
 
 
@@ -50,7 +48,7 @@ def num_replicas(state) -> int:
     return state.dp_size // state.ep_size
 
 
-class DataParallelEngine:
+class DataParallelEngine(RequestIntake):
     """`num_replicas(state)` engines in lock-step rounds (see the module doc).
 
     make_engine(group) -> this rank's `InferenceEngine` over its replica's process group.
@@ -74,12 +72,8 @@ class DataParallelEngine:
         self.max_tokens = self.engine.max_tokens
         # The coordinator's records: its own Request per request, the replica it runs on and
         # the number of tokens received so far.
-        self._ids = itertools.count()
-        self.requests: Dict[int, Request] = {}
-        self.waiting: List[Request] = []
+        self._init_intake()
         self._replica_of: Dict[int, int] = {}
-        self._aborts: List[int] = []
-        self._lock = threading.Lock()
         # A replica leader's map from its engine's request ids to the coordinator's.
         self._global_id: Dict[int, int] = {}
         self._local_id: Dict[int, int] = {}
@@ -108,19 +102,6 @@ class DataParallelEngine:
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt, params)  # every replica's cache has the same size
-
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Queue a request (coordinator; thread-safe); a replica takes it at the next round."""
-        self.check_request(prompt, params)
-        with self._lock:
-            request = Request(next(self._ids), [int(t) for t in prompt], params)
-            self.requests[request.request_id] = request
-            self.waiting.append(request)
-        return request
-
-    def abort(self, request_id: int) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -151,7 +132,7 @@ class DataParallelEngine:
                 self.served[replica] += 1
                 self._replica_of[request.request_id] = replica
                 plan[replica][0].append((request.request_id, request.prompt, request.params))
-            self.waiting = []
+            self.waiting.clear()
         return plan
 
     def _progress(self, advanced: Sequence[Request]) -> List[tuple]:

@@ -12,13 +12,12 @@ always shuts down (SIGTERM, then SIGKILL)."""
 import concurrent.futures
 import json
 import os
-import time
 
 import pytest
 import torch
 
 from tests.unit.inference.common import (
-    ROOT, convert_to_ours, hf_model_dir, launch, model_flags, stop, wait_all,
+    ROOT, convert_to_ours, hf_model_dir, launch, model_flags, server_url, stop, wait_all,
 )
 
 openai = pytest.importorskip("openai")
@@ -72,13 +71,7 @@ def server(checkpoint):
         "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru"]
     procs = launch("run_text_generation_server.py", flags, 2, root)
     try:
-        deadline = time.time() + 120
-        while not port_file.exists():
-            if any(p.poll() is not None for p in procs) or time.time() > deadline:
-                raise RuntimeError((root / "rank0.log").read_text()[-3000:])
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{int(port_file.read_text())}"
-        yield url, hf, tokenizer, root
+        yield server_url(procs, port_file, root), hf, tokenizer, root
     finally:
         codes = stop(procs)
     assert codes[1] == 0, (root / "rank1.log").read_text()[-2000:]  # released by rank 0

@@ -8,14 +8,13 @@ import contextlib
 import io
 import json
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_smp.checkpointing import CheckpointError
-from tests.unit.inference.common import launch, stop, wait_all
+from tests.unit.inference.common import launch, server_url, stop, wait_all
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                         "fixtures", "megatron")
@@ -74,12 +73,7 @@ def test_server_dp2_from_megatron_torch_dist_checkpoint(tmp_path):
                     "--port", "0", "--port-file", port_file], 2, tmp_path)
     try:
         hf = _hf("llama_torch_dist_0192", tmp_path)  # meanwhile
-        deadline = time.time() + 120
-        while not port_file.exists():
-            if any(p.poll() is not None for p in procs) or time.time() > deadline:
-                raise RuntimeError((tmp_path / "rank0.log").read_text()[-3000:])
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        url = server_url(procs, port_file, tmp_path)
 
         def ask(index):
             body = {"prompt": PROMPTS[index], "max_tokens": NEW[index], "temperature": 0,
