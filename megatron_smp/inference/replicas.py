@@ -70,8 +70,8 @@ class DataParallelEngine(RequestIntake):
         self.coordinator = self.leaders[0]
         self.config = self.engine.config
         self.max_tokens = self.engine.max_tokens
-        # The coordinator's records: its own Request per request, the replica it runs on and
-        # the number of tokens received so far.
+        # The coordinator's records: its own Request per unfinished request (the intake) and
+        # the replica each runs on.
         self._init_intake()
         self._replica_of: Dict[int, int] = {}
         # A replica leader's map from its engine's request ids to the coordinator's.
@@ -98,7 +98,9 @@ class DataParallelEngine(RequestIntake):
 
     @property
     def running(self) -> List[Request]:
-        return [r for r in self.requests.values() if r.request_id in self._replica_of]
+        """The requests handed to a replica and not finished."""
+        with self._lock:
+            return [r for r in self.requests.values() if r.request_id in self._replica_of]
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt, params)  # every replica's cache has the same size

@@ -90,9 +90,17 @@ def test_server_dp2_from_megatron_torch_dist_checkpoint(tmp_path):
         bad = requests.post(f"{url}/v1/completions", json={"prompt": [1], "top_k": -5},
                             timeout=30)
         assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
-        again = ask(0)
-        assert [int(t) for t in again["choices"][0]["logprobs"]["tokens"]] == \
-            [int(t) for t in answers[0]["choices"][0]["logprobs"]["tokens"]]
+        # a streamed completion: its chunks add up to the text of the whole one
+        body = {"prompt": PROMPTS[3], "max_tokens": NEW[3], "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True,
+                           timeout=60) as response:
+            events = [line[6:] for line in response.iter_lines(decode_unicode=True)
+                      if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == answers[3]["choices"][0]["text"]
+        assert chunks[-1]["finish_reason"] == "length"
     finally:
         codes = stop(procs)
     assert codes[1] == 0, (tmp_path / "rank1.log").read_text()[-2000:]
