@@ -101,3 +101,16 @@ def test_prefix_caching_needs_full_attention():
         InferenceEngine(module, max_tokens=64, block_size=4, prefix_caching="lru")
     with pytest.raises(ConfigError, match="eviction-policy"):
         PrefixCachingAllocator(4, 4, "fifo")
+
+
+def test_eviction_policy_flag_needs_prefix_caching():
+    """The tools' flags: a policy without prefix caching is an error, before any process
+    group exists."""
+    from megatron_smp.training.inference_setup import build_inference_engine
+
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "99"]
+    with pytest.raises(ConfigError, match="needs --inference-dynamic-batching-prefix-caching"):
+        build_inference_engine(model + [
+            "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru"])
