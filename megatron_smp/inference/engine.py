@@ -77,6 +77,7 @@ class Request:
     prefilled: bool = False
     stop_string: Optional[str] = None
     cached_tokens: int = 0  # prompt tokens read from shared prefix blocks (prefix caching)
+    prompt_done: int = 0  # prompt tokens in the cache (cached, or computed by earlier chunks)
 
     @property
     def finished(self) -> bool:
@@ -88,6 +89,9 @@ class _Plan:
     """What the leader broadcasts each step (None instead: the engine stops)."""
 
     request_ids: List[int]
+    # The steps of the requests in request_ids (each samples a token), then those of prompt
+    # chunks that sample nothing (chunked prefill: a prompt's chunks before its last), which
+    # the step runs too (their keys join the cache) but `_forward` reads no logits of.
     steps: List[StepRequest]
     prompt_logprobs: List[bool]
     new_params: Dict[int, SamplingParams]
@@ -98,6 +102,17 @@ def _group_ranks(group) -> List[int]:
     if group is None or group == dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return dist.get_process_group_ranks(group)
+
+
+def check_step_budget(max_step_tokens: Optional[int], chunked_prefill: bool) -> None:
+    """A step's token budget and chunked prefill, as the engine takes them (pure)."""
+    if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
+                                        or max_step_tokens < 1):
+        raise ConfigError("--inference-dynamic-batching-max-tokens must be a positive "
+                          f"integer, got {max_step_tokens!r}")
+    if chunked_prefill and max_step_tokens is None:
+        raise ConfigError("--enable-chunked-prefill splits prompts to fit a step's token "
+                          "budget: add --inference-dynamic-batching-max-tokens N")
 
 
 class RequestIntake:
@@ -143,13 +158,17 @@ class InferenceEngine(RequestIntake):
     the stop string found in the request's text, or None (the leader's tokenizer);
     prefix_caching: share the blocks of common prompt prefixes, freed by the eviction policy
     "ref_zero" or "lru" (`inference.prefix_cache`); None: off.
+    max_step_tokens: tokens one step runs (each decode counts one; None: no limit): a prompt
+    runs in a step with room for all of it, or, with chunked_prefill, in chunks that fill
+    the room steps have (so decodes keep going beside a long prompt).
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
     def __init__(self, model: torch.nn.Module, max_tokens: int = 4096, max_requests: int = 64,
                  block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
                  stop_checker: Optional[Callable[[Request], Optional[str]]] = None,
-                 prefix_caching: Optional[str] = None) -> None:
+                 prefix_caching: Optional[str] = None, max_step_tokens: Optional[int] = None,
+                 chunked_prefill: bool = False) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -169,6 +188,9 @@ class InferenceEngine(RequestIntake):
                 raise ConfigError(f"inference: {name} must be a positive integer, got {value!r}")
         self.block_size = block_size
         self.max_requests = max_requests
+        check_step_budget(max_step_tokens, chunked_prefill)
+        self.max_step_tokens = max_step_tokens
+        self.chunked_prefill = chunked_prefill
         if max_seq_length is None and self.config.position_embedding_type == "learned_absolute":
             max_seq_length = self.config.max_position_embeddings
         self.max_seq_length = max_seq_length
@@ -245,6 +267,14 @@ class InferenceEngine(RequestIntake):
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} does not fit in the KV cache "
                 f"(--inference-max-tokens {self.max_tokens}); raise it or ask for fewer tokens")
+        step_budget = self.max_step_tokens
+        if step_budget is not None and len(prompt) > step_budget and (
+                not self.chunked_prefill or params.prompt_logprobs):
+            why = ("prompt log-probs are computed in one step" if self.chunked_prefill
+                   else "add --enable-chunked-prefill to split it")
+            raise ConfigError(
+                f"inference: the prompt ({len(prompt)} tokens) does not fit in one step "
+                f"(--inference-dynamic-batching-max-tokens {step_budget}); {why}")
 
     @property
     def has_work(self) -> bool:
@@ -296,20 +326,37 @@ class InferenceEngine(RequestIntake):
                 request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
-        steps, wants = [], []
+        steps, wants, sampled, chunks = [], [], [], []
+        room = self.max_step_tokens  # decodes first, then prompts in order of arrival
+        if room is not None:
+            room -= sum(1 for request in self.running if request.prefilled)
         for request in self.running:
             if request.prefilled:
                 start = len(request.prompt) + len(request.output) - 1
                 steps.append(StepRequest([request.output[-1]], start, request.blocks,
                                          request.slot))
                 wants.append(False)
-            else:
-                cached = request.cached_tokens
-                steps.append(StepRequest(request.prompt[cached:], cached, request.blocks,
-                                         request.slot))
-                wants.append(request.params.prompt_logprobs)
+                sampled.append(request.request_id)
+                continue
+            done = max(request.prompt_done, request.cached_tokens)
+            count = len(request.prompt) - done
+            if room is not None:
+                if count > room and not (self.chunked_prefill and room > 0):
+                    room = 0  # it waits for a step with room (first come first served)
+                    continue
+                count = min(count, room)
+                room -= count
+            step = StepRequest(request.prompt[done:done + count], done, request.blocks,
+                               request.slot)
+            request.prompt_done = done + count
+            if request.prompt_done < len(request.prompt):
+                chunks.append(step)  # an earlier chunk: nothing to sample yet
+                continue
+            steps.append(step)
+            wants.append(request.params.prompt_logprobs)
+            sampled.append(request.request_id)
         finished, self._finished_ids = self._finished_ids, []
-        return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
+        return _Plan(sampled, steps + chunks, wants, new_params, finished)
 
     # The step (every rank) ------------------------------------------------------------------------
 
@@ -367,6 +414,8 @@ class InferenceEngine(RequestIntake):
         if not state.is_pipeline_last_stage:
             dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
             return None
+        if not plan.request_ids:  # only prompt chunks (chunked prefill): nothing to sample
+            return []
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, state.tp_group, False)
         rows, spans = [], []
@@ -492,4 +541,4 @@ class InferenceEngine(RequestIntake):
         return report
 
 
-__all__ = ["InferenceEngine", "Request", "RequestIntake"]
+__all__ = ["InferenceEngine", "Request", "RequestIntake", "check_step_budget"]

@@ -32,6 +32,12 @@ def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="longest prompt + generation (default: --max-position-embeddings)")
     group.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
                        help="tokens per KV cache block")
+    group.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
+                       help="tokens one step runs (each decode counts one); a prompt waits "
+                            "for a step with room for it (default: no limit)")
+    group.add_argument("--enable-chunked-prefill", action="store_true",
+                       help="split prompts into chunks that fill the room steps have "
+                            "(needs --inference-dynamic-batching-max-tokens)")
     group.add_argument("--inference-dynamic-batching-prefix-caching",
                        dest="inference_dynamic_batching_enable_prefix_caching",
                        action=argparse.BooleanOptionalAction, default=False,
@@ -59,6 +65,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     from megatron_smp.checkpointing.loop import load_model_weights
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
+    from megatron_smp.inference.engine import check_step_budget
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
@@ -86,6 +93,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                  "inference_dynamic_batching_block_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    check_step_budget(args.inference_dynamic_batching_max_tokens, args.enable_chunked_prefill)
     prefix_caching = args.inference_dynamic_batching_prefix_caching_eviction_policy
     if not args.inference_dynamic_batching_enable_prefix_caching:
         if prefix_caching is not None:
@@ -132,7 +140,9 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             block_size=args.inference_dynamic_batching_block_size,
             max_seq_length=args.inference_max_seq_length
             or configs.model.max_position_embeddings, group=group,
-            prefix_caching=prefix_caching)
+            prefix_caching=prefix_caching,
+            max_step_tokens=args.inference_dynamic_batching_max_tokens,
+            chunked_prefill=args.enable_chunked_prefill)
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \

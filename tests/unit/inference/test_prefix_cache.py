@@ -1,7 +1,10 @@
 """Prefix caching (--inference-dynamic-batching-prefix-caching): requests sharing a prompt
 prefix give the same tokens as without it, while the model computes fewer prompt tokens
 (counted) and running requests hold fewer cache bytes; `lru` keeps prefixes for later
-requests and evicts the least recently used; models it cannot serve are a clear error."""
+requests and evicts the least recently used; models it cannot serve are a clear error.
+Chunked prefill (--enable-chunked-prefill under --inference-dynamic-batching-max-tokens):
+the same tokens (greedy and seeded sampling, windows and sinks too), no step over the budget,
+and a running request keeps decoding while a long prompt is computed chunk by chunk."""
 import pytest
 import torch
 
@@ -103,9 +106,46 @@ def test_prefix_caching_needs_full_attention():
         PrefixCachingAllocator(4, 4, "fifo")
 
 
-def test_eviction_policy_flag_needs_prefix_caching():
-    """The tools' flags: a policy without prefix caching is an error, before any process
-    group exists."""
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_chunked_prefill_same_tokens_within_the_step_budget(family):
+    smp.init({"random_seed": 3})
+    hf = build(family)
+    module = smp.transform(hf).module
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=generator).tolist()
+               for n in (23, 5, 17, 2, 30)]
+    params = [SamplingParams(max_new_tokens=7) for _ in prompts]
+    params[1] = SamplingParams(max_new_tokens=7, temperature=1.0, seed=5)
+    expected = [r.output for r in InferenceEngine(module, max_tokens=512, block_size=4)
+                .generate(prompts, params)]
+    engine = InferenceEngine(module, max_tokens=512, block_size=4, max_step_tokens=8,
+                             chunked_prefill=True)
+    requests = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    per_step = []
+    while engine.has_work:
+        before = engine.computed_tokens
+        engine.step()
+        per_step.append(engine.computed_tokens - before)
+    assert [r.output for r in requests] == expected
+    assert max(per_step) == 8 and sum(per_step) == sum(map(len, prompts)) + 5 * 6
+    # A request decoding while a 30-token prompt arrives: it gains a token every step.
+    first = engine.add_request(prompts[1], SamplingParams(max_new_tokens=8))
+    engine.step()
+    long = engine.add_request(prompts[4], SamplingParams(max_new_tokens=2))
+    for count in range(2, 6):
+        engine.step()
+        assert len(first.output) == count and not long.output
+    engine.run_until_done()
+    assert long.output == expected[4][:2]
+    # without chunks, a prompt longer than a step is an error naming the flags
+    whole = InferenceEngine(module, max_tokens=512, block_size=4, max_step_tokens=8)
+    with pytest.raises(ConfigError, match="--enable-chunked-prefill"):
+        whole.add_request(prompts[0], params[0])
+
+
+def test_flags_that_need_another():
+    """The tools' flags: an eviction policy without prefix caching, chunked prefill without a
+    step budget are errors, before any process group exists."""
     from megatron_smp.training.inference_setup import build_inference_engine
 
     model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -114,3 +154,5 @@ def test_eviction_policy_flag_needs_prefix_caching():
     with pytest.raises(ConfigError, match="needs --inference-dynamic-batching-prefix-caching"):
         build_inference_engine(model + [
             "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru"])
+    with pytest.raises(ConfigError, match="add --inference-dynamic-batching-max-tokens"):
+        build_inference_engine(model + ["--enable-chunked-prefill"])
