@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
+from megatron_smp.parallel_state import destroy_parallel_state  # noqa: E402
 from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
 
 LINE_FIELDS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_k",
@@ -131,6 +132,7 @@ def main(argv=None):
             if hasattr(engine, "served") else ""
         print(f"wrote {len(requests)} completions to {args.output} in {engine.steps} "
               f"steps{replicas}", flush=True)
+    destroy_parallel_state()  # an orderly exit of the process groups, as pretraining's
 
 
 if __name__ == "__main__":

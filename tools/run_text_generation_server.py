@@ -41,6 +41,7 @@ def add_server_args(parser):
 def main(argv=None):
     from megatron_smp.inference.server import serve  # the serve extra, checked on every rank
     from megatron_smp.inference.text import TextCodec
+    from megatron_smp.parallel_state import destroy_parallel_state
 
     configs, state, engine, tokenizer = build_inference_engine(argv, add_server_args)
     args = configs.args
@@ -48,6 +49,7 @@ def main(argv=None):
     if not engine.is_leader:
         engine.stop_checker = codec.stop_checker  # a data-parallel replica's leader checks
         engine.worker_loop()
+        destroy_parallel_state()
         return
     name = args.served_model_name or os.path.basename(
         os.path.normpath(configs.checkpoint.load or "megatron_smp"))
@@ -60,6 +62,7 @@ def main(argv=None):
             os.replace(args.port_file + ".tmp", args.port_file)
 
     serve(engine, codec, name, args.host, args.port, ready)
+    destroy_parallel_state()
 
 
 if __name__ == "__main__":
