@@ -341,7 +341,9 @@ class InferenceEngine(RequestIntake):
             done = max(request.prompt_done, request.cached_tokens)
             count = len(request.prompt) - done
             if room is not None:
-                if count > room and not (self.chunked_prefill and room > 0):
+                # (prompt log-probs come from one step's logits: such a prompt is not split)
+                splits = self.chunked_prefill and not request.params.prompt_logprobs
+                if count > room and not (splits and room > 0):
                     room = 0  # it waits for a step with room (first come first served)
                     continue
                 count = min(count, room)

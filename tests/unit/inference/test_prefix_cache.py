@@ -137,6 +137,16 @@ def test_chunked_prefill_same_tokens_within_the_step_budget(family):
         assert len(first.output) == count and not long.output
     engine.run_until_done()
     assert long.output == expected[4][:2]
+    # a prompt asking for its log-probs is not split: it waits for a step with room for it
+    wants = SamplingParams(max_new_tokens=2, prompt_logprobs=True)
+    first = engine.add_request(prompts[1], SamplingParams(max_new_tokens=4))
+    engine.step()
+    scored = engine.add_request(prompts[3] * 4, wants)  # 8 tokens: after first's decodes
+    engine.run_until_done()
+    alone = InferenceEngine(module, max_tokens=512, block_size=4).generate([prompts[3] * 4],
+                                                                          [wants])[0]
+    assert scored.output == alone.output
+    assert scored.prompt_logprobs[1:] == pytest.approx(alone.prompt_logprobs[1:], abs=1e-5)
     # without chunks, a prompt longer than a step is an error naming the flags
     whole = InferenceEngine(module, max_tokens=512, block_size=4, max_step_tokens=8)
     with pytest.raises(ConfigError, match="--enable-chunked-prefill"):
