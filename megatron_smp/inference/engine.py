@@ -304,6 +304,32 @@ class InferenceEngine(RequestIntake):
                     self.num_aborted += 1
             self._aborts.clear()
             new_params = {}
+            steps, wants, sampled, chunks = [], [], [], []
+            room = self.max_step_tokens  # decodes first, then prompts in order of arrival
+            if room is not None:
+                room -= sum(1 for request in self.running if request.prefilled)
+
+            def add(request: Request) -> None:
+                nonlocal room
+                if request.prefilled:
+                    start = len(request.prompt) + len(request.output) - 1
+                    steps.append(StepRequest([request.output[-1]], start, request.blocks,
+                                             request.slot))
+                    wants.append(False)
+                    sampled.append(request.request_id)
+                    return
+                step, room = self._prompt_step(request, room)
+                if step is None:
+                    return
+                if request.prompt_done < len(request.prompt):
+                    chunks.append(step)  # an earlier chunk: nothing to sample yet
+                    return
+                steps.append(step)
+                wants.append(request.params.prompt_logprobs)
+                sampled.append(request.request_id)
+
+            for request in self.running:
+                add(request)
             while self.waiting and len(self.running) < self.max_requests:
                 request = self.waiting[0]
                 total = len(request.prompt) + request.params.max_new_tokens
@@ -326,39 +352,29 @@ class InferenceEngine(RequestIntake):
                 request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
-        steps, wants, sampled, chunks = [], [], [], []
-        room = self.max_step_tokens  # decodes first, then prompts in order of arrival
-        if room is not None:
-            room -= sum(1 for request in self.running if request.prefilled)
-        for request in self.running:
-            if request.prefilled:
-                start = len(request.prompt) + len(request.output) - 1
-                steps.append(StepRequest([request.output[-1]], start, request.blocks,
-                                         request.slot))
-                wants.append(False)
-                sampled.append(request.request_id)
-                continue
-            done = max(request.prompt_done, request.cached_tokens)
-            count = len(request.prompt) - done
-            if room is not None:
-                # (prompt log-probs come from one step's logits: such a prompt is not split)
-                splits = self.chunked_prefill and not request.params.prompt_logprobs
-                if count > room and not (splits and room > 0):
-                    room = 0  # it waits for a step with room (first come first served)
-                    continue
-                count = min(count, room)
-                room -= count
-            step = StepRequest(request.prompt[done:done + count], done, request.blocks,
-                               request.slot)
-            request.prompt_done = done + count
-            if request.prompt_done < len(request.prompt):
-                chunks.append(step)  # an earlier chunk: nothing to sample yet
-                continue
-            steps.append(step)
-            wants.append(request.params.prompt_logprobs)
-            sampled.append(request.request_id)
+                add(request)
         finished, self._finished_ids = self._finished_ids, []
         return _Plan(sampled, steps + chunks, wants, new_params, finished)
+
+    def _prompt_step(self, request: Request, room: Optional[int]):
+        """(the step running the next piece of a request's prompt, or None while it waits for
+        a step with room; the room left). Prefix caching: the prompt's full blocks this step
+        completes are hashed now, so requests admitted from now on share them (the step writes
+        their keys in every layer before any of its queries reads)."""
+        done = max(request.prompt_done, request.cached_tokens)
+        count = len(request.prompt) - done
+        if room is not None:
+            # (prompt log-probs come from one step's logits: such a prompt is not split)
+            splits = self.chunked_prefill and not request.params.prompt_logprobs
+            if count > room and not (splits and room > 0):
+                return None, 0  # it waits (first come first served: so do those after it)
+            count = min(count, room)
+            room -= count
+        request.prompt_done = done + count
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request.prompt, request.blocks[None], request.prompt_done)
+        return StepRequest(request.prompt[done:done + count], done, request.blocks,
+                           request.slot), room
 
     # The step (every rank) ------------------------------------------------------------------------
 

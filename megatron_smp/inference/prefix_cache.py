@@ -5,10 +5,11 @@ A block that a prompt fills completely is known by a hash chained over the promp
 end (sha256 of the previous block's hash and this block's token ids), so equal hashes mean
 equal tokens at equal positions, hence equal keys and values in every layer. A new request
 takes the blocks of its longest hashed prefix (never its last prompt token: the step needs
-that token's logits) and computes only the rest of its prompt; blocks are reference-counted,
-and the blocks it fills are hashed as it is admitted. (Its keys are written in its first step,
-and within a step every layer writes the step's keys before any query reads, so a request
-admitted in the same step may already share them.)
+that token's logits) and computes only the rest of its prompt; blocks are reference-counted.
+A block is hashed when the step that computes its last token is planned (with chunked
+prefill, a prompt's blocks one chunk at a time): within a step every layer writes the step's
+keys before any query reads, so a request admitted in the same step may already share them,
+and no request reads a block whose keys are still to come.
 
 When the last request holding a hashed block leaves, the eviction policy decides
 (`--inference-dynamic-batching-prefix-caching-eviction-policy`, Megatron-LM's choices):
@@ -125,14 +126,19 @@ class PrefixCachingAllocator(BlockAllocator):
             self.unused.pop(block, None)
             self.references[block] = self.references.get(block, 0) + 1
         table = hits + self.allocate(needed)
-        for index, digest in enumerate(hashes[len(hits):], start=len(hits)):
-            if digest not in self.block_of:
-                self.block_of[digest] = table[index]
-                self.hash_of[table[index]] = digest
         cached = len(hits) * self.block_size
         self.prompt_tokens += len(prompt)
         self.cached_tokens += cached
         return table, cached
+
+    def register(self, prompt: Sequence[int], table: Sequence[int], computed: int) -> None:
+        """Hash the request's full blocks within the first `computed` prompt tokens (those
+        whose keys are in the cache, or written by the step being planned), so that later
+        requests share them; a block already known under its hash stays as it is."""
+        for index, digest in enumerate(block_hashes(prompt[:computed], self.block_size)):
+            if digest not in self.block_of and table[index] not in self.hash_of:
+                self.block_of[digest] = table[index]
+                self.hash_of[table[index]] = digest
 
 
 __all__ = ["EVICTION_POLICIES", "PrefixCachingAllocator", "block_hashes"]

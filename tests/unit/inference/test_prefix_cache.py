@@ -75,15 +75,39 @@ def test_same_tokens_fewer_prompt_tokens_fewer_bytes(llama):
     assert with_lp.prompt_logprobs[1:] == pytest.approx(without.prompt_logprobs[1:], abs=1e-5)
 
 
+def test_chunked_prompt_shares_only_the_blocks_already_computed(llama):
+    """A prompt computed in chunks: a request arriving meanwhile reads only the prefix blocks
+    whose keys are in the cache (or come in the same step), computes the rest itself and
+    gives its tokens alone."""
+    _, module, prompts = llama
+    first, second = prompts[2][:PREFIX + 3], prompts[0]  # 24 and 24 tokens, 5 blocks shared
+    params = SamplingParams(max_new_tokens=NEW)
+    alone = InferenceEngine(module, max_tokens=256, block_size=BLOCK)
+    expected = [r.output for r in alone.generate([first, second], [params, params])]
+    engine = InferenceEngine(module, max_tokens=256, block_size=BLOCK, max_step_tokens=6,
+                             chunked_prefill=True, prefix_caching="ref_zero")
+    a = engine.add_request(first, params)
+    engine.step()  # a: tokens 0-5 (block 0 complete)
+    b = engine.add_request(second, params)
+    engine.step()  # a: tokens 6-11 (blocks 1, 2), then b joins: blocks 0-2 are known
+    assert b.cached_tokens == 3 * BLOCK
+    engine.run_until_done()
+    assert [a.output, b.output] == expected
+
+
 def test_lru_evicts_least_recently_used_first():
     allocator = PrefixCachingAllocator(num_blocks=6, block_size=2, eviction_policy="lru")
     first, second = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]  # 2 full blocks each
     table_a, _ = allocator.admit(first, 6)
     table_b, _ = allocator.admit(second, 6)
+    assert allocator.num_cached == 0  # hashed once a step computes them
+    allocator.register(first, table_a, 5)
+    allocator.register(second, table_b, 5)
     allocator.free(table_a)
     allocator.free(table_b)  # both cached, a used less recently
     assert allocator.num_free == 6 and allocator.num_cached == 4
     table, cached = allocator.admit([20, 21, 22], 4)  # 2 blocks: the 2 free ones
+    allocator.register([20, 21, 22], table, 3)
     assert cached == 0 and allocator.num_cached == 5  # its own full block is hashed
     allocator.admit([30, 31, 32], 3)  # 2 more blocks: evicts a's two
     hashes_a, hashes_b = block_hashes(first, 2), block_hashes(second, 2)
