@@ -13,7 +13,9 @@ An input line is {"prompt": "text"}, {"prompt_ids": [ids]} or {"messages": [{"ro
 own "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (strings). An output
 line, in input order: {"index", "prompt" (as given), "completion" (text, cut at a stop
 string), "tokens" (generated ids), "logprobs" (theirs), "finish_reason"}. Requests run through
-the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`).
+the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`); with
+data-parallel replicas each runs its share of the lines and rank 0 writes them all in order.
+--load takes our checkpoints and Megatron-LM's (torch_dist or legacy), as training does.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
+from megatron_smp.parallel_state import destroy_parallel_state  # noqa: E402
 from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
 
 LINE_FIELDS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_k",
@@ -125,8 +128,11 @@ def main(argv=None):
                           "tokens": request.output, "logprobs": request.logprobs,
                           "finish_reason": request.finish_reason}
                 handle.write(json.dumps(record) + "\n")
-        print(f"wrote {len(requests)} completions to {args.output} in {engine.steps} steps",
-              flush=True)
+        replicas = f" (requests per data-parallel replica: {engine.served})" \
+            if hasattr(engine, "served") else ""
+        print(f"wrote {len(requests)} completions to {args.output} in {engine.steps} "
+              f"steps{replicas}", flush=True)
+    destroy_parallel_state()  # an orderly exit of the process groups, as pretraining's
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ flags for the model, checkpoint and layout. Rank 0 serves HTTP; every rank runs 
     curl -s localhost:5000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16}' \
         -H 'Content-Type: application/json'
 
+With data-parallel replicas (more ranks than tensor x pipeline x expert parallelism need),
+each replica serves its share of the requests.
+
 Endpoints: see `megatron_smp.inference.server`. Needs the `serve` extra (FastAPI, uvicorn).
 --port 0 takes a free port; --port-file writes the port once the server listens.
 """
@@ -38,11 +41,15 @@ def add_server_args(parser):
 def main(argv=None):
     from megatron_smp.inference.server import serve  # the serve extra, checked on every rank
     from megatron_smp.inference.text import TextCodec
+    from megatron_smp.parallel_state import destroy_parallel_state
 
     configs, state, engine, tokenizer = build_inference_engine(argv, add_server_args)
     args = configs.args
+    codec = TextCodec(tokenizer, args.chat_template)
     if not engine.is_leader:
+        engine.stop_checker = codec.stop_checker  # a data-parallel replica's leader checks
         engine.worker_loop()
+        destroy_parallel_state()
         return
     name = args.served_model_name or os.path.basename(
         os.path.normpath(configs.checkpoint.load or "megatron_smp"))
@@ -54,7 +61,8 @@ def main(argv=None):
                 handle.write(str(port))
             os.replace(args.port_file + ".tmp", args.port_file)
 
-    serve(engine, TextCodec(tokenizer, args.chat_template), name, args.host, args.port, ready)
+    serve(engine, codec, name, args.host, args.port, ready)
+    destroy_parallel_state()
 
 
 if __name__ == "__main__":

@@ -529,15 +529,30 @@ def _load_megatron(record: CheckpointRecord, checkpoint) -> None:
     """Restore a Megatron-LM checkpoint's weights (any TP/PP layout of ours), and with
     --no-load-optim its iteration and consumed samples. Every error is raised on every rank
     alike (each reads the same files) before any collective."""
-    config, model_config = record.configs.checkpoint, record.configs.model
-    where = describe(checkpoint)
-    _check_megatron_flags(config, where, checkpoint.ckpt_format)
+    config = record.configs.checkpoint
+    _check_megatron_flags(config, describe(checkpoint), checkpoint.ckpt_format)
     start = time.perf_counter()
+    args = _load_megatron_model(record.model, record.state, record.configs, checkpoint,
+                                lambda line: _print_rank_0(record, line))
+    record.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+    if not config.finetune:
+        record.progress = dataclasses.replace(
+            record.progress, iteration=checkpoint.iteration,
+            consumed_train_samples=int((args or {}).get("consumed_train_samples") or 0))
+    _print_rank_0(record, f"loaded {describe(checkpoint)} in {time.perf_counter() - start:.2f} "
+                          f"s; resuming at iteration {record.iteration}")
+
+
+def _load_megatron_model(model, state, configs, checkpoint, log) -> Optional[Dict[str, Any]]:
+    """Copy a Megatron-LM checkpoint's weights into this rank's part of `model` (its chunks)
+    and return the saved args (None when it has none); `log(line)` prints warnings."""
+    model_config = configs.model
+    where = describe(checkpoint)
     args = read_args(checkpoint)
     _check_megatron_args(args, model_config, where)
     full = trim_vocab_rows(read_model(checkpoint, model_config), model_config.vocab_size,
                            where)
-    views = model_sharded_state_dict(record.model, record.state, model_config.vocab_size)
+    views = model_sharded_state_dict(model, state, model_config.vocab_size)
     wrong = [f"{name}: checkpoint {list(full[name].shape)} vs model "
              f"{list(view.global_shape)}" for name, view in views.items()
              if name in full and full[name].shape != view.global_shape]
@@ -547,22 +562,35 @@ def _load_megatron(record: CheckpointRecord, checkpoint) -> None:
     # embedding or final norm): the other stages' and experts' are not "missing".
     held = {_owner(name) for name in views}
     missing = sorted(name for name in set(full) - set(views) if _owner(name) in held)
-    for line in check_key_mismatch(config.dist_ckpt_strictness,
+    for line in check_key_mismatch(configs.checkpoint.dist_ckpt_strictness,
                                    sorted(set(views) - set(full)), missing, where):
-        _print_rank_0(record, line)
+        log(line)
     with torch.no_grad():
         for name, view in views.items():
             if name in full:
                 for offsets, local in view.chunks:
                     index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
                     local.copy_(full[name][index])
-    record.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
-    if not config.finetune:
-        record.progress = dataclasses.replace(
-            record.progress, iteration=checkpoint.iteration,
-            consumed_train_samples=int((args or {}).get("consumed_train_samples") or 0))
-    _print_rank_0(record, f"loaded {where} in {time.perf_counter() - start:.2f} s; resuming "
-                          f"at iteration {record.iteration}")
+    return args
+
+
+def load_inference_weights(model, state, configs) -> Optional[str]:
+    """--load's model weights only, for inference (collective): a Megatron-LM checkpoint
+    (torch_dist or legacy, detected) or ours (its latest iteration; "torch_dist" at any
+    layout), checked against --ckpt-format as training checks them. `model`: this rank's
+    chunks. Returns what was loaded, or None when --load holds no checkpoint."""
+    config = configs.checkpoint
+    megatron = find_megatron_checkpoint(config.load)
+    if megatron is not None:
+        where = describe(megatron)
+        _check_format(config, megatron.ckpt_format, where)
+        _load_megatron_model(model, state, configs, megatron,
+                             lambda line: print(line, flush=True) if state.rank == 0 else None)
+        return where
+    if not _all_ranks_agree(os.path.isfile(tracker_path(config.load))):
+        return None
+    return load_model_weights(model, configs, state, config.load,
+                              read_tracker(config.load)).path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -707,5 +735,6 @@ def load(record: CheckpointRecord) -> None:
                           f" s; resuming at iteration {record.iteration}")
 
 
-__all__ = ["save", "load", "prepare_async_save", "wait_for_staging", "poll", "finalize",
-           "PROGRESS_KEYS", "CheckpointRecord", "Progress"]
+__all__ = ["save", "load", "load_model_weights", "load_inference_weights", "prepare_async_save",
+           "wait_for_staging", "poll", "finalize", "PROGRESS_KEYS", "CheckpointRecord",
+           "Progress"]

@@ -1,7 +1,8 @@
 """The continuous-batching inference engine.
 
 One engine runs on every rank of a model (its tensor, pipeline and expert parallel ranks, and
-any data-parallel replicas in the group, which then run the same batches). The *leader*
+any data-parallel replicas in the group, which then run the same batches; `inference.replicas`
+gives each replica its own share of the requests instead). The *leader*
 (the group's first rank) owns the requests and the schedule; every `step()`:
 
 1. the leader admits waiting requests while a slot (`max_requests`) and cache blocks for
@@ -46,6 +47,7 @@ from megatron_smp.inference.kv_cache import (
     check_inference_layout,
     state_bytes_per_request,
 )
+from megatron_smp.inference.prefix_cache import PrefixCachingAllocator
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.models.gpt import soft_cap_logits
 from megatron_smp.tensor_parallel.mappings import (
@@ -74,6 +76,8 @@ class Request:
     slot: Optional[int] = None
     prefilled: bool = False
     stop_string: Optional[str] = None
+    cached_tokens: int = 0  # prompt tokens read from shared prefix blocks (prefix caching)
+    prompt_done: int = 0  # prompt tokens in the cache (cached, or computed by earlier chunks)
 
     @property
     def finished(self) -> bool:
@@ -85,6 +89,9 @@ class _Plan:
     """What the leader broadcasts each step (None instead: the engine stops)."""
 
     request_ids: List[int]
+    # The steps of the requests in request_ids (each samples a token), then those of prompt
+    # chunks that sample nothing (chunked prefill: a prompt's chunks before its last), which
+    # the step runs too (their keys join the cache) but `_forward` reads no logits of.
     steps: List[StepRequest]
     prompt_logprobs: List[bool]
     new_params: Dict[int, SamplingParams]
@@ -97,7 +104,49 @@ def _group_ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group)
 
 
-class InferenceEngine:
+def check_step_budget(max_step_tokens: Optional[int], chunked_prefill: bool) -> None:
+    """A step's token budget and chunked prefill, as the engine takes them (pure)."""
+    if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
+                                        or max_step_tokens < 1):
+        raise ConfigError("--inference-dynamic-batching-max-tokens must be a positive "
+                          f"integer, got {max_step_tokens!r}")
+    if chunked_prefill and max_step_tokens is None:
+        raise ConfigError("--enable-chunked-prefill splits prompts to fit a step's token "
+                          "budget: add --inference-dynamic-batching-max-tokens N")
+
+
+class RequestIntake:
+    """The leader's intake of requests, shared by `InferenceEngine` and the data-parallel
+    coordinator (`replicas.DataParallelEngine`): ids, the waiting queue, the requests not yet
+    finished and the aborts asked for, under one lock (a server thread adds and aborts while
+    the engine steps)."""
+
+    def _init_intake(self) -> None:
+        self._ids = itertools.count()
+        self.waiting: collections.deque = collections.deque()
+        self.requests: Dict[int, Request] = {}
+        self._aborts: List[int] = []
+        self._lock = threading.Lock()
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a request (leader only; thread-safe). It joins the batch at a later step."""
+        self.check_request(prompt, params)
+        with self._lock:
+            request = Request(next(self._ids), [int(t) for t in prompt], params)
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step and free its blocks (leader; thread-safe)."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+
+class InferenceEngine(RequestIntake):
     """Continuous batching over a paged KV cache, on every rank of `model`'s group.
 
     model: this rank's `GPTModel` (one pipeline stage; virtual stages are not supported).
@@ -106,13 +155,20 @@ class InferenceEngine:
     max_seq_length: longest prompt + generation (default: the model's
     max_position_embeddings for learned positions, else unbounded);
     group: the ranks that run this model together (default all); stop_checker(request) ->
-    the stop string found in the request's text, or None (the leader's tokenizer).
+    the stop string found in the request's text, or None (the leader's tokenizer);
+    prefix_caching: share the blocks of common prompt prefixes, freed by the eviction policy
+    "ref_zero" or "lru" (`inference.prefix_cache`); None: off.
+    max_step_tokens: tokens one step runs (each decode counts one; None: no limit): a prompt
+    runs in a step with room for all of it, or, with chunked_prefill, in chunks that fill
+    the room steps have (so decodes keep going beside a long prompt).
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
     def __init__(self, model: torch.nn.Module, max_tokens: int = 4096, max_requests: int = 64,
                  block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
-                 stop_checker: Optional[Callable[[Request], Optional[str]]] = None) -> None:
+                 stop_checker: Optional[Callable[[Request], Optional[str]]] = None,
+                 prefix_caching: Optional[str] = None, max_step_tokens: Optional[int] = None,
+                 chunked_prefill: bool = False) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -132,6 +188,9 @@ class InferenceEngine:
                 raise ConfigError(f"inference: {name} must be a positive integer, got {value!r}")
         self.block_size = block_size
         self.max_requests = max_requests
+        check_step_budget(max_step_tokens, chunked_prefill)
+        self.max_step_tokens = max_step_tokens
+        self.chunked_prefill = chunked_prefill
         if max_seq_length is None and self.config.position_embedding_type == "learned_absolute":
             max_seq_length = self.config.max_position_embeddings
         self.max_seq_length = max_seq_length
@@ -147,6 +206,15 @@ class InferenceEngine:
         self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
+        self.prefix_cache = None
+        if prefix_caching is not None:
+            if self.layout.kinds != [None] or self.state_bytes_per_request:
+                raise ConfigError(
+                    "--inference-dynamic-batching-prefix-caching needs a model whose layers "
+                    "all keep full attention (sliding-window rings and Mamba / Gated DeltaNet "
+                    "states are overwritten as a request goes on); drop the flag")
+            self.prefix_cache = PrefixCachingAllocator(num_blocks, block_size, prefix_caching)
+            self.allocators[None] = self.prefix_cache
         self.stop_checker = stop_checker
         self.sequence_parallel = self.config.sequence_parallel_at(self.state.tp_size)
 
@@ -164,17 +232,14 @@ class InferenceEngine:
         self.sampler = ranks[flags.index(True)]
         self.group_size = len(ranks)
 
-        self._ids = itertools.count()
-        self.waiting: collections.deque = collections.deque()
+        self._init_intake()
         self.running: List[Request] = []
-        self.requests: Dict[int, Request] = {}
         self.params: Dict[int, SamplingParams] = {}
         self.generators: Dict[int, Optional[torch.Generator]] = {}
-        self._aborts: List[int] = []
         self._finished_ids: List[int] = []
-        self._lock = threading.Lock()
         self.steps = 0
         self.num_aborted = 0
+        self.computed_tokens = 0  # tokens run through the model (prompts and decodes)
 
     @property
     def is_leader(self) -> bool:
@@ -202,20 +267,14 @@ class InferenceEngine:
                 f"inference: prompt ({len(prompt)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {total} does not fit in the KV cache "
                 f"(--inference-max-tokens {self.max_tokens}); raise it or ask for fewer tokens")
-
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Queue a request (leader only; thread-safe). It joins the batch at a later step."""
-        self.check_request(prompt, params)
-        with self._lock:
-            request = Request(next(self._ids), [int(t) for t in prompt], params)
-            self.requests[request.request_id] = request
-            self.waiting.append(request)
-        return request
-
-    def abort(self, request_id: int) -> None:
-        """Stop a request at the next step and free its blocks (leader; thread-safe)."""
-        with self._lock:
-            self._aborts.append(request_id)
+        step_budget = self.max_step_tokens
+        if step_budget is not None and len(prompt) > step_budget and (
+                not self.chunked_prefill or params.prompt_logprobs):
+            why = ("prompt log-probs are computed in one step" if self.chunked_prefill
+                   else "add --enable-chunked-prefill to split it")
+            raise ConfigError(
+                f"inference: the prompt ({len(prompt)} tokens) does not fit in one step "
+                f"(--inference-dynamic-batching-max-tokens {step_budget}); {why}")
 
     @property
     def has_work(self) -> bool:
@@ -245,32 +304,77 @@ class InferenceEngine:
                     self.num_aborted += 1
             self._aborts.clear()
             new_params = {}
+            steps, wants, sampled, chunks = [], [], [], []
+            room = self.max_step_tokens  # decodes first, then prompts in order of arrival
+            if room is not None:
+                room -= sum(1 for request in self.running if request.prefilled)
+
+            def add(request: Request) -> None:
+                nonlocal room
+                if request.prefilled:
+                    start = len(request.prompt) + len(request.output) - 1
+                    steps.append(StepRequest([request.output[-1]], start, request.blocks,
+                                             request.slot))
+                    wants.append(False)
+                    sampled.append(request.request_id)
+                    return
+                step, room = self._prompt_step(request, room)
+                if step is None:
+                    return
+                if request.prompt_done < len(request.prompt):
+                    chunks.append(step)  # an earlier chunk: nothing to sample yet
+                    return
+                steps.append(step)
+                wants.append(request.params.prompt_logprobs)
+                sampled.append(request.request_id)
+
+            for request in self.running:
+                add(request)
             while self.waiting and len(self.running) < self.max_requests:
                 request = self.waiting[0]
                 total = len(request.prompt) + request.params.max_new_tokens
                 needed = {kind: self.layout.blocks_needed(kind, total)
                           for kind in self.layout.kinds}
-                if any(count > self.allocators[kind].num_free
-                       for kind, count in needed.items()):
+                if self.prefix_cache is not None:  # (its blocks less the shared prefix)
+                    admitted = self.prefix_cache.admit(request.prompt, total,
+                                                       not request.params.prompt_logprobs)
+                    if admitted is None:
+                        break
+                    needed, (table, request.cached_tokens) = {}, admitted
+                elif any(count > self.allocators[kind].num_free
+                         for kind, count in needed.items()):
                     break  # first come first served: it waits for blocks to be freed
                 self.waiting.popleft()
                 request.blocks = {kind: self.allocators[kind].allocate(count)
                                   for kind, count in needed.items()}
+                if self.prefix_cache is not None:
+                    request.blocks[None] = table
                 request.slot = self.state_slots.allocate(1)[0]
                 self.running.append(request)
                 new_params[request.request_id] = request.params
-        steps, wants = [], []
-        for request in self.running:
-            if request.prefilled:
-                start = len(request.prompt) + len(request.output) - 1
-                steps.append(StepRequest([request.output[-1]], start, request.blocks,
-                                         request.slot))
-                wants.append(False)
-            else:
-                steps.append(StepRequest(request.prompt, 0, request.blocks, request.slot))
-                wants.append(request.params.prompt_logprobs)
+                add(request)
         finished, self._finished_ids = self._finished_ids, []
-        return _Plan([r.request_id for r in self.running], steps, wants, new_params, finished)
+        return _Plan(sampled, steps + chunks, wants, new_params, finished)
+
+    def _prompt_step(self, request: Request, room: Optional[int]):
+        """(the step running the next piece of a request's prompt, or None while it waits for
+        a step with room; the room left). Prefix caching: the prompt's full blocks this step
+        completes are hashed now, so requests admitted from now on share them (the step writes
+        their keys in every layer before any of its queries reads)."""
+        done = max(request.prompt_done, request.cached_tokens)
+        count = len(request.prompt) - done
+        if room is not None:
+            # (prompt log-probs come from one step's logits: such a prompt is not split)
+            splits = self.chunked_prefill and not request.params.prompt_logprobs
+            if count > room and not (splits and room > 0):
+                return None, 0  # it waits (first come first served: so do those after it)
+            count = min(count, room)
+            room -= count
+        request.prompt_done = done + count
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request.prompt, request.blocks[None], request.prompt_done)
+        return StepRequest(request.prompt[done:done + count], done, request.blocks,
+                           request.slot), room
 
     # The step (every rank) ------------------------------------------------------------------------
 
@@ -303,6 +407,7 @@ class InferenceEngine:
         if not plan.steps:
             return []
         self.steps += 1
+        self.computed_tokens += sum(len(step.tokens) for step in plan.steps)
         results = self._forward(plan)
         if self.sampler != self.leader:
             results = self._broadcast(results, self.sampler)
@@ -327,6 +432,8 @@ class InferenceEngine:
         if not state.is_pipeline_last_stage:
             dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
             return None
+        if not plan.request_ids:  # only prompt chunks (chunked prefill): nothing to sample
+            return []
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, state.tp_group, False)
         rows, spans = [], []
@@ -447,9 +554,15 @@ class InferenceEngine:
 
     def memory_report(self) -> Dict[str, int]:
         """The cache on this rank: bytes per token, token capacity and allocated bytes."""
-        return {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
-                "state_bytes_per_request": self.state_bytes_per_request,
-                "allocated_bytes": self.cache.allocated_bytes()}
+        report = {"bytes_per_token": self.bytes_per_token, "max_tokens": self.max_tokens,
+                  "state_bytes_per_request": self.state_bytes_per_request,
+                  "allocated_bytes": self.cache.allocated_bytes()}
+        if self.prefix_cache is not None:  # blocks in use, and those kept for their prefix
+            report["held_bytes"] = (self.prefix_cache.num_held * self.block_size
+                                    * self.bytes_per_token)
+            report["prefix_cached_blocks"] = self.prefix_cache.num_cached
+            report["cached_prompt_tokens"] = self.prefix_cache.cached_tokens
+        return report
 
 
-__all__ = ["InferenceEngine", "Request"]
+__all__ = ["InferenceEngine", "Request", "RequestIntake", "check_step_budget"]

@@ -378,8 +378,12 @@ class CompletionServer:
             if self.loop.error is not None:
                 return _error(f"engine stopped: {self.loop.error}", 503, "server_error")
             engine = self.engine
-            return {"status": "ok", "running": len(engine.running),
-                    "waiting": len(engine.waiting), "aborted": engine.num_aborted}
+            health = {"status": "ok", "running": len(engine.running),
+                      "waiting": len(engine.waiting), "aborted": engine.num_aborted}
+            if hasattr(engine, "served"):  # data-parallel replicas: requests each took
+                health["replicas"] = list(engine.served)
+            health["cache"] = engine.memory_report()  # this rank's (its replica's)
+            return health
 
         @app.get("/v1/models")
         async def models():

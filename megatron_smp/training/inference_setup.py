@@ -5,8 +5,10 @@
 
 parses the flags (`--load`, `--use-checkpoint-args`, the model and parallel sizes, the
 tokenizer), builds the process group and this rank's pipeline stage of `GPTModel`, loads the
-checkpoint's weights (model only; `torch_dist` reshards to this layout) and wraps it in an
-`inference.InferenceEngine` sized by the inference flags added here.
+checkpoint's weights (model only: ours, or Megatron-LM's torch_dist / legacy checkpoints,
+detected; `torch_dist` reshards to this layout) and wraps it in an
+`inference.InferenceEngine` sized by the inference flags added here (with data-parallel
+replicas, `inference.replicas.DataParallelEngine`: each replica serves its share).
 """
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="longest prompt + generation (default: --max-position-embeddings)")
     group.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
                        help="tokens per KV cache block")
+    group.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
+                       help="tokens one step runs (each decode counts one); a prompt waits "
+                            "for a step with room for it (default: no limit)")
+    group.add_argument("--enable-chunked-prefill", action="store_true",
+                       help="split prompts into chunks that fill the room steps have "
+                            "(needs --inference-dynamic-batching-max-tokens)")
+    group.add_argument("--inference-dynamic-batching-prefix-caching",
+                       dest="inference_dynamic_batching_enable_prefix_caching",
+                       action=argparse.BooleanOptionalAction, default=False,
+                       help="share the KV blocks of common prompt prefixes between requests")
+    group.add_argument("--inference-dynamic-batching-prefix-caching-eviction-policy",
+                       choices=["ref_zero", "lru"], default=None,
+                       help="ref_zero (default): a prefix block is freed when no request holds "
+                            "it; lru: kept until its space is needed (least recently used "
+                            "first)")
     return parser
 
 
@@ -45,10 +62,11 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                            model_provider: Optional[Callable] = None):
     """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
     the model keeps its --seed initialisation (a clear warning on rank 0)."""
-    from megatron_smp.checkpointing.iterations import load_checkpoint
-    from megatron_smp.checkpointing.sharded_state import model_sharded_state_dict
+    from megatron_smp.checkpointing.loop import load_inference_weights
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
+    from megatron_smp.inference.engine import check_step_budget
+    from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
     from megatron_smp.training.arguments import parse_args, validate_configs
@@ -75,6 +93,14 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                  "inference_dynamic_batching_block_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    check_step_budget(args.inference_dynamic_batching_max_tokens, args.enable_chunked_prefill)
+    prefix_caching = args.inference_dynamic_batching_prefix_caching_eviction_policy
+    if not args.inference_dynamic_batching_enable_prefix_caching:
+        if prefix_caching is not None:
+            raise ConfigError("--inference-dynamic-batching-prefix-caching-eviction-policy "
+                              "needs --inference-dynamic-batching-prefix-caching")
+    elif prefix_caching is None:
+        prefix_caching = "ref_zero"
     if configs.parallel.context_parallel_size > 1:
         raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
                           "pipeline or expert parallelism)")
@@ -94,17 +120,33 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     for chunk in chunks:
         chunk.to(state.device)
     load = configs.checkpoint.load
-    if load:
-        template = {"model": model_sharded_state_dict(chunks, state, configs.model.vocab_size,
-                                                      tied_copies=True)}
-        load_checkpoint(template, load, state, load_rng=False)
+    loaded = load_inference_weights(chunks, state, configs) if load else None
+    if loaded is None:
+        from megatron_smp.checkpointing import CheckpointError
+
+        if load:  # every rank alike: the tracker check above agreed
+            raise CheckpointError(f"--load {load} holds no checkpoint (neither ours nor "
+                                  "Megatron-LM's)")
+        if state.rank == 0:
+            print("warning: no --load given: generating from the --seed initialisation",
+                  flush=True)
     elif state.rank == 0:
-        print("warning: no --load given: generating from the --seed initialisation", flush=True)
-    engine = InferenceEngine(
-        chunks, max_tokens=args.inference_max_tokens,
-        max_requests=args.inference_max_requests,
-        block_size=args.inference_dynamic_batching_block_size,
-        max_seq_length=args.inference_max_seq_length or configs.model.max_position_embeddings)
+        print(f"loaded {loaded}", flush=True)
+
+    def make_engine(group=None):
+        return InferenceEngine(
+            chunks, max_tokens=args.inference_max_tokens,
+            max_requests=args.inference_max_requests,
+            block_size=args.inference_dynamic_batching_block_size,
+            max_seq_length=args.inference_max_seq_length
+            or configs.model.max_position_embeddings, group=group,
+            prefix_caching=prefix_caching,
+            max_step_tokens=args.inference_dynamic_batching_max_tokens,
+            chunked_prefill=args.enable_chunked_prefill)
+
+    # Data-parallel replicas each serve their share of the requests (the caches per replica).
+    engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \
+        else make_engine()
     torch.set_grad_enabled(False)
     return configs, state, engine, tokenizer
 

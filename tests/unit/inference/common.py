@@ -177,3 +177,19 @@ def wait_all(procs, timeout):
             stop(procs, grace=1.0)
             raise
     return codes
+
+
+def server_url(procs, port_file, log_dir, timeout=120.0):
+    """The URL of a server started by `launch` once it writes `port_file` (raises with rank
+    0's log if a rank exits or `timeout` s pass first)."""
+    import os
+    import time
+
+    deadline = time.time() + timeout
+    while not os.path.exists(port_file):
+        if any(p.poll() is not None for p in procs) or time.time() > deadline:
+            with open(os.path.join(log_dir, "rank0.log")) as handle:
+                raise RuntimeError(handle.read()[-3000:])
+        time.sleep(0.2)
+    with open(port_file) as handle:
+        return f"http://127.0.0.1:{int(handle.read())}"

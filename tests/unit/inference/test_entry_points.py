@@ -1,21 +1,23 @@
 """tools/generate.py at PP=2 on a checkpoint converted from HF: HF's greedy tokens, prompts as
 text, token ids and chat messages; and tools/run_text_generation_server.py at TP=2 (two
-processes, rank 0 serving on 127.0.0.1) over a checkpoint converted from a HF Llama with a byte-level BPE tokenizer: the real `openai`
+processes, rank 0 serving on 127.0.0.1, prefix caching on) over a checkpoint converted from a
+HF Llama with a byte-level BPE tokenizer: the real `openai`
 client gets completions (HF's greedy tokens), chat completions (the chat template) and a
 streamed completion; 16 concurrent clients are all answered; bad requests get their 400 and
 the next request succeeds; Megatron's PUT /api; lm-evaluation-harness scores the shipped local
-tasks through the server exactly as its own `hf` backend does on the HF weights. The server
+tasks through the server exactly as its own `hf` backend does on the HF weights
+(`local-completions` for log-likelihoods and generation, `local-chat-completions` for
+generation through the chat template). The server
 always shuts down (SIGTERM, then SIGKILL)."""
 import concurrent.futures
 import json
 import os
-import time
 
 import pytest
 import torch
 
 from tests.unit.inference.common import (
-    ROOT, convert_to_ours, hf_model_dir, launch, model_flags, stop, wait_all,
+    ROOT, convert_to_ours, hf_model_dir, launch, model_flags, server_url, stop, wait_all,
 )
 
 openai = pytest.importorskip("openai")
@@ -64,16 +66,12 @@ def server(checkpoint):
     port_file = root / "port"
     flags = model_flags(root / "ckpt", root / "hf") + [
         "--tensor-model-parallel-size", "2", "--port", "0", "--port-file", port_file,
-        "--inference-max-seq-length", "96", "--inference-max-tokens", "2048"]
+        "--inference-max-seq-length", "96", "--inference-max-tokens", "2048",
+        "--inference-dynamic-batching-prefix-caching",
+        "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru"]
     procs = launch("run_text_generation_server.py", flags, 2, root)
     try:
-        deadline = time.time() + 120
-        while not port_file.exists():
-            if any(p.poll() is not None for p in procs) or time.time() > deadline:
-                raise RuntimeError((root / "rank0.log").read_text()[-3000:])
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{int(port_file.read_text())}"
-        yield url, hf, tokenizer, root
+        yield server_url(procs, port_file, root), hf, tokenizer, root
     finally:
         codes = stop(procs)
     assert codes[1] == 0, (root / "rank1.log").read_text()[-2000:]  # released by rank 0
@@ -149,6 +147,8 @@ def test_sixteen_concurrent_clients_and_bad_requests(server):
         answers = list(pool.map(ask, prompts))
     for prompt, answer in zip(prompts[:3], answers[:3]):
         assert answer == tokenizer.decode(_hf_greedy(hf, tokenizer, prompt, 4))
+    # (prefix caching, lru) the clients' common prefix was read from the cache, not computed
+    assert requests.get(f"{url}/health").json()["cache"]["cached_prompt_tokens"] > 0
     completions = f"{url}/v1/completions"
     bad = [
         (dict(data="{not json", headers={"Content-Type": "application/json"}), "JSON"),
@@ -217,3 +217,28 @@ def test_lm_eval_scores_equal_hf_backend(server, tmp_path):
     generated = [doc["filtered_resps"] for doc in ours["samples"]["smp_tiny_gen"]]
     assert generated == [doc["filtered_resps"] for doc in reference["samples"]["smp_tiny_gen"]]
     assert any(text for (text,) in generated)
+
+
+def test_lm_eval_chat_completions_generations_equal_hf_backend(server, tmp_path):
+    """lm-eval's `local-chat-completions` (messages through our chat template) on the shipped
+    generation task gives the same generations and score as its `hf` backend with
+    apply_chat_template on the HF weights."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    url, _, _, root = server
+    tasks = TaskManager(include_path=str(_task_dir(tmp_path)), include_defaults=False)
+    names = ["smp_tiny_gen"]
+    ours = lm_eval.simple_evaluate(
+        model="local-chat-completions", tasks=names, task_manager=tasks, batch_size=1,
+        apply_chat_template=True,
+        model_args=f"model=ckpt,base_url={url}/v1/chat/completions,num_concurrent=2,"
+                   "max_retries=1")
+    reference = lm_eval.simple_evaluate(
+        model="hf", tasks=names, task_manager=tasks, batch_size=1, apply_chat_template=True,
+        model_args=f"pretrained={root / 'hf'},dtype=float32,device=cpu")
+    generated = [doc["filtered_resps"] for doc in ours["samples"]["smp_tiny_gen"]]
+    assert generated == [doc["filtered_resps"] for doc in reference["samples"]["smp_tiny_gen"]]
+    assert sum(len(text) for (text,) in generated) > 0
+    assert ours["results"]["smp_tiny_gen"]["exact_match,none"] == pytest.approx(
+        reference["results"]["smp_tiny_gen"]["exact_match,none"])
