@@ -10,7 +10,7 @@
 # 2. SFT on SFT_EXAMPLES synthetic sums "a+b=" -> "a+b\n" (megatron_smp.post_training.envs
 #    .addition --format sft, tools/preprocess_sft_data.py, pretrain_llama.py --sft) for
 #    SFT_ITERS iterations: a partly right starting point;
-# 3. GRPO (train_rl.py, --langrl-env-config megatron_smp/post_training/envs/addition.yaml:
+# 3. GRPO (train_rl.py, --langrl-env-config "$OUT/addition.yaml":
 #    exact match on sums drawn with another seed) for RL_ITERS iterations, rollouts sampled at
 #    temperature 1, then a greedy evaluation on held-out sums.
 #
@@ -28,8 +28,12 @@ RL_ITERS=${RL_ITERS:-40}
 mkdir -p "$OUT/data"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-"$PYTHON" -m megatron_smp.post_training.envs.addition --format sft --seed 0 \
+DIGITS=${DIGITS:-2}
+"$PYTHON" -m megatron_smp.post_training.envs.addition --format sft --seed 0 --digits "$DIGITS" \
   --num-prompts "${SFT_EXAMPLES:-4000}" --output "$OUT/data/sft.jsonl"
+# The shipped environment (envs/addition.yaml) at DIGITS digits.
+sed "s/digits: 2/digits: $DIGITS/" megatron_smp/post_training/envs/addition.yaml \
+  > "$OUT/addition.yaml"
 if [ ! -f "$OUT/hf_base/config.json" ]; then
   "$PYTHON" tools/make_tiny_llama.py --output "$OUT/hf_base" --texts "$OUT/data/sft.jsonl" \
     --vocab-size 259 --chat-template plain
@@ -57,7 +61,7 @@ rm -rf "$OUT/rl" "$OUT/rl_tensorboard"
 "${LAUNCH[@]}" train_rl.py "${COMMON[@]}" --seq-length 16 \
   --load "$OUT/sft" --finetune --save "$OUT/rl" --save-interval "$RL_ITERS" \
   --tensorboard-dir "$OUT/rl_tensorboard" \
-  --langrl-env-config megatron_smp/post_training/envs/addition.yaml \
+  --langrl-env-config "$OUT/addition.yaml" \
   --grpo-group-size "${GROUP:-8}" --grpo-prompts-per-step "${PROMPTS:-8}" \
   --micro-batch-size "${GROUP:-8}" --grpo-iterations 1 --grpo-kl-beta 0 \
   --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.28 --grpo-loss-type dapo \
