@@ -63,7 +63,7 @@ rm -rf "$OUT/rl" "$OUT/rl_tensorboard"
   --tensorboard-dir "$OUT/rl_tensorboard" \
   --langrl-env-config "$OUT/addition.yaml" \
   --grpo-group-size "${GROUP:-8}" --grpo-prompts-per-step "${PROMPTS:-8}" \
-  --micro-batch-size "${GROUP:-8}" --grpo-iterations 1 --grpo-kl-beta 0 \
+  --micro-batch-size "${MICRO_BATCH:-32}" --inference-max-requests 256 --grpo-iterations 1 --grpo-kl-beta 0 \
   --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.28 --grpo-loss-type dapo \
   --rl-default-temperature 1.0 --rl-max-completion-length 6 \
   --train-iters "$RL_ITERS" --lr 1e-3 --lr-decay-style constant --log-interval 1 \

@@ -371,13 +371,21 @@ class RLRun:
         trainer.pending_losses.interval_sums = {}
         if iteration % training.log_interval and iteration != training.train_iters:
             return
+        from megatron_smp.training.logging import flops_per_iteration
+
+        # The iteration's time: its update, and the generation of its rollout batch on the
+        # batch's first update.
         elapsed = values[TRAINING_TIME] + (values[GENERATION_TIME]
                                            if self.pending.updates_done == 1 else 0.0)
+        model, state = self.configs.model, self.state
+        flops = flops_per_iteration(model, training.seq_length, step.global_batch_size,
+                                    model.padded_vocab_size(state.tp_size))
         line = self.logger.training_line(
             iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
             step.global_batch_size, values, float(loss_scale), step.grad_norm,
             step.num_zeros_in_grad, trainer.progress.skipped_iterations, trainer.nan_iterations,
-            step.global_batch_size * training.seq_length / elapsed, 0.0)
+            step.global_batch_size * training.seq_length / elapsed,
+            flops / elapsed / 1e12 / state.world_size)
         self.result.log_lines.append(line)
 
     def evaluate(self) -> Dict[str, float]:
@@ -488,10 +496,8 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
     """Parse Megatron's flags with the RL ones, build the Trainer and the engine, and run
     the RL loop; returns the logged values (on every rank)."""
     from megatron_smp.training.arguments import parse_args
-    from megatron_smp.training.logging import TrainingLogger
-    from megatron_smp.training.pretrain import build_configs
+    from megatron_smp.training.pretrain import build_configs, training_logger
     from megatron_smp.training.trainer import Trainer
-    from megatron_smp.training.wandb_logger import init_wandb
 
     start_time = time.time()
     defaults = {"mock_data": True, **(args_defaults or {})}
@@ -508,13 +514,8 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
     trainer = Trainer.build(configs, model_provider, start_time)
     if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
         trainer.load()
-    state = trainer.state
-    is_logging_rank = state.rank == state.world_size - 1
-    wandb = (init_wandb(configs.training, configs.checkpoint.save, configs.to_dict())
-             if is_logging_rank else None)
-    logger = TrainingLogger(is_logging_rank, configs.training, state.device, wandb=wandb,
-                            world_size=state.world_size)
-    run = RLRun(trainer, config, environments, tokenizer, model_provider, logger)
+    run = RLRun(trainer, config, environments, tokenizer, model_provider,
+                training_logger(trainer))
     run.restore()
     return run.run()
 
