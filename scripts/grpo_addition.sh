@@ -74,7 +74,8 @@ RL=(--seq-length 16 --langrl-env-config "$OUT/addition.yaml"
 rm -rf "$OUT/rl" "$OUT/rl_tensorboard"
 "${LAUNCH[@]}" train_rl.py "${COMMON[@]}" "${RL[@]}" --load "$OUT/sft" --finetune \
   --save "$OUT/rl" --save-interval "$RL_ITERS" --tensorboard-dir "$OUT/rl_tensorboard" \
-  --train-iters "$RL_ITERS" --lr "${RL_LR:-5e-4}" --lr-decay-style constant --log-interval 1 \
+  --train-iters "$RL_ITERS" --lr "${RL_LR:-5e-4}" --lr-decay-style constant --lr-warmup-iters 5 \
+  --log-interval 1 \
   --eval-interval "$RL_ITERS" "$@" | tee "$OUT/rl.log"
 
 "$PYTHON" - "$OUT/rl_start.log" "$OUT/rl.log" <<'PY'

@@ -106,6 +106,9 @@ def check_rl_configs(configs, config: RLConfig) -> None:
         raise ConfigError("train_rl.py: --calculate-per-token-loss does not apply (the GRPO "
                           "loss normalises over the rollout batch itself; --grpo-loss-type "
                           "dapo is the per-token mean)")
+    if getattr(configs.args, "inference_max_seq_length", None) is not None:
+        raise ConfigError("train_rl.py: a rollout fills one sequence of --seq-length; drop "
+                          "--inference-max-seq-length (the engine's limit follows it)")
     if training.global_batch_size != config.rollouts_per_step:
         raise ConfigError(f"train_rl.py: --global-batch-size ({training.global_batch_size}) "
                           f"must equal --grpo-group-size x --grpo-prompts-per-step "

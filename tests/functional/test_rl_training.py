@@ -119,6 +119,7 @@ def test_train_rl_log_tensorboard_and_resume(setup):
 @pytest.mark.parametrize("extra,message", [
     (["--global-batch-size", "4"], "--global-batch-size (4) must equal"),
     (["--rl-max-completion-length", "20"], "more than --seq-length 12"),
+    (["--inference-max-seq-length", "64"], "drop --inference-max-seq-length"),
 ])
 def test_train_rl_refuses_flags(setup, extra, message):
     from megatron_smp.config import ConfigError
