@@ -29,7 +29,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -441,18 +441,28 @@ def _check_format(config, found: str, where: str) -> None:
 # -- loading ----------------------------------------------------------------------------------
 
 
+def load_model_weights(model, configs, state, directory: str, iteration: int,
+                       include: Optional[Callable[[str], bool]] = None):
+    """Load the model tensors (those whose checkpoint name `include` accepts, default all) of
+    the checkpoint in `directory` at `iteration` into `model` (this rank's chunks, wrapped or
+    not; collective). Returns the checkpoint's SavedCheckpoint."""
+    saved = read_saved_checkpoint(directory, state, iteration)
+    _check_format(configs.checkpoint, saved.ckpt_format, saved.path)
+    _check_architecture(saved.config.get("model") or {}, saved.path, configs.model)
+    views = {name: view for name, view in model_sharded_state_dict(
+        model, state, configs.model.vocab_size, True).items()
+        if include is None or include(name)}
+    load_checkpoint({"model": views}, directory, state, iteration, load_rng=False,
+                    saved=saved)
+    return saved
+
+
 def _load_lora_base(record: CheckpointRecord, base_dir: str, iteration: int) -> None:
     """Load the frozen base weights of a LoRA run (every model tensor but the adapters)
     from `base_dir` at `iteration` (collective), and remember it as the base that this run's
     checkpoints record."""
-    saved = read_saved_checkpoint(base_dir, record.state, iteration)
-    _check_format(record.configs.checkpoint, saved.ckpt_format, saved.path)
-    _check_architecture(saved.config.get("model") or {}, saved.path, record.configs.model)
-    views = {name: view for name, view in model_sharded_state_dict(
-        record.model, record.state, record.configs.model.vocab_size, True).items()
-        if not _is_adapter(name)}
-    load_checkpoint({"model": views}, base_dir, record.state, iteration, load_rng=False,
-                    saved=saved)
+    saved = load_model_weights(record.model, record.configs, record.state, base_dir, iteration,
+                               include=lambda name: not _is_adapter(name))
     record.lora_base = (os.path.abspath(base_dir), int(iteration))
     _print_rank_0(record, f"loaded the LoRA base model {saved.path}")
 

@@ -1,9 +1,10 @@
 """The backend API that post-training frameworks drive (verl's engine workers, NeMo-RL's
 policy interface), over a built model at any layout:
 
-* `compute_logprobs(model, batch, ...)`: per-token log-probs of the target tokens (and the
-  entropy), vocab-parallel (three all-reduces over TP, never a [s, b, V] gather), fp32,
-  packed or not, at TP/SP, PP, CP, EP; the whole sequences on every rank.
+* `compute_logprobs(model, batch, ...)` (`training.logprobs`'s, which `Trainer.compute_logprobs`
+  runs too): per-token log-probs of the target tokens (and the entropy), vocab-parallel
+  (three all-reduces over TP, never a [s, b, V] gather), fp32, packed or not, fixed or
+  token-budget micro-batches, at TP/SP, PP, CP, EP; the whole sequences on every rank.
 * `iter_hf_weights(model, ...)`: (Hugging Face name, full tensor) pairs, gathered over
   TP / EP / PP / FSDP one group of tensors at a time, converted by the family's HF adapter.
 * `offload(model, optimizer)` / `onload(...)`: params, grads and optimizer state to host
@@ -18,165 +19,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-
-
-# -- log-probs ---------------------------------------------------------------------------------
-
-def _chunks(model) -> List[torch.nn.Module]:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
-def context_parallel_local_indices(document_ids: Optional[torch.Tensor], seq_length: int,
-                                   batch: int, state) -> torch.Tensor:
-    """Row positions [cp, b, s / cp] of each CP rank's tokens (as `get_batch_on_this_cp_rank`
-    takes them: per document for packed rows, else the load-balanced chunks)."""
-    from megatron_smp.context_parallel.split import local_positions, packed_rank_indices
-
-    if document_ids is not None:
-        return packed_rank_indices(document_ids, state.cp_size)
-    return torch.stack([local_positions(seq_length, state.cp_size, rank).expand(
-        batch, seq_length // state.cp_size) for rank in range(state.cp_size)])
-
-
-def gather_tokens_from_context_parallel(values: torch.Tensor, indices: torch.Tensor,
-                                        state) -> torch.Tensor:
-    """[b, s / cp] per-token values of every CP rank -> [b, s] in sequence order (no grad).
-    `indices`: `context_parallel_local_indices` of the batch."""
-    if state.cp_size == 1:
-        return values
-    values = values.contiguous()
-    gathered = values.new_empty((state.cp_size,) + tuple(values.shape))
-    dist.all_gather_into_tensor(gathered.view(-1, *values.shape[1:]), values,
-                                group=state.cp_group)
-    b = values.shape[0]
-    full = values.new_zeros(b, values.shape[1] * state.cp_size)
-    full.scatter_(1, indices.to(values.device).permute(1, 0, 2).reshape(b, -1),
-                  gathered.permute(1, 0, 2).reshape(b, -1))
-    return full
-
-
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, state, vocab_size: int,
-                    with_entropy: bool = False, temperature: float = 1.0):
-    """log p(label) [b, s] fp32 (and the entropy [b, s]) from this rank's vocabulary shard of
-    the logits [b, s, v/tp] (divided by `temperature`, as samplers do); differentiable,
-    nothing gathered over the vocabulary."""
-    from megatron_smp.tensor_parallel.cross_entropy import (
-        vocab_parallel_cross_entropy, vocab_parallel_entropy,
-    )
-
-    if temperature != 1.0:
-        if not temperature > 0.0:
-            raise ConfigError(f"temperature must be positive, got {temperature}")
-        logits = logits.float() / temperature
-
-    logps = -vocab_parallel_cross_entropy(logits, labels, state.tp_group, vocab_size=vocab_size)
-    if not with_entropy:
-        return logps, None
-    return logps, vocab_parallel_entropy(logits, state.tp_group, vocab_size=vocab_size)
-
-
-def split_batch_for_context_parallel(batch: Dict[str, torch.Tensor], state):
-    """This rank's share of `batch` under context parallelism (the batch itself without)."""
-    if state.cp_size == 1:
-        return batch
-    from megatron_smp.context_parallel import get_batch_on_this_cp_rank
-
-    return get_batch_on_this_cp_rank(batch, state.cp_size, state.cp_rank)
-
-
-def model_outputs(model: torch.nn.Module, batch: Dict[str, torch.Tensor]):
-    """Forward of one (CP-local) microbatch without labels: logits [b, s, v/tp] on the last
-    stage, the hidden states elsewhere."""
-    return model(batch["tokens"] if batch else None,
-                 position_ids=batch.get("position_ids") if batch else None,
-                 attention_mask=batch.get("attention_mask") if batch else None,
-                 document_ids=batch.get("document_ids") if batch else None)
-
-
-def _last_stage_src(state) -> int:
-    return dist.get_global_rank(state.pp_group, state.pp_size - 1)
-
-
-def compute_logprobs(model, batch: Dict[str, torch.Tensor], state, vocab_size: int,
-                     micro_batch_size: Optional[int] = None, with_entropy: bool = False,
-                     pipeline_schedule: str = "1f1b", temperature: float = 1.0
-                     ) -> Dict[str, torch.Tensor]:
-    """Per-token log-probs of `batch["labels"]` under the model, fp32, on every rank.
-
-    batch: tokens [B, s], labels [B, s] (the next tokens), optional position_ids [B, s],
-        document_ids [B, s] (packed rows: each document attends to itself only); whole
-        sequences (this rank's share is taken here under context parallelism); the same on
-        every rank of the model-parallel group.
-    model: this rank's model chunk(s) (as built for training: DDP / FSDP2 wrapped, pipeline
-        chunks); run in eval mode, no grad. `temperature`: the logits are divided by it (the
-        rollout's sampling distribution, as verl and NeMo-RL score their samples).
-    Returns {"logprobs": [B, s]} (+ "entropy": [B, s]) with the whole sequences, shared by
-    every rank of the TP / CP / PP groups (broadcast from the last stage).
-    """
-    from megatron_smp.pipeline_parallel.schedules import (
-        get_forward_backward_func, schedule_name,
-    )
-
-    chunks = _chunks(model)
-    tokens = batch["tokens"]
-    total, seq_length = tokens.shape
-    micro_batch_size = micro_batch_size or total
-    if total % micro_batch_size:
-        raise ConfigError(f"compute_logprobs: {total} sequences do not split into micro "
-                          f"batches of {micro_batch_size}")
-    device = state.device
-    microbatches = [{key: value[i:i + micro_batch_size].to(device)
-                     for key, value in batch.items() if value is not None}
-                    for i in range(0, total, micro_batch_size)]
-
-    def forward_step(data_iterator, chunk):
-        full = next(data_iterator)
-        local = split_batch_for_context_parallel(full, state)
-        output = model_outputs(chunk, local)
-
-        def loss_func(logits):
-            logps, entropy = token_log_probs(logits, local["labels"], state, vocab_size,
-                                             with_entropy, temperature)
-            indices = (context_parallel_local_indices(full.get("document_ids"), seq_length,
-                                                      logps.shape[0], state)
-                       if state.cp_size > 1 else None)
-            report = {"logprobs": gather_tokens_from_context_parallel(logps, indices, state)}
-            if entropy is not None:
-                report["entropy"] = gather_tokens_from_context_parallel(entropy, indices, state)
-            return logps.sum() * 0.0, report
-
-        return output, loss_func
-
-    training = [chunk.training for chunk in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        forward_backward = get_forward_backward_func(
-            state.pp_size, schedule_name(pipeline_schedule, len(chunks)))
-        with torch.no_grad():
-            reports = forward_backward(
-                forward_step_func=forward_step, data_iterator=iter(microbatches), model=chunks,
-                num_microbatches=len(microbatches), seq_length=seq_length,
-                micro_batch_size=micro_batch_size, forward_only=True)
-    finally:
-        for chunk, mode in zip(chunks, training):
-            chunk.train(mode)
-    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-    if reports:
-        out = {key: torch.cat([r[key] for r in reports]).float() for key in keys}
-    else:
-        out = {key: torch.empty(total, seq_length, dtype=torch.float32, device=device)
-               for key in keys}
-    if state.pp_size > 1:
-        for key in keys:
-            dist.broadcast(out[key], _last_stage_src(state), group=state.pp_group)
-    return out
+# The log-probs have one implementation (Trainer.compute_logprobs calls it too), re-exported
+# here as part of the backend API.
+from megatron_smp.training.logprobs import (
+    compute_logprobs, context_parallel_local_indices, gather_tokens_from_context_parallel,
+    logprobs_of_microbatches, model_chunks as _chunks, model_outputs,
+    split_batch_for_context_parallel, token_budget_microbatches, token_log_probs,
+)
 
 
 # -- the Hugging Face weight stream ------------------------------------------------------------
@@ -477,6 +326,7 @@ def onload(offloaded: Offloaded) -> None:
     offloaded.pairs = []
 
 
-__all__ = ["compute_logprobs", "token_log_probs", "iter_hf_weights", "trace_dependencies",
+__all__ = ["compute_logprobs", "logprobs_of_microbatches", "token_budget_microbatches",
+           "token_log_probs", "model_outputs", "iter_hf_weights", "trace_dependencies",
            "offload", "onload", "gather_tokens_from_context_parallel",
            "context_parallel_local_indices", "split_batch_for_context_parallel"]

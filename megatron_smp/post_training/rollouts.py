@@ -123,6 +123,38 @@ def build_rollout_batch(prompt_ids: Sequence[Sequence[int]],
     return batch
 
 
+def rollout_microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int,
+                         dp_size: int = 1, dp_rank: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of a rollout batch that every rank holds whole.
+
+    The rows are padded with untrained rows (loss mask and weights 0, positions 0..s-1) to a
+    multiple of micro_batch_size x dp_size; rank r takes the r-th contiguous share and cuts it
+    into micro-batches of exactly micro_batch_size rows (the shape pipeline stages exchange).
+    Every rank gets the same number of micro-batches, n = len(result): the step's
+    `Trainer.train_step(num_microbatches=n)`, and `grpo_loss_fn`'s loss_scale is
+    n x dp_size x context-parallel size. As the weights are global, the padding changes
+    neither the loss nor the gradient.
+
+    Returns:
+        n dicts with the batch's keys, each tensor [micro_batch_size, seq_length].
+    """
+    if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"rollout_microbatches: micro_batch_size {micro_batch_size}, dp_size "
+                         f"{dp_size} and dp_rank {dp_rank} must be positive (rank < size)")
+    rows, seq_length = batch["tokens"].shape
+    per_rank = -(-rows // (micro_batch_size * dp_size)) * micro_batch_size
+    missing = per_rank * dp_size - rows
+    padded = {}
+    for key, value in batch.items():
+        filler = torch.zeros((missing,) + tuple(value.shape[1:]), dtype=value.dtype)
+        if key == "position_ids":
+            filler += torch.arange(seq_length, dtype=value.dtype)
+        padded[key] = torch.cat([value, filler])
+    start = dp_rank * per_rank
+    return [{key: value[first:first + micro_batch_size] for key, value in padded.items()}
+            for first in range(start, start + per_rank, micro_batch_size)]
+
+
 def rollout_weights(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The `weights` argument of `grpo.weighted_grpo_loss` from (a slice of) a rollout batch."""
     return {"loss": batch["loss_weight"], "token_mean": batch["token_mean_weight"],

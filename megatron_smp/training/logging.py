@@ -13,6 +13,13 @@ import torch
 from megatron_smp.config import TrainingConfig, TransformerConfig
 
 
+def has_perplexity(key: str) -> bool:
+    """Whether a validation loss is a language model's per-token cross entropy, whose exp is
+    a perplexity ("lm loss", the MTP depths' "mtp_k loss"); Megatron's evaluation block
+    prints a PPL beside those. A DPO loss, a reward or a log-prob has none."""
+    return key == "lm loss" or (key.startswith("mtp_") and key.endswith(" loss"))
+
+
 def synchronize(device: torch.device) -> None:
     """Make wall-clock timings honest on an accelerator (kernels run asynchronously)."""
     if device.type == "cuda":
@@ -308,17 +315,21 @@ class TrainingLogger:
 
     def validation_line(self, prefix: str, iteration: int, losses: Dict[str, float],
                         dataset: str = "", to_scalars: bool = True) -> str:
-        """Megatron's evaluation block. `dataset`: "" inside training, "validation" or "test"
-        for the evaluations after it (which also go to the "<loss> validation" scalars, as
-        Megatron writes them, unless `to_scalars` is False: --skip-train)."""
+        """Megatron's evaluation block: "<key> value: X |" per loss or metric, followed by
+        "<key> PPL: exp(X) |" for a language-model loss (`has_perplexity`). `dataset`: "" inside
+        training, "validation" or "test" for the evaluations after it (which also go to the
+        "<loss> validation" scalars, as Megatron writes them, unless `to_scalars` is False:
+        --skip-train)."""
         where = f" on {dataset} set" if dataset else ""
         line = f" {prefix} loss at iteration {iteration}{where} |"
         for key, value in losses.items():
-            ppl = math.exp(min(20.0, value))
-            line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
+            line += f" {key} value: {value:.6E} |"
+            ppl = math.exp(min(20.0, value)) if has_perplexity(key) else None
+            if ppl is not None:
+                line += f" {key} PPL: {ppl:.6E} |"
             if to_scalars:
                 self.add_scalar(f"{key} validation", value, iteration)
-                if self.config.log_validation_ppl_to_tensorboard:
+                if ppl is not None and self.config.log_validation_ppl_to_tensorboard:
                     self.add_scalar(f"{key} validation ppl", ppl, iteration)
         length = len(line) + 1
         self.print("-" * length + "\n" + line + "\n" + "-" * length)

@@ -170,11 +170,11 @@ def empty_unused_memory(run, level: int) -> None:
 def batch_on_device(data_iterator, state: ParallelState) -> Dict[str, torch.Tensor]:
     """The next microbatch on the device; with context parallelism this rank's share of each
     sequence (see `context_parallel.get_batch_on_this_cp_rank`)."""
-    from megatron_smp.context_parallel import get_batch_on_this_cp_rank
+    from megatron_smp.training.logprobs import split_batch_for_context_parallel
 
     batch = {key: value.to(state.device, non_blocking=True)
              for key, value in next(data_iterator).items()}
-    return get_batch_on_this_cp_rank(batch, state.cp_size, state.cp_rank)
+    return split_batch_for_context_parallel(batch, state)
 
 
 def loss_fn_forward_step(loss_fn: LossFn, state: ParallelState) -> ForwardStep:
@@ -182,11 +182,11 @@ def loss_fn_forward_step(loss_fn: LossFn, state: ParallelState) -> ForwardStep:
     "position_ids", "attention_mask", "document_ids"; never its labels, so the last stage
     returns logits [b, s, padded_vocab / tp]) and hands the output and the whole batch to
     `loss_fn(output, batch) -> (loss, metrics)`."""
+    from megatron_smp.training.logprobs import model_outputs
+
     def forward_step(data_iterator, model):
         batch = batch_on_device(data_iterator, state) if data_iterator is not None else {}
-        output = model(batch.get("tokens"), position_ids=batch.get("position_ids"),
-                       attention_mask=batch.get("attention_mask"),
-                       document_ids=batch.get("document_ids"))
+        output = model_outputs(model, batch)
         return output, lambda output_tensor: loss_fn(output_tensor, batch)
     return forward_step
 
@@ -286,12 +286,54 @@ class Trainer:
                          forward_only: bool = False, num_microbatches: Optional[int] = None,
                          forward_step: Optional[ForwardStep] = None
                          ) -> List[Dict[str, torch.Tensor]]:
-        """One global batch (`num_microbatches`, default the next step's) through this
-        layout's pipeline schedule with `loss_fn` (or a Megatron-style `forward_step`); the
-        per-microbatch metric reports (last stage; [] elsewhere). Unless `forward_only`,
-        grads are zeroed first and are ready (reduced) when it returns."""
+        """One global batch through this layout's pipeline schedule with `loss_fn` (or a
+        Megatron-style `forward_step`); the per-microbatch metric reports (last stage; []
+        elsewhere). Unless `forward_only`, grads are zeroed first and are ready (reduced)
+        when it returns. `num_microbatches`: this call's count (default the next step's); an
+        explicit count may change from call to call (see `agree_num_microbatches`)."""
         step = self._forward_step(loss_fn, forward_step)
-        num_microbatches = num_microbatches or self.num_microbatches()
+        num_microbatches = self.agree_num_microbatches(num_microbatches)
+        return self._forward_backward(step, batch_iter, num_microbatches, forward_only)
+
+    def agree_num_microbatches(self, num_microbatches: Optional[int] = None) -> int:
+        """The microbatches of one call: the next step's (--global-batch-size /
+        --rampup-batch-size) when None; else `num_microbatches`, which may differ per call
+        (an RL step's rollouts after DAPO's filter, packed into a varying number of rows) but
+        must be the same on every rank: the pipeline stages and the expert-parallel all-to-alls
+        run that many. One all-reduce checks it, so every rank raises the same ValueError for
+        a count that differs over ranks or that this layout's schedule cannot run."""
+        if num_microbatches is None:
+            return self.num_microbatches()
+        import operator
+
+        import torch.distributed as dist
+
+        try:
+            local = operator.index(num_microbatches)
+        except TypeError:
+            local = 0  # not an integer: the error below, on every rank
+        low = high = local
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            bounds = torch.tensor([local, -local], dtype=torch.int64, device=self.state.device)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+            high, low = bounds.tolist()
+            low = -low
+        if low != high:
+            raise ValueError(f"Trainer: num_microbatches differs over the ranks ({low} to "
+                             f"{high}); every rank must run the same number of microbatches "
+                             "in a step (pad the short ranks with empty microbatches)")
+        if low < 1:
+            raise ValueError(f"Trainer: num_microbatches must be a positive integer, got "
+                             f"{num_microbatches!r}")
+        pp = self.state.pp_size
+        if len(self.model) > 1 and low % pp:
+            raise ValueError(f"Trainer: {low} microbatches cannot run the interleaved "
+                             f"virtual-pipeline schedule at --pipeline-model-parallel-size "
+                             f"{pp}: give a multiple of {pp} (pad with empty microbatches)")
+        return low
+
+    def _forward_backward(self, step: ForwardStep, batch_iter, num_microbatches: int,
+                          forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         if forward_only:
             return self._schedule(step, batch_iter, num_microbatches, True)
         from megatron_smp.models.multi_token_prediction import set_mtp_loss_scale
@@ -352,11 +394,19 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
 
     def train_step(self, data_iterator, loss_fn: Optional[LossFn] = None,
-                   forward_step: Optional[ForwardStep] = None) -> StepResult:
+                   forward_step: Optional[ForwardStep] = None,
+                   num_microbatches: Optional[int] = None) -> StepResult:
         """One iteration: forward and backward, the ranks' agreement (NaN checks, exit
         conditions, per-token counts), the optimizer and scheduler steps, the progress
-        counters; the losses are kept for the log (`pending_losses`)."""
-        num_microbatches = self.num_microbatches()
+        counters; the losses are kept for the log (`pending_losses`). `num_microbatches`:
+        this step's count when it is not --global-batch-size's (see
+        `agree_num_microbatches`). Such a step still advances the learning-rate schedule and
+        the consumed samples by one iteration of --global-batch-size, so a schedule over
+        --train-iters does not depend on how the step's rows were padded or split; its
+        StepResult.global_batch_size is the rows it ran."""
+        scheduled = self.batch_sizes.global_batch_size_at(self.progress.consumed_train_samples)
+        fixed_size = num_microbatches is None
+        num_microbatches = self.agree_num_microbatches(num_microbatches)
         global_batch_size = (num_microbatches * self.configs.training.micro_batch_size
                              * self.state.dp_size)
         step = self._forward_step(loss_fn, forward_step)
@@ -365,13 +415,12 @@ class Trainer:
             # the ranks agree after the backward, before anything is updated.
             step = self.validator.wrap(step)
             self.validator.start_iteration(self.iteration + 1, data_iterator)
-        reports = self.forward_backward(data_iterator, forward_step=step,
-                                        num_microbatches=num_microbatches)
+        reports = self._forward_backward(step, data_iterator, num_microbatches, False)
         agreed, losses = self._agree(reports)
         if self.validator is not None:
             def rerun():
-                reports[:] = self.forward_backward(data_iterator, forward_step=step,
-                                                   num_microbatches=num_microbatches)
+                reports[:] = self._forward_backward(step, data_iterator, num_microbatches,
+                                                    False)
             save = self._save_for_rerun if self.configs.checkpoint.save else None
             self.validator.finish_step(save, data_iterator, rerun, agreed.get("checks"))
         if self.configs.optimizer.calculate_per_token_loss:
@@ -380,7 +429,7 @@ class Trainer:
             scale_grads_to_per_token_mean(self.model, agreed["tokens"][0], self.state,
                                           num_microbatches)
         update_successful, grad_norm, num_zeros = self._optimizer_step()
-        self._advance(update_successful, global_batch_size)
+        self._advance(update_successful, global_batch_size if fixed_size else scheduled)
         per_layer = self._add_model_metrics(losses, num_microbatches)
         self.pending_losses.add(self.iteration, losses)  # read on the host at the log line
         return StepResult(losses, per_layer, agreed.get("exit"), update_successful, grad_norm,
@@ -470,29 +519,20 @@ class Trainer:
         keys = loss_keys(all_reports, self.metric_keys, self.state)
         return agree_on_step(self.state, all_reports, keys)[1]
 
-    def compute_logprobs(self, batch_iter, num_microbatches: Optional[int] = None
-                         ) -> List[torch.Tensor]:
-        """Per-token log-probabilities [b, s] (fp32) of each microbatch's "labels" under the
-        model, in eval mode and without grad (what a DPO reference or a GRPO old policy
-        needs): one per microbatch on the last pipeline stage, [] on the others (this rank's
-        sequence share under context parallelism)."""
-        from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    def compute_logprobs(self, batch_iter, num_microbatches: Optional[int] = None,
+                         temperature: float = 1.0) -> List[torch.Tensor]:
+        """Per-token log-probabilities [b, s] (fp32) of each of `num_microbatches` (default
+        the next step's) microbatches' "labels" under the model, in eval mode and without
+        grad (what a DPO reference or a GRPO old policy needs): the whole sequences, on every
+        rank of the TP / CP / PP groups. `training.logprobs.logprobs_of_microbatches` does
+        the work (the backend API's `compute_logprobs` too)."""
+        from megatron_smp.training.logprobs import logprobs_of_microbatches
 
-        vocab_size, tp_group = self.configs.model.vocab_size, self.state.tp_group
-
-        def logprobs(logits, batch):
-            values = -vocab_parallel_cross_entropy(logits, batch["labels"], tp_group,
-                                                   vocab_size)
-            return values.sum() * 0.0, {"logprobs": values}
-
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            reports = self.forward_backward(batch_iter, logprobs, forward_only=True,
-                                            num_microbatches=num_microbatches)
-        finally:
-            for chunk in self.model:
-                chunk.train()
+        count = num_microbatches or self.num_microbatches()
+        microbatches = [next(batch_iter) for _ in range(count)]
+        reports = logprobs_of_microbatches(
+            self.model, microbatches, self.state, self.configs.model.vocab_size,
+            pipeline_schedule=self.configs.training.pipeline_schedule, temperature=temperature)
         return [report["logprobs"] for report in reports]
 
     # -- checkpoints ------------------------------------------------------------------------

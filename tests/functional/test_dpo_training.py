@@ -42,7 +42,8 @@ def dpo_argv(tmp_path_factory):
 
 
 def _train(rank, world_size, argv, pad_like_context_parallel=None):
-    """{key: [value per iteration]} and the last log line; `pad_like_context_parallel`: pad
+    """{key: [value per iteration]} and the last log line (then the validation lines);
+    `pad_like_context_parallel`: pad
     the sequences as a run at that --context-parallel-size does (the reference of a CP run
     packs the same way)."""
     import contextlib
@@ -66,8 +67,10 @@ def _train(rank, world_size, argv, pad_like_context_parallel=None):
         result = train_dpo(model_provider, argv=argv)
     losses = {key: [result.train_losses[i][key] for i in sorted(result.train_losses)]
               for key in KEYS}
-    lines = [line for line in out.getvalue().splitlines() if "consumed samples" in line]
-    return losses, lines[-1] if lines else ""
+    printed = out.getvalue().splitlines()
+    lines = [line for line in printed if "consumed samples" in line]
+    validation = [line for line in printed if "validation loss at iteration" in line]
+    return losses, "\n".join(lines[-1:] + validation)
 
 
 def _same(losses, expected, what):
@@ -84,25 +87,39 @@ def _same(losses, expected, what):
 
 @pytest.fixture(scope="module")
 def single_process(dpo_argv, tmp_path_factory):
-    """The one-process run (frozen-copy reference), its last log line and TensorBoard dir."""
+    """The one-process run (frozen-copy reference, from the initialisation), its last log
+    line, TensorBoard dir and checkpoints (iterations 5 and 10)."""
     board = str(tmp_path_factory.mktemp("tb"))
+    save = str(tmp_path_factory.mktemp("frozen"))
     (losses, line), = run_distributed(
-        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board],), timeout=300)
-    return losses, line, board
+        _train, 1, args=(dpo_argv + ["--tensorboard-dir", board, "--save", save,
+                                     "--save-interval", "5",
+                                     "--log-validation-ppl-to-tensorboard"],), timeout=300)
+    return losses, line, board, save
 
 
 def test_dpo_layouts_match_single_process(dpo_argv, single_process):
     """10 iterations of DPO (frozen-copy reference) at TP=2+SP, PP=2, DP=2 with the
     distributed optimizer and FSDP2 equal the single process's losses and metrics (1e-4);
-    the log line and TensorBoard carry TRL's names."""
+    the log line and TensorBoard carry TRL's names; the validation line gives each of them
+    Megatron's way ("<key> value: X |") with no perplexity (not even with
+    --log-validation-ppl-to-tensorboard)."""
+    import re
+
     from tests.functional.test_logging_flags import _scalars
 
-    reference, line, board = single_process
+    reference, line, board, _ = single_process
     assert reference["dpo loss"][-1] < reference["dpo loss"][0]
     scalars = _scalars(board)
+    train_line, validation = line.split("\n")
     for key in KEYS:
-        assert f" {key}: " in line
+        assert f" {key}: " in train_line
         assert [value for _, value in scalars[key]] == pytest.approx(reference[key], rel=1e-6)
+        assert [step for step, _ in scalars[f"{key} validation"]] == [10]
+    assert not any(tag.endswith("ppl") for tag in scalars)
+    number = r"-?\d\.\d{6}E[-+]\d\d"
+    assert re.fullmatch(r" validation loss at iteration 10 on validation set \|" + "".join(
+        rf" {re.escape(key)} value: {number} \|" for key in sorted(KEYS)), validation), validation
     for flags in ("--tensor-model-parallel-size 2 --sequence-parallel",
                   "--pipeline-model-parallel-size 2",
                   "--use-distributed-optimizer",
@@ -160,10 +177,11 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
         handle.write("5")
     (resumed, _), = run_distributed(_train, 1, args=(saving + ["--load", save],), timeout=300)
     assert all(resumed[key] == precomputed[key][5:] for key in KEYS), (resumed, precomputed)
-    # A frozen copy of the starting weights cannot be made when resuming full fine-tuning.
+    # A precomputed run's checkpoints record no starting weights to rebuild a frozen copy of.
     error, = run_distributed(_train, 1, args=(dpo_argv + ["--load", save],), timeout=300,
                              allow_errors=True)
-    assert "--dpo-reference frozen: resuming at iteration 10, the starting weights" in error
+    assert ("--dpo-reference frozen: resuming at iteration 10, but --load has no "
+            "dpo_reference_source.json") in error
 
     save = str(tmp_path / "lora")
     saving = lora + ["--use-distributed-optimizer", "--save", save, "--save-interval", "5"]
@@ -174,3 +192,51 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
     for (resumed, _), (whole, _) in zip(run_distributed(_train, 2, args=(
             saving + ["--load", save],), timeout=300), first):
         assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
+
+
+def _set_latest(directory, iteration):
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+
+
+def test_full_fine_tuning_frozen_reference_resumes_exactly(dpo_argv, single_process, tmp_path):
+    """Full fine-tuning with a frozen copy resumes exactly: its reference is rebuilt from
+    the recorded starting point -- the initialisation under --seed (one process), or the
+    checkpoint the run started from with --finetune (TP=2+SP) -- and iterations 6-10 repeat
+    the uninterrupted run's loss and six metrics; a clear error when that checkpoint is
+    gone."""
+    import shutil
+
+    whole, _, _, start = single_process
+    with open(os.path.join(start, "dpo_reference_source.json")) as handle:
+        assert json.load(handle) == {"seed": 7}
+    _set_latest(start, 5)
+    (resumed, _), = run_distributed(_train, 1, args=(dpo_argv + [
+        "--load", start, "--save", str(tmp_path / "resumed")],), timeout=300)
+    assert all(resumed[key] == whole[key][5:] for key in KEYS), (resumed, whole)
+    # The resumed run's own checkpoints record the same starting point.
+    with open(tmp_path / "resumed" / "dpo_reference_source.json") as handle:
+        assert json.load(handle) == {"seed": 7}
+
+    # DPO from the iteration-5 checkpoint, at TP=2+SP, saving at 5 and 10, then resumed at 5.
+    save = str(tmp_path / "from_checkpoint")
+    argv = dpo_argv + ["--load", start, "--finetune", "--save", save, "--save-interval", "5",
+                       "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    first = run_distributed(_train, 2, args=(argv,), timeout=300)
+    with open(os.path.join(save, "dpo_reference_source.json")) as handle:
+        assert json.load(handle) == {"load": os.path.abspath(start), "iteration": 5}
+    # At iteration 1 the policy is its reference: every reward is 0.
+    assert abs(first[0][0]["rewards/margins"][0]) < 1e-6, first[0][0]["rewards/margins"]
+    _set_latest(save, 5)
+    resume = [arg for arg in argv if arg != "--finetune"]
+    resume[resume.index(start)] = save
+    for (resumed, _), (uninterrupted, _) in zip(
+            run_distributed(_train, 2, args=(resume,), timeout=300), first):
+        assert all(resumed[key] == uninterrupted[key][5:] for key in KEYS), (
+            resumed, uninterrupted)
+
+    shutil.move(os.path.join(start, "iter_0000005"), str(tmp_path / "moved"))
+    for error in run_distributed(_train, 2, args=(resume,), timeout=300, allow_errors=True):
+        assert ("the reference is the checkpoint the run started from, "
+                f"{os.path.join(os.path.abspath(start), 'iter_0000005')}, which is gone"
+                ) in error, error

@@ -64,3 +64,28 @@ def test_dpo_script_steps(tmp_path):
     assert steps[0][0] == "tools/make_tiny_llama.py"
     assert not any("pretrain_llama.py" in step for step in steps)
     assert sum("train_dpo.py" in step for step in steps) == 1
+
+
+def test_frozen_reference_starting_point(tmp_path):
+    """What a full fine-tuning run records as its frozen reference's source: the --finetune
+    checkpoint, the --seed initialisation, or why a resume cannot rebuild it (--save is the
+    directory it started from, whose checkpoint its own saves may replace)."""
+    import os
+    from types import SimpleNamespace
+
+    from megatron_smp.post_training.dpo_training import starting_point
+
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "latest_checkpointed_iteration.txt").write_text("40")
+
+    def configs(load, save):
+        return SimpleNamespace(checkpoint=SimpleNamespace(load=load, save=save),
+                               training=SimpleNamespace(seed=3))
+
+    assert starting_point(configs(str(sft), str(tmp_path / "dpo"))) == {
+        "load": os.path.abspath(sft), "iteration": 40}
+    assert starting_point(configs(None, str(tmp_path / "dpo"))) == {"seed": 3}
+    assert starting_point(configs(str(tmp_path / "empty"), None)) == {"seed": 3}
+    why = starting_point(configs(str(sft), str(sft)))["unavailable"]
+    assert why.startswith(f"the run started from iteration 40 of its own --save directory {sft}")

@@ -91,7 +91,31 @@ def _logprobs_worker(rank, world_size, flags, family):
     out = compute_logprobs(chunks, batch, state, VOCAB, micro_batch_size=2, temperature=0.7)
     logps, _ = _hf_reference(hf, ids, batch, temperature=0.7)
     diffs.append(("temperature 0.7", float((out["logprobs"] - logps).abs().max()), 0.0))
-    return diffs, to_numpy(weights)
+    return diffs, to_numpy(weights), _token_budget_diff(chunks, state, flags)
+
+
+def _token_budget_diff(chunks, state, flags):
+    """Token-budget micro-batches against fixed ones of one row: the largest difference on
+    the real positions, the largest value past them (0), and the micro-batch count. Where the
+    data-parallel ranks may hold different rows (EP=2, FSDP2), rank 1's rows are longer, so
+    the ranks' counts differ (3 and 4) and the shorter list is padded."""
+    from megatron_smp.post_training.engine import compute_logprobs, token_budget_microbatches
+
+    ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(4))
+    lengths = [16, 5, 9, 12]
+    if state.dp_size > 1 and state.rank == 1:
+        lengths = [16, 16, 15, 14]
+    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "lengths": torch.tensor(lengths)}
+    fixed = compute_logprobs(chunks, batch, state, VOCAB, micro_batch_size=1,
+                             with_entropy=True)
+    budget = compute_logprobs(chunks, batch, state, VOCAB, max_tokens_per_microbatch=24,
+                              with_entropy=True)
+    real = torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]
+    diff = max(float((budget[key] - fixed[key])[real].abs().max()) for key in fixed)
+    past = max(float(budget[key][~real].abs().max()) for key in fixed)
+    multiple = 4 if "--context-parallel-size" in flags else 2 if "--sequence-parallel" in flags \
+        else 1
+    return diff, past, len(token_budget_microbatches(lengths, 24, multiple, SEQ))
 
 
 _SINGLE = {}
@@ -118,14 +142,19 @@ def test_compute_logprobs_equals_hf_at_every_layout(flags, family):
     weights the stream gives (1e-5, fp32), packed and unpacked; the streamed weights equal
     the single process's (the same seed builds the same model at every layout)."""
     results = run_distributed(_logprobs_worker, 2, args=(flags.split(), family), timeout=240)
-    single_diffs, single_weights = _single_process(family)
-    for diffs, weights in results + [(single_diffs, single_weights)]:
+    single_diffs, single_weights, single_budget = _single_process(family)
+    for diffs, weights, (budget_diff, past, count) in results + [
+            (single_diffs, single_weights, single_budget)]:
         assert len(diffs) == 3, diffs  # packed and unpacked, and with a temperature
         for packed, logps_diff, entropy_diff in diffs:
             assert logps_diff < 1e-5 and entropy_diff < 1e-5, (flags, packed, diffs)
         assert sorted(weights) == sorted(single_weights)
         for name, tensor in weights.items():
             assert (tensor == single_weights[name]).all(), (flags, name)
+        # Token-budget micro-batches ([16], [12, 9], [5] of 24 tokens) equal fixed ones.
+        assert budget_diff < 1e-5 and past == 0.0 and count in (3, 4), (flags, budget_diff)
+    if "--use-torch-fsdp2" in flags or "--expert-model-parallel-size" in flags:
+        assert [count for _, _, (_, _, count) in results] == [3, 4]
 
 
 def _stream_worker(rank, world_size, layout, lora):
@@ -220,3 +249,29 @@ def test_iter_hf_weights_peak_memory_is_about_one_tensor(tmp_path):
           f"streamed {total / 1e6:.1f} MB")
     assert total > 2 * largest  # the stream holds much more than what it keeps at once
     assert peak < 2 * largest, (peak, largest)
+
+
+def test_token_budget_grouping_and_errors():
+    """Longest first, each micro-batch within the budget at its longest row's (rounded)
+    width; a row wider than the budget, both sizes at once, or packed rows: errors naming
+    what to change (raised before any collective)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.post_training.engine import compute_logprobs, token_budget_microbatches
+
+    assert token_budget_microbatches([16, 5, 9, 12], 24, 1, 16) == [([0], 16), ([3, 2], 12),
+                                                                    ([1], 5)]
+    assert token_budget_microbatches([3, 3, 3, 3, 1], 16, 4, 16) == [([0, 1, 2, 3], 4),
+                                                                     ([4], 4)]
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch=8 is less than row 0's "
+                                          "12 positions; raise it to at least 12"):
+        token_budget_microbatches([11, 2], 8, 4, 16)
+    with pytest.raises(ConfigError, match="row 1 has length 0"):
+        token_budget_microbatches([4, 0], 8, 1, 16)
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long),
+             "labels": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(ConfigError, match="give micro_batch_size or max_tokens_per_microbatch"):
+        compute_logprobs(None, batch, None, VOCAB, micro_batch_size=1,
+                         max_tokens_per_microbatch=8)
+    with pytest.raises(ConfigError, match="rows with document_ids .* give micro_batch_size"):
+        compute_logprobs(None, dict(batch, document_ids=batch["tokens"]), None, VOCAB,
+                         max_tokens_per_microbatch=8)

@@ -190,3 +190,42 @@ def test_trainer_loss_fn_on_micro_batches_gives_the_whole_batch_gradient():
     with pytest.raises(ValueError, match="batch\\['ref_logps'\\]"):
         grpo_loss_fn(config, None, vocab)(logits, {k: v for k, v in batch.items()
                                                    if k != "ref_logps"})
+
+
+def test_rollout_microbatches_pad_and_share_the_rows():
+    """Every data-parallel rank gets the same number of micro-batches of micro_batch_size
+    rows; together they are the batch plus untrained rows; their losses (over the schedule's
+    count) and metrics add up to the whole batch's."""
+    from megatron_smp.post_training.rl_config import RLConfig
+    from megatron_smp.post_training.rollouts import grpo_loss_fn, rollout_microbatches
+
+    prompts, completions, advantages, _, _, _, _ = _rollouts(seed=5, count=9)
+    batch = build_rollout_batch(prompts, completions, advantages, seq_length=SEQ_LENGTH,
+                                pad_id=PAD, loss_type="dapo", pack=False)
+    vocab = 50
+    logits = torch.randn(batch["tokens"].shape + (vocab,))
+    batch["old_logps"] = torch.randn(batch["tokens"].shape) - 4.0
+    config = RLConfig(loss_type="dapo", clamp_eps_lower=0.2, clamp_eps_upper=0.28,
+                      kl_beta=0.0)
+    whole_loss, whole_metrics = grpo_loss_fn(config, None, vocab)(logits, batch)
+    shares = [rollout_microbatches(batch, 2, dp_size=2, dp_rank=rank) for rank in (0, 1)]
+    assert [len(share) for share in shares] == [3, 3]  # 9 rows -> 12: 2 ranks x 3 x 2 rows
+    rows = torch.cat([m["tokens"] for share in shares for m in share])
+    assert rows.shape == (12, SEQ_LENGTH) and torch.equal(rows[:9], batch["tokens"])
+    padding = {key: torch.cat([m[key] for m in shares[1]])[3:] for key in batch}  # rows 9-11
+    assert not padding["loss_mask"].any() and not padding["loss_weight"].any()
+    assert torch.equal(padding["position_ids"][0], torch.arange(SEQ_LENGTH))
+    padded_logits = torch.cat([logits, torch.randn((3,) + logits.shape[1:])])
+    loss_fn = grpo_loss_fn(config, None, vocab, loss_scale=3 * 2)
+    total, metrics = 0.0, {key: 0.0 for key in whole_metrics}
+    for rank, share in enumerate(shares):
+        for index, micro in enumerate(share):
+            first = (rank * 3 + index) * 2
+            loss, parts = loss_fn(padded_logits[first:first + 2], micro)
+            total += loss.item() / (3 * 2)  # the schedule's 1 / 3 and DP's mean over 2 ranks
+            metrics = {key: value + parts[key].item() for key, value in metrics.items()}
+    assert abs(total - whole_loss.item()) < 1e-6
+    for key, value in whole_metrics.items():
+        assert abs(metrics[key] - value.item()) < 1e-6, key
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        rollout_microbatches(batch, 2, dp_size=2, dp_rank=2)

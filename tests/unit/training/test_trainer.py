@@ -118,3 +118,33 @@ def test_configs_validated_once_and_logprobs_at_tp2():
             timeout=300):
         assert counts == {"ParallelConfig": 1, "TransformerConfig": 1, "OptimizerConfig": 1}
         assert shape == (2, 32) and error < 1e-5, error
+
+
+def _trainer_logprobs(rank, world_size, argv):
+    """Trainer.compute_logprobs of two microbatches (the next step's count)."""
+    import torch
+
+    import pretrain_gpt
+    from megatron_smp.training import Trainer, build_configs
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from trainer_custom_loss import FLAGS
+
+    trainer = Trainer.build(build_configs(FLAGS + ["--global-batch-size", "4"] + argv)[0],
+                            pretrain_gpt.model_provider)
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(3))
+    batches = iter([{"tokens": tokens[i:i + 2, :-1], "labels": tokens[i:i + 2, 1:]}
+                    for i in (0, 2)])
+    return [values.numpy() for values in trainer.compute_logprobs(batches)]
+
+
+def test_trainer_logprobs_whole_sequences_on_every_stage():
+    """At PP=2 both stages get every microbatch's log-probs, equal to one process's."""
+    import numpy as np
+
+    single, = run_distributed(_trainer_logprobs, 1, args=([],), timeout=300)
+    assert [values.shape for values in single] == [(2, 32), (2, 32)]
+    for stage in run_distributed(_trainer_logprobs, 2, args=(
+            ["--pipeline-model-parallel-size", "2"],), timeout=300):
+        for values, expected in zip(stage, single):
+            assert np.abs(values - expected).max() < 1e-5
