@@ -12,9 +12,10 @@ One *rollout batch* every `--grpo-iterations` optimizer iterations:
 3. rewards from the environment's reward functions, group advantages (--grpo-scale-rewards
    none is Dr. GRPO's), DAPO's filter of equal-reward groups
    (--grpo-filter-groups-with-same-reward);
-4. one rollout per row of --seq-length; the rows of filtered groups are replaced by padding
-   rows that train nothing, so every step has the same number of microbatches
-   (--global-batch-size = group size x prompts per step);
+4. one rollout per row of --seq-length, shared over the data-parallel ranks in whole
+   microbatches (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a
+   step after DAPO's filter has fewer microbatches (--global-batch-size = group size x
+   prompts per step is what the schedule and the consumed samples count per iteration);
 5. the old policy's log-probs (with --grpo-iterations > 1; for one iteration the policy is
    its own old policy, as in TRL) and the reference's (with --grpo-kl-beta > 0: a frozen copy
    of the starting weights, or the model with its LoRA adapters off);
@@ -53,7 +54,7 @@ from megatron_smp.post_training.rl_generation import (
     generate_rollouts, rollout_fields, score_rollouts,
 )
 from megatron_smp.post_training.rollouts import (
-    build_rollout_batch, grpo_loss_fn, rollout_advantages, rollout_metrics,
+    build_rollout_batch, grpo_loss_fn, rollout_advantages, rollout_metrics, rollout_microbatches,
 )
 
 RL_STATE_DIR = "rl_state"
@@ -128,19 +129,6 @@ def rollout_logprobs(model, batch: Dict[str, torch.Tensor], run) -> torch.Tensor
                             pipeline_schedule=training.pipeline_schedule)["logprobs"]
 
 
-def padding_rows(num_rows: int, seq_length: int, pad_id: int,
-                 like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """`num_rows` rows that train nothing (loss mask and every weight zero), with the keys
-    and dtypes of a `build_rollout_batch` batch `like`."""
-    rows = {}
-    for key, value in like.items():
-        rows[key] = torch.zeros((num_rows, seq_length), dtype=value.dtype)
-    rows["tokens"].fill_(pad_id)
-    rows["labels"].fill_(pad_id)
-    rows["position_ids"] = torch.arange(seq_length).expand(num_rows, seq_length).clone()
-    return rows
-
-
 @dataclass
 class RolloutBatch:
     """What one rollout batch leaves for its --grpo-iterations updates: this data-parallel
@@ -212,12 +200,8 @@ class RLRun:
         trainer.metric_keys = policy_metric_keys(config)
         self.pending: Optional[RolloutBatch] = None
         self.result = RLResult()
-        dp = self.state.dp_size
-        self.num_microbatches = config.rollouts_per_step // (dp * training.micro_batch_size)
-        self.loss_scale = self.num_microbatches * dp
-        self.policy_loss = grpo_loss_fn(config, self.state.tp_group,
-                                        self.configs.model.vocab_size,
-                                        loss_scale=self.loss_scale)
+        self.loss_scale = 1.0
+        self.policy_loss = None
 
     # -- modes ------------------------------------------------------------------------------
     def _train_mode(self) -> None:
@@ -238,6 +222,16 @@ class RLRun:
             self._train_mode()
 
     # -- the loss ---------------------------------------------------------------------------
+    def _scale_for(self, pending: "RolloutBatch") -> None:
+        """The loss of a step of n microbatches per rank: the batch weights normalise over
+        the whole rollout batch, so the schedule's and the reduction's averaging over
+        n x dp is undone (context parallelism is not used here)."""
+        scale = float(len(pending.microbatches) * self.state.dp_size)
+        if self.policy_loss is None or scale != self.loss_scale:
+            self.loss_scale = scale
+            self.policy_loss = grpo_loss_fn(self.config, self.state.tp_group,
+                                            self.configs.model.vocab_size, loss_scale=scale)
+
     def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
         """`rollouts.grpo_loss_fn` with its metrics reported as the global batch's values
         (each microbatch's weighted sum, scaled like the loss, so the trainer's mean over
@@ -271,34 +265,33 @@ class RLRun:
         advantages, kept = rollout_advantages(
             fields["rewards"], config.group_size, config.scale_rewards,
             config.unbiased_reward_std, config.filter_groups_with_same_reward)
+        if not kept:
+            # Every group filtered: the whole batch is trained, all its advantages 0 (only
+            # the KL and entropy terms act), so the iteration still has its update.
+            advantages, kept = rollout_advantages(fields["rewards"], config.group_size,
+                                                  config.scale_rewards,
+                                                  config.unbiased_reward_std)
         metrics["rollouts_trained"] = float(len(kept))
-        seq_length = training.seq_length
-        if kept:
-            batch = build_rollout_batch(
-                [fields["prompt_ids"][i] for i in kept],
-                [fields["completion_ids"][i] for i in kept], advantages.tolist(),
-                seq_length=seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
-                max_completion_length=config.max_completion_length, pack=False)
-        else:  # every group filtered: a step that trains nothing (zero grads)
-            template = build_rollout_batch([[self.pad_id]], [[self.pad_id]], [0.0],
-                                           seq_length=seq_length, pad_id=self.pad_id,
-                                           loss_type=config.loss_type,
-                                           max_completion_length=config.max_completion_length)
-            batch = padding_rows(0, seq_length, self.pad_id, template)
-        missing = config.rollouts_per_step - batch["tokens"].shape[0]
-        if missing:
-            pad = padding_rows(missing, seq_length, self.pad_id, batch)
-            batch = {key: torch.cat([batch[key], pad[key]]) for key in batch}
-        rows = config.rollouts_per_step // state.dp_size
-        local = {key: value[state.dp_rank * rows:(state.dp_rank + 1) * rows]
-                 for key, value in batch.items()}
-        if config.iterations > 1:
-            local["old_logps"] = rollout_logprobs(self.trainer.model, local, self).cpu()
-        if config.kl_beta != 0.0:
-            local["ref_logps"] = self._reference_logprobs(local).cpu()
+        batch = build_rollout_batch(
+            [fields["prompt_ids"][i] for i in kept],
+            [fields["completion_ids"][i] for i in kept], advantages.tolist(),
+            seq_length=training.seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
+            max_completion_length=config.max_completion_length, pack=False)
+        # This rank's share, padded with untrained rows to whole microbatches: after DAPO's
+        # filter the number of microbatches varies from step to step.
+        microbatches = rollout_microbatches(batch, training.micro_batch_size, state.dp_size,
+                                            state.dp_rank)
+        extra = {}
+        if config.iterations > 1 or config.kl_beta != 0.0:
+            local = {key: torch.cat([m[key] for m in microbatches]) for key in microbatches[0]}
+            if config.iterations > 1:
+                extra["old_logps"] = rollout_logprobs(self.trainer.model, local, self).cpu()
+            if config.kl_beta != 0.0:
+                extra["ref_logps"] = self._reference_logprobs(local).cpu()
         micro = training.micro_batch_size
-        microbatches = [{key: value[i:i + micro] for key, value in local.items()}
-                        for i in range(0, rows, micro)]
+        for index, microbatch in enumerate(microbatches):
+            for key, values in extra.items():
+                microbatch[key] = values[index * micro:(index + 1) * micro]
         return RolloutBatch(number, microbatches, metrics, generation_time)
 
     def _reference_logprobs(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -322,8 +315,10 @@ class RLRun:
             if self.pending is None or self.pending.updates_done == config.iterations:
                 self.pending = self.rollout_batch(trainer.iteration // config.iterations)
             pending = self.pending
+            self._scale_for(pending)
             start = time.perf_counter()
-            step = trainer.train_step(iter(pending.microbatches), loss_fn=self.loss_fn)
+            step = trainer.train_step(iter(pending.microbatches), loss_fn=self.loss_fn,
+                                      num_microbatches=len(pending.microbatches))
             pending.updates_done += 1
             values = {key: value.item() for key, value in step.losses.items()}
             values.update(pending.metrics)
@@ -524,5 +519,5 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
 
 
 __all__ = ["train_rl", "RLRun", "RLResult", "RolloutBatch", "add_rl_training_args",
-           "check_rl_configs", "policy_metric_keys", "rollout_logprobs", "padding_rows",
+           "check_rl_configs", "policy_metric_keys", "rollout_logprobs",
            "LOSS_KEY", "GENERATION_TIME", "TRAINING_TIME"]
