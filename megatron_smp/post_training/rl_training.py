@@ -198,6 +198,7 @@ class RLRun:
             self.reference = build_reference_chunks(model_provider, self.configs, self.state)
             copy_base_weights(self.reference, trainer.model)
         trainer.metric_keys = policy_metric_keys(config)
+        self.reference_saved_to = set()
         self.pending: Optional[RolloutBatch] = None
         self.result = RLResult()
         self.loss_scale = 1.0
@@ -432,10 +433,11 @@ class RLRun:
         state = {"sampler": self.sampler.state_dict(), "world_size": self.state.world_size,
                  "pending": None if pending is None else pending.state_dict()}
         _atomic_save(state, self._state_path(directory, iteration))
-        if self.reference is not None:
-            path = self._reference_path(directory)
-            if not os.path.isfile(path):
-                _atomic_save([chunk.state_dict() for chunk in self.reference], path)
+        if self.reference is not None and directory not in self.reference_saved_to:
+            # Once per run and directory (a file left there by another run is replaced).
+            _atomic_save([chunk.state_dict() for chunk in self.reference],
+                         self._reference_path(directory))
+            self.reference_saved_to.add(directory)
         if dist.is_initialized():
             dist.barrier()
 
