@@ -430,6 +430,9 @@ class TransformerConfig:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(x w) scales the shared expert
+    # Latent experts (Nemotron 3; Megatron's --moe-latent-size): routed experts work in this
+    # width between replicated projections h -> latent (fc1_latent_proj) and back (fc2_...).
+    moe_latent_size: Optional[int] = None
     # Multi-token prediction (DeepSeek-V3; transformer/multi_token_prediction.py): D extra
     # layers on the last pipeline stage, layer k predicting the token k + 1 places ahead;
     # their mean loss enters backward scaled by mtp_loss_scaling_factor (Megatron's flags).
@@ -504,6 +507,9 @@ class TransformerConfig:
                                                               "--linear-attention-freq")
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        depths = self.hybrid_mtp_depths()
+        if depths and self.mtp_num_layers is None:  # the pattern's `/` parts are the depths
+            self.mtp_num_layers = depths
 
     def sequence_parallel_at(self, tp_size: int) -> bool:
         """Whether sequence parallelism is on at tensor-parallel size `tp_size` (--sequence-
@@ -800,17 +806,36 @@ class TransformerConfig:
             "pipeline stage",
         )
 
-    def hybrid_layer_symbols(self) -> Optional[str]:
-        """--hybrid-layer-pattern without its stage breaks: one symbol per layer, or None."""
+    def _hybrid_main_pattern(self) -> Optional[str]:
         if self.hybrid_layer_pattern is None:
             return None
-        return self.hybrid_layer_pattern.replace(HYBRID_STAGE_BREAK, "")
+        return self.hybrid_layer_pattern.split(HYBRID_MTP_SEPARATOR)[0]
+
+    def hybrid_layer_symbols(self) -> Optional[str]:
+        """The decoder's part of --hybrid-layer-pattern (before any `/`) without its stage
+        breaks: one symbol per layer, or None."""
+        main = self._hybrid_main_pattern()
+        return None if main is None else main.replace(HYBRID_STAGE_BREAK, "")
+
+    def hybrid_mtp_symbols(self) -> Optional[str]:
+        """The layers of one multi-token-prediction depth (Megatron's "<main>/<mtp>/<mtp>":
+        every `/` part is one depth, all alike), or None without `/` parts."""
+        if not self.hybrid_mtp_depths():
+            return None
+        return self.hybrid_layer_pattern.split(HYBRID_MTP_SEPARATOR)[1]
+
+    def hybrid_mtp_depths(self) -> int:
+        """How many `/` parts (multi-token-prediction depths) --hybrid-layer-pattern has."""
+        if self.hybrid_layer_pattern is None:
+            return 0
+        return self.hybrid_layer_pattern.count(HYBRID_MTP_SEPARATOR)
 
     def hybrid_stage_layer_counts(self) -> Optional[List[int]]:
         """Layers of each `|`-separated segment of --hybrid-layer-pattern; None without breaks."""
-        if self.hybrid_layer_pattern is None or HYBRID_STAGE_BREAK not in self.hybrid_layer_pattern:
+        main = self._hybrid_main_pattern()
+        if main is None or HYBRID_STAGE_BREAK not in main:
             return None
-        return [len(part) for part in self.hybrid_layer_pattern.split(HYBRID_STAGE_BREAK)]
+        return [len(part) for part in main.split(HYBRID_STAGE_BREAK)]
 
     def linear_attention_pattern(self) -> List[int]:
         """1 for each (0-based) GPT layer whose attention is a Gated DeltaNet
@@ -838,9 +863,17 @@ class TransformerConfig:
         symbols = self.hybrid_layer_symbols()
         uses_mamba = uses_gdn = False
         if symbols is not None:
-            _require(HYBRID_MTP_SEPARATOR not in symbols,
-                     f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r}: multi-token "
-                     "prediction parts ('/') are not supported yet in hybrid models; drop them")
+            mtp_parts = self.hybrid_layer_pattern.split(HYBRID_MTP_SEPARATOR)[1:]
+            if mtp_parts:
+                mtp = mtp_parts[0]
+                _require(all(part == mtp for part in mtp_parts) and mtp
+                         and set(mtp) <= set(HYBRID_SYMBOLS) and mtp.count("E") <= 1,
+                         f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r}: each "
+                         "multi-token-prediction part after a '/' is one depth; they must be "
+                         "equal, non-empty, of M G * - E (no '|'), with at most one E")
+                _require(self.mtp_num_layers == len(mtp_parts),
+                         f"--mtp-num-layers ({self.mtp_num_layers}) must equal the "
+                         f"{len(mtp_parts)} '/' parts of --hybrid-layer-pattern (or be left out)")
             unknown = sorted(set(symbols) - set(HYBRID_SYMBOLS))
             _require(not unknown and symbols,
                      f"--hybrid-layer-pattern {self.hybrid_layer_pattern!r}: unknown symbols "
@@ -849,14 +882,16 @@ class TransformerConfig:
             _require(len(symbols) == self.num_layers,
                      f"--hybrid-layer-pattern has {len(symbols)} layers but --num-layers is "
                      f"{self.num_layers}; the pattern decides the layer count (drop --num-layers)")
-            _require("E" not in symbols or self.num_moe_experts is not None,
+            _require("E" not in self.hybrid_layer_pattern or self.num_moe_experts is not None,
                      "--hybrid-layer-pattern has MoE layers (E): give --num-experts")
             _require(self.linear_attention_freq is None,
                      "--linear-attention-freq picks linear attention in GPT layers; with "
                      "--hybrid-layer-pattern write G where a Gated DeltaNet goes instead")
-            _require(self.mtp_num_layers is None,
-                     "--mtp-num-layers with --hybrid-layer-pattern is not supported yet")
-            uses_mamba, uses_gdn = "M" in symbols, "G" in symbols
+            _require(self.mtp_num_layers is None or mtp_parts,
+                     "--mtp-num-layers with --hybrid-layer-pattern: write the prediction "
+                     "depths into the pattern (\"M*M*/*-/*-\": two depths of \"*-\")")
+            every = symbols + "".join(mtp_parts)
+            uses_mamba, uses_gdn = "M" in every, "G" in every
         if self.linear_attention_freq is not None:
             _require(self.experimental_attention_variant in ("gated_delta_net", "gdn"),
                      "--linear-attention-freq needs --experimental-attention-variant "
@@ -890,12 +925,18 @@ class TransformerConfig:
             _require(keys % tp == 0,
                      f"Gated DeltaNet: --linear-num-key-heads ({keys}) must be divisible by "
                      f"--tensor-model-parallel-size ({tp})")
-        if (uses_mamba or uses_gdn) and parallel.context_parallel_size > 1:
-            raise ConfigError(
-                "--context-parallel-size > 1 with Mamba / Gated DeltaNet layers: context "
-                "parallelism of the recurrent mixers (passing each rank's final state to the "
-                "next, as Megatron's mamba_context_parallel does) is not built yet; use "
-                "--context-parallel-size 1")
+        # Context parallelism (Megatron's all-to-all over the mixers' groups): each CP rank
+        # scans the whole sequence for whole groups of its TP rank's.
+        cp = parallel.context_parallel_size
+        if uses_mamba:
+            _require(groups % (tp * cp) == 0,
+                     f"Mamba: --mamba-num-groups ({groups}) must be divisible by "
+                     f"--tensor-model-parallel-size x --context-parallel-size ({tp * cp}): "
+                     "each rank scans whole groups")
+        if uses_gdn:
+            _require(keys % (tp * cp) == 0,
+                     f"Gated DeltaNet: --linear-num-key-heads ({keys}) must be divisible by "
+                     f"--tensor-model-parallel-size x --context-parallel-size ({tp * cp})")
 
     def layer_pattern_number(self, layer_number: int) -> int:
         """The decoder layer whose kind (window, MoE or dense) global layer `layer_number`
@@ -986,6 +1027,10 @@ class TransformerConfig:
         _require(
             not self.moe_shared_expert_gate or shared is not None,
             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size",
+        )
+        _require(
+            self.moe_latent_size is None or self.moe_latent_size >= 1,
+            f"--moe-latent-size must be >= 1, got {self.moe_latent_size}",
         )
         _require(
             tp == 1 or self.sequence_parallel,

@@ -600,6 +600,17 @@ class _HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad, ctx.group), None
 
 
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable [s/N, b, n, d] sequence-sharded -> [s, b, n/N, d] head-sharded, rows in
+    rank order (each rank's local sequence, then the next's: `split.gathered_order`)."""
+    return _SequenceToHeads.apply(x, group)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable inverse of `sequence_to_heads`: [s, b, n/N, d] -> [s/N, b, n, d]."""
+    return _HeadsToSequence.apply(x, group)
+
+
 class AllToAllAttention(_ContextParallelCore):
     """DeepSpeed-Ulysses (`--cp-comm-type a2a`): trade the sequence split for a head split,
     run `DotProductAttention` over the whole sequence for nh/N heads (and ng/N query groups),
@@ -627,7 +638,7 @@ class AllToAllAttention(_ContextParallelCore):
                 "(--reset-attention-mask, padding) needs --cp-comm-type all_gather"
             )
         group = self.cp_group
-        q, k, v = (_SequenceToHeads.apply(t, group) for t in (query, key, value))
+        q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
         order = gathered_order(q.shape[0], self.cp_size, q.device)
         to_global = torch.argsort(order)
         q, k, v = (t.index_select(0, to_global) for t in (q, k, v))
@@ -636,7 +647,7 @@ class AllToAllAttention(_ContextParallelCore):
         context = context.index_select(0, order)
         s, b = context.shape[:2]
         context = context.reshape(s, b, self.num_heads // self.cp_size, self.head_dim)
-        context = _HeadsToSequence.apply(context, group)
+        context = heads_to_sequence(context, group)
         return context.reshape(context.shape[0], b, self.num_heads * self.head_dim)
 
 
@@ -659,4 +670,6 @@ __all__ = [
     "AllGatherAttention",
     "AllToAllAttention",
     "core_attention_spec",
+    "sequence_to_heads",
+    "heads_to_sequence",
 ]

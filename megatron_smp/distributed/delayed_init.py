@@ -110,7 +110,8 @@ def _replay_module(module: torch.nn.Module, device: torch.device) -> int:
         # torch's own reset_parameters would draw other values than the constructor here.
         raise ConfigError(
             f"delayed initialisation does not know how {type(module).__name__} was "
-            "initialised (e.g. mixture-of-experts routers); build the model eagerly, or pass "
+            "initialised (a module without REPLAYS_CONSTRUCTOR_INIT or replay_init); build "
+            "the model eagerly, or pass "
             "init_method_using_config=fn to DelayedParamIniter"
         )
     empty_module_params(module, device)

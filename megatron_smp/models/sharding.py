@@ -67,10 +67,12 @@ def default_layout(config: TransformerConfig) -> Layout:
         _add_mixer_layout(layout, config)
     if config.mtp_num_layers:  # each MTP layer: eh_proj, then a decoder layer
         layout["mtp.layers.*.eh_proj.weight"] = (0, 1)
+        # A hybrid pattern's depth is a stack of hybrid layers (transformer.hybrid).
+        inner_layer = "layers.*." if config.hybrid_mtp_symbols() else ""
         for name, split in list(layout.items()):
             if name.startswith("decoder.layers.*."):
                 inner = name[len("decoder.layers.*."):]
-                layout[f"mtp.layers.*.mtp_model_layer.{inner}"] = split
+                layout[f"mtp.layers.*.mtp_model_layer.{inner_layer}{inner}"] = split
     return layout
 
 

@@ -2,6 +2,7 @@
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -27,6 +28,7 @@ from megatron_smp.tensor_parallel.random import (
 from megatron_smp.tensor_parallel.utils import (
     divide,
     init_method_normal,
+    output_init_method,
     param_is_not_tensor_parallel_duplicate,
     scaled_init_method_normal,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
@@ -35,6 +37,7 @@ from megatron_smp.tensor_parallel.utils import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "ReplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tensor_model_parallel_region",
@@ -56,6 +59,7 @@ __all__ = [
     "divide",
     "init_method_normal",
     "param_is_not_tensor_parallel_duplicate",
+    "output_init_method",
     "scaled_init_method_normal",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",

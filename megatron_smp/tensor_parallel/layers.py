@@ -40,6 +40,7 @@ from megatron_smp.tensor_parallel.mappings import (
 from megatron_smp.tensor_parallel.utils import (
     InitMethod,
     divide,
+    init_method_normal,
     set_tensor_model_parallel_attributes,
 )
 
@@ -537,4 +538,47 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+class ReplicatedLinear(torch.nn.Module):
+    """A linear layer every TP rank holds whole (MLA's down-projections, the MoE latent
+    projections): forward(x [..., input_size]) -> [..., output_size].
+
+    Drawn on the CPU from the init scope's generator with `init_method` (default: normal with
+    config.init_method_std), so every layout holds the same values; the bias (`bias=True`)
+    starts at zero. `sequence_parallel` marks the params for the TP sum of their grads when
+    each rank feeds the layer another sequence shard."""
+
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
+    def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
+                 sequence_parallel: bool, device: Optional[torch.device],
+                 init_method: Optional[InitMethod] = None, bias: bool = False) -> None:
+        super().__init__()
+        self.init_method = init_method or init_method_normal(config.init_method_std)
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(
+                torch.empty(output_size, dtype=config.params_dtype, device=device))
+            self.bias.sequence_parallel = sequence_parallel
+        self.reset_parameters()
+        self.weight.sequence_parallel = sequence_parallel
+
+    def reset_parameters(self) -> None:
+        """Draw the weight on the CPU (also what delayed initialisation replays)."""
+        master = torch.empty(self.weight.shape)
+        self.init_method(master)
+        if self.weight.device.type != "meta":
+            with torch.no_grad():
+                self.weight.copy_(master)
+                if self.bias is not None:
+                    self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
+           "VocabParallelEmbedding"]

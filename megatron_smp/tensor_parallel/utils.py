@@ -38,6 +38,14 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+def output_init_method(config) -> InitMethod:
+    """The init of a layer's output projection (`config`: a TransformerConfig): scaled by
+    depth with use_scaled_init_method (Megatron's default), else the plain normal."""
+    if config.use_scaled_init_method:
+        return scaled_init_method_normal(config.init_method_std, config.num_layers)
+    return init_method_normal(config.init_method_std)
+
+
 def set_tensor_model_parallel_attributes(
     tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
 ) -> None:

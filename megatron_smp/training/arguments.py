@@ -262,6 +262,9 @@ _FLAGS: List[_Flag] = [
     _f("--moe-grouped-gemm", "model", action="store_true"),
     _f("--moe-shared-expert-intermediate-size", "model", type=int),
     _f("--moe-shared-expert-gate", "model", action="store_true"),
+    _f("--moe-latent-size", "model", type=int,
+       help="routed experts work in this width between projections from and back to the "
+       "hidden size (Nemotron 3's latent MoE)"),
     _f("--moe-per-layer-logging", "training", action="store_true",
        help="also write each MoE layer's load_balancing_loss / z_loss to TensorBoard and "
        "W&B (moe/<name>_layer_<i>)"),

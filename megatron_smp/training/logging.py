@@ -92,7 +92,8 @@ def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
                                global_batch_size: int, padded_vocab_size: int) -> float:
     """Megatron-LM main's `hybrid_flops` for --hybrid-layer-pattern: per token, each layer of
     its one part (attention 4 h q (1 + g/n) + 2 s q, MLP and MoE as GPT's, Mamba and GDN as
-    above) plus the logits 2 h V, times 3 (forward and two backward GEMMs)."""
+    above) plus the logits 2 h V, times 3 (forward and two backward GEMMs); each
+    multi-token-prediction depth (`/` part) adds its layers and the logits once more."""
     h = config.hidden_size
     q = config.num_attention_heads * config.kv_channels
     gated = 3 if config.gated_linear_unit else 2
@@ -100,12 +101,21 @@ def hybrid_flops_per_iteration(config: TransformerConfig, seq_length: int,
     attention += 2 * seq_length * q
     moe = 0.0
     if config.num_moe_experts is not None:
-        moe = gated * h * 2 * (config.moe_ffn_hidden_size * config.moe_router_topk
-                               + (config.moe_shared_expert_intermediate_size or 0))
+        # Latent experts (--moe-latent-size L): the routed ones on L, plus the projections
+        # h -> L -> h (4 h L), as Megatron counts them.
+        routed = config.moe_latent_size or h
+        moe = 2 * gated * (routed * config.moe_ffn_hidden_size * config.moe_router_topk
+                           + h * (config.moe_shared_expert_intermediate_size or 0))
+        if config.moe_latent_size:
+            moe += 4 * h * config.moe_latent_size
     per_layer = {"*": attention, "-": 2 * gated * h * config.ffn_hidden_size, "E": moe,
                  "M": mamba_layer_flops(config), "G": gdn_layer_flops(config)}
-    per_token = sum(per_layer[symbol] for symbol in config.hybrid_layer_symbols())
-    per_token += 2 * h * padded_vocab_size
+    # The multi-token-prediction depths (the pattern's `/` parts) count their layers and
+    # one more logits each, as Megatron counts them (eh_proj and norms not).
+    depths = config.hybrid_mtp_depths()
+    symbols = config.hybrid_layer_symbols() + (config.hybrid_mtp_symbols() or "") * depths
+    per_token = sum(per_layer[symbol] for symbol in symbols)
+    per_token += 2 * h * padded_vocab_size * (1 + depths)
     return 3.0 * per_token * seq_length * global_batch_size
 
 
@@ -117,7 +127,8 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     recomputation is not counted. Per token and layer: QKV 2*h*(q + 2*kv) (GQA), attention
     scores and values 2*q*s (the causal mask halves the full square 4*q*s), output projection
     2*q*h, MLP 2*h*f*(3 if gated else 2), for an MoE layer topk routed experts of
-    moe_ffn_hidden_size plus the shared expert; plus the logits 2*h*V.
+    moe_ffn_hidden_size plus the shared expert (latent experts, --moe-latent-size L: the
+    routed ones on L plus 4*h*L for the projections); plus the logits 2*h*V.
     Beyond Megatron (whose formula has no sliding windows): a layer attending through a
     window of W keys (--window-size, --window-attn-skip-freq) counts 2*q*(2*W - W^2/s) for
     scores and values instead of 2*q*s, the same half-square rule over the keys a query sees
@@ -158,9 +169,13 @@ def flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch
     mlp = config.ffn_hidden_size * num_dense_layers
     if num_moe_layers:
         shared = config.moe_shared_expert_intermediate_size or 0
-        mlp += (config.moe_ffn_hidden_size * config.moe_router_topk + shared) * num_moe_layers
+        routed = config.moe_ffn_hidden_size * config.moe_router_topk
+        if config.moe_latent_size:  # the routed experts on L, then h -> L -> h
+            routed = routed * config.moe_latent_size / h
+        mlp += (routed + shared) * num_moe_layers
     linear = sum(config.linear_attention_pattern())  # Gated DeltaNet layers, no attention
-    per_token = (mlp_factor * h * mlp + (num_layers - linear) * attention + core
+    latent = 2 * h * (config.moe_latent_size or 0) * num_moe_layers
+    per_token = (mlp_factor * h * mlp + latent + (num_layers - linear) * attention + core
                  + mtp * (3 * h + 2 * h * h) + h * padded_vocab_size * (1 + mtp))
     if linear:
         per_token += linear * (gdn_layer_flops(config) / 2 - q * seq_length)

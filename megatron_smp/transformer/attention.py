@@ -30,7 +30,7 @@ from megatron_smp.tensor_parallel import (
     divide,
     dropout,
     init_method_normal,
-    scaled_init_method_normal,
+    output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 from megatron_smp.tensor_parallel.random import checkpoint, get_rng_tracker
@@ -498,11 +498,7 @@ class SelfAttention(torch.nn.Module):
         gated_heads = self.num_heads if self.output_gate else 0
         qkv_size = (self.num_heads + gated_heads + 2 * self.num_query_groups) * self.head_dim
         init_method = init_method_normal(config.init_method_std)
-        output_init = (
-            scaled_init_method_normal(config.init_method_std, config.num_layers)
-            if config.use_scaled_init_method
-            else init_method
-        )
+        output_init = output_init_method(config)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             qkv_size,

@@ -60,14 +60,37 @@ class HybridLayer(TransformerLayer):
         return hidden_states + self._dropout(output)
 
 
+class HybridMTPStack(torch.nn.Module):
+    """The layers of one multi-token-prediction depth of a hybrid pattern (the part after a
+    `/`, Megatron's HybridStack inside an MTP layer): `layers.<j>` are `HybridLayer`s of the
+    depth's symbols, run in turn; forward as `HybridLayer`'s. All take the depth's layer
+    number (num_layers + depth, Megatron's numbering of MTP routers)."""
+
+    def __init__(self, config: TransformerConfig, state, layer_number: int = 1,
+                 submodules=None, device=None, symbols: str = "") -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            HybridLayer(config, state, layer_number, submodules[symbol], device, symbol=symbol)
+            for symbol in symbols)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                rotary_pos_emb=None) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
+
+
 def hybrid_layer_spec(config: TransformerConfig, attention: ModuleSpec) -> LayerSpec:
     """The `LayerSpec` of --hybrid-layer-pattern; `attention` is the model's attention spec
-    (with its core attention) for the `*` layers."""
+    (with its core attention) for the `*` layers. Layer numbers past the decoder's (the
+    multi-token-prediction depths of the pattern's `/` parts) give a `HybridMTPStack`."""
     parts = {"M": ModuleSpec(MambaMixer), "G": ModuleSpec(GatedDeltaNet), "*": attention,
              "-": ModuleSpec(MLP), "E": ModuleSpec(MoELayer)}
     symbols = config.hybrid_layer_symbols()
 
     def spec_of(layer_number: int) -> ModuleSpec:
+        if layer_number > config.num_layers:
+            return ModuleSpec(HybridMTPStack, {"symbols": config.hybrid_mtp_symbols()}, parts)
         symbol = symbols[config.layer_pattern_number(layer_number) - 1]
         return ModuleSpec(HybridLayer, {"symbol": symbol}, parts[symbol])
 
@@ -89,4 +112,5 @@ def linear_attention_layer_spec(config: TransformerConfig, layer_spec: LayerSpec
     return spec_of
 
 
-__all__ = ["HybridLayer", "hybrid_layer_spec", "linear_attention_layer_spec"]
+__all__ = ["HybridLayer", "HybridMTPStack", "hybrid_layer_spec",
+           "linear_attention_layer_spec"]

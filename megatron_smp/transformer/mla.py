@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     divide,
     init_method_normal,
-    scaled_init_method_normal,
+    output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -59,38 +60,6 @@ from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.norm import build_norm
 from megatron_smp.transformer.rope import yarn_get_mscale
 from megatron_smp.transformer.spec import SelfAttentionSubmodules, build_module
-
-
-class _ReplicatedLinear(torch.nn.Module):
-    """A bias-free linear layer every TP rank holds whole (the MLA down-projections).
-
-    Drawn on the CPU from the init scope's generator, so every layout holds the same values;
-    `sequence_parallel` marks the weight for the TP sum of its grad when each rank feeds it
-    another sequence shard."""
-
-    # reset_parameters() draws what the constructor drew: delayed (meta-device)
-    # initialisation replays it (distributed.delayed_init).
-    REPLAYS_CONSTRUCTOR_INIT = True
-
-    def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
-                 sequence_parallel: bool, device: Optional[torch.device]) -> None:
-        super().__init__()
-        self.init_method = init_method_normal(config.init_method_std)
-        self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
-        self.reset_parameters()
-        self.weight.sequence_parallel = sequence_parallel
-
-    def reset_parameters(self) -> None:
-        """Draw the weight on the CPU (also what delayed initialisation replays)."""
-        master = torch.empty(self.weight.shape)
-        self.init_method(master)
-        if self.weight.device.type != "meta":
-            with torch.no_grad():
-                self.weight.copy_(master)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 class MLASelfAttention(torch.nn.Module):
@@ -131,8 +100,7 @@ class MLASelfAttention(torch.nn.Module):
         self.selective_recompute = "core_attn" in recompute_modules(config)
         self.recompute_up_proj = "mla_up_proj" in recompute_modules(config)
         init_method = init_method_normal(config.init_method_std)
-        output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
-                       if config.use_scaled_init_method else init_method)
+        output_init = output_init_method(config)
 
         def column(input_size, output_size):
             return ColumnParallelLinear(input_size, output_size, config=config, tp_group=tp_group,
@@ -143,11 +111,11 @@ class MLASelfAttention(torch.nn.Module):
         if config.q_lora_rank is None:
             self.linear_q_proj = column(config.hidden_size, q_width)
         else:
-            self.linear_q_down_proj = _ReplicatedLinear(
+            self.linear_q_down_proj = ReplicatedLinear(
                 config.hidden_size, config.q_lora_rank, config, self.sequence_parallel, device)
             self.q_layernorm = self._latent_norm(config, config.q_lora_rank, device)
             self.linear_q_up_proj = column(config.q_lora_rank, q_width)
-        self.linear_kv_down_proj = _ReplicatedLinear(
+        self.linear_kv_down_proj = ReplicatedLinear(
             config.hidden_size, self.kv_lora_rank + self.pos_dim, config,
             self.sequence_parallel, device)
         self.kv_layernorm = self._latent_norm(config, self.kv_lora_rank, device)

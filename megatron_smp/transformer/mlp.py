@@ -16,7 +16,7 @@ from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
-    scaled_init_method_normal,
+    output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup
 
@@ -77,11 +77,7 @@ class MLP(torch.nn.Module):
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         init_method = init_method_normal(config.init_method_std)
-        output_init = (
-            scaled_init_method_normal(config.init_method_std, config.num_layers)
-            if config.use_scaled_init_method
-            else init_method
-        )
+        output_init = output_init_method(config)
         fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,

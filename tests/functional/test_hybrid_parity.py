@@ -1,7 +1,9 @@
 """Hybrid models under the entry scripts: one stack holding every part of Megatron's
---hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE), and a Qwen3-Next-shaped
+--hybrid-layer-pattern (Mamba-2, Gated DeltaNet, attention, MLP, MoE, a `/` multi-token-
+prediction depth), and a Qwen3-Next-shaped
 GPT (--linear-attention-freq), train 10 iterations with the single-process losses at TP=2 +
-SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2; Megatron's
+SP, PP=2 (the pattern's | break), DP=2 with the distributed optimizer and EP=2, and both
+mixers (with attention and an MLP) at FSDP2 and CP=2 under pretrain_hybrid.py; Megatron's
 hybrid flag set (examples/mamba/train.sh, shrunk) runs through pretrain_hybrid.py as written."""
 import pytest
 
@@ -16,9 +18,10 @@ COMMON = (
     "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
     "--group-query-attention --num-query-groups 2"
 ).split()
-# Every symbol; the | puts 2 layers on the first of two pipeline stages (ignored with one).
+# Every symbol; the | puts 2 layers on the first of two pipeline stages (ignored with one);
+# the / part is one multi-token-prediction depth (a Gated DeltaNet and an MLP, last stage).
 HYBRID = (
-    "--hybrid-layer-pattern MG|*-E --position-embedding-type none --squared-relu "
+    "--hybrid-layer-pattern MG|*-E/G- --position-embedding-type none --squared-relu "
     "--mamba-state-dim 16 --mamba-head-dim 16 --mamba-num-groups 2 "
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
     "--linear-value-head-dim 16 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64"
@@ -30,7 +33,10 @@ QWEN3_NEXT = (
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
     "--linear-value-head-dim 16"
 ).split()
-MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT}
+# FSDP2 shards no MoE layers here (a clear error): both mixers with attention and an MLP.
+HYBRID_MLP = [a if a != "MG|*-E/G-" else "MG*-"
+              for a in HYBRID[:HYBRID.index("--num-experts")]]
+MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT, "hybrid_mlp": HYBRID_MLP}
 
 
 _BASELINES = {}
@@ -38,7 +44,8 @@ _BASELINES = {}
 
 def baseline(model):
     if model not in _BASELINES:
-        _BASELINES[model] = run_distributed(_train, 1, args=(COMMON + MODELS[model],))[0]
+        script = SCRIPTS.get(model, "pretrain_gpt")
+        _BASELINES[model] = run_distributed(_train, 1, args=(COMMON + MODELS[model], script))[0]
     return _BASELINES[model]
 
 
@@ -48,7 +55,15 @@ LAYOUTS = {
     ("hybrid", "dp2_distopt"): "--use-distributed-optimizer",
     ("hybrid", "ep2"): "--expert-model-parallel-size 2",
     ("qwen3_next", "tp2_sp"): "--tensor-model-parallel-size 2 --sequence-parallel",
+    # Built on the meta device, each layer materialised (the mixers replay their init), then
+    # sharded: the single-process trajectory under pretrain_hybrid.py.
+    ("hybrid_mlp", "fsdp2"): "--use-torch-fsdp2",
+    # Each CP rank scans the whole sequence for half the Mamba groups / key heads (all-to-all,
+    # as the attention's a2a: 6 s here against 21 s with the default p2p ring on gloo; packed
+    # rows: tests/unit/transformer/test_hybrid.py).
+    ("hybrid_mlp", "cp2"): "--context-parallel-size 2 --cp-comm-type a2a",
 }
+SCRIPTS = {"hybrid_mlp": "pretrain_hybrid"}
 
 
 @pytest.mark.parametrize("model,layout", sorted(LAYOUTS))
@@ -56,7 +71,8 @@ def test_layout_matches_single_process(model, layout):
     reference = baseline(model)
     assert len(reference) == 10 and reference[-1] < reference[0]
     argv = COMMON + MODELS[model] + LAYOUTS[(model, layout)].split()
-    for losses in run_distributed(_train, 2, args=(argv,), timeout=300):
+    script = SCRIPTS.get(model, "pretrain_gpt")
+    for losses in run_distributed(_train, 2, args=(argv, script), timeout=300):
         assert losses == pytest.approx(reference, rel=1e-4), (layout, losses, reference)
 
 

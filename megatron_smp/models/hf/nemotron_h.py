@@ -3,8 +3,10 @@
 Each HF block is one part behind a pre-norm and a residual, named by `layers_block_type`:
 `linear_attention` a Mamba-2 mixer (M), `full_attention` attention without positions (*),
 `mlp` a squared-ReLU MLP (-), `moe` sigmoid-routed squared-ReLU experts with expert bias,
-group-limited top-k, `routed_scaling_factor` and a shared expert (E). HF clamps the Mamba time
-step from below at `time_step_min` (our `mamba_dt_min`).
+group-limited top-k, `routed_scaling_factor`, a shared expert and, with `moe_latent_size`
+(Nemotron 3 Super), routed experts between latent projections `fc1_latent_proj` /
+`fc2_latent_proj` (our --moe-latent-size) (E). HF clamps the Mamba time step from below at
+`time_step_min` (our `mamba_dt_min`).
 
 Layouts: HF's Mamba in_proj rows [z | x | B | C | dt] and conv channels [x | B | C] are
 regrouped per Mamba group (transformer/ssm/mamba_mixer.py); attention q/k/v are packed per
@@ -36,6 +38,8 @@ MODEL_TYPES = ("nemotron_h",)
 
 _SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 _BLOCKS = {symbol: block for block, symbol in _SYMBOLS.items()}
+# Latent MoE: the same names on both sides (biases are rejected with the other biases).
+_LATENT = ("fc1_latent_proj.weight", "fc2_latent_proj.weight")
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
@@ -48,7 +52,6 @@ def config_from_hf(hf_config) -> TransformerConfig:
         ("use_conv_bias=False", not hf_config.use_conv_bias),
         ("use_bias / mlp_bias / attention_bias", hf_config.use_bias or hf_config.mlp_bias
          or getattr(hf_config, "attention_bias", False)),
-        ("moe_latent_size (latent expert projections)", hf_config.moe_latent_size is not None),
         ("num_nextn_predict_layers (multi-token prediction)",
          getattr(hf_config, "num_nextn_predict_layers", 0)),
         ("sliding_window", getattr(hf_config, "sliding_window", None) is not None),
@@ -72,7 +75,8 @@ def config_from_hf(hf_config) -> TransformerConfig:
             moe_router_num_groups=groups if groups and groups > 1 else None,
             moe_router_group_topk=group_topk if groups and groups > 1 else None,
             moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
-            moe_router_dtype="fp32", moe_router_load_balancing_type="none")
+            moe_router_dtype="fp32", moe_router_load_balancing_type="none",
+            moe_latent_size=hf_config.moe_latent_size)
     if problems:
         raise ConfigError(f"Nemotron-H: {', '.join(problems)} not supported")
     heads = hf_config.num_attention_heads
@@ -132,7 +136,7 @@ def config_to_hf(config: TransformerConfig):
             n_group=config.moe_router_num_groups or 1,
             topk_group=config.moe_router_group_topk or 1,
             routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
-            norm_topk_prob=True)
+            norm_topk_prob=True, moe_latent_size=config.moe_latent_size)
     return NemotronHConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         layers_block_type=[_BLOCKS[s] for s in symbols],
@@ -216,6 +220,9 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
         else:
             out.update(experts_from_hf(sd, hf, ours, config.num_moe_experts, fc1="up_proj"))
             out[ours + "router.expert_bias"] = sd[hf + "gate.e_score_correction_bias"].clone()
+            if config.moe_latent_size is not None:
+                for name in _LATENT:
+                    out[ours + name] = sd[hf + name].clone()
             if config.moe_shared_expert_intermediate_size:
                 out[ours + "shared_experts.linear_fc1.weight"] = (
                     sd[hf + "shared_experts.up_proj.weight"].clone())
@@ -246,6 +253,9 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> 
         else:
             out.update(experts_to_hf(sd, hf, ours, config.num_moe_experts, fc1="up_proj"))
             out[hf + "gate.e_score_correction_bias"] = sd[ours + "router.expert_bias"].clone()
+            if config.moe_latent_size is not None:
+                for name in _LATENT:
+                    out[hf + name] = sd[ours + name].clone()
             if config.moe_shared_expert_intermediate_size:
                 out[hf + "shared_experts.up_proj.weight"] = (
                     sd[ours + "shared_experts.linear_fc1.weight"].clone())

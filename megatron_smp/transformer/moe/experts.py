@@ -70,7 +70,9 @@ class MoEExperts(torch.nn.Module):
         # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
         # grad inside backward (torch FSDP, see smp.fsdp_grads) runs on all of them.
         self.adds_output_bias = group_rank(state.tp_group) == 0
-        expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size)
+        # Latent experts (--moe-latent-size) read and write the latent width.
+        expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size,
+                                       hidden_size=config.moe_latent_size or config.hidden_size)
         # One draw (the same on every rank), then expert g is built under its own seed: its
         # weights do not depend on how the experts are spread over ranks.
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -85,6 +87,17 @@ class MoEExperts(torch.nn.Module):
                 )
             experts.append(expert)
         self.local_experts = torch.nn.ModuleList(experts)
+
+    def replay_init(self, replay, materialize) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`): the
+        constructor's base-seed draw, then each expert's projections (`replay`) under the
+        seed of its global index."""
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        count = 0
+        for local_index, expert in enumerate(self.local_experts):
+            with init_rng_scope(derive_seed(base_seed, self.expert_offset + local_index)):
+                count += sum(replay(module) for module in expert.modules())
+        return count
 
     def _activate(self, intermediate: torch.Tensor) -> torch.Tensor:
         if self.gated:

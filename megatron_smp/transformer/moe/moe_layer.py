@@ -3,14 +3,16 @@
 forward(hidden_states [s(/tp), b, h]) -> [s(/tp), b, h]:
 
     probs, routing_map = router(x)                     # [T, E] each, T = this rank's tokens
-    expert_input, counts = dispatcher.dispatch(x, probs, routing_map)
-    y = dispatcher.combine(experts(expert_input, counts))
+    expert_input, counts = dispatcher.dispatch(fc1_latent_proj(x), probs, routing_map)
+    y = fc2_latent_proj(dispatcher.combine(experts(expert_input, counts)))
     y = y + shared_experts(x)                          # when configured
 
+The latent projections (--moe-latent-size, Megatron's; identity without it) are replicated
+over TP, like the router, so experts and dispatch work in the latent width.
 Built through the layer spec (`MoELayer(config, state, layer_number, device)`), like the
 dense `MLP`. This rank holds experts `ep_rank * E/ep ... (ep_rank + 1) * E/ep - 1`.
-Construction draws the router, then the experts (each under a seed of its global index),
-then the shared experts, so the weights do not depend on the parallel layout.
+Construction draws the router, the latent projections, then the experts (each under a seed
+of its global index), then the shared experts, so the weights do not depend on the parallel layout.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Optional
 import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.tensor_parallel import ReplicatedLinear, output_init_method
 from megatron_smp.transformer.moe.experts import MoEExperts
 from megatron_smp.transformer.moe.router import TopKRouter
 from megatron_smp.transformer.moe.shared_experts import SharedExpertMLP
@@ -46,6 +49,17 @@ class MoELayer(torch.nn.Module):
         offset = ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(offset, offset + self.num_local_experts))
         self.router = TopKRouter(config, state, layer_number=layer_number, device=device)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if config.moe_latent_size is not None:
+            # Each TP rank projects its own sequence shard (MoE needs SP at TP > 1): the
+            # grads are partial, summed over TP like the router's.
+            sequence_parallel = config.sequence_parallel_at(state.tp_size)
+            self.fc1_latent_proj = ReplicatedLinear(
+                config.hidden_size, config.moe_latent_size, config, sequence_parallel, device,
+                bias=config.add_bias_linear)
+            self.fc2_latent_proj = ReplicatedLinear(
+                config.moe_latent_size, config.hidden_size, config, sequence_parallel, device,
+                init_method=output_init_method(config), bias=config.add_bias_linear)
         self.experts = MoEExperts(config, state, self.num_local_experts, offset,
                                   layer_number=layer_number, device=device)
         self.shared_experts = None
@@ -63,11 +77,16 @@ class MoELayer(torch.nn.Module):
         # last forward, [num_experts] int64, after capacity drops.
         self.last_tokens_per_expert = routing_map.detach().sum(dim=0)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.fc1_latent_proj is not None:
+            tokens = self.fc1_latent_proj(tokens)
         expert_input, tokens_per_expert = self.token_dispatcher.dispatch(
             tokens, probs, routing_map
         )
         expert_output = self.experts(expert_input, tokens_per_expert)
-        output = self.token_dispatcher.combine(expert_output).view(hidden_states.shape)
+        output = self.token_dispatcher.combine(expert_output)
+        if self.fc2_latent_proj is not None:
+            output = self.fc2_latent_proj(output)
+        output = output.view(hidden_states.shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output

@@ -76,8 +76,6 @@ class TopKRouter(torch.nn.Module):
         # global_aux_loss: the counts are summed over tp, then dp x cp (together Megatron's
         # tp_dp_cp group: every rank of this pipeline stage).
         self.global_groups = (state.tp_group, getattr(state, "dp_cp_group", None))
-        master = torch.empty(self.num_experts, config.hidden_size)
-        init_method_normal(config.init_method_std)(master)  # CPU draw: layout-independent
         self.weight = torch.nn.Parameter(
             torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
                         device=device)
@@ -85,15 +83,9 @@ class TopKRouter(torch.nn.Module):
         self.bias = None
         if config.add_bias_linear:
             # Megatron's router has a bias with the linear layers' (gpt-oss: router.bias).
-            bias_master = torch.empty(self.num_experts)
-            init_method_normal(config.init_method_std)(bias_master)
             self.bias = torch.nn.Parameter(
                 torch.empty(self.num_experts, dtype=config.params_dtype, device=device))
-        if self.weight.device.type != "meta":
-            with torch.no_grad():
-                self.weight.copy_(master)
-                if self.bias is not None:
-                    self.bias.copy_(bias_master)
+        self.reset_parameters()
         # Each tensor-parallel rank routes its own sequence shard: the gate's grad is partial.
         self.weight.sequence_parallel = self.sequence_parallel
         if self.bias is not None:
@@ -127,6 +119,22 @@ class TopKRouter(torch.nn.Module):
             self.global_tokens_per_expert = self.ga_steps = None
         self.logits_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             config.moe_router_dtype)
+
+    # reset_parameters() draws what the constructor drew: delayed (meta-device)
+    # initialisation replays it (distributed.delayed_init).
+    REPLAYS_CONSTRUCTOR_INIT = True
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The gate (then the bias) drawn on the CPU, layout-independent; nothing is copied
+        while the params are on the meta device (the draws still happen)."""
+        init = init_method_normal(self.config.init_method_std)
+        master = init(torch.empty(self.weight.shape))
+        bias_master = None if self.bias is None else init(torch.empty(self.bias.shape))
+        if self.weight.device.type != "meta":
+            self.weight.copy_(master)
+            if self.bias is not None:
+                self.bias.copy_(bias_master)
 
     def _apply(self, fn, recurse=True):
         # Keep the loss bookkeeping on the parameters' device when the module moves.

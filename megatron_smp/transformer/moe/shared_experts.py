@@ -41,6 +41,19 @@ class SharedExpertMLP(MLP):
                     self.gate_weight.copy_(master)
             self.gate_weight.sequence_parallel = config.sequence_parallel_at(state.tp_size)
 
+    def replay_init(self, replay, materialize) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`): the
+        MLP's projections (`replay`), then the gate drawn after them, as constructed."""
+        count = sum(replay(module) for module in self.modules() if module is not self)
+        if self.gate_weight is not None and self.gate_weight.is_meta:
+            master = init_method_normal(self.config.init_method_std)(
+                torch.empty(self.gate_weight.shape))
+            materialize(self)
+            with torch.no_grad():
+                self.gate_weight.copy_(master)
+            count += master.numel()
+        return count
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output = super().forward(hidden_states)
         if self.gate_weight is not None:

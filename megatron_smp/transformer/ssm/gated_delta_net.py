@@ -30,11 +30,8 @@ from megatron_smp.transformer.ssm.layers import (
     split_parameter,
     step_mask,
 )
-from megatron_smp.transformer.ssm.ops import (
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-    l2norm,
-)
+from megatron_smp.transformer.ssm.kernels import gated_delta_rule_scan
+from megatron_smp.transformer.ssm.ops import gated_delta_rule_recurrent, l2norm
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -59,6 +56,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.local_key_heads = divide(self.key_heads, tp)
         self.local_value_heads = self.local_key_heads * self.values_per_key
         self.local_groups = self.local_key_heads  # in_proj's rows come per key head
+        self._init_context_parallel(state, self.local_key_heads, "--linear-num-key-heads")
         self.state_shape = (self.local_value_heads, self.key_dim, self.value_dim)
         self.chunk_size = config.linear_chunk_size
         self.eps = config.layernorm_epsilon
@@ -88,28 +86,29 @@ class GatedDeltaNet(RecurrentMixer):
     def _mix(self, projected, segments, lengths=None, conv_state=None, delta_state=None):
         """in_proj's rows [b, s, key heads/tp, per key head] -> (o [b, s, value heads/tp *
         dv] before out_proj, the new (conv state, delta state) with a cache's states)."""
-        b, s = projected.shape[:2]
+        b, s, key_heads = projected.shape[:3]  # this rank's (of TP, and CP)
+        value_heads = key_heads * self.values_per_key
         qkv, z, beta, a = torch.split(projected, self.split_sizes, dim=-1)
         qkv, conv_state = self._conv(qkv.reshape(b, s, -1), segments, lengths, conv_state)
-        qkv = qkv.view(b, s, self.local_key_heads, -1)
+        qkv = qkv.view(b, s, key_heads, -1)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim,
                                     self.values_per_key * self.value_dim], dim=-1)
-        v = v.reshape(b, s, self.local_value_heads, self.value_dim)
+        v = v.reshape(b, s, value_heads, self.value_dim)
         q, k = l2norm(q.float()), l2norm(k.float())
-        beta = torch.sigmoid(beta.reshape(b, s, self.local_value_heads).float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(
-            a.reshape(b, s, self.local_value_heads).float() + self.dt_bias.float())
+        beta = torch.sigmoid(beta.reshape(b, s, value_heads).float())
+        g = -torch.exp(self._local(self.A_log).float()) * F.softplus(
+            a.reshape(b, s, value_heads).float() + self._local(self.dt_bias).float())
         if delta_state is None:
-            o = gated_delta_rule_chunked(q, k, v, g, beta, self.chunk_size, segments=segments)
+            o = gated_delta_rule_scan(q, k, v, g, beta, self.chunk_size, segments=segments)
         else:
             # g = 0, beta = 0 on padding: the state neither decays nor takes an update.
             real = step_mask(lengths, s)[..., None].to(g.dtype)
             g, beta = g * real, beta * real
-            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_chunked
+            scan = gated_delta_rule_recurrent if s == 1 else gated_delta_rule_scan
             kwargs = {} if s == 1 else {"chunk_size": self.chunk_size}
             o, delta_state = scan(q, k, v, g, beta, initial_state=delta_state,
                                   return_final_state=True, **kwargs)
-        o = gated_rms_norm(o, z.reshape(b, s, self.local_value_heads, self.value_dim),
+        o = gated_rms_norm(o, z.reshape(b, s, value_heads, self.value_dim),
                            self.out_norm_weight, self.eps, self.value_dim, norm_before_gate=True)
         return o.reshape(b, s, -1), (conv_state, delta_state)
 

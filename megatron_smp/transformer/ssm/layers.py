@@ -9,16 +9,17 @@ the mixer needs no communication between its in- and out-projection.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron_smp.config import ConfigError
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     init_method_normal,
-    scaled_init_method_normal,
+    output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
 from megatron_smp.tensor_parallel.utils import set_tensor_model_parallel_attributes
@@ -51,8 +52,7 @@ def mixer_projections(config, tp_group, projected: int, inner: int, device):
     """A mixer's in_proj (h -> `projected` rows, split over TP) and out_proj (`inner` -> h,
     split along its input), without biases, initialised as the attention's projections."""
     init_method = init_method_normal(config.init_method_std)
-    output_init = (scaled_init_method_normal(config.init_method_std, config.num_layers)
-                   if config.use_scaled_init_method else init_method)
+    output_init = output_init_method(config)
     in_proj = ColumnParallelLinear(config.hidden_size, projected, config=config,
                                    tp_group=tp_group, init_method=init_method, bias=False,
                                    gather_output=False, device=device)
@@ -94,6 +94,10 @@ def time_step_bias(heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
 class CausalConv1d(torch.nn.Module):
     """Depthwise causal convolution over this rank's channels, weight [c/tp, 1, k] (nn.Conv1d's
     shape) and optional bias [c/tp]; forward(x [b, s, c/tp], segments=None) -> [b, s, c/tp]."""
+
+    # Delayed (meta-device) initialisation replays `reset_parameters`: it draws what the
+    # constructor drew.
+    REPLAYS_CONSTRUCTOR_INIT = True
 
     def __init__(self, channels: int, kernel: int, bias: bool, tp_group, dtype, device) -> None:
         super().__init__()
@@ -169,10 +173,38 @@ class RecurrentMixer(torch.nn.Module):
     generation, a `KVCacheContext`, which runs `_mix` per group of requests with their
     states; rotary_pos_emb is ignored (no positions in a recurrence).
 
-    Subclasses set layer_number, dtype, in_proj, out_proj, conv1d, local_groups, state_shape
+    With context parallelism (cp_size > 1) each rank scans the whole sequence for 1/cp of
+    the groups (`_context_parallel_mix`).
+
+    Subclasses call `_init_context_parallel(state, groups per TP rank, what)` and set
+    layer_number, dtype, in_proj, out_proj, conv1d, local_groups, state_shape
     (the SSM / delta-rule state of one request on this rank) and
     `_mix(projected [b, s, groups/tp, per group], segments, lengths=None, conv_state=None,
     state=None) -> (y [b, s, inner/tp], (conv_state, state))`."""
+
+    def replay_init(self, replay: Callable[[torch.nn.Module], int],
+                    materialize: Callable[[torch.nn.Module], torch.nn.Module]) -> int:
+        """Delayed initialisation of a meta-device build (`distributed.delayed_init`; the
+        caller has seeded the generator as the constructor was): in_proj, out_proj and the
+        conv (`replay`), then the mixer's own vectors (`materialize` gives them storage,
+        `reset_parameters` draws them), the constructor's order. Returns the elements
+        initialised."""
+        count = sum(replay(part) for part in (self.in_proj, self.out_proj, self.conv1d))
+        own = [p for p in self.parameters(recurse=False) if p.is_meta]
+        if own:
+            materialize(self)
+            self.reset_parameters()
+        return count + sum(p.numel() for p in own)
+
+    def _init_context_parallel(self, state, local_groups: int, groups: str) -> None:
+        """CP's group, rank and size; each CP rank takes local_groups / cp whole groups."""
+        self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
+        self.cp_group = state.cp_group if self.cp_size > 1 else None
+        if local_groups % self.cp_size:
+            raise ConfigError(
+                f"{type(self).__name__}: {groups} per tensor-parallel rank ({local_groups}) must "
+                f"be divisible by --context-parallel-size ({self.cp_size}): each CP rank scans "
+                "whole groups")
 
     def state_shapes(self):
         """A request's recurrent state on this rank, as a cache keeps it: [(shape, dtype)]
@@ -187,10 +219,46 @@ class RecurrentMixer(torch.nn.Module):
         if isinstance(attention_mask, KVCacheContext):  # generation: the state in a cache
             (y,) = attention_mask.recurrent(self.layer_number, (projected[0],), self._step)
             y = y[None]
+        elif self.cp_size > 1:
+            y = self._context_parallel_mix(projected, attention_mask)
         else:
             y, _ = self._mix(projected, packed_segments(attention_mask, type(self).__name__))
         output, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
         return output
+
+    def _context_parallel_mix(self, projected: torch.Tensor, attention_mask) -> torch.Tensor:
+        """Context parallelism as Megatron's MambaContextParallel does it: an all-to-all
+        trades this rank's share of the sequence, all groups ([b, s/cp, groups/tp, ...]) for
+        the whole sequence of 1/cp of the groups, `_mix` runs on them with this CP rank's
+        slices of the per-group parameters (`_local`), and a second all-to-all trades back
+        -> y [b, s/cp, inner/tp]. The sequence comes in CP's load-balanced order
+        (`context_parallel.split`; per document for packed rows), put in order for the scan."""
+        # Lazy: context_parallel builds on the transformer's attention (imports point down).
+        from megatron_smp.context_parallel.attention import heads_to_sequence, sequence_to_heads
+        from megatron_smp.context_parallel.split import gathered_order
+
+        b, local = projected.shape[:2]
+        gathered = sequence_to_heads(projected.transpose(0, 1), self.cp_group)  # [s, b, g, r]
+        s = gathered.shape[0]
+        if isinstance(attention_mask, PackedSequence) and attention_mask.rank_indices is not None:
+            order = attention_mask.rank_indices.to(projected.device).permute(1, 0, 2)
+            order = order.reshape(b, s)  # gathered row j of batch entry i: position order[i, j]
+        else:
+            order = gathered_order(s, self.cp_size, projected.device).expand(b, s)
+        rows = gathered.transpose(0, 1)  # [b, s, g, r] in gathered order
+        in_order = rows.gather(1, _expand_index(torch.argsort(order, dim=1), rows))
+        y, _ = self._mix(in_order, packed_segments(attention_mask, type(self).__name__))
+        y = y.gather(1, _expand_index(order, y))  # back to the gathered order
+        y = y.view(b, s, in_order.shape[2], -1).transpose(0, 1)  # [s, b, g, w]
+        return heads_to_sequence(y, self.cp_group).reshape(local, b, -1).transpose(0, 1)
+
+    def _local(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This CP rank's share of a per-group parameter (dim 0 laid out group by group: its
+        groups' rows), the whole parameter without CP. Sliced in forward, so each rank's grad
+        lands in its rows and the sum over CP (DDP's) is the whole grad."""
+        if param is None or self.cp_size == 1:
+            return param
+        return param.chunk(self.cp_size)[self.cp_rank]
 
     def _step(self, rows, lengths, states):
         """`KVCacheContext.recurrent`'s step: rows [n, L, groups/tp, per group]."""
@@ -202,9 +270,15 @@ class RecurrentMixer(torch.nn.Module):
         """SiLU(causal conv) of x [b, s, c/tp], threading a cache's conv state when given
         -> (out, new conv state or None)."""
         if conv_state is None:
-            return F.silu(self.conv1d(x, segments)), None
+            weight, bias = self._local(self.conv1d.weight), self._local(self.conv1d.bias)
+            return F.silu(causal_conv1d(x, weight[:, 0], bias, segments)), None
         out, conv_state = self.conv1d.forward_with_state(x, lengths, conv_state)
         return F.silu(out), conv_state
+
+
+def _expand_index(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """index [b, s] -> the gather index of dim 1 of values [b, s, ...]."""
+    return index.view(*index.shape, *([1] * (values.dim() - 2))).expand_as(values)
 
 
 def packed_segments(attention_mask, mixer: str) -> Optional[torch.Tensor]:

@@ -30,7 +30,8 @@ from megatron_smp.transformer.ssm.layers import (
     split_parameter,
     step_mask,
 )
-from megatron_smp.transformer.ssm.ops import ssd_chunked, ssd_recurrent
+from megatron_smp.transformer.ssm.kernels import ssd_scan
+from megatron_smp.transformer.ssm.ops import ssd_recurrent
 
 
 class MambaMixer(RecurrentMixer):
@@ -54,6 +55,7 @@ class MambaMixer(RecurrentMixer):
         self.heads_per_group = divide(self.heads, self.groups)
         self.local_groups = divide(self.groups, tp)
         self.local_heads = self.local_groups * self.heads_per_group
+        self._init_context_parallel(state, self.local_groups, "--mamba-num-groups")
         self.chunk_size = config.mamba_chunk_size
         self.dt_min = config.mamba_dt_min
         self.eps = config.layernorm_epsilon
@@ -84,28 +86,30 @@ class MambaMixer(RecurrentMixer):
     def _mix(self, projected, segments, lengths=None, conv_state=None, ssm_state=None):
         """in_proj's rows [b, s, groups/tp, per group] -> (y [b, s, inner/tp] before
         out_proj, the new (conv state, SSM state) when called with a cache's states)."""
-        b, s = projected.shape[:2]
+        b, s, groups = projected.shape[:3]  # groups: this rank's (of TP, and CP)
+        heads = groups * self.heads_per_group
         z, xbc, dt = torch.split(projected, self.split_sizes, dim=-1)
         xbc, conv_state = self._conv(xbc.reshape(b, s, -1), segments, lengths, conv_state)
-        xbc = xbc.view(b, s, self.local_groups, -1)
+        xbc = xbc.view(b, s, groups, -1)
         width = self.heads_per_group * self.head_dim
         x, B, C = torch.split(xbc, [width, self.state_dim, self.state_dim], dim=-1)
-        x = x.reshape(b, s, self.local_heads, self.head_dim)
-        dt = F.softplus(dt.reshape(b, s, self.local_heads).float() + self.dt_bias.float())
+        x = x.reshape(b, s, heads, self.head_dim)
+        dt = F.softplus(dt.reshape(b, s, heads).float() + self._local(self.dt_bias).float())
         dt = dt.clamp(min=self.dt_min)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self._local(self.A_log).float())
         if ssm_state is None:  # [b, s, local heads, head_dim]
-            y = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D, segments=segments)
+            y = ssd_scan(x, dt, A, B, C, self.chunk_size, self._local(self.D),
+                         segments=segments)
         else:
             dt = dt * step_mask(lengths, s)[..., None]  # dt = 0: padding leaves the state
             if s == 1:  # a decode step: the recurrence, one token
                 y, ssm_state = ssd_recurrent(x, dt, A, B, C, self.D, initial_state=ssm_state,
                                              return_final_state=True)
             else:  # a prompt: the chunked scan from the (zero) state, its final state kept
-                y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, self.D,
-                                           initial_state=ssm_state, return_final_state=True)
-        y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1), self.norm_weight,
-                           self.eps, width, norm_before_gate=False)
+                y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, self.D,
+                                        initial_state=ssm_state, return_final_state=True)
+        y = gated_rms_norm(y.reshape(b, s, -1), z.reshape(b, s, -1),
+                           self._local(self.norm_weight), self.eps, width, norm_before_gate=False)
         return y, (conv_state, ssm_state)
 
 

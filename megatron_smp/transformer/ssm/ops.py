@@ -192,7 +192,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _expand_heads(q, k, num_value_heads: int):
+def expand_key_heads(q, k, num_value_heads: int):
     """q/k [b, s, hk, dk] -> [b, s, hv, dk]: key head i serves value heads i*r .. i*r + r - 1."""
     repeat = num_value_heads // q.shape[2]
     if repeat == 1:
@@ -212,7 +212,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale: Optional[float] = None,
     """
     dtype = _compute_dtype(v.dtype)
     b, s, hv, dv = v.shape
-    q, k = _expand_heads(q, k, hv)
+    q, k = expand_key_heads(q, k, hv)
     dk = q.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
@@ -240,7 +240,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk_size: int = 64,
     chunk is passed on. Same function and shapes as `gated_delta_rule_recurrent`."""
     dtype = _compute_dtype(v.dtype)
     b, s, hv, dv = v.shape
-    q, k = _expand_heads(q, k, hv)
+    q, k = expand_key_heads(q, k, hv)
     dk = q.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     L = min(chunk_size, s)  # a chunk longer than the sequence only adds padding
@@ -301,6 +301,7 @@ __all__ = [
     "ssd_recurrent",
     "ssd_chunked",
     "l2norm",
+    "expand_key_heads",
     "gated_delta_rule_recurrent",
     "gated_delta_rule_chunked",
 ]

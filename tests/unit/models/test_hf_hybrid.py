@@ -21,10 +21,12 @@ from megatron_smp.models.sharding import (
 from megatron_smp.testing import run_distributed
 
 warnings.filterwarnings("ignore", message=".*")
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+# nemotron_h_latent: Nemotron 3 Super's latent experts (moe_latent_size).
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "nemotron_h_latent")
 MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text",
-              "qwen3_5_moe": "qwen3_5_moe_text", "nemotron_h": "nemotron_h"}
-MOE = ("qwen3_next", "qwen3_5_moe", "nemotron_h")
+              "qwen3_5_moe": "qwen3_5_moe_text", "nemotron_h": "nemotron_h",
+              "nemotron_h_latent": "nemotron_h"}
+MOE = ("qwen3_next", "qwen3_5_moe", "nemotron_h", "nemotron_h_latent")
 BATCH, SEQ, VOCAB = 2, 22, 1003
 TOLERANCE = 2e-4
 # Two documents in row 0 (boundary inside a scan chunk), one in row 1.
@@ -57,13 +59,16 @@ def build_hf(family):
             mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
             intermediate_size=96, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
-            topk_group=1, max_position_embeddings=64, chunk_size=8))
+            topk_group=1, max_position_embeddings=64, chunk_size=8,
+            moe_latent_size=40 if family == "nemotron_h_latent" else None))
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             last = name.split(".")[-1]
             if ("norm" in name or last in ("A_log", "dt_bias", "D", "bias")
                     or "e_score" in name):
                 tensor.add_(torch.randn_like(tensor) * 0.1)
+            if "latent_proj" in name:  # at initializer_range 0.02 the experts barely count
+                tensor.mul_(30)
     return model.eval()
 
 
@@ -157,7 +162,7 @@ def test_convert_hf_to_framework_tp2_to_hf_is_exact(family, tmp_path):
 
     source = build_hf(family)
     source.save_pretrained(tmp_path / "hf")
-    model_type = family
+    model_type = MODEL_TYPE[family].replace("_text", "")
     for loader, saver, load, save, extra in (
             ("hf", "megatron_smp", "hf", "smp", ("--target-tensor-parallel-size", "2")),
             ("megatron_smp", "hf", "smp", "hf2", ())):
