@@ -423,6 +423,10 @@ class RLRun:
         return os.path.join(directory, RL_STATE_DIR, "reference",
                             f"rank_{self.state.rank:05d}.pt")
 
+    def _layout(self) -> tuple:
+        # Each rank's RL state holds its own share of a rollout batch and its reference chunk.
+        return (self.state.tp_size, self.state.pp_size, self.state.dp_size)
+
     def save(self) -> None:
         """The Trainer's checkpoint, then this rank's RL state beside it (collective)."""
         self.trainer.save()
@@ -430,7 +434,7 @@ class RLRun:
         pending = self.pending
         if pending is not None and pending.updates_done == self.config.iterations:
             pending = None  # the next iteration starts a new rollout batch
-        state = {"sampler": self.sampler.state_dict(), "world_size": self.state.world_size,
+        state = {"sampler": self.sampler.state_dict(), "layout": self._layout(),
                  "pending": None if pending is None else pending.state_dict()}
         _atomic_save(state, self._state_path(directory, iteration))
         if self.reference is not None and directory not in self.reference_saved_to:
@@ -455,10 +459,11 @@ class RLRun:
                               f"({path}); resume an RL run from a checkpoint train_rl.py "
                               f"saved, or start one from another checkpoint with --finetune")
         state = torch.load(path, weights_only=True)
-        if state["world_size"] != self.state.world_size:
+        if list(state["layout"]) != list(self._layout()):
             raise ConfigError(f"--load {directory}: the RL state of iteration {iteration} was "
-                              f"saved by {state['world_size']} ranks; resume with the same "
-                              f"layout")
+                              f"saved at (tensor, pipeline, data)-parallel sizes "
+                              f"{tuple(state['layout'])}, this run has {self._layout()}; resume "
+                              f"an RL run at the layout that saved it")
         self.sampler.load_state_dict(state["sampler"])
         if state["pending"] is not None:
             self.pending = RolloutBatch.from_state_dict(state["pending"])
