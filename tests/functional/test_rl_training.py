@@ -2,7 +2,7 @@
 term and two updates per rollout batch): the log line and TensorBoard carry the same RL values,
 they are consistent with each other (the first update of a rollout batch is on-policy: ratio 1,
 nothing clipped), and a run resumed from a checkpoint saved inside a rollout batch reproduces
-the uninterrupted run's rewards, losses and grad norms.
+the uninterrupted run's rewards, losses and grad norms; the run at TP=2 gives the same values.
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
@@ -41,7 +41,12 @@ def setup(tmp_path_factory):
         "- name: addition\n"
         "  prompts: megatron_smp.post_training.envs.addition:prompts\n"
         "  prompt_args: {num_prompts: 50, digits: 1, seed: 1}\n"
-        f"  reward_functions: ['{FUNCTION}']\n")
+        f"  reward_functions: ['{FUNCTION}']\n"
+        "- name: held_out\n"
+        "  prompts: megatron_smp.post_training.envs.addition:prompts\n"
+        "  prompt_args: {num_prompts: 20, digits: 1, seed: 2}\n"
+        f"  reward_functions: ['{FUNCTION}']\n"
+        "  evaluation_only: true\n")
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
              str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt"),
              "--num-layers", "2", "--hidden-size", "32",
@@ -52,7 +57,7 @@ def setup(tmp_path_factory):
              "--grpo-prompts-per-step", "2", "--grpo-iterations", "2", "--grpo-kl-beta", "0.05",
              "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.28",
              "--rl-max-completion-length", "6", "--log-interval", "1", "--seed", "5",
-             "--eval-iters", "0"]
+             "--eval-iters", "1", "--eval-interval", "2"]
     return directory, flags
 
 
@@ -64,6 +69,13 @@ def _train_rl(flags, world_size=2):
                           env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def _validation(stdout):
+    """{iteration: reward} from the greedy evaluation lines."""
+    return {int(i): float(v) for i, v in re.findall(
+        r"validation reward at iteration (\d+) \(2 prompts, greedy\) \| reward: (\S+) \|",
+        stdout)}
 
 
 def _lines(stdout):
@@ -83,8 +95,9 @@ def test_train_rl_log_tensorboard_and_resume(setup):
 
     directory, flags = setup
     board = directory / "tensorboard"
-    whole = _lines(_train_rl(flags + ["--tensorboard-dir", str(board), "--save",
-                                      str(directory / "ckpt"), "--save-interval", "3"]))
+    stdout = _train_rl(flags + ["--tensorboard-dir", str(board), "--save",
+                                str(directory / "ckpt"), "--save-interval", "3"])
+    whole, valid = _lines(stdout), _validation(stdout)
     assert sorted(whole) == [1, 2, 3, 4]
     scalars = EventAccumulator(str(board)).Reload()
     for iteration, values in whole.items():
@@ -98,6 +111,9 @@ def test_train_rl_log_tensorboard_and_resume(setup):
         assert values["reward_std"] > 0
         assert 1 <= values["completions/mean_length"] <= 6
         assert values["global batch size"] == 8
+    # Greedy evaluation of the evaluation-only environment every --eval-interval iterations.
+    assert sorted(valid) == [2, 4]
+    assert {e.step: e.value for e in scalars.Scalars("reward validation")} == pytest.approx(valid)
     for first in (1, 3):  # the first update of a rollout batch: old policy = policy
         assert whole[first]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert whole[first]["clip_fraction"] == 0.0
@@ -110,10 +126,19 @@ def test_train_rl_log_tensorboard_and_resume(setup):
     # batch's rollouts, old and reference log-probs, and the prompt sampler's position).
     assert os.path.isfile(directory / "ckpt" / "rl_state" / "iter_0000003" / "rank_00001.pt")
     (directory / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
-    resumed = _lines(_train_rl(flags + ["--load", str(directory / "ckpt")]))
-    assert sorted(resumed) == [4]
+    stdout = _train_rl(flags + ["--load", str(directory / "ckpt")])
+    resumed = _lines(stdout)
+    assert sorted(resumed) == [4] and _validation(stdout) == {4: valid[4]}
     for key in ("rl loss", "reward", "kl", "entropy", "grad norm", "ratio_mean"):
         assert resumed[4][key] == whole[4][key], key
+
+    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards).
+    tensor_parallel = _lines(_train_rl(flags + ["--tensor-model-parallel-size", "2"]))
+    for iteration, values in whole.items():
+        assert tensor_parallel[iteration]["reward"] == values["reward"]
+        for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
+            assert tensor_parallel[iteration][key] == pytest.approx(values[key], rel=1e-5,
+                                                                   abs=1e-7), (iteration, key)
 
 
 @pytest.mark.parametrize("extra,message", [
