@@ -27,6 +27,16 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The turns' texts back to back, the assistant's followed by the end token: a completion task
+# (e.g. "37+45=" -> "82\n") whose RL prompts are the raw user text.
+PLAIN = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|endoftext|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% endfor %}"
+)
+TEMPLATES = {"chatml": CHATML, "plain": PLAIN}
 
 
 def _texts(paths: List[str]) -> List[str]:
@@ -52,7 +62,8 @@ def _texts(paths: List[str]) -> List[str]:
 
 
 def make_tiny_llama(output: str, texts: List[str], vocab_size: int = 512, hidden_size: int = 128,
-                    num_layers: int = 4, seed: int = 1234) -> None:
+                    num_layers: int = 4, seed: int = 1234,
+                    chat_template: str = "chatml") -> None:
     import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -62,7 +73,7 @@ def make_tiny_llama(output: str, texts: List[str], vocab_size: int = 512, hidden
                                 special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer,
                                         eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = TEMPLATES[chat_template]
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
@@ -82,13 +93,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--chat-template", choices=sorted(TEMPLATES), default="chatml",
+                        help="chatml: ChatML turns; plain: the turns' texts back to back, "
+                             "the assistant's ended by <|endoftext|> (completion tasks)")
     args = parser.parse_args(argv)
     for path in args.texts:
         if not os.path.isfile(path):
             print(f"error: --texts {path}: no such file", file=sys.stderr)
             return 1
     make_tiny_llama(args.output, args.texts, args.vocab_size, args.hidden_size, args.num_layers,
-                    args.seed)
+                    args.seed, args.chat_template)
     print(f"wrote {args.output}")
     return 0
 

@@ -113,6 +113,17 @@ def build_configs(argv: Optional[Sequence[str]] = None,
     return configs, tokenizer
 
 
+def training_logger(trainer: Trainer) -> TrainingLogger:
+    """The run's log lines and scalars (TensorBoard, wandb), written by the last rank (the
+    last pipeline stage's, as in Megatron)."""
+    configs, state = trainer.configs, trainer.state
+    is_logging_rank = state.rank == state.world_size - 1
+    wandb = (init_wandb(configs.training, configs.checkpoint.save, configs.to_dict())
+             if is_logging_rank else None)
+    return TrainingLogger(is_logging_rank, configs.training, state.device, wandb=wandb,
+                          world_size=state.world_size)
+
+
 @dataclass
 class _Data:
     """The run's data: the training iterator (from the consumed samples on), the cyclic
@@ -362,12 +373,7 @@ def pretrain(
     if run_hook is not None:
         run_hook(trainer)
     data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)
-    state = trainer.state
-    is_logging_rank = state.rank == state.world_size - 1
-    wandb = (init_wandb(configs.training, configs.checkpoint.save, configs.to_dict())
-             if is_logging_rank else None)
-    logger = TrainingLogger(is_logging_rank, configs.training, state.device, wandb=wandb,
-                            world_size=state.world_size)
+    logger = training_logger(trainer)
     _report_packing(data.datasets, logger)
     return _TrainingLoop(trainer, forward_step_func, data, logger, start_time).run()
 

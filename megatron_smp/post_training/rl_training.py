@@ -1,0 +1,530 @@
+"""On-policy RL (GRPO / DAPO / Dr. GRPO / GSPO) on the Trainer, with rollouts from the
+in-framework inference engine on the weights being trained (`train_rl.py`).
+
+One *rollout batch* every `--grpo-iterations` optimizer iterations:
+
+1. `--grpo-prompts-per-step` prompts from the training environments of `--langrl-env-config`
+   (`rl_env.PromptSampler`: seeded by --seed, its position checkpointed);
+2. `--grpo-group-size` completions of each from the `InferenceEngine` running on the training
+   model's own parameters (no copy: every update is seen by the next rollouts), sampled with
+   --rl-default-temperature/top-k/top-p, each completion with its own seed from (--seed,
+   rollout batch, index) so that a resumed run draws the same ones;
+3. rewards from the environment's reward functions, group advantages (--grpo-scale-rewards
+   none is Dr. GRPO's), DAPO's filter of equal-reward groups
+   (--grpo-filter-groups-with-same-reward);
+4. one rollout per row of --seq-length, shared over the data-parallel ranks in whole
+   microbatches (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a
+   step after DAPO's filter has fewer microbatches (--global-batch-size = group size x
+   prompts per step is what the schedule and the consumed samples count per iteration);
+5. the old policy's log-probs (with --grpo-iterations > 1; for one iteration the policy is
+   its own old policy, as in TRL) and the reference's (with --grpo-kl-beta > 0: a frozen copy
+   of the starting weights, or the model with its LoRA adapters off);
+6. `--grpo-iterations` optimizer iterations on the batch through `Trainer.train_step` with
+   `rollouts.grpo_loss_fn`.
+
+Every iteration prints Megatron's log line with the RL metrics appended (TRL's names: reward,
+reward_std, rewards/<function>/mean, completions/mean_length, clip_fraction, kl, entropy, ...,
+and the rollout batch's generation time and the iteration's training time in seconds); the
+same values go to TensorBoard (--tensorboard-dir). Evaluation (--eval-interval, --eval-iters):
+greedy completions of the `evaluation_only` environments' prompts, "validation reward".
+
+Checkpoints (--save, --save-interval, --load) hold, beside the Trainer's own state, the RL
+state in `<dir>/rl_state/iter_XXXXXXX/rank_XXXXX.pt` (the sampler's position, and a save inside
+a rollout batch also the rest of that batch) and, for full fine-tuning with a KL term, the
+reference weights in `<dir>/rl_state/reference/rank_XXXXX.pt`, so a resumed run draws the same
+prompts and completions and reproduces the uninterrupted run's rewards and losses.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
+from megatron_smp.post_training.rl_env import (
+    EnvConfigError, Environment, Prompt, PromptSampler, load_env_config,
+)
+from megatron_smp.post_training.rl_generation import (
+    generate_rollouts, rollout_fields, score_rollouts,
+)
+from megatron_smp.post_training.rollouts import (
+    build_rollout_batch, grpo_loss_fn, rollout_advantages, rollout_metrics, rollout_microbatches,
+)
+
+RL_STATE_DIR = "rl_state"
+LOSS_KEY = "rl loss"
+GENERATION_TIME = "generation time (s)"
+TRAINING_TIME = "training time (s)"
+# The loss function's reports besides the loss (grpo.weighted_grpo_loss's metrics); "kl"
+# only with a reference (--grpo-kl-beta > 0).
+_POLICY_METRICS = ("clip_fraction", "clip_ratio/high_mean", "clip_ratio/low_mean",
+                   "clip_ratio/region_mean", "entropy", "ratio_mean")
+
+
+def add_rl_training_args(parser):
+    """train_rl.py's flags beyond Megatron's training ones: the --grpo-* / --rl-* flags and
+    the engine's --inference-* sizes."""
+    from megatron_smp.training.inference_setup import add_inference_args
+
+    return add_inference_args(add_rl_args(parser))
+
+
+def policy_metric_keys(config: RLConfig) -> tuple:
+    """The keys the RL loss function reports, the same on every pipeline stage."""
+    keys = (LOSS_KEY,) + _POLICY_METRICS
+    return keys + (("kl",) if config.kl_beta != 0.0 else ())
+
+
+def check_rl_configs(configs, config: RLConfig) -> None:
+    """ConfigErrors naming the flag for what a RL run cannot do (on every rank, before any
+    collective)."""
+    parallel, training = configs.parallel, configs.training
+    if config.env_config is None:
+        raise ConfigError("train_rl.py needs --langrl-env-config (a YAML list of environments: "
+                          "prompts and reward functions; see "
+                          "megatron_smp/post_training/envs/addition.yaml)")
+    if parallel.context_parallel_size > 1:
+        raise ConfigError("train_rl.py: --context-parallel-size must be 1 (the rollouts are "
+                          "generated at the training layout, and a decode step cannot be split "
+                          "over context-parallel ranks)")
+    if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
+                          "inference engine; drop --num-layers-per-virtual-pipeline-stage")
+    if parallel.use_torch_fsdp2:
+        raise ConfigError("train_rl.py: --use-torch-fsdp2 shards the parameters the rollouts "
+                          "are generated with; train with DP (--use-distributed-optimizer), "
+                          "TP, PP or EP instead")
+    if training.rampup_batch_size:
+        raise ConfigError("train_rl.py: --rampup-batch-size does not apply (a step's batch is "
+                          "--grpo-group-size x --grpo-prompts-per-step rollouts)")
+    if configs.optimizer.calculate_per_token_loss:
+        raise ConfigError("train_rl.py: --calculate-per-token-loss does not apply (the GRPO "
+                          "loss normalises over the rollout batch itself; --grpo-loss-type "
+                          "dapo is the per-token mean)")
+    if getattr(configs.args, "inference_max_seq_length", None) is not None:
+        raise ConfigError("train_rl.py: a rollout fills one sequence of --seq-length; drop "
+                          "--inference-max-seq-length (the engine's limit follows it)")
+    if training.global_batch_size != config.rollouts_per_step:
+        raise ConfigError(f"train_rl.py: --global-batch-size ({training.global_batch_size}) "
+                          f"must equal --grpo-group-size x --grpo-prompts-per-step "
+                          f"({config.rollouts_per_step}): one rollout per sequence; leave "
+                          f"--global-batch-size out to get it")
+
+
+def rollout_logprobs(model, batch: Dict[str, torch.Tensor], run) -> torch.Tensor:
+    """Per-token log-probs [rows, s] of `batch`'s labels under `model` (the policy or the
+    reference chunks), eval mode, no grad, on every rank: the one call of the log-prob
+    function, so its home can change in one line."""
+    from megatron_smp.post_training.engine import compute_logprobs
+
+    training = run.configs.training
+    return compute_logprobs(model, batch, run.state, run.configs.model.vocab_size,
+                            micro_batch_size=training.micro_batch_size,
+                            pipeline_schedule=training.pipeline_schedule)["logprobs"]
+
+
+@dataclass
+class RolloutBatch:
+    """What one rollout batch leaves for its --grpo-iterations updates: this data-parallel
+    rank's microbatches (CPU tensors), the rollout metrics and the generation time."""
+
+    number: int                                   # rollout batches before this one
+    microbatches: List[Dict[str, torch.Tensor]]
+    metrics: Dict[str, float]
+    generation_time: float
+    updates_done: int = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"number": self.number, "microbatches": self.microbatches,
+                "metrics": dict(self.metrics), "generation_time": self.generation_time,
+                "updates_done": self.updates_done}
+
+    @classmethod
+    def from_state_dict(cls, state: Dict[str, Any]) -> "RolloutBatch":
+        return cls(**state)
+
+
+@dataclass
+class RLResult:
+    """What `train_rl` returns on every rank: per iteration the logged values (losses,
+    rollout metrics, times), the evaluations, the log lines."""
+
+    iterations: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    valid_rewards: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    log_lines: List[str] = field(default_factory=list)
+    iteration: int = 0
+    exit_reason: Optional[str] = None
+
+
+class RLRun:
+    """The RL loop over a built Trainer."""
+
+    def __init__(self, trainer, config: RLConfig, environments: Sequence[Environment],
+                 tokenizer, model_provider: Callable, logger):
+        from megatron_smp.inference import InferenceEngine
+
+        self.trainer, self.config, self.environments = trainer, config, list(environments)
+        self.tokenizer, self.logger = tokenizer, logger
+        self.configs, self.state = trainer.configs, trainer.state
+        training = self.configs.training
+        self.sampler = PromptSampler(self.environments, seed=training.seed)
+        self.eval_environments = [env for env in self.environments if env.evaluation_only]
+        self.end_token_ids = [tokenizer.eod] if getattr(tokenizer, "eod", None) is not None \
+            else []
+        self.pad_id = getattr(tokenizer, "pad", None)
+        if self.pad_id is None:
+            self.pad_id = self.end_token_ids[0] if self.end_token_ids else 0
+        args = self.configs.args
+        # The engine reads the training chunk's parameters in place; its KV cache is its own.
+        self.engine = InferenceEngine(
+            trainer.model, max_tokens=args.inference_max_tokens,
+            max_requests=args.inference_max_requests,
+            block_size=args.inference_dynamic_batching_block_size,
+            max_seq_length=training.seq_length + 1)
+        self._train_mode()
+        self.lora = bool(training.lora_rank)
+        self.reference = None
+        if config.kl_beta != 0.0 and not self.lora:
+            from megatron_smp.post_training.dpo_training import (
+                build_reference_chunks, copy_base_weights,
+            )
+
+            self.reference = build_reference_chunks(model_provider, self.configs, self.state)
+            copy_base_weights(self.reference, trainer.model)
+        trainer.metric_keys = policy_metric_keys(config)
+        self.reference_saved_to = set()
+        self.pending: Optional[RolloutBatch] = None
+        self.result = RLResult()
+        self.loss_scale = 1.0
+        self.policy_loss = None
+
+    # -- modes ------------------------------------------------------------------------------
+    def _train_mode(self) -> None:
+        for chunk in self.trainer.model:
+            chunk.train()
+
+    def _generate(self, prompts: Sequence[Prompt], config: RLConfig, number: int):
+        for chunk in self.trainer.model:
+            if hasattr(chunk, "finish_param_sync"):  # --overlap-param-gather's last gathers
+                chunk.finish_param_sync()
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                return generate_rollouts(self.engine, self.tokenizer, prompts, config,
+                                         step=number, seed=self.configs.training.seed,
+                                         end_token_ids=self.end_token_ids)
+        finally:
+            self._train_mode()
+
+    # -- the loss ---------------------------------------------------------------------------
+    def _scale_for(self, pending: "RolloutBatch") -> None:
+        """The loss of a step of n microbatches per rank: the batch weights normalise over
+        the whole rollout batch, so the schedule's and the reduction's averaging over
+        n x dp is undone (context parallelism is not used here)."""
+        scale = float(len(pending.microbatches) * self.state.dp_size)
+        if self.policy_loss is None or scale != self.loss_scale:
+            self.loss_scale = scale
+            self.policy_loss = grpo_loss_fn(self.config, self.state.tp_group,
+                                            self.configs.model.vocab_size, loss_scale=scale)
+
+    def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
+        """`rollouts.grpo_loss_fn` with its metrics reported as the global batch's values
+        (each microbatch's weighted sum, scaled like the loss, so the trainer's mean over
+        microbatches and data-parallel ranks is their sum) and the policy's entropy."""
+        loss, metrics = self.policy_loss(logits, batch)
+        reports = {LOSS_KEY: loss.detach()}
+        if "entropy" not in metrics:
+            from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_entropy
+
+            with torch.no_grad():
+                entropy = vocab_parallel_entropy(logits.detach(), self.state.tp_group,
+                                                 self.configs.model.vocab_size)
+                metrics["entropy"] = (entropy.double() * batch["token_mean_weight"]).sum()
+        for key in self.trainer.metric_keys[1:]:
+            reports[key] = metrics[key].float() * self.loss_scale
+        return loss, reports
+
+    # -- a rollout batch --------------------------------------------------------------------
+    def rollout_batch(self, number: int) -> RolloutBatch:
+        """Sample, generate, score and lay out rollout batch `number` (collective)."""
+        config, training, state = self.config, self.configs.training, self.state
+        prompts = self.sampler.sample(config.prompts_per_step)
+        start = time.perf_counter()
+        rollouts = self._generate(prompts, config, number)
+        generation_time = time.perf_counter() - start
+        score_rollouts(self.environments, rollouts)
+        fields = rollout_fields(rollouts)
+        metrics = rollout_metrics(fields["rewards"], fields["per_function"],
+                                  fields["completion_lengths"], config.group_size,
+                                  fields["truncated"])
+        advantages, kept = rollout_advantages(
+            fields["rewards"], config.group_size, config.scale_rewards,
+            config.unbiased_reward_std, config.filter_groups_with_same_reward)
+        if not kept:
+            # Every group filtered: the whole batch is trained, all its advantages 0 (only
+            # the KL and entropy terms act), so the iteration still has its update.
+            advantages, kept = rollout_advantages(fields["rewards"], config.group_size,
+                                                  config.scale_rewards,
+                                                  config.unbiased_reward_std)
+        metrics["rollouts_trained"] = float(len(kept))
+        batch = build_rollout_batch(
+            [fields["prompt_ids"][i] for i in kept],
+            [fields["completion_ids"][i] for i in kept], advantages.tolist(),
+            seq_length=training.seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
+            max_completion_length=config.max_completion_length, pack=False)
+        # This rank's share, padded with untrained rows to whole microbatches: after DAPO's
+        # filter the number of microbatches varies from step to step.
+        microbatches = rollout_microbatches(batch, training.micro_batch_size, state.dp_size,
+                                            state.dp_rank)
+        extra = {}
+        if config.iterations > 1 or config.kl_beta != 0.0:
+            local = {key: torch.cat([m[key] for m in microbatches]) for key in microbatches[0]}
+            if config.iterations > 1:
+                extra["old_logps"] = rollout_logprobs(self.trainer.model, local, self).cpu()
+            if config.kl_beta != 0.0:
+                extra["ref_logps"] = self._reference_logprobs(local).cpu()
+        micro = training.micro_batch_size
+        for index, microbatch in enumerate(microbatches):
+            for key, values in extra.items():
+                microbatch[key] = values[index * micro:(index + 1) * micro]
+        return RolloutBatch(number, microbatches, metrics, generation_time)
+
+    def _reference_logprobs(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.lora:
+            from megatron_smp.post_training.dpo_training import _inner
+            from megatron_smp.tensor_parallel.lora import adapters_disabled
+
+            model = self.trainer.model
+            context = adapters_disabled([_inner(chunk) for chunk in model])
+        else:
+            model, context = self.reference, contextlib.nullcontext()
+        with context:
+            return rollout_logprobs(model, batch, self)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> RLResult:
+        trainer, training, config = self.trainer, self.configs.training, self.config
+        checkpoint = self.configs.checkpoint
+        result = self.result
+        while trainer.iteration < training.train_iters and not training.skip_train:
+            if self.pending is None or self.pending.updates_done == config.iterations:
+                self.pending = self.rollout_batch(trainer.iteration // config.iterations)
+            pending = self.pending
+            self._scale_for(pending)
+            start = time.perf_counter()
+            step = trainer.train_step(iter(pending.microbatches), loss_fn=self.loss_fn,
+                                      num_microbatches=len(pending.microbatches))
+            pending.updates_done += 1
+            values = {key: value.item() for key, value in step.losses.items()}
+            values.update(pending.metrics)
+            values[GENERATION_TIME] = pending.generation_time
+            values[TRAINING_TIME] = time.perf_counter() - start
+            result.iterations[trainer.iteration] = values
+            self._log(step, values)
+            iteration = trainer.iteration
+            if (training.eval_interval and training.eval_iters > 0 and self.eval_environments
+                    and iteration % training.eval_interval == 0):
+                self.evaluate()
+            if checkpoint.save and checkpoint.save_interval and (
+                    iteration % checkpoint.save_interval == 0):
+                self.save()
+            if checkpoint.save or checkpoint.load:
+                trainer.poll_saves()
+            result.exit_reason = trainer.exits.reason_to_exit(iteration, step.exit_flags)
+            if result.exit_reason is not None:
+                self.logger.print(result.exit_reason)
+                break
+        trainer.exits.close()
+        saved_last = bool(checkpoint.save_interval) and (
+            trainer.iteration % checkpoint.save_interval == 0)
+        if checkpoint.save and not training.skip_train and not saved_last:
+            self.save()
+        # Megatron's evaluation after training (also the only one with --skip-train).
+        if (result.exit_reason is None and training.eval_iters > 0 and self.eval_environments
+                and trainer.iteration not in result.valid_rewards):
+            self.evaluate()
+        if checkpoint.save or checkpoint.load:
+            trainer.finalize_saves()
+        self.logger.close()
+        result.iteration = trainer.iteration
+        return result
+
+    def _log(self, step, values: Dict[str, float]) -> None:
+        """Megatron's log line with the RL values appended (every iteration; a rollout batch's
+        metrics repeat on its --grpo-iterations lines) and the same TensorBoard scalars."""
+        trainer, training = self.trainer, self.configs.training
+        iteration = trainer.iteration
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        loss_scale = trainer.optimizer.get_loss_scale()[0]
+        extra = {key: value for key, value in values.items() if key not in step.losses}
+        self.logger.iteration_scalars(iteration, lr, step.global_batch_size, step.losses,
+                                      loss_scale, step.grad_norm, step.num_zeros_in_grad,
+                                      extra_scalars=extra)
+        trainer.pending_losses.read()
+        trainer.pending_losses.interval_sums = {}
+        if iteration % training.log_interval and iteration != training.train_iters:
+            return
+        from megatron_smp.training.logging import flops_per_iteration
+
+        # The iteration's time: its update, and the generation of its rollout batch on the
+        # batch's first update.
+        elapsed = values[TRAINING_TIME] + (values[GENERATION_TIME]
+                                           if self.pending.updates_done == 1 else 0.0)
+        model, state = self.configs.model, self.state
+        flops = flops_per_iteration(model, training.seq_length, step.global_batch_size,
+                                    model.padded_vocab_size(state.tp_size))
+        line = self.logger.training_line(
+            iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
+            step.global_batch_size, values, float(loss_scale), step.grad_norm,
+            step.num_zeros_in_grad, trainer.progress.skipped_iterations, trainer.nan_iterations,
+            step.global_batch_size * training.seq_length / elapsed,
+            flops / elapsed / 1e12 / state.world_size)
+        self.result.log_lines.append(line)
+
+    def evaluate(self) -> Dict[str, float]:
+        """Greedy completions of --eval-iters x --grpo-prompts-per-step prompts of the
+        evaluation-only environments (in their order, from the first): "reward" and each
+        function's mean, as "validation reward" lines and scalars."""
+        records = [Prompt(env.name, r["prompt"], r["answer"])
+                   for env in self.eval_environments for r in env.records]
+        count = min(len(records), self.configs.training.eval_iters * self.config.prompts_per_step)
+        greedy = RLConfig(group_size=2, prompts_per_step=count, temperature=0.0,
+                          max_completion_length=self.config.max_completion_length)
+        greedy.group_size = 1  # one completion per prompt (the config's check is for training)
+        rollouts = self._generate(records[:count], greedy, 0)
+        score_rollouts(self.environments, rollouts)
+        fields = rollout_fields(rollouts)
+        metrics = rollout_metrics(fields["rewards"], fields["per_function"],
+                                  fields["completion_lengths"], 1)
+        values = {key: value for key, value in metrics.items()
+                  if key == "reward" or key.startswith("rewards/") and key.endswith("/mean")}
+        iteration = self.trainer.iteration
+        line = f" validation reward at iteration {iteration} ({count} prompts, greedy) |"
+        for key, value in values.items():
+            line += f" {key}: {value:.6E} |"
+            self.logger.add_scalar(f"{key} validation", value, iteration)
+        self.logger.print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
+        self.result.log_lines.append(line)
+        self.result.valid_rewards[iteration] = values
+        return values
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _state_path(self, directory: str, iteration: int) -> str:
+        return os.path.join(directory, RL_STATE_DIR, f"iter_{iteration:07d}",
+                            f"rank_{self.state.rank:05d}.pt")
+
+    def _reference_path(self, directory: str) -> str:
+        return os.path.join(directory, RL_STATE_DIR, "reference",
+                            f"rank_{self.state.rank:05d}.pt")
+
+    def _layout(self) -> tuple:
+        # Each rank's RL state holds its own share of a rollout batch and its reference chunk.
+        return (self.state.tp_size, self.state.pp_size, self.state.dp_size)
+
+    def save(self) -> None:
+        """The Trainer's checkpoint, then this rank's RL state beside it (collective)."""
+        self.trainer.save()
+        directory, iteration = self.configs.checkpoint.save, self.trainer.iteration
+        pending = self.pending
+        if pending is not None and pending.updates_done == self.config.iterations:
+            pending = None  # the next iteration starts a new rollout batch
+        state = {"sampler": self.sampler.state_dict(), "layout": self._layout(),
+                 "pending": None if pending is None else pending.state_dict()}
+        _atomic_save(state, self._state_path(directory, iteration))
+        if self.reference is not None and directory not in self.reference_saved_to:
+            # Once per run and directory (a file left there by another run is replaced).
+            _atomic_save([chunk.state_dict() for chunk in self.reference],
+                         self._reference_path(directory))
+            self.reference_saved_to.add(directory)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def restore(self) -> None:
+        """After `Trainer.load` of --load at iteration > 0: the sampler's position, the
+        unfinished rollout batch, the reference weights (collective-free; ConfigError when
+        --load lacks them)."""
+        iteration = self.trainer.iteration
+        directory = self.configs.checkpoint.load
+        if iteration == 0 or not directory or self.configs.checkpoint.finetune:
+            return
+        path = self._state_path(directory, iteration)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--load {directory}: iteration {iteration} has no RL state "
+                              f"({path}); resume an RL run from a checkpoint train_rl.py "
+                              f"saved, or start one from another checkpoint with --finetune")
+        state = torch.load(path, weights_only=True)
+        if list(state["layout"]) != list(self._layout()):
+            raise ConfigError(f"--load {directory}: the RL state of iteration {iteration} was "
+                              f"saved at (tensor, pipeline, data)-parallel sizes "
+                              f"{tuple(state['layout'])}, this run has {self._layout()}; resume "
+                              f"an RL run at the layout that saved it")
+        self.sampler.load_state_dict(state["sampler"])
+        if state["pending"] is not None:
+            self.pending = RolloutBatch.from_state_dict(state["pending"])
+        if self.reference is not None:
+            path = self._reference_path(directory)
+            if not os.path.isfile(path):
+                raise ConfigError(f"--load {directory}: no reference weights ({path}) for "
+                                  f"--grpo-kl-beta {self.config.kl_beta} (the starting "
+                                  f"weights of full fine-tuning)")
+            for chunk, values in zip(self.reference, torch.load(path, weights_only=True)):
+                chunk.load_state_dict(values)
+
+
+def _atomic_save(value: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(value, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def check_prompt_lengths(environments: Sequence[Environment], tokenizer, config: RLConfig,
+                         seq_length: int) -> None:
+    """Every prompt plus --rl-max-completion-length must fit a row of --seq-length."""
+    for env in environments:
+        longest = max(len(tokenizer.tokenize(record["prompt"])) for record in env.records)
+        if longest + config.max_completion_length - 1 > seq_length:
+            raise ConfigError(
+                f"train_rl.py: environment {env.name!r} has a prompt of {longest} tokens; with "
+                f"--rl-max-completion-length {config.max_completion_length} a rollout needs "
+                f"{longest + config.max_completion_length - 1} positions, more than "
+                f"--seq-length {seq_length}")
+
+
+def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
+             argv: Optional[Sequence[str]] = None) -> RLResult:
+    """Parse Megatron's flags with the RL ones, build the Trainer and the engine, and run
+    the RL loop; returns the logged values (on every rank)."""
+    from megatron_smp.training.arguments import parse_args
+    from megatron_smp.training.pretrain import build_configs, training_logger
+    from megatron_smp.training.trainer import Trainer
+
+    start_time = time.time()
+    defaults = {"mock_data": True, **(args_defaults or {})}
+    # The RL flags first (every rank), then the global batch they imply.
+    config = rl_config(parse_args(argv, add_rl_training_args, defaults).args)
+    defaults.setdefault("global_batch_size", config.rollouts_per_step)
+    configs, tokenizer = build_configs(argv, add_rl_training_args, defaults, model_provider)
+    check_rl_configs(configs, config)
+    try:
+        environments = load_env_config(config.env_config)
+    except EnvConfigError as error:
+        raise ConfigError(str(error)) from error
+    check_prompt_lengths(environments, tokenizer, config, configs.training.seq_length)
+    trainer = Trainer.build(configs, model_provider, start_time)
+    if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
+        trainer.load()
+    run = RLRun(trainer, config, environments, tokenizer, model_provider,
+                training_logger(trainer))
+    run.restore()
+    return run.run()
+
+
+__all__ = ["train_rl", "RLRun", "RLResult", "RolloutBatch", "add_rl_training_args",
+           "check_rl_configs", "policy_metric_keys", "rollout_logprobs",
+           "LOSS_KEY", "GENERATION_TIME", "TRAINING_TIME"]

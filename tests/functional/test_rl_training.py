@@ -1,0 +1,160 @@
+"""train_rl.py as users run it (torchrun, two data-parallel ranks, a small GPT, GRPO with a KL
+term and two updates per rollout batch): the log line and TensorBoard carry the same RL values,
+they are consistent with each other (the first update of a rollout batch is on-policy: ratio 1,
+nothing clipped), and a run resumed from a checkpoint saved inside a rollout batch reproduces
+the uninterrupted run's rewards, losses and grad norms; the run at TP=2 gives the same values.
+Plus the flags train_rl.py refuses, with the flag named."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FUNCTION = "tests.functional.test_rl_training:char_sum"
+REWARD = f"rewards/{FUNCTION}/mean"
+RL_KEYS = ("rl loss", "reward", "reward_std", REWARD, "completions/mean_length",
+           "clip_fraction", "kl", "entropy", "ratio_mean", "generation time (s)",
+           "training time (s)")
+
+
+def char_sum(prompt, completion, answer):
+    """A reward that differs between a random model's completions: the last digit of the sum
+    of its characters' code points, over 10."""
+    return (sum(map(ord, completion)) % 10) / 10
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import json
+
+    from tokenizers import pre_tokenizers
+
+    # GPT-2's byte-level BPE with no merges: one token per byte (no transformers import).
+    directory = tmp_path_factory.mktemp("rl")
+    vocab = {char: index for index, char in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    (directory / "env.yaml").write_text(
+        "- name: addition\n"
+        "  prompts: megatron_smp.post_training.envs.addition:prompts\n"
+        "  prompt_args: {num_prompts: 50, digits: 1, seed: 1}\n"
+        f"  reward_functions: ['{FUNCTION}']\n"
+        "- name: held_out\n"
+        "  prompts: megatron_smp.post_training.envs.addition:prompts\n"
+        "  prompt_args: {num_prompts: 20, digits: 1, seed: 2}\n"
+        f"  reward_functions: ['{FUNCTION}']\n"
+        "  evaluation_only: true\n")
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+             str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt"),
+             "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--max-position-embeddings", "32",
+             "--seq-length", "12", "--micro-batch-size", "2", "--train-iters", "4",
+             "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--langrl-env-config", str(directory / "env.yaml"), "--grpo-group-size", "4",
+             "--grpo-prompts-per-step", "2", "--grpo-iterations", "2", "--grpo-kl-beta", "0.05",
+             "--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.28",
+             "--rl-max-completion-length", "6", "--log-interval", "1", "--seed", "5",
+             "--eval-iters", "1", "--eval-interval", "2"]
+    return directory, flags
+
+
+def _train_rl(flags, world_size=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world_size}", os.path.join(ROOT, "train_rl.py")] + flags
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _validation(stdout):
+    """{iteration: reward} from the greedy evaluation lines."""
+    return {int(i): float(v) for i, v in re.findall(
+        r"validation reward at iteration (\d+) \(2 prompts, greedy\) \| reward: (\S+) \|",
+        stdout)}
+
+
+def _lines(stdout):
+    """{iteration: {key: value}} from Megatron's log lines."""
+    out = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\s*iteration\s+(\d+)/", line)
+        if match:
+            fields = [part.strip().rsplit(": ", 1) for part in line.split("|")[1:]]
+            out[int(match.group(1))] = {k: float(v) for k, v in
+                                        (f for f in fields if len(f) == 2)}
+    return out
+
+
+def test_train_rl_log_tensorboard_and_resume(setup):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    directory, flags = setup
+    board = directory / "tensorboard"
+    stdout = _train_rl(flags + ["--tensorboard-dir", str(board), "--save",
+                                str(directory / "ckpt"), "--save-interval", "3"])
+    whole, valid = _lines(stdout), _validation(stdout)
+    assert sorted(whole) == [1, 2, 3, 4]
+    scalars = EventAccumulator(str(board)).Reload()
+    for iteration, values in whole.items():
+        for key in RL_KEYS:
+            assert key in values, (key, values)
+            logged = {e.step: e.value for e in scalars.Scalars(key)}
+            assert logged[iteration] == pytest.approx(values[key], rel=1e-5, abs=1e-9), key
+        # One reward function of weight 1: the reward is its mean, of 8 rewards in tenths.
+        assert values["reward"] == values[REWARD]
+        assert values["reward"] * 80 == pytest.approx(round(values["reward"] * 80), abs=1e-4)
+        assert values["reward_std"] > 0
+        assert 1 <= values["completions/mean_length"] <= 6
+        assert values["global batch size"] == 8
+    # Greedy evaluation of the evaluation-only environment every --eval-interval iterations.
+    assert sorted(valid) == [2, 4]
+    assert {e.step: e.value for e in scalars.Scalars("reward validation")} == pytest.approx(valid)
+    for first in (1, 3):  # the first update of a rollout batch: old policy = policy
+        assert whole[first]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert whole[first]["clip_fraction"] == 0.0
+        # Both updates of a batch share its rollouts.
+        assert whole[first]["reward"] == whole[first + 1]["reward"]
+    assert whole[2]["ratio_mean"] != whole[1]["ratio_mean"]  # the policy moved
+    assert whole[1]["kl"] == pytest.approx(0.0, abs=1e-7) and whole[3]["kl"] > 0
+
+    # Resume from iteration 3, inside the second rollout batch (its checkpoint holds the
+    # batch's rollouts, old and reference log-probs, and the prompt sampler's position).
+    assert os.path.isfile(directory / "ckpt" / "rl_state" / "iter_0000003" / "rank_00001.pt")
+    (directory / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    stdout = _train_rl(flags + ["--load", str(directory / "ckpt")])
+    resumed = _lines(stdout)
+    assert sorted(resumed) == [4] and _validation(stdout) == {4: valid[4]}
+    for key in ("rl loss", "reward", "kl", "entropy", "grad norm", "ratio_mean"):
+        assert resumed[4][key] == whole[4][key], key
+
+    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards).
+    tensor_parallel = _lines(_train_rl(flags + ["--tensor-model-parallel-size", "2"]))
+    for iteration, values in whole.items():
+        assert tensor_parallel[iteration]["reward"] == values["reward"]
+        for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
+            assert tensor_parallel[iteration][key] == pytest.approx(values[key], rel=1e-5,
+                                                                   abs=1e-7), (iteration, key)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--global-batch-size", "4"], "--global-batch-size (4) must equal"),
+    (["--rl-max-completion-length", "20"], "more than --seq-length 12"),
+    (["--inference-max-seq-length", "64"], "drop --inference-max-seq-length"),
+])
+def test_train_rl_refuses_flags(setup, extra, message):
+    from megatron_smp.config import ConfigError
+    from megatron_smp.post_training.rl_training import train_rl
+    from pretrain_gpt import model_provider
+
+    directory, flags = setup
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train_rl(model_provider, argv=flags + extra)
+    without_env = [f for f in flags if f != str(directory / "env.yaml")]
+    without_env.remove("--langrl-env-config")
+    with pytest.raises(ConfigError, match="needs --langrl-env-config"):
+        train_rl(model_provider, argv=without_env)
