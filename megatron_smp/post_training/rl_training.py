@@ -12,10 +12,13 @@ One *rollout batch* every `--grpo-iterations` optimizer iterations:
 3. rewards from the environment's reward functions, group advantages (--grpo-scale-rewards
    none is Dr. GRPO's), DAPO's filter of equal-reward groups
    (--grpo-filter-groups-with-same-reward);
-4. one rollout per row of --seq-length, shared over the data-parallel ranks in whole
-   microbatches (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a
-   step after DAPO's filter has fewer microbatches (--global-batch-size = group size x
-   prompts per step is what the schedule and the consumed samples count per iteration);
+4. one rollout per row of --seq-length, or with --rl-use-sequence-packing several per row
+   (best fit, each attending only to itself, positions restarting at 0: the loss weights
+   normalise over the rollouts, not the rows, so the loss and the update are the unpacked
+   ones), shared over the data-parallel ranks in whole microbatches
+   (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a step after
+   DAPO's filter or with packing has fewer microbatches (--global-batch-size = group size x
+   prompts per step is what the consumed samples count per iteration);
 5. the old policy's log-probs (with --grpo-iterations > 1; for one iteration the policy is
    its own old policy, as in TRL) and the reference's (with --grpo-kl-beta > 0: a frozen copy
    of the starting weights, or the model with its LoRA adapters off);
@@ -30,9 +33,11 @@ greedy completions of the `evaluation_only` environments' prompts, "validation r
 
 Checkpoints (--save, --save-interval, --load) hold, beside the Trainer's own state, the RL
 state in `<dir>/rl_state/iter_XXXXXXX/rank_XXXXX.pt` (the sampler's position, and a save inside
-a rollout batch also the rest of that batch) and, for full fine-tuning with a KL term, the
-reference weights in `<dir>/rl_state/reference/rank_XXXXX.pt`, so a resumed run draws the same
-prompts and completions and reproduces the uninterrupted run's rewards and losses.
+a rollout batch also the rest of that batch) and, for full fine-tuning with a KL term, where
+the reference's starting weights came from in `<dir>/rl_state/reference_source.json`
+(`reference.frozen_reference`, DPO's mechanism: a resume rebuilds the copy from it), so a
+resumed run draws the same prompts and completions and reproduces the uninterrupted run's
+rewards and losses.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.post_training.reference import RL_REFERENCE, _inner, frozen_reference
 from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
 from megatron_smp.post_training.rl_env import (
     EnvConfigError, Environment, Prompt, PromptSampler, load_env_config,
@@ -191,14 +197,11 @@ class RLRun:
         self.lora = bool(training.lora_rank)
         self.reference = None
         if config.kl_beta != 0.0 and not self.lora:
-            from megatron_smp.post_training.dpo_training import (
-                build_reference_chunks, copy_base_weights,
-            )
-
-            self.reference = build_reference_chunks(model_provider, self.configs, self.state)
-            copy_base_weights(self.reference, trainer.model)
+            # The starting weights: copied now, or on resume rebuilt from their record.
+            iteration = 0 if self.configs.checkpoint.finetune else trainer.iteration
+            self.reference = frozen_reference(model_provider, self.configs, self.state,
+                                              trainer.model, iteration, RL_REFERENCE)
         trainer.metric_keys = policy_metric_keys(config)
-        self.reference_saved_to = set()
         self.pending: Optional[RolloutBatch] = None
         self.result = RLResult()
         self.loss_scale = 1.0
@@ -277,7 +280,8 @@ class RLRun:
             [fields["prompt_ids"][i] for i in kept],
             [fields["completion_ids"][i] for i in kept], advantages.tolist(),
             seq_length=training.seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
-            max_completion_length=config.max_completion_length, pack=False)
+            max_completion_length=config.max_completion_length, pack=config.sequence_packing)
+        metrics["rollout_rows"] = float(batch["tokens"].shape[0])
         # This rank's share, padded with untrained rows to whole microbatches: after DAPO's
         # filter the number of microbatches varies from step to step.
         microbatches = rollout_microbatches(batch, training.micro_batch_size, state.dp_size,
@@ -297,7 +301,6 @@ class RLRun:
 
     def _reference_logprobs(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         if self.lora:
-            from megatron_smp.post_training.dpo_training import _inner
             from megatron_smp.tensor_parallel.lora import adapters_disabled
 
             model = self.trainer.model
@@ -363,7 +366,11 @@ class RLRun:
         lr = trainer.optimizer.param_groups[0]["lr"]
         loss_scale = trainer.optimizer.get_loss_scale()[0]
         extra = {key: value for key, value in values.items() if key not in step.losses}
-        self.logger.iteration_scalars(iteration, lr, step.global_batch_size, step.losses,
+        # "global batch size" is the rollout batch's size (what the consumed samples count);
+        # the rows the step ran (fewer when packed, padded to whole microbatches) are
+        # "rollout_rows", and the throughput counts them.
+        rollouts = training.global_batch_size
+        self.logger.iteration_scalars(iteration, lr, rollouts, step.losses,
                                       loss_scale, step.grad_norm, step.num_zeros_in_grad,
                                       extra_scalars=extra)
         trainer.pending_losses.read()
@@ -381,7 +388,7 @@ class RLRun:
                                     model.padded_vocab_size(state.tp_size))
         line = self.logger.training_line(
             iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
-            step.global_batch_size, values, float(loss_scale), step.grad_norm,
+            rollouts, values, float(loss_scale), step.grad_norm,
             step.num_zeros_in_grad, trainer.progress.skipped_iterations, trainer.nan_iterations,
             step.global_batch_size * training.seq_length / elapsed,
             flops / elapsed / 1e12 / state.world_size)
@@ -419,12 +426,8 @@ class RLRun:
         return os.path.join(directory, RL_STATE_DIR, f"iter_{iteration:07d}",
                             f"rank_{self.state.rank:05d}.pt")
 
-    def _reference_path(self, directory: str) -> str:
-        return os.path.join(directory, RL_STATE_DIR, "reference",
-                            f"rank_{self.state.rank:05d}.pt")
-
     def _layout(self) -> tuple:
-        # Each rank's RL state holds its own share of a rollout batch and its reference chunk.
+        # Each rank's RL state holds its own share of a rollout batch.
         return (self.state.tp_size, self.state.pp_size, self.state.dp_size)
 
     def save(self) -> None:
@@ -437,18 +440,12 @@ class RLRun:
         state = {"sampler": self.sampler.state_dict(), "layout": self._layout(),
                  "pending": None if pending is None else pending.state_dict()}
         _atomic_save(state, self._state_path(directory, iteration))
-        if self.reference is not None and directory not in self.reference_saved_to:
-            # Once per run and directory (a file left there by another run is replaced).
-            _atomic_save([chunk.state_dict() for chunk in self.reference],
-                         self._reference_path(directory))
-            self.reference_saved_to.add(directory)
         if dist.is_initialized():
             dist.barrier()
 
     def restore(self) -> None:
-        """After `Trainer.load` of --load at iteration > 0: the sampler's position, the
-        unfinished rollout batch, the reference weights (collective-free; ConfigError when
-        --load lacks them)."""
+        """After `Trainer.load` of --load at iteration > 0: the sampler's position and the
+        unfinished rollout batch (collective-free; ConfigError when --load lacks them)."""
         iteration = self.trainer.iteration
         directory = self.configs.checkpoint.load
         if iteration == 0 or not directory or self.configs.checkpoint.finetune:
@@ -467,14 +464,6 @@ class RLRun:
         self.sampler.load_state_dict(state["sampler"])
         if state["pending"] is not None:
             self.pending = RolloutBatch.from_state_dict(state["pending"])
-        if self.reference is not None:
-            path = self._reference_path(directory)
-            if not os.path.isfile(path):
-                raise ConfigError(f"--load {directory}: no reference weights ({path}) for "
-                                  f"--grpo-kl-beta {self.config.kl_beta} (the starting "
-                                  f"weights of full fine-tuning)")
-            for chunk, values in zip(self.reference, torch.load(path, weights_only=True)):
-                chunk.load_state_dict(values)
 
 
 def _atomic_save(value: Any, path: str) -> None:
