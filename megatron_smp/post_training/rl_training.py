@@ -6,7 +6,8 @@ One *rollout batch* every `--grpo-iterations` optimizer iterations:
 1. `--grpo-prompts-per-step` prompts from the training environments of `--langrl-env-config`
    (`rl_env.PromptSampler`: seeded by --seed, its position checkpointed);
 2. `--grpo-group-size` completions of each from the `InferenceEngine` running on the training
-   model's own parameters (no copy: every update is seen by the next rollouts), sampled with
+   model's own parameters (no copy: every update is seen by the next rollouts; with FSDP2
+   gathered whole for the rollout phase and sharded again after it), sampled with
    --rl-default-temperature/top-k/top-p, each completion with its own seed from (--seed,
    rollout batch, index) so that a resumed run draws the same ones;
 3. rewards from the environment's reward functions, group advantages (--grpo-scale-rewards
@@ -102,10 +103,6 @@ def check_rl_configs(configs, config: RLConfig) -> None:
     if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
         raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
                           "inference engine; drop --num-layers-per-virtual-pipeline-stage")
-    if parallel.use_torch_fsdp2:
-        raise ConfigError("train_rl.py: --use-torch-fsdp2 shards the parameters the rollouts "
-                          "are generated with; train with DP (--use-distributed-optimizer), "
-                          "TP, PP or EP instead")
     if training.rampup_batch_size:
         raise ConfigError("train_rl.py: --rampup-batch-size does not apply (a step's batch is "
                           "--grpo-group-size x --grpo-prompts-per-step rollouts)")
@@ -218,7 +215,7 @@ class RLRun:
                 chunk.finish_param_sync()
             chunk.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _unsharded(self.trainer.model):
                 return generate_rollouts(self.engine, self.tokenizer, prompts, config,
                                          step=number, seed=self.configs.training.seed,
                                          end_token_ids=self.end_token_ids)
@@ -464,6 +461,29 @@ class RLRun:
         self.sampler.load_state_dict(state["sampler"])
         if state["pending"] is not None:
             self.pending = RolloutBatch.from_state_dict(state["pending"])
+
+
+@contextlib.contextmanager
+def _unsharded(chunks):
+    """With --use-torch-fsdp2: every FSDP unit's parameters gathered whole for the rollout
+    phase (FSDP2's `unshard()`, the same all-gathers in the same order on every rank) and
+    sharded again after it, since the engine calls the model's layers directly, around the
+    units' forward hooks. Without FSDP2 nothing happens."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    units = [module for chunk in chunks for module in chunk.modules()
+             if isinstance(module, FSDPModule)]
+    if units:
+        # The root's lazy initialisation (normally at its first forward) must come first, or
+        # each unit's unshard() would initialise that unit as a root of its own.
+        fully_shard.state(units[0])._lazy_init()
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in reversed(units):
+            unit.reshard()
 
 
 def _atomic_save(value: Any, path: str) -> None:

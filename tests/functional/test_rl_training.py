@@ -2,7 +2,8 @@
 term and two updates per rollout batch): the log line and TensorBoard carry the same RL values,
 they are consistent with each other (the first update of a rollout batch is on-policy: ratio 1,
 nothing clipped), and a run resumed from a checkpoint saved inside a rollout batch reproduces
-the uninterrupted run's rewards, losses and grad norms; the run at TP=2 gives the same values.
+the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the run with FSDP2
+(rollouts on the parameters gathered whole) give the same values.
 LoRA (the reference is the model with its adapters off) with packed rollouts and DAPO's filter
 of equal-reward groups gives the values of an unpacked run whose reference is a frozen copy of
 the base, and trains exactly the rollouts of the groups with distinct rewards.
@@ -149,13 +150,18 @@ def test_train_rl_log_tensorboard_and_resume(setup):
     for key in ("rl loss", "reward", "kl", "entropy", "grad norm", "ratio_mean"):
         assert resumed[4][key] == whole[4][key], key
 
-    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards).
-    tensor_parallel = _lines(_train_rl(flags + ["--tensor-model-parallel-size", "2"]))
-    for iteration, values in whole.items():
-        assert tensor_parallel[iteration]["reward"] == values["reward"]
-        for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
-            assert tensor_parallel[iteration][key] == pytest.approx(values[key], rel=1e-5,
-                                                                   abs=1e-7), (iteration, key)
+    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards), and
+    # with FSDP2 (the rollouts generated on the parameters gathered whole, then resharded):
+    # the same sampled rollouts (rewards), greedy evaluations, losses and grad norms.
+    for layout in (["--tensor-model-parallel-size", "2"], ["--use-torch-fsdp2"]):
+        stdout = _train_rl(flags + layout)
+        other = _lines(stdout)
+        assert _validation(stdout) == valid, layout
+        for iteration, values in whole.items():
+            assert other[iteration]["reward"] == values["reward"], (layout, iteration)
+            for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
+                assert other[iteration][key] == pytest.approx(values[key], rel=1e-5, abs=1e-7), (
+                    layout, iteration, key)
 
 
 def _train_rl_in_process(rank, world_size, argv, frozen_copy):
