@@ -152,7 +152,8 @@ def test_train_rl_log_tensorboard_and_resume(setup):
 
     # The same run at TP=2 (rollouts generated and trained over the vocabulary shards), and
     # with FSDP2 (the rollouts generated on the parameters gathered whole, then resharded):
-    # the same sampled rollouts (rewards), greedy evaluations, losses and grad norms.
+    # the same sampled rollouts (rewards), greedy evaluations, losses and grad norms (the
+    # loss is a sum of terms of ~1e-2 that nearly cancel: 1e-6 absolute).
     for layout in (["--tensor-model-parallel-size", "2"], ["--use-torch-fsdp2"]):
         stdout = _train_rl(flags + layout)
         other = _lines(stdout)
@@ -160,7 +161,7 @@ def test_train_rl_log_tensorboard_and_resume(setup):
         for iteration, values in whole.items():
             assert other[iteration]["reward"] == values["reward"], (layout, iteration)
             for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
-                assert other[iteration][key] == pytest.approx(values[key], rel=1e-5, abs=1e-7), (
+                assert other[iteration][key] == pytest.approx(values[key], rel=1e-5, abs=1e-6), (
                     layout, iteration, key)
 
 
@@ -218,7 +219,7 @@ def test_train_rl_lora_packed_and_filtered(setup):
     for iteration, values in unpacked.items():
         assert packed[iteration]["reward"] == values["reward"]
         for key in ("rl loss", "kl", "entropy", "ratio_mean", "clip_fraction"):
-            assert packed[iteration][key] == pytest.approx(values[key], rel=1e-6, abs=1e-7), (
+            assert packed[iteration][key] == pytest.approx(values[key], rel=1e-6, abs=1e-6), (
                 iteration, key)
 
 
