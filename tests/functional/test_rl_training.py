@@ -4,9 +4,10 @@ they are consistent with each other (the first update of a rollout batch is on-p
 nothing clipped), and a run resumed from a checkpoint saved inside a rollout batch reproduces
 the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the run with FSDP2
 (rollouts on the parameters gathered whole) give the same values.
-LoRA (the reference is the model with its adapters off) with packed rollouts and DAPO's filter
-of equal-reward groups gives the values of an unpacked run whose reference is a frozen copy of
-the base, and trains exactly the rollouts of the groups with distinct rewards.
+LoRA (the reference is the model with its adapters off) with packed rollouts, DAPO's filter of
+equal-reward groups and the distributed optimizer gives the values of an unpacked run whose
+reference is a frozen copy of the base, and trains exactly the rollouts of the groups with
+distinct rewards.
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
@@ -195,8 +196,9 @@ def test_train_rl_lora_packed_and_filtered(setup):
              "--global-batch-size", "12", "--eval-iters", "0", "--seq-length", "20"]
     argv[argv.index("--lr") + 1] = "3e-2"  # LoRA's B starts at 0: a visible first update
     runs = {}
-    for name, extra, frozen_copy in (("adapters-off, packed", ["--rl-use-sequence-packing"],
-                                      False), ("frozen copy, unpacked", [], True)):
+    for name, extra, frozen_copy in (
+            ("adapters-off, packed", ["--rl-use-sequence-packing", "--use-distributed-optimizer"],
+             False), ("frozen copy, unpacked", [], True)):
         runs[name] = run_distributed(_train_rl_in_process, 2,
                                      args=(argv + extra, frozen_copy), timeout=180)[0]
     packed, unpacked = runs["adapters-off, packed"], runs["frozen copy, unpacked"]
