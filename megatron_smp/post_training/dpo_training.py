@@ -45,7 +45,6 @@ from megatron_smp.training.logprobs import (
 REF_KEY = "ref_logps"  # per-token reference log-probs [b, s] in a batch
 DOCUMENTS_KEY = "token_documents"  # document ids split like the tokens under CP
 REFERENCE_FILE = "dpo_reference_logps.npy"
-REFERENCE_SOURCE_FILE = DPO_REFERENCE.file_name
 
 
 def add_dpo_args(parser):
@@ -270,5 +269,4 @@ def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
                     run_hook=dpo.attach)
 
 
-__all__ = ["add_dpo_args", "dpo_config", "DPORun", "train_dpo", "REF_KEY",
-           "REFERENCE_FILE", "REFERENCE_SOURCE_FILE"]
+__all__ = ["add_dpo_args", "dpo_config", "DPORun", "train_dpo", "REF_KEY", "REFERENCE_FILE"]
