@@ -7,7 +7,7 @@ the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the 
 LoRA (the reference is the model with its adapters off) with packed rollouts, DAPO's filter of
 equal-reward groups and the distributed optimizer gives the values of an unpacked run whose
 reference is a frozen copy of the base, and trains exactly the rollouts of the groups with
-distinct rewards.
+distinct rewards. A small MoE at EP=2 gives one process's values.
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
@@ -223,6 +223,26 @@ def test_train_rl_lora_packed_and_filtered(setup):
         for key in ("rl loss", "kl", "entropy", "ratio_mean", "clip_fraction"):
             assert packed[iteration][key] == pytest.approx(values[key], rel=1e-6, abs=1e-6), (
                 iteration, key)
+
+
+def test_train_rl_expert_parallel_equals_one_process(setup):
+    """A small MoE (4 experts, top-2) at EP=2 (two ranks) gives one process's rewards, losses
+    and KL (grpo's per-sequence loss with an entropy bonus here)."""
+    from megatron_smp.testing import run_distributed
+
+    directory, flags = setup
+    argv = flags + ["--num-experts", "4", "--moe-router-topk", "2", "--eval-iters", "0",
+                    "--grpo-loss-type", "grpo", "--grpo-entropy-term-weight", "0.01",
+                    "--train-iters", "2"]  # one rollout batch, two updates
+    (single,), (expert_parallel, _) = (
+        run_distributed(_train_rl_in_process, world, args=(argv + extra, False), timeout=180)
+        for world, extra in ((1, []), (2, ["--expert-model-parallel-size", "2"])))
+    assert sorted(single) == sorted(expert_parallel) == [1, 2]
+    for iteration, values in single.items():
+        assert expert_parallel[iteration]["reward"] == values["reward"], iteration
+        for key in ("rl loss", "kl", "entropy", "ratio_mean"):
+            assert expert_parallel[iteration][key] == pytest.approx(
+                values[key], rel=1e-5, abs=1e-6), (iteration, key)
 
 
 @pytest.mark.parametrize("extra,message", [
