@@ -14,16 +14,21 @@
 # 3. the SFT model's greedy exact match on the evaluation sums (train_rl.py --skip-train);
 # 4. GRPO (train_rl.py over the shipped envs/addition.yaml at DIGITS digits: exact match) for
 #    RL_ITERS iterations of GROUP completions for each of PROMPTS prompts, sampled at
-#    temperature 1, DAPO's clipping (0.2 / 0.28) and token-level loss, then the greedy
-#    evaluation again.
+#    temperature 1, DAPO's clipping (0.2 / 0.28) and token-level loss, a KL term to the SFT
+#    model (KL_BETA), the rollouts packed into rows (--rl-use-sequence-packing), then the
+#    greedy evaluation again.
 #
-# Stated margin (checked at the end; the script fails when it is missed): the mean exact-match
-# reward of the sampled rollouts rises by at least 0.1 from the first 5 GRPO steps to the last
-# 5 (measured on 2 CPU cores: 0.43 -> 0.59 in 60 steps, see README). The per-step curve and the
-# greedy evaluations are printed.
+# Stated margins (checked at the end; the script fails when one is missed):
+#   * the mean exact-match reward of the sampled rollouts rises by at least 0.1 from the first
+#     5 GRPO steps to the last 5;
+#   * the greedy exact match on the 200 held-out sums does not fall by more than 0.02 from the
+#     SFT model's (GRPO without the KL term, at RL_LR 5e-4, raised the sampled reward
+#     0.43 -> 0.59 but lowered the greedy exact match 0.925 -> 0.805; see README for the
+#     measured curve with these settings).
+# The per-step curve and the greedy evaluations are printed.
 # Settings (environment): OUT (default runs/grpo_addition), DIGITS (1), SFT_EXAMPLES (4000),
-# SFT_ITERS (80), RL_ITERS (60), RL_LR (5e-4), GROUP (8), PROMPTS (32), MICRO_BATCH (32);
-# processes per node as in scripts/launch_env.sh.
+# SFT_ITERS (80), RL_ITERS (60), RL_LR (2e-4), KL_BETA (0.3), GROUP (8), PROMPTS (32),
+# MICRO_BATCH (32); processes per node as in scripts/launch_env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/launch_env.sh
@@ -65,16 +70,17 @@ fi
 RL=(--seq-length 16 --langrl-env-config "$OUT/addition.yaml"
     --grpo-group-size "${GROUP:-8}" --grpo-prompts-per-step "${PROMPTS:-32}"
     --micro-batch-size "${MICRO_BATCH:-32}" --inference-max-requests 256
-    --grpo-iterations 1 --grpo-kl-beta 0 --grpo-loss-type dapo
+    --grpo-iterations 1 --grpo-kl-beta "${KL_BETA:-0.3}" --grpo-loss-type dapo
     --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.28
-    --rl-default-temperature 1.0 --rl-max-completion-length 6 --eval-iters 8)
+    --rl-default-temperature 1.0 --rl-max-completion-length 6 --eval-iters 8
+    --rl-use-sequence-packing)
 # The SFT model's greedy exact match on the held-out sums (--skip-train: evaluation only).
 "${LAUNCH[@]}" train_rl.py "${COMMON[@]}" "${RL[@]}" --load "$OUT/sft" --finetune \
   --train-iters "$RL_ITERS" --skip-train | tee "$OUT/rl_start.log"
 rm -rf "$OUT/rl" "$OUT/rl_tensorboard"
 "${LAUNCH[@]}" train_rl.py "${COMMON[@]}" "${RL[@]}" --load "$OUT/sft" --finetune \
   --save "$OUT/rl" --save-interval "$RL_ITERS" --tensorboard-dir "$OUT/rl_tensorboard" \
-  --train-iters "$RL_ITERS" --lr "${RL_LR:-5e-4}" --lr-decay-style constant --lr-warmup-iters 5 \
+  --train-iters "$RL_ITERS" --lr "${RL_LR:-2e-4}" --lr-decay-style constant --lr-warmup-iters 5 \
   --log-interval 1 \
   --eval-interval "$RL_ITERS" "$@" | tee "$OUT/rl.log"
 
@@ -88,5 +94,7 @@ first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
 print("exact-match reward per GRPO step:", " ".join(f"{r:.3f}" for r in rewards))
 print(f"first 5 steps {first:.3f} -> last 5 steps {last:.3f} (stated margin: +0.1)")
 print("greedy held-out exact match:", ", ".join(f"iteration {i}: {float(v):.3f}" for i, v in valid))
-sys.exit(0 if last >= first + 0.1 else 1)
+start, end = float(valid[0][1]), float(valid[-1][1])
+print(f"greedy exact match {start:.3f} -> {end:.3f} (stated margin: no fall beyond 0.02)")
+sys.exit(0 if last >= first + 0.1 and end >= start - 0.02 else 1)
 PY

@@ -24,7 +24,6 @@ shape `Trainer.forward_backward` takes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -36,6 +35,9 @@ from megatron_smp.config import ConfigError
 from megatron_smp.post_training.dpo import (
     LOSS_KEY, LOSS_TYPES, METRICS, REFERENCE_MODES, DPOConfig, dpo_loss_and_metrics, pair_sums,
 )
+from megatron_smp.post_training.reference import (
+    DPO_REFERENCE, _inner, build_reference_chunks, copy_base_weights, frozen_reference,
+)
 from megatron_smp.training.logprobs import (
     compute_logprobs, model_outputs, split_batch_for_context_parallel, token_log_probs,
 )
@@ -43,10 +45,6 @@ from megatron_smp.training.logprobs import (
 REF_KEY = "ref_logps"  # per-token reference log-probs [b, s] in a batch
 DOCUMENTS_KEY = "token_documents"  # document ids split like the tokens under CP
 REFERENCE_FILE = "dpo_reference_logps.npy"
-# Where a full fine-tuning run's frozen reference (its starting weights) comes from:
-# {"load": dir, "iteration": n} (the checkpoint it started from) or {"seed": n} (the
-# initialisation); kept in --save, read back from --load to rebuild the reference on resume.
-REFERENCE_SOURCE_FILE = "dpo_reference_source.json"
 
 
 def add_dpo_args(parser):
@@ -83,134 +81,6 @@ def dpo_config(configs) -> DPOConfig:
     return config
 
 
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
-def build_reference_chunks(model_provider: Callable, configs, state,
-                           seed: Optional[int] = None) -> List[torch.nn.Module]:
-    """A frozen copy of the model's structure (this rank's chunks, no DDP, no LoRA, no grads);
-    with `seed`, initialised as `Trainer.build` initialises the model under that --seed. The
-    generators are left as they were (the policy's training draws do not change)."""
-    from megatron_smp.checkpointing.rng import get_rng_state, set_rng_state
-    from megatron_smp.tensor_parallel.random import model_parallel_seed
-
-    rng = get_rng_state()
-    try:
-        if seed is not None:
-            model_parallel_seed(seed, state)
-        if state.pp_size > 1:
-            from megatron_smp.pipeline_parallel.stages import build_pipeline_model_chunks
-
-            chunks = build_pipeline_model_chunks(model_provider, configs, state)
-        else:
-            chunks = [model_provider(configs, state, pre_process=True, post_process=True)]
-    finally:
-        set_rng_state(rng)
-    for chunk in chunks:
-        chunk.to(state.device)
-        chunk.requires_grad_(False)
-        chunk.eval()
-    return chunks
-
-
-def copy_base_weights(reference: Sequence[torch.nn.Module],
-                      model: Sequence[torch.nn.Module]) -> bool:
-    """The policy's current weights into the reference chunks (LoRA adapters left out: the
-    base; FSDP2 shards gathered). Returns whether the reference held those values already
-    (this rank's tensors)."""
-    already = True
-    for target_chunk, source_chunk in zip(reference, model):
-        source = _inner(source_chunk).state_dict()
-        with torch.no_grad():
-            for name, tensor in target_chunk.state_dict().items():
-                value = source[name]
-                if hasattr(value, "full_tensor"):
-                    value = value.full_tensor()
-                already = already and torch.equal(tensor, value)
-                tensor.copy_(value)
-    return already
-
-
-def starting_point(configs) -> Dict:
-    """Where the weights of a run at iteration 0 came from: the checkpoint in --load it
-    started from (--finetune; {"load": dir, "iteration": n}, or {"megatron": dir}), else the
-    initialisation under --seed ({"seed": n}); {"unavailable": why} when --save is that
-    directory (a resume then names why)."""
-    from megatron_smp.checkpointing.iterations import read_tracker, tracker_path
-    from megatron_smp.checkpointing.megatron_lm import find_megatron_checkpoint
-
-    load, save = configs.checkpoint.load, configs.checkpoint.save
-    if load and find_megatron_checkpoint(load) is not None:
-        return {"megatron": os.path.abspath(load)}
-    if load and os.path.isfile(tracker_path(load)):
-        iteration = read_tracker(load)
-        if save and os.path.abspath(save) == os.path.abspath(load):
-            # This run's own saves may replace that checkpoint (the same iteration number).
-            return {"unavailable": f"the run started from iteration {iteration} of its own "
-                    f"--save directory {os.path.abspath(save)}, which its saves may have "
-                    "replaced; start DPO with --save in another directory than --load, or use "
-                    "--dpo-reference precomputed"}
-        return {"load": os.path.abspath(load), "iteration": iteration}
-    return {"seed": configs.training.seed}
-
-
-def read_reference_source(load_dir: str, iteration: int) -> Dict:
-    """The recorded starting point of a full fine-tuning run resumed from `load_dir` (a
-    ConfigError naming the file when there is none: the reference cannot be rebuilt)."""
-    path = os.path.join(load_dir, REFERENCE_SOURCE_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"--dpo-reference frozen: resuming at iteration {iteration}, but --load has no "
-            f"{REFERENCE_SOURCE_FILE} naming the starting weights the frozen reference is a "
-            "copy of (it is written at the start of a DPO run with --save); start DPO with "
-            "--finetune from the SFT checkpoint, or use --dpo-reference precomputed")
-    with open(path) as handle:
-        return json.load(handle)
-
-
-def write_reference_source(save_dir: Optional[str], source: Dict) -> None:
-    """Record the reference's starting point in --save (rank 0), for a resume to rebuild it."""
-    from megatron_smp.checkpointing.iterations import write_file_atomically
-
-    if not save_dir or (dist.is_initialized() and dist.get_rank() != 0):
-        return
-    os.makedirs(save_dir, exist_ok=True)
-    write_file_atomically(os.path.join(save_dir, REFERENCE_SOURCE_FILE),
-                          json.dumps(source, sort_keys=True))
-
-
-def rebuild_reference(model_provider: Callable, configs, state, source: Dict,
-                      iteration: int) -> List[torch.nn.Module]:
-    """The frozen reference of a resumed full fine-tuning run: the model at its recorded
-    starting point, re-initialised under the recorded seed or loaded from the recorded
-    checkpoint (collective). A ConfigError on every rank when that source is gone."""
-    from megatron_smp.checkpointing.iterations import COMMON_FILENAME, checkpoint_dir
-    from megatron_smp.checkpointing.loop import load_model_weights
-
-    what = f"--dpo-reference frozen: resuming at iteration {iteration}"
-    if "seed" in source:
-        return build_reference_chunks(model_provider, configs, state, seed=int(source["seed"]))
-    if "load" in source:
-        path = checkpoint_dir(source["load"], int(source["iteration"]))
-        if not os.path.isfile(os.path.join(path, COMMON_FILENAME)):
-            raise ConfigError(
-                f"{what}, the reference is the checkpoint the run started from, {path}, which "
-                "is gone; restore it there, or restart with --dpo-reference precomputed")
-        reference = build_reference_chunks(model_provider, configs, state)
-        load_model_weights(reference, configs, state, source["load"], int(source["iteration"]))
-        return reference
-    if "megatron" in source:
-        raise ConfigError(
-            f"{what}: the run started from the Megatron-LM checkpoint {source['megatron']}, "
-            "which is not reloaded as a reference; convert it to ours "
-            "(tools/checkpoint/convert.py) and start from that, or use --dpo-reference "
-            "precomputed")
-    raise ConfigError(f"{what}: {source.get('unavailable', 'no starting point recorded')}")
-
-
 class DPORun:
     """The DPO mode's state across the loop: hook, dataset provider and forward step."""
 
@@ -236,32 +106,14 @@ class DPORun:
     def _frozen_reference(self, run, lora: bool) -> List[torch.nn.Module]:
         """The frozen copy: with LoRA the base (unchanged by training); with full fine-tuning
         the starting weights, copied at iteration 0 and their source recorded in --save, or
-        rebuilt from that record on resume."""
+        rebuilt from that record on resume (`reference.frozen_reference`)."""
         configs, state = run.configs, run.state
         if lora:
             reference = build_reference_chunks(self.model_provider, configs, state)
             copy_base_weights(reference, run.model)
             return reference
-        if run.iteration > 0:
-            source = read_reference_source(configs.checkpoint.load, run.iteration)
-            reference = rebuild_reference(self.model_provider, configs, state, source,
-                                          run.iteration)
-        else:
-            source = starting_point(configs)
-            seed = source.get("seed") if configs.checkpoint.save else None
-            reference = build_reference_chunks(self.model_provider, configs, state, seed=seed)
-            reproduced = copy_base_weights(reference, run.model)
-            if seed is not None:
-                # A resume rebuilds the initialisation under --seed: check here that it gives
-                # these weights (the ranks agree), else record that it cannot.
-                flag = torch.tensor([0.0 if reproduced else 1.0], device=state.device)
-                if dist.is_initialized():
-                    dist.all_reduce(flag)
-                if flag.item():
-                    source = {"unavailable": "the initial weights of this layout are not "
-                              "rebuilt alike from --seed; use --dpo-reference precomputed"}
-        write_reference_source(configs.checkpoint.save, source)
-        return reference
+        return frozen_reference(self.model_provider, configs, state, run.model, run.iteration,
+                                DPO_REFERENCE)
 
     # -- the reference pass of each global batch (Trainer.step_data) -------------------------
     def step_data(self, run, data_iterator, num_microbatches: int):
@@ -417,6 +269,4 @@ def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
                     run_hook=dpo.attach)
 
 
-__all__ = ["add_dpo_args", "dpo_config", "DPORun", "train_dpo", "build_reference_chunks",
-           "copy_base_weights", "starting_point", "rebuild_reference", "REF_KEY",
-           "REFERENCE_FILE", "REFERENCE_SOURCE_FILE"]
+__all__ = ["add_dpo_args", "dpo_config", "DPORun", "train_dpo", "REF_KEY", "REFERENCE_FILE"]

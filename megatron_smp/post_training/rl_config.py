@@ -9,6 +9,8 @@ Beyond Megatron's flags, three say which GRPO variant to train (TRL's names):
 Megatron-LM's `train_rl.py` computes, so it is the default), `--grpo-scale-rewards`
 (group, batch, none: "none" is Dr. GRPO's advantage without the std) and
 `--rl-max-completion-length` (generation length, and dr_grpo's constant normaliser).
+`--rl-use-sequence-packing` is Megatron-LM's flag (off by default, as there): the training
+step's rollouts share rows of --seq-length, each attending only to itself.
 """
 import argparse
 import os
@@ -37,6 +39,7 @@ class RLConfig:
     top_p: float = 0.0                      # --rl-default-top-p (0 or 1: off)
     max_completion_length: int = 256        # --rl-max-completion-length
     env_config: Optional[str] = None        # --langrl-env-config
+    sequence_packing: bool = False          # --rl-use-sequence-packing
 
     def __post_init__(self):
         validate_rl_config(self)
@@ -118,6 +121,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Top-k sampling of the rollouts (<= 0: off).")
     group.add_argument("--rl-max-completion-length", type=int, default=256,
                        help="Most tokens generated per completion (dr_grpo's normaliser).")
+    group.add_argument("--rl-use-sequence-packing", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="Pack the rollouts of a training step into rows of --seq-length "
+                            "(each attending only to itself) instead of one rollout per row: "
+                            "fewer rows, the same loss and update.")
     group.add_argument("--langrl-env-config", type=str, default=None,
                        help="YAML file of RL environments (prompts and reward functions).")
     return parser
@@ -135,4 +143,4 @@ def rl_config(args: argparse.Namespace) -> RLConfig:
         unbiased_reward_std=args.grpo_unbiased_reward_std,
         temperature=args.rl_default_temperature, top_k=args.rl_default_top_k,
         top_p=args.rl_default_top_p, max_completion_length=args.rl_max_completion_length,
-        env_config=args.langrl_env_config)
+        env_config=args.langrl_env_config, sequence_packing=args.rl_use_sequence_packing)

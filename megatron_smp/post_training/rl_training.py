@@ -6,16 +6,20 @@ One *rollout batch* every `--grpo-iterations` optimizer iterations:
 1. `--grpo-prompts-per-step` prompts from the training environments of `--langrl-env-config`
    (`rl_env.PromptSampler`: seeded by --seed, its position checkpointed);
 2. `--grpo-group-size` completions of each from the `InferenceEngine` running on the training
-   model's own parameters (no copy: every update is seen by the next rollouts), sampled with
+   model's own parameters (no copy: every update is seen by the next rollouts; with FSDP2
+   gathered whole for the rollout phase and sharded again after it), sampled with
    --rl-default-temperature/top-k/top-p, each completion with its own seed from (--seed,
    rollout batch, index) so that a resumed run draws the same ones;
 3. rewards from the environment's reward functions, group advantages (--grpo-scale-rewards
    none is Dr. GRPO's), DAPO's filter of equal-reward groups
    (--grpo-filter-groups-with-same-reward);
-4. one rollout per row of --seq-length, shared over the data-parallel ranks in whole
-   microbatches (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a
-   step after DAPO's filter has fewer microbatches (--global-batch-size = group size x
-   prompts per step is what the schedule and the consumed samples count per iteration);
+4. one rollout per row of --seq-length, or with --rl-use-sequence-packing several per row
+   (best fit, each attending only to itself, positions restarting at 0: the loss weights
+   normalise over the rollouts, not the rows, so the loss and the update are the unpacked
+   ones), shared over the data-parallel ranks in whole microbatches
+   (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a step after
+   DAPO's filter or with packing has fewer microbatches (--global-batch-size = group size x
+   prompts per step is what the consumed samples count per iteration);
 5. the old policy's log-probs (with --grpo-iterations > 1; for one iteration the policy is
    its own old policy, as in TRL) and the reference's (with --grpo-kl-beta > 0: a frozen copy
    of the starting weights, or the model with its LoRA adapters off);
@@ -30,9 +34,11 @@ greedy completions of the `evaluation_only` environments' prompts, "validation r
 
 Checkpoints (--save, --save-interval, --load) hold, beside the Trainer's own state, the RL
 state in `<dir>/rl_state/iter_XXXXXXX/rank_XXXXX.pt` (the sampler's position, and a save inside
-a rollout batch also the rest of that batch) and, for full fine-tuning with a KL term, the
-reference weights in `<dir>/rl_state/reference/rank_XXXXX.pt`, so a resumed run draws the same
-prompts and completions and reproduces the uninterrupted run's rewards and losses.
+a rollout batch also the rest of that batch) and, for full fine-tuning with a KL term, where
+the reference's starting weights came from in `<dir>/rl_state/reference_source.json`
+(`reference.frozen_reference`, DPO's mechanism: a resume rebuilds the copy from it), so a
+resumed run draws the same prompts and completions and reproduces the uninterrupted run's
+rewards and losses.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.post_training.reference import RL_REFERENCE, _inner, frozen_reference
 from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
 from megatron_smp.post_training.rl_env import (
     EnvConfigError, Environment, Prompt, PromptSampler, load_env_config,
@@ -96,10 +103,6 @@ def check_rl_configs(configs, config: RLConfig) -> None:
     if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
         raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
                           "inference engine; drop --num-layers-per-virtual-pipeline-stage")
-    if parallel.use_torch_fsdp2:
-        raise ConfigError("train_rl.py: --use-torch-fsdp2 shards the parameters the rollouts "
-                          "are generated with; train with DP (--use-distributed-optimizer), "
-                          "TP, PP or EP instead")
     if training.rampup_batch_size:
         raise ConfigError("train_rl.py: --rampup-batch-size does not apply (a step's batch is "
                           "--grpo-group-size x --grpo-prompts-per-step rollouts)")
@@ -191,14 +194,11 @@ class RLRun:
         self.lora = bool(training.lora_rank)
         self.reference = None
         if config.kl_beta != 0.0 and not self.lora:
-            from megatron_smp.post_training.dpo_training import (
-                build_reference_chunks, copy_base_weights,
-            )
-
-            self.reference = build_reference_chunks(model_provider, self.configs, self.state)
-            copy_base_weights(self.reference, trainer.model)
+            # The starting weights: copied now, or on resume rebuilt from their record.
+            iteration = 0 if self.configs.checkpoint.finetune else trainer.iteration
+            self.reference = frozen_reference(model_provider, self.configs, self.state,
+                                              trainer.model, iteration, RL_REFERENCE)
         trainer.metric_keys = policy_metric_keys(config)
-        self.reference_saved_to = set()
         self.pending: Optional[RolloutBatch] = None
         self.result = RLResult()
         self.loss_scale = 1.0
@@ -215,7 +215,7 @@ class RLRun:
                 chunk.finish_param_sync()
             chunk.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _unsharded(self.trainer.model):
                 return generate_rollouts(self.engine, self.tokenizer, prompts, config,
                                          step=number, seed=self.configs.training.seed,
                                          end_token_ids=self.end_token_ids)
@@ -277,7 +277,8 @@ class RLRun:
             [fields["prompt_ids"][i] for i in kept],
             [fields["completion_ids"][i] for i in kept], advantages.tolist(),
             seq_length=training.seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
-            max_completion_length=config.max_completion_length, pack=False)
+            max_completion_length=config.max_completion_length, pack=config.sequence_packing)
+        metrics["rollout_rows"] = float(batch["tokens"].shape[0])
         # This rank's share, padded with untrained rows to whole microbatches: after DAPO's
         # filter the number of microbatches varies from step to step.
         microbatches = rollout_microbatches(batch, training.micro_batch_size, state.dp_size,
@@ -297,7 +298,6 @@ class RLRun:
 
     def _reference_logprobs(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         if self.lora:
-            from megatron_smp.post_training.dpo_training import _inner
             from megatron_smp.tensor_parallel.lora import adapters_disabled
 
             model = self.trainer.model
@@ -363,7 +363,11 @@ class RLRun:
         lr = trainer.optimizer.param_groups[0]["lr"]
         loss_scale = trainer.optimizer.get_loss_scale()[0]
         extra = {key: value for key, value in values.items() if key not in step.losses}
-        self.logger.iteration_scalars(iteration, lr, step.global_batch_size, step.losses,
+        # "global batch size" is the rollout batch's size (what the consumed samples count);
+        # the rows the step ran (fewer when packed, padded to whole microbatches) are
+        # "rollout_rows", and the throughput counts them.
+        rollouts = training.global_batch_size
+        self.logger.iteration_scalars(iteration, lr, rollouts, step.losses,
                                       loss_scale, step.grad_norm, step.num_zeros_in_grad,
                                       extra_scalars=extra)
         trainer.pending_losses.read()
@@ -381,7 +385,7 @@ class RLRun:
                                     model.padded_vocab_size(state.tp_size))
         line = self.logger.training_line(
             iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
-            step.global_batch_size, values, float(loss_scale), step.grad_norm,
+            rollouts, values, float(loss_scale), step.grad_norm,
             step.num_zeros_in_grad, trainer.progress.skipped_iterations, trainer.nan_iterations,
             step.global_batch_size * training.seq_length / elapsed,
             flops / elapsed / 1e12 / state.world_size)
@@ -419,12 +423,8 @@ class RLRun:
         return os.path.join(directory, RL_STATE_DIR, f"iter_{iteration:07d}",
                             f"rank_{self.state.rank:05d}.pt")
 
-    def _reference_path(self, directory: str) -> str:
-        return os.path.join(directory, RL_STATE_DIR, "reference",
-                            f"rank_{self.state.rank:05d}.pt")
-
     def _layout(self) -> tuple:
-        # Each rank's RL state holds its own share of a rollout batch and its reference chunk.
+        # Each rank's RL state holds its own share of a rollout batch.
         return (self.state.tp_size, self.state.pp_size, self.state.dp_size)
 
     def save(self) -> None:
@@ -437,18 +437,12 @@ class RLRun:
         state = {"sampler": self.sampler.state_dict(), "layout": self._layout(),
                  "pending": None if pending is None else pending.state_dict()}
         _atomic_save(state, self._state_path(directory, iteration))
-        if self.reference is not None and directory not in self.reference_saved_to:
-            # Once per run and directory (a file left there by another run is replaced).
-            _atomic_save([chunk.state_dict() for chunk in self.reference],
-                         self._reference_path(directory))
-            self.reference_saved_to.add(directory)
         if dist.is_initialized():
             dist.barrier()
 
     def restore(self) -> None:
-        """After `Trainer.load` of --load at iteration > 0: the sampler's position, the
-        unfinished rollout batch, the reference weights (collective-free; ConfigError when
-        --load lacks them)."""
+        """After `Trainer.load` of --load at iteration > 0: the sampler's position and the
+        unfinished rollout batch (collective-free; ConfigError when --load lacks them)."""
         iteration = self.trainer.iteration
         directory = self.configs.checkpoint.load
         if iteration == 0 or not directory or self.configs.checkpoint.finetune:
@@ -467,14 +461,29 @@ class RLRun:
         self.sampler.load_state_dict(state["sampler"])
         if state["pending"] is not None:
             self.pending = RolloutBatch.from_state_dict(state["pending"])
-        if self.reference is not None:
-            path = self._reference_path(directory)
-            if not os.path.isfile(path):
-                raise ConfigError(f"--load {directory}: no reference weights ({path}) for "
-                                  f"--grpo-kl-beta {self.config.kl_beta} (the starting "
-                                  f"weights of full fine-tuning)")
-            for chunk, values in zip(self.reference, torch.load(path, weights_only=True)):
-                chunk.load_state_dict(values)
+
+
+@contextlib.contextmanager
+def _unsharded(chunks):
+    """With --use-torch-fsdp2: every FSDP unit's parameters gathered whole for the rollout
+    phase (FSDP2's `unshard()`, the same all-gathers in the same order on every rank) and
+    sharded again after it, since the engine calls the model's layers directly, around the
+    units' forward hooks. Without FSDP2 nothing happens."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    units = [module for chunk in chunks for module in chunk.modules()
+             if isinstance(module, FSDPModule)]
+    if units:
+        # The root's lazy initialisation (normally at its first forward) must come first, or
+        # each unit's unshard() would initialise that unit as a root of its own.
+        fully_shard.state(units[0])._lazy_init()
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in reversed(units):
+            unit.reshard()
 
 
 def _atomic_save(value: Any, path: str) -> None:

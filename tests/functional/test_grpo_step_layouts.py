@@ -208,9 +208,8 @@ def _lora_reference(trainer_flags):
     """After a GRPO step with LoRA: the adapters-off log-probs (the reference) against a frozen
     copy of the base model, and against the adapters on."""
     import pretrain_gpt
-    from megatron_smp.post_training.dpo_training import (build_reference_chunks,
-                                                         copy_base_weights)
     from megatron_smp.post_training.engine import compute_logprobs
+    from megatron_smp.post_training.reference import build_reference_chunks, copy_base_weights
     from megatron_smp.tensor_parallel.lora import adapters_disabled
     from megatron_smp.training import Trainer, build_configs
 

@@ -2,7 +2,12 @@
 term and two updates per rollout batch): the log line and TensorBoard carry the same RL values,
 they are consistent with each other (the first update of a rollout batch is on-policy: ratio 1,
 nothing clipped), and a run resumed from a checkpoint saved inside a rollout batch reproduces
-the uninterrupted run's rewards, losses and grad norms; the run at TP=2 gives the same values.
+the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the run with FSDP2
+(rollouts on the parameters gathered whole) give the same values.
+LoRA (the reference is the model with its adapters off) with packed rollouts, DAPO's filter of
+equal-reward groups and the distributed optimizer gives the values of an unpacked run whose
+reference is a frozen copy of the base, and trains exactly the rollouts of the groups with
+distinct rewards. A small MoE at EP=2 gives one process's values.
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
@@ -23,6 +28,12 @@ def char_sum(prompt, completion, answer):
     """A reward that differs between a random model's completions: the last digit of the sum
     of its characters' code points, over 10."""
     return (sum(map(ord, completion)) % 10) / 10
+
+
+def odd_char_sum(prompt, completion, answer):
+    """char_sum for prompts with an odd answer, a constant for the others: each of the latter
+    groups has equal rewards, and DAPO's filter drops exactly those groups."""
+    return char_sum(prompt, completion, answer) if int(answer) % 2 else 0.5
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +58,11 @@ def setup(tmp_path_factory):
         "  prompt_args: {num_prompts: 20, digits: 1, seed: 2}\n"
         f"  reward_functions: ['{FUNCTION}']\n"
         "  evaluation_only: true\n")
+    (directory / "odd.yaml").write_text(
+        "- name: addition\n"
+        "  prompts: megatron_smp.post_training.envs.addition:prompts\n"
+        "  prompt_args: {num_prompts: 50, digits: 1, seed: 5}\n"
+        "  reward_functions: ['tests.functional.test_rl_training:odd_char_sum']\n")
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
              str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt"),
              "--num-layers", "2", "--hidden-size", "32",
@@ -125,6 +141,9 @@ def test_train_rl_log_tensorboard_and_resume(setup):
     # Resume from iteration 3, inside the second rollout batch (its checkpoint holds the
     # batch's rollouts, old and reference log-probs, and the prompt sampler's position).
     assert os.path.isfile(directory / "ckpt" / "rl_state" / "iter_0000003" / "rank_00001.pt")
+    # The KL reference (full fine-tuning) is rebuilt from its recorded starting point.
+    assert (directory / "ckpt" / "rl_state" / "reference_source.json").read_text() == \
+        '{"seed": 5}'
     (directory / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
     stdout = _train_rl(flags + ["--load", str(directory / "ckpt")])
     resumed = _lines(stdout)
@@ -132,13 +151,98 @@ def test_train_rl_log_tensorboard_and_resume(setup):
     for key in ("rl loss", "reward", "kl", "entropy", "grad norm", "ratio_mean"):
         assert resumed[4][key] == whole[4][key], key
 
-    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards).
-    tensor_parallel = _lines(_train_rl(flags + ["--tensor-model-parallel-size", "2"]))
-    for iteration, values in whole.items():
-        assert tensor_parallel[iteration]["reward"] == values["reward"]
-        for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
-            assert tensor_parallel[iteration][key] == pytest.approx(values[key], rel=1e-5,
-                                                                   abs=1e-7), (iteration, key)
+    # The same run at TP=2 (rollouts generated and trained over the vocabulary shards), and
+    # with FSDP2 (the rollouts generated on the parameters gathered whole, then resharded):
+    # the same sampled rollouts (rewards), greedy evaluations, losses and grad norms (the
+    # loss is a sum of terms of ~1e-2 that nearly cancel: 1e-6 absolute).
+    for layout in (["--tensor-model-parallel-size", "2"], ["--use-torch-fsdp2"]):
+        stdout = _train_rl(flags + layout)
+        other = _lines(stdout)
+        assert _validation(stdout) == valid, layout
+        for iteration, values in whole.items():
+            assert other[iteration]["reward"] == values["reward"], (layout, iteration)
+            for key in ("rl loss", "kl", "entropy", "grad norm", "ratio_mean"):
+                assert other[iteration][key] == pytest.approx(values[key], rel=1e-5, abs=1e-6), (
+                    layout, iteration, key)
+
+
+def _train_rl_in_process(rank, world_size, argv, frozen_copy):
+    """train_rl's logged values per iteration; `frozen_copy`: a LoRA run's KL reference is a
+    frozen copy of the base (as DPO's --dpo-reference frozen) instead of the adapters off."""
+    from megatron_smp.post_training import rl_training
+    from megatron_smp.post_training.reference import build_reference_chunks, copy_base_weights
+    from pretrain_gpt import model_provider
+
+    if frozen_copy:
+        def reference_logprobs(self, batch):
+            if self.reference is None:
+                self.reference = build_reference_chunks(model_provider, self.configs,
+                                                        self.state)
+                copy_base_weights(self.reference, self.trainer.model)
+            return rl_training.rollout_logprobs(self.reference, batch, self)
+
+        rl_training.RLRun._reference_logprobs = reference_logprobs
+    return rl_training.train_rl(model_provider, argv=argv).iterations
+
+
+def test_train_rl_lora_packed_and_filtered(setup):
+    from megatron_smp.post_training.rl_env import PromptSampler, load_env_config
+    from megatron_smp.testing import run_distributed
+
+    directory, flags = setup
+    argv = flags[:flags.index("--langrl-env-config")] + flags[flags.index("--grpo-group-size"):]
+    argv += ["--langrl-env-config", str(directory / "odd.yaml"), "--lora-rank", "4",
+             "--grpo-filter-groups-with-same-reward", "--grpo-prompts-per-step", "3",
+             "--global-batch-size", "12", "--eval-iters", "0", "--seq-length", "20"]
+    argv[argv.index("--lr") + 1] = "3e-2"  # LoRA's B starts at 0: a visible first update
+    runs = {}
+    for name, extra, frozen_copy in (
+            ("adapters-off, packed", ["--rl-use-sequence-packing", "--use-distributed-optimizer"],
+             False), ("frozen copy, unpacked", [], True)):
+        runs[name] = run_distributed(_train_rl_in_process, 2,
+                                     args=(argv + extra, frozen_copy), timeout=180)[0]
+    packed, unpacked = runs["adapters-off, packed"], runs["frozen copy, unpacked"]
+    assert sorted(packed) == sorted(unpacked) == [1, 2, 3, 4]
+    # The groups trained: those whose answer is odd (char_sum differs within each of them).
+    sampler = PromptSampler(load_env_config(str(directory / "odd.yaml")), seed=5)
+    for batch, odd_expected in enumerate((1, 2)):  # of 3 prompts (so the filter acts)
+        odd = sum(int(p.answer) % 2 for p in sampler.sample(3))
+        assert odd == odd_expected
+        expected = 4 * odd if odd else 12  # all filtered: all trained, advantages 0
+        for iteration in (2 * batch + 1, 2 * batch + 2):
+            for values in (packed, unpacked):
+                assert values[iteration]["rollouts_trained"] == expected, (iteration, values)
+                assert values[iteration]["frac_reward_zero_std"] == pytest.approx(
+                    1 - odd / 3)
+    # Packed: fewer rows than rollouts (rows of 20, rollouts of 4-9 positions), the same
+    # rewards, losses, KL and grad norms as one rollout per row.
+    assert packed[1]["rollout_rows"] < unpacked[1]["rollout_rows"]
+    assert packed[3]["kl"] > 0 and packed[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+    for iteration, values in unpacked.items():
+        assert packed[iteration]["reward"] == values["reward"]
+        for key in ("rl loss", "kl", "entropy", "ratio_mean", "clip_fraction"):
+            assert packed[iteration][key] == pytest.approx(values[key], rel=1e-6, abs=1e-6), (
+                iteration, key)
+
+
+def test_train_rl_expert_parallel_equals_one_process(setup):
+    """A small MoE (4 experts, top-2) at EP=2 (two ranks) gives one process's rewards, losses
+    and KL (grpo's per-sequence loss with an entropy bonus here)."""
+    from megatron_smp.testing import run_distributed
+
+    directory, flags = setup
+    argv = flags + ["--num-experts", "4", "--moe-router-topk", "2", "--eval-iters", "0",
+                    "--grpo-loss-type", "grpo", "--grpo-entropy-term-weight", "0.01",
+                    "--train-iters", "2"]  # one rollout batch, two updates
+    (single,), (expert_parallel, _) = (
+        run_distributed(_train_rl_in_process, world, args=(argv + extra, False), timeout=180)
+        for world, extra in ((1, []), (2, ["--expert-model-parallel-size", "2"])))
+    assert sorted(single) == sorted(expert_parallel) == [1, 2]
+    for iteration, values in single.items():
+        assert expert_parallel[iteration]["reward"] == values["reward"], iteration
+        for key in ("rl loss", "kl", "entropy", "ratio_mean"):
+            assert expert_parallel[iteration][key] == pytest.approx(
+                values[key], rel=1e-5, abs=1e-6), (iteration, key)
 
 
 @pytest.mark.parametrize("extra,message", [

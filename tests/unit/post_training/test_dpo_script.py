@@ -73,7 +73,7 @@ def test_frozen_reference_starting_point(tmp_path):
     import os
     from types import SimpleNamespace
 
-    from megatron_smp.post_training.dpo_training import starting_point
+    from megatron_smp.post_training.reference import starting_point
 
     sft = tmp_path / "sft"
     sft.mkdir()

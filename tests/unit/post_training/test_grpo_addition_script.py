@@ -42,7 +42,8 @@ def test_grpo_addition_script_steps(tmp_path):
     flags = [f for f in flags if f != "--use-checkpoint-args"] + [
         "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4"]
     config = rl_config(parse_args(flags, add_rl_training_args, defaults).args)
-    assert (config.group_size, config.prompts_per_step, config.kl_beta) == (8, 32, 0.0)
+    assert (config.group_size, config.prompts_per_step, config.kl_beta) == (8, 32, 0.3)
+    assert config.sequence_packing
     configs = parse_args(flags, add_rl_training_args,
                          {**defaults, "global_batch_size": config.rollouts_per_step})
     configs.model.vocab_size = 259
