@@ -200,12 +200,36 @@ def _mamba_to_hf(state_dict, hf: str, ours: str, config: TransformerConfig) -> S
     return out
 
 
+def _renamed(symbol: str, config: TransformerConfig):
+    """(HF name, our name) of the layer's tensors that are copied as they are, relative to
+    the layer's prefix: its norm and, per mixer symbol, the weights with a plain rename."""
+    pairs = [("norm.weight", "norm.weight")]
+    mixer = {
+        "*": [("o_proj.weight", "linear_proj.weight")],
+        "-": [("up_proj.weight", "linear_fc1.weight"),
+              ("down_proj.weight", "linear_fc2.weight")],
+        "E": [("gate.e_score_correction_bias", "router.expert_bias")]
+        + ([(name, name) for name in _LATENT] if config.moe_latent_size is not None else [])
+        + ([("shared_experts.up_proj.weight", "shared_experts.linear_fc1.weight"),
+            ("shared_experts.down_proj.weight", "shared_experts.linear_fc2.weight")]
+           if config.moe_shared_expert_intermediate_size else []),
+    }.get(symbol, [])
+    return pairs + [("mixer." + h, "mixer." + o) for h, o in mixer]
+
+
+def _copies(sd, hf: str, ours: str, symbol: str, config: TransformerConfig, to_hf: bool):
+    """The layer's plainly renamed tensors, cloned, in the direction asked."""
+    if to_hf:
+        return {hf + h: sd[ours + o].clone() for h, o in _renamed(symbol, config)}
+    return {ours + o: sd[hf + h].clone() for h, o in _renamed(symbol, config)}
+
+
 def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> StateDict:
     sd = hf_state_dict
     out: StateDict = {WORD_EMBEDDINGS: pad_vocab(sd["model.embeddings.weight"], config)}
     for i, symbol in enumerate(config.hybrid_layer_symbols()):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
-        out[ours + "norm.weight"] = sd[hf + "norm.weight"].clone()
+        out.update(_copies(sd, hf, ours, symbol, config, to_hf=False))
         hf, ours = hf + "mixer.", ours + "mixer."
         if symbol == "M":
             out.update(_mamba_from_hf(sd, hf, ours, config))
@@ -213,21 +237,8 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: TransformerConfig
             out[ours + "linear_qkv.weight"] = pack_qkv(
                 sd[hf + "q_proj.weight"], sd[hf + "k_proj.weight"], sd[hf + "v_proj.weight"],
                 config)
-            out[ours + "linear_proj.weight"] = sd[hf + "o_proj.weight"].clone()
-        elif symbol == "-":
-            out[ours + "linear_fc1.weight"] = sd[hf + "up_proj.weight"].clone()
-            out[ours + "linear_fc2.weight"] = sd[hf + "down_proj.weight"].clone()
-        else:
+        elif symbol == "E":  # "-" (an MLP) is all plain renames
             out.update(experts_from_hf(sd, hf, ours, config.num_moe_experts, fc1="up_proj"))
-            out[ours + "router.expert_bias"] = sd[hf + "gate.e_score_correction_bias"].clone()
-            if config.moe_latent_size is not None:
-                for name in _LATENT:
-                    out[ours + name] = sd[hf + name].clone()
-            if config.moe_shared_expert_intermediate_size:
-                out[ours + "shared_experts.linear_fc1.weight"] = (
-                    sd[hf + "shared_experts.up_proj.weight"].clone())
-                out[ours + "shared_experts.linear_fc2.weight"] = (
-                    sd[hf + "shared_experts.down_proj.weight"].clone())
     out[FINAL_NORM + ".weight"] = sd["model.norm_f.weight"].clone()
     if config.untie_embeddings_and_output_weights:
         out[OUTPUT_LAYER] = pad_vocab(sd["lm_head.weight"], config)
@@ -239,28 +250,15 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: TransformerConfig) -> 
     out: StateDict = {"model.embeddings.weight": unpad_vocab(sd[WORD_EMBEDDINGS], config)}
     for i, symbol in enumerate(config.hybrid_layer_symbols()):
         hf, ours = f"model.layers.{i}.", layer_prefix(i)
-        out[hf + "norm.weight"] = sd[ours + "norm.weight"].clone()
+        out.update(_copies(sd, hf, ours, symbol, config, to_hf=True))
         hf, ours = hf + "mixer.", ours + "mixer."
         if symbol == "M":
             out.update(_mamba_to_hf(sd, hf, ours, config))
         elif symbol == "*":
             q, k, v = unpack_qkv(sd[ours + "linear_qkv.weight"], config)
-            out.update({hf + "q_proj.weight": q, hf + "k_proj.weight": k, hf + "v_proj.weight": v,
-                        hf + "o_proj.weight": sd[ours + "linear_proj.weight"].clone()})
-        elif symbol == "-":
-            out[hf + "up_proj.weight"] = sd[ours + "linear_fc1.weight"].clone()
-            out[hf + "down_proj.weight"] = sd[ours + "linear_fc2.weight"].clone()
-        else:
+            out.update({hf + "q_proj.weight": q, hf + "k_proj.weight": k, hf + "v_proj.weight": v})
+        elif symbol == "E":  # "-" (an MLP) is all plain renames
             out.update(experts_to_hf(sd, hf, ours, config.num_moe_experts, fc1="up_proj"))
-            out[hf + "gate.e_score_correction_bias"] = sd[ours + "router.expert_bias"].clone()
-            if config.moe_latent_size is not None:
-                for name in _LATENT:
-                    out[hf + name] = sd[ours + name].clone()
-            if config.moe_shared_expert_intermediate_size:
-                out[hf + "shared_experts.up_proj.weight"] = (
-                    sd[ours + "shared_experts.linear_fc1.weight"].clone())
-                out[hf + "shared_experts.down_proj.weight"] = (
-                    sd[ours + "shared_experts.linear_fc2.weight"].clone())
     out["model.norm_f.weight"] = sd[FINAL_NORM + ".weight"].clone()
     head = OUTPUT_LAYER if config.untie_embeddings_and_output_weights else WORD_EMBEDDINGS
     out["lm_head.weight"] = unpad_vocab(sd[head], config)

@@ -22,12 +22,9 @@ from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
-    CausalConv1d,
     RecurrentMixer,
     gated_rms_norm,
     init_decays,
-    mixer_projections,
-    split_parameter,
     step_mask,
 )
 from megatron_smp.transformer.ssm.kernels import gated_delta_rule_scan
@@ -63,14 +60,10 @@ class GatedDeltaNet(RecurrentMixer):
         r = self.values_per_key
         conv_width = 2 * self.key_dim + r * self.value_dim
         self.split_sizes = [conv_width, r * self.value_dim, r, r]  # [q k v | z | b | a]
-        self.in_proj, self.out_proj = mixer_projections(
-            config, tp_group, self.key_heads * sum(self.split_sizes),
-            self.value_heads * self.value_dim, device)
-        self.conv1d = CausalConv1d(self.key_heads * conv_width, config.linear_conv_kernel_dim,
-                                   False, tp_group, config.params_dtype, device)
+        self._build_parts(config, tp_group, self.key_heads * sum(self.split_sizes),
+                          self.value_heads * self.value_dim, self.key_heads * conv_width,
+                          config.linear_conv_kernel_dim, False, self.value_heads, device)
         dtype = config.params_dtype
-        self.A_log = split_parameter((self.value_heads,), tp_group, dtype, device)
-        self.dt_bias = split_parameter((self.value_heads,), tp_group, dtype, device)
         self.out_norm_weight = torch.nn.Parameter(torch.empty(self.value_dim, dtype=dtype,
                                                               device=device))
         self.out_norm_weight.sequence_parallel = tp > 1

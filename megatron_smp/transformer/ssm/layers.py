@@ -182,6 +182,18 @@ class RecurrentMixer(torch.nn.Module):
     `_mix(projected [b, s, groups/tp, per group], segments, lengths=None, conv_state=None,
     state=None) -> (y [b, s, inner/tp], (conv_state, state))`."""
 
+    def _build_parts(self, config, tp_group, projected: int, inner: int, conv_channels: int,
+                     conv_kernel: int, conv_bias: bool, heads: int, device) -> None:
+        """in_proj (hidden -> `projected`), out_proj (`inner` -> hidden), the causal conv over
+        `conv_channels` and the per-head A_log and dt_bias split over TP, in that order (the
+        order `replay_init` draws them in)."""
+        self.in_proj, self.out_proj = mixer_projections(config, tp_group, projected, inner,
+                                                        device)
+        self.conv1d = CausalConv1d(conv_channels, conv_kernel, conv_bias, tp_group,
+                                   config.params_dtype, device)
+        self.A_log = split_parameter((heads,), tp_group, config.params_dtype, device)
+        self.dt_bias = split_parameter((heads,), tp_group, config.params_dtype, device)
+
     def replay_init(self, replay: Callable[[torch.nn.Module], int],
                     materialize: Callable[[torch.nn.Module], torch.nn.Module]) -> int:
         """Delayed initialisation of a meta-device build (`distributed.delayed_init`; the

@@ -22,11 +22,9 @@ from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel import divide
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.transformer.ssm.layers import (
-    CausalConv1d,
     RecurrentMixer,
     gated_rms_norm,
     init_decays,
-    mixer_projections,
     split_parameter,
     step_mask,
 )
@@ -64,13 +62,10 @@ class MambaMixer(RecurrentMixer):
         group_width = self.heads_per_group * self.head_dim
         # Per group: z, x (group_width each), B, C (state_dim each), dt (heads_per_group).
         self.split_sizes = [group_width, group_width + 2 * self.state_dim, self.heads_per_group]
-        self.in_proj, self.out_proj = mixer_projections(
-            config, tp_group, self.groups * sum(self.split_sizes), inner, device)
-        self.conv1d = CausalConv1d(self.groups * self.split_sizes[1], config.mamba_conv_kernel_dim,
-                                   True, tp_group, config.params_dtype, device)
+        self._build_parts(config, tp_group, self.groups * sum(self.split_sizes), inner,
+                          self.groups * self.split_sizes[1], config.mamba_conv_kernel_dim, True,
+                          self.heads, device)
         dtype = config.params_dtype
-        self.A_log = split_parameter((self.heads,), tp_group, dtype, device)
-        self.dt_bias = split_parameter((self.heads,), tp_group, dtype, device)
         self.D = split_parameter((self.heads,), tp_group, dtype, device)
         self.norm_weight = split_parameter((inner,), tp_group, dtype, device)
         if self.A_log.device.type != "meta":
