@@ -215,13 +215,19 @@ def test_train_rl_lora_packed_and_filtered(setup):
                 assert values[iteration]["frac_reward_zero_std"] == pytest.approx(
                     1 - odd / 3)
     # Packed: fewer rows than rollouts (rows of 20, rollouts of 4-9 positions), the same
-    # rewards, losses, KL and grad norms as one rollout per row.
+    # rewards, losses, KL and grad norms as one rollout per row. Before any update the two
+    # agree to 1e-6. Packed rows and one rollout per row are products of different shapes,
+    # so they sum in different orders; Adam at lr 3e-2 turns those last-bit differences of
+    # near-zero gradients into whole steps, and after two updates the KL (a difference of
+    # log-probs of ~1e-2) differs by up to 1e-4 relative on some CPUs. Attending across
+    # rollouts would move these values by 1e-1 and more.
     assert packed[1]["rollout_rows"] < unpacked[1]["rollout_rows"]
     assert packed[3]["kl"] > 0 and packed[1]["kl"] == pytest.approx(0.0, abs=1e-7)
     for iteration, values in unpacked.items():
         assert packed[iteration]["reward"] == values["reward"]
+        rel = 1e-6 if iteration == 1 else 2e-3
         for key in ("rl loss", "kl", "entropy", "ratio_mean", "clip_fraction"):
-            assert packed[iteration][key] == pytest.approx(values[key], rel=1e-6, abs=1e-6), (
+            assert packed[iteration][key] == pytest.approx(values[key], rel=rel, abs=1e-6), (
                 iteration, key)
 
 
