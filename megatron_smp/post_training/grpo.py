@@ -149,12 +149,14 @@ def weighted_grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages:
                        loss_type: str = "grpo", clamp_eps_lower: float = 0.2,
                        clamp_eps_upper: float = 0.2, ref_logps: Optional[torch.Tensor] = None,
                        kl_beta: float = 0.0, entropies: Optional[torch.Tensor] = None,
-                       entropy_weight: float = 0.0,
+                       entropy_weight: float = 0.0, sequence_group=None,
                        ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """`grpo_loss` over tokens in any layout (rows of single rollouts, packed rows, a shard):
     all tensors share one shape [...] (advantages per token), `weights` come from
     `loss_weights`. The loss and the metrics are weighted sums: those of the slices of a batch
-    add up to the whole batch's (gspo's sequence ratio needs each rollout whole in the slice).
+    add up to the whole batch's. gspo's sequence ratio needs each rollout's tokens whole: when
+    a rollout is split over ranks (context parallelism), `sequence_group` is the group of those
+    ranks, and the per-sequence sums are all-reduced over it (gradients too).
     """
     _check_options(loss_type, kl_beta, ref_logps, entropy_weight, entropies)
     sequence_weights = weights["sequence_mean"].to(logps.dtype)
@@ -163,10 +165,22 @@ def weighted_grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages:
         # GSPO: one importance ratio per sequence, the geometric mean of its token ratios
         # (sequence_mean weights sum to 1 / num_sequences over each rollout's tokens).
         ids = sequence_ids.long().flatten()
-        per_sequence = torch.zeros(int(ids.max()) + 1, dtype=logps.dtype).index_add(
+        count = int(ids.max()) + 1 if ids.numel() else 1
+        if sequence_group is not None:  # every rank sums into the same number of sequences
+            count = torch.tensor([count], device=logps.device)
+            torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX,
+                                         group=sequence_group)
+            count = int(count.item())
+        per_sequence = torch.zeros(count, dtype=logps.dtype, device=logps.device).index_add(
             0, ids, (log_ratio * sequence_weights).flatten())
         per_sequence_weight = torch.zeros_like(per_sequence).index_add(
             0, ids, sequence_weights.flatten())
+        if sequence_group is not None:
+            # A differentiable sum: the backward all-reduces the gradients as well, since every
+            # rank's tokens of a sequence share its one ratio.
+            from torch.distributed.nn.functional import all_reduce
+            per_sequence = all_reduce(per_sequence, group=sequence_group)
+            per_sequence_weight = all_reduce(per_sequence_weight, group=sequence_group)
         log_ratio = (per_sequence / per_sequence_weight.clamp(min=torch.finfo(
             logps.dtype).tiny))[ids].view_as(logps)
     ratio = torch.exp(log_ratio)

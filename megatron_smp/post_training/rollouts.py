@@ -196,7 +196,7 @@ def rollout_metrics(rewards: Sequence[float], per_function: Sequence[Dict[str, f
     return metrics
 
 
-def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
+def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0, cp_group=None):
     """A trainer loss function `loss_fn(logits, batch) -> (loss, metrics)` over a micro-batch
     of `build_rollout_batch` rows: log-probs of the labels from this rank's vocabulary shard
     of the logits [b, s, v/tp], then `weighted_grpo_loss` with the batch's weights.
@@ -207,6 +207,8 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
     carry "ref_logps" when kl_beta != 0.
     loss_scale: undoes the schedule's and the gradient reduction's averaging, since the
     weights already normalise over the whole batch: num_microbatches x dp_size x cp_size.
+    cp_group: the context-parallel group when the micro-batches are split over it; gspo's
+    sequence ratios are summed over it (the other loss types need no communication).
     """
     from megatron_smp.tensor_parallel.cross_entropy import (
         vocab_parallel_cross_entropy, vocab_parallel_entropy,
@@ -229,7 +231,8 @@ def grpo_loss_fn(config, tp_group, vocab_size: int, loss_scale: float = 1.0):
             rollout_weights(batch), sequence_ids=batch["sequence_ids"],
             loss_type=config.loss_type, clamp_eps_lower=config.clamp_eps_lower,
             clamp_eps_upper=config.clamp_eps_upper, ref_logps=batch.get("ref_logps"),
-            kl_beta=config.kl_beta, entropies=entropies, entropy_weight=entropy_weight)
+            kl_beta=config.kl_beta, entropies=entropies, entropy_weight=entropy_weight,
+            sequence_group=cp_group if config.loss_type == "gspo" else None)
         return loss * loss_scale, metrics
 
     return loss_fn

@@ -1,6 +1,7 @@
 """The trainer loss function at TP=2 (vocabulary-sharded logits), DP=2 (rollouts split over
 ranks, gradients averaged as the data-parallel reduction does) and CP=2 (each packed row split
-as the trainer splits it) gives the single-process loss and gradient."""
+as the trainer splits it; dapo, and gspo whose sequence ratios sum over the ranks) gives the
+single-process loss and gradient."""
 import torch
 import torch.distributed as dist
 
@@ -66,26 +67,34 @@ def _case(rank, world_size):
     # so the attention's context-parallel exchange is not what is tested, the loss's sums are.
     from megatron_smp.context_parallel import get_batch_on_this_cp_rank
 
-    packed = build_rollout_batch(prompts, completions, advantages, seq_length=16, pad_id=0,
-                                 loss_type="dapo", pad_to_multiple=2 * world_size)
-    table = torch.randn(VOCAB, HIDDEN)
-    with torch.no_grad():
-        packed_logps = torch.log_softmax(table[packed["tokens"]] @ weight, -1).gather(
-            -1, packed["labels"][..., None])[..., 0]
-    packed["old_logps"] = packed_logps + 0.3 * torch.randn(packed_logps.shape)
-    packed["ref_logps"] = packed_logps + 0.2 * torch.randn(packed_logps.shape)
-    whole, _ = grpo_loss_fn(config, own_group, VOCAB)(table[packed["tokens"]] @ weight, packed)
-    whole_grad, = torch.autograd.grad(whole, weight)
-    local = get_batch_on_this_cp_rank(packed, world_size, rank)
-    cp_replica = weight.detach().clone().requires_grad_(True)
-    cp_loss, _ = grpo_loss_fn(config, own_group, VOCAB, loss_scale=world_size)(
-        table[local["tokens"]] @ cp_replica, local)
-    cp_loss.backward()
-    dist.all_reduce(cp_replica.grad)
-    cp_total = cp_loss.detach().clone()
-    dist.all_reduce(cp_total)
-    return {"cp_loss": abs(cp_total.item() / world_size - whole.item()),
-            "cp_grad": (cp_replica.grad / world_size - whole_grad).abs().max().item(),
+    errors = {}
+    for loss_type in ("dapo", "gspo"):  # gspo: one ratio per rollout, from both ranks' tokens
+        cp_config = RLConfig(loss_type=loss_type, clamp_eps_lower=0.2, clamp_eps_upper=0.28,
+                             kl_beta=0.05)
+        packed = build_rollout_batch(prompts, completions, advantages, seq_length=16, pad_id=0,
+                                     loss_type=loss_type, pad_to_multiple=2 * world_size)
+        table = torch.randn(VOCAB, HIDDEN)
+        with torch.no_grad():
+            packed_logps = torch.log_softmax(table[packed["tokens"]] @ weight, -1).gather(
+                -1, packed["labels"][..., None])[..., 0]
+        packed["old_logps"] = packed_logps + 0.3 * torch.randn(packed_logps.shape)
+        packed["ref_logps"] = packed_logps + 0.2 * torch.randn(packed_logps.shape)
+        whole, _ = grpo_loss_fn(cp_config, own_group, VOCAB)(
+            table[packed["tokens"]] @ weight, packed)
+        whole_grad, = torch.autograd.grad(whole, weight)
+        local = get_batch_on_this_cp_rank(packed, world_size, rank)
+        cp_replica = weight.detach().clone().requires_grad_(True)
+        cp_loss, _ = grpo_loss_fn(cp_config, own_group, VOCAB, loss_scale=world_size,
+                                  cp_group=dist.group.WORLD)(
+            table[local["tokens"]] @ cp_replica, local)
+        cp_loss.backward()
+        dist.all_reduce(cp_replica.grad)
+        cp_total = cp_loss.detach().clone()
+        dist.all_reduce(cp_total)
+        errors[f"{loss_type} cp_loss"] = abs(cp_total.item() / world_size - whole.item())
+        errors[f"{loss_type} cp_grad"] = (cp_replica.grad / world_size - whole_grad).abs().max(
+            ).item()
+    return {**errors,
             "tp_loss": abs(tp_loss.item() - expected.item()),
             "tp_grad": (tp_grad - expected_grad).abs().max().item(),
             "dp_loss": abs(dp_total.item() / world_size - expected.item()),
@@ -96,4 +105,6 @@ def test_loss_fn_at_tp2_dp2_cp2_equals_one_process():
     for result in run_distributed(_case, 2):
         assert result["tp_loss"] < 1e-6 and result["tp_grad"] < 1e-6, result
         assert result["dp_loss"] < 1e-6 and result["dp_grad"] < 1e-6, result
-        assert result["cp_loss"] < 1e-6 and result["cp_grad"] < 1e-6, result
+        for loss_type in ("dapo", "gspo"):
+            assert result[f"{loss_type} cp_loss"] < 1e-6, result
+            assert result[f"{loss_type} cp_grad"] < 1e-6, result
