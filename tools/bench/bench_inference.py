@@ -177,7 +177,7 @@ def _memory_worker(spec_path: str, result_path: str) -> None:
         module = smp.transform(hf).module
         del hf  # what a user keeps is the transformed model
     _read_weights(module if spec["system"] == "ours" else hf)
-    result["loaded_kib"] = result["ready_kib"] = reset_peak_rss_kib()
+    result["loaded_kib"] = reset_peak_rss_kib()
     if spec["system"] == "ours":
         engine, requests = _ours_generate(module, prompts, news)
         result["tokens"] = [request.output for request in requests]
