@@ -35,9 +35,11 @@ Memory, in MiB (2**20 bytes), two kinds of figure:
   order as the workload needs, printed beside the keys and values the workload holds).
   `VLLM_CPU_KVCACHE_SPACE` (whole GiB) would override that size: the bench refuses to run
   with it set.
-* RSS (measured, Linux): each system and workload (batch 1; the stream) is run once more,
-  each in a fresh process of its own (these runs are not timed, so that peaks never mix and
-  the timings above keep their method). In that process, after every import and after
+* RSS (measured, Linux): each system and workload (batch 1; the stream) is run --repeats
+  more times, each time in a fresh process of its own that runs nothing else (not timed, so
+  that peaks never mix and the timings above keep their method); the table shows the median
+  over those processes and their range (the same run's peak varies by several MiB from one
+  process to the next). In that process, after every import and after
   the inputs are built: "imports" = RSS. Then the model is loaded (HF: `from_pretrained`
   of the saved directory, every weight read once so that its mapped pages are resident;
   ours: that model through `smp.transform`, the HF model then dropped; vLLM: RSS as its CPU
@@ -316,15 +318,19 @@ def main() -> None:
             assert vllm["stream_tokens"] == hf_stream, "vLLM's stream tokens differ from HF's"
             rows["vllm"] = {"first": vllm["first"], "all": vllm["all"]}
             stream_rows["vllm"] = {"first": vllm["stream_first"], "all": vllm["stream"]}
-        for workload in ("batch1", "stream") if measure_memory else ():
-            for system in ["hf", "ours"] + (["vllm"] if vllm else []):
-                run = dict(spec, memory=workload, system=system,
-                           rss_helper=megatron_smp.testing.__file__)
-                worker = vllm_worker if system == "vllm" else ours_worker
-                peaks[system, workload] = _run_worker(worker, run, scratch,
-                                                      f"memory run of {system}, {workload}")
-                assert peaks[system, workload]["tokens"] == expected[workload], (
-                    f"{system}'s {workload} tokens in its memory run differ from HF's")
+        # RSS peaks of the same run vary by several MiB from process to process (allocator
+        # and page-fault timing): --repeats fresh processes each, interleaved, the median.
+        for _ in range(args.repeats if measure_memory else 0):
+            for workload in ("batch1", "stream"):
+                for system in ["hf", "ours"] + (["vllm"] if vllm else []):
+                    run = dict(spec, memory=workload, system=system,
+                               rss_helper=megatron_smp.testing.__file__)
+                    worker = vllm_worker if system == "vllm" else ours_worker
+                    result = _run_worker(worker, run, scratch,
+                                         f"memory run of {system}, {workload}")
+                    assert result["tokens"] == expected[workload], (
+                        f"{system}'s {workload} tokens in its memory run differ from HF's")
+                    peaks.setdefault((system, workload), []).append(result)
 
     def rates(timings, prompt_tokens, new_tokens, count):
         """(prefill, decode, overall) tokens/s from the medians of one-token and full runs."""
@@ -345,12 +351,12 @@ def main() -> None:
     header = f"{'':40}" + "".join(f"{heads[n]:>13}" for n in names) + f"{'ours / HF':>11}"
     print(header + (f"{'ours / vLLM':>13}" if vllm else ""))
 
-    def line(label, values, fmt, each=None):
+    def line(label, values, fmt, after=""):
         text = f"{label:40}" + "".join(f"{values[n]:13{fmt}}" for n in names)
         text += f"{values['ours'] / values['hf']:11.2f}"
         if vllm:
             text += f"{values['ours'] / values['vllm']:13.2f}"
-        print(text)
+        print(text + after)
 
     line("batch 1 prefill tok/s", {n: batch1[n][0] for n in names}, ".0f")
     line("batch 1 decode tok/s", {n: batch1[n][1] for n in names}, ".1f")
@@ -376,27 +382,34 @@ def main() -> None:
         print("peak RSS: not measured (needs Linux's /proc/self/clear_refs)")
         return
     line("batch 1 KV cache tensor bytes",
-         {n: peaks[n, "batch1"]["cache_bytes"] / 2**20 for n in names}, ".2f")
+         {n: peaks[n, "batch1"][0]["cache_bytes"] / 2**20 for n in names}, ".2f")
 
-    def rss(workload, high, low):
-        return {n: (peaks[n, workload][high] - peaks[n, workload][low]) / 1024 for n in names}
+    def rss(label, workload, high, low):
+        """One line of medians over the fresh processes (MiB of `high` - `low`), their range
+        after it."""
+        each = {n: [(run[high] - run[low]) / 1024 for run in peaks[n, workload]]
+                for n in names}
+        line(label, {n: statistics.median(each[n]) for n in names}, ".1f",
+             "  range " + ", ".join(f"{min(each[n]):.0f}-{max(each[n]):.0f}" for n in names))
 
     for workload, label in (("batch1", "batch 1"), ("stream", f"{args.requests} requests")):
-        line(f"{label} peak RSS above loaded model", rss(workload, "peak_kib", "loaded_kib"),
-             ".1f")
-        line(f"{label} peak RSS above imports", rss(workload, "peak_kib", "imports_kib"), ".1f")
-    line("loaded model RSS above imports", rss("stream", "loaded_kib", "imports_kib"), ".1f")
+        rss(f"{label} peak RSS above loaded model", workload, "peak_kib", "loaded_kib")
+        rss(f"{label} peak RSS above imports", workload, "peak_kib", "imports_kib")
+    rss("loaded model RSS above imports", "stream", "loaded_kib", "imports_kib")
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     print(f"  (the weights' tensors: {weights / 2**20:.2f} MiB; the stream's keys and values: "
           f"{(sum(lengths) + sum(news)) * _token_bytes(hf.config) / 2**20:.2f} MiB, "
-          f"{sum(lengths) + sum(news)} tokens x {_token_bytes(hf.config)} bytes)")
+          f"{sum(lengths) + sum(news)} tokens x {_token_bytes(hf.config)} bytes; RSS: median "
+          f"of {args.repeats} processes each)")
     if vllm:
         for workload, label in (("batch1", "batch 1"), ("stream", f"{args.requests} requests")):
-            run = peaks["vllm", workload]
-            print(f"  vLLM {label}: KV cache configured {run['configured_cache_bytes'] / 2**20:.2f}"
-                  f" MiB (kv_cache_memory_bytes), allocated {run['cache_bytes'] / 2**20:.2f}; "
-                  f"RSS once LLM(...) is built above loaded model "
-                  f"{(run['ready_kib'] - run['loaded_kib']) / 1024:.1f}")
+            runs = peaks["vllm", workload]
+            built = statistics.median((run["ready_kib"] - run["loaded_kib"]) / 1024
+                                      for run in runs)
+            print(f"  vLLM {label}: KV cache configured "
+                  f"{runs[0]['configured_cache_bytes'] / 2**20:.2f} MiB (kv_cache_memory_bytes),"
+                  f" allocated {runs[0]['cache_bytes'] / 2**20:.2f}; RSS once LLM(...) is built"
+                  f" above loaded model {built:.1f}")
 
 
 if __name__ == "__main__":
