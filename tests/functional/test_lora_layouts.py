@@ -2,6 +2,8 @@
 the dense projections): expert parallelism (EP=2), pipeline parallelism (PP=2) and TP=2 follow the
 single-process losses, which needs the adapters to start from the same values at every layout
 (tensor_parallel.lora)."""
+import os
+
 import pytest
 
 from megatron_smp.testing import run_distributed
@@ -22,13 +24,21 @@ def _train(rank, world_size, argv):
     return [result.train_losses[i]["lm loss"] for i in sorted(result.train_losses)]
 
 
-def test_lora_moe_layouts_match_single_process():
+def test_lora_moe_layouts_match_single_process(tmp_path):
     """EP=2, PP=2 and TP=2 with sequence parallelism (the experts' adapters then sum their
-    whole matrices' partial gradients over TP) give one process's losses."""
+    whole matrices' partial gradients over TP) give one process's losses; the EP=2 run's
+    checkpoint of iteration 2 (the experts' adapters under their global indices) resumes in
+    one process to the same iteration 3."""
     argv = COMMON + LLAMA + MOE + LORA + ITERS
     reference = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
     assert len(reference) == 3 and len(set(reference)) == 3, reference
-    for flags in ("--expert-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+    save = str(tmp_path / "ep2")
+    for flags in (f"--expert-model-parallel-size 2 --save {save} --save-interval 2",
+                  "--pipeline-model-parallel-size 2",
                   "--tensor-model-parallel-size 2 --sequence-parallel"):
         for losses in run_distributed(_train, 2, args=(argv + flags.split(),), timeout=300):
             assert losses == pytest.approx(reference, rel=1e-5), (flags, losses, reference)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("2")
+    resumed = run_distributed(_train, 1, args=(argv + ["--load", save],), timeout=300)[0]
+    assert resumed == pytest.approx(reference[2:], rel=1e-5), (resumed, reference)
