@@ -46,7 +46,7 @@ from megatron_smp.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_smp.tensor_parallel.random import (
-    derive_seed, dropout, get_rng_tracker, init_rng_scope,
+    EXPERT_PARALLEL_RNG, derive_seed, dropout, get_rng_tracker, init_rng_scope,
 )
 from megatron_smp.tensor_parallel.utils import (
     mark_expert_param, set_tensor_model_parallel_attributes,
@@ -125,7 +125,12 @@ class LoRAAdapter(torch.nn.Module):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout > 0.0):
             return x
-        if self.parallel_mode == "row" or self.sequence_parallel or self.expert:
+        if self.expert:
+            # Each expert-parallel and TP rank holds other tokens or activations: the expert
+            # stream, as for everything inside Megatron's expert regions.
+            with get_rng_tracker().fork(EXPERT_PARALLEL_RNG):
+                return dropout(x, self.dropout)
+        if self.parallel_mode == "row" or self.sequence_parallel:
             # Each TP rank holds different activations: draw from the TP-rank stream.
             with get_rng_tracker().fork():
                 return dropout(x, self.dropout)
