@@ -25,7 +25,7 @@ def _train(rank, world_size, argv):
 
 
 def test_lora_moe_layouts_match_single_process(tmp_path):
-    """EP=2, PP=2 (built on the meta device) and TP=2 with sequence parallelism (the experts'
+    """EP=2 (grouped GEMM), PP=2 (built on the meta device) and TP=2 with sequence parallelism (the experts'
     adapters then sum their whole matrices' partial gradients over TP) give one process's
     losses; the EP=2 run's checkpoint of iteration 2 (the experts' adapters under their global
     indices) resumes in one process to the same iteration 3."""
@@ -33,7 +33,8 @@ def test_lora_moe_layouts_match_single_process(tmp_path):
     reference = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
     assert len(reference) == 3 and len(set(reference)) == 3, reference
     save = str(tmp_path / "ep2")
-    for flags in (f"--expert-model-parallel-size 2 --save {save} --save-interval 2",
+    for flags in (f"--expert-model-parallel-size 2 --moe-grouped-gemm --save {save} "
+                  "--save-interval 2",
                   "--pipeline-model-parallel-size 2 --init-model-with-meta-device",
                   "--tensor-model-parallel-size 2 --sequence-parallel"):
         for losses in run_distributed(_train, 2, args=(argv + flags.split(),), timeout=300):
