@@ -126,6 +126,7 @@ class MoEExperts(torch.nn.Module):
         "linear_fc2") on its rows of `inputs` [N, in] -> [N, out], or None when the experts
         have no (enabled) adapters."""
         linears = [getattr(expert, projection) for expert in self.local_experts]
+        # apply_lora adapts a projection by its name, so every expert's alike (or none).
         if not all(linear.lora is not None and linear.lora.enabled for linear in linears):
             return None
         return torch.cat([linear.lora(rows)
