@@ -25,10 +25,10 @@ def _train(rank, world_size, argv):
 
 
 def test_lora_moe_layouts_match_single_process(tmp_path):
-    """EP=2 (grouped GEMM), PP=2 (built on the meta device) and TP=2 with sequence parallelism (the experts'
-    adapters then sum their whole matrices' partial gradients over TP) give one process's
-    losses; the EP=2 run's checkpoint of iteration 2 (the experts' adapters under their global
-    indices) resumes in one process to the same iteration 3."""
+    """EP=2 (grouped GEMM), PP=2 (built on the meta device) and TP=2 with sequence
+    parallelism (the experts' adapters then sum their whole matrices' partial gradients over
+    TP) give one process's losses; the EP=2 run's checkpoint of iteration 2 (the experts'
+    adapters under their global indices) resumes in one process to the same iteration 3."""
     argv = COMMON + LLAMA + MOE + LORA + ITERS
     reference = run_distributed(_train, 1, args=(argv,), timeout=300)[0]
     assert len(reference) == 3 and len(set(reference)) == 3, reference

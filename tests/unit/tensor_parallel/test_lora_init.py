@@ -1,9 +1,10 @@
 """LoRA adapters start from the same values at every parallel layout: a small MoE model (4
 experts, grouped GEMM, shared expert, a multi-token-prediction layer) and a hybrid stack
-(Mamba, attention, MLP, MoE layers) at TP=2, PP=2, EP=2 and the combined TP2xEP2 and
-PP2xEP2 with two virtual stages per pipeline rank, their adapters gathered to full (TP shards joined, stages and expert-parallel ranks merged by
-global layer number and global expert index), equal one process's adapters bit for bit; so
-does a meta-device build with adapters attached before it is materialised."""
+(Mamba, attention, MLP, MoE layers) at TP=2, PP=2, EP=2 and the combined TP2xEP2 and PP2xEP2
+with two virtual stages per pipeline rank, their adapters gathered to full (TP shards joined,
+stages and expert-parallel ranks merged by global layer number and global expert index),
+equal one process's adapters bit for bit; so does a meta-device build with adapters
+attached before it is materialised."""
 import dataclasses
 
 import torch
