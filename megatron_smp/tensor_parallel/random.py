@@ -170,6 +170,35 @@ def expert_parallel_stream_seed(seed: int, state: Any) -> int:
             + _PIPELINE_SEED_STRIDE * state.ep_rank + state.tp_rank)
 
 
+
+# Layout-independent initialisation. -----------------------------------------------------------
+
+_SEED_MODULUS = 2**63 - 1
+
+
+def derive_seed(base_seed: int, index: int) -> int:
+    """A seed for part `index` of a model, decorrelated from its neighbours' seeds."""
+    return (base_seed * 1_000_003 + 7_919 * (index + 1)) % _SEED_MODULUS
+
+
+@contextlib.contextmanager
+def init_rng_scope(seed: Optional[int]) -> Iterator[None]:
+    """Build parameters from the CPU default generator seeded with `seed`, then restore it.
+
+    The tensor-parallel layers draw their master weights from the CPU default generator in
+    construction order; seeding it per model part (embedding, each layer by its global
+    number, output layer, each LoRA adapter) makes each part's weights independent of which
+    other parts this process builds, so a pipeline stage gets exactly the single-stage
+    model's weights. `None` draws from the generator as it is.
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
 # Activation recompute. ---------------------------------------------------------------------------
 
 
@@ -511,6 +540,8 @@ __all__ = [
     "EXPERT_PARALLEL_RNG",
     "expert_parallel_stream_seed",
     "DATA_PARALLEL_RNG",
+    "derive_seed",
+    "init_rng_scope",
     "RNGStatesTracker",
     "get_rng_tracker",
     "model_parallel_seed",

@@ -1,38 +1,12 @@
 """Helpers shared by the transformer modules."""
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import Tuple
 
 import torch
 
-_SEED_MODULUS = 2**63 - 1
-
-
-def derive_seed(base_seed: int, index: int) -> int:
-    """A seed for part `index` of a model, decorrelated from its neighbours' seeds."""
-    return (base_seed * 1_000_003 + 7_919 * (index + 1)) % _SEED_MODULUS
-
-
-@contextlib.contextmanager
-def init_rng_scope(seed: Optional[int]) -> Iterator[None]:
-    """Build parameters from the CPU default generator seeded with `seed`, then restore it.
-
-    The tensor-parallel layers draw their master weights from the CPU default generator in
-    construction order; seeding it per model part (embedding, each layer by its global
-    number, output layer) makes each part's weights independent of which other parts this
-    process builds, so a pipeline stage gets exactly the single-stage model's weights.
-    `None` draws from the generator as it is.
-    """
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        yield
-
-
-
+# The seeding helpers live with the other RNG code; the model parts import them from here.
+from megatron_smp.tensor_parallel.random import derive_seed, init_rng_scope
 
 # CUDA device index -> compute capability.
 _CAPABILITY = {}

@@ -160,7 +160,9 @@ def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp
     for losses, _ in run_distributed(_train, 2, args=(
             lora + "--tensor-model-parallel-size 2 --sequence-parallel".split(),), timeout=300):
         _same(losses, frozen, "lora adapters-off tp=2")
-    assert frozen["dpo loss"][-1] < frozen["dpo loss"][0] - 0.02
+    # The pairs differ from batch to batch, and so do the losses (0.47 to 0.70 here): that
+    # the adapters learn shows in the mean of the last five iterations, not in the last alone.
+    assert sum(frozen["dpo loss"][5:]) / 5 < frozen["dpo loss"][0] - 0.02, frozen["dpo loss"]
 
     save = str(tmp_path / "precomputed")
     full_frozen = single_process[0]

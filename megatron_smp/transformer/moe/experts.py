@@ -9,7 +9,8 @@ forward(tokens [N, h] sorted by local expert, tokens_per_expert [num_local_exper
 -> [N, h], this rank's tensor-parallel partial sums. The experts do no communication: the
 token dispatcher gathers their input and reduce-scatters their output once for all of them.
 Computation is one matmul per expert and projection, or with `moe_grouped_gemm` one
-`torch._grouped_mm` for all experts where torch has it (a tested fallback otherwise).
+`torch._grouped_mm` for all experts where torch has it (a tested fallback otherwise); LoRA
+adapters on the experts' projections (tensor_parallel.lora) add their terms per expert.
 """
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+
+
+def _with_adapter(linear, inputs: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """`output` of `linear` on `inputs` plus its LoRA adapter's term, where it has one (the
+    experts call F.linear on the weights, not the layer: tensor_parallel.lora)."""
+    if linear.lora is None or not linear.lora.enabled:
+        return output
+    return output + linear.lora(inputs)
 
 
 class MoEExperts(torch.nn.Module):
@@ -106,8 +115,22 @@ class MoEExperts(torch.nn.Module):
 
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        intermediate = self._activate(F.linear(tokens, fc1.weight, fc1.bias))
-        return F.linear(intermediate, fc2.weight, self._output_bias(fc2.bias))
+        intermediate = _with_adapter(fc1, tokens, F.linear(tokens, fc1.weight, fc1.bias))
+        intermediate = self._activate(intermediate)
+        return _with_adapter(fc2, intermediate,
+                             F.linear(intermediate, fc2.weight, self._output_bias(fc2.bias)))
+
+    def _adapter_terms(self, projection: str, inputs: torch.Tensor,
+                       counts: Sequence[int]) -> Optional[torch.Tensor]:
+        """The LoRA terms of every local expert's `projection` ("linear_fc1" or
+        "linear_fc2") on its rows of `inputs` [N, in] -> [N, out], or None when the experts
+        have no (enabled) adapters."""
+        linears = [getattr(expert, projection) for expert in self.local_experts]
+        # apply_lora adapts a projection by its name, so every expert's alike (or none).
+        if not all(linear.lora is not None and linear.lora.enabled for linear in linears):
+            return None
+        return torch.cat([linear.lora(rows)
+                          for linear, rows in zip(linears, torch.split(inputs, counts))])
 
     def _output_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if bias is None or self.adds_output_bias:
@@ -124,9 +147,15 @@ class MoEExperts(torch.nn.Module):
             intermediate = intermediate + biases.repeat_interleave(
                 torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0]
             )
+        adapters = self._adapter_terms("linear_fc1", tokens, counts)
+        if adapters is not None:
+            intermediate = intermediate + adapters
         intermediate = _ContiguousGrad.apply(self._activate(intermediate).contiguous())
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_l, f, h]
         output = torch._grouped_mm(intermediate, fc2, offs=offsets)
+        adapters = self._adapter_terms("linear_fc2", intermediate, counts)
+        if adapters is not None:
+            output = output + adapters
         if experts[0].linear_fc2.bias is not None:
             biases = self._output_bias(torch.stack([e.linear_fc2.bias for e in experts]))
             output = output + biases.repeat_interleave(
