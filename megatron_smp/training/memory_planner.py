@@ -232,14 +232,20 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
             else:
                 count.dense_numel += numel
             if param.dim() > 0:
-                rows = math.ceil(param.shape[0] / shard)
+                # FSDP2 shards expert params over the ranks of a shard group holding the
+                # same experts (parallel_state.expert_fsdp_layout).
+                over = (max(1, shard // parallel.expert_model_parallel_size)
+                        if is_expert_param(param) else shard)
+                rows = math.ceil(param.shape[0] / over)
                 count.fsdp_shard_numel += rows * (numel // max(param.shape[0], 1))
             else:
                 count.fsdp_shard_numel += numel
         layers = [m for m in chunk.modules() if type(m).__name__.endswith("TransformerLayer")]
         for layer in layers:
-            count.largest_unit_numel = max(count.largest_unit_numel,
-                                           sum(p.numel() for p in layer.parameters()))
+            # Under FSDP2 a MoE layer's experts are a unit of their own.
+            experts = sum(p.numel() for p in layer.parameters() if is_expert_param(p))
+            dense = sum(p.numel() for p in layer.parameters()) - experts
+            count.largest_unit_numel = max(count.largest_unit_numel, dense, experts)
     return count
 
 
