@@ -296,14 +296,16 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
             per_score = CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE.get(p, 3.0 * p)
             parts["core_attention"] += per_score * a * tokens * (seq_length // cp) / tp
     gated = 2 if m.gated_linear_unit else 1
-    if moe:
+    if moe and "moe" in modules:
+        pass  # recomputed in backward from its input (the norm's output, counted above)
+    elif moe:
         # The dispatchers gather the sequence-parallel shards over TP first: every TP rank
         # routes all the tokens, its experts holding f / tp of each (expert TP = TP).
         routed = tokens * m.moe_router_topk
         if moe_capacity_tokens is not None:
             routed = moe_capacity_tokens
         parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / tp) * p
-        if m.moe_shared_expert_intermediate_size:
+        if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:
             parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
     elif "mlp" not in modules:
         parts["mlp"] = tokens * 2 * gated * m.ffn_hidden_size * p / tp
