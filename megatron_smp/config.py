@@ -253,13 +253,9 @@ HYBRID_MTP_SEPARATOR = "/"
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
-# Megatron's --recompute-modules choices, and the ones this framework cannot take.
+# Megatron's --recompute-modules choices.
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                      "shared_experts")
-_RECOMPUTE_MODULES_NOT_HERE = {
-    "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
-               "which megatron_smp does not have; use mlp for dense layers",
-}
 
 
 def recompute_modules(config) -> tuple:
@@ -952,8 +948,10 @@ class TransformerConfig:
         unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
         _require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; choose from "
                  f"{', '.join(RECOMPUTE_MODULES)}")
-        for name, reason in _RECOMPUTE_MODULES_NOT_HERE.items():
-            _require(name not in modules, f"--recompute-modules {name}: {reason}")
+        # Megatron's rule: moe_act recomputes the grouped experts' activation.
+        _require("moe_act" not in modules or self.moe_grouped_gemm,
+                 "--recompute-modules moe_act recomputes the grouped-GEMM experts' activation: "
+                 "add --moe-grouped-gemm (with --num-experts), or drop it")
         _require("mla_up_proj" not in modules or self.multi_latent_attention,
                  "--recompute-modules mla_up_proj recomputes multi-latent attention's "
                  "up-projections: add --multi-latent-attention, or drop it")

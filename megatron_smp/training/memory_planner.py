@@ -305,6 +305,8 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
         if moe_capacity_tokens is not None:
             routed = moe_capacity_tokens
         parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / tp) * p
+        if "moe_act" in modules:  # the activation's output, freed until backward
+            parts["moe"] -= routed * m.moe_ffn_hidden_size / tp * p
         if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:
             parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
     elif "mlp" not in modules:

@@ -18,8 +18,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_smp.config import TransformerConfig
+from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel.mappings import group_rank
+from megatron_smp.tensor_parallel.random import CheckpointWithoutOutput
 from megatron_smp.tensor_parallel.utils import mark_expert_param
 from megatron_smp.transformer.mlp import MLP, activation_function, gated_linear_unit
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
@@ -65,6 +66,9 @@ class MoEExperts(torch.nn.Module):
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         self.use_grouped_gemm = config.moe_grouped_gemm
+        # --recompute-modules moe_act (Megatron's, with --moe-grouped-gemm): the activation's
+        # output is freed once fc2 has used it and recomputed from fc1's output in backward.
+        self.recompute_activation = "moe_act" in recompute_modules(config)
         # The replicated output bias is added by one tensor-parallel rank, so the partial
         # sums add up to one bias (its grad is then summed over TP, like a norm weight's).
         # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
@@ -104,10 +108,25 @@ class MoEExperts(torch.nn.Module):
             return gated_linear_unit(intermediate, self.activation, self.config)
         return self.activation(intermediate)
 
+    def _contiguous_activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        return self._activate(intermediate).contiguous()
+
+    def _activated(self, intermediate: torch.Tensor, consumer) -> torch.Tensor:
+        """consumer(activation(intermediate)) [N, f] -> [N, h]; with --recompute-modules
+        moe_act the activation's output is discarded after the consumer saved it and
+        recomputed when the consumer's output gets its grad."""
+        if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
+            return consumer(self._contiguous_activation(intermediate))
+        discarding = CheckpointWithoutOutput()
+        output = consumer(discarding.checkpoint(self._contiguous_activation, intermediate))
+        discarding.discard_output_and_register_recompute(output)
+        return output
+
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        intermediate = self._activate(F.linear(tokens, fc1.weight, fc1.bias))
-        return F.linear(intermediate, fc2.weight, self._output_bias(fc2.bias))
+        return self._activated(
+            F.linear(tokens, fc1.weight, fc1.bias),
+            lambda activated: F.linear(activated, fc2.weight, self._output_bias(fc2.bias)))
 
     def _output_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if bias is None or self.adds_output_bias:
@@ -124,9 +143,9 @@ class MoEExperts(torch.nn.Module):
             intermediate = intermediate + biases.repeat_interleave(
                 torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0]
             )
-        intermediate = _ContiguousGrad.apply(self._activate(intermediate).contiguous())
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_l, f, h]
-        output = torch._grouped_mm(intermediate, fc2, offs=offsets)
+        output = self._activated(intermediate, lambda activated: torch._grouped_mm(
+            _ContiguousGrad.apply(activated), fc2, offs=offsets))
         if experts[0].linear_fc2.bias is not None:
             biases = self._output_bias(torch.stack([e.linear_fc2.bias for e in experts]))
             output = output + biases.repeat_interleave(
