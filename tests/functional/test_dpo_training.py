@@ -1,6 +1,6 @@
 """train_dpo.py: DPO on the bundled preference pairs trains the same 10 iterations (1e-4) at
 TP=2+SP, PP=2, CP=2, DP=2 with the distributed optimizer, FSDP2 and (MoE) EP=2 as in one
-process; the three reference modes agree (LoRA with adapters off = a frozen copy; a
+process (MoE at EP=2 also under FSDP2); the three reference modes agree (LoRA with adapters off = a frozen copy; a
 precomputed pass = live); a run resumes exactly; the log line and TensorBoard carry TRL's
 metric names."""
 import json
@@ -131,7 +131,8 @@ def test_dpo_layouts_match_single_process(dpo_argv, single_process):
 
 def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
     """CP=2 (all_gather; each sequence split the load-balanced way) equals one process that
-    packs alike; a Mixtral-style MoE at EP=2 equals its one-process run (1e-4)."""
+    packs alike; a Mixtral-style MoE at EP=2, with and without FSDP2, equals its one-process
+    run (1e-4)."""
     cp = "--context-parallel-size 2 --cp-comm-type all_gather".split()
     (padded, _), = run_distributed(_train, 1, args=(dpo_argv, 2), timeout=300)
     assert len(padded["dpo loss"]) > 1
@@ -140,10 +141,13 @@ def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
         _same(losses, padded, "cp")
     (moe, _), = run_distributed(_train, 1, args=(dpo_argv + MOE,), timeout=300)
     assert len(moe["dpo loss"]) > 1
-    for losses, _ in run_distributed(_train, 2, args=(dpo_argv + MOE + [
-            "--expert-model-parallel-size", "2"],), timeout=300):
-        assert len(losses["dpo loss"]) == len(moe["dpo loss"])
-        _same(losses, moe, "ep")
+    for flags in ("--expert-model-parallel-size 2",
+                  # Experts an FSDP2 unit of their own (one rank each here).
+                  "--expert-model-parallel-size 2 --use-torch-fsdp2"):
+        for losses, _ in run_distributed(_train, 2, args=(dpo_argv + MOE + flags.split(),),
+                                         timeout=300):
+            assert len(losses["dpo loss"]) == len(moe["dpo loss"])
+            _same(losses, moe, flags)
 
 
 def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp_path):
