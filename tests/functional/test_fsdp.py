@@ -68,8 +68,9 @@ def test_fsdp2_checkpoint_resumes_under_ddp_tp2_and_back_and_converts(tmp_path):
 MOE_ARGV = COMMON + LLAMA + MOE + "--moe-token-dispatcher-type alltoall --log-interval 1 --train-iters 4".split()
 
 
-def _moe_train(rank, world_size, argv):
-    """Per-iteration (lm loss, grad norm, load_balancing_loss, z_loss) of pretrain_gpt.py."""
+def _moe_train(rank, world_size, runs):
+    """For each argv of `runs`, in turn in these processes: per-iteration (lm loss, grad norm,
+    load_balancing_loss, z_loss) of pretrain_gpt.py."""
     import pretrain_gpt
     from megatron_smp.training import logging as training_logging
     from megatron_smp.training import pretrain
@@ -83,12 +84,29 @@ def _moe_train(rank, world_size, argv):
                         **kwargs)
 
     training_logging.TrainingLogger.iteration_scalars = record
-    with contextlib.redirect_stdout(io.StringIO()):
-        result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                          pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
-    losses = result.train_losses
-    return {i: (losses[i]["lm loss"], norms[i], losses[i]["load_balancing_loss"],
-                losses[i]["z_loss"]) for i in sorted(losses)}
+    out = []
+    for argv in runs:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                              pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+        losses = result.train_losses
+        out.append({i: (losses[i]["lm loss"], norms[i], losses[i]["load_balancing_loss"],
+                        losses[i]["z_loss"]) for i in sorted(losses)})
+    return out
+
+
+def _moe_runs_at_dp2(rank, world_size, save_dir, at_2):
+    """The DP=2 runs in one spawn: EP=1, EP=2 saving, then EP=2 and EP=1 from its iteration 2."""
+    from tests.functional.test_checkpoint_resume import _checkpoint_at
+
+    ep2 = FSDP2 + ["--expert-model-parallel-size", "2"]
+    out = _moe_train(rank, world_size, [
+        MOE_ARGV + FSDP2, MOE_ARGV + ep2 + ["--save", save_dir, "--save-interval", "2"]])
+    if rank == 0:
+        _checkpoint_at(save_dir, 2, at_2)
+    torch.distributed.barrier()  # the copy is there before either rank loads it
+    return out + _moe_train(rank, world_size, [MOE_ARGV + ep2 + ["--load", at_2],
+                                               MOE_ARGV + FSDP2 + ["--load", at_2]])
 
 
 def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
@@ -96,31 +114,18 @@ def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
     ranks per expert shard group) give the single-process losses, grad norms and router
     losses; the EP=2 run resumes bit-exactly from its iteration-2 checkpoint, which also
     loads at DP=2 with EP=1 (experts resharded over both ranks)."""
-    from tests.functional.test_checkpoint_resume import _checkpoint_at
-
-    reference = run_distributed(_moe_train, 1, args=(MOE_ARGV,), timeout=300)[0]
+    reference = run_distributed(_moe_train, 1, args=([MOE_ARGV],), timeout=300)[0][0]
     assert len(reference) == 4
     ep2 = FSDP2 + ["--expert-model-parallel-size", "2"]
-    save_dir = str(tmp_path / "save")
-    runs = {
-        "dp2": run_distributed(_moe_train, 2, args=(MOE_ARGV + FSDP2,), timeout=300),
-        "dp2_ep2": run_distributed(
-            _moe_train, 2, args=(MOE_ARGV + ep2 + ["--save", save_dir, "--save-interval", "2"],),
-            timeout=300),
-        "dp4_ep2": run_distributed(_moe_train, 4, args=(MOE_ARGV + ep2,), timeout=300),
-    }
-    for layout, results in runs.items():
-        for result in results:
-            for iteration, want in reference.items():
-                assert result[iteration] == pytest.approx(want, rel=1e-4), (layout, iteration)
-    at_2 = str(tmp_path / "at_2")
-    _checkpoint_at(save_dir, 2, at_2)
-    resumed = run_distributed(_moe_train, 2, args=(MOE_ARGV + ep2 + ["--load", at_2],),
-                              timeout=300)
-    for result, uninterrupted in zip(resumed, runs["dp2_ep2"]):
-        assert result == {i: uninterrupted[i] for i in (3, 4)}
-    resharded = run_distributed(_moe_train, 2, args=(MOE_ARGV + FSDP2 + ["--load", at_2],),
-                                timeout=300)
-    for result in resharded:
+    save_dir, at_2 = str(tmp_path / "save"), str(tmp_path / "at_2")
+
+    dp2 = run_distributed(_moe_runs_at_dp2, 2, args=(save_dir, at_2), timeout=300)
+    dp4 = run_distributed(_moe_train, 4, args=([MOE_ARGV + ep2],), timeout=300)
+    for layout, result in [("dp2", run[0]) for run in dp2] + [("dp2_ep2", run[1]) for run in dp2] \
+            + [("dp4_ep2", run[0]) for run in dp4]:
+        for iteration, want in reference.items():
+            assert result[iteration] == pytest.approx(want, rel=1e-4), (layout, iteration)
+    for _, uninterrupted, resumed, resharded in dp2:
+        assert resumed == {i: uninterrupted[i] for i in (3, 4)}
         for iteration in (3, 4):
-            assert result[iteration] == pytest.approx(reference[iteration], rel=1e-4)
+            assert resharded[iteration] == pytest.approx(reference[iteration], rel=1e-4)
