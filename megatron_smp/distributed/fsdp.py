@@ -7,7 +7,11 @@ Every transformer layer is one FSDP2 unit (its params all-gathered together befo
 forward and backward, its grads reduce-scattered together), the rest of the model (embedding,
 final norm, output layer) is the root unit. The units are sharded over `state.fsdp_mesh`:
 all data x context-parallel ranks (full sharding, `hybrid_shard_degree` 0), or groups of
-`hybrid_shard_degree` ranks with replicas across the groups (HSDP on a 2-D mesh).
+`hybrid_shard_degree` ranks with replicas across the groups (HSDP on a 2-D mesh). A MoE
+layer's routed experts are a unit of their own inside their layer's, sharded over the ranks
+holding the same experts (`state.expert_fsdp_mesh`, torchtitan's layout), their grads divided
+as our DDP divides expert grads (see `_fully_shard_experts`); the router and shared experts
+stay in the layer's unit.
 
 Tensor parallelism stays inside: our TP layers hold plain TP-local tensors and run their own
 collectives, so FSDP shards each TP-local tensor over the data-parallel mesh only (the
