@@ -65,7 +65,9 @@ def test_fsdp2_checkpoint_resumes_under_ddp_tp2_and_back_and_converts(tmp_path):
     assert (logits - expected).abs().max().item() < 1e-4
 
 
-MOE_ARGV = COMMON + LLAMA + MOE + "--moe-token-dispatcher-type alltoall --log-interval 1 --train-iters 4".split()
+# --clip-grad 0.5: every step is clipped (grad norms ~0.9), dense and expert shards alike.
+MOE_ARGV = COMMON + LLAMA + MOE + ("--moe-token-dispatcher-type alltoall --log-interval 1 "
+                                   "--train-iters 4 --clip-grad 0.5").split()
 
 
 def _moe_train(rank, world_size, runs):
@@ -111,8 +113,8 @@ def _moe_runs_at_dp2(rank, world_size, save_dir, at_2):
 
 def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
     """4 experts, top-2, alltoall: FSDP2 at DP=2 with EP=1 and EP=2 and at DP=4 with EP=2 (two
-    ranks per expert shard group) give the single-process losses, grad norms and router
-    losses; the EP=2 run resumes bit-exactly from its iteration-2 checkpoint, which also
+    ranks per expert shard group) give the single-process losses, grad norms (clipped on both
+    meshes) and router losses; the EP=2 run resumes bit-exactly from its iteration-2 checkpoint, which also
     loads at DP=2 with EP=1 (experts resharded over both ranks)."""
     reference = run_distributed(_moe_train, 1, args=([MOE_ARGV],), timeout=300)[0][0]
     assert len(reference) == 4
