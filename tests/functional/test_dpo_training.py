@@ -1,8 +1,8 @@
 """train_dpo.py: DPO on the bundled preference pairs trains the same 10 iterations (1e-4) at
 TP=2+SP, PP=2, CP=2, DP=2 with the distributed optimizer, FSDP2 and (MoE) EP=2 as in one
-process (MoE at EP=2 also under FSDP2); the three reference modes agree (LoRA with adapters off = a frozen copy; a
-precomputed pass = live); a run resumes exactly; the log line and TensorBoard carry TRL's
-metric names."""
+process (MoE at EP=2 also under FSDP2); the three reference modes agree (LoRA with adapters
+off = a frozen copy; a precomputed pass = live); a run resumes exactly; the log line and
+TensorBoard carry TRL's metric names."""
 import json
 import os
 

@@ -113,9 +113,10 @@ def _moe_runs_at_dp2(rank, world_size, save_dir, at_2):
 
 def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
     """4 experts, top-2, alltoall: FSDP2 at DP=2 with EP=1 and EP=2 and at DP=4 with EP=2 (two
-    ranks per expert shard group; with hybrid_shard_degree 2 one, replicated) give the single-process losses, grad norms (clipped on both
-    meshes) and router losses; the EP=2 run resumes bit-exactly from its iteration-2 checkpoint, which also
-    loads at DP=2 with EP=1 (experts resharded over both ranks)."""
+    ranks per expert shard group; with hybrid_shard_degree 2 one, replicated) give the
+    single-process losses, grad norms (clipped on both meshes) and router losses; the EP=2
+    run resumes bit-exactly from its iteration-2 checkpoint, which also loads at DP=2 with
+    EP=1 (experts resharded over both ranks)."""
     reference = run_distributed(_moe_train, 1, args=([MOE_ARGV],), timeout=300)[0][0]
     assert len(reference) == 4
     ep2 = FSDP2 + ["--expert-model-parallel-size", "2"]
@@ -127,10 +128,12 @@ def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
     hybrid = ["--smp-config", '{"hybrid_shard_degree": 2}']
     dp4 = run_distributed(_moe_train, 4, args=([MOE_ARGV + ep2, MOE_ARGV + ep2 + hybrid],),
                           timeout=300)
-    for layout, result in [("dp2", run[0]) for run in dp2] + [("dp2_ep2", run[1]) for run in dp2] \
-            + [("dp4_ep2", run[0]) for run in dp4] + [("dp4_ep2_hsdp2", run[1]) for run in dp4]:
-        for iteration, want in reference.items():
-            assert result[iteration] == pytest.approx(want, rel=1e-4), (layout, iteration)
+    runs = {"dp2": [r[0] for r in dp2], "dp2_ep2": [r[1] for r in dp2],
+            "dp4_ep2": [r[0] for r in dp4], "dp4_ep2_hsdp2": [r[1] for r in dp4]}
+    for layout, results in runs.items():
+        for result in results:
+            for iteration, want in reference.items():
+                assert result[iteration] == pytest.approx(want, rel=1e-4), (layout, iteration)
     for _, uninterrupted, resumed, resharded in dp2:
         assert resumed == {i: uninterrupted[i] for i in (3, 4)}
         for iteration in (3, 4):
