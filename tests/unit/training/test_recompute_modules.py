@@ -166,7 +166,8 @@ def _train_moe(rank, world_size, runs):
             result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
                               argv=argv)
         losses = result.train_losses
-        out.append(({i: (losses[i]["lm loss"], norms[i], losses[i]["load_balancing_loss"],
+        balancing = [key for key in losses[1] if key.endswith("load_balancing_loss")]
+        out.append(({i: (losses[i]["lm loss"], norms[i], losses[i][balancing[0]],
                          losses[i]["z_loss"]) for i in sorted(losses)},
                     dict(calls), list(counts)))
     return out
@@ -176,7 +177,7 @@ def test_moe_recompute_records_router_statistics_once():
     """--recompute-modules moe reruns each MoE layer in backward (shared_experts: its shared
     expert; moe_act: the grouped experts' activation) with the losses, grad norms, logged
     router losses and token counts of the run without recompute, bit for bit, at one process
-    and at EP=2 (and under FSDP2 at EP=2)."""
+    (also with global_aux_loss, and so at PP=2) and at EP=2 (and under FSDP2 at EP=2)."""
     from tests.functional.test_moe_parity import MOE
     from tests.functional.test_training_parity import LLAMA
 
@@ -185,17 +186,21 @@ def test_moe_recompute_records_router_statistics_once():
                                     "--moe-token-dispatcher-type", "alltoall",
                                     "--moe-grouped-gemm"])
     moe, shared = SELECTIVE + ["moe"], SELECTIVE + ["shared_experts"]
+    # global_aux_loss: the recompute must see the running counts its first run saw.
+    global_aux = argv + ["--moe-router-load-balancing-type", "global_aux_loss"]
     single = run_distributed(
-        _train_moe, 1, args=([argv, argv + moe, argv + shared, argv + SELECTIVE + ["moe_act"]],),
-        timeout=300)[0]
+        _train_moe, 1, args=([argv, argv + moe, argv + shared, argv + SELECTIVE + ["moe_act"],
+                              global_aux, global_aux + moe],), timeout=300)[0]
     ep2 = ["--expert-model-parallel-size", "2"]
     fsdp = ep2 + ["--use-torch-fsdp2"]
+    # PP=2: later micro-batches' first runs come before a recompute (1F1B's warm-up).
+    pp2 = global_aux + ["--pipeline-model-parallel-size", "2"]
     layouts = run_distributed(
-        _train_moe, 2, args=([argv + ep2, argv + ep2 + moe, argv + fsdp, argv + fsdp + moe],),
-        timeout=300)
+        _train_moe, 2, args=([argv + ep2, argv + ep2 + moe, argv + fsdp, argv + fsdp + moe,
+                              pp2, pp2 + moe],), timeout=300)
 
-    def check(plain, recomputed, module, micro_batches):
-        forwards = ITERATIONS * micro_batches * LAYERS  # training forwards, per rank
+    def check(plain, recomputed, module, micro_batches, layers=LAYERS):
+        forwards = ITERATIONS * micro_batches * layers  # training forwards, per rank
         extra = {name: recomputed[1][name] - plain[1][name] for name in plain[1]}
         rerun = {"moe": ("moe", "shared_experts", "moe_act")}.get(module, (module,))
         assert extra == {name: forwards if name in rerun else 0 for name in extra}
@@ -205,8 +210,10 @@ def test_moe_recompute_records_router_statistics_once():
     check(single[0], single[1], "moe", 4)
     check(single[0], single[2], "shared_experts", 4)
     check(single[0], single[3], "moe_act", 4)
-    for plain, recomputed, fsdp_plain, fsdp_recomputed in layouts:
+    check(single[4], single[5], "moe", 4)
+    for plain, recomputed, fsdp_plain, fsdp_recomputed, pp_plain, pp_recomputed in layouts:
         check(plain, recomputed, "moe", 2)
         check(fsdp_plain, fsdp_recomputed, "moe", 2)
+        check(pp_plain, pp_recomputed, "moe", 4, layers=1)  # one layer per stage
         for iteration, values in single[0][0].items():
             assert fsdp_recomputed[0][iteration] == pytest.approx(values, rel=1e-5)
