@@ -253,15 +253,9 @@ HYBRID_MTP_SEPARATOR = "/"
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
-# Megatron's --recompute-modules choices, and the ones this framework cannot take.
+# Megatron's --recompute-modules choices.
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                      "shared_experts")
-_RECOMPUTE_MODULES_NOT_HERE = {
-    "moe_act": "Megatron recomputes the grouped-GEMM experts' activation (--moe-grouped-gemm), "
-               "which megatron_smp does not have; use mlp for dense layers",
-    "moe": "recomputing MoE layers is not supported yet",
-    "shared_experts": "recomputing MoE shared experts is not supported yet",
-}
 
 
 def recompute_modules(config) -> tuple:
@@ -954,11 +948,20 @@ class TransformerConfig:
         unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
         _require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; choose from "
                  f"{', '.join(RECOMPUTE_MODULES)}")
-        for name, reason in _RECOMPUTE_MODULES_NOT_HERE.items():
-            _require(name not in modules, f"--recompute-modules {name}: {reason}")
+        # Megatron's rule: moe_act recomputes the grouped experts' activation.
+        _require("moe_act" not in modules or self.moe_grouped_gemm,
+                 "--recompute-modules moe_act recomputes the grouped-GEMM experts' activation: "
+                 "add --moe-grouped-gemm (with --num-experts), or drop it")
         _require("mla_up_proj" not in modules or self.multi_latent_attention,
                  "--recompute-modules mla_up_proj recomputes multi-latent attention's "
                  "up-projections: add --multi-latent-attention, or drop it")
+        _require("moe" not in modules or self.num_moe_experts is not None,
+                 "--recompute-modules moe recomputes mixture-of-experts layers: add "
+                 "--num-experts, or drop it")
+        _require("shared_experts" not in modules
+                 or self.moe_shared_expert_intermediate_size is not None,
+                 "--recompute-modules shared_experts recomputes the MoE layers' shared "
+                 "experts: add --moe-shared-expert-intermediate-size, or drop it")
 
     def _validate_moe(self, parallel: ParallelConfig, name: dict) -> None:
         ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size

@@ -7,7 +7,11 @@ Every transformer layer is one FSDP2 unit (its params all-gathered together befo
 forward and backward, its grads reduce-scattered together), the rest of the model (embedding,
 final norm, output layer) is the root unit. The units are sharded over `state.fsdp_mesh`:
 all data x context-parallel ranks (full sharding, `hybrid_shard_degree` 0), or groups of
-`hybrid_shard_degree` ranks with replicas across the groups (HSDP on a 2-D mesh).
+`hybrid_shard_degree` ranks with replicas across the groups (HSDP on a 2-D mesh). A MoE
+layer's routed experts are a unit of their own inside their layer's, sharded over the ranks
+holding the same experts (`state.expert_fsdp_mesh`, torchtitan's layout), their grads divided
+as our DDP divides expert grads (see `_fully_shard_experts`); the router and shared experts
+stay in the layer's unit.
 
 Tensor parallelism stays inside: our TP layers hold plain TP-local tensors and run their own
 collectives, so FSDP shards each TP-local tensor over the data-parallel mesh only (the
@@ -172,12 +176,6 @@ def fully_shard_model(
             "parallelism here; use --pipeline-model-parallel-size 1, or our DDP with "
             "--use-distributed-optimizer"
         )
-    if any(not getattr(p, "allreduce", True) for p in model.parameters()):
-        raise ConfigError(
-            "FSDP2 does not shard mixture-of-experts layers here (expert grads reduce over the "
-            "expert-data-parallel group); train MoE models with our DDP "
-            "(--use-distributed-optimizer to shard optimizer state)"
-        )
     first_units: List[torch.nn.Module] = []
     last_units: List[torch.nn.Module] = []
     if layers is None:
@@ -205,6 +203,8 @@ def fully_shard_model(
             )
         if before_shard is not None:
             before_shard(unit)
+        for experts in expert_units(unit):
+            _fully_shard_experts(experts, state, reshard_after_forward, common)
         attributes = _param_attributes(unit)
         # The root and the output layer keep their params from forward to backward: their
         # backward starts right after their forward.
@@ -227,6 +227,56 @@ def fully_shard_model(
 
         model.register_forward_pre_hook(check_before_forward)
     return model
+
+
+def expert_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules under `module` holding one MoE layer's routed experts (`MoEExperts`): the
+    outermost submodules whose parameters are all expert parameters, not sharded yet. Their
+    own forward must run (it does: the MoE layer calls its experts), so FSDP2 gathers their
+    weights around it."""
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    found: List[torch.nn.Module] = []
+
+    def visit(sub: torch.nn.Module) -> None:
+        if sub is not module and isinstance(sub, FSDPModule):
+            return  # a unit already: its parameters are sharded
+        params = list(sub.parameters())
+        if sub is not module and params and all(is_expert_param(p) for p in params):
+            found.append(sub)
+            return
+        for child in sub.children():
+            visit(child)
+
+    visit(module)
+    return found
+
+
+def _fully_shard_experts(experts: torch.nn.Module, state, reshard_after_forward: bool,
+                         common: dict) -> None:
+    """One MoE layer's experts as an FSDP2 unit of their own, sharded over the ranks holding
+    the same experts (`state.expert_fsdp_mesh`: the expert-data-parallel group, or its shard
+    groups under hybrid sharding), so their grads reduce over exactly those ranks.
+
+    Each rank's experts already saw the tokens of its whole expert-parallel group, so the
+    sum over the expert-data-parallel ranks is ep times the sum a dense param sees per
+    expert-data-parallel rank; dividing it by dp x cp (the dense params' average) gives the
+    same scaling as our DDP (and as one process). The sum is asked for explicitly
+    (`set_force_sum_reduction_for_comms`) where the divisor differs from the shard group's
+    size: FSDP2 would otherwise use a pre-multiplied sum, which gloo does not have."""
+    mesh = state.expert_fsdp_mesh
+    attributes = _param_attributes(experts)
+    fully_shard(experts, reshard_after_forward=reshard_after_forward,
+                **dict(common, mesh=mesh))
+    _restore_param_attributes(experts, attributes)
+    factor = state.dp_cp_size
+    shard_size = mesh.size(mesh.ndim - 1)
+    if factor != mesh.size():
+        experts.set_gradient_divide_factor(float(factor))
+        # (One rank per shard group: FSDP2 copies the grad and divides it by the factor
+        # itself, and a forced sum would divide it a second time.)
+        if shard_size > 1 and factor != shard_size:
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def _embedding_and_output_units(model: torch.nn.Module):
@@ -388,8 +438,6 @@ def validate_fsdp_configs(configs) -> None:
          "FSDP2 always averages in its reduce-scatter"),
         (configs.model.fp16, "--fp16", "use --bf16 (fp16 loss scaling of sharded grads is not "
          "built)"),
-        (getattr(configs.model, "num_moe_experts", None) is not None, "--num-experts",
-         "expert grads reduce over the expert-data-parallel group; use our DDP"),
         (configs.checkpoint.ckpt_format != "torch_dist", "--ckpt-format torch",
          "FSDP2 checkpoints are distributed (torch_dist)"),
         # Built (the shard groups span dp x cp) but not yet tested against one process.
@@ -458,6 +506,7 @@ __all__ = [
     "local_tensor",
     "shard_row_offset",
     "is_fsdp_model",
+    "expert_units",
     "validate_fsdp_configs",
     "build_fsdp_model_chunk",
 ]

@@ -5,7 +5,10 @@ bf16 only when gathering), and their `.grad` are the reduce-scattered fp32 shard
 step is FP32Optimizer's on shards. What differs is the statistics: each rank holds rows of
 each TP-local tensor, so the grad norm and the zero count sum the local shards over the FSDP
 shard group (replicas of hybrid sharding hold the same rows and are not added again) and
-over tp x pp as usual, skipping TP-replicated params on tp ranks other than 0.
+over tp x pp as usual, skipping TP-replicated params on tp ranks other than 0. Expert params
+are sharded over the ranks holding the same experts (`ParallelState.expert_fsdp_mesh`): their
+partial sums add over that shard group and over the expert-parallel group (different
+experts), as Megatron adds expert norms over its expert groups.
 """
 from __future__ import annotations
 
@@ -32,18 +35,19 @@ class FSDPOptimizer(FP32Optimizer):
         return [_local(p.grad) for _, p in self.param_pairs if p.grad is not None]
 
     def _grads_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        dense, _ = self._for_norm(
+        return self._for_norm(
             lambda param, _: None if param.grad is None else _local(param.grad))
-        return dense, []
 
     def _params_for_norm(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        dense, _ = self._for_norm(lambda param, _: _local(param.detach()))
-        return dense, []
+        return self._for_norm(lambda param, _: _local(param.detach()))
 
     def _norm_groups(self):
         state = self.state
-        groups = [state.model_parallel_group, state.fsdp_shard_group]
-        return groups, groups
+        dense = [state.model_parallel_group, state.fsdp_shard_group]
+        if not self.model_has_expert_params:
+            return dense, dense
+        expert_shard_group, _ = state.expert_fsdp_groups
+        return dense, [state.model_parallel_group, state.ep_group, expert_shard_group]
 
 
 __all__ = ["FSDPOptimizer"]

@@ -20,13 +20,19 @@ def _sync_from_rank0_tp_group(parallel_state):
         raise ConfigError(
             "fully_shard(sync_module_states=True) copies weights from rank 0's tensor-parallel "
             f"group, but this rank's replicas start at rank {source}: use "
-            "pipeline_parallel_degree 1 and expert_parallel_degree 1"
+            "pipeline_parallel_degree 1"
         )
+    what = "fully_shard(sync_module_states=True)"
 
     def before_shard(unit: torch.nn.Module) -> None:
         from megatron_smp.smp.torch_fsdp import broadcast_module_states
 
-        broadcast_module_states(unit, group, what="fully_shard(sync_module_states=True)")
+        if parallel_state.ep_size == 1:
+            broadcast_module_states(unit, group, what=what)
+            return
+        # Experts from the first rank holding the same experts, the rest from rank 0's.
+        broadcast_module_states(unit, group, what=what, experts=False)
+        broadcast_module_states(unit, parallel_state.expert_dp_group, what=what, experts=True)
 
     return before_shard
 
@@ -57,8 +63,12 @@ def fully_shard(
       tensor to host, no horizon).
     `mixed_precision`: the compute dtype (bf16) over fp32 sharded params, fp32 reduction.
     `param_init_fn`: `DelayedParamIniter(model).get_param_init_fn()` for a meta model.
+    MoE models (`expert_parallel_degree`): each layer's experts are an FSDP2 unit of their
+      own over the ranks holding the same experts (see `distributed.fsdp`); the script's
+      `finalize_model_grads` and the optimizer treat them as our training loop does.
     `sync_module_states`: every rank takes the weights of the rank of rank 0's TP group with
-      its TP rank, unit by unit before sharding (needed after
+      its TP rank (experts: of the first rank holding the same experts), unit by unit before
+      sharding (needed after
       `transform(load_state_dict_from_rank0=True)` when there are data-parallel replicas;
       meta models elsewhere are materialised by `param_init_fn` first, default
       `DelayedParamIniter`).
@@ -69,16 +79,12 @@ def fully_shard(
 
     if not is_initialized():
         init()
-    from megatron_smp.smp.torch_fsdp import has_expert_params
+    from megatron_smp.smp.torch_fsdp import check_rank0_loading
 
-    if has_expert_params(model):
-        raise ConfigError(
-            "smp.fully_shard shards dense models; pass a transformed MoE model to torch's "
-            "FullyShardedDataParallel / fully_shard after init (they shard the experts over "
-            "the ranks holding the same experts and carry the TP / EP grad reductions), or "
-            "train it with our DDP"
-        )
     parallel_state = state.parallel_state
+    check_rank0_loading(model, sync_module_states, state,
+                        "pass sync_module_states=True to fully_shard so the other "
+                        "data-parallel ranks get them")
     before_shard = None
     if sync_module_states:
         before_shard = _sync_from_rank0_tp_group(parallel_state)
@@ -86,12 +92,6 @@ def fully_shard(
             from megatron_smp.distributed.delayed_init import DelayedParamIniter
 
             param_init_fn = DelayedParamIniter(model).get_param_init_fn()
-    elif getattr(model, "loaded_from_rank0", False) and parallel_state.dp_cp_size > 1:
-        raise ConfigError(
-            "the model was transformed with load_state_dict_from_rank0=True, so only rank 0's "
-            "tensor-parallel group holds its weights: pass sync_module_states=True to "
-            "fully_shard so the other data-parallel ranks get them"
-        )
     offloader = None
     native_offload = False
     if activation_offloading:

@@ -221,7 +221,10 @@ def mark_states_synced(module: torch.nn.Module) -> None:
             sub.loaded_from_rank0 = False
 
 
-def _check_rank0_loading(module: torch.nn.Module, sync: bool, state, what: str) -> None:
+def check_rank0_loading(module: torch.nn.Module, sync: bool, state, what: str) -> None:
+    """Errors for a model `transform(load_state_dict_from_rank0=True)` built: at EP > 1 (no
+    rank holds the other EP ranks' experts), and without `sync` when there are data-parallel
+    replicas (`what`: how to sync)."""
     loaded = any(getattr(m, "loaded_from_rank0", False) for m in module.modules())
     if loaded and state.parallel_state.ep_size > 1 and has_expert_params(module):
         raise ConfigError(
@@ -345,7 +348,7 @@ def _install_fsdp1() -> None:
         module = arguments["module"]
         activate_grad_hooks(module, state)
         sync = arguments.get("sync_module_states", False)
-        _check_rank0_loading(module, sync, state, "pass sync_module_states=True to "
+        check_rank0_loading(module, sync, state, "pass sync_module_states=True to "
                              "FullyShardedDataParallel so the other data-parallel ranks get them")
         expert_group = None
         if state.parallel_state.ep_size > 1 and has_expert_params(module):
@@ -434,7 +437,7 @@ def _install_fsdp2() -> None:
             self._smp_checked = True
             state = _smp_state()
             if state is not None:
-                _check_rank0_loading(
+                check_rank0_loading(
                     module, False, state, "torch's fully_shard has no sync_module_states: use "
                     "FullyShardedDataParallel(..., sync_module_states=True) or "
                     "tsm.fully_shard(model, sync_module_states=True)")

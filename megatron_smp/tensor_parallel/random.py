@@ -215,6 +215,33 @@ def _restore_rng_states(states: tuple, device: torch.device) -> None:
     get_rng_tracker().set_states(tracker_states)
 
 
+# What the checkpointed functions running now are doing, innermost last: "forward" (the
+# first run, without grad) or "recompute" (the rerun in backward). See `recompute_phase`.
+_PHASES: list = []
+
+
+@contextlib.contextmanager
+def _phase(name: str) -> Iterator[None]:
+    _PHASES.append(name)
+    try:
+        yield
+    finally:
+        _PHASES.pop()
+
+
+def recompute_phase() -> Optional[str]:
+    """The activation-recompute phase now: "recompute" while a checkpointed function reruns
+    in backward (at any depth), "forward" during its first run, None outside any checkpoint.
+
+    Modules that record statistics in forward (the MoE router's losses and token counts)
+    record them in the first run only: the recompute repeats the same computation for its
+    graph, and recording again would count every microbatch twice. The first run has grads
+    off, so `torch.is_grad_enabled()` alone cannot tell it from evaluation."""
+    if "recompute" in _PHASES:
+        return "recompute"
+    return _PHASES[-1] if _PHASES else None
+
+
 def _rerun(run_function, ctx, tensors, rng_states: tuple, device: torch.device):
     """Recompute: `run_function` on grad-requiring detached copies of the saved inputs
     (`ctx` holds where the tensors go among the arguments), under the forward's RNG states.
@@ -226,7 +253,7 @@ def _rerun(run_function, ctx, tensors, rng_states: tuple, device: torch.device):
     current = _all_rng_states(device)
     _restore_rng_states(rng_states, device)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _phase("recompute"):
             outputs = run_function(*args)
     finally:
         _restore_rng_states(current, device)
@@ -257,7 +284,8 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.device = rng_device()
         ctx.rng_states = _all_rng_states(ctx.device)
-        outputs = run_function(*args)  # autograd.Function.forward already runs without grad
+        with _phase("forward"):  # autograd.Function.forward already runs without grad
+            outputs = run_function(*args)
 
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.inputs_require_grad = [args[i].requires_grad for i in ctx.tensor_positions]
@@ -419,7 +447,7 @@ class _RunWithoutGraph(torch.autograd.Function):
         ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*[args[i] for i in ctx.tensor_positions])
         owner.ctx = ctx
-        with torch.no_grad():
+        with torch.no_grad(), _phase("forward"):
             return owner.run_function(*args)
 
     @staticmethod
@@ -546,6 +574,7 @@ __all__ = [
     "get_rng_tracker",
     "model_parallel_seed",
     "checkpoint",
+    "recompute_phase",
     "rng_device",
     "get_device_rng_state",
     "set_device_rng_state",

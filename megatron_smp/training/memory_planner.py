@@ -232,14 +232,20 @@ def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per
             else:
                 count.dense_numel += numel
             if param.dim() > 0:
-                rows = math.ceil(param.shape[0] / shard)
+                # FSDP2 shards expert params over the ranks of a shard group holding the
+                # same experts (parallel_state.expert_fsdp_layout).
+                over = (max(1, shard // parallel.expert_model_parallel_size)
+                        if is_expert_param(param) else shard)
+                rows = math.ceil(param.shape[0] / over)
                 count.fsdp_shard_numel += rows * (numel // max(param.shape[0], 1))
             else:
                 count.fsdp_shard_numel += numel
         layers = [m for m in chunk.modules() if type(m).__name__.endswith("TransformerLayer")]
         for layer in layers:
-            count.largest_unit_numel = max(count.largest_unit_numel,
-                                           sum(p.numel() for p in layer.parameters()))
+            # Under FSDP2 a MoE layer's experts are a unit of their own.
+            experts = sum(p.numel() for p in layer.parameters() if is_expert_param(p))
+            dense = sum(p.numel() for p in layer.parameters()) - experts
+            count.largest_unit_numel = max(count.largest_unit_numel, dense, experts)
     return count
 
 
@@ -290,14 +296,18 @@ def layer_activation_bytes(model_config, seq_length: int, micro_batch_size: int,
             per_score = CPU_DROPOUT_ATTENTION_BYTES_PER_SCORE.get(p, 3.0 * p)
             parts["core_attention"] += per_score * a * tokens * (seq_length // cp) / tp
     gated = 2 if m.gated_linear_unit else 1
-    if moe:
+    if moe and "moe" in modules:
+        pass  # recomputed in backward from its input (the norm's output, counted above)
+    elif moe:
         # The dispatchers gather the sequence-parallel shards over TP first: every TP rank
         # routes all the tokens, its experts holding f / tp of each (expert TP = TP).
         routed = tokens * m.moe_router_topk
         if moe_capacity_tokens is not None:
             routed = moe_capacity_tokens
         parts["moe"] = routed * (3 * h + 2 * gated * m.moe_ffn_hidden_size / tp) * p
-        if m.moe_shared_expert_intermediate_size:
+        if "moe_act" in modules:  # the activation's output, freed until backward
+            parts["moe"] -= routed * m.moe_ffn_hidden_size / tp * p
+        if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:
             parts["moe"] += tokens * 2 * gated * m.moe_shared_expert_intermediate_size * p / tp
     elif "mlp" not in modules:
         parts["mlp"] = tokens * 2 * gated * m.ffn_hidden_size * p / tp

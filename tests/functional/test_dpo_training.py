@@ -1,8 +1,8 @@
 """train_dpo.py: DPO on the bundled preference pairs trains the same 10 iterations (1e-4) at
 TP=2+SP, PP=2, CP=2, DP=2 with the distributed optimizer, FSDP2 and (MoE) EP=2 as in one
-process; the three reference modes agree (LoRA with adapters off = a frozen copy; a
-precomputed pass = live); a run resumes exactly; the log line and TensorBoard carry TRL's
-metric names."""
+process (MoE at EP=2 also under FSDP2); the three reference modes agree (LoRA with adapters
+off = a frozen copy; a precomputed pass = live); a run resumes exactly; the log line and
+TensorBoard carry TRL's metric names."""
 import json
 import os
 
@@ -73,6 +73,11 @@ def _train(rank, world_size, argv, pad_like_context_parallel=None):
     return losses, "\n".join(lines[-1:] + validation)
 
 
+def _train_runs(rank, world_size, runs):
+    """`_train` for each argv of `runs`, in turn in these processes."""
+    return [_train(rank, world_size, argv) for argv in runs]
+
+
 def _same(losses, expected, what):
     """Every key within 1e-4; rewards/accuracies from iteration 2 on: at iteration 1 the
     policy is the reference, every reward is 0 up to rounding, and which side of the tie a
@@ -131,7 +136,8 @@ def test_dpo_layouts_match_single_process(dpo_argv, single_process):
 
 def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
     """CP=2 (all_gather; each sequence split the load-balanced way) equals one process that
-    packs alike; a Mixtral-style MoE at EP=2 equals its one-process run (1e-4)."""
+    packs alike; a Mixtral-style MoE at EP=2, with and without FSDP2, equals its one-process
+    run (1e-4)."""
     cp = "--context-parallel-size 2 --cp-comm-type all_gather".split()
     (padded, _), = run_distributed(_train, 1, args=(dpo_argv, 2), timeout=300)
     assert len(padded["dpo loss"]) > 1
@@ -140,10 +146,13 @@ def test_dpo_context_and_expert_parallel_match_single_process(dpo_argv):
         _same(losses, padded, "cp")
     (moe, _), = run_distributed(_train, 1, args=(dpo_argv + MOE,), timeout=300)
     assert len(moe["dpo loss"]) > 1
-    for losses, _ in run_distributed(_train, 2, args=(dpo_argv + MOE + [
-            "--expert-model-parallel-size", "2"],), timeout=300):
-        assert len(losses["dpo loss"]) == len(moe["dpo loss"])
-        _same(losses, moe, "ep")
+    ep2 = dpo_argv + MOE + ["--expert-model-parallel-size", "2"]
+    # The second: experts an FSDP2 unit of their own (one rank each here).
+    for per_rank in run_distributed(_train_runs, 2, args=([ep2, ep2 + ["--use-torch-fsdp2"]],),
+                                    timeout=300):
+        for (losses, _), what in zip(per_rank, ("ep2", "ep2 fsdp2")):
+            assert len(losses["dpo loss"]) == len(moe["dpo loss"])
+            _same(losses, moe, what)
 
 
 def test_reference_modes_agree_and_resume_is_exact(dpo_argv, single_process, tmp_path):

@@ -1,6 +1,6 @@
 """pretrain with --use-torch-fsdp2: the single-process trajectory, checkpoints that resume under
-DDP + the distributed optimizer at TP=2 (and the reverse), and the HF export of an FSDP2
-checkpoint."""
+DDP + the distributed optimizer at TP=2 (and the reverse), the HF export of an FSDP2
+checkpoint, and MoE models (experts sharded over the expert-data-parallel ranks)."""
 import contextlib
 import io
 import warnings
@@ -10,6 +10,7 @@ import torch
 
 from megatron_smp.testing import run_distributed
 from tests.functional.test_checkpoint_resume import PROBE_SEED, _probe, _train
+from tests.functional.test_moe_parity import MOE
 from tests.functional.test_training_parity import COMMON, LLAMA, baseline
 
 warnings.filterwarnings("ignore", message=".*")
@@ -62,3 +63,78 @@ def test_fsdp2_checkpoint_resumes_under_ddp_tp2_and_back_and_converts(tmp_path):
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         logits = hf_model(tokens).logits
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+# --clip-grad 0.5: every step is clipped (grad norms ~0.9), dense and expert shards alike.
+MOE_ARGV = COMMON + LLAMA + MOE + ("--moe-token-dispatcher-type alltoall --log-interval 1 "
+                                   "--train-iters 4 --clip-grad 0.5").split()
+
+
+def _moe_train(rank, world_size, runs):
+    """For each argv of `runs`, in turn in these processes: per-iteration (lm loss, grad norm,
+    load_balancing_loss, z_loss) of pretrain_gpt.py."""
+    import pretrain_gpt
+    from megatron_smp.training import logging as training_logging
+    from megatron_smp.training import pretrain
+
+    norms = {}
+    original = training_logging.TrainingLogger.iteration_scalars
+
+    def record(self, iteration, lr, batch, losses, loss_scale, grad_norm, *args, **kwargs):
+        norms[iteration] = grad_norm
+        return original(self, iteration, lr, batch, losses, loss_scale, grad_norm, *args,
+                        **kwargs)
+
+    training_logging.TrainingLogger.iteration_scalars = record
+    out = []
+    for argv in runs:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                              pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+        losses = result.train_losses
+        out.append({i: (losses[i]["lm loss"], norms[i], losses[i]["load_balancing_loss"],
+                        losses[i]["z_loss"]) for i in sorted(losses)})
+    return out
+
+
+def _moe_runs_at_dp2(rank, world_size, save_dir, at_2):
+    """The DP=2 runs in one spawn: EP=1, EP=2 saving, then EP=2 and EP=1 from its iteration 2."""
+    from tests.functional.test_checkpoint_resume import _checkpoint_at
+
+    ep2 = FSDP2 + ["--expert-model-parallel-size", "2"]
+    out = _moe_train(rank, world_size, [
+        MOE_ARGV + FSDP2, MOE_ARGV + ep2 + ["--save", save_dir, "--save-interval", "2"]])
+    if rank == 0:
+        _checkpoint_at(save_dir, 2, at_2)
+    torch.distributed.barrier()  # the copy is there before either rank loads it
+    return out + _moe_train(rank, world_size, [MOE_ARGV + ep2 + ["--load", at_2],
+                                               MOE_ARGV + FSDP2 + ["--load", at_2]])
+
+
+def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
+    """4 experts, top-2, alltoall: FSDP2 at DP=2 with EP=1 and EP=2 and at DP=4 with EP=2 (two
+    ranks per expert shard group; with hybrid_shard_degree 2 one, replicated) give the
+    single-process losses, grad norms (clipped on both meshes) and router losses; the EP=2
+    run resumes bit-exactly from its iteration-2 checkpoint, which also loads at DP=2 with
+    EP=1 (experts resharded over both ranks)."""
+    reference = run_distributed(_moe_train, 1, args=([MOE_ARGV],), timeout=300)[0][0]
+    assert len(reference) == 4
+    ep2 = FSDP2 + ["--expert-model-parallel-size", "2"]
+    save_dir, at_2 = str(tmp_path / "save"), str(tmp_path / "at_2")
+
+    dp2 = run_distributed(_moe_runs_at_dp2, 2, args=(save_dir, at_2), timeout=300)
+    # DP=4 x EP=2: expert shard groups of 2 ranks (a sum divided by 4); with
+    # hybrid_shard_degree 2, one rank each, replicated over 2.
+    hybrid = ["--smp-config", '{"hybrid_shard_degree": 2}']
+    dp4 = run_distributed(_moe_train, 4, args=([MOE_ARGV + ep2, MOE_ARGV + ep2 + hybrid],),
+                          timeout=300)
+    runs = {"dp2": [r[0] for r in dp2], "dp2_ep2": [r[1] for r in dp2],
+            "dp4_ep2": [r[0] for r in dp4], "dp4_ep2_hsdp2": [r[1] for r in dp4]}
+    for layout, results in runs.items():
+        for result in results:
+            for iteration, want in reference.items():
+                assert result[iteration] == pytest.approx(want, rel=1e-4), (layout, iteration)
+    for _, uninterrupted, resumed, resharded in dp2:
+        assert resumed == {i: uninterrupted[i] for i in (3, 4)}
+        for iteration in (3, 4):
+            assert resharded[iteration] == pytest.approx(reference[iteration], rel=1e-4)

@@ -1,11 +1,11 @@
 """GRPO steps through `Trainer.train_step` on fixed rollouts (DAPO-filtered, packed, split into
 a number of micro-batches that changes from step to step) give the single-process update --
 parameters and loss -- at TP=2 with sequence parallelism, PP=2, DP=2 with the distributed
-optimizer, FSDP2, CP=2 and (an MoE model) EP=2; dapo's token-level and grpo's per-sequence
-normalisation, a KL term against reference log-probs. Greedy rollouts from the inference
-engine on the trainer's own model at TP=2, PP=2, DP=2 and EP=2 equal HF `generate` on the
-same weights; with LoRA the adapters-off reference equals a frozen copy of the base after a
-GRPO step.
+optimizer, FSDP2, CP=2 and (an MoE model) EP=2, also under FSDP2; dapo's token-level and
+grpo's per-sequence normalisation, a KL term against reference log-probs. Greedy rollouts
+from the inference engine on the trainer's own model at TP=2, PP=2, DP=2 and EP=2 equal HF
+`generate` on the same weights; with LoRA the adapters-off reference equals a frozen copy of
+the base after a GRPO step.
 
 Every model starts from the same small HF Llama (Mixtral for the MoE) loaded into the layout,
 so a layout's result does not depend on how it initialises."""
@@ -33,6 +33,7 @@ LAYOUTS = {  # name: (flags, MoE, the parallel sizes tp, cp, dp, pp, ep)
     "dp2+distopt": ("--use-distributed-optimizer", False, (1, 1, 2, 1, 1)),
     "fsdp2": ("--use-torch-fsdp2", False, (1, 1, 2, 1, 1)),
     "ep2": ("--expert-model-parallel-size 2", True, (1, 1, 2, 1, 2)),
+    "fsdp2+ep2": ("--use-torch-fsdp2 --expert-model-parallel-size 2", True, (1, 1, 2, 1, 2)),
     "cp2": ("--context-parallel-size 2 --cp-comm-type all_gather", False, (1, 2, 1, 1, 1)),
 }
 GENERATE_AT = ("tp2+sp", "pp2", "dp2+distopt", "ep2")  # the engine's layouts

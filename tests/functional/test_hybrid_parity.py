@@ -33,10 +33,10 @@ QWEN3_NEXT = (
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 "
     "--linear-value-head-dim 16"
 ).split()
-# FSDP2 shards no MoE layers here (a clear error): both mixers with attention and an MLP.
-HYBRID_MLP = [a if a != "MG|*-E/G-" else "MG*-"
-              for a in HYBRID[:HYBRID.index("--num-experts")]]
-MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT, "hybrid_mlp": HYBRID_MLP}
+# Both mixers with attention, an MLP and MoE, in one pipeline stage and without the
+# multi-token-prediction depth (FSDP2 and CP=2 take neither).
+HYBRID_ONE_STAGE = [a if a != "MG|*-E/G-" else "MG*-E" for a in HYBRID]
+MODELS = {"hybrid": HYBRID, "qwen3_next": QWEN3_NEXT, "hybrid_one_stage": HYBRID_ONE_STAGE}
 
 
 _BASELINES = {}
@@ -56,14 +56,15 @@ LAYOUTS = {
     ("hybrid", "ep2"): "--expert-model-parallel-size 2",
     ("qwen3_next", "tp2_sp"): "--tensor-model-parallel-size 2 --sequence-parallel",
     # Built on the meta device, each layer materialised (the mixers replay their init), then
-    # sharded: the single-process trajectory under pretrain_hybrid.py.
-    ("hybrid_mlp", "fsdp2"): "--use-torch-fsdp2",
+    # sharded, the MoE layer's experts over the expert-data-parallel ranks (here EP=2: one
+    # rank each): the single-process trajectory under pretrain_hybrid.py.
+    ("hybrid_one_stage", "fsdp2_ep2"): "--use-torch-fsdp2 --expert-model-parallel-size 2",
     # Each CP rank scans the whole sequence for half the Mamba groups / key heads (all-to-all,
     # as the attention's a2a: 6 s here against 21 s with the default p2p ring on gloo; packed
     # rows: tests/unit/transformer/test_hybrid.py).
-    ("hybrid_mlp", "cp2"): "--context-parallel-size 2 --cp-comm-type a2a",
+    ("hybrid_one_stage", "cp2"): "--context-parallel-size 2 --cp-comm-type a2a",
 }
-SCRIPTS = {"hybrid_mlp": "pretrain_hybrid"}
+SCRIPTS = {"hybrid_one_stage": "pretrain_hybrid"}
 
 
 @pytest.mark.parametrize("model,layout", sorted(LAYOUTS))

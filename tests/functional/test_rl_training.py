@@ -185,6 +185,11 @@ def _train_rl_in_process(rank, world_size, argv, frozen_copy):
     return rl_training.train_rl(model_provider, argv=argv).iterations
 
 
+def _train_rl_runs(rank, world_size, runs):
+    """`_train_rl_in_process` for each argv of `runs`, in turn in these processes."""
+    return [_train_rl_in_process(rank, world_size, argv, False) for argv in runs]
+
+
 def test_train_rl_lora_packed_and_filtered(setup):
     from megatron_smp.post_training.rl_env import PromptSampler, load_env_config
     from megatron_smp.testing import run_distributed
@@ -232,23 +237,25 @@ def test_train_rl_lora_packed_and_filtered(setup):
 
 
 def test_train_rl_expert_parallel_equals_one_process(setup):
-    """A small MoE (4 experts, top-2) at EP=2 (two ranks) gives one process's rewards, losses
-    and KL (grpo's per-sequence loss with an entropy bonus here)."""
+    """A small MoE (4 experts, top-2) at EP=2 (two ranks), also under FSDP2, gives one
+    process's rewards, losses and KL (grpo's per-sequence loss with an entropy bonus here)."""
     from megatron_smp.testing import run_distributed
 
     directory, flags = setup
     argv = flags + ["--num-experts", "4", "--moe-router-topk", "2", "--eval-iters", "0",
                     "--grpo-loss-type", "grpo", "--grpo-entropy-term-weight", "0.01",
                     "--train-iters", "2"]  # one rollout batch, two updates
-    (single,), (expert_parallel, _) = (
-        run_distributed(_train_rl_in_process, world, args=(argv + extra, False), timeout=180)
-        for world, extra in ((1, []), (2, ["--expert-model-parallel-size", "2"])))
-    assert sorted(single) == sorted(expert_parallel) == [1, 2]
-    for iteration, values in single.items():
-        assert expert_parallel[iteration]["reward"] == values["reward"], iteration
-        for key in ("rl loss", "kl", "entropy", "ratio_mean"):
-            assert expert_parallel[iteration][key] == pytest.approx(
-                values[key], rel=1e-5, abs=1e-6), (iteration, key)
+    ep2 = argv + ["--expert-model-parallel-size", "2"]
+    (single,) = run_distributed(_train_rl_in_process, 1, args=(argv, False), timeout=180)
+    (expert_parallel, sharded), _ = run_distributed(
+        _train_rl_runs, 2, args=([ep2, ep2 + ["--use-torch-fsdp2"]],), timeout=180)
+    for run in (expert_parallel, sharded):  # sharded: rollouts on the gathered FSDP2 units
+        assert sorted(single) == sorted(run) == [1, 2]
+        for iteration, values in single.items():
+            assert run[iteration]["reward"] == values["reward"], iteration
+            for key in ("rl loss", "kl", "entropy", "ratio_mean"):
+                assert run[iteration][key] == pytest.approx(
+                    values[key], rel=1e-5, abs=1e-6), (iteration, key)
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -19,8 +19,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_smp.config import TransformerConfig
+from megatron_smp.config import TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel.mappings import group_rank
+from megatron_smp.tensor_parallel.random import CheckpointWithoutOutput
 from megatron_smp.tensor_parallel.utils import mark_expert_param
 from megatron_smp.transformer.mlp import MLP, activation_function, gated_linear_unit
 from megatron_smp.transformer.utils import derive_seed, init_rng_scope
@@ -74,6 +75,9 @@ class MoEExperts(torch.nn.Module):
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
         self.use_grouped_gemm = config.moe_grouped_gemm
+        # --recompute-modules moe_act (Megatron's, with --moe-grouped-gemm): the activation's
+        # output is freed once fc2 has used it and recomputed from fc1's output in backward.
+        self.recompute_activation = "moe_act" in recompute_modules(config)
         # The replicated output bias is added by one tensor-parallel rank, so the partial
         # sums add up to one bias (its grad is then summed over TP, like a norm weight's).
         # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
@@ -113,12 +117,26 @@ class MoEExperts(torch.nn.Module):
             return gated_linear_unit(intermediate, self.activation, self.config)
         return self.activation(intermediate)
 
+    def _contiguous_activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        return self._activate(intermediate).contiguous()
+
+    def _activated(self, intermediate: torch.Tensor, consumer) -> torch.Tensor:
+        """consumer(activation(intermediate)) [N, f] -> [N, h]; with --recompute-modules
+        moe_act the activation's output is discarded after the consumer saved it and
+        recomputed when the consumer's output gets its grad."""
+        if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
+            return consumer(self._contiguous_activation(intermediate))
+        discarding = CheckpointWithoutOutput()
+        output = consumer(discarding.checkpoint(self._contiguous_activation, intermediate))
+        discarding.discard_output_and_register_recompute(output)
+        return output
+
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        intermediate = _with_adapter(fc1, tokens, F.linear(tokens, fc1.weight, fc1.bias))
-        intermediate = self._activate(intermediate)
-        return _with_adapter(fc2, intermediate,
-                             F.linear(intermediate, fc2.weight, self._output_bias(fc2.bias)))
+        return self._activated(
+            _with_adapter(fc1, tokens, F.linear(tokens, fc1.weight, fc1.bias)),
+            lambda activated: _with_adapter(
+                fc2, activated, F.linear(activated, fc2.weight, self._output_bias(fc2.bias))))
 
     def _adapter_terms(self, projection: str, inputs: torch.Tensor,
                        counts: Sequence[int]) -> Optional[torch.Tensor]:
@@ -150,12 +168,15 @@ class MoEExperts(torch.nn.Module):
         adapters = self._adapter_terms("linear_fc1", tokens, counts)
         if adapters is not None:
             intermediate = intermediate + adapters
-        intermediate = _ContiguousGrad.apply(self._activate(intermediate).contiguous())
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_l, f, h]
-        output = torch._grouped_mm(intermediate, fc2, offs=offsets)
-        adapters = self._adapter_terms("linear_fc2", intermediate, counts)
-        if adapters is not None:
-            output = output + adapters
+
+        def fc2_of(activated: torch.Tensor) -> torch.Tensor:
+            activated = _ContiguousGrad.apply(activated)
+            output = torch._grouped_mm(activated, fc2, offs=offsets)
+            adapters = self._adapter_terms("linear_fc2", activated, counts)
+            return output if adapters is None else output + adapters
+
+        output = self._activated(intermediate, fc2_of)
         if experts[0].linear_fc2.bias is not None:
             biases = self._output_bias(torch.stack([e.linear_fc2.bias for e in experts]))
             output = output + biases.repeat_interleave(

@@ -20,8 +20,9 @@ from typing import Optional
 
 import torch
 
-from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.config import ConfigError, TransformerConfig, recompute_modules
 from megatron_smp.tensor_parallel import ReplicatedLinear, output_init_method
+from megatron_smp.tensor_parallel.random import checkpoint
 from megatron_smp.transformer.moe.experts import MoEExperts
 from megatron_smp.transformer.moe.router import TopKRouter
 from megatron_smp.transformer.moe.shared_experts import SharedExpertMLP
@@ -70,8 +71,20 @@ class MoELayer(torch.nn.Module):
             config.moe_token_dispatcher_type, config.num_moe_experts,
             self.local_expert_indices, state,
         )
+        # --recompute-granularity selective --recompute-modules moe / shared_experts
+        # (Megatron's): the whole layer, or the shared experts, rerun in backward instead of
+        # keeping their activations. The router records its losses and token counts in the
+        # first run only (TopKRouter._recording).
+        modules = recompute_modules(config)
+        self.recompute = "moe" in modules
+        self.recompute_shared_experts = "shared_experts" in modules
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, False, hidden_states)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         probs, routing_map = self.router(hidden_states)
         # For debugging load balance: tokens this rank routed to each (global) expert in the
         # last forward, [num_experts] int64, after capacity drops.
@@ -88,6 +101,9 @@ class MoELayer(torch.nn.Module):
             output = self.fc2_latent_proj(output)
         output = output.view(hidden_states.shape)
         if self.shared_experts is not None:
+            if (self.recompute_shared_experts and not self.recompute and self.training
+                    and torch.is_grad_enabled()):
+                return output + checkpoint(self.shared_experts, False, hidden_states)
             output = output + self.shared_experts(hidden_states)
         return output
 

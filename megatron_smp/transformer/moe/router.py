@@ -26,8 +26,9 @@ loss_scale / num_microbatches) and are accumulated in `metrics` for the log line
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Deque, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,11 @@ import torch.nn.functional as F
 from megatron_smp.config import TransformerConfig
 from megatron_smp.tensor_parallel import init_method_normal
 from megatron_smp.tensor_parallel.mappings import group_size
-from megatron_smp.tensor_parallel.random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from megatron_smp.tensor_parallel.random import (
+    EXPERT_PARALLEL_RNG,
+    get_rng_tracker,
+    recompute_phase,
+)
 from megatron_smp.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     apply_capacity,
@@ -117,6 +122,9 @@ class TopKRouter(torch.nn.Module):
                 (), dtype=torch.float32, device=device), persistent=False)
         else:
             self.global_tokens_per_expert = self.ga_steps = None
+        # global_aux_loss under --recompute-modules moe: the counts each first run used, for
+        # its recompute in backward (later microbatches have moved the running average).
+        self._counts_for_recompute: Deque[torch.Tensor] = collections.deque()
         self.logits_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             config.moe_router_dtype)
 
@@ -159,10 +167,21 @@ class TopKRouter(torch.nn.Module):
             self.ga_steps.zero_()
 
     def _track(self, name: str, value: torch.Tensor) -> None:
-        self.metrics[name] += value.detach().float().reshape(())
+        if self._recording():
+            self.metrics[name] += value.detach().float().reshape(())
+
+    @staticmethod
+    def _recording() -> bool:
+        """Whether this forward records statistics (losses for the log, token counts): every
+        forward but the rerun of an activation recompute (--recompute-modules moe, full
+        recompute), which repeats its first run only to rebuild the graph."""
+        return recompute_phase() != "recompute"
 
     def _losses_enabled(self) -> bool:
-        return self.training and torch.is_grad_enabled()
+        """Whether this forward computes the balancing losses: training forwards with grads
+        (they enter backward), and the first, grad-less run of a recomputed layer (it records
+        them; its recompute attaches them to the graph)."""
+        return self.training and (torch.is_grad_enabled() or recompute_phase() == "forward")
 
     def _attach(self, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         return MoEAuxLossAutoScaler.apply(activation, loss, self.aux_loss_scale)
@@ -221,19 +240,25 @@ class TopKRouter(torch.nn.Module):
                 s_local * partitions, self.topk, coeff, self.sequence_group,
             )
         if self.routing_type == "global_aux_loss":
-            counts = loss_map.sum(dim=0).float()
             world = 1
             for group in self.global_groups:
-                counts = reduce_token_counts(counts, group)
                 world *= group_size(group)
-            with torch.no_grad():
-                self.global_tokens_per_expert += counts
-                self.ga_steps += 1
+            if recompute_phase() == "recompute":
+                average = self._counts_for_recompute.popleft()
+            else:
+                counts = loss_map.sum(dim=0).float()
+                for group in self.global_groups:
+                    counts = reduce_token_counts(counts, group)
+                with torch.no_grad():
+                    self.global_tokens_per_expert += counts
+                    self.ga_steps += 1
+                average = self.global_tokens_per_expert / self.ga_steps
+                if recompute_phase() == "forward":
+                    self._counts_for_recompute.append(average)
             # This rank's share: its probabilities over all the step's tokens (the ranks'
             # values add up to the loss of the global batch).
             return switch_load_balancing_loss(
-                scores, self.global_tokens_per_expert / self.ga_steps,
-                logits.shape[0] * world, self.topk, coeff)
+                scores, average, logits.shape[0] * world, self.topk, coeff)
         counts = reduce_token_counts(loss_map.sum(dim=0).float(), self.sequence_group)
         return switch_load_balancing_loss(
             scores, counts, logits.shape[0] * partitions, self.topk, coeff
@@ -249,7 +274,7 @@ class TopKRouter(torch.nn.Module):
             self.expert_bias, config.moe_router_num_groups, config.moe_router_group_topk,
             config.moe_router_topk_scaling_factor,
         )
-        if self.enable_expert_bias and self._losses_enabled():
+        if self.enable_expert_bias and self._losses_enabled() and self._recording():
             # Counted before capacity drops (Megatron's); only training steps move the bias.
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
@@ -278,8 +303,9 @@ class TopKRouter(torch.nn.Module):
         logits = F.linear(self._jitter(tokens), weight, bias)
         logits = self._z_loss(logits)
         probs, routing_map = self.routing(logits, hidden_states.shape)
-        with torch.no_grad():
-            self.tokens_per_expert += routing_map.sum(dim=0)
+        if self._recording():
+            with torch.no_grad():
+                self.tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
 

@@ -257,6 +257,37 @@ def _fsdp1_offload_checks(ids, steps=2):
     return out
 
 
+def _smp_fully_shard_moe(rank, ids, expected_hf):
+    """tsm.fully_shard of Mixtral at EP=2 x DP=4 (experts sharded over the 2 ranks holding
+    them, synced from the first): (logits error, grad norm error) against `expected_hf`, the
+    model the sync gives, every rank running the same batch (eval: no router losses)."""
+    import torch.distributed as dist
+
+    import megatron_smp.smp as tsm
+    from megatron_smp.distributed import finalize_model_grads
+    from megatron_smp.tensor_parallel.utils import is_expert_param
+
+    model = tsm.fully_shard(tsm.transform(build_hf("mixtral", seed=rank)),
+                            sync_module_states=True).eval()
+    logits = model(ids).logits
+    logits.float().pow(2).mean().backward()
+    finalize_model_grads([model], tsm.state.parallel_state)
+    dense = experts = 0.0
+    for param in model.parameters():  # the same order on every rank: collectives pair up
+        squares = param.grad.full_tensor().double().pow(2).sum()
+        if is_expert_param(param):
+            experts += squares
+        else:
+            dense += squares
+    dist.all_reduce(experts, group=tsm.state.parallel_state.ep_group)
+    expected_hf.eval().zero_grad()
+    expected_logits = expected_hf(ids).logits
+    expected_logits.float().pow(2).mean().backward()
+    want = sum(p.grad.double().pow(2).sum() for p in expected_hf.parameters()).sqrt()
+    return ((logits - expected_logits).abs().max().item(),
+            abs((dense + experts).sqrt().item() / want.item() - 1))
+
+
 def _keys_worker(rank, world_size):
     """Each SMP key's effect through torch's own entry points (world 4)."""
     import warnings
@@ -368,8 +399,7 @@ def _keys_worker(rank, world_size):
             if ".experts." in name:
                 param[2:] = other[2:]
         out["ep_sync_error"] = (model(ids).logits - expected_hf(ids).logits).abs().max().item()
-    out["smp_fully_shard_moe"] = _capture(lambda: tsm.fully_shard(
-        tsm.transform(build_hf("mixtral"))))
+    out["smp_fully_shard_moe"] = _smp_fully_shard_moe(rank, ids, expected_hf)
     out["expert_parallel"] = _capture(lambda: FSDP(
         tsm.transform(build_hf("mixtral"), load_state_dict_from_rank0=True), device_id=cpu,
         sync_module_states=True))
@@ -417,7 +447,8 @@ def test_smp_keys_act_through_torch_fsdp_entry_points():
         assert "not returned by smp.transform" in out["sequence_parallel"]
         assert "expert_parallel_degree > 1" in out["expert_parallel"]
         assert out["ep_sync_error"] < 1e-5
-        assert "torch's FullyShardedDataParallel" in out["smp_fully_shard_moe"]
+        logits_error, norm_error = out["smp_fully_shard_moe"]
+        assert logits_error < 1e-5 and norm_error < 1e-5, out["smp_fully_shard_moe"]
     assert [out["local_rows"] for out in results] == [1, 1, 1, 0]
 
 

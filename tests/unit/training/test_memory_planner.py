@@ -119,7 +119,10 @@ def _saved_bytes(extra, layers, world_size=1):
     ["--hidden-dropout", "0", "--attention-dropout", "0", "--tensor-model-parallel-size", "2"],
     ["--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
      "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-], ids=["gpt", "llama_gqa_rope", "selective_mlp", "moe", "tp2", "moe_tp2_sp"])
+    ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "4",
+     "--moe-router-topk", "2", "--recompute-granularity", "selective", "--recompute-modules",
+     "moe"],
+], ids=["gpt", "llama_gqa_rope", "selective_mlp", "moe", "tp2", "moe_tp2_sp", "selective_moe"])
 def test_layer_formula_matches_saved_tensors(extra):
     from megatron_smp.config import recompute_modules
     from megatron_smp.training.memory_planner import layer_activation_bytes

@@ -99,7 +99,9 @@ def test_recompute_modules_errors():
         "--recompute-activations --recompute-modules attn": "unknown attn",
         "--recompute-activations --recompute-modules moe_act": "--moe-grouped-gemm",
         "--recompute-activations --recompute-modules mla_up_proj": "multi-latent",
-        "--recompute-activations --recompute-modules moe": "not supported yet",
+        "--recompute-activations --recompute-modules moe": "add --num-experts",
+        "--recompute-activations --recompute-modules shared_experts":
+            "--moe-shared-expert-intermediate-size",
         "--recompute-activations --recompute-modules layernorm --torch-compile": "drop one",
     }
     for flags, message in cases.items():
@@ -110,3 +112,108 @@ def test_recompute_modules_errors():
     from megatron_smp.config import recompute_modules
 
     assert recompute_modules(configs.model) == ("core_attn",)
+
+
+def _train_moe(rank, world_size, runs):
+    """Each run's per-iteration (lm loss, grad norm, load_balancing_loss, z_loss), its calls
+    of the MoE layer's forward, the shared experts' and the experts' activation, and the
+    routers' token counts at each metrics reset (what the layer routed since the previous
+    one)."""
+    import contextlib
+    import io
+
+    from megatron_smp.training import logging as training_logging
+    from megatron_smp.training import pretrain
+    from megatron_smp.transformer.moe.experts import MoEExperts
+    from megatron_smp.transformer.moe.moe_layer import MoELayer
+    from megatron_smp.transformer.moe.router import TopKRouter
+    from megatron_smp.transformer.moe.shared_experts import SharedExpertMLP
+    from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
+
+    calls, counts, norms = {}, [], {}
+
+    def counted(cls, method, name):
+        original = getattr(cls, method)
+
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+        setattr(cls, method, wrapper)
+
+    counted(MoELayer, "_forward", "moe")
+    counted(SharedExpertMLP, "forward", "shared_experts")
+    counted(MoEExperts, "_contiguous_activation", "moe_act")
+    original_reset = TopKRouter.reset_metrics
+
+    def reset_metrics(self):
+        counts.append(self.tokens_per_expert.tolist())
+        original_reset(self)
+
+    TopKRouter.reset_metrics = reset_metrics
+    original_scalars = training_logging.TrainingLogger.iteration_scalars
+
+    def scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm, *args, **kwargs):
+        norms[iteration] = grad_norm
+        return original_scalars(self, iteration, lr, batch, losses, loss_scale, grad_norm,
+                                *args, **kwargs)
+
+    training_logging.TrainingLogger.iteration_scalars = scalars
+    out = []
+    for argv in runs:
+        calls.update(moe=0, shared_experts=0, moe_act=0)
+        counts.clear()
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                              argv=argv)
+        losses = result.train_losses
+        balancing = [key for key in losses[1] if key.endswith("load_balancing_loss")]
+        out.append(({i: (losses[i]["lm loss"], norms[i], losses[i][balancing[0]],
+                         losses[i]["z_loss"]) for i in sorted(losses)},
+                    dict(calls), list(counts)))
+    return out
+
+
+def test_moe_recompute_records_router_statistics_once():
+    """--recompute-modules moe reruns each MoE layer in backward (shared_experts: its shared
+    expert; moe_act: the grouped experts' activation) with the losses, grad norms, logged
+    router losses and token counts of the run without recompute, bit for bit, at one process
+    (also with global_aux_loss, and so at PP=2) and at EP=2 (and under FSDP2 at EP=2)."""
+    from tests.functional.test_moe_parity import MOE
+    from tests.functional.test_training_parity import LLAMA
+
+    argv = (COMMON + LLAMA + MOE + ["--train-iters", str(ITERATIONS), "--log-interval", "1",
+                                    "--moe-shared-expert-intermediate-size", "32",
+                                    "--moe-token-dispatcher-type", "alltoall",
+                                    "--moe-grouped-gemm"])
+    moe, shared = SELECTIVE + ["moe"], SELECTIVE + ["shared_experts"]
+    # global_aux_loss: the recompute must see the running counts its first run saw.
+    global_aux = argv + ["--moe-router-load-balancing-type", "global_aux_loss"]
+    single = run_distributed(
+        _train_moe, 1, args=([argv, argv + moe, argv + shared, argv + SELECTIVE + ["moe_act"],
+                              global_aux, global_aux + moe],), timeout=300)[0]
+    ep2 = ["--expert-model-parallel-size", "2"]
+    fsdp = ep2 + ["--use-torch-fsdp2"]
+    # PP=2: later micro-batches' first runs come before a recompute (1F1B's warm-up).
+    pp2 = global_aux + ["--pipeline-model-parallel-size", "2"]
+    layouts = run_distributed(
+        _train_moe, 2, args=([argv + ep2, argv + ep2 + moe, argv + fsdp, argv + fsdp + moe,
+                              pp2, pp2 + moe],), timeout=300)
+
+    def check(plain, recomputed, module, micro_batches, layers=LAYERS):
+        forwards = ITERATIONS * micro_batches * layers  # training forwards, per rank
+        extra = {name: recomputed[1][name] - plain[1][name] for name in plain[1]}
+        rerun = {"moe": ("moe", "shared_experts", "moe_act")}.get(module, (module,))
+        assert extra == {name: forwards if name in rerun else 0 for name in extra}
+        assert recomputed[0] == plain[0]  # losses, grad norm, router losses
+        assert recomputed[2] == plain[2] and plain[2]  # tokens routed to each expert
+
+    check(single[0], single[1], "moe", 4)
+    check(single[0], single[2], "shared_experts", 4)
+    check(single[0], single[3], "moe_act", 4)
+    check(single[4], single[5], "moe", 4)
+    for plain, recomputed, fsdp_plain, fsdp_recomputed, pp_plain, pp_recomputed in layouts:
+        check(plain, recomputed, "moe", 2)
+        check(fsdp_plain, fsdp_recomputed, "moe", 2)
+        check(pp_plain, pp_recomputed, "moe", 4, layers=1)  # one layer per stage
+        for iteration, values in single[0][0].items():
+            assert fsdp_recomputed[0][iteration] == pytest.approx(values, rel=1e-5)
