@@ -110,8 +110,14 @@ def _wait(job, submit_dir, timeout=300, until=None, client=()):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         output = _output(submit_dir, job)
-        if until is not None and until(output):
-            return output
+        if until is not None:
+            # Only the output matters here; polled often (no squeue in between, which can
+            # take seconds under load) so that an action at iteration 3 of a run of a few
+            # seconds lands while it is still training.
+            if until(output):
+                return output
+            time.sleep(0.05)
+            continue
         state = subprocess.run([*client, "squeue", "-h", "-j", job, "-o", "%T"],
                                capture_output=True, text=True, timeout=30)
         # (a failed squeue, as under load, says nothing; the output is read again: the job
