@@ -192,16 +192,25 @@ def _train_rl_runs(rank, world_size, runs):
 
 def _train_rl_logged(rank, world_size, runs):
     """Per argv of `runs` (in turn in these processes): train_rl's values per iteration with
-    its log line's (the grad norm)."""
+    each step's grad norm (the log line rounds it)."""
     from megatron_smp.post_training.rl_training import train_rl
+    from megatron_smp.training.trainer import Trainer
     from pretrain_gpt import model_provider
 
+    train_step, norms = Trainer.train_step, []
+
+    def recording(self, *args, **kwargs):
+        step = train_step(self, *args, **kwargs)
+        norms.append(float(step.grad_norm))
+        return step
+
+    Trainer.train_step = recording
     out = []
     for argv in runs:
-        result = train_rl(model_provider, argv=argv)
-        logged = _lines("\n".join(result.log_lines))
-        out.append({iteration: {**logged[iteration], **values}
-                    for iteration, values in result.iterations.items()})
+        norms.clear()
+        iterations = train_rl(model_provider, argv=argv).iterations
+        out.append({iteration: {**values, "grad norm": norms[iteration - 1]}
+                    for iteration, values in iterations.items()})
     return out
 
 
@@ -338,7 +347,7 @@ def test_train_rl_context_parallel_equals_one_process(setup):
         assert sorted(one) == sorted(split) == [1, 2], name
         for iteration, values in one.items():
             assert split[iteration]["reward"] == values["reward"], (name, iteration)
-            rel = 1e-6 if iteration == 1 else 2e-3
+            rel = 1e-6 if iteration == 1 else 1e-4
             for key in ("rl loss", "kl", "entropy", "ratio_mean", "grad norm"):
                 assert split[iteration][key] == pytest.approx(values[key], rel=rel, abs=1e-6), (
                     name, iteration, key)
