@@ -7,7 +7,8 @@ the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the 
 LoRA (the reference is the model with its adapters off) with packed rollouts, DAPO's filter of
 equal-reward groups and the distributed optimizer gives the values of an unpacked run whose
 reference is a frozen copy of the base, and trains exactly the rollouts of the groups with
-distinct rewards. A small MoE at EP=2 gives one process's values.
+distinct rewards. A small MoE at EP=2 gives one process's values, and so do runs at CP=2
+(rollouts generated whole on each CP rank; unpacked, packed and gspo).
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
