@@ -193,7 +193,7 @@ def _train_rl_runs(rank, world_size, runs):
 
 def _train_rl_logged(rank, world_size, runs):
     """Per argv of `runs` (in turn in these processes): train_rl's values per iteration with
-    each step's grad norm (the log line rounds it)."""
+    each step's grad norm (the log line rounds it) and greedy evaluation ("validation ...")."""
     from megatron_smp.post_training.rl_training import train_rl
     from megatron_smp.training.trainer import Trainer
     from pretrain_gpt import model_provider
@@ -209,9 +209,11 @@ def _train_rl_logged(rank, world_size, runs):
     out = []
     for argv in runs:
         norms.clear()
-        iterations = train_rl(model_provider, argv=argv).iterations
-        out.append({iteration: {**values, "grad norm": norms[iteration - 1]}
-                    for iteration, values in iterations.items()})
+        result = train_rl(model_provider, argv=argv)
+        out.append({iteration: {**values, "grad norm": norms[iteration - 1],
+                                **{f"validation {key}": value for key, value in
+                                   result.valid_rewards.get(iteration, {}).items()}}
+                    for iteration, values in result.iterations.items()})
     return out
 
 
@@ -337,7 +339,8 @@ def test_train_rl_context_parallel_equals_one_process(setup):
     argv = flags + ["--eval-iters", "0", "--train-iters", "2"]  # one batch, two updates
     # Rows of 24: two rollouts of 7-9 positions (12 with their slots padded to 4) per row.
     packed = argv + ["--rl-use-sequence-packing", "--seq-length", "24"]
-    runs = [argv, packed, argv + ["--grpo-loss-type", "gspo"]]
+    # The unpacked run also evaluates greedily after its second update.
+    runs = [flags + ["--train-iters", "2"], packed, argv + ["--grpo-loss-type", "gspo"]]
     cp2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
     (single,) = run_distributed(_train_rl_logged, 1, args=(runs,), timeout=180)
     results = run_distributed(_context_parallel_runs, 2, args=([run + cp2 for run in runs],),
@@ -348,11 +351,14 @@ def test_train_rl_context_parallel_equals_one_process(setup):
         assert sorted(one) == sorted(split) == [1, 2], name
         for iteration, values in one.items():
             assert split[iteration]["reward"] == values["reward"], (name, iteration)
+            assert ({k: v for k, v in split[iteration].items() if k.startswith("validation")}
+                    == {k: v for k, v in values.items() if k.startswith("validation")})
             rel = 1e-6 if iteration == 1 else 1e-4
             for key in ("rl loss", "kl", "entropy", "ratio_mean", "grad norm"):
                 assert split[iteration][key] == pytest.approx(values[key], rel=rel, abs=1e-6), (
                     name, iteration, key)
     assert single[1][1]["rollout_rows"] == results[0][0][1][1]["rollout_rows"] == 4
+    assert "validation reward" in single[0][2]
 
 
 def test_context_parallel_refusals(setup):
