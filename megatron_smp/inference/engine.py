@@ -186,8 +186,10 @@ class InferenceEngine(RequestIntake):
         self.model = model.eval()
         self.state = model.state
         self.config = model.config
+        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
+        self.state_bytes_per_request = state_bytes_per_request(model)
         check_inference_layout(self.state, replicate_context_parallel,
-                               recurrent=bool(state_bytes_per_request(model)))
+                               recurrent=bool(self.state_bytes_per_request))
         for name, value in (("max_tokens", max_tokens), ("max_requests", max_requests),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -207,8 +209,6 @@ class InferenceEngine(RequestIntake):
         self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
         self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
-        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
-        self.state_bytes_per_request = state_bytes_per_request(model)
         self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}
