@@ -16,6 +16,10 @@ sliding windows and ALiBi biases are computed from the tokens' global sequence p
   then attend the local queries to the whole sequence; backward reduce-scatters dK/dV.
 * `AllToAllAttention` (`a2a`, DeepSpeed-Ulysses): all-to-all from sequence- to head-sharded,
   ordinary attention over the whole sequence for nh/N heads, all-to-all back.
+
+At inference over a KV cache (a `KVCacheContext` in place of the mask, which only an engine
+built with `replicate_context_parallel=True` passes) every CP rank runs the whole step on
+its own: each core then attends like `DotProductAttention` (`attend_cached`).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from megatron_smp.transformer.attention import (
     register_softmax_offset,
     sliding_window_mask,
 )
+from megatron_smp.transformer.kv_cache import KVCacheContext
 from megatron_smp.transformer.packed import PackedSequence
 from megatron_smp.transformer.spec import ModuleSpec
 
@@ -71,6 +76,7 @@ class _ContextParallelCore(torch.nn.Module):
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+        self.layer_number = layer_number
         self.cp_group = state.cp_group
         self.cp_size = group_size(state.cp_group)
         self.cp_rank = group_rank(state.cp_group)
@@ -87,6 +93,16 @@ class _ContextParallelCore(torch.nn.Module):
             if device is not None and torch.device(device).type != "meta":
                 slopes = slopes.to(device)
             self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def attend_cached(self, query, key, value, cache: KVCacheContext) -> torch.Tensor:
+        """An inference step over a KV cache (`InferenceEngine(replicate_context_parallel=
+        True)`): the step's tokens and the cache hold whole requests on this rank, so it
+        attends as `DotProductAttention` does, with no context-parallel communication.
+        query [T, 1, nh, d], key/value [T, 1, ng, d] -> [T, 1, nh * d]."""
+        s, b = query.shape[:2]
+        context = cache.attend(self.layer_number, query, key, value, self.scale,
+                               self.window_size, self.softmax_offset, self.alibi_slopes)
+        return context.reshape(s, b, self.num_heads * self.head_dim)
 
     def positions(self, local_length: int, device, rank: Optional[int] = None) -> torch.Tensor:
         """Global positions [s/cp] of `rank`'s (default: this rank's) local tokens."""
@@ -477,6 +493,8 @@ class RingAttention(_ContextParallelCore):
     """
 
     def forward(self, query, key, value, attention_mask=None):
+        if isinstance(attention_mask, KVCacheContext):
+            return self.attend_cached(query, key, value, attention_mask)
         if attention_mask is not None:
             raise ConfigError(
                 "--cp-comm-type p2p attends with causal masks built from positions; an "
@@ -522,6 +540,8 @@ class AllGatherAttention(_ContextParallelCore):
     """
 
     def forward(self, query, key, value, attention_mask=None):
+        if isinstance(attention_mask, KVCacheContext):
+            return self.attend_cached(query, key, value, attention_mask)
         if isinstance(attention_mask, PackedSequence):
             return _attend_packed(self, query, key, value, attention_mask)
         return _attend(self, _AllGatherAttentionFunction, query, key, value, attention_mask)
@@ -632,6 +652,8 @@ class AllToAllAttention(_ContextParallelCore):
             self.inner.alibi_slopes = self.inner.alibi_slopes[start : start + heads]
 
     def forward(self, query, key, value, attention_mask=None):
+        if isinstance(attention_mask, KVCacheContext):
+            return self.attend_cached(query, key, value, attention_mask)
         if attention_mask is not None:
             raise ConfigError(
                 "--cp-comm-type a2a attends with causal masks; an explicit attention mask "

@@ -161,6 +161,10 @@ class InferenceEngine(RequestIntake):
     max_step_tokens: tokens one step runs (each decode counts one; None: no limit): a prompt
     runs in a step with room for all of it, or, with chunked_prefill, in chunks that fill
     the room steps have (so decodes keep going beside a long prompt).
+    replicate_context_parallel: under context parallelism, every CP rank runs each step
+    whole (its own cache of whole requests, the attention without CP communication; the
+    samples come from one rank, so the ranks agree): for a caller whose CP ranks hold the
+    full weights for training (train_rl.py). Without it a CP layout is refused.
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
@@ -168,7 +172,8 @@ class InferenceEngine(RequestIntake):
                  block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
                  stop_checker: Optional[Callable[[Request], Optional[str]]] = None,
                  prefix_caching: Optional[str] = None, max_step_tokens: Optional[int] = None,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, replicate_context_parallel: bool = False
+                 ) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -181,7 +186,10 @@ class InferenceEngine(RequestIntake):
         self.model = model.eval()
         self.state = model.state
         self.config = model.config
-        check_inference_layout(self.state)
+        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
+        self.state_bytes_per_request = state_bytes_per_request(model)
+        check_inference_layout(self.state, replicate_context_parallel,
+                               recurrent=bool(self.state_bytes_per_request))
         for name, value in (("max_tokens", max_tokens), ("max_requests", max_requests),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -201,8 +209,6 @@ class InferenceEngine(RequestIntake):
         self.layout = CacheLayout(self.config, num_blocks, block_size, max_requests)
         self.cache = PagedKVCache(model, self.layout, self.dtype, self.device)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
-        # Recurrent layers (Mamba-2, Gated DeltaNet): one state slot per running request.
-        self.state_bytes_per_request = state_bytes_per_request(model)
         self.state_slots = BlockAllocator(max_requests)
         self.allocators = {kind: BlockAllocator(count)
                            for kind, count in self.layout.num_blocks.items()}

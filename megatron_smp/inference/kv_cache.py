@@ -539,13 +539,25 @@ class StepBatch(KVCacheContext):
                                 pooled[..., :latent_dim], scale, None)
 
 
-def check_inference_layout(state) -> None:
+def check_inference_layout(state, replicate_context_parallel: bool = False,
+                           recurrent: bool = False) -> None:
     """Context parallelism splits a sequence over ranks, which a decode step of one token
-    per request cannot be: a clear error."""
-    if state.cp_size > 1:
+    per request cannot be: a clear error. With `replicate_context_parallel` (train_rl.py,
+    whose context-parallel ranks hold the full weights) each CP rank runs every step whole
+    instead, which the attention cores do (`context_parallel.attention`), but not
+    `recurrent` layers (Mamba-2 / Gated DeltaNet take 1/cp of their groups' parameters in
+    each forward)."""
+    if state.cp_size == 1:
+        return
+    if not replicate_context_parallel:
         raise ConfigError("inference: --context-parallel-size must be 1 (a decode step has "
                           "one token per request; generate at tensor, pipeline or expert "
                           "parallelism)")
+    if recurrent:
+        raise ConfigError("inference at --context-parallel-size > 1: Mamba / Gated DeltaNet "
+                          "layers use 1/cp of their groups' parameters in each forward, so a "
+                          "context-parallel rank cannot generate on its own; use "
+                          "--context-parallel-size 1 for a hybrid model")
 
 
 __all__ = ["BlockAllocator", "CacheLayout", "PagedKVCache", "StepBatch", "StepRequest",

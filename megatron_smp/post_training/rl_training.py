@@ -19,7 +19,11 @@ One *rollout batch* every `--grpo-iterations` optimizer iterations:
    ones), shared over the data-parallel ranks in whole microbatches
    (`rollouts.rollout_microbatches`, padded with rows that train nothing), so a step after
    DAPO's filter or with packing has fewer microbatches (--global-batch-size = group size x
-   prompts per step is what the consumed samples count per iteration);
+   prompts per step is what the consumed samples count per iteration); under context
+   parallelism every CP rank generates the same rollouts (the engine runs each step whole on
+   each CP rank: they hold the full weights; compared once per rollout batch), each rollout's
+   slot is padded to a multiple of 2 x CP, and the training step splits every row over the
+   CP ranks (--cp-comm-type all_gather: each rollout attends only to itself);
 5. the old policy's log-probs (with --grpo-iterations > 1; for one iteration the policy is
    its own old policy, as in TRL) and the reference's (with --grpo-kl-beta > 0: a frozen copy
    of the starting weights, or the model with its LoRA adapters off);
@@ -43,6 +47,7 @@ rewards and losses.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -96,10 +101,12 @@ def check_rl_configs(configs, config: RLConfig) -> None:
         raise ConfigError("train_rl.py needs --langrl-env-config (a YAML list of environments: "
                           "prompts and reward functions; see "
                           "megatron_smp/post_training/envs/addition.yaml)")
-    if parallel.context_parallel_size > 1:
-        raise ConfigError("train_rl.py: --context-parallel-size must be 1 (the rollouts are "
-                          "generated at the training layout, and a decode step cannot be split "
-                          "over context-parallel ranks)")
+    if parallel.context_parallel_size > 1 and configs.model.cp_comm_type != "all_gather":
+        raise ConfigError(f"train_rl.py with --context-parallel-size "
+                          f"{parallel.context_parallel_size} needs --cp-comm-type all_gather "
+                          f"(each rollout attends only to itself: its row's documents attend "
+                          f"to their keys gathered over the CP ranks; p2p and a2a attend with "
+                          f"causal masks only)")
     if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
         raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
                           "inference engine; drop --num-layers-per-virtual-pipeline-stage")
@@ -185,11 +192,13 @@ class RLRun:
             self.pad_id = self.end_token_ids[0] if self.end_token_ids else 0
         args = self.configs.args
         # The engine reads the training chunk's parameters in place; its KV cache is its own.
+        # Under context parallelism every CP rank holds the full weights and runs each
+        # generation step whole (the CP split is the training step's).
         self.engine = InferenceEngine(
             trainer.model, max_tokens=args.inference_max_tokens,
             max_requests=args.inference_max_requests,
             block_size=args.inference_dynamic_batching_block_size,
-            max_seq_length=training.seq_length + 1)
+            max_seq_length=training.seq_length + 1, replicate_context_parallel=True)
         self._train_mode()
         self.lora = bool(training.lora_rank)
         self.reference = None
@@ -226,12 +235,14 @@ class RLRun:
     def _scale_for(self, pending: "RolloutBatch") -> None:
         """The loss of a step of n microbatches per rank: the batch weights normalise over
         the whole rollout batch, so the schedule's and the reduction's averaging over
-        n x dp is undone (context parallelism is not used here)."""
-        scale = float(len(pending.microbatches) * self.state.dp_size)
+        n x dp x cp is undone (each CP rank's loss is its tokens' share of the sum)."""
+        state = self.state
+        scale = float(len(pending.microbatches) * state.dp_size * state.cp_size)
         if self.policy_loss is None or scale != self.loss_scale:
             self.loss_scale = scale
-            self.policy_loss = grpo_loss_fn(self.config, self.state.tp_group,
-                                            self.configs.model.vocab_size, loss_scale=scale)
+            self.policy_loss = grpo_loss_fn(
+                self.config, state.tp_group, self.configs.model.vocab_size, loss_scale=scale,
+                cp_group=state.cp_group if state.cp_size > 1 else None)
 
     def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
         """`rollouts.grpo_loss_fn` with its metrics reported as the global batch's values
@@ -258,6 +269,7 @@ class RLRun:
         start = time.perf_counter()
         rollouts = self._generate(prompts, config, number)
         generation_time = time.perf_counter() - start
+        self._check_same_over_context_parallel(rollouts, number)
         score_rollouts(self.environments, rollouts)
         fields = rollout_fields(rollouts)
         metrics = rollout_metrics(fields["rewards"], fields["per_function"],
@@ -277,7 +289,8 @@ class RLRun:
             [fields["prompt_ids"][i] for i in kept],
             [fields["completion_ids"][i] for i in kept], advantages.tolist(),
             seq_length=training.seq_length, pad_id=self.pad_id, loss_type=config.loss_type,
-            max_completion_length=config.max_completion_length, pack=config.sequence_packing)
+            max_completion_length=config.max_completion_length, pack=config.sequence_packing,
+            pad_to_multiple=2 * state.cp_size if state.cp_size > 1 else 1)
         metrics["rollout_rows"] = float(batch["tokens"].shape[0])
         # This rank's share, padded with untrained rows to whole microbatches: after DAPO's
         # filter the number of microbatches varies from step to step.
@@ -295,6 +308,24 @@ class RLRun:
             for key, values in extra.items():
                 microbatch[key] = values[index * micro:(index + 1) * micro]
         return RolloutBatch(number, microbatches, metrics, generation_time)
+
+    def _check_same_over_context_parallel(self, rollouts, number: int) -> None:
+        """The CP ranks each split the rollout batch they built for the training step, so
+        they must hold the same rollouts: a digest of every prompt's and completion's ids,
+        compared over the CP group (one all-gather per rollout batch); a RuntimeError on
+        every rank when they differ."""
+        state = self.state
+        if state.cp_size == 1:
+            return
+        digest = hashlib.sha256(repr([(r.prompt_ids, r.completion_ids)
+                                      for r in rollouts]).encode()).digest()
+        local = torch.tensor(list(digest[:8]), dtype=torch.long, device=state.device)
+        gathered = [torch.empty_like(local) for _ in range(state.cp_size)]
+        dist.all_gather(gathered, local, group=state.cp_group)
+        if any(not torch.equal(value, gathered[0]) for value in gathered):
+            raise RuntimeError(f"train_rl.py: rollout batch {number} differs between the "
+                               f"context-parallel ranks (each must generate the same "
+                               f"completions to split them for the training step)")
 
     def _reference_logprobs(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         if self.lora:

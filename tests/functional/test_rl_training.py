@@ -7,7 +7,8 @@ the uninterrupted run's rewards, losses and grad norms; the run at TP=2 and the 
 LoRA (the reference is the model with its adapters off) with packed rollouts, DAPO's filter of
 equal-reward groups and the distributed optimizer gives the values of an unpacked run whose
 reference is a frozen copy of the base, and trains exactly the rollouts of the groups with
-distinct rewards. A small MoE at EP=2 gives one process's values.
+distinct rewards. A small MoE at EP=2 gives one process's values, and so do runs at CP=2
+(rollouts generated whole on each CP rank; unpacked, packed and gspo).
 Plus the flags train_rl.py refuses, with the flag named."""
 import os
 import re
@@ -190,6 +191,32 @@ def _train_rl_runs(rank, world_size, runs):
     return [_train_rl_in_process(rank, world_size, argv, False) for argv in runs]
 
 
+def _train_rl_logged(rank, world_size, runs):
+    """Per argv of `runs` (in turn in these processes): train_rl's values per iteration with
+    each step's grad norm (the log line rounds it) and greedy evaluation ("validation ...")."""
+    from megatron_smp.post_training.rl_training import train_rl
+    from megatron_smp.training.trainer import Trainer
+    from pretrain_gpt import model_provider
+
+    train_step, norms = Trainer.train_step, []
+
+    def recording(self, *args, **kwargs):
+        step = train_step(self, *args, **kwargs)
+        norms.append(float(step.grad_norm))
+        return step
+
+    Trainer.train_step = recording
+    out = []
+    for argv in runs:
+        norms.clear()
+        result = train_rl(model_provider, argv=argv)
+        out.append({iteration: {**values, "grad norm": norms[iteration - 1],
+                                **{f"validation {key}": value for key, value in
+                                   result.valid_rewards.get(iteration, {}).items()}}
+                    for iteration, values in result.iterations.items()})
+    return out
+
+
 def test_train_rl_lora_packed_and_filtered(setup):
     from megatron_smp.post_training.rl_env import PromptSampler, load_env_config
     from megatron_smp.testing import run_distributed
@@ -275,3 +302,84 @@ def test_train_rl_refuses_flags(setup, extra, message):
     without_env.remove("--langrl-env-config")
     with pytest.raises(ConfigError, match="needs --langrl-env-config"):
         train_rl(model_provider, argv=without_env)
+
+
+def _context_parallel_runs(rank, world_size, runs):
+    """`_train_rl_logged`, then the rollouts' comparison over the CP group given rollouts that
+    differ between the ranks: (logged values, the error it raised on this rank)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_smp.post_training.rl_training import RLRun
+
+    logged = _train_rl_logged(rank, world_size, runs)
+    run = SimpleNamespace(state=SimpleNamespace(cp_size=2, cp_group=dist.group.WORLD,
+                                                device="cpu"))
+    rollouts = [SimpleNamespace(prompt_ids=[1, 2], completion_ids=[3, 4 + rank])]
+    try:
+        RLRun._check_same_over_context_parallel(run, rollouts, 7)
+    except RuntimeError as error:
+        return logged, str(error)
+    return logged, None
+
+
+def test_train_rl_context_parallel_equals_one_process(setup):
+    """CP=2 (`--cp-comm-type all_gather`): each CP rank generates the rollouts on its own
+    (the engine runs every step whole there), the training step splits each row over the
+    two ranks. One rollout per row, packed rollouts (slots padded to 2 x CP) and gspo (its
+    sequence ratios summed over the CP group) give one process's rewards exactly and its
+    losses, KL, entropy and grad norms: the first update within 1e-6 (the CP split sums the
+    same terms in another order), the second (after Adam has amplified those last bits) as
+    the packed comparison above allows. Rollouts that differ between the CP ranks are an
+    error on every rank."""
+    from megatron_smp.testing import run_distributed
+
+    directory, flags = setup
+    argv = flags + ["--eval-iters", "0", "--train-iters", "2"]  # one batch, two updates
+    # Rows of 24: two rollouts of 7-9 positions (12 with their slots padded to 4) per row.
+    packed = argv + ["--rl-use-sequence-packing", "--seq-length", "24"]
+    # The unpacked run also evaluates greedily after its second update.
+    runs = [flags + ["--train-iters", "2"], packed, argv + ["--grpo-loss-type", "gspo"]]
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+    (single,) = run_distributed(_train_rl_logged, 1, args=(runs,), timeout=180)
+    results = run_distributed(_context_parallel_runs, 2, args=([run + cp2 for run in runs],),
+                              timeout=180)
+    for _, error in results:
+        assert "rollout batch 7 differs between the context-parallel ranks" in error
+    for name, one, split in zip(("unpacked", "packed", "gspo"), single, results[0][0]):
+        assert sorted(one) == sorted(split) == [1, 2], name
+        for iteration, values in one.items():
+            assert split[iteration]["reward"] == values["reward"], (name, iteration)
+            assert ({k: v for k, v in split[iteration].items() if k.startswith("validation")}
+                    == {k: v for k, v in values.items() if k.startswith("validation")})
+            rel = 1e-6 if iteration == 1 else 1e-4
+            for key in ("rl loss", "kl", "entropy", "ratio_mean", "grad norm"):
+                assert split[iteration][key] == pytest.approx(values[key], rel=rel, abs=1e-6), (
+                    name, iteration, key)
+    assert single[1][1]["rollout_rows"] == results[0][0][1][1]["rollout_rows"] == 4
+    assert "validation reward" in single[0][2]
+
+
+def test_context_parallel_refusals(setup):
+    """train_rl.py at CP > 1 needs --cp-comm-type all_gather (rollout rows are packed
+    documents); the engine still refuses a CP layout for standalone inference
+    (tools/generate.py, the server), and for recurrent layers even when replicated."""
+    from types import SimpleNamespace
+
+    from megatron_smp.config import ConfigError
+    from megatron_smp.inference.kv_cache import check_inference_layout
+    from megatron_smp.post_training.rl_config import RLConfig
+    from megatron_smp.post_training.rl_training import check_rl_configs
+
+    configs = SimpleNamespace(parallel=SimpleNamespace(context_parallel_size=2),
+                              training=None, model=SimpleNamespace(cp_comm_type="p2p"))
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 needs --cp-comm-type "
+                                          "all_gather"):
+        check_rl_configs(configs, RLConfig(env_config=str(setup[0] / "env.yaml")))
+    state = SimpleNamespace(cp_size=2)
+    with pytest.raises(ConfigError, match="--context-parallel-size must be 1"):
+        check_inference_layout(state)
+    check_inference_layout(state, replicate_context_parallel=True)
+    with pytest.raises(ConfigError, match="Mamba / Gated DeltaNet"):
+        check_inference_layout(state, replicate_context_parallel=True, recurrent=True)

@@ -3,7 +3,11 @@ query, key and value, for every comm type, at CP=2 and CP=4, MHA and GQA (and wi
 sliding window, whose masks come from global positions; or with attention sinks, whose grads
 of the CP ranks add up to the single-rank grad); and all_gather over packed rows
 (`PackedSequence`, documents split load-balanced each or rows split whole) equals the
-single-rank attention under the dense document mask."""
+single-rank attention under the dense document mask. Given a KV cache (an inference step
+run whole on each CP rank, as train_rl.py's engine does) every core hands it what the
+single-rank attention does."""
+import math
+
 import pytest
 import torch
 
@@ -105,8 +109,42 @@ def _max_diffs(rank, world_size, kernel="auto"):
             diffs[(name, comm_type)] = max(
                 float((a - b).abs().max()) for a, b in zip(got, expected)
             )
+            # An inference step over a KV cache (train_rl.py's engine): the core hands the
+            # cache whole requests with the single-rank attention's arguments.
+            step = [t[:, :1] for t in (q, k, v)]
+            cached, plain = _RecordingCache(), _RecordingCache()
+            out = module(*step, cached)
+            assert torch.equal(out, single(*step, plain)), (name, comm_type)
+            assert len(cached.calls) == 1 and _same(cached.calls[0], plain.calls[0]), (
+                name, comm_type)
     diffs.update(_packed_diffs(state, rank, world_size))
     return diffs
+
+
+def _same(a, b):
+    return all(x is y or (torch.is_tensor(x) and torch.equal(x, y)) or x == y
+               for x, y in zip(a, b))
+
+
+def _recording_cache_base():
+    from megatron_smp.transformer.kv_cache import KVCacheContext
+
+    return KVCacheContext
+
+
+class _RecordingCache(_recording_cache_base()):
+    """A KV cache that records what the layer hands it and returns the queries."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attend(self, layer_number, query, key, value, scale=None, window_size=None, sinks=None,
+               alibi_slopes=None):
+        # None: the attention's default, 1 / sqrt(d) (what the context-parallel cores hold).
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        self.calls.append((layer_number, query, key, value, scale, window_size, sinks,
+                           alibi_slopes))
+        return query
 
 
 # Packed rows (document lengths per row): every length divisible by 2 x CP (each document is
