@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
 from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
 
 
@@ -66,4 +67,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

@@ -1116,6 +1116,56 @@ def _model_fields(args: argparse.Namespace, argv: List[str],
     model.setdefault("vocab_size", data.get("vocab_size") or 0)
 
 
+# Flags that are not model fields themselves but decide these model fields.
+_DERIVED_MODEL_FLAGS = {
+    "--group-query-attention": ("num_query_groups",), "--num-query-groups": ("num_query_groups",),
+    "--swiglu": ("activation", "gated_linear_unit"), "--openai-gelu": ("activation",),
+    "--squared-relu": ("activation",), "--quick-geglu": ("activation", "gated_linear_unit"),
+    "--geglu": ("activation", "gated_linear_unit"),
+    "--use-rotary-position-embeddings": ("position_embedding_type",),
+    "--no-position-embedding": ("position_embedding_type",),
+    "--rope-type": ("position_embedding_type",), "--disable-bias-linear": ("add_bias_linear",),
+    "--hybrid-override-pattern": ("hybrid_layer_pattern", "num_layers"),
+    "--hybrid-layer-pattern": ("hybrid_layer_pattern", "num_layers"),
+}
+# Fields given as Megatron's layer-frequency text ("([1]*3+[0])*2") or as its list.
+_FREQUENCY_FIELDS = ("moe_layer_freq", "linear_attention_freq", "window_attn_skip_freq")
+
+
+def _comparable(name: str, value: Any) -> Any:
+    if name in _FREQUENCY_FIELDS and isinstance(value, str):
+        from megatron_smp.config import parse_moe_layer_freq
+
+        try:
+            return parse_moe_layer_freq(value)
+        except (ConfigError, TypeError, ValueError):
+            return value
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _check_against_checkpoint(argv: Sequence[str], model: Dict[str, Any],
+                              saved: Dict[str, Any]) -> None:
+    """--use-checkpoint-args: a model flag given on the command line must agree with the
+    checkpoint's architecture (the checkpoint decides every field; a contradicting flag is
+    a mistake, not an override)."""
+    flag_fields = {spec.flag: (spec.field,) for spec in _FLAGS if spec.section == "model"}
+    flag_fields.update(_DERIVED_MODEL_FLAGS)
+    given = {}
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        for name in flag_fields.get(flag, ()):
+            given.setdefault(name, flag)
+    conflicts = [
+        f"{flag} gives {name}={model.get(name)!r}, the checkpoint {saved[name]!r}"
+        for name, flag in given.items()
+        if name in saved and _comparable(name, model.get(name)) != _comparable(name, saved[name])]
+    if conflicts:
+        raise ConfigError("--use-checkpoint-args takes the model from the --load checkpoint, "
+                          "and flags on the command line contradict it: " + "; ".join(conflicts)
+                          + ". Drop those flags (or drop --use-checkpoint-args and give the "
+                          "whole model)")
+
+
 def parse_args(
     argv: Optional[Sequence[str]] = None,
     extra_args_provider: Optional[Callable] = None,
@@ -1174,8 +1224,10 @@ def parse_args(
         model["recompute_granularity"] = "selective"
 
     if args.use_checkpoint_args:
-        model.update(checkpoint_model_fields(sections["checkpoint"].get("load"),
-                                             sections["checkpoint"].get("pretrained_checkpoint")))
+        saved = checkpoint_model_fields(sections["checkpoint"].get("load"),
+                                        sections["checkpoint"].get("pretrained_checkpoint"))
+        _check_against_checkpoint(argv, model, saved)
+        model.update(saved)
         missing = [f"--{name.replace('_', '-')}" for name in
                    ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
         if missing:

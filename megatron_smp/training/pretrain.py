@@ -12,7 +12,6 @@ Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and ca
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -20,10 +19,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import ConfigError
 from megatron_smp.training.arguments import Configs, parse_args, validate_configs
 from megatron_smp.training.logging import (
-    ProgressLog, Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
+    ProgressLog, Timer, TrainingLogger, flops_per_iteration, set_logging_level,
 )
 from megatron_smp.training.profiling import StepProfiler
 from megatron_smp.training.result_validation import ReplayIterator
@@ -32,6 +30,7 @@ from megatron_smp.training.trainer import StepResult, Trainer
 # Re-exported: callers import them from here (the loop's helpers before the Trainer).
 from megatron_smp.training.trainer import build_model_chunks, empty_unused_memory  # noqa: F401
 from megatron_smp.training.wandb_logger import init_wandb
+from megatron_smp.cli import run_entry
 
 
 @dataclass
@@ -378,26 +377,7 @@ def pretrain(
     return _TrainingLoop(trainer, forward_step_func, data, logger, start_time).run()
 
 
-_CONFIG_ERROR_GRACE_S = 3.0
-
-
 def main(entry: Callable[[], Any]) -> None:
-    """Run an entry script's `pretrain(...)`, turning configuration errors into one clear
-    message (printed by rank 0) and a non-zero exit on every rank."""
-    try:
-        entry()
-    except ConfigError as exc:
-        from megatron_smp.parallel_state import launcher_rank
-
-        if launcher_rank() == 0:
-            print_error(str(exc))
-            sys.stderr.flush()
-        else:
-            # torchrun stops the other workers as soon as one exits: give rank 0 the time to
-            # print the message before this rank's exit makes the agent terminate it.
-            time.sleep(_CONFIG_ERROR_GRACE_S)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Run an entry script's `pretrain(...)`: a configuration error ends as one clear message
+    (printed by rank 0) and exit status 2 on every rank (see megatron_smp.cli)."""
+    run_entry(entry)

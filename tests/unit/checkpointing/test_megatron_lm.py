@@ -95,7 +95,7 @@ def test_checkpoint_without_args_takes_the_shape_from_flags(tmp_path, capsys):
     load_dir = _without_args(tmp_path)
     argv = ["--model-type", "llama", "--loader", "megatron", "--saver", "hf", "--load-dir",
             str(load_dir), "--save-dir", str(tmp_path / "hf")]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "saved without args: pass the model's --num-attention-heads" in capsys.readouterr().err
     _convert("llama", "megatron", "hf", load_dir, tmp_path / "hf2", "--num-attention-heads",
              "4", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
@@ -109,7 +109,7 @@ def test_flags_contradicting_the_saved_args_are_an_error(tmp_path, capsys):
     argv = ["--model-type", "llama", "--loader", "megatron", "--saver", "megatron_smp",
             "--load-dir", os.path.join(FIXTURES, "llama_torch_dist"), "--save-dir",
             str(tmp_path / "out"), "--num-attention-heads", "8"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "--num-attention-heads 8 (checkpoint: 4)" in capsys.readouterr().err
 
 
