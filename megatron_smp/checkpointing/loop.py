@@ -87,11 +87,11 @@ LORA_BASE_KEY = "lora_base"
 STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
                       "raise_all", "return_unexpected", "return_all", "ignore_all")
 # TransformerConfig fields that belong to the run rather than to the model a checkpoint holds:
-# the vocabulary (the tokenizer gives it), precision, dropout, initialisation, recomputation,
+# precision, dropout, initialisation, recomputation,
 # sequence parallelism, kernels and the MoE / MTP training knobs. --use-checkpoint-args takes
 # every other field from the checkpoint (a field added later is architecture unless listed).
 RUN_FIELDS = frozenset((
-    "vocab_size", "fp16", "bf16", "params_dtype", "hidden_dropout", "attention_dropout",
+    "fp16", "bf16", "params_dtype", "hidden_dropout", "attention_dropout",
     "init_method_std", "use_scaled_init_method", "gradient_accumulation_fusion",
     "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "recompute_modules", "cp_comm_type", "packed_attention", "moe_router_bias_update_rate",
@@ -102,6 +102,14 @@ RUN_FIELDS = frozenset((
 ))
 CHECKPOINT_ARGS_FIELDS = tuple(field.name for field in dataclasses.fields(TransformerConfig)
                                if field.name not in RUN_FIELDS)
+
+
+def model_vocab_size(saved: int, tokenizer_vocab_size: int) -> int:
+    """The model's vocabulary: the tokenizer's, or a checkpoint's larger one (restored by
+    --use-checkpoint-args). Hugging Face models often have more embedding rows than their
+    tokenizer has ids (Qwen2.5: 152,064 for 151,665); the extra rows are kept, so the logits
+    and greedy choices are the checkpoint's own."""
+    return max(saved or 0, tokenizer_vocab_size)
 
 
 def check_checkpoint_flags(config) -> None:

@@ -1143,11 +1143,20 @@ def _comparable(name: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+# The model flags Megatron-LM's --use-checkpoint-args leaves as given (load_args_from_checkpoint
+# sets them only when absent): weight shapes, which a checkpoint of another shape cannot fill.
+# It overrides every other model flag with the checkpoint's value.
+_FLAGS_KEPT_BY_MEGATRON = ("num_layers", "hidden_size", "ffn_hidden_size",
+                           "num_attention_heads", "kv_channels", "max_position_embeddings")
+
+
 def _check_against_checkpoint(argv: Sequence[str], model: Dict[str, Any],
-                              saved: Dict[str, Any]) -> None:
-    """--use-checkpoint-args: a model flag given on the command line must agree with the
-    checkpoint's architecture (the checkpoint decides every field; a contradicting flag is
-    a mistake, not an override)."""
+                              saved: Dict[str, Any]) -> Dict[str, Any]:
+    """--use-checkpoint-args: the checkpoint's model fields, checked against the model flags
+    given on the command line. A weight shape that differs is a ConfigError naming both
+    values (Megatron-LM keeps the flag and then fails to load); another field that differs
+    takes the checkpoint's value, as in Megatron-LM, with a warning naming both. Returns the
+    fields to apply."""
     flag_fields = {spec.flag: (spec.field,) for spec in _FLAGS if spec.section == "model"}
     flag_fields.update(_DERIVED_MODEL_FLAGS)
     given = {}
@@ -1155,15 +1164,27 @@ def _check_against_checkpoint(argv: Sequence[str], model: Dict[str, Any],
         flag = token.split("=", 1)[0]
         for name in flag_fields.get(flag, ()):
             given.setdefault(name, flag)
-    conflicts = [
-        f"{flag} gives {name}={model.get(name)!r}, the checkpoint {saved[name]!r}"
-        for name, flag in given.items()
-        if name in saved and _comparable(name, model.get(name)) != _comparable(name, saved[name])]
-    if conflicts:
-        raise ConfigError("--use-checkpoint-args takes the model from the --load checkpoint, "
-                          "and flags on the command line contradict it: " + "; ".join(conflicts)
-                          + ". Drop those flags (or drop --use-checkpoint-args and give the "
-                          "whole model)")
+    differing = {name: flag for name, flag in given.items() if name in saved
+                 and _comparable(name, model.get(name)) != _comparable(name, saved[name])}
+    fields = dict(saved)
+    learned_positions = saved.get("position_embedding_type") == "learned_absolute"
+    if "max_position_embeddings" in differing and not learned_positions:
+        # No weights depend on it without a learned position table: the flag stays, as in
+        # Megatron-LM.
+        del differing["max_position_embeddings"]
+        fields["max_position_embeddings"] = model["max_position_embeddings"]
+    shapes = [f"{flag} gives {name}={model.get(name)!r}, the checkpoint {saved[name]!r}"
+              for name, flag in differing.items() if name in _FLAGS_KEPT_BY_MEGATRON]
+    if shapes:
+        raise ConfigError("--use-checkpoint-args: the --load checkpoint holds another model "
+                          "than the flags describe: " + "; ".join(shapes) + ". Drop those "
+                          "flags (the checkpoint gives them), or load a checkpoint of that shape")
+    others = [f"{flag} ({name}={model.get(name)!r}) gives way to the checkpoint's "
+              f"{saved[name]!r}" for name, flag in differing.items()
+              if name not in _FLAGS_KEPT_BY_MEGATRON]
+    if others:
+        warnings.warn("--use-checkpoint-args: " + "; ".join(others))
+    return fields
 
 
 def parse_args(
@@ -1226,8 +1247,7 @@ def parse_args(
     if args.use_checkpoint_args:
         saved = checkpoint_model_fields(sections["checkpoint"].get("load"),
                                         sections["checkpoint"].get("pretrained_checkpoint"))
-        _check_against_checkpoint(argv, model, saved)
-        model.update(saved)
+        model.update(_check_against_checkpoint(argv, model, saved))
         missing = [f"--{name.replace('_', '-')}" for name in
                    ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
         if missing:

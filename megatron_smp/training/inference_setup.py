@@ -62,7 +62,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                            model_provider: Optional[Callable] = None):
     """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
     the model keeps its --seed initialisation (a clear warning on rank 0)."""
-    from megatron_smp.checkpointing.loop import load_inference_weights
+    from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
     from megatron_smp.inference.engine import check_step_budget
@@ -87,7 +87,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     configs = parse_args(argv, providers, defaults)
     args = configs.args
     tokenizer = build_tokenizer(configs.data)
-    configs.model.vocab_size = tokenizer.vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     validate_configs(configs)
     for flag in ("inference_max_tokens", "inference_max_requests",
                  "inference_dynamic_batching_block_size"):

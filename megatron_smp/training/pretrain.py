@@ -30,6 +30,7 @@ from megatron_smp.training.trainer import StepResult, Trainer
 # Re-exported: callers import them from here (the loop's helpers before the Trainer).
 from megatron_smp.training.trainer import build_model_chunks, empty_unused_memory  # noqa: F401
 from megatron_smp.training.wandb_logger import init_wandb
+from megatron_smp.checkpointing.loop import model_vocab_size
 from megatron_smp.cli import run_entry
 
 
@@ -105,7 +106,7 @@ def build_configs(argv: Optional[Sequence[str]] = None,
     # below sees the real vocabulary, and a bad configuration fails on every rank before the
     # first collective.
     tokenizer = build_tokenizer(configs.data)
-    configs.model.vocab_size = tokenizer.vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     validate_configs(configs)
     if configs.training.report_memory and model_provider is not None:
         _report_memory(configs, model_provider)

@@ -62,13 +62,13 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
     _assert_same_model(source, tmp_path / "hf")
 
-    # pretrain_gpt.py takes GPT-J's fields (no Megatron flags) with --use-checkpoint-args and
+    # pretrain_gpt.py takes GPT-J's whole model with --use-checkpoint-args (no model flags) and
     # trains it at TP=2; the trained model exported to HF gives the framework's logits.
     import transformers
 
     results = run_distributed(_finetune_tp2, 2, args=(
         str(tmp_path / "smp"), str(tmp_path / "trained"), source.config.vocab_size,
-        "--num-layers 1 --hidden-size 8 --num-attention-heads 1 --use-checkpoint-args"))
+        "--use-checkpoint-args"))
     losses = results[0]["losses"]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "trained", tmp_path / "hf_trained")
