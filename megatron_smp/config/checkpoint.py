@@ -37,3 +37,6 @@ class CheckpointConfig:
     # model weights over data-parallel replicas) is written by the lowest of them instead of
     # spreading those writes evenly.
     ckpt_fully_parallel_save: bool = True
+    # Megatron's --save-retain-interval: each new checkpoint deletes the one before it unless
+    # that one's iteration is a multiple of this (None: keep every checkpoint).
+    save_retain_interval: Optional[int] = None
