@@ -1,6 +1,6 @@
 """Pretrain a hybrid model (Mamba-2, Gated DeltaNet, attention, MLP and MoE layers) with
 Megatron-LM main's flags: `--hybrid-layer-pattern "M-M*-..."` gives one symbol per layer and
-the layer count (Megatron's pretrain_hybrid.py; see docs on hybrid models). With
+the layer count (Megatron's pretrain_hybrid.py; see docs/models.md "Hybrid models"). With
 `--use-checkpoint-args` the stack comes from the --load checkpoint (e.g. one converted from a
 Hugging Face Nemotron-H or Qwen3.5)."""
 import sys
