@@ -30,7 +30,7 @@ EP2 = ["--expert-model-parallel-size", "2"]
 LAYOUTS = {
     "gpt2": (TP2_SP, PP2), "gptj": (TP2_SP, PP2), "gpt_neox": (PP2, TP2),
     "llama": (TP2_SP, PP2), "llama31": (PP2, TP2), "mistral": (TP2_SP, PP2),
-    "qwen2": (TP2_SP, PP2), "qwen3": (PP2, TP2_SP), "gemma3": (TP2_SP, PP2),
+    "qwen2": (TP2_SP, PP2), "qwen3": (PP2, TP2_SP), "gemma3": (TP2_SP, PP2 + ["--decoder-first-pipeline-num-layers", "3"]),
     "mixtral": (EP2, TP2_SP), "qwen2_moe": (EP2, TP2_SP), "qwen3_moe": (EP2, TP2_SP),
     "gpt_oss": (EP2, TP2_SP), "deepseek_v3": (EP2, TP2_SP),
     "qwen3_next": (PP2 + ["--decoder-first-pipeline-num-layers", "1"], TP2_SP),
@@ -134,7 +134,7 @@ def test_hf_to_finetune_to_hf_to_generate(family, tmp_path):
     tokenizer_flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir]
     logs = _run(entry, ["--load", ckpt, "--use-checkpoint-args", "--finetune", "--save", tuned,
                         *tokenizer_flags, *train, "--mock-data", "--seq-length", "16",
-                        "--micro-batch-size", "2", "--global-batch-size", "2",
+                        "--micro-batch-size", "2", "--global-batch-size", "4",
                         "--train-iters", "2", "--lr", "3e-3", "--log-interval", "1",
                         "--eval-iters", "0", "--seed", "7"], tmp_path, "finetune")
     assert sum(len(re.findall(r"iteration\s+2/\s+2 \|.*lm loss", log)) for log in logs) == 1, \
