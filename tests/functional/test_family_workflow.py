@@ -26,11 +26,12 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 # family: (fine-tuning layout, generation layout). Uneven PP splits where the model has the
-# layers for one (2 of 5 Nemotron-H layers, 1 of 4 Qwen3-Next layers on the first stage).
+# layers for one (2 of 5 Nemotron-H layers, 1 of 4 Qwen3-Next, 1 of 3 Qwen3, 3 of 7 Gemma 3
+# layers on the first stage).
 LAYOUTS = {
     "gpt2": (TP2_SP, PP2), "gptj": (TP2_SP, PP2), "gpt_neox": (PP2, TP2),
     "llama": (TP2_SP, PP2), "llama31": (PP2, TP2), "mistral": (TP2_SP, PP2),
-    "qwen2": (TP2_SP, PP2), "qwen3": (PP2, TP2_SP), "gemma3": (TP2_SP, PP2 + ["--decoder-first-pipeline-num-layers", "3"]),
+    "qwen2": (TP2_SP, PP2), "qwen3": (PP2 + ["--decoder-first-pipeline-num-layers", "1"], TP2_SP), "gemma3": (TP2_SP, PP2 + ["--decoder-first-pipeline-num-layers", "3"]),
     "mixtral": (EP2, TP2_SP), "qwen2_moe": (EP2, TP2_SP), "qwen3_moe": (EP2, TP2_SP),
     "gpt_oss": (EP2, TP2_SP), "deepseek_v3": (EP2, TP2_SP),
     "qwen3_next": (PP2 + ["--decoder-first-pipeline-num-layers", "1"], TP2_SP),
