@@ -238,8 +238,9 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
 
     root, sources = _library_sources()
     arguments_source = sources.pop("megatron_smp/training/arguments.py")
-    config_source = sources.pop("megatron_smp/config.py")
-    # Fields read only by a config.py method or function that the library calls.
+    config_source = "\n".join(sources.pop(path) for path in sorted(sources)
+                              if path.startswith("megatron_smp/config/"))
+    # Fields read only by a config/ method or function that the library calls.
     read_in_config = {"make_vocab_size_divisible_by": "padded_vocab_size",
                       "global_batch_size": "num_microbatches",
                       "moe_layer_freq": "moe_layer_pattern",
