@@ -446,6 +446,8 @@ def render() -> str:
             "memory here.", "",
             "| flag | why it changes nothing here |", "| --- | --- |"]
     out += [f"| `{flag}` | {_cell(reason)} |" for flag, reason in ignored.items()]
+    out += [f"| `{flag}` without `{other}` | {_cell(reason)} |"
+            for flag, (other, reason) in flag_layer("IGNORED_WITHOUT").items()]
     out += ["", "## Refused", "",
             "Given on any entry script, each of these stops the run before anything starts, "
             "with this error:", "",

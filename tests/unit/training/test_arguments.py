@@ -229,7 +229,12 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     (docs/flags.md's table, generated from IGNORED_FLAGS)."""
     import re
 
-    from megatron_smp.training.arguments import _FLAGS, IGNORED_FLAGS, build_parser
+    from megatron_smp.training.arguments import (
+        _FLAGS,
+        IGNORED_FLAGS,
+        IGNORED_WITHOUT,
+        build_parser,
+    )
 
     root, sources = _library_sources()
     arguments_source = sources.pop("megatron_smp/training/arguments.py")
@@ -265,6 +270,10 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     ignored_table = readme[table_start:readme.index("\n\n", table_start)]
     documented = set(re.findall(r"^\| `(--[\w-]+)` \|", ignored_table, flags=re.M))
     assert documented == set(IGNORED_FLAGS), (documented ^ set(IGNORED_FLAGS))
+    # Flags that change nothing without another: "| `--flag` without `--other` | reason |".
+    without = {flag: (other, reason) for flag, other, reason in re.findall(
+        r"^\| `(--[\w-]+)` without `(--[\w-]+)` \| (.*) \|$", ignored_table, flags=re.M)}
+    assert without == IGNORED_WITHOUT
 
 
 def test_hidden_size_not_divisible_by_heads_needs_kv_channels():
