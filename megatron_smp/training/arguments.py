@@ -520,6 +520,8 @@ _FLAGS: List[_Flag] = [
     _f("--save", "checkpoint"),
     _f("--load", "checkpoint"),
     _f("--save-interval", "checkpoint", type=int),
+    _f("--save-retain-interval", "checkpoint", type=int,
+       help="keep only the checkpoints of multiples of this iteration count, and the newest"),
     _f("--no-load-optim", "checkpoint", action="store_true"),
     _f("--no-load-rng", "checkpoint", action="store_true"),
     _f("--no-save-optim", "checkpoint", action="store_true"),
@@ -642,7 +644,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--start-eval-at-iter": "a first evaluation iteration other than --eval-interval's",
     "--freeze-all-layers": "freezing the whole model (LoRA, --lora-rank, freezes the base)",
     "--chat-template": "a custom jinja chat template (--sft uses the tokenizer's)",
-    "--save-retain-interval": "deleting checkpoints between retained ones",
     "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
     "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
                          "--expert-tensor-parallel-size)",

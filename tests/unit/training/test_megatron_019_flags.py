@@ -63,7 +63,6 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--start-eval-at-iter 5", "--start-eval-at-iter"),
     ("--freeze-all-layers", "--freeze-all-layers"),
     ("--chat-template x", "--chat-template"),
-    ("--save-retain-interval 10", "--save-retain-interval"),
     ("--override-ckpt-iteration 3", "--override-ckpt-iteration"),
     ("--moe-extended-tp", "--moe-extended-tp"),
     ("--optimizer muon --qk-clip", "--qk-clip"),
