@@ -294,13 +294,19 @@ def _describe(*parts: str) -> str:
 
 
 def _section_classes() -> Dict[str, type]:
-    """config section name -> its dataclass, from the Configs dataclass."""
-    import typing
+    """config section name -> its dataclass, from the fields of the Configs dataclass."""
+    import megatron_smp.config as config
 
     configs = flag_layer("Configs")
-    hints = typing.get_type_hints(configs)
-    return {field.name: hints[field.name] for field in dataclasses.fields(configs)
-            if dataclasses.is_dataclass(hints[field.name])}
+    module = sys.modules[configs.__module__]
+    classes = {}
+    for field in dataclasses.fields(configs):
+        kind = field.type
+        if isinstance(kind, str):  # postponed annotations: the name, in its module or config
+            kind = getattr(module, kind, None) or getattr(config, kind, None)
+        if kind is not None and dataclasses.is_dataclass(kind):
+            classes[field.name] = kind
+    return classes
 
 
 def _section_titles() -> Dict[str, str]:
