@@ -1,6 +1,8 @@
-"""Plan a run before booking the GPUs: predicted step time (with its breakdown), tokens/s and
-MFU per GPU of a layout on a cluster, its memory per GPU (the memory planner's) and whether it
-fits; with --search, every layout that fits ranked by predicted tokens/s.
+"""Plan a run before booking the GPUs: predicted step time, tokens/s and MFU per GPU.
+
+For a layout on a cluster: the step time with its breakdown, tokens/s, model TFLOP/s and MFU
+per GPU, its memory per GPU (the memory planner's) and whether it fits; with --search, every
+layout that fits ranked by predicted tokens/s.
 
     python tools/plan.py --gpu h100-sxm --num-gpus 64 [--entry llama] <pretrain flags...>
     python tools/plan.py --gpu h100-sxm --num-gpus 64 --hf-config DIR --seq-length 8192 \\
@@ -40,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", choices=sorted(GPUS) + ["cpu"], default="h100-sxm",
                         help="accelerator preset (vendor figures in training/planner.py); "
                              "cpu: this machine, with --efficiency")
-    parser.add_argument("--num-gpus", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--num-gpus", type=int, required=True,
+                        help="GPUs of the run (the world size)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs sharing NVLink; default: the preset's (8; GB200: 72)")
     parser.add_argument("--intra-node-bandwidth", type=float, default=None,
                         help="GB/s per GPU, one direction (NVLink); default: the preset's")
     parser.add_argument("--inter-node-bandwidth", type=float, default=None,
@@ -65,13 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSON of efficiency constants (calibrate_planner.py's output)")
     parser.add_argument("--hf-config", default=None,
                         help="a Hugging Face model directory (config.json): the model's shape")
-    parser.add_argument("--entry", choices=["gpt", "llama"], default="gpt")
+    parser.add_argument("--entry", choices=["gpt", "llama"], default="gpt",
+                        help="whose defaults the flags take: pretrain_gpt.py's or "
+                             "pretrain_llama.py's")
     parser.add_argument("--search", action="store_true",
                         help="rank every layout that fits (TP, PP, VPP, CP, EP, DP, "
                              "micro-batch, recompute, distributed optimizer / FSDP2)")
     parser.add_argument("--top", type=int, default=10,
                         help="--search: layouts printed (0: every one that fits)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan (or the ranked layouts) as JSON")
     return parser
 
 
