@@ -89,16 +89,16 @@ def script_parser(script: str, argv: Sequence[str] = (),
 
 
 def flag_layer(name: str):
-    """The object `name` of the training flag layer (megatron_smp.training.arguments, or the
-    module of megatron_smp.training / megatron_smp.config that defines it)."""
-    import megatron_smp.training as training
-
-    candidates = ["megatron_smp.training.arguments"]
-    for package in ("megatron_smp.training", "megatron_smp.config"):
+    """The object `name` of the training flag layer (megatron_smp.training.arguments and its
+    modules, then the other modules of megatron_smp.training and megatron_smp.config)."""
+    candidates = []
+    for package in ("megatron_smp.training.arguments", "megatron_smp.training",
+                    "megatron_smp.config"):
+        candidates.append(package)
         root = importlib.import_module(package)
         if hasattr(root, "__path__"):
-            candidates += [f"{package}.{info.name}" for info in pkgutil.iter_modules(root.__path__)]
-    del training
+            candidates += [f"{package}.{info.name}"
+                           for info in pkgutil.iter_modules(root.__path__)]
     for candidate in candidates:
         try:
             found = importlib.import_module(candidate)
@@ -173,23 +173,28 @@ def _links(flag: str, mentions: Dict[str, List[Tuple[str, str, bool]]], limit: i
 
 
 def field_comments(cls) -> Dict[str, str]:
-    """field -> the comment its dataclass's source gives it (trailing, or the comment lines
-    right above it)."""
+    """field -> the comment the source of `cls` (or of the class of its MRO declaring the
+    field) gives it: a trailing comment, or the comment lines right above it."""
     import inspect
 
     comments: Dict[str, str] = {}
-    above: List[str] = []
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("#").strip())
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        above: List[str] = []
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
             continue
-        match = re.match(r"^\s{4}(\w+)\s*:[^=#]*(?:=[^#]*)?(?:#(.*))?$", line)
-        if match and not stripped.startswith(("def ", "@", "return")):
-            text = (match.group(2) or "").strip() or " ".join(above)
-            if text:
-                comments[match.group(1)] = text
-        above = []
+        for line in source.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            match = re.match(r"^\s{4}(\w+)\s*:[^=#]*(?:=[^#]*)?(?:#(.*))?$", line)
+            if match and not stripped.startswith(("def ", "@", "return")):
+                text = (match.group(2) or "").strip() or " ".join(above)
+                if text:
+                    comments[match.group(1)] = text
+            above = []
     return comments
 
 

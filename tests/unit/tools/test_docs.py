@@ -269,3 +269,30 @@ def test_documented_steps_are_the_scripts(page, script, steps, tmp_path):
         matches = [given for name, given in recorded if name == entry and flags <= given]
         assert matches, (f"{page}: {' '.join(step)} is not a step of {script}: its steps are "
                          f"{[(name, sorted(given)) for name, given in recorded]}")
+
+
+def _shell_assignments(text):
+    """NAME=value lines of a shell script, values expanded in order (plain ones only)."""
+    values = {}
+    for name, value in re.findall(r"^([A-Z_]+)=(\S+)$", text, flags=re.M):
+        values[name] = _expand(value.strip('"'), values)
+    return values
+
+
+def _expand(text, values):
+    text = re.sub(r"\$\{(\w+)%\.model\}", lambda m: values[m.group(1)][:-len(".model")], text)
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def test_readme_run_is_the_quickstarts():
+    """The training command README.md shows as what scripts/quickstart.sh runs is that
+    script's command, with its variables expanded."""
+    text = _read("scripts/quickstart.sh")
+    values = _shell_assignments(text)
+    launch = next(line for line in text.replace("\\\n", " ").splitlines()
+                  if "torchrun" in line and "pretrain_gpt.py" in line)
+    script = [t for t in shlex.split(_expand(launch, values)) if t != "$@"]
+    readme = _read("README.md")
+    intro = readme.index("`scripts/quickstart.sh` runs this")
+    block = re.search(r"```bash\n(.*?)```", readme[intro:], flags=re.S).group(1)
+    assert _commands(block) == [script]
