@@ -287,7 +287,9 @@ def _describe(*parts: str) -> str:
             continue
         if text:
             text += " " if text.endswith(".") else ". "
-        text += part[0].upper() + part[1:]
+        if part.startswith(("sets ", "on its own", "see ")):  # this tool's own phrases
+            part = part[0].upper() + part[1:]
+        text += part
     return text
 
 
