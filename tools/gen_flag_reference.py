@@ -40,7 +40,7 @@ SCRIPT_ARGV = {"pretrain_hybrid.py": ["--hybrid-layer-pattern", "M"],
 # Tools with parsers of their own.
 TOOL_SCRIPTS = ("tools/preprocess_data.py", "tools/preprocess_sft_data.py",
                 "tools/train_tokenizer.py", "tools/checkpoint/convert.py",
-                "tools/prepare_cache.py", "tools/estimate_memory.py",
+                "tools/prepare_cache.py", "tools/estimate_memory.py", "tools/plan.py",
                 "tools/build_sequences_per_dataset.py", "tools/make_tiny_llama.py",
                 "tools/megatron_flag_audit.py")
 
