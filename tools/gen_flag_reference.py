@@ -40,7 +40,7 @@ SCRIPT_ARGV = {"pretrain_hybrid.py": ["--hybrid-layer-pattern", "M"],
 # Tools with parsers of their own.
 TOOL_SCRIPTS = ("tools/preprocess_data.py", "tools/preprocess_sft_data.py",
                 "tools/train_tokenizer.py", "tools/checkpoint/convert.py",
-                "tools/prepare_cache.py", "tools/estimate_memory.py",
+                "tools/prepare_cache.py", "tools/estimate_memory.py", "tools/plan.py",
                 "tools/build_sequences_per_dataset.py", "tools/make_tiny_llama.py",
                 "tools/megatron_flag_audit.py")
 
@@ -287,18 +287,26 @@ def _describe(*parts: str) -> str:
             continue
         if text:
             text += " " if text.endswith(".") else ". "
-        text += part[0].upper() + part[1:]
+        if part.startswith(("sets ", "on its own", "see ")):  # this tool's own phrases
+            part = part[0].upper() + part[1:]
+        text += part
     return text
 
 
 def _section_classes() -> Dict[str, type]:
-    """config section name -> its dataclass, from the Configs dataclass."""
-    import typing
+    """config section name -> its dataclass, from the fields of the Configs dataclass."""
+    import megatron_smp.config as config
 
     configs = flag_layer("Configs")
-    hints = typing.get_type_hints(configs)
-    return {field.name: hints[field.name] for field in dataclasses.fields(configs)
-            if dataclasses.is_dataclass(hints[field.name])}
+    module = sys.modules[configs.__module__]
+    classes = {}
+    for field in dataclasses.fields(configs):
+        kind = field.type
+        if isinstance(kind, str):  # postponed annotations: the name, in its module or config
+            kind = getattr(module, kind, None) or getattr(config, kind, None)
+        if kind is not None and dataclasses.is_dataclass(kind):
+            classes[field.name] = kind
+    return classes
 
 
 def _section_titles() -> Dict[str, str]:
