@@ -40,7 +40,7 @@ SCRIPT_ARGV = {"pretrain_hybrid.py": ["--hybrid-layer-pattern", "M"],
 # Tools with parsers of their own.
 TOOL_SCRIPTS = ("tools/preprocess_data.py", "tools/preprocess_sft_data.py",
                 "tools/train_tokenizer.py", "tools/checkpoint/convert.py",
-                "tools/prepare_cache.py", "tools/estimate_memory.py",
+                "tools/prepare_cache.py", "tools/estimate_memory.py", "tools/plan.py",
                 "tools/build_sequences_per_dataset.py", "tools/make_tiny_llama.py",
                 "tools/megatron_flag_audit.py")
 
@@ -89,16 +89,16 @@ def script_parser(script: str, argv: Sequence[str] = (),
 
 
 def flag_layer(name: str):
-    """The object `name` of the training flag layer (megatron_smp.training.arguments, or the
-    module of megatron_smp.training / megatron_smp.config that defines it)."""
-    import megatron_smp.training as training
-
-    candidates = ["megatron_smp.training.arguments"]
-    for package in ("megatron_smp.training", "megatron_smp.config"):
+    """The object `name` of the training flag layer (megatron_smp.training.arguments and its
+    modules, then the other modules of megatron_smp.training and megatron_smp.config)."""
+    candidates = []
+    for package in ("megatron_smp.training.arguments", "megatron_smp.training",
+                    "megatron_smp.config"):
+        candidates.append(package)
         root = importlib.import_module(package)
         if hasattr(root, "__path__"):
-            candidates += [f"{package}.{info.name}" for info in pkgutil.iter_modules(root.__path__)]
-    del training
+            candidates += [f"{package}.{info.name}"
+                           for info in pkgutil.iter_modules(root.__path__)]
     for candidate in candidates:
         try:
             found = importlib.import_module(candidate)
@@ -173,23 +173,28 @@ def _links(flag: str, mentions: Dict[str, List[Tuple[str, str, bool]]], limit: i
 
 
 def field_comments(cls) -> Dict[str, str]:
-    """field -> the comment its dataclass's source gives it (trailing, or the comment lines
-    right above it)."""
+    """field -> the comment the source of `cls` (or of the class of its MRO declaring the
+    field) gives it: a trailing comment, or the comment lines right above it."""
     import inspect
 
     comments: Dict[str, str] = {}
-    above: List[str] = []
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("#").strip())
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        above: List[str] = []
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
             continue
-        match = re.match(r"^\s{4}(\w+)\s*:[^=#]*(?:=[^#]*)?(?:#(.*))?$", line)
-        if match and not stripped.startswith(("def ", "@", "return")):
-            text = (match.group(2) or "").strip() or " ".join(above)
-            if text:
-                comments[match.group(1)] = text
-        above = []
+        for line in source.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            match = re.match(r"^\s{4}(\w+)\s*:[^=#]*(?:=[^#]*)?(?:#(.*))?$", line)
+            if match and not stripped.startswith(("def ", "@", "return")):
+                text = (match.group(2) or "").strip() or " ".join(above)
+                if text:
+                    comments[match.group(1)] = text
+            above = []
     return comments
 
 
@@ -282,18 +287,26 @@ def _describe(*parts: str) -> str:
             continue
         if text:
             text += " " if text.endswith(".") else ". "
-        text += part[0].upper() + part[1:]
+        if part.startswith(("sets ", "on its own", "see ")):  # this tool's own phrases
+            part = part[0].upper() + part[1:]
+        text += part
     return text
 
 
 def _section_classes() -> Dict[str, type]:
-    """config section name -> its dataclass, from the Configs dataclass."""
-    import typing
+    """config section name -> its dataclass, from the fields of the Configs dataclass."""
+    import megatron_smp.config as config
 
     configs = flag_layer("Configs")
-    hints = typing.get_type_hints(configs)
-    return {field.name: hints[field.name] for field in dataclasses.fields(configs)
-            if dataclasses.is_dataclass(hints[field.name])}
+    module = sys.modules[configs.__module__]
+    classes = {}
+    for field in dataclasses.fields(configs):
+        kind = field.type
+        if isinstance(kind, str):  # postponed annotations: the name, in its module or config
+            kind = getattr(module, kind, None) or getattr(config, kind, None)
+        if kind is not None and dataclasses.is_dataclass(kind):
+            classes[field.name] = kind
+    return classes
 
 
 def _section_titles() -> Dict[str, str]:
