@@ -1,6 +1,6 @@
 """Pretrain a hybrid model (Mamba-2, Gated DeltaNet, attention, MLP and MoE layers) with
 Megatron-LM main's flags: `--hybrid-layer-pattern "M-M*-..."` gives one symbol per layer and
-the layer count (Megatron's pretrain_hybrid.py; see README "Hybrid models")."""
+the layer count (Megatron's pretrain_hybrid.py; see docs/models.md "Hybrid models")."""
 import sys
 
 from megatron_smp.config import ConfigError

@@ -23,7 +23,7 @@
 #     5 GRPO steps to the last 5;
 #   * the greedy exact match on the 200 held-out sums does not fall by more than 0.02 from the
 #     SFT model's (GRPO without the KL term, at RL_LR 5e-4, raised the sampled reward
-#     0.43 -> 0.59 but lowered the greedy exact match 0.925 -> 0.805; see README for the
+#     0.43 -> 0.59 but lowered the greedy exact match 0.925 -> 0.805; see docs/fine-tuning.md for the
 #     measured curve with these settings).
 # The per-step curve and the greedy evaluations are printed.
 # Settings (environment): OUT (default runs/grpo_addition), DIGITS (1), SFT_EXAMPLES (4000),

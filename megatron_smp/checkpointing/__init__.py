@@ -50,6 +50,7 @@ from megatron_smp.checkpointing.iterations import (
     read_tracker,
     save_checkpoint,
     tracker_path,
+    wait_for_deletions,
 )
 from megatron_smp.checkpointing.rng import get_rng_state, set_rng_state
 
@@ -65,6 +66,7 @@ __all__ = [
     "complete_iterations",
     "checkpoint_dir",
     "tracker_path",
+    "wait_for_deletions",
     "get_rng_state",
     "set_rng_state",
     "sharded_state_dict",

@@ -12,6 +12,13 @@ in the finalize step, after the collective agreement) does rank 0 rename it to `
 then replace the tracker file atomically (write, fsync, os.replace, fsync the directory). A
 crash at any point leaves the tracker naming a complete checkpoint, and the loader never looks
 at `.incomplete` directories.
+
+With a retain interval (Megatron's --save-retain-interval), publishing iteration N also
+deletes the checkpoint the tracker named before it, P, unless P is a multiple of the interval
+(or P == N, or P is 0, or `iter_P` is a symbolic link): the newest checkpoint and every
+retained one stay. The deletion starts only after the tracker names N, so what a resume loads
+is never the directory being deleted; it runs on a background thread of rank 0
+(`wait_for_deletions` joins it).
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -147,6 +155,7 @@ def save_checkpoint(
     extra_files: Optional[Dict[str, Any]] = None,
     fully_parallel: bool = True,
     writer_backend: Optional[str] = "gloo",
+    retain_interval: Optional[int] = None,
 ) -> None:
     """Save `state_dict` (or what the callable returns) as iteration `iteration`; collective.
 
@@ -162,7 +171,9 @@ def save_checkpoint(
     `fully_parallel` ("torch_dist"): a tensor several ranks hold (replicated) is written by
     the rank with the least to write so far; False: always by the lowest of them (Megatron's
     --no-ckpt-fully-parallel-save). `writer_backend`: that of the process group the
-    asynchronous "torch_dist" writer uses (None: the default backend's).
+    asynchronous "torch_dist" writer uses (None: the default backend's). `retain_interval`:
+    once published, the tracker's previous checkpoint is deleted unless its iteration is a
+    multiple of it (see the module docstring).
     """
     if callable(state_dict):
         state_dict = state_dict()
@@ -179,7 +190,7 @@ def save_checkpoint(
     full_state_dict = dict(state_dict)
     if save_rng:
         full_state_dict[RNG_KEY] = {_rank_key(state.rank): rng_state_to_bytes(get_rng_state())}
-    finalize_fns = [lambda: _publish(save_dir, iteration, state)]
+    finalize_fns = [lambda: _publish(save_dir, iteration, state, retain_interval)]
     if finalize_fn is not None:
         finalize_fns.append(finalize_fn)
 
@@ -283,13 +294,16 @@ def _torch_save(payload: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _publish(save_dir: str, iteration: int, state) -> None:
-    """Collective, after every rank finished writing: rename into place, then the tracker."""
+def _publish(save_dir: str, iteration: int, state,
+             retain_interval: Optional[int] = None) -> None:
+    """Collective, after every rank finished writing: rename into place, then the tracker;
+    then (with `retain_interval`) the tracker's previous checkpoint is deleted unless kept."""
     final_dir = checkpoint_dir(save_dir, iteration)
 
     def rename() -> None:
         if state.rank != 0:
             return
+        previous = _tracked_iteration(save_dir) if retain_interval else None
         replaced = final_dir + REPLACED_SUFFIX
         if os.path.exists(final_dir):
             if os.path.exists(replaced):
@@ -300,8 +314,52 @@ def _publish(save_dir: str, iteration: int, state) -> None:
         write_file_atomically(tracker_path(save_dir), f"{iteration}\n")
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
+        if previous is not None and superseded(previous, iteration, retain_interval):
+            _delete_in_background(checkpoint_dir(save_dir, previous))
 
     _agreed(rename, f"publishing checkpoint {final_dir}")
+
+
+def superseded(previous: int, iteration: int, retain_interval: int) -> bool:
+    """Whether publishing `iteration` deletes the checkpoint of `previous`, the tracker's
+    before it (Megatron-LM's --save-retain-interval rule)."""
+    return previous > 0 and previous != iteration and previous % retain_interval != 0
+
+
+def _tracked_iteration(save_dir: str) -> Optional[int]:
+    """The tracker's iteration, None when there is none (or it names no iteration)."""
+    try:
+        with open(tracker_path(save_dir)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+_DELETIONS: List[threading.Thread] = []
+
+
+def _delete_in_background(directory: str) -> None:
+    """Remove a superseded checkpoint on a thread (a symbolic link is left alone, as in
+    Megatron-LM); a failure is reported, never raised: the checkpoint only stays."""
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return
+
+    def delete() -> None:
+        try:
+            shutil.rmtree(directory)
+        except OSError as error:
+            warnings.warn(f"could not delete superseded checkpoint {directory}: {error}")
+
+    _DELETIONS[:] = [thread for thread in _DELETIONS if thread.is_alive()]
+    thread = threading.Thread(target=delete, name="checkpoint-retention", daemon=True)
+    thread.start()
+    _DELETIONS.append(thread)
+
+
+def wait_for_deletions() -> None:
+    """Join the deletions of superseded checkpoints (local; a no-op off rank 0)."""
+    while _DELETIONS:
+        _DELETIONS.pop().join()
 
 
 # -- loading ----------------------------------------------------------------------------------

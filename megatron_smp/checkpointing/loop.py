@@ -8,7 +8,8 @@ a run checkpoints and its progress counters -- never the run itself:
     checkpointing.prepare_async_save(record)  # after the first step: warms --async-save's memory
     checkpointing.wait_for_staging(record)  # in train_step, before optimizer.step()
     checkpointing.poll(record)           # every iteration: publishes finished async saves
-    checkpointing.finalize(record)       # at exit: waits for the last async save
+    checkpointing.finalize(record)       # at exit: waits for the last async save (and the
+                                         # deletions of --save-retain-interval)
 
 A checkpoint holds (see megatron_smp.checkpointing.sharded_state for the tensors' form)
 
@@ -47,6 +48,7 @@ from megatron_smp.checkpointing import (
     read_tracker,
     save_checkpoint,
     tracker_path,
+    wait_for_deletions,
 )
 from megatron_smp.checkpointing.record import (
     PROGRESS_KEYS,
@@ -100,6 +102,15 @@ CHECKPOINT_ARGS_FIELDS = (
 
 def check_checkpoint_flags(config) -> None:
     """Checkpoint flags that contradict each other (pure; before any collective)."""
+    retain = config.save_retain_interval
+    if retain is not None:
+        # Megatron-LM asserts both (validate_args).
+        if retain <= 0:
+            raise ConfigError(f"--save-retain-interval must be positive, got {retain}")
+        if config.save and config.save_interval and retain % config.save_interval:
+            raise ConfigError(
+                f"--save-retain-interval {retain} must be a multiple of --save-interval "
+                f"{config.save_interval} (the retained checkpoints are among those saved)")
     if config.dist_ckpt_optim_fully_reshardable and config.ckpt_format == "torch":
         raise ConfigError(
             "--dist-ckpt-optim-fully-reshardable asks for an optimizer state that loads at any "
@@ -243,6 +254,7 @@ def save(record: CheckpointRecord) -> None:
                      else None),
         fully_parallel=config.ckpt_fully_parallel_save,
         writer_backend="gloo" if record.configs.parallel.use_gloo_process_groups else None,
+        retain_interval=config.save_retain_interval,
     )
     how = "scheduled for an asynchronous write" if config.async_save else "saved"
     _print_rank_0(record, f"checkpoint of iteration {record.iteration} {how} to {config.save} "
@@ -313,9 +325,11 @@ def poll(record: CheckpointRecord) -> None:
 
 
 def finalize(record: CheckpointRecord) -> None:
-    """Wait for the last asynchronous save and publish it (collective)."""
+    """Wait for the last asynchronous save and publish it (collective), and for the deletion
+    of checkpoints --save-retain-interval does not keep."""
     if record.configs.checkpoint.async_save:
         maybe_finalize_async_calls(blocking=True)
+    wait_for_deletions()
 
 
 # -- what is on disk --------------------------------------------------------------------------

@@ -136,6 +136,11 @@ _FLAGS: List[_Flag] = [
     _f("--yarn-correction-range-round-to-int", "model", action="store_true", default=None),
     _f("--no-yarn-correction-range-round-to-int", "model",
        "yarn_correction_range_round_to_int", action="store_false", default=None),
+    # Post-processed: YaRN with gpt-oss's values (Megatron-LM main's ModelOpt builder).
+    _f("--enable-gpt-oss", None, "enable_gpt_oss", action="store_true",
+       help="RoPE scaled by YaRN with gpt-oss's values (factor 32, original length 131072, "
+       "beta fast 32, slow 1, mscale 1, mscale-all-dim 0, unrounded correction range), over "
+       "the --position-embedding-type given"),
     # Model numerics (Megatron's semantics; see README "Model numerics flags").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
@@ -359,6 +364,10 @@ _FLAGS: List[_Flag] = [
     _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
     _f("--lion-beta1", "optimizer", type=float, default=0.95),
     _f("--lion-beta2", "optimizer", type=float, default=0.98),
+    _f("--no-use-layer-wise-param-layout", "optimizer", "use_layer_wise_param_layout",
+       action="store_false",
+       help="layer-wise distributed optimizer: keep every param whole in one rank's shard, "
+       "the scalar optimizer's too (Megatron-LM main's legacy layout)"),
     # Megatron-LM 0.19 / main flags of launch scripts written in 2026 (see
     # _apply_megatron_main_flags for what each does or why it is refused).
     _f("--disable-bf16-reduced-precision-matmul", None,
@@ -540,6 +549,8 @@ _FLAGS: List[_Flag] = [
     _f("--save", "checkpoint"),
     _f("--load", "checkpoint"),
     _f("--save-interval", "checkpoint", type=int),
+    _f("--save-retain-interval", "checkpoint", type=int,
+       help="keep only the checkpoints of multiples of this iteration count, and the newest"),
     _f("--no-load-optim", "checkpoint", action="store_true"),
     _f("--no-load-rng", "checkpoint", action="store_true"),
     _f("--no-save-optim", "checkpoint", action="store_true"),
@@ -638,9 +649,23 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
                                        "(Megatron defers it to overlap the pipeline's last "
                                        "backward); the same grad",
+    "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
+                                         "Engine's operation fuser builds fused kernels for the "
+                                         "same ops)",
+    "--export-force-local-attention": "Megatron-LM main (ModelOpt's model builder): its local "
+                                      "DotProductAttention instead of Transformer Engine's; "
+                                      "the same attention, here always SDPA",
     "--use-tp-pp-dp-mapping": "the order ranks are laid out in (tp-pp-dp instead of "
                               "tp-cp-ep-dp-pp): which ranks form each group, not what is "
                               "computed",
+}
+# Megatron-LM flags accepted and changing nothing in the absence of another flag, as in
+# Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
+# as "`--flag` without `--other`").
+IGNORED_WITHOUT: Dict[str, tuple] = {
+    "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
+                                   "(Megatron-LM accepts it there too); every other 1-D param "
+                                   "and bias stays undecayed"),
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -662,7 +687,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--start-eval-at-iter": "a first evaluation iteration other than --eval-interval's",
     "--freeze-all-layers": "freezing the whole model (LoRA, --lora-rank, freezes the base)",
     "--chat-template": "a custom jinja chat template (--sft uses the tokenizer's)",
-    "--save-retain-interval": "deleting checkpoints between retained ones",
     "--override-ckpt-iteration": "loading a checkpoint under another iteration number",
     "--moe-extended-tp": "extended expert tensor parallelism (Megatron-LM main removed it: use "
                          "--expert-tensor-parallel-size)",
@@ -688,9 +712,33 @@ _YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddin
                "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
 
 
-def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> None:
-    """Scaling flags without the RoPE they scale are an error, never silently unused."""
+# --enable-gpt-oss: the values Megatron-LM main sets on the model config (from Hugging Face's
+# gpt-oss configuration), whatever the position-embedding flags say.
+GPT_OSS_YARN = {
+    "position_embedding_type": "yarn",
+    "yarn_rotary_scaling_factor": 32.0,
+    "yarn_original_max_position_embeddings": 131072,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": False,
+}
+
+
+def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any],
+                              enable_gpt_oss: bool = False) -> None:
+    """Scaling flags without the RoPE they scale are an error, never silently unused;
+    --enable-gpt-oss sets YaRN's values itself (Megatron-LM overwrites any given)."""
     given = {token.split("=", 1)[0] for token in argv}
+    if enable_gpt_oss:
+        overridden = sorted(given & set(_YARN_FLAGS))
+        if overridden:
+            raise ConfigError(f"--enable-gpt-oss sets YaRN's values itself (Megatron-LM "
+                              f"overwrites {', '.join(overridden)}); drop them, or drop "
+                              "--enable-gpt-oss and give --position-embedding-type yarn")
+        model.update(GPT_OSS_YARN)
+        return
     llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
     if llama3 and not model.get("use_rope_scaling"):
         raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
@@ -1163,7 +1211,7 @@ def parse_args(
     training = sections["training"]
     _apply_hybrid_flags(args, model)
     _position_fields(args, model)
-    _check_rope_scaling_flags(argv, model)
+    _check_rope_scaling_flags(argv, model, args.enable_gpt_oss)
     _activation_fields(args, argv, model)
     _model_fields(args, argv, sections)
     _apply_optimizer_choice(args, sections["optimizer"], argv)
@@ -1228,9 +1276,6 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
     if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
         raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
     calculator = NumMicrobatchesCalculator(training, data_parallel_size)
-    if optimizer.apply_wd_to_qk_layernorm and not configs.model.qk_layernorm:
-        raise ConfigError("--apply-wd-to-qk-layernorm decays the --qk-layernorm weights; add "
-                          "--qk-layernorm, or drop it")
     for flag, value in (("--train-iters", training.train_iters),
                         ("--train-samples", training.train_samples)):
         if value is not None and calculator.train_iters(
@@ -1440,6 +1485,6 @@ def _validate_run_flags(configs: Configs) -> None:
 
 
 __all__ = [
-    "Configs", "IGNORED_FLAGS", "NOT_SUPPORTED_YET_FLAGS", "build_parser", "parse_args",
-    "validate_configs",
+    "Configs", "IGNORED_FLAGS", "IGNORED_WITHOUT", "NOT_SUPPORTED_YET_FLAGS", "build_parser",
+    "parse_args", "validate_configs",
 ]

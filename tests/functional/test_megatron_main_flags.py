@@ -1,7 +1,8 @@
 """Flags from Megatron-LM's current example scripts, each changing what it says:
 --init-model-with-meta-device (the same model, built on meta and materialised),
 --no-ckpt-fully-parallel-save (replicated tensors written by the lowest rank) and
---disable-gloo-process-groups (no gloo group besides the default backend's).
+--disable-gloo-process-groups (no gloo group besides the default backend's),
+--save-retain-interval (the checkpoints kept and deleted, with --async-save, on resume).
 (--step-batch-size-schedule is tested in tests/unit/training/test_rampup.py.)"""
 import os
 
@@ -112,3 +113,38 @@ def test_disable_gloo_process_groups_with_async_save_on_nccl_is_an_error():
         validate_configs(parse_args(argv), world_size=1)
     validate_configs(parse_args(argv[:-2]), world_size=1)  # a gloo job: fine
     validate_configs(parse_args([a for a in argv if a != "--async-save"]), world_size=1)
+
+
+def test_save_retain_interval_through_pretrain_async_and_on_resume(tmp_path):
+    """DP=2, --async-save, a save every iteration retaining multiples of 2: after 5
+    iterations iter 2, 4 and the newest (5) remain; resumed from 5 to 7, publishing 6 deletes
+    5 (the tracker's, loaded and done with) and 7 keeps 6; the resumed losses are the
+    uninterrupted run's."""
+    save = str(tmp_path / "ckpt")
+    flags = ["--save", save, "--save-interval", "1", "--save-retain-interval", "2",
+             "--async-save", "--lr-decay-iters", "7"]
+    first = ARGV + ["--train-iters", "5"] + flags
+    resumed = ARGV + ["--train-iters", "7", "--load", save] + flags
+    whole = ARGV + ["--train-iters", "7", "--lr-decay-iters", "7"]
+    results = run_distributed(_runs, 2, args=([(first, False), (resumed, False),
+                                               (whole, False)],))
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "iter_0000007", "latest_checkpointed_iteration.txt"]
+    for first_run, resumed_run, whole_run in results:
+        assert sorted(resumed_run["losses"]) == [6, 7]
+        for iteration, loss in {**first_run["losses"], **resumed_run["losses"]}.items():
+            assert loss == pytest.approx(whole_run["losses"][iteration], rel=1e-6)
+
+
+def test_save_retain_interval_errors():
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    argv = ARGV + ["--save", "ckpt", "--save-interval", "2"]
+    for retain, message in (("3", "multiple of --save-interval 2"), ("0", "must be positive")):
+        with pytest.raises(ConfigError, match=f"--save-retain-interval.*{message}"):
+            validate_configs(parse_args(argv + ["--save-retain-interval", retain]),
+                             world_size=1)
+    configs = parse_args(argv + ["--save-retain-interval", "4"])
+    validate_configs(configs, world_size=1)
+    assert configs.checkpoint.save_retain_interval == 4

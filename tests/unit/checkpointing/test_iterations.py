@@ -223,3 +223,72 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         assert load_checkpoint(template, save_dir, _single_state()) == 1
     assert tensors["weight"].tolist() == (torch.arange(8.0).reshape(4, 2)).tolist()
     assert template["args"] == PAYLOAD
+
+
+# -- --save-retain-interval -----------------------------------------------------------------
+
+
+def _saved(save_dir):
+    from megatron_smp.checkpointing import complete_iterations
+
+    return complete_iterations(save_dir)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_retain_interval_deletes_the_previous_checkpoint_unless_retained(tmp_path, async_save):
+    """Megatron-LM's rule: publishing N deletes the tracker's previous P unless P % interval
+    == 0. Saves every 10 iterations, retaining multiples of 30; the tracker's checkpoint (what
+    a resume loads) is complete and loadable after every save."""
+    from megatron_smp.checkpointing import (
+        load_checkpoint,
+        maybe_finalize_async_calls,
+        read_tracker,
+        save_checkpoint,
+        wait_for_deletions,
+    )
+
+    save_dir, state = str(tmp_path / "ckpt"), _single_state()
+    kept = []
+    for iteration in range(10, 80, 10):
+        state_dict, _ = _state_dict(0, 1, scale=iteration)
+        save_checkpoint(iteration, state_dict, save_dir, state, async_save=async_save,
+                        save_rng=False, retain_interval=30)
+        if async_save:
+            # Not yet published: the previous checkpoint is still there, and current.
+            assert iteration == 10 or read_tracker(save_dir) == iteration - 10
+            maybe_finalize_async_calls(blocking=True)
+        template, tensors = _state_dict(0, 1, scale=0)
+        assert load_checkpoint(template, save_dir, state, load_rng=False) == iteration
+        assert tensors["bias"].tolist() == [float(iteration)] * 3
+        wait_for_deletions()
+        kept.append(_saved(save_dir))
+    assert kept == [[10], [20], [30], [30, 40], [30, 50], [30, 60], [30, 60, 70]]
+
+
+def test_retain_interval_on_resume_same_iteration_and_symlinks(tmp_path):
+    """A run resumed from a directory saved without the flag deletes only the tracker's
+    checkpoint (the one it resumed from) when it publishes its next, never older ones;
+    saving the tracker's iteration again deletes nothing; a symbolic link is left alone."""
+    from megatron_smp.checkpointing import save_checkpoint, wait_for_deletions
+    from megatron_smp.checkpointing.iterations import superseded
+
+    save_dir, state = str(tmp_path / "ckpt"), _single_state()
+
+    def save(iteration, retain=20):
+        save_checkpoint(iteration, _state_dict(0, 1, scale=iteration)[0], save_dir, state,
+                        save_rng=False, retain_interval=retain)
+        wait_for_deletions()
+
+    for iteration in (5, 10, 15):  # the first run, without the flag
+        save(iteration, retain=None)
+    save(15)  # the same iteration again: kept
+    assert _saved(save_dir) == [5, 10, 15]
+    save(25)  # resumed from 15: 15 goes, 5 and 10 (never the tracker's) stay
+    assert _saved(save_dir) == [5, 10, 25]
+    # A symbolic link named as the previous checkpoint is not followed into.
+    target = tmp_path / "elsewhere"
+    os.rename(os.path.join(save_dir, "iter_0000025"), target)
+    os.symlink(target, os.path.join(save_dir, "iter_0000025"))
+    save(30)
+    assert _saved(save_dir) == [5, 10, 25, 30] and os.path.isdir(target)
+    assert [superseded(p, 50, 20) for p in (0, 20, 40, 50, 45)] == [False] * 4 + [True]

@@ -16,6 +16,14 @@ def _our_modules(statement: str):
 def test_import_config_is_cheap():
     modules = _our_modules("import megatron_smp.config")
     assert len(modules) <= 15, modules
+    assert all(m.startswith("megatron_smp.config") for m in modules[1:]), modules
+
+
+def test_import_config_does_not_import_torch():
+    code = "import sys, megatron_smp.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
 
 
 def test_indexed_dataset_imports_no_model_code():
