@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from megatron_smp.resilience.config import ResilienceConfig
+from megatron_smp.config import ResilienceConfig
 from megatron_smp.resilience.watchdog import (
     HANG_EXIT_CODE, ProgressIterator, ProgressWatchdog, format_thread_stack,
 )

@@ -41,7 +41,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-from megatron_smp.resilience.config import ResilienceConfig
+from megatron_smp.config import ResilienceConfig
+from megatron_smp.config.resilience import parse_section_timeouts
 
 # EX_TEMPFAIL: a temporary failure, the job should be retried (torchrun restarts on any
 # non-zero exit; the distinct code tells a hang from a crash in the launcher's summary).
@@ -103,7 +104,7 @@ class ProgressWatchdog:
         self.store, self.save_dir = store, save_dir
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._exit = exit
-        self.section_timeouts = config.section_timeouts()
+        self.section_timeouts = parse_section_timeouts(config.ft_rank_section_timeouts)
         self.out_of_section_timeout = config.ft_rank_out_of_section_timeout
         self._load_state()
         self._lock = threading.Lock()
@@ -387,11 +388,11 @@ class ProgressWatchdog:
             self._join_fault(winner)
             return
         self._log(report)
+        # The others read the report at their next heartbeat and stop themselves (with their
+        # stacks in the log), rather than die of closed connections; then the frozen ranks go.
+        time.sleep(2.5 * self.config.ft_heartbeat_interval)
         for rank, beat in self._silent:
             self._kill_if_local(rank, beat)
-        # The others read the report at their next heartbeat and stop themselves (with their
-        # stacks in the log), rather than die of this rank's closed connections.
-        time.sleep(2.5 * self.config.ft_heartbeat_interval)
         self._stop_job(None)
 
     def _kill_if_local(self, rank: int, beat: Optional[Dict[str, Any]]) -> None:

@@ -30,6 +30,7 @@ from megatron_smp.config import (
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
+    ResilienceConfig,
     TrainingConfig,
     TransformerConfig,
     not_supported,
@@ -39,7 +40,6 @@ from megatron_smp.checkpointing.loop import (
     check_checkpoint_flags,
     checkpoint_model_fields,
 )
-from megatron_smp.resilience.config import ResilienceConfig
 
 _SECTIONS = {
     "model": TransformerConfig,

@@ -190,8 +190,9 @@ def test_rank_blocked_in_its_data_loader_is_named(tmp_path, uninterrupted):
     job = Job(tmp_path, WATCHDOG + ["--save", save, "--load", save, "--save-interval", "4"],
               env={"TEST_BLOCK_DATA_AT": "1,30"}, max_restarts=1)
     try:
-        detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=240)
-        job.wait_for(r" iteration +\d+/", timeout=120, start=offset)
+        blocked, _ = job.wait_for(r" iteration +14/", timeout=240)
+        detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=60)
+        resumed, _ = job.wait_for(r" iteration +\d+/", timeout=120, start=offset)
     finally:
         code, output = job.finish()
     report = output[output.index("[watchdog] hang detected"):]
@@ -199,3 +200,5 @@ def test_rank_blocked_in_its_data_loader_is_named(tmp_path, uninterrupted):
     assert re.search(r"phase 'data', stack:\n(    .*\n)*.*in __getitem__\n +time.sleep\(3600\)",
                      report), report[:3000]
     _check_recovered(job, save, code, output, uninterrupted)
+    print(f"\ndata loader: detected {detected - blocked:.1f} s after iteration 14 was "
+          f"logged, first resumed iteration {resumed - blocked:.1f} s after it")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
 from megatron_smp.resilience import HANG_EXIT_CODE
-from megatron_smp.resilience.config import ResilienceConfig
+from megatron_smp.config import ResilienceConfig
 from megatron_smp.resilience.watchdog import (
     MIN_LEARNED_TIMEOUT_S, SAFETY_FACTOR, ProgressWatchdog,
 )

@@ -1,12 +1,12 @@
-"""The resilience flags, typed (Megatron-LM main's names): the progress watchdog
-(--enable-ft-package and its timeouts), the fault injector (--fault-injector-*) and the
-straggler report (--log-straggler). No torch import: the flag layer reads it."""
+"""ResilienceConfig: the progress watchdog (--enable-ft-package and its timeouts), the fault
+injector (--fault-injector-*) and the straggler report (--log-straggler), Megatron-LM main's
+flag names (megatron_smp/resilience reads it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from megatron_smp.config import ConfigError
+from megatron_smp.config.errors import ConfigError
 
 SECTIONS = ("setup", "step", "checkpointing")
 FAULT_TYPES = ("hang", "crash", "slow")
