@@ -30,6 +30,7 @@ from megatron_smp.config import (
     DataConfig,
     OptimizerConfig,
     ParallelConfig,
+    ResilienceConfig,
     TrainingConfig,
     TransformerConfig,
     not_supported,
@@ -47,6 +48,7 @@ _SECTIONS = {
     "training": TrainingConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "resilience": ResilienceConfig,
 }
 
 
@@ -483,6 +485,24 @@ _FLAGS: List[_Flag] = [
        action="store_false", default=True),
     _f("--rerun-mode", "training", choices=["disabled", "validate_results", "report_stats"],
        default="validate_results"),
+    # Resilience (megatron_smp/resilience): hang detection, fault injection, stragglers.
+    _f("--enable-ft-package", "resilience", action="store_true",
+       help="a progress watchdog per rank: a rank with no progress past its section's timeout "
+       "is named with its Python stack and the job exits with code 75 (torchrun "
+       "--max-restarts restarts it from the last checkpoint)"),
+    _f("--calc-ft-timeouts", "resilience", action="store_true",
+       help="learn the section timeouts from the run (5 x the longest seen, at least 30 s), "
+       "kept in <--save>/ft_state.json"),
+    _f("--ft-num-warmup-iters", "resilience", type=int, default=5,
+       help="iterations before each step is timed by the step timeout"),
+    _f("--ft-rank-section-timeouts", "resilience", metavar="SECTION:SECONDS,...",
+       default="setup:600,step:180,checkpointing:420",
+       help="the longest a rank may stay in each section (setup, step, checkpointing)"),
+    _f("--ft-rank-out-of-section-timeout", "resilience", type=float, default=300.0,
+       help="the longest a rank may stay between sections (warm-up steps, evaluation, logs)"),
+    _f("--ft-rank-heartbeat-timeout", "resilience", type=float, default=60.0,
+       help="a rank whose monitor thread sends no heartbeat this long is frozen or cut off"),
+    _f("--ft-heartbeat-interval", "resilience", type=float, default=1.0),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -993,6 +1013,7 @@ class Configs:
     args: argparse.Namespace
     # How validation names ParallelConfig fields the user set through --smp-config keys.
     setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data view (for checkpoint metadata and logs)."""
@@ -1348,6 +1369,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_feature_combinations(configs)
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
+    configs.resilience.validate(configs.checkpoint.save, world_size)
 
 
 def _validate_logging_flags(configs: Configs) -> None:
