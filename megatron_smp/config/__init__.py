@@ -27,6 +27,7 @@ from megatron_smp.config.optimizer import (
     OptimizerConfig,
 )
 from megatron_smp.config.parallel import CP_COMM_TYPES, FLAG_NAMES, ParallelConfig, name_of
+from megatron_smp.config.sections import SECTIONS, Configs
 from megatron_smp.config.training import TrainingConfig
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
     "HYBRID_STAGE_BREAK", "HYBRID_SYMBOLS", "LR_DECAY_STYLES", "LR_WSD_DECAY_STYLES",
     "MUON_COEFFICIENT_TYPES", "MUON_MATMUL_PRECISIONS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "NOT_SUPPORTED_YET", "PACKED_ATTENTION_BACKENDS", "RECOMPUTE_MODULES", "SOFTMAX_TYPES",
-    "CheckpointConfig", "ConfigError", "DataConfig", "OptimizerConfig", "ParallelConfig",
+    "SECTIONS", "CheckpointConfig", "ConfigError", "Configs", "DataConfig", "OptimizerConfig", "ParallelConfig",
     "TrainingConfig", "TransformerConfig", "name_of", "not_supported", "parse_moe_layer_freq",
     "recompute_modules",
 ]
