@@ -555,6 +555,23 @@ def build_parallel_state(
     )
 
 
+def local_parallel_state() -> ParallelState:
+    """A state of this rank alone (every size 1, every group this rank only), for a model
+    that one rank runs whole beside the job's layout (the draft model of speculative
+    decoding on the inference leader). Needs an initialised process group; only this rank
+    takes part in creating its groups."""
+    rank = dist.get_rank()
+    group = dist.new_group([rank], use_local_synchronization=True)
+    names = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "tp_cp", "ep", "expert_dp", "embedding")
+    return ParallelState(
+        config=ParallelConfig(), rank=rank, world_size=dist.get_world_size(),
+        device=default_device(), sizes={"tp": 1, "cp": 1, "dp": 1, "pp": 1},
+        coords={"tp": 0, "cp": 0, "dp": 0, "pp": 0},
+        groups={name: group for name in names},
+        group_ranks={name: [rank] for name in names},
+    )
+
+
 def destroy_parallel_state() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -569,6 +586,7 @@ def rank_zero_print(state: Optional[ParallelState], *args, **kwargs) -> None:
 __all__ = [
     "ParallelState",
     "build_parallel_state",
+    "local_parallel_state",
     "destroy_parallel_state",
     "init_process_group",
     "rank_groups",

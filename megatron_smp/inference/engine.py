@@ -33,7 +33,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_smp.config import ConfigError
 from megatron_smp.distributed.unwrap import unwrap_model
@@ -50,11 +49,17 @@ from megatron_smp.inference.kv_cache import (
 )
 from megatron_smp.inference.prefix_cache import PrefixCachingAllocator
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
-from megatron_smp.models.gpt import soft_cap_logits
-from megatron_smp.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
+from megatron_smp.inference.speculative import (
+    DraftModelRunner,
+    MTPDrafter,
+    SpeculativeConfig,
+    draft_generator,
+    ngram_propose,
+    pick_draft,
+    verify,
+    vocab_logits,
 )
+from megatron_smp.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
 @dataclass
@@ -79,6 +84,16 @@ class Request:
     stop_string: Optional[str] = None
     cached_tokens: int = 0  # prompt tokens read from shared prefix blocks (prefix caching)
     prompt_done: int = 0  # prompt tokens in the cache (cached, or computed by earlier chunks)
+    # Speculative decoding: the drafts for the next step (and, from a draft model, a sampled
+    # request's draft probabilities [k, V]); drafts verified and accepted so far.
+    drafts: List[int] = field(default_factory=list)
+    draft_probs: Optional[torch.Tensor] = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
 
     @property
     def finished(self) -> bool:
@@ -97,6 +112,17 @@ class _Plan:
     prompt_logprobs: List[bool]
     new_params: Dict[int, SamplingParams]
     finished_ids: List[int]
+    # Speculative decoding. Per request of request_ids: its drafts in this step (None: a
+    # prompt step); the draft probabilities of sampled requests (from a draft model);
+    # the seeds of new sampled requests that gave none (every rank's generators alike);
+    # for the prompt chunks after request_ids: their request ids and the prompt token after
+    # each chunk; the requests that speculate (MTP drafts are made for them).
+    num_drafts: List[Optional[int]] = field(default_factory=list)
+    draft_probs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    seeds: Dict[int, int] = field(default_factory=dict)
+    chunk_ids: List[int] = field(default_factory=list)
+    chunk_next: List[int] = field(default_factory=list)
+    speculating: List[int] = field(default_factory=list)
 
 
 def _group_ranks(group) -> List[int]:
@@ -166,6 +192,11 @@ class InferenceEngine(RequestIntake):
     whole (its own cache of whole requests, the attention without CP communication; the
     samples come from one rank, so the ranks agree): for a caller whose CP ranks hold the
     full weights for training (train_rl.py). Without it a CP layout is refused.
+    speculative: speculative decoding (`inference.speculative`): each decode step verifies
+    up to `num_speculative_tokens` drafts per request (n-gram lookup, the model's MTP layers,
+    or `draft_model`: a model sharing the vocabulary, used whole on the leader, built at
+    tensor / pipeline parallel size 1; other ranks may pass None). A request's
+    `SamplingParams.num_speculative_tokens` lowers it (0: plain decoding).
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
@@ -173,8 +204,9 @@ class InferenceEngine(RequestIntake):
                  block_size: int = 16, max_seq_length: Optional[int] = None, group=None,
                  stop_checker: Optional[Callable[[Request], Optional[str]]] = None,
                  prefix_caching: Optional[str] = None, max_step_tokens: Optional[int] = None,
-                 chunked_prefill: bool = False, replicate_context_parallel: bool = False
-                 ) -> None:
+                 chunked_prefill: bool = False, replicate_context_parallel: bool = False,
+                 speculative: Optional[SpeculativeConfig] = None,
+                 draft_model: Optional[torch.nn.Module] = None) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -237,6 +269,8 @@ class InferenceEngine(RequestIntake):
         self.sampler = ranks[flags.index(True)]
         self.group_size = len(ranks)
 
+        self._init_speculation(speculative, draft_model, num_blocks, block_size, max_requests)
+
         self._init_intake()
         self.running: List[Request] = []
         self.params: Dict[int, SamplingParams] = {}
@@ -245,6 +279,70 @@ class InferenceEngine(RequestIntake):
         self.steps = 0
         self.num_aborted = 0
         self.computed_tokens = 0  # tokens run through the model (prompts and decodes)
+        self.num_drafted = 0  # drafts verified, and accepted (speculative decoding)
+        self.num_accepted = 0
+        self.draft_generators: Dict[int, Optional[torch.Generator]] = {}
+        self._mtp_probs: Dict[int, torch.Tensor] = {}  # sampler: MTP drafts' q [k, V]
+
+    def _init_speculation(self, speculative, draft_model, num_blocks, block_size,
+                          max_requests) -> None:
+        self.speculative = speculative
+        self.draft_runner = None
+        self.mtp_drafter = None
+        if speculative is None:
+            if draft_model is not None:
+                raise ConfigError("inference: a draft model needs speculative decoding "
+                                  "(speculative_config method 'draft_model')")
+            return
+        speculative.validate()
+        if self.state_bytes_per_request:
+            raise ConfigError("speculative decoding: Mamba / Gated DeltaNet layers cannot take "
+                              "back rejected drafts (their state moves on); drop "
+                              "--speculative-config / --num-speculative-tokens for this model")
+        k = speculative.num_speculative_tokens
+        if any(kind is not None for kind in self.layout.kinds) and k > block_size:
+            raise ConfigError(
+                f"speculative decoding: num_speculative_tokens ({k}) above the block size "
+                f"({block_size}) with sliding-window layers (a ring could lose keys to "
+                "rejected drafts); lower it or raise --inference-dynamic-batching-block-size")
+        if speculative.method == "draft_model":
+            if draft_model is None and self.rank == self.leader:
+                raise ConfigError("speculative_config method 'draft_model' needs a draft "
+                                  "model (--speculative-draft-load)")
+            if draft_model is not None and self.rank == self.leader:
+                self.draft_runner = DraftModelRunner(draft_model, self.config.vocab_size,
+                                                     num_blocks, block_size, max_requests,
+                                                     self.device)
+        elif draft_model is not None:
+            raise ConfigError(f"speculative_config method {speculative.method!r} takes no "
+                              "draft model (method 'draft_model' does)")
+        if speculative.method == "mtp":
+            if not self.config.mtp_num_layers:
+                raise ConfigError("speculative_config method 'mtp' drafts with the model's "
+                                  "multi-token-prediction layers: the model has none "
+                                  "(--mtp-num-layers 0); use method 'ngram' or 'draft_model'")
+            if None not in self.layout.kinds:
+                raise ConfigError("speculative_config method 'mtp' needs a model with "
+                                  "full-attention layers (the MTP layers' keys use their "
+                                  "block tables)")
+            if self.state.is_pipeline_last_stage:
+                self.mtp_drafter = MTPDrafter(self.model)
+                for number, layer in zip(self.mtp_drafter.layer_numbers(),
+                                         self.mtp_drafter.layers):
+                    attention = layer.mtp_model_layer.self_attention
+                    if getattr(attention, "window_size", None) is not None:
+                        raise ConfigError("speculative_config method 'mtp': the MTP layers "
+                                          "must keep full attention")
+                self.cache.add_layers({number: layer.mtp_model_layer.self_attention
+                                       for number, layer in zip(
+                                           self.mtp_drafter.layer_numbers(),
+                                           self.mtp_drafter.layers)})
+
+    def speculation_report(self) -> Dict[str, float]:
+        """Drafts verified, accepted, and the acceptance rate so far (leader)."""
+        rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+        return {"drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
+                "acceptance_rate": rate}
 
     @property
     def is_leader(self) -> bool:
@@ -261,6 +359,16 @@ class InferenceEngine(RequestIntake):
         if any(not 0 <= int(t) < self.config.vocab_size for t in prompt):
             raise ConfigError(f"inference: prompt token ids must be in [0, "
                               f"{self.config.vocab_size})")
+        wanted = params.num_speculative_tokens
+        if wanted:
+            if self.speculative is None:
+                raise ConfigError("inference: num_speculative_tokens asked of an engine "
+                                  "started without speculative decoding "
+                                  "(--speculative-config / --num-speculative-tokens)")
+            if wanted > self.speculative.num_speculative_tokens:
+                raise ConfigError(
+                    f"inference: num_speculative_tokens {wanted} is above the engine's "
+                    f"{self.speculative.num_speculative_tokens}")
         total = len(prompt) + params.max_new_tokens
         if self.max_seq_length is not None and total > self.max_seq_length:
             raise ConfigError(
@@ -294,6 +402,8 @@ class InferenceEngine(RequestIntake):
         if request.slot is not None:
             self.state_slots.free([request.slot])
             request.slot = None
+        if self.draft_runner is not None:
+            self.draft_runner.release(request.request_id)
         if request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
@@ -310,28 +420,38 @@ class InferenceEngine(RequestIntake):
             self._aborts.clear()
             new_params = {}
             steps, wants, sampled, chunks = [], [], [], []
+            num_drafts, chunk_ids, chunk_next = [], [], []
             room = self.max_step_tokens  # decodes first, then prompts in order of arrival
+            decoding = [request for request in self.running if request.prefilled]
             if room is not None:
-                room -= sum(1 for request in self.running if request.prefilled)
+                room -= len(decoding)
+            drafts = self._propose(decoding, room)
+            if room is not None:
+                room -= sum(len(d) for d in drafts.values())
 
             def add(request: Request) -> None:
                 nonlocal room
                 if request.prefilled:
                     start = len(request.prompt) + len(request.output) - 1
-                    steps.append(StepRequest([request.output[-1]], start, request.blocks,
-                                             request.slot))
+                    proposed = drafts.get(request.request_id, [])
+                    steps.append(StepRequest([request.output[-1]] + proposed, start,
+                                             request.blocks, request.slot))
                     wants.append(False)
                     sampled.append(request.request_id)
+                    num_drafts.append(len(proposed))
                     return
                 step, room = self._prompt_step(request, room)
                 if step is None:
                     return
                 if request.prompt_done < len(request.prompt):
                     chunks.append(step)  # an earlier chunk: nothing to sample yet
+                    chunk_ids.append(request.request_id)
+                    chunk_next.append(request.prompt[request.prompt_done])
                     return
                 steps.append(step)
                 wants.append(request.params.prompt_logprobs)
                 sampled.append(request.request_id)
+                num_drafts.append(None)
 
             for request in self.running:
                 add(request)
@@ -340,6 +460,8 @@ class InferenceEngine(RequestIntake):
                 total = len(request.prompt) + request.params.max_new_tokens
                 needed = {kind: self.layout.blocks_needed(kind, total)
                           for kind in self.layout.kinds}
+                if self.draft_runner is not None and not self.draft_runner.can_admit(total):
+                    break  # the draft model's cache: a request's whole length too
                 if self.prefix_cache is not None:  # (its blocks less the shared prefix)
                     admitted = self.prefix_cache.admit(request.prompt, total,
                                                        not request.params.prompt_logprobs)
@@ -350,6 +472,8 @@ class InferenceEngine(RequestIntake):
                          for kind, count in needed.items()):
                     break  # first come first served: it waits for blocks to be freed
                 self.waiting.popleft()
+                if self.draft_runner is not None:
+                    self.draft_runner.admit(request.request_id, total)
                 request.blocks = {kind: self.allocators[kind].allocate(count)
                                   for kind, count in needed.items()}
                 if self.prefix_cache is not None:
@@ -359,7 +483,63 @@ class InferenceEngine(RequestIntake):
                 new_params[request.request_id] = request.params
                 add(request)
         finished, self._finished_ids = self._finished_ids, []
-        return _Plan(sampled, steps + chunks, wants, new_params, finished)
+        seeds = {request_id: int(torch.randint(0, 2**62, (1,)))
+                 for request_id, params in new_params.items()
+                 if not params.greedy and params.seed is None}
+        draft_probs = {}
+        for request_id in sampled:
+            request = self.requests[request_id]
+            if request.draft_probs is not None and drafts.get(request_id):
+                draft_probs[request_id] = request.draft_probs[:len(drafts[request_id])]
+        speculating = [r.request_id for r in self.running if self._speculation(r.params)]
+        return _Plan(sampled, steps + chunks, wants, new_params, finished, num_drafts,
+                     draft_probs, seeds, chunk_ids, chunk_next, speculating)
+
+    def _speculation(self, params: SamplingParams) -> int:
+        """Drafts a request asks for per step (0: it decodes plainly)."""
+        if self.speculative is None:
+            return 0
+        wanted = params.num_speculative_tokens
+        return self.speculative.num_speculative_tokens if wanted is None else wanted
+
+    def _propose(self, decoding: List[Request], room: Optional[int]) -> Dict[int, List[int]]:
+        """The drafts of this step's decoding requests (leader): at most what a request may
+        still emit less one (the verified step adds a token of its own), within the step's
+        token budget `room` (decodes first, in order)."""
+        if self.speculative is None:
+            return {}
+        method = self.speculative.method
+        wanted = {}
+        for request in decoding:
+            count = min(self._speculation(request.params),
+                        request.params.max_new_tokens - len(request.output) - 1)
+            if room is not None:
+                count = min(count, room)
+            if count > 0:
+                wanted[request.request_id] = count
+                if room is not None:
+                    room -= count
+        drafts = {}
+        if method == "ngram":
+            config = self.speculative
+            for request in decoding:
+                if request.request_id in wanted:
+                    drafts[request.request_id] = ngram_propose(
+                        request.prompt + request.output, wanted[request.request_id],
+                        config.prompt_lookup_max, config.prompt_lookup_min)
+        elif method == "mtp":
+            for request in decoding:
+                drafts[request.request_id] = request.drafts[:wanted.get(request.request_id, 0)]
+        else:
+            items = [(request.request_id, request.prompt + request.output,
+                      wanted[request.request_id], request.params,
+                      self.draft_generators.get(request.request_id))
+                     for request in decoding if request.request_id in wanted]
+            for (request_id, *_), (proposed, probs) in zip(
+                    items, self.draft_runner.propose(items) if items else []):
+                drafts[request_id] = proposed
+                self.requests[request_id].draft_probs = probs
+        return {request_id: d for request_id, d in drafts.items() if d}
 
     def _prompt_step(self, request: Request, room: Optional[int]):
         """(the step running the next piece of a request's prompt, or None while it waits for
@@ -401,27 +581,45 @@ class InferenceEngine(RequestIntake):
         for request_id in plan.finished_ids:  # the sampling state of requests that left
             self.params.pop(request_id, None)
             self.generators.pop(request_id, None)
+            self.draft_generators.pop(request_id, None)
+            self._mtp_probs.pop(request_id, None)
         for request_id, params in plan.new_params.items():
             self.params[request_id] = params
             generator = None
             if not params.greedy:
+                seed = params.seed if params.seed is not None else plan.seeds[request_id]
                 generator = torch.Generator()
-                generator.manual_seed(params.seed if params.seed is not None
-                                      else int(torch.randint(0, 2**62, (1,)).item()))
+                generator.manual_seed(seed)
+                if self.speculative is not None:  # the drafter draws from its own stream
+                    self.draft_generators[request_id] = draft_generator(
+                        params.replace(seed=seed))
             self.generators[request_id] = generator
         if not plan.steps:
             return []
         self.steps += 1
         self.computed_tokens += sum(len(step.tokens) for step in plan.steps)
-        results = self._forward(plan)
-        if self.sampler != self.leader:
+        results, context = self._forward(plan)
+        drafts = {}
+        if self.speculative is not None and self.speculative.method == "mtp" \
+                and plan.speculating:
+            # Every rank of the last stage runs the MTP layers over the accepted rows.
+            results = self._broadcast(results, self.sampler)
+            if self.mtp_drafter is not None:
+                drafts = self._mtp_propose(plan, results, context)
+            if self.sampler != self.leader:
+                drafts = self._broadcast(drafts, self.sampler)
+        elif self.sampler != self.leader:
             results = self._broadcast(results, self.sampler)
         if not self.is_leader:
             return []
-        return self._apply(plan, results)
+        return self._apply(plan, results, drafts)
 
     @torch.inference_mode()  # (not only no_grad: no view / version-counter tracking either)
     def _forward(self, plan: _Plan):
+        """(the sampler's results, per request of plan.request_ids: (its tokens, their
+        log-probs, their top alternatives, (prompt log-probs, their alternatives), drafts
+        accepted or None); on the last stage with MTP drafting (the step's final hidden
+        states [T, h], its StepBatch), else None)."""
         model, state = self.model, self.state
         pad_to = state.tp_size if self.sequence_parallel else 1
         batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
@@ -436,14 +634,20 @@ class InferenceEngine(RequestIntake):
         hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
         if not state.is_pipeline_last_stage:
             dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
-            return None
-        if not plan.request_ids:  # only prompt chunks (chunked prefill): nothing to sample
-            return []
+            return None, None
+        drafting = self.mtp_drafter is not None and bool(plan.speculating)
+        if not plan.request_ids and not drafting:  # only prompt chunks: nothing to sample
+            return [], None
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, state.tp_group, False)
+        context = (hidden[:, 0], batch) if drafting else None
+        if not plan.request_ids:
+            return [], context
+        num_drafts = plan.num_drafts or [None] * len(plan.request_ids)
         rows, spans = [], []
-        for request_rows, want in zip(batch.request_rows, plan.prompt_logprobs):
-            chosen = request_rows if want else request_rows[-1:]
+        for request_rows, want, drafted in zip(batch.request_rows, plan.prompt_logprobs,
+                                               num_drafts):
+            chosen = request_rows if (want or drafted) else request_rows[-1:]
             spans.append((len(rows), len(chosen)))
             rows.extend(chosen)
         if rows == list(range(len(rows))):  # a decode step: every row, in order (no gather)
@@ -451,41 +655,96 @@ class InferenceEngine(RequestIntake):
         else:
             logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
         if self.rank != self.sampler:
-            return None
-        last = logits
-        if len(rows) != len(spans):  # rows for prompt log-probs too: each request's last
-            last = logits[torch.tensor([start + count - 1 for start, count in spans],
-                                       device=logits.device)]
+            return None, context
         params = [self.params[i] for i in plan.request_ids]
-        tokens_out, chosen, alternatives = sample(
-            last, params, [self.generators[i] for i in plan.request_ids])
+        plain = [index for index, drafted in enumerate(num_drafts) if not drafted]
+        sampled = {}
+        if plain:
+            last = logits[torch.tensor([spans[i][0] + spans[i][1] - 1 for i in plain],
+                                       device=logits.device)]
+            for index, token, chosen, alternatives in zip(plain, *sample(
+                    last, [params[i] for i in plain],
+                    [self.generators[plan.request_ids[i]] for i in plain])):
+                sampled[index] = ([token], [chosen], [alternatives], None)
         results = []
         for index, (request_id, step) in enumerate(zip(plan.request_ids, plan.steps)):
+            start, count = spans[index]
+            if index not in sampled:  # verify the drafts: 1 .. k + 1 tokens
+                request_logits = logits[start:start + count]
+                probs = plan.draft_probs.get(request_id, self._mtp_probs.get(request_id))
+                emitted, accepted = verify(
+                    request_logits, step.tokens[1:], params[index],
+                    None if probs is None else probs[:count - 1],
+                    self.generators[request_id])
+                logprobs = torch.log_softmax(request_logits[:len(emitted)].float(), dim=-1)
+                chosen = logprobs.gather(1, torch.tensor(emitted, device=logprobs.device)[
+                    :, None])[:, 0].tolist()
+                alternatives = top_logprobs(logprobs, params[index].logprobs)
+                sampled[index] = (emitted, chosen, alternatives, accepted)
             prompt_lp = prompt_top = None
             if plan.prompt_logprobs[index]:
-                start, count = spans[index]
                 logprobs = torch.log_softmax(logits[start:start + count - 1].float(), dim=-1)
                 targets = torch.tensor(step.tokens[1:], device=logprobs.device)
                 prompt_lp = [None] + logprobs.gather(1, targets[:, None])[:, 0].tolist()
                 prompt_top = [[]] + top_logprobs(logprobs, params[index].logprobs)
-            results.append((tokens_out[index], chosen[index], alternatives[index],
-                            (prompt_lp, prompt_top)))
-        return results
+            emitted, chosen, alternatives, accepted = sampled[index]
+            results.append((emitted, chosen, alternatives, (prompt_lp, prompt_top), accepted))
+        return results, context
+
+    def _mtp_propose(self, plan: _Plan, results, context) -> Dict[int, List[int]]:
+        """The next step's drafts of the speculating requests from the MTP layers (every
+        rank of the last stage; the sampler keeps a sampled request's q)."""
+        hidden, batch = context
+        speculating = set(plan.speculating)
+        items, owners = [], []
+        for index, request_id in enumerate(plan.request_ids):
+            if request_id not in speculating:
+                continue
+            step, first = plan.steps[index], batch.request_rows[index][0]
+            emitted = results[index][0]
+            if plan.num_drafts[index] is None:  # a prompt: every row, then its first token
+                after = step.tokens[1:] + emitted[:1]
+            else:  # the accepted rows, each followed by the token emitted after it
+                after = emitted
+            items.append((hidden[first:first + len(after)], step.start, after, step.blocks,
+                          self._speculation(self.params[request_id])))
+            owners.append(request_id)
+        for chunk, request_id in enumerate(plan.chunk_ids):
+            if request_id not in speculating:
+                continue
+            index = len(plan.request_ids) + chunk
+            step, first = plan.steps[index], batch.request_rows[index][0]
+            after = step.tokens[1:] + [plan.chunk_next[chunk]]
+            items.append((hidden[first:first + len(after)], step.start, after, step.blocks, 0))
+            owners.append(request_id)
+        if not items:
+            return {}
+        probs: Dict[int, List[torch.Tensor]] = {}
+
+        def pick(item: int, logits: torch.Tensor) -> int:
+            request_id = owners[item]
+            token, q = pick_draft(logits, self.params[request_id],
+                                  self.draft_generators.get(request_id))
+            if q is not None:
+                probs.setdefault(request_id, []).append(q)
+            return token
+
+        pad_to = self.state.tp_size if self.sequence_parallel else 1
+        drafts = self.mtp_drafter.propose(self.cache, items, pick, pad_to,
+                                          self.sequence_parallel)
+        for request_id in owners:
+            self._mtp_probs.pop(request_id, None)
+        self._mtp_probs.update({request_id: torch.stack(q) for request_id, q in probs.items()})
+        return {request_id: d for request_id, d in zip(owners, drafts) if d}
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, h] -> logits [R, vocab] (this rank's vocabulary shard, gathered)."""
-        layer = self.model.output_layer
-        weight = layer.weight if layer.weight is not None \
-            else self.model.embedding.word_embeddings.weight
-        logits = soft_cap_logits(F.linear(hidden, weight, layer.bias),
-                                 self.config.final_logit_softcapping)
-        logits = gather_from_tensor_model_parallel_region(logits, self.state.tp_group)
-        return logits[:, : self.config.vocab_size]
+        return vocab_logits(self.model, hidden, self.state.tp_group)
 
-    def _apply(self, plan: _Plan, results) -> List[Request]:
+    def _apply(self, plan: _Plan, results, drafts: Dict[int, List[int]]) -> List[Request]:
         advanced = []
-        for request_id, (token, logprob, alternatives, prompt) in zip(plan.request_ids,
-                                                                       results):
+        for index, (request_id, (tokens, logprobs, alternatives, prompt, accepted)) in \
+                enumerate(zip(plan.request_ids, results)):
             request = self.requests.get(request_id)
             if request is None:
                 continue
@@ -498,16 +757,27 @@ class InferenceEngine(RequestIntake):
             if params.max_new_tokens == 0:
                 self._finish(request, "length")
                 continue
-            request.output.append(token)
-            request.logprobs.append(logprob)
-            request.top_logprobs.append(alternatives)
-            if token in params.stop_token_ids:
-                self._finish(request, "stop")
-            elif params.stop and self.stop_checker is not None and self.stop_checker(request):
-                request.stop_string = self.stop_checker(request)
-                self._finish(request, "stop")
-            elif len(request.output) >= params.max_new_tokens:
-                self._finish(request, "length")
+            if accepted is not None:
+                drafted = plan.num_drafts[index]
+                request.num_drafted += drafted
+                request.num_accepted += accepted
+                self.num_drafted += drafted
+                self.num_accepted += accepted
+            request.drafts = drafts.get(request_id, [])
+            for token, logprob, top in zip(tokens, logprobs, alternatives):
+                request.output.append(token)
+                request.logprobs.append(logprob)
+                request.top_logprobs.append(top)
+                if token in params.stop_token_ids:
+                    self._finish(request, "stop")
+                elif params.stop and self.stop_checker is not None \
+                        and self.stop_checker(request):
+                    request.stop_string = self.stop_checker(request)
+                    self._finish(request, "stop")
+                elif len(request.output) >= params.max_new_tokens:
+                    self._finish(request, "length")
+                if request.finished:
+                    break
         return advanced
 
     # Drivers ------------------------------------------------------------------------------------

@@ -185,6 +185,7 @@ class PagedKVCache:
                  device: torch.device) -> None:
         self.layout = layout
         self.block_size = layout.block_size
+        self.dtype, self.device = dtype, device
         self.pools: Dict[int, Tuple[torch.Tensor, ...]] = {}
         self.scratch_slot: Dict[Kind, int] = {
             kind: count * self.block_size for kind, count in layout.num_blocks.items()}
@@ -203,6 +204,18 @@ class PagedKVCache:
                                       device=device)
                           for shape, state_dtype in mixer.state_shapes())
             for number, mixer in recurrent_layers(model).items()}
+
+    def add_layers(self, attentions: Dict[int, torch.nn.Module]) -> None:
+        """Pools for more full-attention layers by global number (the multi-token-prediction
+        layers that draft for speculative decoding), on the full-attention block tables."""
+        for number, attention in attentions.items():
+            self.layout.layer_kind[number] = None
+            slots = self.scratch_slot[None] + 1
+            shapes = [(slots, attention.kv_lora_rank + attention.pos_dim)] \
+                if is_latent(attention) else \
+                [(slots, attention.num_groups_per_partition, attention.head_dim)] * 2
+            self.pools[number] = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                       for shape in shapes)
 
     def allocated_bytes(self) -> int:
         """Bytes of the token slots (the scratch slots not counted) and the state slots."""

@@ -24,7 +24,8 @@ class SamplingParams:
     (cut from the text by the caller) or after `max_new_tokens`. `logprobs`: how many top
     alternatives to report per generated token (0: only the chosen token's log-prob);
     `prompt_logprobs`: the log-prob of every prompt token after the first (and its top
-    `logprobs` alternatives)."""
+    `logprobs` alternatives). `num_speculative_tokens`: drafts per step for this request in
+    an engine that speculates (None: the engine's number; 0: plain decoding)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -35,6 +36,7 @@ class SamplingParams:
     stop: List[str] = field(default_factory=list)
     logprobs: int = 0
     prompt_logprobs: bool = False
+    num_speculative_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +56,10 @@ class SamplingParams:
             (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
              "logprobs must be an integer in [0, 20]"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (self.num_speculative_tokens is None or (
+                isinstance(self.num_speculative_tokens, int)
+                and self.num_speculative_tokens >= 0),
+             "num_speculative_tokens must be an integer >= 0 (0: no speculation)"),
         ]
         for ok, message in checks:
             if not ok:

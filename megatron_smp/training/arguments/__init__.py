@@ -13,6 +13,7 @@ from megatron_smp.training.arguments.compat import HYBRID_SPECS, hybrid_pattern_
 from megatron_smp.training.arguments.flags import (
     _FLAGS,
     IGNORED_FLAGS,
+    IGNORED_WITHOUT,
     NOT_SUPPORTED_YET_FLAGS,
     build_parser,
 )
@@ -20,6 +21,6 @@ from megatron_smp.training.arguments.parse import parse_args
 from megatron_smp.training.arguments.validation import validate_configs
 
 __all__ = [
-    "Configs", "HYBRID_SPECS", "IGNORED_FLAGS", "NOT_SUPPORTED_YET_FLAGS", "_FLAGS",
+    "Configs", "HYBRID_SPECS", "IGNORED_FLAGS", "IGNORED_WITHOUT", "NOT_SUPPORTED_YET_FLAGS", "_FLAGS",
     "build_parser", "hybrid_pattern_given", "parse_args", "validate_configs",
 ]

@@ -27,9 +27,33 @@ _YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddin
                "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
 
 
-def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any]) -> None:
-    """Scaling flags without the RoPE they scale are an error, never silently unused."""
+# --enable-gpt-oss: the values Megatron-LM main sets on the model config (from Hugging Face's
+# gpt-oss configuration), whatever the position-embedding flags say.
+GPT_OSS_YARN = {
+    "position_embedding_type": "yarn",
+    "yarn_rotary_scaling_factor": 32.0,
+    "yarn_original_max_position_embeddings": 131072,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": False,
+}
+
+
+def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any],
+                              enable_gpt_oss: bool = False) -> None:
+    """Scaling flags without the RoPE they scale are an error, never silently unused;
+    --enable-gpt-oss sets YaRN's values itself (Megatron-LM overwrites any given)."""
     given = {token.split("=", 1)[0] for token in argv}
+    if enable_gpt_oss:
+        overridden = sorted(given & set(_YARN_FLAGS))
+        if overridden:
+            raise ConfigError(f"--enable-gpt-oss sets YaRN's values itself (Megatron-LM "
+                              f"overwrites {', '.join(overridden)}); drop them, or drop "
+                              "--enable-gpt-oss and give --position-embedding-type yarn")
+        model.update(GPT_OSS_YARN)
+        return
     llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
     if llama3 and not model.get("use_rope_scaling"):
         raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "

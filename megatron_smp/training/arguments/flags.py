@@ -109,6 +109,11 @@ _FLAGS: List[_Flag] = [
     _f("--yarn-correction-range-round-to-int", "model", action="store_true", default=None),
     _f("--no-yarn-correction-range-round-to-int", "model",
        "yarn_correction_range_round_to_int", action="store_false", default=None),
+    # Post-processed: YaRN with gpt-oss's values (Megatron-LM main's ModelOpt builder).
+    _f("--enable-gpt-oss", None, "enable_gpt_oss", action="store_true",
+       help="RoPE scaled by YaRN with gpt-oss's values (factor 32, original length 131072, "
+       "beta fast 32, slow 1, mscale 1, mscale-all-dim 0, unrounded correction range), over "
+       "the --position-embedding-type given"),
     # Model numerics (Megatron's semantics; see README "Model numerics flags").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
@@ -332,6 +337,10 @@ _FLAGS: List[_Flag] = [
     _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
     _f("--lion-beta1", "optimizer", type=float, default=0.95),
     _f("--lion-beta2", "optimizer", type=float, default=0.98),
+    _f("--no-use-layer-wise-param-layout", "optimizer", "use_layer_wise_param_layout",
+       action="store_false",
+       help="layer-wise distributed optimizer: keep every param whole in one rank's shard, "
+       "the scalar optimizer's too (Megatron-LM main's legacy layout)"),
     # Megatron-LM 0.19 / main flags of launch scripts written in 2026 (see
     # _apply_megatron_main_flags for what each does or why it is refused).
     _f("--disable-bf16-reduced-precision-matmul", None,
@@ -595,9 +604,23 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
                                        "(Megatron defers it to overlap the pipeline's last "
                                        "backward); the same grad",
+    "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
+                                         "Engine's operation fuser builds fused kernels for the "
+                                         "same ops)",
+    "--export-force-local-attention": "Megatron-LM main (ModelOpt's model builder): its local "
+                                      "DotProductAttention instead of Transformer Engine's; "
+                                      "the same attention, here always SDPA",
     "--use-tp-pp-dp-mapping": "the order ranks are laid out in (tp-pp-dp instead of "
                               "tp-cp-ep-dp-pp): which ranks form each group, not what is "
                               "computed",
+}
+# Megatron-LM flags accepted and changing nothing in the absence of another flag, as in
+# Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
+# as "`--flag` without `--other`").
+IGNORED_WITHOUT: Dict[str, tuple] = {
+    "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
+                                   "(Megatron-LM accepts it there too); every other 1-D param "
+                                   "and bias stays undecayed"),
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",

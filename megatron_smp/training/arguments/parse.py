@@ -75,7 +75,7 @@ def parse_args(
     training = sections["training"]
     _apply_hybrid_flags(args, model)
     _position_fields(args, model)
-    _check_rope_scaling_flags(argv, model)
+    _check_rope_scaling_flags(argv, model, args.enable_gpt_oss)
     _activation_fields(args, argv, model)
     _model_fields(args, argv, sections)
     _apply_optimizer_choice(args, sections["optimizer"], argv)

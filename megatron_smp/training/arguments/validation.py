@@ -30,9 +30,6 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
     if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
         raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
     calculator = NumMicrobatchesCalculator(training, data_parallel_size)
-    if optimizer.apply_wd_to_qk_layernorm and not configs.model.qk_layernorm:
-        raise ConfigError("--apply-wd-to-qk-layernorm decays the --qk-layernorm weights; add "
-                          "--qk-layernorm, or drop it")
     for flag, value in (("--train-iters", training.train_iters),
                         ("--train-samples", training.train_samples)):
         if value is not None and calculator.train_iters(

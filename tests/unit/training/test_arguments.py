@@ -226,10 +226,15 @@ def _library_sources():
 def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     """Walk the parser's whole table: each flag fills a config field that code outside the
     flag layer reads, or is post-processed in parse_args, or is on the documented ignore list
-    (docs/migrating-from-megatron.md's table, kept equal to IGNORED_FLAGS)."""
+    (docs/flags.md's table, generated from IGNORED_FLAGS)."""
     import re
 
-    from megatron_smp.training.arguments import _FLAGS, IGNORED_FLAGS, build_parser
+    from megatron_smp.training.arguments import (
+        _FLAGS,
+        IGNORED_FLAGS,
+        IGNORED_WITHOUT,
+        build_parser,
+    )
 
     root, sources = _library_sources()
     arguments_source = "\n".join(sources.pop(path) for path in sorted(sources)
@@ -261,11 +266,15 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     accepted = {a for action in build_parser()._actions for a in action.option_strings}
     table = {spec.flag for spec in _FLAGS} | set(IGNORED_FLAGS) | {"-h", "--help"}
     assert accepted == table
-    readme = (root / "docs" / "migrating-from-megatron.md").read_text()
+    readme = (root / "docs" / "flags.md").read_text()
     table_start = readme.index("| flag | why it changes nothing here |")
     ignored_table = readme[table_start:readme.index("\n\n", table_start)]
     documented = set(re.findall(r"^\| `(--[\w-]+)` \|", ignored_table, flags=re.M))
     assert documented == set(IGNORED_FLAGS), (documented ^ set(IGNORED_FLAGS))
+    # Flags that change nothing without another: "| `--flag` without `--other` | reason |".
+    without = {flag: (other, reason) for flag, other, reason in re.findall(
+        r"^\| `(--[\w-]+)` without `(--[\w-]+)` \| (.*) \|$", ignored_table, flags=re.M)}
+    assert without == IGNORED_WITHOUT
 
 
 def test_hidden_size_not_divisible_by_heads_needs_kv_channels():
