@@ -10,6 +10,7 @@ from megatron_smp.config.data import DataConfig
 from megatron_smp.config.model import TransformerConfig
 from megatron_smp.config.optimizer import OptimizerConfig
 from megatron_smp.config.parallel import ParallelConfig
+from megatron_smp.config.resilience import ResilienceConfig
 from megatron_smp.config.training import TrainingConfig
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ SECTIONS = {
     "training": TrainingConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "resilience": ResilienceConfig,
 }
 
 
@@ -41,6 +43,7 @@ class Configs:
     args: argparse.Namespace
     # How validation names ParallelConfig fields the user set through --smp-config keys.
     setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data view (for checkpoint metadata and logs)."""

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.parallel_state import new_group
 from megatron_smp.inference.engine import InferenceEngine, Request, RequestIntake
 from megatron_smp.inference.sampling import SamplingParams
 
@@ -60,11 +61,11 @@ class DataParallelEngine(RequestIntake):
         self.rank = dist.get_rank()
         local = None
         for members in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(members)
+            group = new_group(members)
             if self.rank in members:
                 local, self.replica = group, groups.index(members)
         self.leaders = [members[0] for members in groups]
-        self.leader_group = dist.new_group(self.leaders)
+        self.leader_group = new_group(self.leaders)
         self.engine = make_engine(local)
         self.num_replicas = len(groups)
         self.coordinator = self.leaders[0]

@@ -234,8 +234,14 @@ _FLAGS: List[_Flag] = [
        default=0.0),
     _f("--moe-z-loss-coeff", "model", type=float),
     _f("--moe-input-jitter-eps", "model", type=float),
-    _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall"],
+    _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall", "flex"],
        default="allgather"),
+    _f("--moe-flex-dispatcher-backend", "model", choices=["deepep", "hybridep", "ncclep"],
+       default="deepep",
+       help="the fused kernel Megatron-LM runs the flex dispatcher's exchange with; here "
+       "torch.distributed's all-to-all, the same routing"),
+    # Post-processed: Megatron-LM main's deprecated spelling of the deepep backend.
+    _f("--moe-enable-deepep", None, "moe_enable_deepep", action="store_true"),
     _f("--moe-expert-capacity-factor", "model", type=float),
     _f("--moe-pad-expert-input-to-capacity", "model", action="store_true"),
     _f("--moe-token-drop-policy", "model", choices=["probs", "position"], default="probs"),
@@ -452,6 +458,24 @@ _FLAGS: List[_Flag] = [
        action="store_false", default=True),
     _f("--rerun-mode", "training", choices=["disabled", "validate_results", "report_stats"],
        default="validate_results"),
+    # Resilience (megatron_smp/resilience): hang detection, fault injection, stragglers.
+    _f("--enable-ft-package", "resilience", action="store_true",
+       help="a progress watchdog per rank: a rank with no progress past its section's timeout "
+       "is named with its Python stack and the job exits with code 75 (torchrun "
+       "--max-restarts restarts it from the last checkpoint)"),
+    _f("--calc-ft-timeouts", "resilience", action="store_true",
+       help="learn the section timeouts from the run (5 x the longest seen, at least 30 s), "
+       "kept in <--save>/ft_state.json"),
+    _f("--ft-num-warmup-iters", "resilience", type=int, default=5,
+       help="iterations before each step is timed by the step timeout"),
+    _f("--ft-rank-section-timeouts", "resilience", metavar="SECTION:SECONDS,...",
+       default="setup:600,step:180,checkpointing:420",
+       help="the longest a rank may stay in each section (setup, step, checkpointing)"),
+    _f("--ft-rank-out-of-section-timeout", "resilience", type=float, default=300.0,
+       help="the longest a rank may stay between sections (warm-up steps, evaluation, logs)"),
+    _f("--ft-rank-heartbeat-timeout", "resilience", type=float, default=60.0,
+       help="a rank whose monitor thread sends no heartbeat this long is frozen or cut off"),
+    _f("--ft-heartbeat-interval", "resilience", type=float, default=1.0),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -604,6 +628,22 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
                                        "(Megatron defers it to overlap the pipeline's last "
                                        "backward); the same grad",
+    # The flex dispatcher's kernels (Megatron-LM main; see --moe-flex-dispatcher-backend).
+    "--moe-flex-dispatcher-num-sms": "GPU streaming multiprocessors the flex dispatcher's "
+                                     "kernels may use: how fast, not what they exchange",
+    "--moe-deepep-num-sms": "deprecated spelling of --moe-flex-dispatcher-num-sms",
+    "--moe-hybridep-num-sms": "deprecated spelling of --moe-flex-dispatcher-num-sms",
+    "--moe-hybridep-num-sms-preprocessing": "GPU multiprocessors of HybridEP's preprocessing "
+                                            "kernel",
+    "--moe-hybridep-num-blocks-permute": "thread blocks of HybridEP's fused permute kernel",
+    "--moe-hybridep-num-blocks-unpermute": "thread blocks of HybridEP's fused unpermute kernel",
+    "--moe-permute-fusion-into-hybridep": "kernel fusion choice (token permutation inside "
+                                          "HybridEP's dispatch kernel)",
+    "--moe-hybridep-pad-uneven-dispatch-inputs": "HybridEP's kernels need equal inputs per "
+                                                 "rank; the all-to-all here takes uneven "
+                                                 "counts as they are",
+    "--moe-ncclep-zero-copy": "NCCL-EP's symmetric-memory IO path: where the exchanged rows "
+                              "are buffered, not which",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -623,7 +663,10 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
+_IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+                       "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
+                       "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
+                       "--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
                        "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 

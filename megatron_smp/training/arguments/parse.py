@@ -78,6 +78,15 @@ def parse_args(
     _check_rope_scaling_flags(argv, model, args.enable_gpt_oss)
     _activation_fields(args, argv, model)
     _model_fields(args, argv, sections)
+    if args.moe_enable_deepep:
+        # Megatron-LM main's deprecated switch, with its checks.
+        if model.get("moe_token_dispatcher_type") != "flex":
+            raise ConfigError("--moe-enable-deepep: DeepEP is only supported with "
+                              "--moe-token-dispatcher-type flex")
+        if model.get("moe_flex_dispatcher_backend", "deepep") != "deepep":
+            raise ConfigError("--moe-enable-deepep with --moe-flex-dispatcher-backend "
+                              f"{model['moe_flex_dispatcher_backend']}: give one backend")
+        model["moe_flex_dispatcher_backend"] = "deepep"
     _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
     _apply_megatron_main_flags(args, sections)

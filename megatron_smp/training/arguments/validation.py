@@ -89,6 +89,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_feature_combinations(configs)
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
+    configs.resilience.validate(configs.checkpoint.save, world_size)
 
 
 def _validate_logging_flags(configs: Configs) -> None:
