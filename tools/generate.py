@@ -13,7 +13,9 @@ An input line is {"prompt": "text"}, {"prompt_ids": [ids]} or {"messages": [{"ro
 own "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (strings). An output
 line, in input order: {"index", "prompt" (as given), "completion" (text, cut at a stop
 string), "tokens" (generated ids), "logprobs" (theirs), "finish_reason"}. Requests run through
-the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`); with
+the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`;
+speculative decoding with `--speculative-config` or `--num-speculative-tokens`, its drafted /
+accepted counts printed at the end); with
 data-parallel replicas each runs its share of the lines and rank 0 writes them all in order.
 --load takes our checkpoints and Megatron-LM's (torch_dist or legacy), as training does.
 """
@@ -29,7 +31,7 @@ from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
 from megatron_smp.parallel_state import destroy_parallel_state  # noqa: E402
-from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
+from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
 
 LINE_FIELDS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_k",
                "top_p", "seed", "stop"}
@@ -132,6 +134,11 @@ def main(argv=None):
             if hasattr(engine, "served") else ""
         print(f"wrote {len(requests)} completions to {args.output} in {engine.steps} "
               f"steps{replicas}", flush=True)
+        if engine.speculative is not None:
+            report = engine.speculation_report()
+            print(f"speculative decoding ({engine.speculative.method}): "
+                  f"{report['drafted_tokens']} tokens drafted, {report['accepted_tokens']} "
+                  f"accepted (acceptance rate {report['acceptance_rate']:.3f})", flush=True)
     destroy_parallel_state()  # an orderly exit of the process groups, as pretraining's
 
 

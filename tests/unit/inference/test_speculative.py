@@ -228,7 +228,7 @@ def test_configuration_errors():
                         draft_model=target)
     with pytest.raises(ConfigError, match="unknown keys"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
-                                     "model": "x"})
+                                     "draft": "x"})
     engine = InferenceEngine(target, max_tokens=64, speculative=SpeculativeConfig("ngram", 2))
     with pytest.raises(ConfigError, match="above the engine's 2"):
         engine.add_request([1, 2], SamplingParams(num_speculative_tokens=3))

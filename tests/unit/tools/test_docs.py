@@ -1,7 +1,8 @@
 """The docs hold: docs/flags.md is what tools/gen_flag_reference.py writes from the parsers,
 every link and repository path in README.md and docs/ exists, every shell command in their
 code blocks parses through the parser of the script it runs, and the steps a page says a
-script runs are the steps that script runs."""
+script runs (scripts run by the tests: tests/unit/training/test_launch_scripts.py,
+tests/unit/post_training/) are the steps that script runs."""
 import argparse
 import contextlib
 import io
@@ -226,16 +227,19 @@ def test_doc_commands_parse():
 
 def _documented_steps():
     """(page, script, its documented steps) for each block that a page introduces with "The
-    steps it runs": the script is the one the block before runs."""
+    steps it runs" (the script is the one the block before runs) or "A step of
+    `scripts/X.sh`"."""
     for page in PAGES:
         text = _read(page)
         blocks = list(re.finditer(r"```bash\n(.*?)```", text, flags=re.S))
-        for before, block in zip(blocks, blocks[1:]):
-            between = text[before.end():block.start()]
-            if "The steps it runs" not in between:
-                continue
-            script = next(t for t in _commands(before.group(1))[0] if t.endswith(".sh"))
-            yield page, script, _commands(block.group(1))
+        for before, block in zip([None] + blocks, blocks):
+            between = text[before.end() if before else 0:block.start()]
+            named = re.search(r"A step of `(scripts/[\w/]+\.sh)`", between)
+            if named:
+                yield page, named.group(1), _commands(block.group(1))
+            elif before and "The steps it runs" in between:
+                script = next(t for t in _commands(before.group(1))[0] if t.endswith(".sh"))
+                yield page, script, _commands(block.group(1))
 
 
 def _recorded_steps(script, tmp_path):
