@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.inference.kv_cache import (
     BlockAllocator,
     CacheLayout,
@@ -215,9 +216,7 @@ class InferenceEngine(RequestIntake):
                                   "(--num-layers-per-virtual-pipeline-stage); one model chunk "
                                   "per rank")
             model = model[0]
-        model = getattr(model, "module", model)
-        while not hasattr(model, "decoder") and hasattr(model, "module"):
-            model = model.module
+        model = unwrap_model(model)
         self.model = model.eval()
         self.state = model.state
         self.config = model.config

@@ -113,7 +113,7 @@ def test_server_ngram_speculation_and_metrics(checkpoint):
 
 
 def test_speculative_flag_errors(checkpoint):
-    from megatron_smp.training.inference_setup import (
+    from megatron_smp.inference.launcher import (
         build_inference_engine, speculative_config_of,
     )
 
