@@ -179,6 +179,17 @@ _FLAGS: List[_Flag] = [
        "(Gemma 2/3's post norms)"),
     _f("--apply-embedding-scaling", "model", action="store_true",
        help="multiply the word embeddings by sqrt(hidden size) (Gemma)"),
+    # Megatron-LM main's muP (TransformerConfig.use_mup and its mup_* fields).
+    _f("--use-mup", "model", action="store_true",
+       help="Maximal Update Parametrisation: width-scaled init, per-group learning rates and "
+       "Adam eps, muP attention and output scaling"),
+    _f("--mup-base-hidden-size", "model", type=int,
+       help="the proxy model's hidden size (width multiplier = hidden size / this)"),
+    _f("--mup-embedding-mult", "model", type=float, default=1.0),
+    _f("--mup-output-mult", "model", type=float, default=1.0,
+       help="logit multiplier; 1.0 means 1 / width multiplier"),
+    _f("--mup-base-head-dim", "model", type=float),
+    _f("--mup-attn-scale-power", "model", type=float, default=1.0),
     _f("--softmax-scale", "model", type=float,
        help="attention scores q.k times this (default 1/sqrt(kv channels); Gemma 3's "
        "query_pre_attn_scalar S: S**-0.5)"),
@@ -671,6 +682,8 @@ IGNORED_FLAGS: Dict[str, str] = {
                                                  "counts as they are",
     "--moe-ncclep-zero-copy": "NCCL-EP's symmetric-memory IO path: where the exchanged rows "
                               "are buffered, not which",
+    "--mup-width-mult": "Megatron-LM main computes it (hidden size / --mup-base-hidden-size) "
+                        "over any value given, and reads it only with --use-mup",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -685,12 +698,15 @@ IGNORED_FLAGS: Dict[str, str] = {
 # Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
 # as "`--flag` without `--other`").
 IGNORED_WITHOUT: Dict[str, tuple] = {
+    **{flag: ("--use-mup", "Megatron-LM reads it only with --use-mup") for flag in (
+        "--mup-base-hidden-size", "--mup-embedding-mult", "--mup-output-mult",
+        "--mup-base-head-dim", "--mup-attn-scale-power")},
     "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
                                    "(Megatron-LM accepts it there too); every other 1-D param "
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+_IGNORED_WITH_VALUE = {"--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
                        "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
                        "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -702,10 +718,6 @@ _IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     # Megatron-LM 0.19 / main.
-    "--use-mup": "Maximal Update Parametrisation (muP: width-scaled init, learning rates and "
-                 "attention scale)",
-    "--mup-base-hidden-size": "Maximal Update Parametrisation (--use-mup)",
-    "--mup-base-head-dim": "Maximal Update Parametrisation (--use-mup)",
     "--multiple-validation-sets": "separate validation losses per validation dataset",
     "--validation-set-names": "separate validation losses per validation dataset "
                               "(--multiple-validation-sets)",
