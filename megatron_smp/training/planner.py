@@ -109,19 +109,24 @@ GPUS: Dict[str, GPUSpec] = {
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What fraction of the vendor peaks a run reaches; one set for all GPU rows (fitted
-    once against tests/fixtures/published_runs.json), another measured on a CPU."""
+    """What fraction of the vendor peaks a run reaches. `GPU_EFFICIENCY`: one set for every
+    GPU, fitted once (minimising the largest |log(predicted / published)|) to the Megatron-LM
+    rows of tests/fixtures/published_runs/published_runs.json; a CPU's is measured
+    (tools/bench/calibrate_planner.py)."""
 
-    gemm_max: float = 0.80
-    gemm_half_dim: float = 96.0  # d0: a GEMM dimension of d0 runs at half of gemm_max
-    attention: float = 0.40
-    memory: float = 0.71
-    network: float = 0.80  # bus bandwidth reached by large collectives
-    kernel_launch: float = 1e-5
-    elementwise_passes: float = 25.0  # hidden-sized reads+writes per layer forward
-    tp_overlap_exposed: float = 0.18  # with --tp-comm-overlap
-    dp_bucket_exposed: float = 0.10  # of an overlapped reduction, the last bucket's share
-    step_overhead: float = 0.019  # seconds per step: data, logging, synchronisation
+    gemm_max: float = 0.863
+    gemm_half_dim: float = 185.0  # d0: a GEMM dimension of d0 runs at half of gemm_max
+    attention: float = 0.162  # of the BF16 peak, on the causal half of the scores
+    memory: float = 0.654
+    network: float = 1.0  # share of the NIC bandwidth large collectives reach across nodes
+    nvlink: float = 0.883  # and of NVLink inside a node
+    kernel_launch: float = 3.3e-6
+    elementwise_passes: float = 17.9  # hidden-sized reads+writes per layer forward
+    tp_overlap_exposed: float = 0.02  # with --tp-comm-overlap
+    dp_bucket_exposed: float = 0.02  # of an overlapped reduction, the last bucket's share
+    step_overhead: float = 0.0019  # seconds per step: data, logging, synchronisation
+    layer_overhead: float = 3.0e-5  # seconds per layer forward (host work, small kernels)
+    comm_overlap: float = 1.0  # share of an overlappable window that hides communication
     optimizer_bytes_per_param: float = 38.0
 
     def to_dict(self) -> dict:
@@ -462,7 +467,8 @@ class _Timer:
         if size <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self.cluster.link(stride, size)
-        bandwidth *= self.eff.network
+        inside = stride * size <= self.cluster.gpus_per_node
+        bandwidth *= self.eff.nvlink if inside else self.eff.network
         share = (size - 1) / size
         if kind == "all_reduce":
             return 2 * share * nbytes / bandwidth + 2 * (size - 1) * latency
@@ -576,10 +582,10 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
     routed = m.moe_router_topk * imbalance if moe else 1
     elementwise = timer.memory(eff.elementwise_passes * hidden / sp
                                + 3 * tokens * routed * (ffn or 0) / tp * timer.bytes)
-    t.forward += elementwise
-    t.backward += 2 * elementwise
+    t.forward += elementwise + eff.layer_overhead
+    t.backward += 2 * (elementwise + eff.layer_overhead)
     if full:
-        t.recompute += elementwise
+        t.recompute += elementwise + eff.layer_overhead
 
     # Tensor parallelism: two gathers and two scatters (or two all-reduces) each way.
     if tp > 1:
@@ -603,12 +609,14 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
         if m.cp_comm_type == "p2p":
             fwd = (cp - 1) * timer.collective("p2p", kv, cp, tp)
             bwd = 2 * fwd
-            t.cp += max(0.0, fwd - core_fwd) + max(0.0, bwd - 2.5 * core_fwd)
+            hide = eff.comm_overlap * core_fwd
+            t.cp += max(0.0, fwd - hide) + max(0.0, bwd - 2.5 * hide)
         else:  # all_gather (a2a: four exchanges of the same size)
             fwd = timer.collective("all_gather", kv * cp, cp, tp)
             t.cp += fwd + timer.collective("reduce_scatter", kv * cp, cp, tp)
         if full or "core_attn" in modules:
-            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp) - core_fwd)
+            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp)
+                        - eff.comm_overlap * core_fwd)
 
     # Expert parallelism: dispatch and combine, each way.
     if moe and ep > 1:
@@ -738,11 +746,11 @@ def predict(configs, cluster: Cluster, model_provider: Callable,
             # Every micro-batch gathers the params (again in backward) and reduce-scatters
             # the grads, behind that micro-batch's compute.
             per_mb = gather * 2 + reduce
-            compute = st.forward + st.backward + st.recompute
+            compute = (st.forward + st.backward + st.recompute) * eff.comm_overlap
             exposed = mb * max(per_mb * eff.dp_bucket_exposed, per_mb - compute)
         else:
-            window_bwd = st.backward + st.recompute
-            window_fwd = st.forward
+            window_bwd = (st.backward + st.recompute) * eff.comm_overlap
+            window_fwd = st.forward * eff.comm_overlap
             exposed_reduce = (max(reduce * eff.dp_bucket_exposed, reduce - window_bwd)
                               if layout.overlap_grad_reduce else reduce)
             exposed_gather = (max(gather * eff.dp_bucket_exposed, gather - window_fwd)
