@@ -312,3 +312,14 @@ def test_quickstart_commands_shown_are_the_scripts():
                 assert command in script, f"{page}: {' '.join(command)} is not quickstart's"
                 shown += 1
     assert shown >= 3
+
+
+def test_every_flag_says_what_it_does():
+    """Each row of docs/flags.md's training flags says what the flag does (a help text, the
+    config field it sets, or the docs' description), not only where to read about it."""
+    with open(os.path.join(REPO, OUTPUT)) as handle:
+        text = handle.read()
+    training = text[text.index("## Training flags"):text.index("## Accepted and ignored")]
+    bare = [row.split(" | ")[0] for row in training.splitlines() if row.startswith("| `--")
+            and re.match(r"^(See |On its own|$)", row.split(" | ")[2].strip(" |"))]
+    assert bare == [], f"give these flags a help text (then run {REGENERATE})"
