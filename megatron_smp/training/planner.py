@@ -337,13 +337,19 @@ class Layout:
     sharding: str  # "ddp" | "distributed-optimizer" | "fsdp2"
     overlap_grad_reduce: bool
     overlap_param_gather: bool
+    # Uneven pipeline split (Megatron's --decoder-first/last-pipeline-num-layers); None: even.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def name(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        pp = f"PP{self.pp}"
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            pp += f"({self.first_stage_layers or '-'}..{self.last_stage_layers or '-'})"
+        parts = [f"TP{self.tp}", pp]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
         parts += [f"CP{self.cp}", f"EP{self.ep}", f"DP{self.dp}", f"mb{self.micro_batch_size}"]
@@ -355,10 +361,43 @@ class Layout:
                       "fsdp2": "fsdp2"}[self.sharding])
         return " ".join(parts)
 
+    def flags(self) -> List[str]:
+        """The entry-script flags that select this layout."""
+        out = ["--tensor-model-parallel-size", str(self.tp),
+               "--pipeline-model-parallel-size", str(self.pp),
+               "--context-parallel-size", str(self.cp),
+               "--expert-model-parallel-size", str(self.ep),
+               "--micro-batch-size", str(self.micro_batch_size),
+               "--global-batch-size", str(self.global_batch_size)]
+        if self.vpp > 1:
+            out += ["--virtual-pipeline-model-parallel-size", str(self.vpp)]
+        if self.first_stage_layers is not None:
+            out += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
+        if self.last_stage_layers is not None:
+            out += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
+        if self.sequence_parallel and self.tp > 1:
+            out.append("--sequence-parallel")
+        if self.recompute == "full":
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1"]
+        elif self.recompute == "selective":
+            out += ["--recompute-granularity", "selective", "--recompute-modules",
+                    *self.recompute_modules]
+        if self.sharding == "fsdp2":
+            out.append("--use-torch-fsdp2")
+        elif self.sharding == "distributed-optimizer":
+            out.append("--use-distributed-optimizer")
+            if self.overlap_param_gather:
+                out.append("--overlap-param-gather")
+        if self.overlap_grad_reduce and self.sharding != "fsdp2":
+            out.append("--overlap-grad-reduce")
+        return out
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["recompute_modules"] = list(self.recompute_modules)
         out["name"] = self.name()
+        out["flags"] = self.flags()
         return out
 
 
@@ -386,7 +425,9 @@ def layout_of(configs, num_gpus: int) -> Layout:
                   recompute=model.recompute_granularity, recompute_modules=modules,
                   sharding=sharding,
                   overlap_grad_reduce=configs.optimizer.overlap_grad_reduce,
-                  overlap_param_gather=configs.optimizer.overlap_param_gather)
+                  overlap_param_gather=configs.optimizer.overlap_param_gather,
+                  first_stage_layers=p.decoder_first_pipeline_num_layers,
+                  last_stage_layers=p.decoder_last_pipeline_num_layers)
 
 
 def configs_for(configs, layout: Layout):
@@ -398,6 +439,8 @@ def configs_for(configs, layout: Layout):
         expert_model_parallel_size=layout.ep, data_parallel_size=None,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
         use_torch_fsdp2=layout.sharding == "fsdp2")
     recompute = layout.recompute
     out.model = configs.model.replace(
@@ -688,7 +731,8 @@ def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provid
         world = layout.tp * layout.pp * layout.cp * layout.dp
     else:
         world = num_gpus
-    key = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.sharding, world)
+    key = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.sharding, world,
+           layout.first_stage_layers, layout.last_stage_layers)
     if cache is not None and key in cache:
         return cache[key]
     stages = count_stages(configs_for(configs, layout), world, model_provider)
@@ -789,7 +833,10 @@ def attach_memory(prediction: StepPrediction, configs, cluster: Cluster, model_p
 
     layout = prediction.layout
     planned = configs_for(configs, layout)
-    stages = _param_counts(configs, layout, cluster.num_gpus, model_provider, cache)
+    # Per-rank counts do not depend on DP but for FSDP2's shards: the small world's serve.
+    stages = _param_counts(configs, layout,
+                           cluster.num_gpus if layout.sharding == "fsdp2" else None,
+                           model_provider, cache)
     report = memory_planner.estimate_memory(planned, cluster.num_gpus, model_provider,
                                             "cuda", stages=stages)
     prediction.memory_gib = report.largest.total / memory_planner.GIB
@@ -803,6 +850,28 @@ def attach_memory(prediction: StepPrediction, configs, cluster: Cluster, model_p
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipeline_splits(num_layers: int, ranks: int) -> List[Tuple[int, Optional[int],
+                                                                   Optional[int]]]:
+    """(pp, first, last) for every pipeline size dividing `ranks`: even where pp divides the
+    layers, else Megatron's uneven split with the middle stages at ceil(L / pp) layers and
+    the remainder on the first and last stages (first >= last >= 1)."""
+    out = []
+    for pp in _divisors(ranks):
+        if pp > num_layers:
+            break
+        if num_layers % pp == 0:
+            out.append((pp, None, None))
+            continue
+        if pp < 3:
+            continue
+        middle = -(-num_layers // pp)
+        rest = num_layers - (pp - 2) * middle
+        first, last = -(-rest // 2), rest // 2
+        if 1 <= last <= first <= middle:
+            out.append((pp, first, last))
+    return out
 
 
 def candidate_layouts(configs, cluster: Cluster,
@@ -824,13 +893,13 @@ def candidate_layouts(configs, cluster: Cluster,
         if model.num_attention_heads % tp or (model.num_query_groups % tp
                                               and tp % model.num_query_groups):
             continue
-        for pp in [p for p in _divisors(model.num_layers) if n % (tp * p) == 0]:
+        for pp, first, last in _pipeline_splits(model.num_layers, n // tp):
             for cp in [c for c in pow2 if n % (tp * pp * c) == 0
                        and training.seq_length % (2 * c) == 0 and c <= 16]:
                 dp = n // (tp * pp * cp)
                 for ep in [e for e in _divisors(experts) if (dp * cp) % e == 0]:
-                    vpps = [1] + [v for v in (2, 3, 4, 6, 8)
-                                  if pp > 1 and model.num_layers % (pp * v) == 0]
+                    vpps = [1] + [v for v in (2, 3, 4, 6, 8) if pp > 1 and first is None
+                                  and model.num_layers % (pp * v) == 0]
                     for vpp in vpps:
                         for mb in micro_batch_sizes:
                             if gbs % (mb * dp):
@@ -847,7 +916,8 @@ def candidate_layouts(configs, cluster: Cluster,
                                         recompute_modules=(("core_attn",)
                                                            if rc == "selective" else ()),
                                         sharding=sharding, overlap_grad_reduce=True,
-                                        overlap_param_gather=sharding != "fsdp2")
+                                        overlap_param_gather=sharding != "fsdp2",
+                                        first_stage_layers=first, last_stage_layers=last)
                                     try:
                                         validate_configs(configs_for(configs, layout), n)
                                     except ConfigError:
@@ -901,6 +971,8 @@ def format_table(predictions: List[StepPrediction]) -> str:
     head = (f"{'#':>2} {'layout':<58} {'tok/s/GPU':>10} {'MFU':>6} {'GiB':>6} {'step ms':>8} "
             + " ".join(f"{k[:8]:>8}" for k in BREAKDOWN))
     lines = [head]
+    if not predictions:
+        return "no layout fits"
     for i, p in enumerate(predictions, 1):
         lines.append(f"{i:>2} {p.layout.name():<58} {p.tokens_per_second_per_gpu:>10,.0f} "
                      f"{p.mfu * 100:>5.1f}% {p.memory_gib or 0:>6.1f} "
