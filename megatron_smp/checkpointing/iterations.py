@@ -156,6 +156,7 @@ def save_checkpoint(
     fully_parallel: bool = True,
     writer_backend: Optional[str] = "gloo",
     retain_interval: Optional[int] = None,
+    planner=None,
 ) -> None:
     """Save `state_dict` (or what the callable returns) as iteration `iteration`; collective.
 
@@ -173,7 +174,9 @@ def save_checkpoint(
     --no-ckpt-fully-parallel-save). `writer_backend`: that of the process group the
     asynchronous "torch_dist" writer uses (None: the default backend's). `retain_interval`:
     once published, the tracker's previous checkpoint is deleted unless its iteration is a
-    multiple of it (see the module docstring).
+    multiple of it (see the module docstring). `planner` ("torch_dist", synchronous): a
+    `HookedSavePlanner` of the caller's, e.g. one whose `resolve_data` computes each tensor
+    as it is written (the checkpoint converter's).
     """
     if callable(state_dict):
         state_dict = state_dict()
@@ -195,7 +198,10 @@ def save_checkpoint(
         finalize_fns.append(finalize_fn)
 
     if ckpt_format == "torch_dist":
-        planner = HookedSavePlanner(dedup_save_to_lowest_rank=not fully_parallel)
+        if planner is not None and async_save:
+            raise CheckpointError("save_checkpoint: a planner of the caller's is for synchronous "
+                                  "saves")
+        planner = planner or HookedSavePlanner(dedup_save_to_lowest_rank=not fully_parallel)
         if async_save:
             dcp.async_save(
                 full_state_dict, checkpoint_id=staging_dir, queue=queue, planner=planner,

@@ -81,6 +81,11 @@ class OptimizerConfig:
     muon_scalar_optimizer: str = "adam"  # adam | lion: embeddings, output layer, norms, biases
     lion_beta1: float = 0.95
     lion_beta2: float = 0.98
+    # Megatron-LM main's --no-use-layer-wise-param-layout clears it: with the layer-wise
+    # distributed optimizer every param, the scalar optimizer's too, lies whole in one rank's
+    # shard (main's legacy layout) instead of those being byte-sharded like the distributed
+    # optimizer's (main's default). The same update either way; a different placement.
+    use_layer_wise_param_layout: bool = True
 
     @property
     def use_layer_wise_distributed_optimizer(self) -> bool:
@@ -136,4 +141,10 @@ class OptimizerConfig:
         _require(
             not self.overlap_param_gather or self.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer",
+        )
+        _require(
+            self.use_layer_wise_param_layout or self.use_layer_wise_distributed_optimizer,
+            "--no-use-layer-wise-param-layout chooses how the layer-wise distributed optimizer "
+            "places params: add --optimizer muon (or lion) --use-distributed-optimizer, or "
+            "drop it",
         )

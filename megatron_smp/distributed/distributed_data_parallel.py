@@ -58,15 +58,17 @@ class DistributedDataParallel(torch.nn.Module):
         dense: Dict[tuple, List[torch.nn.Parameter]] = {}
         expert: Dict[tuple, List[torch.nn.Parameter]] = {}
         # Muon's layer-wise distributed optimizer: the matrices Muon steps go to buffers that
-        # keep each whole in one rank's shard; the scalar optimizer's params stay byte-sharded.
+        # keep each whole in one rank's shard; the scalar optimizer's params stay byte-sharded
+        # (with --no-use-layer-wise-param-layout they are kept whole too).
         layer_wise = config.use_layer_wise_distributed_optimizer
+        all_whole = layer_wise and not config.use_layer_wise_param_layout
         for param in module.parameters():
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if config.accumulate_allreduce_grads_in_fp32 else param.dtype
             # Expert grads are reduced only among the replicas holding the same experts.
             target = expert if is_expert_param(param) else dense
-            whole = layer_wise and is_muon_parameter(param_names[param], param)
+            whole = all_whole or (layer_wise and is_muon_parameter(param_names[param], param))
             target.setdefault((param.dtype, grad_dtype, whole), []).append(param)
 
         # Loss is averaged over all dp x cp replicas. Expert grads are summed over fewer

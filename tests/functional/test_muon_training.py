@@ -12,8 +12,9 @@ MUON = COMMON + LLAMA + "--optimizer muon --muon-fp32-matmul-prec high --lr 2e-3
 MOE = "--num-experts 4 --moe-router-topk 2".split()
 
 
-def _train(rank, world_size, argv):
-    """Per-iteration lm loss, and the bytes of this rank's optimizer state after the run."""
+def _train(rank, world_size, argv, numels=False):
+    """Per-iteration lm loss, and the bytes of this rank's optimizer state after the run
+    (`numels`: and the sizes of its params' state, one per param, sorted)."""
     import megatron_smp.optimizer as optimizer_module
     import pretrain_gpt
     from megatron_smp.training import pretrain
@@ -36,7 +37,12 @@ def _train(rank, world_size, argv):
     state_bytes = sum(local_tensor(tensor).numel() * tensor.element_size()
                       for state in built[0].optimizer.state.values()
                       for key, tensor in state.items() if key != "step")
-    return {i: v["lm loss"] for i, v in result.train_losses.items()}, state_bytes
+    losses = {i: v["lm loss"] for i, v in result.train_losses.items()}
+    if numels:
+        return losses, state_bytes, sorted(
+            min(local_tensor(tensor).numel() for key, tensor in state.items() if key != "step")
+            for state in built[0].optimizer.state.values())
+    return losses, state_bytes
 
 
 _BASELINES = {}
@@ -124,3 +130,21 @@ def test_resume_exact_and_reshard_tp2_dp2_to_tp1_dp4(tmp_path):
         assert sorted(losses) == list(range(6, 11))
         assert [losses[i] for i in range(6, 11)] == pytest.approx(
             [saved[i] for i in range(6, 11)], rel=1e-4)
+
+
+def test_no_use_layer_wise_param_layout_keeps_every_param_whole():
+    """Megatron-LM main's --no-use-layer-wise-param-layout: the scalar optimizer's params
+    (embeddings, norms) lie whole in one rank's shard like Muon's matrices, instead of
+    byte-sharded. Per rank, every param's state is then a whole param's (together: exactly the
+    single process's), which the default layout is not; the losses are the same."""
+    argv = MUON + ["--use-distributed-optimizer"]
+    whole_run = run_distributed(_train, 1, args=(argv[:-1], True))[0]
+    default = run_distributed(_train, 2, args=(argv, True), timeout=300)
+    legacy = run_distributed(_train, 2, args=(argv + ["--no-use-layer-wise-param-layout"],
+                                               True), timeout=300)
+    whole_numels = whole_run[2]
+    assert sorted(legacy[0][2] + legacy[1][2]) == whole_numels
+    assert sorted(default[0][2] + default[1][2]) != whole_numels
+    assert sum(bytes_ for _, bytes_, _ in legacy) == whole_run[1]
+    for (losses, _, _), (reference, _, _) in zip(legacy, default):
+        assert losses == pytest.approx(reference, rel=1e-6)

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_smp.config import ConfigError, TransformerConfig  # noqa: E402
 from tools.checkpoint.common import MODEL_TYPES, compare_state_dicts, family_for  # noqa: E402
 from tools.checkpoint.hf_format import (  # noqa: E402
+    HFStream,
     framework_from_hf_state_dict,
     hf_state_dict_from_framework,
     quantize_hf_experts,
@@ -49,7 +50,12 @@ from tools.checkpoint.megatron_format import (  # noqa: E402
     read_megatron_checkpoint,
     write_megatron_checkpoint,
 )
-from tools.checkpoint.smp_format import read_smp_checkpoint, write_smp_checkpoint  # noqa: E402
+from tools.checkpoint.smp_format import (  # noqa: E402
+    read_smp_checkpoint,
+    write_smp_checkpoint,
+    write_smp_checkpoint_streaming,
+)
+from tools.checkpoint.streaming import Producer  # noqa: E402
 from tools.checkpoint.smp_v1_format import read_smp_v1_checkpoint  # noqa: E402
 
 # "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
@@ -141,6 +147,8 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError("--mxfp4-experts writes a gpt-oss HF checkpoint's experts in MXFP4: "
                           "it needs --saver hf and --model-type gpt_oss")
 
+    if args.loader == "hf" and args.saver == "megatron_smp" and _stream_hf(args, targets):
+        return
     source_hf_config: Optional[Dict] = None
     iteration = None
     if args.loader in ("hf", "smp_v1"):
@@ -176,18 +184,42 @@ def convert(args: argparse.Namespace) -> None:
     else:
         tp, pp = (t or 1 for t in targets)
         validate_target_layout(config, tp, pp)
-        conversion = {
-            "loader": args.loader,
-            "model_type": args.model_type,
-            "source": os.path.abspath(args.load_dir),
-            "hf_config": source_hf_config,
-            "target_layout": {"tensor_model_parallel_size": tp,
-                              "pipeline_model_parallel_size": pp},
-        }
-        write_smp_checkpoint(args.save_dir, config, model, conversion, iteration)
+        write_smp_checkpoint(args.save_dir, config, model,
+                             _conversion(args, source_hf_config, tp, pp), iteration)
+    _report(args, model)
+
+
+def _conversion(args: argparse.Namespace, source_hf_config: Optional[Dict], tp: int,
+                pp: int) -> Dict:
+    """What a megatron_smp checkpoint records of its conversion (common.json)."""
+    return {
+        "loader": args.loader,
+        "model_type": args.model_type,
+        "source": os.path.abspath(args.load_dir),
+        "hf_config": source_hf_config,
+        "target_layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+    }
+
+
+def _report(args: argparse.Namespace, model: Dict[str, torch.Tensor]) -> None:
     print(f"converted {args.load_dir} ({args.loader}) -> {args.save_dir} ({args.saver}): "
           f"{args.model_type}, {len(model)} tensors, "
           f"{sum(t.numel() for t in model.values()):,} parameters, verified")
+
+
+def _stream_hf(args: argparse.Namespace, targets) -> bool:
+    """HF safetensors -> megatron_smp one layer at a time (HFStream); False when the
+    checkpoint is one the whole-model path reads (HFStream.of)."""
+    stream = HFStream.of(args.load_dir, family_for(args.model_type), args.model_type)
+    if stream is None:
+        return False
+    tp, pp = (t or 1 for t in targets)
+    validate_target_layout(stream.config, tp, pp)
+    write_smp_checkpoint_streaming(
+        args.save_dir, stream.config, stream.meta, Producer(stream.groups()),
+        _conversion(args, stream.hf_config.to_diff_dict(), tp, pp))
+    _report(args, stream.meta)
+    return True
 
 
 def _export_lora(args: argparse.Namespace, config: TransformerConfig,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Mapping, Optional
+from typing import Dict, Iterator, Mapping, Optional
 
 import torch
 
@@ -38,12 +38,22 @@ from megatron_smp.models.hf.mxfp4 import (
     quantize_mxfp4,
 )
 from tools.checkpoint.common import (
+    _is_vocab_table,
     architecture,
     compare_state_dicts,
     listing,
     meta_hf_model,
     pad_vocab_tables,
     trim_vocab,
+)
+
+from tools.checkpoint.streaming import (  # noqa: E402
+    SafetensorsSource,
+    check_digests,
+    digest,
+    groups,
+    partial,
+    to_module_names,
 )
 
 HEAD = "lm_head.weight"
@@ -72,8 +82,8 @@ def _from_pretrained(load_dir: str, what: str):
     return model
 
 
-def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
-    """-> (hf_config, TransformerConfig, HF state dict without a tied output head)."""
+def read_hf_config(load_dir: str, family: str, model_type: str):
+    """-> (hf_config, TransformerConfig, multimodal) of an HF directory's config.json."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(load_dir, "config.json")):
@@ -88,6 +98,14 @@ def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
             f"{load_dir}/config.json is a {found!r} model but --model-type is {model_type}; "
             "pass the model type of the checkpoint"
         )
+    return hf_config, multimodal
+
+
+def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
+    """-> (hf_config, TransformerConfig, HF state dict without a tied output head), the whole
+    model in memory (`HFStream` converts one layer at a time)."""
+    adapter = get_adapter(family)
+    hf_config, multimodal = read_hf_config(load_dir, family, model_type)
     if is_mxfp4(hf_config):
         hf_config, hf_sd = _read_mxfp4(load_dir, hf_config)
     else:
@@ -105,6 +123,63 @@ def read_hf_checkpoint(load_dir: str, family: str, model_type: str):
     if len(dtypes) == 1:
         config = config.replace(params_dtype=dtypes.pop())
     return hf_config, config, hf_sd
+
+
+class HFStream:
+    """An HF directory's safetensors converted to framework tensors one group (a layer, or a
+    tensor outside the layers) at a time (`streaming`). `of` gives None for what is read
+    whole instead (`read_hf_checkpoint`): pytorch_model.bin, MXFP4 experts, a multimodal
+    model, names that only transformers' legacy renames match."""
+
+    def __init__(self, load_dir, family, hf_config, config, source, meta_model, meta_hf) -> None:
+        self.load_dir, self.family, self.hf_config = load_dir, family, hf_config
+        self.config, self.source, self.meta_model, self.meta_hf = config, source, meta_model, \
+            meta_hf
+        self.adapter = get_adapter(family)
+        self.meta_padded = self.adapter.from_hf(dict(meta_hf), config)
+        self.meta = trim_vocab(self.meta_padded, config)  # the framework tensors, on meta
+
+    @classmethod
+    def of(cls, load_dir: str, family: str, model_type: str) -> Optional["HFStream"]:
+        hf_config, multimodal = read_hf_config(load_dir, family, model_type)
+        source = SafetensorsSource.of(load_dir)
+        if multimodal or is_mxfp4(hf_config) or source is None:
+            return None
+        config = get_adapter(family).config_from_hf(hf_config)
+        meta_model = meta_hf_model(hf_config)
+        module_meta, unmatched = to_module_names(meta_model, source.meta)
+        expected = meta_model.state_dict()
+        tied = not config.untie_embeddings_and_output_weights
+        if tied:
+            expected.pop(HEAD, None)
+            module_meta.pop(HEAD, None)
+        if unmatched or set(module_meta) != set(expected) or any(
+                module_meta[k].shape != v.shape for k, v in expected.items()):
+            return None  # from_pretrained's renames and its strict error listing
+        dtypes = {t.dtype for t in module_meta.values()}
+        if len(dtypes) == 1:
+            config = config.replace(params_dtype=dtypes.pop())
+        return cls(load_dir, family, hf_config, config, source, meta_model, module_meta)
+
+    def groups(self) -> Iterator[Dict[str, torch.Tensor]]:
+        """Each group's framework tensors (vocabulary tables of vocab_size rows), after the
+        group was mapped back to HF and compared with what was read, bit for bit."""
+        config, tied = self.config, not self.config.untie_embeddings_and_output_weights
+        for names in groups(self.source.file_of):
+            hf_sd, _ = to_module_names(self.meta_model, self.source.read(names))
+            if tied:
+                hf_sd.pop(HEAD, None)
+            read = {k: digest(v) for k, v in hf_sd.items()}
+            padded = partial(lambda sd: self.adapter.from_hf(sd, config), self.meta_hf, hf_sd)
+            del hf_sd
+            back = partial(lambda sd: self.adapter.to_hf(sd, config), self.meta_padded, padded)
+            if tied:
+                back.pop(HEAD, None)
+            check_digests(read, back, f"mapping {names[0]}... of {self.load_dir} to the "
+                          "framework and back")
+            del back
+            yield {k: v[:config.vocab_size] if _is_vocab_table(k) else v
+                   for k, v in padded.items()}
 
 
 def _read_mxfp4(load_dir: str, hf_config):

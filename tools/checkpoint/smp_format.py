@@ -29,7 +29,10 @@ from megatron_smp.checkpointing import (
     save_checkpoint,
 )
 from megatron_smp.config import ConfigError, TransformerConfig
+from megatron_smp.checkpointing import engine as dcp
 from megatron_smp.checkpointing.engine import read_dcp_metadata
+from megatron_smp.checkpointing.engine.storage import HookedSavePlanner, _exact_storage
+from megatron_smp.checkpointing.iterations import read_saved_checkpoint
 from tools.checkpoint.common import (
     check_family,
     compare_state_dicts,
@@ -39,6 +42,7 @@ from tools.checkpoint.common import (
     listing,
     world_one_state,
 )
+from tools.checkpoint.streaming import Producer, check_digests, group_of
 
 MODEL_KEY = "model"
 CONVERTED_ITERATION = 0
@@ -152,6 +156,52 @@ def write_smp_checkpoint(save_dir: str, config: TransformerConfig,
         reread = {k: torch.empty_like(v) for k, v in model.items()}
         load_checkpoint({MODEL_KEY: reread}, save_dir, state, load_rng=False)
     compare_state_dicts(model, reread, f"re-reading {checkpoint_dir(save_dir, iteration)}")
+    with open(os.path.join(checkpoint_dir(save_dir, iteration), COMMON_FILENAME)) as f:
+        saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
+    if saved_config != config:
+        raise ConfigError(f"verification failed: {save_dir}'s common.json model config differs")
+
+
+class _ProducingPlanner(HookedSavePlanner):
+    """Writes each "model" tensor as `produce(name)` computes it, when the writer reaches it:
+    the state dict planned holds meta tensors only."""
+
+    def __init__(self, produce) -> None:
+        super().__init__()
+        self.produce = produce
+
+    def resolve_data(self, write_item):
+        fqn = write_item.index.fqn
+        if fqn.startswith(MODEL_KEY + "."):
+            tensor = self.produce(fqn[len(MODEL_KEY) + 1:])
+            return super().transform_object(write_item, _exact_storage(tensor.contiguous()))
+        return super().resolve_data(write_item)
+
+
+def write_smp_checkpoint_streaming(save_dir: str, config: TransformerConfig,
+                                   meta: Mapping[str, torch.Tensor], producer: Producer,
+                                   conversion: Dict[str, Any],
+                                   iteration: Optional[int] = None) -> None:
+    """Save the tensors `producer` computes (names, shapes and dtypes of `meta`) as a
+    model-only checkpoint, each written as it comes; then re-read it one tensor at a time and
+    compare each with the digest of what was written."""
+    iteration = CONVERTED_ITERATION if iteration is None else iteration
+    metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
+    order = sorted(meta, key=lambda name: (group_of(name), name))
+    with world_one_state() as state:
+        save_checkpoint(iteration, {MODEL_KEY: {k: meta[k] for k in order}}, save_dir, state,
+                        config=metadata, save_rng=False, planner=_ProducingPlanner(producer))
+        producer.drain()
+        if producer.held:
+            raise ConfigError(f"the conversion produced tensors the model does not have: "
+                              f"{listing(sorted(producer.held))}")
+        saved = read_saved_checkpoint(save_dir, state, iteration)
+        where = f"re-reading {checkpoint_dir(save_dir, iteration)}"
+        for name in order:
+            tensor = torch.empty(meta[name].shape, dtype=meta[name].dtype)
+            dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=saved.path,
+                     metadata=saved.metadata, check_keys_matched=False)
+            check_digests({name: producer.produced[name]}, {name: tensor}, where)
     with open(os.path.join(checkpoint_dir(save_dir, iteration), COMMON_FILENAME)) as f:
         saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
     if saved_config != config:

@@ -229,10 +229,16 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     (docs/flags.md's table, generated from IGNORED_FLAGS)."""
     import re
 
-    from megatron_smp.training.arguments import _FLAGS, IGNORED_FLAGS, build_parser
+    from megatron_smp.training.arguments import (
+        _FLAGS,
+        IGNORED_FLAGS,
+        IGNORED_WITHOUT,
+        build_parser,
+    )
 
     root, sources = _library_sources()
-    arguments_source = sources.pop("megatron_smp/training/arguments.py")
+    arguments_source = "\n".join(sources.pop(path) for path in sorted(sources)
+                                 if path.startswith("megatron_smp/training/arguments/"))
     config_source = "\n".join(sources.pop(path) for path in sorted(sources)
                               if path.startswith("megatron_smp/config/"))
     # Fields read only by a config/ method or function that the library calls.
@@ -242,7 +248,11 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
                       "expert_tensor_parallel_size": "validate",
                       "recompute_modules": "recompute_modules",
                       "window_attn_skip_freq": "layer_window_size",
-                      "experimental_attention_variant": "validate"}
+                      "experimental_attention_variant": "validate",
+                      "mup_base_hidden_size": "mup_width_mult",
+                      "mup_output_mult": "mup_logit_mult",
+                      "mup_base_head_dim": "attention_softmax_scale",
+                      "mup_attn_scale_power": "attention_softmax_scale"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:
@@ -252,7 +262,7 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
         elif spec.field in read_in_config:
             method = read_in_config[spec.field]
             assert f"def {method}" in config_source
-            assert re.search(rf"[.\s(]{method}\(", everything_else), method
+            assert re.search(rf"[.\s(]{method}\b", everything_else), method
         elif not re.search(rf'\.{spec.field}\b|getattr\([^)]*"{spec.field}"', everything_else):
             unused.append(spec.flag)
     assert unused == [], f"flags parsed but never read: {unused}"
@@ -265,6 +275,10 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     ignored_table = readme[table_start:readme.index("\n\n", table_start)]
     documented = set(re.findall(r"^\| `(--[\w-]+)` \|", ignored_table, flags=re.M))
     assert documented == set(IGNORED_FLAGS), (documented ^ set(IGNORED_FLAGS))
+    # Flags that change nothing without another: "| `--flag` without `--other` | reason |".
+    without = {flag: (other, reason) for flag, other, reason in re.findall(
+        r"^\| `(--[\w-]+)` without `(--[\w-]+)` \| (.*) \|$", ignored_table, flags=re.M)}
+    assert without == IGNORED_WITHOUT
 
 
 def test_hidden_size_not_divisible_by_heads_needs_kv_channels():

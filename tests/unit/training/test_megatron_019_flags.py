@@ -1,6 +1,8 @@
 """Megatron-LM 0.19 / main flags of 2026 launch scripts: each does what it says here, or is a
 ConfigError naming it. (Muon's flags change the step as tests/unit/optimizer/test_muon.py
 shows; the layouts are in tests/functional/test_muon_training.py.)"""
+import math
+
 import pytest
 import torch
 
@@ -55,14 +57,14 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--optimizer muon --muon-use-syrk", "--muon-use-syrk"),
     ("--optimizer muon --muon-coefficient-type cubic", "--muon-coefficient-type"),
     ("--optimizer muon --muon-num-ns-steps 0", "--muon-num-ns-steps"),
-    ("--use-mup", "--use-mup"),
-    ("--mup-base-hidden-size 64", "--mup-base-hidden-size"),
-    ("--mup-base-head-dim 16", "--mup-base-head-dim"),
     ("--multiple-validation-sets", "--multiple-validation-sets"),
     ("--validation-set-names a b", "--validation-set-names"),
     ("--start-eval-at-iter 5", "--start-eval-at-iter"),
     ("--freeze-all-layers", "--freeze-all-layers"),
     ("--chat-template x", "--chat-template"),
+    ("--no-use-layer-wise-param-layout", "--no-use-layer-wise-param-layout"),
+    ("--optimizer muon --no-use-layer-wise-param-layout", "--use-distributed-optimizer"),
+    ("--enable-gpt-oss --rotary-scaling-factor 8", "--enable-gpt-oss"),
     ("--override-ckpt-iteration 3", "--override-ckpt-iteration"),
     ("--moe-extended-tp", "--moe-extended-tp"),
     ("--optimizer muon --qk-clip", "--qk-clip"),
@@ -110,7 +112,8 @@ def test_implementation_choice_flags_are_accepted():
           "--ckpt-assume-constant-structure --dist-ckpt-workers 2 --verify-integrity "
           "--no-save-tokenizer-assets --use-legacy-models --use-tp-pp-dp-mapping "
           "--defer-embedding-wgrad-compute --overlap-moe-expert-parallel-comm "
-          "--num-distributed-optimizer-instances 1 --cuda-graph-impl none")
+          "--num-distributed-optimizer-instances 1 --cuda-graph-impl none "
+          "--use-transformer-engine-op-fuser --export-force-local-attention")
     parse("--num-experts 4 --moe-permute-fusion --moe-router-fusion")
     virtual = parse("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2")
     assert virtual.parallel.virtual_pipeline_model_parallel_size == 2
@@ -150,3 +153,61 @@ def test_interleaved_schedule_checks_the_step_schedule_batches():
     with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
         validate_configs(parse_args(base + ["--step-batch-size-schedule", "0:4 0.256K:5"]),
                          world_size=2)
+
+
+def test_enable_gpt_oss_is_yarn_with_gpt_oss_values():
+    """Megatron-LM main's --enable-gpt-oss sets these on the model config over the RoPE
+    flags given (examples/gptoss passes --position-embedding-type rope with it): the same
+    config as spelling YaRN out, and rotary frequencies other than plain RoPE's."""
+    from megatron_smp.transformer.rope import rope_frequencies, rope_scaling_of
+
+    gpt_oss = parse("--position-embedding-type rope --enable-gpt-oss").model
+    spelled = parse("--position-embedding-type yarn --rotary-scaling-factor 32 "
+                    "--yarn-original-max-position-embeddings 131072 --yarn-beta-fast 32 "
+                    "--yarn-beta-slow 1 --mscale 1 --mscale-all-dim 0 "
+                    "--no-yarn-correction-range-round-to-int").model
+    plain = parse("--position-embedding-type rope").model
+    assert gpt_oss == spelled and gpt_oss != plain
+    assert (gpt_oss.position_embedding_type, gpt_oss.yarn_rotary_scaling_factor,
+            gpt_oss.yarn_original_max_position_embeddings,
+            gpt_oss.yarn_correction_range_round_to_int) == ("yarn", 32.0, 131072, False)
+    yarn, scale = rope_frequencies(16, 10000.0, rope_scaling_of(gpt_oss))
+    rope, _ = rope_frequencies(16, 10000.0, rope_scaling_of(plain))
+    # 0.1 ln(32) + 1; with original length 131072 every frequency of a 16-dim head at base
+    # 1e4 has more than beta_slow rotations, the slowest fewer than beta_fast: a ramp.
+    assert scale == pytest.approx(0.1 * math.log(32) + 1)
+    assert torch.equal(yarn[:2], rope[:2]) and not torch.equal(yarn, rope)
+
+
+@pytest.mark.parametrize("flags,named", [
+    ("--moe-token-dispatcher-type flex", "needs tensor x expert parallelism > 1"),
+    ("--moe-flex-dispatcher-backend ncclep", "ncclep requires --moe-token-dispatcher-type flex"),
+    ("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity", None),
+    ("--moe-token-dispatcher-type flex --expert-model-parallel-size 2 "
+     "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity",
+     "deepep backend does not support --moe-pad-expert-input-to-capacity"),
+])
+def test_flex_dispatcher_refusals_are_megatron_lm_s(flags, named):
+    """Megatron-LM main's own checks on the flex dispatcher (DeepEP needs TP x EP > 1, ...);
+    HybridEP has none of them."""
+    from megatron_smp.training.arguments import validate_configs
+
+    configs = parse("--num-experts 4 " + flags)
+    world_size = 2 if "--expert-model-parallel-size 2" in flags else 1
+    if named is None:
+        validate_configs(configs, world_size=world_size)
+        return
+    with pytest.raises(ConfigError, match=named):
+        validate_configs(configs, world_size=world_size)
+
+
+def test_moe_enable_deepep_is_the_deepep_backend():
+    model = parse("--num-experts 4 --moe-token-dispatcher-type flex --moe-enable-deepep "
+                  "--moe-flex-dispatcher-backend deepep").model
+    assert model.moe_flex_dispatcher_backend == "deepep"
+    for flags, message in (("--moe-enable-deepep", "only supported with"),
+                           ("--moe-token-dispatcher-type flex --moe-enable-deepep "
+                            "--moe-flex-dispatcher-backend hybridep", "give one backend")):
+        with pytest.raises(ConfigError, match=message):
+            parse("--num-experts 4 " + flags)

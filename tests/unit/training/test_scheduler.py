@@ -192,6 +192,17 @@ def test_apply_wd_to_qk_layernorm_decays_only_the_qk_norms(apply_wd):
     assert decay["decoder.linear.bias"] == 0.0 and decay["decoder.linear.weight"] == 0.1
 
 
-def test_apply_wd_to_qk_layernorm_needs_qk_layernorm():
-    with pytest.raises(ConfigError, match="add --qk-layernorm"):
-        parse("--train-iters 10 --apply-wd-to-qk-layernorm".split())
+def test_apply_wd_to_qk_layernorm_without_qk_layernorm_changes_nothing():
+    """Accepted as Megatron-LM accepts it: no q/k norms, so the same decay for every param
+    as without the flag (listed in the docs' ignored-flags table)."""
+    decays = []
+    for flags in ("", " --apply-wd-to-qk-layernorm"):
+        configs = parse(("--train-iters 10 --weight-decay 0.1" + flags).split())
+        model = module_with_parameters({**GPT_PARAMETER_SHAPES,
+                                        "decoder.layers.0.input_layernorm.weight": (4,)})
+        optimizer = _Optimizer(get_param_groups([model], configs.optimizer))
+        decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups
+                    for p in g["params"]}
+        decays.append({name: decay_of[id(p)] for name, p in model.named_parameters()})
+    assert decays[0] == decays[1] and decays[0]["decoder.linear.weight"] == 0.1
+    assert decays[0]["decoder.layers.0.input_layernorm.weight"] == 0.0
