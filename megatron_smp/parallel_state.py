@@ -289,6 +289,12 @@ class ParallelState:
         return self.groups["ep"]
 
     @property
+    def tp_ep_group(self) -> dist.ProcessGroup:
+        """The tensor- and expert-parallel ranks of this rank's experts, at position
+        ep_rank * tp_size + tp_rank (the flex token dispatcher's group)."""
+        return self.groups["tp_ep"]
+
+    @property
     def expert_dp_group(self) -> dist.ProcessGroup:
         """Ranks holding the same experts: expert grads are reduced over this group."""
         return self.groups["expert_dp"]
@@ -553,6 +559,15 @@ def build_parallel_state(
             expert_dp_groups.append(members[offset::ep])
     create("ep", sorted(ep_groups))
     create("expert_dp", sorted(expert_dp_groups))
+    # Megatron's tp x ep group (the flex token dispatcher's one all-to-all): the TP groups of
+    # one expert-parallel group's members, which sit at tp rank 0 with the others at +1 ..
+    # +TP-1, so a member's position in it is ep_rank * TP + tp_rank.
+    if tp > 1 and ep > 1:
+        create("tp_ep", sorted(sorted(member + t for member in members for t in range(tp))
+                               for members in ep_groups if members[0] % tp == 0))
+    else:
+        alias = "ep" if tp == 1 else "tp"
+        groups["tp_ep"], group_ranks["tp_ep"] = groups[alias], group_ranks[alias]
 
     # Embedding group: first and last pipeline stage, for tied input/output embeddings.
     embedding_groups = []

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
+from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
 
 
 def add_server_args(parser):

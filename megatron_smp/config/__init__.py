@@ -37,5 +37,14 @@ __all__ = [
     "NOT_SUPPORTED_YET", "PACKED_ATTENTION_BACKENDS", "RECOMPUTE_MODULES", "SOFTMAX_TYPES",
     "CheckpointConfig", "ConfigError", "DataConfig", "OptimizerConfig", "ParallelConfig",
     "ResilienceConfig", "TrainingConfig", "TransformerConfig", "name_of", "not_supported", "parse_moe_layer_freq",
-    "recompute_modules",
+    "recompute_modules", "Configs", "SECTIONS",
 ]
+
+
+def __getattr__(name):
+    # Configs and SECTIONS on first use, so `import megatron_smp.config` stays a few modules.
+    if name in ("Configs", "SECTIONS"):
+        from megatron_smp.config import sections
+
+        return getattr(sections, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -214,7 +214,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None
-    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall | flex
+    # Megatron-LM main's fused kernel for the flex dispatcher's exchange (deepep | hybridep |
+    # ncclep; --moe-enable-deepep is deepep): a kernel choice, the exchange is the same.
+    moe_flex_dispatcher_backend: str = "deepep"
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"  # probs | position

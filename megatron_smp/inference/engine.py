@@ -33,8 +33,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.inference.kv_cache import (
     BlockAllocator,
     CacheLayout,
@@ -212,9 +214,7 @@ class InferenceEngine(RequestIntake):
                                   "(--num-layers-per-virtual-pipeline-stage); one model chunk "
                                   "per rank")
             model = model[0]
-        model = getattr(model, "module", model)
-        while not hasattr(model, "decoder") and hasattr(model, "module"):
-            model = model.module
+        model = unwrap_model(model)
         self.model = model.eval()
         self.state = model.state
         self.config = model.config
@@ -575,7 +575,14 @@ class InferenceEngine(RequestIntake):
         """One engine step on every rank of the group. The leader's `stop=True` ends the
         engine on all ranks (every rank returns None); otherwise the leader gets the requests
         that advanced (finished ones included), the other ranks []."""
-        plan = None if stop else (self._schedule() if self.is_leader else None)
+        with record_function("inference::step"):
+            return self._step(stop)
+
+    def _step(self, stop: bool) -> Optional[List[Request]]:
+        # (the record_function ranges name the parts of a step for a profile's breakdown:
+        # tools/bench/bench_inference.py --breakdown)
+        with record_function("inference::schedule"):
+            plan = None if stop else (self._schedule() if self.is_leader else None)
         plan = self._broadcast(plan, self.leader)
         if plan is None:
             return None
@@ -606,7 +613,8 @@ class InferenceEngine(RequestIntake):
             # Every rank of the last stage runs the MTP layers over the accepted rows.
             results = self._broadcast(results, self.sampler)
             if self.mtp_drafter is not None:
-                drafts = self._mtp_propose(plan, results, context)
+                with record_function("inference::mtp_drafts"):
+                    drafts = self._mtp_propose(plan, results, context)
             if self.sampler != self.leader:
                 drafts = self._broadcast(drafts, self.sampler)
         elif self.sampler != self.leader:
@@ -623,16 +631,18 @@ class InferenceEngine(RequestIntake):
         states [T, h], its StepBatch), else None)."""
         model, state = self.model, self.state
         pad_to = state.tp_size if self.sequence_parallel else 1
-        batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
+        with record_function("inference::step_plan"):
+            batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
         tokens, positions = batch.tokens[None], batch.positions[None]  # [1, T]
-        if state.is_pipeline_first_stage:
-            hidden = model.embedding(tokens, positions)
-        else:
-            rows = len(batch.tokens) // pad_to
-            hidden = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype,
-                                 device=self.device)
-            dist.recv(hidden, src=state.pp_prev_rank, group=state.pp_group)
-        hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
+        with record_function("inference::model"):
+            if state.is_pipeline_first_stage:
+                hidden = model.embedding(tokens, positions)
+            else:
+                rows = len(batch.tokens) // pad_to
+                hidden = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+                dist.recv(hidden, src=state.pp_prev_rank, group=state.pp_group)
+            hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
         if not state.is_pipeline_last_stage:
             dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
             return None, None
@@ -644,6 +654,12 @@ class InferenceEngine(RequestIntake):
         context = (hidden[:, 0], batch) if drafting else None
         if not plan.request_ids:
             return [], context
+        with record_function("inference::logits_sampling"):
+            return self._sample(plan, batch, hidden), context
+
+    def _sample(self, plan: _Plan, batch: StepBatch, hidden: torch.Tensor):
+        """The step's logits (the rows each request samples from, or verifies) and the
+        sampler's results (None on other ranks); see `_forward`."""
         num_drafts = plan.num_drafts or [None] * len(plan.request_ids)
         rows, spans = [], []
         for request_rows, want, drafted in zip(batch.request_rows, plan.prompt_logprobs,
@@ -656,7 +672,7 @@ class InferenceEngine(RequestIntake):
         else:
             logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
         if self.rank != self.sampler:
-            return None, context
+            return None
         params = [self.params[i] for i in plan.request_ids]
         plain = [index for index, drafted in enumerate(num_drafts) if not drafted]
         sampled = {}
@@ -690,7 +706,7 @@ class InferenceEngine(RequestIntake):
                 prompt_top = [[]] + top_logprobs(logprobs, params[index].logprobs)
             emitted, chosen, alternatives, accepted = sampled[index]
             results.append((emitted, chosen, alternatives, (prompt_lp, prompt_top), accepted))
-        return results, context
+        return results
 
     def _mtp_propose(self, plan: _Plan, results, context) -> Dict[int, List[int]]:
         """The next step's drafts of the speculating requests from the MTP layers (every

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-from megatron_smp.training.arguments import Configs, parse_args, validate_configs
+from megatron_smp.config import Configs
+from megatron_smp.training.arguments import parse_args, validate_configs
 from megatron_smp.training.logging import (
     ProgressLog, Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
 )

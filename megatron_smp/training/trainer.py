@@ -28,12 +28,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_smp.checkpointing.record import CheckpointRecord, LoraBase, Progress
-from megatron_smp.config import ConfigError
+from megatron_smp.config import ConfigError, Configs
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.pipeline_parallel.schedules import (
     ScheduleHooks, get_forward_backward_func, schedule_name,
 )
-from megatron_smp.training.arguments import Configs
 from megatron_smp.training.logging import ProgressLog
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler

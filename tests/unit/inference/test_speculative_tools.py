@@ -113,7 +113,7 @@ def test_server_ngram_speculation_and_metrics(checkpoint):
 
 
 def test_speculative_flag_errors(checkpoint):
-    from megatron_smp.training.inference_setup import (
+    from megatron_smp.inference.launcher import (
         build_inference_engine, speculative_config_of,
     )
 
@@ -136,3 +136,30 @@ def test_speculative_flag_errors(checkpoint):
     with pytest.raises(ConfigError, match="mtp-num-layers"):  # before any process group
         build_inference_engine(model_flags(root / "ckpt", root / "hf")
                                + ["--num-speculative-tokens", "2"])
+
+
+def test_bench_speculative_rows(checkpoint):
+    """tools/bench/bench_speculative.py: a row per method with its tokens checked equal to
+    plain decoding's; the model drafting for itself accepts every draft."""
+    import subprocess
+    import sys
+
+    from tests.unit.inference.common import CORPUS, ROOT
+
+    root, _, _ = checkpoint
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n"
+                              for line in CORPUS.split(". ") * 2))
+    command = [sys.executable, f"{ROOT}/tools/bench/bench_speculative.py",
+               *model_flags(root / "ckpt", root / "hf"), "--draft-load", str(root / "ckpt"),
+               "--prompts", str(corpus), "--prompt-tokens", "6", "--new", "6",
+               "--requests", "3", "--batch1-prompts", "2", "--num-drafts", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")}
+    assert set(rows) == {"plain", "ngram", "draft_model"}
+    assert rows["draft_model"][3] == "1.000" and rows["draft_model"][6] == "1.000"
+    assert "tokens: every method's equal" in done.stdout

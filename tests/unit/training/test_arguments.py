@@ -237,7 +237,8 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
     )
 
     root, sources = _library_sources()
-    arguments_source = sources.pop("megatron_smp/training/arguments.py")
+    arguments_source = "\n".join(sources.pop(path) for path in sorted(sources)
+                                 if path.startswith("megatron_smp/training/arguments/"))
     config_source = "\n".join(sources.pop(path) for path in sorted(sources)
                               if path.startswith("megatron_smp/config/"))
     # Fields read only by a config/ method or function that the library calls.

@@ -1,55 +1,28 @@
-"""Megatron's command-line flags, mapped onto the typed config dataclasses.
+"""The flag table: every Megatron-LM flag accepted here, declared once with the config section
+and field it fills, so the argparse layer and the dataclasses cannot drift apart.
 
-Each flag is declared once in `_FLAGS` with the config section and field it fills, so the
-argparse layer and the dataclasses cannot drift apart. Flag names are Megatron-LM's, so
-users' existing pretraining shell scripts run unchanged. Every accepted flag does what it
-says, with two exceptions listed in `IGNORED_FLAGS` (and the README): flags that only pick a
-Megatron implementation detail with no effect on results or memory. Flags of capabilities
-that do not exist yet (`NOT_SUPPORTED_YET_FLAGS`, every `--moe-*` flag not in
-`_FLAGS`) are a ConfigError.
+Flag names are Megatron-LM's, so users' existing pretraining shell scripts run unchanged.
+Every accepted flag does what it says, with the exceptions listed in `IGNORED_FLAGS` (and the
+docs): flags that only pick a Megatron implementation detail with no effect on results or
+memory. Flags of capabilities that do not exist yet (`NOT_SUPPORTED_YET_FLAGS`, every `--moe-*`
+flag not in `_FLAGS`) are a ConfigError. How flags become configs: parse.py (with compat.py's
+Megatron-LM / SMP translations); how configs are checked: validation.py.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import signal
-import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import torch
-
+from megatron_smp.checkpointing.loop import STRICTNESS_CHOICES
 from megatron_smp.config import (
     CP_COMM_TYPES,
     LR_DECAY_STYLES,
     LR_WSD_DECAY_STYLES,
-    CheckpointConfig,
     ConfigError,
-    DataConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    ResilienceConfig,
-    TrainingConfig,
-    TransformerConfig,
     not_supported,
 )
-from megatron_smp.checkpointing.loop import (
-    STRICTNESS_CHOICES,
-    check_checkpoint_flags,
-    checkpoint_model_fields,
-)
-
-_SECTIONS = {
-    "model": TransformerConfig,
-    "parallel": ParallelConfig,
-    "optimizer": OptimizerConfig,
-    "training": TrainingConfig,
-    "data": DataConfig,
-    "checkpoint": CheckpointConfig,
-    "resilience": ResilienceConfig,
-}
 
 
 @dataclass
@@ -261,8 +234,14 @@ _FLAGS: List[_Flag] = [
        default=0.0),
     _f("--moe-z-loss-coeff", "model", type=float),
     _f("--moe-input-jitter-eps", "model", type=float),
-    _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall"],
+    _f("--moe-token-dispatcher-type", "model", choices=["allgather", "alltoall", "flex"],
        default="allgather"),
+    _f("--moe-flex-dispatcher-backend", "model", choices=["deepep", "hybridep", "ncclep"],
+       default="deepep",
+       help="the fused kernel Megatron-LM runs the flex dispatcher's exchange with; here "
+       "torch.distributed's all-to-all, the same routing"),
+    # Post-processed: Megatron-LM main's deprecated spelling of the deepep backend.
+    _f("--moe-enable-deepep", None, "moe_enable_deepep", action="store_true"),
     _f("--moe-expert-capacity-factor", "model", type=float),
     _f("--moe-pad-expert-input-to-capacity", "model", action="store_true"),
     _f("--moe-token-drop-policy", "model", choices=["probs", "position"], default="probs"),
@@ -681,6 +660,22 @@ IGNORED_FLAGS: Dict[str, str] = {
     "--defer-embedding-wgrad-compute": "when the output layer's weight grad is computed "
                                        "(Megatron defers it to overlap the pipeline's last "
                                        "backward); the same grad",
+    # The flex dispatcher's kernels (Megatron-LM main; see --moe-flex-dispatcher-backend).
+    "--moe-flex-dispatcher-num-sms": "GPU streaming multiprocessors the flex dispatcher's "
+                                     "kernels may use: how fast, not what they exchange",
+    "--moe-deepep-num-sms": "deprecated spelling of --moe-flex-dispatcher-num-sms",
+    "--moe-hybridep-num-sms": "deprecated spelling of --moe-flex-dispatcher-num-sms",
+    "--moe-hybridep-num-sms-preprocessing": "GPU multiprocessors of HybridEP's preprocessing "
+                                            "kernel",
+    "--moe-hybridep-num-blocks-permute": "thread blocks of HybridEP's fused permute kernel",
+    "--moe-hybridep-num-blocks-unpermute": "thread blocks of HybridEP's fused unpermute kernel",
+    "--moe-permute-fusion-into-hybridep": "kernel fusion choice (token permutation inside "
+                                          "HybridEP's dispatch kernel)",
+    "--moe-hybridep-pad-uneven-dispatch-inputs": "HybridEP's kernels need equal inputs per "
+                                                 "rank; the all-to-all here takes uneven "
+                                                 "counts as they are",
+    "--moe-ncclep-zero-copy": "NCCL-EP's symmetric-memory IO path: where the exchanged rows "
+                              "are buffered, not which",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -700,7 +695,10 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--attention-backend", "--transformer-impl", "--DDP-impl",
+_IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+                       "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
+                       "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
+                       "--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
                        "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 
@@ -735,53 +733,6 @@ _NOT_SUPPORTED_YET_VALUES = {
 }
 
 
-# Flags that only mean something with Llama 3.x scaling or with YaRN.
-_LLAMA3_ROPE_FLAGS = ("--rope-scaling-factor", "--rope-scaling-low-freq-factor",
-                      "--rope-scaling-high-freq-factor",
-                      "--rope-scaling-original-max-position-embeddings")
-_YARN_FLAGS = ("--rotary-scaling-factor", "--yarn-original-max-position-embeddings",
-               "--yarn-beta-fast", "--yarn-beta-slow", "--mscale", "--mscale-all-dim",
-               "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int")
-
-
-# --enable-gpt-oss: the values Megatron-LM main sets on the model config (from Hugging Face's
-# gpt-oss configuration), whatever the position-embedding flags say.
-GPT_OSS_YARN = {
-    "position_embedding_type": "yarn",
-    "yarn_rotary_scaling_factor": 32.0,
-    "yarn_original_max_position_embeddings": 131072,
-    "yarn_beta_fast": 32.0,
-    "yarn_beta_slow": 1.0,
-    "yarn_mscale": 1.0,
-    "yarn_mscale_all_dim": 0.0,
-    "yarn_correction_range_round_to_int": False,
-}
-
-
-def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any],
-                              enable_gpt_oss: bool = False) -> None:
-    """Scaling flags without the RoPE they scale are an error, never silently unused;
-    --enable-gpt-oss sets YaRN's values itself (Megatron-LM overwrites any given)."""
-    given = {token.split("=", 1)[0] for token in argv}
-    if enable_gpt_oss:
-        overridden = sorted(given & set(_YARN_FLAGS))
-        if overridden:
-            raise ConfigError(f"--enable-gpt-oss sets YaRN's values itself (Megatron-LM "
-                              f"overwrites {', '.join(overridden)}); drop them, or drop "
-                              "--enable-gpt-oss and give --position-embedding-type yarn")
-        model.update(GPT_OSS_YARN)
-        return
-    llama3 = sorted(given & set(_LLAMA3_ROPE_FLAGS))
-    if llama3 and not model.get("use_rope_scaling"):
-        raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
-                          "--use-rope-scaling, or drop them")
-    yarn = sorted(given & set(_YARN_FLAGS))
-    if yarn and model.get("position_embedding_type") != "yarn":
-        raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
-                          "yarn (with --multi-latent-attention: drop --rope-type rope), or "
-                          "drop them")
-
-
 # The --moe-* flags that exist; any other is an error (never silently ignored).
 _MOE_FLAGS = {spec.flag for spec in _FLAGS if spec.flag.startswith("--moe-")}
 
@@ -808,165 +759,6 @@ def _low_precision_error(flag: str) -> ConfigError:
         f"Hopper (H100/H200) or Blackwell GPU; {have}. Drop the --fp8-*/--fp4-* flags and "
         "train in --bf16 (the hardware-only change Megatron's FP8 example scripts allow)"
     )
-
-
-def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str, Any]]) -> None:
-    """Megatron-FSDP's flags on the engines built here, where the strategy maps exactly:
-    no_shard is DDP, optim shards the optimizer state (--use-distributed-optimizer),
-    optim_grads_params shards params, grads and optimizer state (FSDP2, --use-torch-fsdp2);
-    optim_grads (params replicated, grads sharded) is not built."""
-    strategy = args.data_parallel_sharding_strategy
-    flag = f"--data-parallel-sharding-strategy {strategy}"
-    if not args.use_megatron_fsdp:
-        if strategy != "no_shard":
-            raise ConfigError(f"{flag} configures Megatron-FSDP: add --use-megatron-fsdp (or use "
-                              "--use-distributed-optimizer / --use-torch-fsdp2 directly)")
-        return
-    parallel, optimizer = sections["parallel"], sections["optimizer"]
-    if parallel.get("use_torch_fsdp2"):
-        raise ConfigError("--use-megatron-fsdp and --use-torch-fsdp2 pick two FSDP engines; "
-                          "give one")
-    if strategy == "optim_grads":
-        raise ConfigError(f"{flag} (ZeRO-2: params replicated, grads and optimizer state "
-                          "sharded) is not built; use optim_grads_params (full sharding on "
-                          "FSDP2) or optim (--use-distributed-optimizer)")
-    if strategy == "optim_grads_params":
-        parallel["use_torch_fsdp2"] = True
-        # Megatron-FSDP's documented recipe passes these too; FSDP2 shards the optimizer state
-        # and overlaps its all-gathers and reduce-scatters by itself.
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
-            optimizer[name] = False
-    elif strategy == "optim":
-        optimizer["use_distributed_optimizer"] = True
-
-
-# --spec values of Megatron's hybrid scripts: the stack --hybrid-layer-pattern builds here.
-HYBRID_SPECS = (("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"),
-                ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"))
-
-
-def hybrid_pattern_given(argv: Sequence[str]) -> bool:
-    """Whether `argv` gives --hybrid-layer-pattern (or its deprecated spelling)."""
-    return any(token.split("=", 1)[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
-               for token in argv)
-
-
-def _apply_hybrid_flags(args, model: Dict[str, Any]) -> None:
-    """--hybrid-layer-pattern (or its deprecated --hybrid-override-pattern) sets --num-layers
-    (Megatron warns and takes the pattern's count); --spec may only name the hybrid stack."""
-    if args.hybrid_override_pattern is not None:
-        if model.get("hybrid_layer_pattern") is not None:
-            raise ConfigError("--hybrid-override-pattern and --hybrid-layer-pattern cannot both "
-                              "be given (the first is the deprecated name of the second)")
-        model["hybrid_layer_pattern"] = args.hybrid_override_pattern
-    pattern = model.get("hybrid_layer_pattern")
-    if args.spec is not None and (pattern is None or tuple(args.spec) not in HYBRID_SPECS):
-        raise ConfigError(
-            f"--spec {' '.join(args.spec)}: layer specs are not loaded from modules here; the "
-            "hybrid stack specs (" + ", ".join(" ".join(spec) for spec in HYBRID_SPECS)
-            + ") are accepted with --hybrid-layer-pattern, which builds that stack")
-    if pattern is None:
-        return
-    from megatron_smp.config import HYBRID_MTP_SEPARATOR, HYBRID_STAGE_BREAK
-
-    count = len(pattern.split(HYBRID_MTP_SEPARATOR)[0].replace(HYBRID_STAGE_BREAK, ""))
-    given = model.get("num_layers")
-    if given is not None and given != count:
-        warnings.warn(f"--hybrid-layer-pattern is set; ignoring --num-layers ({given}) and "
-                      f"using the layer count derived from the pattern ({count})")
-    model["num_layers"] = count
-
-
-def _apply_megatron_main_flags(args: argparse.Namespace,
-                               sections: Dict[str, Dict[str, Any]]) -> None:
-    """Megatron-LM 0.19 / main flags: what each does here, or the error saying why not."""
-    training, data, parallel = sections["training"], sections["data"], sections["parallel"]
-    if args.disable_bf16_reduced_precision_matmul:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    if args.dataloader_inter_document_masking:
-        data["reset_attention_mask"] = True
-    for flag, value, same, what in (
-            ("--eval-micro-batch-size", args.eval_micro_batch_size,
-             training.get("micro_batch_size", 1), "--micro-batch-size"),
-            ("--eval-global-batch-size", args.eval_global_batch_size,
-             training.get("global_batch_size"), "--global-batch-size")):
-        if value is not None and value != same:
-            raise ConfigError(f"{flag} {value}: evaluation here runs with the training batch "
-                              f"({what} {same}); drop it or give the same value")
-    if args.null_tokenizer_eod_id is not None:
-        vocab = data.get("vocab_size")
-        if args.null_tokenizer_eod_id != vocab:
-            raise ConfigError(
-                f"--null-tokenizer-eod-id {args.null_tokenizer_eod_id}: the NullTokenizer here "
-                f"gives EOD the id after the text ids (--vocab-size, {vocab}); Megatron-LM "
-                "main's default, vocab_size - 1, is one of the text ids; drop it")
-    if args.exit_signal_handler_for_training:
-        raise ConfigError("--exit-signal-handler-for-training (Megatron-LM main: exit quietly on "
-                          "SIGINT/SIGTERM) is not built; --exit-signal-handler saves a "
-                          "checkpoint and exits on --exit-signal")
-    fsdp_dtypes = [(flag, value) for flag, value in (
-        ("--megatron-fsdp-main-params-dtype", args.megatron_fsdp_main_params_dtype),
-        ("--megatron-fsdp-main-grads-dtype", args.megatron_fsdp_main_grads_dtype),
-        ("--megatron-fsdp-grad-comm-dtype", args.megatron_fsdp_grad_comm_dtype))
-        if value is not None]
-    if fsdp_dtypes and not args.use_megatron_fsdp:
-        raise ConfigError(f"{', '.join(f for f, _ in fsdp_dtypes)} configure Megatron-FSDP: "
-                          "add --use-megatron-fsdp, or drop them")
-    for flag, value in fsdp_dtypes:
-        # FSDP2 here keeps fp32 main params and fp32 grads (reduced in fp32, or bf16 with
-        # --grad-reduce-in-bf16): those values, and auto for an fp32 model, are what it does.
-        fp32_model = not (args.bf16 or args.fp16)
-        if value == "fp32" or (value == "auto" and (fp32_model or "comm" in flag)):
-            continue
-        raise ConfigError(f"{flag} {value}: FSDP2 here keeps fp32 main params and grads; give "
-                          "fp32 (or auto), or drop it")
-    if args.num_virtual_stages_per_pipeline_rank is not None:
-        given = parallel.get("virtual_pipeline_model_parallel_size")
-        if given is not None and given != args.num_virtual_stages_per_pipeline_rank:
-            raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
-                              "--virtual-pipeline-model-parallel-size are one setting; give one")
-        parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
-    if args.num_distributed_optimizer_instances != 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances "
-                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
-                          "here shards over the whole data-parallel group (one instance); drop it")
-    if args.cuda_graph_impl != "none":
-        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
-                          "megatron_smp does not build; drop it (a hardware-only switch)")
-    if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
-        # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
-        if not parallel.get("use_torch_fsdp2"):
-            raise ConfigError("--ckpt-format torch_dcp is Megatron-LM's FSDP2 format: add "
-                              "--use-torch-fsdp2, or use torch_dist")
-        sections["checkpoint"]["ckpt_format"] = "torch_dist"
-
-
-def _apply_optimizer_choice(args: argparse.Namespace, optimizer: Dict[str, Any],
-                            argv: Sequence[str]) -> None:
-    """Megatron-LM main's emerging optimizers: dist_muon is its deprecated spelling of muon
-    with --use-distributed-optimizer; SOAP, adaptive Muon and the Triton SYRK kernel are not
-    built here."""
-    if optimizer.get("optimizer") == "dist_muon":
-        optimizer["optimizer"] = "muon"
-        optimizer["use_distributed_optimizer"] = True
-    if optimizer.get("optimizer") in ("soap", "adaptive_muon"):
-        raise ConfigError(f"--optimizer {optimizer['optimizer']} is not built here; use "
-                          "--optimizer muon (or lion, adam, sgd)")
-    if args.muon_use_syrk:
-        raise ConfigError("--muon-use-syrk picks emerging_optimizers' Triton SYRK kernel "
-                          "(CUDA, emerging_optimizers >= 0.4) for the Gram matrix; the "
-                          "iteration here uses torch's matmul: drop it")
-    given = {token.split("=", 1)[0] for token in argv}
-    muon_flags = sorted(flag for flag in given if flag.startswith("--muon-"))
-    if muon_flags and optimizer.get("optimizer") != "muon":
-        raise ConfigError(f"{', '.join(muon_flags)} configure Muon: add --optimizer muon, or "
-                          "drop them")
-    lion_flags = sorted(flag for flag in given if flag.startswith("--lion-"))
-    lion_used = optimizer.get("optimizer") == "lion" or (
-        optimizer.get("optimizer") == "muon" and optimizer.get("muon_scalar_optimizer") == "lion")
-    if lion_flags and not lion_used:
-        raise ConfigError(f"{', '.join(lion_flags)} configure Lion: add --optimizer lion (or "
-                          "--optimizer muon --muon-scalar-optimizer lion), or drop them")
 
 
 def _reject_not_supported_yet(argv: Sequence[str]) -> None:
@@ -1004,519 +796,3 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
-
-
-@dataclass
-class Configs:
-    """Everything one run needs, typed. `args` keeps the raw namespace for the flags an entry
-    script adds with `extra_args_provider` (Megatron's convention)."""
-
-    model: TransformerConfig
-    parallel: ParallelConfig
-    optimizer: OptimizerConfig
-    training: TrainingConfig
-    data: DataConfig
-    checkpoint: CheckpointConfig
-    args: argparse.Namespace
-    # How validation names ParallelConfig fields the user set through --smp-config keys.
-    setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
-    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """Plain-data view (for checkpoint metadata and logs)."""
-        out = {}
-        for name in _SECTIONS:
-            section = dataclasses.asdict(getattr(self, name))
-            out[name] = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in section.items()}
-        return out
-
-
-# SMP v2 key -> (config section, field) it sets when the user gives it. Every other key is
-# checked by smp's validator (and rejected there when its capability does not exist yet).
-_SMP_TO_FLAGS = {
-    "tensor_parallel_degree": ("parallel", "tensor_model_parallel_size"),
-    "pipeline_parallel_degree": ("parallel", "pipeline_model_parallel_size"),
-    "context_parallel_degree": ("parallel", "context_parallel_size"),
-    "cp_comm_type": ("model", "cp_comm_type"),
-    "expert_parallel_degree": ("parallel", "expert_model_parallel_size"),
-    "hybrid_shard_degree": ("parallel", "hybrid_shard_degree"),
-    "shard_optimizer_state": ("optimizer", "use_distributed_optimizer"),
-    "random_seed": ("training", "seed"),
-}
-
-
-def _apply_smp_config(text: str, sections: Dict[str, Dict[str, Any]],
-                      setting_names: Dict[str, str]) -> None:
-    """Merge the keys of an SMP v2 JSON config over the parsed flags."""
-    import json
-
-    from megatron_smp.smp import read_smp_keys
-
-    source: Any = text
-    if text.lstrip().startswith("{"):
-        try:
-            source = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--smp-config is not valid JSON: {error}") from None
-    given, values = read_smp_keys(source)
-    from megatron_smp.smp import FSDP_SCRIPT_KEYS
-
-    script_only = sorted(given & set(FSDP_SCRIPT_KEYS))
-    if script_only:
-        raise ConfigError(
-            f"--smp-config keys {script_only} configure smp.fully_shard in a script of your own "
-            "(see scripts/train_smp_fsdp.py); the training scripts do not read them: drop them"
-        )
-    for key in given & set(_SMP_TO_FLAGS):
-        section, name = _SMP_TO_FLAGS[key]
-        sections[section][name] = values[key]
-        if section == "parallel":
-            setting_names[name] = f"{key} (--smp-config)"
-    if values["v1"]:
-        _apply_smp_v1_settings(values["v1"], sections)
-
-
-def _apply_smp_v1_settings(v1: Dict[str, Any], sections: Dict[str, Dict[str, Any]]) -> None:
-    """SMP v1 keys of --smp-config (see megatron_smp.smp.v1_config) on the training scripts'
-    settings: microbatches -> the global batch, pipeline -> --pipeline-schedule, optimize ->
-    --sequence-parallel; ddp and placement_strategy are checked against the degrees."""
-    import logging
-
-    from megatron_smp.parallel_state import launcher_world_size
-    from megatron_smp.smp.v1_config import check_v1_layout
-
-    logger = logging.getLogger("megatron_smp.smp")
-    parallel, training = sections["parallel"], sections["training"]
-    tp = parallel.get("tensor_model_parallel_size", 1)
-    pp = parallel.get("pipeline_model_parallel_size", 1)
-    cp = parallel.get("context_parallel_size", 1)
-    world = launcher_world_size()
-    check_v1_layout(v1, {"T": tp, "P": pp, "D": max(1, world // (tp * pp))})
-    if "microbatches" in v1:
-        dp = max(1, world // (tp * pp * cp))
-        micro = training.get("micro_batch_size", 1)
-        global_batch = micro * dp * v1["microbatches"]
-        given = training.get("global_batch_size")
-        if given is not None and given != global_batch:
-            raise ConfigError(
-                f"--smp-config microbatches {v1['microbatches']} means --global-batch-size "
-                f"{global_batch} (--micro-batch-size {micro} x {dp} data-parallel ranks x "
-                f"{v1['microbatches']}), but --global-batch-size {given} was given: drop one"
-            )
-        training["global_batch_size"] = global_batch
-        logger.warning("smp: v1 key microbatches=%d -> --global-batch-size %d (%d microbatches "
-                       "of %d per data-parallel rank)", v1["microbatches"], global_batch,
-                       v1["microbatches"], micro)
-    if "pipeline" in v1:
-        training["pipeline_schedule"] = v1["pipeline"]
-        logger.warning("smp: v1 key pipeline=%r -> --pipeline-schedule %s", v1["pipeline"],
-                       v1["pipeline"])
-    if "sequence_parallel" in v1:
-        sections["model"]["sequence_parallel"] = v1["sequence_parallel"] and tp > 1
-
-
-def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
-                     args_defaults: Optional[Dict[str, Any]]) -> argparse.Namespace:
-    """The argparse namespace of `argv`, with the entry script's defaults."""
-    _reject_not_supported_yet(argv)
-    parser = build_parser(extra_args_provider)
-    if args_defaults:
-        by_field = {}
-        for spec in _FLAGS:
-            key = spec.flag.lstrip("-").replace("-", "_")
-            by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
-        parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
-    if hybrid_pattern_given(argv):  # the pattern gives the layer count, as in Megatron
-        parser._option_string_actions["--num-layers"].required = False
-    if "--use-checkpoint-args" in argv:
-        # As in Megatron, the model's shape may come from the --load checkpoint alone.
-        for action in parser._actions:
-            if action.dest.startswith("model__"):
-                action.required = False
-    return parser.parse_args(argv)
-
-
-def _position_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
-    """The position-embedding fields from Megatron's spellings of them."""
-    if args.use_rotary_position_embeddings:
-        model["position_embedding_type"] = "rope"
-    if not args.add_position_embedding and model.get("position_embedding_type") != "rope":
-        # Megatron (core_v0.16.1) accepts it only with RoPE, where it changes nothing.
-        raise ConfigError("--no-position-embedding is Megatron's deprecated spelling, valid only "
-                          "with --position-embedding-type rope; use --position-embedding-type "
-                          "none (no position information) or rope")
-    if args.rope_type == "yarn" and not model.get("multi_latent_attention"):
-        raise ConfigError("--rope-type yarn applies to --multi-latent-attention (Megatron's "
-                          "MLA RoPE); for other attention use --position-embedding-type yarn")
-    if (model.get("multi_latent_attention") and args.rope_type != "rope"
-            and model.get("position_embedding_type") == "rope"):
-        model["position_embedding_type"] = "yarn"
-
-
-def _activation_fields(args: argparse.Namespace, argv: List[str],
-                       model: Dict[str, Any]) -> None:
-    """The MLP activation from --squared-relu / --swiglu / --openai-gelu / --quick-geglu /
-    --geglu."""
-    choices = (("--squared-relu", args.squared_relu), ("--openai-gelu", args.openai_gelu),
-               ("--quick-geglu", args.quick_geglu), ("--geglu", args.geglu))
-    if args.swiglu and "--swiglu" not in argv and any(given for _, given in choices):
-        args.swiglu = False  # an entry script's default (pretrain_llama.py) gives way
-    activations = [flag for flag, given in (("--swiglu", args.swiglu),) + choices if given]
-    if len(activations) > 1:
-        raise ConfigError(f"{' and '.join(activations)} each pick the MLP activation; give one")
-    if args.squared_relu:
-        model["activation"] = "squared_relu"
-    if args.quick_geglu:  # Megatron: quick_gelu gated, ffn size as given (no 2/3 rule)
-        model["gated_linear_unit"] = True
-        model["activation"] = "quick_gelu"
-    if args.swiglu:
-        model["gated_linear_unit"] = True
-        model["activation"] = "silu"
-        if model.get("ffn_hidden_size") is None and model.get("hidden_size") is not None:
-            # Megatron's SwiGLU default: 2/3 of 4h (same parameter count), rounded to 64.
-            # (No --hidden-size: --use-checkpoint-args gives both.)
-            model["ffn_hidden_size"] = int((4 * model["hidden_size"] * 2 / 3) / 64) * 64
-    if args.openai_gelu:
-        model["activation"] = "gelu_tanh"  # GPT-2's approximate GeLU ("gelu_new" in HF)
-    if args.geglu:
-        model["gated_linear_unit"] = True
-        model["activation"] = "gelu_tanh"
-
-
-def _model_fields(args: argparse.Namespace, argv: List[str],
-                  sections: Dict[str, Dict[str, Any]]) -> None:
-    """Bias, attention groups, MoE, precision and vocabulary fields from the flags."""
-    model, training, data = sections["model"], sections["training"], sections["data"]
-    if args.disable_bias_linear:
-        model["add_bias_linear"] = False
-    if args.group_query_attention:
-        if args.num_query_groups is None:
-            raise ConfigError("--group-query-attention needs --num-query-groups")
-        model["num_query_groups"] = args.num_query_groups
-    elif args.num_query_groups is not None:
-        raise ConfigError("--num-query-groups is only used with --group-query-attention; add it")
-    moe_given = sorted({t.split("=", 1)[0] for t in argv} & _MOE_FLAGS)
-    if moe_given and model.get("num_moe_experts") is None:
-        raise ConfigError(f"{', '.join(moe_given)} configure mixture-of-experts layers: add "
-                          "--num-experts N, or drop them")
-    if model.get("max_position_embeddings") is None:
-        model["max_position_embeddings"] = training["seq_length"]
-    if args.grad_reduce_in_bf16:
-        if not args.bf16:
-            raise ConfigError("--grad-reduce-in-bf16 applies to --bf16 models only (Megatron "
-                              "ignores it otherwise); add --bf16 or drop it")
-        sections["optimizer"]["accumulate_allreduce_grads_in_fp32"] = False
-    if args.fp16 and args.bf16:
-        raise ConfigError("--fp16 and --bf16 are mutually exclusive; pick one")
-    precision = {"fp16": args.fp16, "bf16": args.bf16}
-    model.update(precision)
-    model["params_dtype"] = (
-        torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-    )
-    # The vocabulary is known only once the tokenizer is built; filled in by pretrain.
-    model.setdefault("vocab_size", data.get("vocab_size") or 0)
-
-
-def parse_args(
-    argv: Optional[Sequence[str]] = None,
-    extra_args_provider: Optional[Callable] = None,
-    args_defaults: Optional[Dict[str, Any]] = None,
-) -> Configs:
-    """Parse Megatron flags into `Configs`; `validate_configs` checks them (once the tokenizer
-    has given the vocabulary size). Raises ConfigError for flags that contradict each other
-    or name a capability that does not exist yet; argparse exits for malformed values.
-
-    `args_defaults` maps flag destinations without dashes (e.g. "tokenizer_type") to defaults
-    an entry script wants (Megatron's convention).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse_namespace(argv, extra_args_provider, args_defaults)
-    sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
-    for spec in _FLAGS:
-        if spec.section is None:
-            continue
-        value = getattr(args, f"{spec.section}__{spec.field}")
-        if value is not None:
-            sections[spec.section][spec.field] = value
-
-    model = sections["model"]
-    training = sections["training"]
-    _apply_hybrid_flags(args, model)
-    _position_fields(args, model)
-    _check_rope_scaling_flags(argv, model, args.enable_gpt_oss)
-    _activation_fields(args, argv, model)
-    _model_fields(args, argv, sections)
-    _apply_optimizer_choice(args, sections["optimizer"], argv)
-    _apply_megatron_fsdp(args, sections)
-    _apply_megatron_main_flags(args, sections)
-    if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
-        # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
-        # with global tensor names and shapes, which FSDP2 runs write and read already.
-        if not sections["parallel"].get("use_torch_fsdp2"):
-            raise ConfigError("--ckpt-format fsdp_dtensor is Megatron-FSDP's format: add "
-                              "--use-megatron-fsdp --data-parallel-sharding-strategy "
-                              "optim_grads_params (or --use-torch-fsdp2), or use torch_dist")
-        sections["checkpoint"]["ckpt_format"] = "torch_dist"
-    setting_names: Dict[str, str] = {}
-    if args.smp_config:
-        _apply_smp_config(args.smp_config, sections, setting_names)
-
-    # Given by --train-samples instead: pretrain derives it (see NumMicrobatchesCalculator).
-    training.setdefault("train_iters", None)
-    if model.get("recompute_modules") is not None:
-        model["recompute_modules"] = [
-            name for token in model["recompute_modules"]
-            for name in re.split(r"[\s,\[\]]+", token) if name]
-    if args.recompute_activations:
-        if model.get("recompute_granularity", "selective") != "selective":
-            raise ConfigError("--recompute-activations is --recompute-granularity selective; "
-                              f"drop one (--recompute-granularity is "
-                              f"{model['recompute_granularity']})")
-        model["recompute_granularity"] = "selective"
-
-    if args.use_checkpoint_args:
-        model.update(checkpoint_model_fields(sections["checkpoint"].get("load"),
-                                             sections["checkpoint"].get("pretrained_checkpoint")))
-        missing = [f"--{name.replace('_', '-')}" for name in
-                   ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
-        if missing:
-            raise ConfigError(f"--use-checkpoint-args: the --load checkpoint gives no "
-                              f"{', '.join(missing)}; pass {'it' if len(missing) == 1 else 'them'}")
-    if training.get("skip_train"):
-        # Megatron's --skip-train only evaluates: the optimizer state is never needed.
-        sections["checkpoint"]["no_load_optim"] = True
-    built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
-    return Configs(args=args, setting_names=setting_names, **built)
-
-
-def _validate_training_length(configs: Configs, data_parallel_size: int) -> None:
-    """Megatron's rules for iteration- and sample-based runs: each counts its length, warm-up
-    and decay in its own unit, never mixed; --rampup-batch-size needs samples."""
-    from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
-
-    training, optimizer = configs.training, configs.optimizer
-    if (training.train_iters is None) == (training.train_samples is None):
-        raise ConfigError("give the run's length as one of --train-iters N or --train-samples N"
-                          + ("" if training.train_iters is None else ", not both"))
-    unit, other = ("iters", "samples") if training.train_iters is not None else ("samples",
-                                                                                   "iters")
-    mixed = [f"--lr-{name}-{other}" for name in ("warmup", "decay", "wsd-decay")
-             if getattr(optimizer, f"lr_{name.replace('-', '_')}_{other}")]
-    if mixed:
-        raise ConfigError(f"{', '.join(mixed)} count {other}, but the run is given in {unit} "
-                          f"(--train-{unit}); use the --lr-*-{unit} flags")
-    if optimizer.lr_warmup_fraction is not None and getattr(optimizer, f"lr_warmup_{unit}"):
-        raise ConfigError(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
-    calculator = NumMicrobatchesCalculator(training, data_parallel_size)
-    for flag, value in (("--train-iters", training.train_iters),
-                        ("--train-samples", training.train_samples)):
-        if value is not None and calculator.train_iters(
-                training.train_iters, training.train_samples) < 1:
-            raise ConfigError(f"{flag} {value} is less than one iteration (global batch "
-                              f"{calculator.global_batch_size_at(0)})")
-    parallel = configs.parallel
-    if (parallel.pipeline_model_parallel_size > 1
-            and (training.rampup_batch_size or training.step_batch_size_schedule)
-            and (parallel.virtual_pipeline_model_parallel_size
-                 or parallel.num_layers_per_virtual_pipeline_stage)):
-        from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches
-
-        for count in calculator.microbatch_counts():
-            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
-
-
-def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
-    """Check everything that can be checked before a process group exists. Pure (changes
-    nothing); `pretrain` runs it once, after the tokenizer has set the vocabulary size.
-
-    Runs identically on every rank, so a bad configuration fails everywhere at once.
-    """
-    from megatron_smp.parallel_state import launcher_world_size
-
-    world_size = world_size or launcher_world_size()
-    parallel = configs.parallel
-    parallel.check_supported(configs.setting_names)
-    parallel.validate(world_size, names=configs.setting_names)
-    configs.model.validate(parallel, configs.training.seq_length, names=configs.setting_names)
-    configs.optimizer.validate()
-    training = configs.training
-    if training.micro_batch_size < 1:
-        raise ConfigError("--micro-batch-size must be >= 1")
-    data_parallel_size = parallel.data_parallel_size_for(world_size)
-    _validate_training_length(configs, data_parallel_size)
-    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if (configs.checkpoint.async_save and not parallel.use_gloo_process_groups
-            and backend != "gloo"):
-        raise ConfigError(
-            "--async-save writes from a background thread over a gloo process group of its "
-            f"own, which --disable-gloo-process-groups rules out on a {backend} job: drop one "
-            "of the two flags"
-        )
-    from megatron_smp.data.dataset_builder import check_cache_flags
-
-    check_cache_flags(configs.data)
-    from megatron_smp.distributed.fsdp import validate_fsdp_configs
-
-    validate_fsdp_configs(configs)
-    if parallel.pipeline_model_parallel_size > 1:
-        from megatron_smp.pipeline_parallel.stages import validate_pipeline_configs
-
-        validate_pipeline_configs(configs, parallel.pipeline_model_parallel_size,
-                                  data_parallel_size)
-    _validate_logging_flags(configs)
-    _validate_feature_combinations(configs)
-    _validate_data_flags(configs)
-    _validate_checkpoint_flags(configs)
-    configs.resilience.validate(configs.checkpoint.save, world_size)
-
-
-def _validate_logging_flags(configs: Configs) -> None:
-    """Log intervals, --manual-gc's companions, TensorBoard-only logging."""
-    training = configs.training
-    for flag, value in (("--log-interval", training.log_interval),
-                        ("--tensorboard-log-interval", training.tensorboard_log_interval),
-                        ("--tensorboard-queue-size", training.tensorboard_queue_size)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if training.manual_gc_interval < 0:
-        raise ConfigError(f"--manual-gc-interval must be >= 0, got {training.manual_gc_interval}")
-    if (training.manual_gc_interval or not training.manual_gc_eval) and not training.manual_gc:
-        raise ConfigError("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
-    logging_to_tensorboard = [
-        flag for flag, on in (
-            ("--log-timers-to-tensorboard", training.log_timers_to_tensorboard),
-            ("--log-validation-ppl-to-tensorboard", training.log_validation_ppl_to_tensorboard),
-            ("--log-memory-to-tensorboard", training.log_memory_to_tensorboard),
-        ) if on
-    ]
-    if logging_to_tensorboard and not training.tensorboard_dir:
-        raise ConfigError(f"{', '.join(logging_to_tensorboard)} need --tensorboard-dir DIR")
-    if training.moe_per_layer_logging:
-        if not (training.tensorboard_dir or training.wandb_project):
-            raise ConfigError("--moe-per-layer-logging writes TensorBoard / W&B scalars: add "
-                              "--tensorboard-dir DIR or --wandb-project NAME")
-        if configs.model.num_moe_experts is None:
-            raise ConfigError("--moe-per-layer-logging needs a mixture-of-experts model "
-                              "(--num-experts)")
-
-
-def _validate_feature_combinations(configs: Configs) -> None:
-    """LoRA's and multi-token prediction's flags and what they do not combine with."""
-    training, parallel = configs.training, configs.parallel
-    if training.lora_rank:
-        from megatron_smp.tensor_parallel.lora import check_lora_flags
-
-        check_lora_flags(training.lora_rank, training.lora_alpha, training.lora_dropout,
-                         training.lora_target_modules)
-        if parallel.use_torch_fsdp2:
-            raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
-                              "DDP or --use-distributed-optimizer")
-    elif configs.checkpoint.pretrained_checkpoint:
-        raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
-                          "for full fine-tuning use --load DIR --finetune")
-    if configs.model.mtp_num_layers is not None:
-        unsupported = [flag for flag, on in (
-            ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),
-            ("--use-torch-fsdp2", parallel.use_torch_fsdp2),
-            # MTP's one-token shifts would carry tokens across packed documents.
-            ("--sft", configs.data.sft),
-            ("--reset-attention-mask", configs.data.reset_attention_mask),
-        ) if on]
-        if unsupported:
-            raise ConfigError(f"--mtp-num-layers with {', '.join(unsupported)} is not "
-                              "supported yet; drop one of them (MTP trains with the mean loss "
-                              "on unpacked sequences, with DDP or --use-distributed-optimizer)")
-
-
-def _validate_data_flags(configs: Configs) -> None:
-    """SFT packing, packed documents under context parallelism, the dataset paths."""
-    data, parallel = configs.data, configs.parallel
-    if data.sft:
-        # Packing is computed in memory from the conversation lengths; these flags shape
-        # pretraining samples only, and the loss mask comes from the data.
-        ignored = [flag for flag, on in (
-            ("--eod-mask-loss", data.eod_mask_loss),
-            ("--data-cache-path", data.data_cache_path),
-            ("--per-dataset-sequences-path", data.per_dataset_sequences_path),
-            ("--dataloader-fast-cache-load", data.dataloader_fast_cache_load),
-            ("--dataloader-defer-npy-index-mmap", data.dataloader_defer_npy_index_mmap),
-        ) if on]
-        if ignored:
-            raise ConfigError(
-                f"--sft with {', '.join(ignored)}: SFT packs conversations in memory and trains "
-                "on the loss mask tools/preprocess_sft_data.py wrote; drop "
-                f"{'it' if len(ignored) == 1 else 'them'}")
-    packed_by = "--sft" if data.sft else "--reset-attention-mask"
-    if ((data.sft or data.reset_attention_mask) and parallel.context_parallel_size > 1
-            and configs.model.cp_comm_type != "all_gather"):
-        raise ConfigError(
-            f"{packed_by} with --context-parallel-size {parallel.context_parallel_size} needs "
-            "--cp-comm-type all_gather (packed documents attend to their keys gathered over "
-            "the CP ranks; p2p and a2a attend with causal masks only)"
-        )
-    per_split_paths = [flag for flag, paths in (
-        ("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
-        ("--test-data-path", data.test_data_path),
-        ("--per-split-data-args-path", data.per_split_data_args_path)) if paths]
-    whole_paths = [flag for flag, paths in (("--data-path", data.data_path),
-                                            ("--data-args-path", data.data_args_path)) if paths]
-    if not data.mock_data and not whole_paths and not per_split_paths:
-        raise ConfigError("give --data-path PREFIX [...] (a preprocessed dataset), "
-                          "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
-    if len(whole_paths) > 1 or (whole_paths and per_split_paths):
-        raise ConfigError(f"{' and '.join(whole_paths + per_split_paths)} are exclusive "
-                          "(Megatron's rule): give one dataset cut by --split, or one dataset "
-                          "per split")
-    if per_split_paths and getattr(configs.args, "data__split", None) is not None:
-        raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
-                          "whole (Megatron refuses both too): drop --split")
-    if data.mid_level_dataset_surplus < 0:
-        raise ConfigError(f"--mid-level-dataset-surplus must be >= 0, got "
-                          f"{data.mid_level_dataset_surplus}")
-
-
-def _validate_checkpoint_flags(configs: Configs) -> None:
-    """--save-interval, the run-control flags, the LR-schedule choice on load, the format."""
-    checkpoint = configs.checkpoint
-    if checkpoint.save_interval is not None and not checkpoint.save:
-        raise ConfigError("--save-interval needs --save DIR")
-    _validate_run_flags(configs)
-    if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
-        raise ConfigError(
-            "--override-opt_param-scheduler (the command line's LR schedule wins) and "
-            "--use-checkpoint-opt_param-scheduler (the checkpoint's wins) contradict each "
-            "other; give one"
-        )
-    check_checkpoint_flags(checkpoint)
-
-
-def _validate_run_flags(configs: Configs) -> None:
-    """Run control, profiling and wandb flags (their modules own the checks)."""
-    from megatron_smp.training.profiling import validate_profiling
-    from megatron_smp.training.result_validation import validate_result_flags
-    from megatron_smp.training.run_control import validate_run_control
-    from megatron_smp.training.wandb_logger import validate_wandb
-
-    backend = configs.parallel.distributed_backend
-    cuda = torch.cuda.is_available()
-    validate_run_control(
-        configs.training,
-        use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
-        uses_nccl=backend == "nccl" or (backend is None and cuda),
-        sharded_params=configs.parallel.use_torch_fsdp2,
-    )
-    validate_profiling(configs.training, cuda)
-    validate_result_flags(configs.training)
-    if configs.training.torch_compile and "layernorm" in (configs.model.recompute_modules or ()):
-        raise ConfigError("--recompute-modules layernorm frees and refills tensor storage "
-                          "between forward and backward, which --torch-compile's graphs do "
-                          "not allow: drop one of them")
-    validate_wandb(configs.training, configs.checkpoint.save)
-    if configs.training.log_progress and not configs.checkpoint.save:
-        raise ConfigError("--log-progress writes <--save>/progress.txt: add --save DIR")
-
-
-__all__ = [
-    "Configs", "IGNORED_FLAGS", "IGNORED_WITHOUT", "NOT_SUPPORTED_YET_FLAGS", "build_parser",
-    "parse_args", "validate_configs",
-]
