@@ -8,7 +8,8 @@ reduction begins (a rank that arrives late there is slower; the others then wait
 interval the ranks gather the median of these times over the interval; the last rank prints
 the --straggler-minmax-count slowest and fastest ranks with their throughput relative to the
 median (median time / rank's time; the low median), names every rank below
-STRAGGLER_THRESHOLD of it, and
+STRAGGLER_THRESHOLD of it in this report and the one before (a rank slowed for a moment --
+another process took its core -- is no straggler), and
 writes the figures as TensorBoard scalars (straggler/...).
 
 --disable-straggler-on-startup starts with the report off; rank 0 then serves a toggle on
@@ -82,6 +83,7 @@ class StragglerDetector:
         self._start: Optional[float] = None
         self._compute: Optional[float] = None
         self._hosts: Optional[List[str]] = None
+        self._below: set = set()  # ranks under the threshold in the previous report
 
     def step_started(self, iteration: int) -> None:
         if self.first_iteration is None:
@@ -141,11 +143,14 @@ class StragglerDetector:
                  f"throughput relative to the median {median * 1000:.1f} ms): slowest "
                  + ", ".join(name(r) for r in order[:count]) + " | fastest "
                  + ", ".join(name(r) for r in reversed(order[-count:]))]
+        below = {r for r in order if relative[r] < STRAGGLER_THRESHOLD}
+        persistent, self._below = below & self._below, below
         for r in order:
-            if relative[r] < STRAGGLER_THRESHOLD:
+            if r in persistent:
                 lines.append(f" STRAGGLER: rank {r} ({self._hosts[r]}) at {relative[r]:.2f}x "
                              f"the median throughput (forward-backward {compute[r] * 1000:.1f} "
-                             f"ms per iteration, median {median * 1000:.1f} ms)")
+                             f"ms per iteration, median {median * 1000:.1f} ms; also in the "
+                             "previous report)")
         if add_scalar is not None:
             add_scalar("straggler/min_relative_throughput", relative[order[0]], iteration)
             add_scalar("straggler/max_relative_throughput", relative[order[-1]], iteration)

@@ -1,5 +1,5 @@
-"""--log-straggler at DP=2: an even run names no straggler; a rank slowed by a real CPU quota
-(a cgroup's CFS quota, as root) or by the fault injector's "slow" fault is named within three
+"""--log-straggler at DP=2: an even run names no straggler; a rank slowed by a real CPU limit
+(a cgroup's CFS quota and shares, as root) or by the fault injector's "slow" fault is named within three
 log intervals, and the slowed run's losses are the even run's."""
 import os
 import re
@@ -22,8 +22,10 @@ _REPORT = re.compile(r" straggler report, iterations (\d+)-(\d+) .*: slowest ran
 
 
 class CpuQuota:
-    """A cgroup (v1 `cpu` controller or v2 `cpu.max`) holding processes to `fraction` of one
-    CPU, in 10 ms periods."""
+    """A cgroup (v1 `cpu` controller, or v2) holding processes to `fraction` of one CPU in
+    10 ms periods (a CFS quota: it bites on an idle host) and to a 1/16 weight against the
+    other processes (CFS shares: it bites on a loaded host, where every process gets less
+    than the quota anyway)."""
 
     def __init__(self, name: str, fraction: float) -> None:
         period = 10000
@@ -34,11 +36,13 @@ class CpuQuota:
             os.makedirs(self.path, exist_ok=True)
             self._write("cpu.cfs_period_us", period)
             self._write("cpu.cfs_quota_us", quota)
+            self._write("cpu.shares", 64)  # of the default 1024
         else:
             self.root = "/sys/fs/cgroup"
             self.path = os.path.join(self.root, name)
             os.makedirs(self.path, exist_ok=True)
             self._write("cpu.max", f"{quota} {period}")
+            self._write("cpu.weight", 6)  # of the default 100
 
     def _write(self, name, value):
         with open(os.path.join(self.path, name), "w") as f:
