@@ -28,12 +28,13 @@ setup(
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
     # trl: the tests train a transformed model with SFTTrainer(padding_free=True), and compare
     # our DPO losses with its DPOTrainer's (the library never imports it).
-    # serve: the inference server (tools/run_text_generation_server.py); the tests drive it
-    # with the openai client and lm-evaluation-harness.
+    # serve: the inference server (tools/run_text_generation_server.py; prometheus_client for
+    # its /metrics); the tests drive it with the openai client and lm-evaluation-harness.
     extras_require={"test": ["pytest", "tiktoken", "peft",
                              "trl",
-                             "fastapi", "uvicorn", "openai", "requests", "lm-eval[api]==0.4.13"],
+                             "fastapi", "uvicorn", "prometheus_client", "openai", "requests",
+                             "lm-eval[api]==0.4.13"],
                     "tiktoken": ["tiktoken"],
                     "peft": ["peft"],
-                    "serve": ["fastapi", "uvicorn"]},
+                    "serve": ["fastapi", "uvicorn", "prometheus_client"]},
 )

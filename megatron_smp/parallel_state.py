@@ -101,6 +101,26 @@ def init_process_group(
     )
 
 
+def default_group_timeout() -> datetime.timedelta:
+    """The collective timeout the default process group was created with
+    (--distributed-timeout-minutes), torch's default when it cannot be read."""
+    try:
+        backend = dist.group.WORLD._get_backend(default_device())
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return default_pg_timeout
+
+
+def new_group(members: List[int], **kwargs) -> dist.ProcessGroup:
+    """`dist.new_group` with the default group's timeout: torch gives every new group its own
+    default (30 minutes on gloo and NCCL), so without it --distributed-timeout-minutes would
+    bound only the collectives over the whole world, and a rank that stops would leave the
+    others waiting in a data-parallel reduction for half an hour. Collective, like
+    `dist.new_group`."""
+    kwargs.setdefault("timeout", default_group_timeout())
+    return dist.new_group(members, **kwargs)
+
+
 def _elastic_attempt_store(
     world_size: int, rank: int, timeout: Optional[datetime.timedelta]
 ) -> Optional[dist.Store]:
@@ -269,6 +289,12 @@ class ParallelState:
         return self.groups["ep"]
 
     @property
+    def tp_ep_group(self) -> dist.ProcessGroup:
+        """The tensor- and expert-parallel ranks of this rank's experts, at position
+        ep_rank * tp_size + tp_rank (the flex token dispatcher's group)."""
+        return self.groups["tp_ep"]
+
+    @property
     def expert_dp_group(self) -> dist.ProcessGroup:
         """Ranks holding the same experts: expert grads are reduced over this group."""
         return self.groups["expert_dp"]
@@ -331,7 +357,7 @@ class ParallelState:
         collective: all ranks call it alike) and keep the one this rank belongs to."""
         for name, all_groups in named_groups:
             for members in sorted(all_groups):
-                group = dist.new_group(members)
+                group = new_group(members)
                 if self.rank in members:
                     self.groups[name] = group
                     self.group_ranks[name] = members
@@ -509,7 +535,7 @@ def build_parallel_state(
     def create(name: str, all_groups: List[List[int]]) -> None:
         # Every rank must call new_group for every group, in the same order.
         for members in all_groups:
-            group = dist.new_group(members)
+            group = new_group(members)
             if rank in members:
                 groups[name] = group
                 group_ranks[name] = members
@@ -533,6 +559,15 @@ def build_parallel_state(
             expert_dp_groups.append(members[offset::ep])
     create("ep", sorted(ep_groups))
     create("expert_dp", sorted(expert_dp_groups))
+    # Megatron's tp x ep group (the flex token dispatcher's one all-to-all): the TP groups of
+    # one expert-parallel group's members, which sit at tp rank 0 with the others at +1 ..
+    # +TP-1, so a member's position in it is ep_rank * TP + tp_rank.
+    if tp > 1 and ep > 1:
+        create("tp_ep", sorted(sorted(member + t for member in members for t in range(tp))
+                               for members in ep_groups if members[0] % tp == 0))
+    else:
+        alias = "ep" if tp == 1 else "tp"
+        groups["tp_ep"], group_ranks["tp_ep"] = groups[alias], group_ranks[alias]
 
     # Embedding group: first and last pipeline stage, for tied input/output embeddings.
     embedding_groups = []
@@ -589,6 +624,8 @@ __all__ = [
     "local_parallel_state",
     "destroy_parallel_state",
     "init_process_group",
+    "new_group",
+    "default_group_timeout",
     "rank_groups",
     "default_device",
     "launcher_world_size",

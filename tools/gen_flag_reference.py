@@ -40,7 +40,7 @@ SCRIPT_ARGV = {"pretrain_hybrid.py": ["--hybrid-layer-pattern", "M"],
 # Tools with parsers of their own.
 TOOL_SCRIPTS = ("tools/preprocess_data.py", "tools/preprocess_sft_data.py",
                 "tools/train_tokenizer.py", "tools/checkpoint/convert.py",
-                "tools/prepare_cache.py", "tools/estimate_memory.py",
+                "tools/prepare_cache.py", "tools/estimate_memory.py", "tools/plan.py",
                 "tools/build_sequences_per_dataset.py", "tools/make_tiny_llama.py",
                 "tools/megatron_flag_audit.py")
 
@@ -156,6 +156,28 @@ def doc_mentions(pages: List[Tuple[str, str]]) -> Dict[str, List[Tuple[str, str,
                         break
                 else:
                     entries.append((page, heading, described))
+    return found
+
+
+def doc_descriptions(pages: List[Tuple[str, str]], limit: int = 300) -> Dict[str, str]:
+    """flag -> what the first docs table row opening with it says (its second cell, cut at
+    about `limit` characters), for flags without a help text or config comment."""
+    found: Dict[str, str] = {}
+    for _, text in pages:
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        for line in text.splitlines():
+            cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)]
+            if not line.startswith("|") or len(cells) < 4 or not cells[2] or cells[2] == "---":
+                continue
+            for flag in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", cells[1]):
+                found.setdefault(flag, cells[2])
+            if "`" not in cells[1]:  # a row naming a thing in words, its flags in a later cell
+                for cell in cells[3:]:
+                    for flag in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", cell):
+                        found.setdefault(flag, f"{cells[1]}: {cells[2]}")
+    for flag, text in found.items():
+        if len(text) > limit:
+            found[flag] = text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
     return found
 
 
@@ -287,18 +309,26 @@ def _describe(*parts: str) -> str:
             continue
         if text:
             text += " " if text.endswith(".") else ". "
-        text += part[0].upper() + part[1:]
+        if part.startswith(("sets ", "on its own", "see ")):  # this tool's own phrases
+            part = part[0].upper() + part[1:]
+        text += part
     return text
 
 
 def _section_classes() -> Dict[str, type]:
-    """config section name -> its dataclass, from the Configs dataclass."""
-    import typing
+    """config section name -> its dataclass, from the fields of the Configs dataclass."""
+    import megatron_smp.config as config
 
     configs = flag_layer("Configs")
-    hints = typing.get_type_hints(configs)
-    return {field.name: hints[field.name] for field in dataclasses.fields(configs)
-            if dataclasses.is_dataclass(hints[field.name])}
+    module = sys.modules[configs.__module__]
+    classes = {}
+    for field in dataclasses.fields(configs):
+        kind = field.type
+        if isinstance(kind, str):  # postponed annotations: the name, in its module or config
+            kind = getattr(module, kind, None) or getattr(config, kind, None)
+        if kind is not None and dataclasses.is_dataclass(kind):
+            classes[field.name] = kind
+    return classes
 
 
 def _section_titles() -> Dict[str, str]:
@@ -310,6 +340,7 @@ def _training_rows(parser: argparse.ArgumentParser, mentions) -> Dict[str, List[
     config field: post-processed or shorthands)."""
     titles = _section_titles()
     comments = {name: field_comments(cls) for name, cls in _section_classes().items()}
+    described = doc_descriptions(_doc_pages())
     ignored = flag_layer("IGNORED_FLAGS")
     rows: Dict[str, List[str]] = {}
     seen = set()
@@ -321,7 +352,8 @@ def _training_rows(parser: argparse.ArgumentParser, mentions) -> Dict[str, List[
         if not field:
             section, field = "", action.dest
         flags = " ".join(f"`{f}`" for f in action.option_strings)
-        what = _help(action) or _cell(comments.get(section, {}).get(field, ""))
+        what = (_help(action) or _cell(comments.get(section, {}).get(field, ""))
+                or described.get(flag, ""))
         sets = f"sets `{titles.get(section, section)}.{field}`" if section else ""
         errors = []
         refused = _refused_alone(flag, action)

@@ -13,7 +13,9 @@ An input line is {"prompt": "text"}, {"prompt_ids": [ids]} or {"messages": [{"ro
 own "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (strings). An output
 line, in input order: {"index", "prompt" (as given), "completion" (text, cut at a stop
 string), "tokens" (generated ids), "logprobs" (theirs), "finish_reason"}. Requests run through
-the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`); with
+the continuous-batching engine (`--inference-max-tokens`, `--inference-max-requests`;
+speculative decoding with `--speculative-config` or `--num-speculative-tokens`, its drafted /
+accepted counts printed at the end); with
 data-parallel replicas each runs its share of the lines and rank 0 writes them all in order.
 --load takes our checkpoints and Megatron-LM's (torch_dist or legacy), as training does.
 """
@@ -29,7 +31,7 @@ from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
 from megatron_smp.parallel_state import destroy_parallel_state  # noqa: E402
-from megatron_smp.training.inference_setup import build_inference_engine  # noqa: E402
+from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
 
 LINE_FIELDS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_k",
                "top_p", "seed", "stop"}
@@ -39,10 +41,13 @@ def add_generate_args(parser):
     group = parser.add_argument_group("generate")
     group.add_argument("--input", required=True, help="JSON lines of prompts")
     group.add_argument("--output", required=True, help="JSON lines of completions (written)")
-    group.add_argument("--max-new-tokens", type=int, default=64)
+    group.add_argument("--max-new-tokens", type=int, default=64,
+                       help="tokens generated per line at most (a line's own max_new_tokens wins)")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample among the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample among the most likely tokens of this total probability")
     group.add_argument("--chat-template", default=None,
                        help="Jinja chat template (text or file) for 'messages' lines")
     group.add_argument("--ignore-eos", action="store_true",
@@ -132,6 +137,11 @@ def main(argv=None):
             if hasattr(engine, "served") else ""
         print(f"wrote {len(requests)} completions to {args.output} in {engine.steps} "
               f"steps{replicas}", flush=True)
+        if engine.speculative is not None:
+            report = engine.speculation_report()
+            print(f"speculative decoding ({engine.speculative.method}): "
+                  f"{report['drafted_tokens']} tokens drafted, {report['accepted_tokens']} "
+                  f"accepted (acceptance rate {report['acceptance_rate']:.3f})", flush=True)
     destroy_parallel_state()  # an orderly exit of the process groups, as pretraining's
 
 

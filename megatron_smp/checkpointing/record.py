@@ -15,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:  # types only: checkpointing never imports the training layer
     from megatron_smp.parallel_state import ParallelState
-    from megatron_smp.training.arguments import Configs
+    from megatron_smp.config import Configs
 
 # Counters a checkpoint carries (Megatron's names, also the checkpoint's keys).
 PROGRESS_KEYS = ("iteration", "consumed_train_samples", "skipped_iterations", "nan_iterations")

@@ -29,6 +29,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, local_to_global_blocks
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -71,12 +72,6 @@ class ParamLayout:
                 yield offsets, relative, lengths
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
 def _global_name(name: str, layer_offset: int) -> str:
     match = _LOCAL_LAYER.match(name)
     if match is None:
@@ -88,7 +83,7 @@ def model_layouts(model_chunks: Sequence[torch.nn.Module], state, vocab_size: in
     """[(ParamLayout, tensor)] for every tensor of this rank's model chunks, in order."""
     entries = []
     for chunk in model_chunks:
-        module = _unwrap(chunk)
+        module = unwrap_model(chunk)
         decoder = getattr(module, "decoder", None)
         layer_offset = getattr(decoder, "layer_offset", 0)
         pre_process = getattr(module, "pre_process", True)

@@ -27,6 +27,7 @@ from megatron_smp.config.optimizer import (
     OptimizerConfig,
 )
 from megatron_smp.config.parallel import CP_COMM_TYPES, FLAG_NAMES, ParallelConfig, name_of
+from megatron_smp.config.resilience import ResilienceConfig
 from megatron_smp.config.training import TrainingConfig
 
 __all__ = [
@@ -35,6 +36,15 @@ __all__ = [
     "MUON_COEFFICIENT_TYPES", "MUON_MATMUL_PRECISIONS", "MUON_SCALE_MODES", "MUON_TP_MODES",
     "NOT_SUPPORTED_YET", "PACKED_ATTENTION_BACKENDS", "RECOMPUTE_MODULES", "SOFTMAX_TYPES",
     "CheckpointConfig", "ConfigError", "DataConfig", "OptimizerConfig", "ParallelConfig",
-    "TrainingConfig", "TransformerConfig", "name_of", "not_supported", "parse_moe_layer_freq",
-    "recompute_modules",
+    "ResilienceConfig", "TrainingConfig", "TransformerConfig", "name_of", "not_supported", "parse_moe_layer_freq",
+    "recompute_modules", "Configs", "SECTIONS",
 ]
+
+
+def __getattr__(name):
+    # Configs and SECTIONS on first use, so `import megatron_smp.config` stays a few modules.
+    if name in ("Configs", "SECTIONS"):
+        from megatron_smp.config import sections
+
+        return getattr(sections, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

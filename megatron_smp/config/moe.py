@@ -83,13 +83,34 @@ class MoEChecks:
                 self.moe_router_load_balancing_type,
                 ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")),
             "--moe-token-dispatcher-type": (self.moe_token_dispatcher_type,
-                                            ("allgather", "alltoall")),
+                                            ("allgather", "alltoall", "flex")),
+            "--moe-flex-dispatcher-backend": (self.moe_flex_dispatcher_backend,
+                                              ("deepep", "hybridep", "ncclep")),
             "--moe-token-drop-policy": (self.moe_token_drop_policy, ("probs", "position")),
         }
         for flag, (value, allowed) in choices.items():
             _require(value in allowed,
                      f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
         self._check_router(experts)
+        flex = self.moe_token_dispatcher_type == "flex"
+        # Megatron-LM main's own refusals (TransformerConfig, MoEFlexTokenDispatcher).
+        _require(
+            self.moe_flex_dispatcher_backend != "ncclep" or flex,
+            "--moe-flex-dispatcher-backend ncclep requires --moe-token-dispatcher-type flex",
+        )
+        _require(
+            not (flex and self.moe_flex_dispatcher_backend in ("deepep", "ncclep")
+                 and tp * ep == 1),
+            f"--moe-token-dispatcher-type flex with the {self.moe_flex_dispatcher_backend} "
+            "backend needs tensor x expert parallelism > 1 (as in Megatron-LM); use alltoall, "
+            "or --moe-flex-dispatcher-backend hybridep",
+        )
+        _require(
+            not (flex and self.moe_flex_dispatcher_backend == "deepep"
+                 and self.moe_pad_expert_input_to_capacity),
+            "--moe-token-dispatcher-type flex with the deepep backend does not support "
+            "--moe-pad-expert-input-to-capacity (as in Megatron-LM)",
+        )
         _require(
             not (self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff),
             "--moe-router-load-balancing-type sinkhorn balances without an auxiliary loss; "

@@ -33,8 +33,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.inference.kv_cache import (
     BlockAllocator,
     CacheLayout,
@@ -122,6 +124,8 @@ class _Plan:
     chunk_ids: List[int] = field(default_factory=list)
     chunk_next: List[int] = field(default_factory=list)
     speculating: List[int] = field(default_factory=list)
+    # new requests' prompt + max_new_tokens (where MTP drafting stops)
+    limits: Dict[int, int] = field(default_factory=dict)
 
 
 def _group_ranks(group) -> List[int]:
@@ -212,9 +216,7 @@ class InferenceEngine(RequestIntake):
                                   "(--num-layers-per-virtual-pipeline-stage); one model chunk "
                                   "per rank")
             model = model[0]
-        model = getattr(model, "module", model)
-        while not hasattr(model, "decoder") and hasattr(model, "module"):
-            model = model.module
+        model = unwrap_model(model)
         self.model = model.eval()
         self.state = model.state
         self.config = model.config
@@ -284,6 +286,7 @@ class InferenceEngine(RequestIntake):
         self.num_accepted = 0
         self.draft_generators: Dict[int, Optional[torch.Generator]] = {}
         self._mtp_probs: Dict[int, torch.Tensor] = {}  # sampler: MTP drafts' q [k, V]
+        self._limits: Dict[int, int] = {}  # prompt + max_new_tokens of each request
 
     def _init_speculation(self, speculative, draft_model, num_blocks, block_size,
                           max_requests) -> None:
@@ -493,8 +496,10 @@ class InferenceEngine(RequestIntake):
             if request.draft_probs is not None and drafts.get(request_id):
                 draft_probs[request_id] = request.draft_probs[:len(drafts[request_id])]
         speculating = [r.request_id for r in self.running if self._speculation(r.params)]
+        limits = {request_id: len(self.requests[request_id].prompt) + params.max_new_tokens
+                  for request_id, params in new_params.items()}
         return _Plan(sampled, steps + chunks, wants, new_params, finished, num_drafts,
-                     draft_probs, seeds, chunk_ids, chunk_next, speculating)
+                     draft_probs, seeds, chunk_ids, chunk_next, speculating, limits)
 
     def _speculation(self, params: SamplingParams) -> int:
         """Drafts a request asks for per step (0: it decodes plainly)."""
@@ -575,7 +580,14 @@ class InferenceEngine(RequestIntake):
         """One engine step on every rank of the group. The leader's `stop=True` ends the
         engine on all ranks (every rank returns None); otherwise the leader gets the requests
         that advanced (finished ones included), the other ranks []."""
-        plan = None if stop else (self._schedule() if self.is_leader else None)
+        with record_function("inference::step"):
+            return self._step(stop)
+
+    def _step(self, stop: bool) -> Optional[List[Request]]:
+        # (the record_function ranges name the parts of a step for a profile's breakdown:
+        # tools/bench/bench_inference.py --breakdown)
+        with record_function("inference::schedule"):
+            plan = None if stop else (self._schedule() if self.is_leader else None)
         plan = self._broadcast(plan, self.leader)
         if plan is None:
             return None
@@ -584,8 +596,10 @@ class InferenceEngine(RequestIntake):
             self.generators.pop(request_id, None)
             self.draft_generators.pop(request_id, None)
             self._mtp_probs.pop(request_id, None)
+            self._limits.pop(request_id, None)
         for request_id, params in plan.new_params.items():
             self.params[request_id] = params
+            self._limits[request_id] = plan.limits[request_id]
             generator = None
             if not params.greedy:
                 seed = params.seed if params.seed is not None else plan.seeds[request_id]
@@ -606,7 +620,8 @@ class InferenceEngine(RequestIntake):
             # Every rank of the last stage runs the MTP layers over the accepted rows.
             results = self._broadcast(results, self.sampler)
             if self.mtp_drafter is not None:
-                drafts = self._mtp_propose(plan, results, context)
+                with record_function("inference::mtp_drafts"):
+                    drafts = self._mtp_propose(plan, results, context)
             if self.sampler != self.leader:
                 drafts = self._broadcast(drafts, self.sampler)
         elif self.sampler != self.leader:
@@ -623,16 +638,18 @@ class InferenceEngine(RequestIntake):
         states [T, h], its StepBatch), else None)."""
         model, state = self.model, self.state
         pad_to = state.tp_size if self.sequence_parallel else 1
-        batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
+        with record_function("inference::step_plan"):
+            batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
         tokens, positions = batch.tokens[None], batch.positions[None]  # [1, T]
-        if state.is_pipeline_first_stage:
-            hidden = model.embedding(tokens, positions)
-        else:
-            rows = len(batch.tokens) // pad_to
-            hidden = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype,
-                                 device=self.device)
-            dist.recv(hidden, src=state.pp_prev_rank, group=state.pp_group)
-        hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
+        with record_function("inference::model"):
+            if state.is_pipeline_first_stage:
+                hidden = model.embedding(tokens, positions)
+            else:
+                rows = len(batch.tokens) // pad_to
+                hidden = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+                dist.recv(hidden, src=state.pp_prev_rank, group=state.pp_group)
+            hidden = model.decoder(hidden, batch, model._rotary(hidden, positions))
         if not state.is_pipeline_last_stage:
             dist.send(hidden.contiguous(), dst=state.pp_next_rank, group=state.pp_group)
             return None, None
@@ -644,6 +661,12 @@ class InferenceEngine(RequestIntake):
         context = (hidden[:, 0], batch) if drafting else None
         if not plan.request_ids:
             return [], context
+        with record_function("inference::logits_sampling"):
+            return self._sample(plan, batch, hidden), context
+
+    def _sample(self, plan: _Plan, batch: StepBatch, hidden: torch.Tensor):
+        """The step's logits (the rows each request samples from, or verifies) and the
+        sampler's results (None on other ranks); see `_forward`."""
         num_drafts = plan.num_drafts or [None] * len(plan.request_ids)
         rows, spans = [], []
         for request_rows, want, drafted in zip(batch.request_rows, plan.prompt_logprobs,
@@ -656,7 +679,7 @@ class InferenceEngine(RequestIntake):
         else:
             logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
         if self.rank != self.sampler:
-            return None, context
+            return None
         params = [self.params[i] for i in plan.request_ids]
         plain = [index for index, drafted in enumerate(num_drafts) if not drafted]
         sampled = {}
@@ -690,7 +713,7 @@ class InferenceEngine(RequestIntake):
                 prompt_top = [[]] + top_logprobs(logprobs, params[index].logprobs)
             emitted, chosen, alternatives, accepted = sampled[index]
             results.append((emitted, chosen, alternatives, (prompt_lp, prompt_top), accepted))
-        return results, context
+        return results
 
     def _mtp_propose(self, plan: _Plan, results, context) -> Dict[int, List[int]]:
         """The next step's drafts of the speculating requests from the MTP layers (every
@@ -707,8 +730,13 @@ class InferenceEngine(RequestIntake):
                 after = step.tokens[1:] + emitted[:1]
             else:  # the accepted rows, each followed by the token emitted after it
                 after = emitted
+            # Drafts the next step can verify: its positions stay below the request's end
+            # (the leader trims to the same count).
+            last = step.start + len(after)  # the position of the last token emitted
+            count = min(self._speculation(self.params[request_id]),
+                        self._limits[request_id] - last - 2)
             items.append((hidden[first:first + len(after)], step.start, after, step.blocks,
-                          self._speculation(self.params[request_id])))
+                          max(count, 0)))
             owners.append(request_id)
         for chunk, request_id in enumerate(plan.chunk_ids):
             if request_id not in speculating:

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.parallel_state import new_group
 from megatron_smp.inference.engine import InferenceEngine, Request, RequestIntake
 from megatron_smp.inference.sampling import SamplingParams
 
@@ -60,11 +61,11 @@ class DataParallelEngine(RequestIntake):
         self.rank = dist.get_rank()
         local = None
         for members in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(members)
+            group = new_group(members)
             if self.rank in members:
                 local, self.replica = group, groups.index(members)
         self.leaders = [members[0] for members in groups]
-        self.leader_group = dist.new_group(self.leaders)
+        self.leader_group = new_group(self.leaders)
         self.engine = make_engine(local)
         self.num_replicas = len(groups)
         self.coordinator = self.leaders[0]
@@ -81,6 +82,9 @@ class DataParallelEngine(RequestIntake):
         self.steps = 0
         self.num_aborted = 0
         self.served = [0] * self.num_replicas  # requests handed to each replica
+        self.num_drafted = 0  # speculative decoding, over all replicas
+        self.num_accepted = 0
+        self.speculative = self.engine.speculative
 
     # The engine's interface on the coordinator -----------------------------------------------
 
@@ -140,7 +144,7 @@ class DataParallelEngine(RequestIntake):
     def _progress(self, advanced: Sequence[Request]) -> List[tuple]:
         """What a replica leader reports of its engine's advanced requests: (global id, new
         tokens, their log-probs and top alternatives, prompt log-probs (once), finish
-        reason, stop string)."""
+        reason, stop string, drafts verified and accepted so far)."""
         report = []
         for request in advanced:
             global_id = self._global_id[request.request_id]
@@ -151,7 +155,7 @@ class DataParallelEngine(RequestIntake):
             sent = sent or 0
             report.append((global_id, request.output[sent:], request.logprobs[sent:],
                            request.top_logprobs[sent:], prompt, request.finish_reason,
-                           request.stop_string))
+                           request.stop_string, request.num_drafted, request.num_accepted))
             self._sent[global_id] = len(request.output)
             if request.finished:
                 self._forget(global_id)
@@ -165,10 +169,14 @@ class DataParallelEngine(RequestIntake):
         advanced = []
         with self._lock:
             for report in reports:
-                for global_id, output, logprobs, tops, prompt, reason, stop_string in report:
+                for (global_id, output, logprobs, tops, prompt, reason, stop_string, drafted,
+                     accepted) in report:
                     request = self.requests.get(global_id)
                     if request is None:  # aborted meanwhile
                         continue
+                    self.num_drafted += drafted - request.num_drafted
+                    self.num_accepted += accepted - request.num_accepted
+                    request.num_drafted, request.num_accepted = drafted, accepted
                     request.output.extend(output)
                     request.logprobs.extend(logprobs)
                     request.top_logprobs.extend(tops)
@@ -242,6 +250,8 @@ class DataParallelEngine(RequestIntake):
 
     def memory_report(self) -> Dict[str, int]:
         return self.engine.memory_report()
+
+    speculation_report = InferenceEngine.speculation_report
 
 
 __all__ = ["DataParallelEngine", "replica_groups", "num_replicas"]

@@ -8,6 +8,9 @@
                                max_completion_tokens, temperature, top_p, top_k, n, stop, seed,
                                logprobs, top_logprobs, stream
     GET  /v1/models, GET /health
+    GET  /metrics              Prometheus text format (`inference.metrics`): requests running
+                               and queued, tokens in and out, KV-cache blocks used, time to
+                               first token and per output token, speculative acceptance
     PUT  /api                  Megatron's legacy API: prompts, tokens_to_generate, temperature,
                                top_k, top_p, logprobs, add_BOS, random_seed
 
@@ -35,10 +38,12 @@ from megatron_smp.inference.text import TextCodec
 try:
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict
+
+    from megatron_smp.inference.metrics import ServerMetrics
 except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError("the inference server needs FastAPI and uvicorn: "
+    raise ImportError("the inference server needs FastAPI, uvicorn and prometheus_client: "
                       "pip install 'megatron_smp[serve]'") from error
 
 
@@ -48,6 +53,7 @@ class EngineLoop:
 
     def __init__(self, engine: InferenceEngine, idle_interval: float = 1.0) -> None:
         self.engine = engine
+        self.metrics = ServerMetrics(engine)
         self.idle_interval = idle_interval
         self._wake = threading.Event()
         self._stopping = False
@@ -74,6 +80,7 @@ class EngineLoop:
         with self._lock:
             request = self.engine.add_request(prompt, params)
             self._waiters[request.request_id] = (loop, queue)
+            self.metrics.on_submit(request)
         self._wake.set()
         return request, queue
 
@@ -83,6 +90,7 @@ class EngineLoop:
             self._wake.set()
 
     def _notify(self, request: Request) -> None:
+        self.metrics.on_advance(request)
         with self._lock:
             waiter = self._waiters.get(request.request_id)
             if request.finished:
@@ -107,6 +115,7 @@ class EngineLoop:
                 for request_id in [i for i, r in zip(list(self._waiters), aborted) if r is None]:
                     loop, queue = self._waiters.pop(request_id)
                     loop.call_soon_threadsafe(queue.put_nowait, (None, True))
+                    self.metrics.forget(request_id)
         except BaseException as error:  # surfaced to every later request
             self.error = error
             raise
@@ -384,6 +393,11 @@ class CompletionServer:
                 health["replicas"] = list(engine.served)
             health["cache"] = engine.memory_report()  # this rank's (its replica's)
             return health
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.loop.metrics.exposition(),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/v1/models")
         async def models():

@@ -48,7 +48,7 @@ from megatron_smp.inference.kv_cache import (
     recurrent_layers,
 )
 from megatron_smp.inference.sampling import SamplingParams, warp_logits
-from megatron_smp.models.gpt import soft_cap_logits
+from megatron_smp.models.gpt import output_logits
 from megatron_smp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 METHODS = ("ngram", "mtp", "draft_model")
@@ -59,12 +59,15 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` (`--speculative-config '{"method": ...}'`), Megatron-LM's
     `--num-speculative-tokens`: `method` one of ngram / mtp / draft_model, up to
     `num_speculative_tokens` drafts per request and step; n-gram lookup matches suffixes of
-    `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens. `model`: the draft checkpoint's
+    directory (method draft_model, for the tools that load it; the engine takes the built
+    model)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 1
+    model: Optional[str] = None
 
     def validate(self) -> "SpeculativeConfig":
         if self.method not in METHODS:
@@ -83,6 +86,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config: prompt_lookup_min "
                               f"({self.prompt_lookup_min}) is above prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if self.model is not None and self.method != "draft_model":
+            raise ConfigError(f"speculative_config: 'model' (a draft checkpoint) goes with "
+                              f"method 'draft_model', not {self.method!r}")
         return self
 
     @classmethod
@@ -91,12 +97,12 @@ class SpeculativeConfig:
         if not isinstance(values, dict):
             raise ConfigError("--speculative-config must be a JSON object, e.g. "
                               '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "model"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown keys {unknown} (this engine "
-                              f"takes {sorted(known)}; a draft checkpoint comes with "
-                              "--speculative-draft-load)")
+                              f"takes {sorted(known)})")
         if "method" not in values or "num_speculative_tokens" not in values:
             raise ConfigError("--speculative-config needs 'method' and "
                               "'num_speculative_tokens'")
@@ -208,8 +214,7 @@ def vocab_logits(model: torch.nn.Module, hidden: torch.Tensor, tp_group) -> torc
     layer = model.output_layer
     weight = layer.weight if layer.weight is not None \
         else model.embedding.word_embeddings.weight
-    logits = soft_cap_logits(F.linear(hidden, weight, layer.bias),
-                             model.config.final_logit_softcapping)
+    logits = output_logits(F.linear(hidden, weight, layer.bias), model.config)
     logits = gather_from_tensor_model_parallel_region(logits, tp_group)
     return logits[:, : model.config.vocab_size]
 

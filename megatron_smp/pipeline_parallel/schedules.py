@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.pipeline_parallel.p2p import (
     PipelineCommunicator,
     backward_output_tensor,
@@ -110,13 +111,6 @@ def forward_backward_no_pipelining(
 # stages each rank holds several *chunks* and chunk c of rank r is virtual stage c * pp + r.
 # Stage inputs are received into fresh leaf tensors, so after a stage's backward their
 # `.grad` is the grad to send to the previous stage.
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside wrappers (DDP keeps it as `.module`)."""
-    while not hasattr(module, "set_input_tensor") and hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def _stage_spec(module: torch.nn.Module):
@@ -204,7 +198,7 @@ class _StageRunner:
                 input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
         """Output [s, b, h] of a stage (the loss, a scalar, on the last stage)."""
         model = self.chunks[chunk]
-        _unwrap(model).set_input_tensor(input_tensor)
+        unwrap_model(model).set_input_tensor(input_tensor)
         with self._span(f"F{microbatch}", microbatch=microbatch, chunk=chunk):
             output = forward_step(self.forward_step_func, self.data_iterators[chunk], model,
                                   self.reports, self.is_last_stage(chunk))
@@ -260,7 +254,7 @@ def _setup(forward_step_func, data_iterator, model, num_microbatches, seq_length
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     spec = _stage_spec(chunks[0])
     if state is None:
-        state = spec.state if spec is not None else getattr(_unwrap(chunks[0]), "state", None)
+        state = spec.state if spec is not None else getattr(unwrap_model(chunks[0]), "state", None)
     if state is None:
         raise ValueError("pipelined schedules need state= or chunks built by "
                          "build_pipeline_model_chunks")

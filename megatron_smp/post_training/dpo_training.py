@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.post_training.dpo import (
     LOSS_KEY, LOSS_TYPES, METRICS, REFERENCE_MODES, DPOConfig, dpo_loss_and_metrics, pair_sums,
 )
 from megatron_smp.post_training.reference import (
-    DPO_REFERENCE, _inner, build_reference_chunks, copy_base_weights, frozen_reference,
+    DPO_REFERENCE, build_reference_chunks, copy_base_weights, frozen_reference,
 )
 from megatron_smp.training.logprobs import (
     compute_logprobs, model_outputs, split_batch_for_context_parallel, token_log_probs,
@@ -127,7 +128,7 @@ class DPORun:
         if self.config.reference == "adapters-off":
             from megatron_smp.tensor_parallel.lora import adapters_disabled
 
-            model, context = run.model, adapters_disabled([_inner(c) for c in run.model])
+            model, context = run.model, adapters_disabled([unwrap_model(c) for c in run.model])
         else:
             model, context = self.reference, contextlib.nullcontext()
         training = run.configs.training

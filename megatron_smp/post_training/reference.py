@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,6 @@ class ReferenceRecord:
     setting: str     # what asked for the frozen copy, e.g. "--dpo-reference frozen"
     run: str         # the run's name in advice, e.g. "DPO"
     instead: str     # the alternative that needs no rebuild, e.g. "use --dpo-reference precomputed"
-
-
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
 
 
 def build_reference_chunks(model_provider: Callable, configs, state,
@@ -74,7 +69,7 @@ def copy_base_weights(reference: Sequence[torch.nn.Module],
     (this rank's tensors)."""
     already = True
     for target_chunk, source_chunk in zip(reference, model):
-        source = _inner(source_chunk).state_dict()
+        source = unwrap_model(source_chunk).state_dict()
         with torch.no_grad():
             for name, tensor in target_chunk.state_dict().items():
                 value = source[name]

@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-from megatron_smp.post_training.reference import RL_REFERENCE, _inner, frozen_reference
+from megatron_smp.distributed.unwrap import unwrap_model
+from megatron_smp.post_training.reference import RL_REFERENCE, frozen_reference
 from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
 from megatron_smp.post_training.rl_env import (
     EnvConfigError, Environment, Prompt, PromptSampler, load_env_config,
@@ -82,7 +83,7 @@ _POLICY_METRICS = ("clip_fraction", "clip_ratio/high_mean", "clip_ratio/low_mean
 def add_rl_training_args(parser):
     """train_rl.py's flags beyond Megatron's training ones: the --grpo-* / --rl-* flags and
     the engine's --inference-* sizes."""
-    from megatron_smp.training.inference_setup import add_inference_args
+    from megatron_smp.inference.launcher import add_inference_args
 
     return add_inference_args(add_rl_args(parser))
 
@@ -131,7 +132,7 @@ def rollout_logprobs(model, batch: Dict[str, torch.Tensor], run) -> torch.Tensor
     """Per-token log-probs [rows, s] of `batch`'s labels under `model` (the policy or the
     reference chunks), eval mode, no grad, on every rank: the one call of the log-prob
     function, so its home can change in one line."""
-    from megatron_smp.post_training.engine import compute_logprobs
+    from megatron_smp.post_training.backend_api import compute_logprobs
 
     training = run.configs.training
     return compute_logprobs(model, batch, run.state, run.configs.model.vocab_size,
@@ -332,7 +333,7 @@ class RLRun:
             from megatron_smp.tensor_parallel.lora import adapters_disabled
 
             model = self.trainer.model
-            context = adapters_disabled([_inner(chunk) for chunk in model])
+            context = adapters_disabled([unwrap_model(chunk) for chunk in model])
         else:
             model, context = self.reference, contextlib.nullcontext()
         with context:

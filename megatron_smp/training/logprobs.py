@@ -1,6 +1,6 @@
 """Per-token log-probabilities (and entropies) of given sequences under a built model, at any
 layout: the one implementation behind `Trainer.compute_logprobs` and the backend API's
-`post_training.engine.compute_logprobs` (a DPO reference, a GRPO old policy, verl's and
+`post_training.backend_api.compute_logprobs` (a DPO reference, a GRPO old policy, verl's and
 NeMo-RL's `compute_log_prob`).
 
 Vocab-parallel: log-softmax and gather from each rank's shard of the logits [b, s, v/tp]

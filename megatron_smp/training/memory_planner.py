@@ -464,17 +464,20 @@ def _chunk_activation_bytes(chunk, layer_bytes: List[float], model, layer_input:
 
 
 def estimate_memory(configs, world_size: int, model_provider: Callable,
-                    device_type: str = "cuda") -> MemoryReport:
+                    device_type: str = "cuda",
+                    stages: Optional[List[StageCount]] = None) -> MemoryReport:
     """The per-rank memory of `configs` at `world_size`; `configs.model.vocab_size` must be
     set (the tokenizer's). `device_type` picks the attention kernels modelled ("cpu": SDPA's
-    math path with attention dropout)."""
+    math path with attention dropout). `stages`: `count_stages` of the same layout, when the
+    caller has counted it already (the step-time planner's search)."""
     from megatron_smp.pipeline_parallel.schedules import schedule_name
 
     parallel, model, training = configs.parallel, configs.model, configs.training
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
     dp = parallel.data_parallel_size_for(world_size)
-    stages = count_stages(configs, world_size, model_provider)
+    if stages is None:
+        stages = count_stages(configs, world_size, model_provider)
     notes = []
     p = _act_bytes(model)
     grad_bytes = 4 if configs.optimizer.accumulate_allreduce_grads_in_fp32 else p

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import ConfigError
-from megatron_smp.training.arguments import Configs, parse_args, validate_configs
+from megatron_smp.config import Configs
+from megatron_smp.training.arguments import parse_args, validate_configs
 from megatron_smp.training.logging import (
     ProgressLog, Timer, TrainingLogger, flops_per_iteration, print_error, set_logging_level,
 )
@@ -151,6 +152,8 @@ def _build_data(trainer: Trainer, provider: Callable, tokenizer) -> _Data:
         )
 
     train = iter(loader(train_ds, trainer.progress.consumed_train_samples))
+    if trainer.resilience is not None:
+        train = trainer.resilience.data(train)  # the watchdog tells a rank waiting for data
     if trainer.validator is not None and trainer.validator.mode == "validate_results":
         train = ReplayIterator(train)  # an iteration can be rerun on its batches
     # --eval-iters 0 evaluates nothing (Megatron's do_valid / do_test): its splits are not
@@ -320,6 +323,8 @@ class _TrainingLoop:
         if self.checkpointing:
             trainer.finalize_saves()
         self.logger.close()
+        if trainer.resilience is not None:
+            trainer.resilience.close()
         if training.manual_gc:
             gc.enable()
         result.skipped_iterations = trainer.progress.skipped_iterations

@@ -28,12 +28,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_smp.checkpointing.record import CheckpointRecord, LoraBase, Progress
-from megatron_smp.config import ConfigError
+from megatron_smp.config import ConfigError, Configs
 from megatron_smp.parallel_state import ParallelState
 from megatron_smp.pipeline_parallel.schedules import (
     ScheduleHooks, get_forward_backward_func, schedule_name,
 )
-from megatron_smp.training.arguments import Configs
 from megatron_smp.training.logging import ProgressLog
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
@@ -215,6 +214,8 @@ class Trainer:
     # data_iterator, num_microbatches)` gives the iterator a global batch's schedule reads
     # (e.g. the batches with their reference log-probs, computed before the schedule).
     step_data: Optional[Callable] = None
+    # --enable-ft-package / --log-straggler / --fault-injector-*: told of each step and save.
+    resilience: Optional[Any] = None  # megatron_smp.resilience.Resilience
 
     # -- build ------------------------------------------------------------------------------
 
@@ -240,7 +241,8 @@ class Trainer:
                                time.time() if start_time is None else start_time)
         model_parallel_seed(training.seed, state)
         model = build_model_chunks(model_provider, configs, state)
-        optimizer = get_megatron_optimizer(configs.optimizer, model, state)
+        optimizer = get_megatron_optimizer(configs.optimizer, model, state,
+                                           mup_width_mult=configs.model.mup_width_mult)
         validator = _build_validator(configs, state, model)
         # --rampup-batch-size changes the global batch (and the microbatches per step) as
         # samples are consumed; --train-samples gives the length in samples (Megatron's
@@ -252,8 +254,12 @@ class Trainer:
             optimizer, configs.optimizer, training.train_iters,
             train_samples=training.train_samples,
             global_batch_size=batch_sizes.global_batch_size)
+        from megatron_smp.resilience import build_resilience
+
+        resilience = build_resilience(getattr(configs, "resilience", None), state,
+                                      configs.checkpoint.save)
         return cls(configs, state, model, optimizer, scheduler, batch_sizes,
-                   validator=validator, exits=exits)
+                   validator=validator, exits=exits, resilience=resilience)
 
     @property
     def iteration(self) -> int:
@@ -404,6 +410,14 @@ class Trainer:
         the consumed samples by one iteration of --global-batch-size, so a schedule over
         --train-iters does not depend on how the step's rows were padded or split; its
         StepResult.global_batch_size is the rows it ran."""
+        if self.resilience is not None:
+            self.resilience.before_step(self.iteration + 1)
+        result = self._train_step(data_iterator, loss_fn, forward_step, num_microbatches)
+        if self.resilience is not None:
+            self.resilience.after_step(self.iteration)
+        return result
+
+    def _train_step(self, data_iterator, loss_fn, forward_step, num_microbatches) -> StepResult:
         scheduled = self.batch_sizes.global_batch_size_at(self.progress.consumed_train_samples)
         fixed_size = num_microbatches is None
         num_microbatches = self.agree_num_microbatches(num_microbatches)
@@ -554,7 +568,8 @@ class Trainer:
         from megatron_smp.checkpointing import loop as checkpointing
 
         self._fold_pending_nans()
-        checkpointing.save(self.checkpoint_record())
+        with self._checkpointing():
+            checkpointing.save(self.checkpoint_record())
 
     def load(self) -> None:
         """Restore --load / --pretrained-checkpoint (collective; see
@@ -583,7 +598,15 @@ class Trainer:
         """Wait for the last asynchronous save and publish it (collective)."""
         from megatron_smp.checkpointing import loop as checkpointing
 
-        checkpointing.finalize(self.checkpoint_record())
+        with self._checkpointing():
+            checkpointing.finalize(self.checkpoint_record())
+
+    def _checkpointing(self):
+        """The watchdog's "checkpointing" section around a save (nothing without it)."""
+        import contextlib
+
+        return (self.resilience.checkpointing() if self.resilience is not None
+                else contextlib.nullcontext())
 
     def _save_for_rerun(self) -> None:
         self.save()

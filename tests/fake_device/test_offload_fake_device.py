@@ -1,4 +1,4 @@
-"""post_training.engine offload / onload between two training steps on the fake accelerator:
+"""post_training.backend_api offload / onload between two training steps on the fake accelerator:
 every storage of the params, grads and optimizer state emptied, the host copies on the CPU,
 and training goes on. (Here, beside the harness's own tests, because the fake device must be
 registered before this process's autograd engine first runs a backward.)"""
@@ -14,7 +14,7 @@ ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 
 def test_offload_between_steps_on_the_fake_device(monkeypatch):
-    from megatron_smp.post_training.engine import offload, onload
+    from megatron_smp.post_training.backend_api import offload, onload
 
     pretrain_module = importlib.import_module("megatron_smp.training.pretrain")
     original = pretrain_module.Trainer.train_step

@@ -137,7 +137,7 @@ def _step_batches(trainer):
     (stale by one update in step 2, so the ratio is clipped) and, perturbed, as reference.
     Every rollout's slot is a multiple of 2 x CP, at every layout, so that CP=2 splits the
     same rows."""
-    from megatron_smp.post_training.engine import compute_logprobs
+    from megatron_smp.post_training.backend_api import compute_logprobs
     from megatron_smp.post_training.rollouts import build_rollout_batch, rollout_advantages
 
     batches = []
@@ -209,7 +209,7 @@ def _lora_reference(trainer_flags):
     """After a GRPO step with LoRA: the adapters-off log-probs (the reference) against a frozen
     copy of the base model, and against the adapters on."""
     import pretrain_gpt
-    from megatron_smp.post_training.engine import compute_logprobs
+    from megatron_smp.post_training.backend_api import compute_logprobs
     from megatron_smp.post_training.reference import build_reference_chunks, copy_base_weights
     from megatron_smp.tensor_parallel.lora import adapters_disabled
     from megatron_smp.training import Trainer, build_configs

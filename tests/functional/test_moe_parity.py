@@ -66,3 +66,32 @@ def test_expert_parallel_with_virtual_pipeline_stages():
     for per_rank in run_distributed(_train, 4, args=(argv + flags,), timeout=300):
         for step, (got, want) in enumerate(zip(per_rank, reference)):
             assert got == pytest.approx(want, rel=1e-4), (step, got, want)
+
+
+def _train_each(rank, world_size, argvs):
+    return [_train(rank, world_size, argv) for argv in argvs]
+
+
+@pytest.mark.parametrize("world_size,flags", [
+    (2, "--expert-model-parallel-size 2"),
+    (4, "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"),
+])
+def test_flex_dispatcher_routes_and_trains_as_alltoall(world_size, flags):
+    """--moe-token-dispatcher-type flex (one all-to-all over the TP x EP group), with each
+    backend name (a kernel choice): at EP=2 the same routing and losses as alltoall bit for
+    bit (the same exchange); at TP=2 x EP=2 the experts get the same rows and only the sums
+    over TP and over a token's experts swap order."""
+    base = COMMON + LLAMA + MOE + flags.split()
+    backends = ("deepep", "hybridep") if world_size == 2 else ("hybridep",)
+    argvs = [base + ["--moe-token-dispatcher-type", "alltoall"]] + [
+        base + ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", name]
+        for name in backends]
+    for alltoall, *flex_runs in run_distributed(_train_each, world_size, args=(argvs,),
+                                                timeout=300):
+        assert len(alltoall) == 10 and alltoall[-1][0] < alltoall[0][0]
+        for flex in flex_runs:
+            if world_size == 2:
+                assert flex == alltoall
+            else:
+                for got, want in zip(flex, alltoall):
+                    assert got == pytest.approx(want, rel=1e-6)

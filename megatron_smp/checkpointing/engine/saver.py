@@ -37,6 +37,7 @@ from megatron_smp.checkpointing.engine.storage import (
     make_storage_writer,
     maybe_test_staging_delay,
 )
+from megatron_smp.parallel_state import new_group
 
 
 def reject_s3(s3_region, s3client_config) -> None:
@@ -191,7 +192,7 @@ def _checkpoint_group(
     # Keyed by the default group too: a re-initialised job must not reuse dead groups.
     key = (id(dist.group.WORLD), ranks, backend)
     if key not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[key] = dist.new_group(
+        _CHECKPOINT_GROUPS[key] = new_group(
             list(ranks), backend=backend, use_local_synchronization=True
         )
     return _CHECKPOINT_GROUPS[key]

@@ -69,7 +69,7 @@ class MoELayer(torch.nn.Module):
                                                   device=device)
         self.token_dispatcher = build_token_dispatcher(
             config.moe_token_dispatcher_type, config.num_moe_experts,
-            self.local_expert_indices, state,
+            self.local_expert_indices, state, config.moe_flex_dispatcher_backend,
         )
         # --recompute-granularity selective --recompute-modules moe / shared_experts
         # (Megatron's): the whole layer, or the shared experts, rerun in backward instead of

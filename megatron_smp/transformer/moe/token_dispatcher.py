@@ -13,6 +13,14 @@ all-to-all <-> all-to-all with the splits swapped), so backward retraces the sam
   sort the tokens by expert, all-to-all over EP with per-rank counts (exchanged first), so
   each rank receives only tokens for its experts; the reverse all-to-all brings the outputs
   home, where they are weighted by their probs and summed per token; reduce-scatter over TP.
+* flex (Megatron-LM main's MoEFlexTokenDispatcher): one all-to-all over the tp x ep group
+  instead of a TP all-gather and an EP all-to-all: each rank sends its own tokens straight to
+  every TP rank of the EP rank holding their experts (the routing map repeated over TP), and
+  gets back each TP rank's partial output, summed per row before the per-token sum. The
+  experts receive the same rows in the same order as with alltoall (source EP rank, its TP
+  ranks' tokens in turn); only the sums over TP and over a token's experts swap places.
+  Megatron-LM's DeepEP / HybridEP / NCCL-EP backends are kernels fusing these steps on NVIDIA
+  GPUs; here the same exchange runs through torch.distributed.
 
 The experts compute one contiguous block per local expert; the routing weights multiply the
 outputs before the per-token sum, in the token's own rank (alltoall) or the expert's
@@ -63,6 +71,23 @@ def _reduce_scatter_tokens(output: torch.Tensor, groups: Sequence) -> torch.Tens
     for group in groups:
         output = reduce_scatter_to_sequence_parallel_region(output, group)
     return output
+
+
+def _by_expert(received: torch.Tensor, sizes: List[List[int]]) -> torch.Tensor:
+    """Rows received as blocks [source][expert] (sizes) -> blocks [expert][source]."""
+    chunks = torch.split(received, [count for row in sizes for count in row])
+    sources, local = len(sizes), len(sizes[0])
+    return torch.cat([chunks[source * local + expert]
+                      for expert in range(local) for source in range(sources)], dim=0)
+
+
+def _by_source(rows: torch.Tensor, sizes: List[List[int]]) -> torch.Tensor:
+    """The inverse of `_by_expert`: blocks [expert][source] -> [source][expert]."""
+    sources, local = len(sizes), len(sizes[0])
+    chunks = torch.split(rows, [sizes[source][expert]
+                                for expert in range(local) for source in range(sources)])
+    return torch.cat([chunks[expert * sources + source]
+                      for source in range(sources) for expert in range(local)], dim=0)
 
 
 class MoEAllGatherTokenDispatcher:
@@ -133,35 +158,84 @@ class MoEAlltoAllTokenDispatcher:
         received = all_to_all(rows, self.ep_group, self._output_splits, self._input_splits)
         # Received blocks are (source rank, expert); the experts want (expert, source rank).
         self._chunk_sizes = sizes
-        chunks = torch.split(received, received_counts)
-        by_expert = [chunks[source * local + expert]
-                     for expert in range(local)
-                     for source in range(self.ep_size)]
         tokens_per_expert = [sum(sizes[source][expert] for source in range(self.ep_size))
                              for expert in range(local)]
-        return torch.cat(by_expert, dim=0), tokens_per_expert
+        return _by_expert(received, sizes), tokens_per_expert
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         if self._chunk_sizes is not None:
-            sizes = self._chunk_sizes  # [source][expert]
-            by_expert_sizes = [sizes[source][expert]
-                               for expert in range(self.num_local_experts)
-                               for source in range(self.ep_size)]
-            chunks = torch.split(expert_output, by_expert_sizes)
-            by_source = [chunks[expert * self.ep_size + source]
-                         for source in range(self.ep_size)
-                         for expert in range(self.num_local_experts)]
-            expert_output = all_to_all(torch.cat(by_source, dim=0), self.ep_group,
-                                            self._input_splits, self._output_splits)
+            expert_output = all_to_all(_by_source(expert_output, self._chunk_sizes),
+                                       self.ep_group, self._input_splits, self._output_splits)
         weighted = expert_output * self._row_probs.unsqueeze(-1).to(expert_output.dtype)
         output = unpermute(weighted, self._token_index, self._num_tokens)
         self._row_probs = self._token_index = self._chunk_sizes = None
         return _reduce_scatter_tokens(output, (self.tp_group,))
 
 
+class MoEFlexTokenDispatcher:
+    """See the module docstring (flex): one all-to-all over `state.tp_ep_group`, whose
+    member at position ep_rank * tp_size + tp_rank holds experts
+    ep_rank * E/ep ... (ep_rank + 1) * E/ep - 1 (split over TP). `backend` is Megatron's
+    --moe-flex-dispatcher-backend: which fused kernel would run the exchange."""
+
+    def __init__(self, num_experts: int, local_expert_indices: Sequence[int], state,
+                 backend: str = "deepep") -> None:
+        self.num_local_experts = len(local_expert_indices)
+        self.tp_size, self.ep_size = state.tp_size, state.ep_size
+        self.group = state.tp_ep_group
+        self.backend = backend
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                 ) -> Tuple[torch.Tensor, List[int]]:
+        """-> (expert input [N, h] sorted by local expert, tokens per local expert)."""
+        rows, token_index, expert_index = permute(tokens, routing_map)
+        self._row_probs = probs[token_index, expert_index]
+        self._token_index = token_index
+        self._num_tokens = tokens.shape[0]
+        local, tp, ep = self.num_local_experts, self.tp_size, self.ep_size
+        # [ep, local]: rows for each expert; every TP rank of an EP rank gets that EP block.
+        per_expert = routing_map.sum(dim=0).view(ep, local)
+        send_counts = per_expert.unsqueeze(1).expand(ep, tp, local).reshape(ep * tp, local)
+        if ep * tp == 1:
+            self._sizes = None
+            return rows, send_counts[0].tolist()
+        receive_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(receive_counts, send_counts.contiguous(), group=self.group)
+        counts = torch.cat([per_expert.sum(dim=1), receive_counts.flatten()]).tolist()
+        self._block_sizes, received_counts = counts[:ep], counts[ep:]
+        # [source][expert]: rows received from each tp x ep member for each local expert.
+        self._sizes = [received_counts[source * local:(source + 1) * local]
+                       for source in range(ep * tp)]
+        blocks = torch.split(rows, self._block_sizes)
+        send = torch.cat([blocks[rank] for rank in range(ep) for _ in range(tp)], dim=0)
+        self._input_splits = [self._block_sizes[rank] for rank in range(ep) for _ in range(tp)]
+        self._output_splits = [sum(row) for row in self._sizes]
+        received = all_to_all(send, self.group, self._output_splits, self._input_splits)
+        tokens_per_expert = [sum(row[expert] for row in self._sizes) for expert in range(local)]
+        return _by_expert(received, self._sizes), tokens_per_expert
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        if self._sizes is not None:
+            returned = all_to_all(_by_source(expert_output, self._sizes), self.group,
+                                  self._input_splits, self._output_splits)
+            # Each EP block came back from its TP ranks: sum their partial outputs.
+            tp = self.tp_size
+            blocks = torch.split(returned, [size * tp for size in self._block_sizes])
+            expert_output = torch.cat(
+                [block.view(tp, size, *block.shape[1:]).sum(dim=0)
+                 for block, size in zip(blocks, self._block_sizes)], dim=0)
+        weighted = expert_output * self._row_probs.unsqueeze(-1).to(expert_output.dtype)
+        output = unpermute(weighted, self._token_index, self._num_tokens)
+        self._row_probs = self._token_index = self._sizes = None
+        return output
+
+
 def build_token_dispatcher(dispatcher_type: str, num_experts: int,
-                           local_expert_indices: Sequence[int], state):
+                           local_expert_indices: Sequence[int], state,
+                           flex_backend: str = "deepep"):
     """The dispatcher named by --moe-token-dispatcher-type (validated by the config)."""
+    if dispatcher_type == "flex":
+        return MoEFlexTokenDispatcher(num_experts, local_expert_indices, state, flex_backend)
     dispatchers = {"allgather": MoEAllGatherTokenDispatcher,
                    "alltoall": MoEAlltoAllTokenDispatcher}
     return dispatchers[dispatcher_type](num_experts, local_expert_indices, state)
@@ -170,6 +244,7 @@ def build_token_dispatcher(dispatcher_type: str, num_experts: int,
 __all__ = [
     "MoEAllGatherTokenDispatcher",
     "MoEAlltoAllTokenDispatcher",
+    "MoEFlexTokenDispatcher",
     "build_token_dispatcher",
     "permute",
     "unpermute",

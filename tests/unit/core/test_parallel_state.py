@@ -84,3 +84,40 @@ def test_elastic_store_per_attempt_or_per_round(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "0")  # rank 0 hosts the round's store
     store = _elastic_attempt_store(1, 0, timedelta(seconds=10))
     assert isinstance(store, dist.TCPStore) and store.port not in (0, agent.port)
+
+
+def _mismatched_collective(rank, world_size):
+    """Every group the state creates carries the default group's timeout (here 3 s, as
+    --distributed-timeout-minutes sets it): a reduction over the data-parallel group that one
+    rank never joins raises within that time instead of torch's 30-minute default."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_smp.parallel_state import default_group_timeout, new_group
+
+    state = build_parallel_state(ParallelConfig())
+    timeouts = {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for name, group in state.groups.items()}
+    extra = new_group([0, 1])._get_backend(torch.device("cpu")).options._timeout
+    elapsed = None
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=state.dp_group)
+        except RuntimeError:
+            elapsed = time.monotonic() - start
+    else:
+        time.sleep(6.0)  # never joins; long enough for rank 0 to time out
+    return timeouts, extra.total_seconds(), default_group_timeout().total_seconds(), elapsed
+
+
+def test_distributed_timeout_bounds_every_group():
+    results = run_distributed(_mismatched_collective, 2, collective_timeout=3.0, timeout=120)
+    for timeouts, extra, default, _ in results:
+        assert set(timeouts.values()) == {3.0}, timeouts
+        assert (extra, default) == (3.0, 3.0)
+    elapsed = results[0][3]
+    assert elapsed is not None and 2.5 < elapsed < 7.5, elapsed

@@ -73,7 +73,7 @@ def _trl(trainer, pairs, ref_chosen, ref_rejected, beta, loss_type, smoothing, r
 def _ours(model, pairs, ref_chosen, ref_rejected, config):
     """Every pair packed into one row (chosen then rejected, each prompt + response)."""
     from megatron_smp.post_training.dpo import dpo_loss_and_metrics, pair_sums
-    from megatron_smp.post_training.engine import token_log_probs
+    from megatron_smp.post_training.backend_api import token_log_probs
 
     tokens, labels, mask, documents = [], [], [], []
     for number, (prompt, chosen, rejected) in enumerate(pairs):

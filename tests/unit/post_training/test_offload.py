@@ -19,7 +19,7 @@ def _round_trip(rank, world_size):
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.optimizer import get_megatron_optimizer
     from megatron_smp.parallel_state import build_parallel_state
-    from megatron_smp.post_training.engine import _offload, offload, onload
+    from megatron_smp.post_training.backend_api import _offload, offload, onload
     from tests.unit.distributed.test_fsdp import _model_config
 
     state = build_parallel_state(ParallelConfig())

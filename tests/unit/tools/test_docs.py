@@ -1,7 +1,8 @@
 """The docs hold: docs/flags.md is what tools/gen_flag_reference.py writes from the parsers,
 every link and repository path in README.md and docs/ exists, every shell command in their
 code blocks parses through the parser of the script it runs, and the steps a page says a
-script runs are the steps that script runs."""
+script runs (scripts run by the tests: tests/unit/training/test_launch_scripts.py,
+tests/unit/post_training/) are the steps that script runs."""
 import argparse
 import contextlib
 import io
@@ -226,16 +227,19 @@ def test_doc_commands_parse():
 
 def _documented_steps():
     """(page, script, its documented steps) for each block that a page introduces with "The
-    steps it runs": the script is the one the block before runs."""
+    steps it runs" (the script is the one the block before runs) or "A step of
+    `scripts/X.sh`"."""
     for page in PAGES:
         text = _read(page)
         blocks = list(re.finditer(r"```bash\n(.*?)```", text, flags=re.S))
-        for before, block in zip(blocks, blocks[1:]):
-            between = text[before.end():block.start()]
-            if "The steps it runs" not in between:
-                continue
-            script = next(t for t in _commands(before.group(1))[0] if t.endswith(".sh"))
-            yield page, script, _commands(block.group(1))
+        for before, block in zip([None] + blocks, blocks):
+            between = text[before.end() if before else 0:block.start()]
+            named = re.search(r"A step of `(scripts/[\w/]+\.sh)`", between)
+            if named:
+                yield page, named.group(1), _commands(block.group(1))
+            elif before and "The steps it runs" in between:
+                script = next(t for t in _commands(before.group(1))[0] if t.endswith(".sh"))
+                yield page, script, _commands(block.group(1))
 
 
 def _recorded_steps(script, tmp_path):
@@ -284,15 +288,50 @@ def _expand(text, values):
     return re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), m.group(0)), text)
 
 
-def test_readme_run_is_the_quickstarts():
-    """The training command README.md shows as what scripts/quickstart.sh runs is that
-    script's command, with its variables expanded."""
+def _quickstart_commands():
+    """The command lines scripts/quickstart.sh runs (its python and torchrun ones), with its
+    variables expanded."""
     text = _read("scripts/quickstart.sh")
     values = _shell_assignments(text)
-    launch = next(line for line in text.replace("\\\n", " ").splitlines()
-                  if "torchrun" in line and "pretrain_gpt.py" in line)
-    script = [t for t in shlex.split(_expand(launch, values)) if t != "$@"]
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.strip().startswith((".venv/bin/python tools/", ".venv/bin/torchrun")):
+            commands.append([t for t in shlex.split(_expand(line, values)) if t != "$@"])
+    return commands
+
+
+def test_quickstart_commands_shown_are_the_scripts():
+    """A block the docs introduce as what scripts/quickstart.sh runs holds its commands."""
+    script = _quickstart_commands()
+    shown = 0
+    for page in PAGES:
+        text = _read(page)
+        for intro in re.finditer(r"`scripts/quickstart\.sh` runs", text):
+            block = re.search(r"```bash\n(.*?)```", text[intro.end():], flags=re.S).group(1)
+            for command in _commands(block):
+                assert command in script, f"{page}: {' '.join(command)} is not quickstart's"
+                shown += 1
+    assert shown >= 3
+
+
+def test_every_flag_says_what_it_does():
+    """Each row of docs/flags.md's training flags says what the flag does (a help text, the
+    config field it sets, or the docs' description), not only where to read about it."""
+    with open(os.path.join(REPO, OUTPUT)) as handle:
+        text = handle.read()
+    training = text[text.index("## Training flags"):text.index("## Accepted and ignored")]
+    bare = [row.split(" | ")[0] for row in training.splitlines() if row.startswith("| `--")
+            and re.match(r"^(See |On its own|$)", row.split(" | ")[2].strip(" |"))]
+    assert bare == [], f"give these flags a help text (then run {REGENERATE})"
+
+
+def test_readme_tour_lists_the_packages():
+    """The README's tour names every package and module of megatron_smp/ (and nothing else)."""
     readme = _read("README.md")
-    intro = readme.index("`scripts/quickstart.sh` runs this")
-    block = re.search(r"```bash\n(.*?)```", readme[intro:], flags=re.S).group(1)
-    assert _commands(block) == [script]
+    tour = re.search(r"## A short tour\n\n```\n(.*?)```", readme, flags=re.S).group(1)
+    listed = set(re.findall(r"^  (\w+(?:/|\.py))\s", tour, flags=re.M))
+    present = {name + "/" if os.path.isdir(os.path.join(REPO, "megatron_smp", name)) else name
+               for name in os.listdir(os.path.join(REPO, "megatron_smp"))
+               if not name.startswith(("_", ".")) and (name.endswith(".py") or os.path.isfile(
+                   os.path.join(REPO, "megatron_smp", name, "__init__.py")))}
+    assert listed == present

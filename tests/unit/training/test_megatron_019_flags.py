@@ -57,9 +57,6 @@ def test_dist_muon_is_muon_with_the_layer_wise_distributed_optimizer():
     ("--optimizer muon --muon-use-syrk", "--muon-use-syrk"),
     ("--optimizer muon --muon-coefficient-type cubic", "--muon-coefficient-type"),
     ("--optimizer muon --muon-num-ns-steps 0", "--muon-num-ns-steps"),
-    ("--use-mup", "--use-mup"),
-    ("--mup-base-hidden-size 64", "--mup-base-hidden-size"),
-    ("--mup-base-head-dim 16", "--mup-base-head-dim"),
     ("--multiple-validation-sets", "--multiple-validation-sets"),
     ("--validation-set-names a b", "--validation-set-names"),
     ("--start-eval-at-iter 5", "--start-eval-at-iter"),
@@ -180,3 +177,37 @@ def test_enable_gpt_oss_is_yarn_with_gpt_oss_values():
     # 1e4 has more than beta_slow rotations, the slowest fewer than beta_fast: a ramp.
     assert scale == pytest.approx(0.1 * math.log(32) + 1)
     assert torch.equal(yarn[:2], rope[:2]) and not torch.equal(yarn, rope)
+
+
+@pytest.mark.parametrize("flags,named", [
+    ("--moe-token-dispatcher-type flex", "needs tensor x expert parallelism > 1"),
+    ("--moe-flex-dispatcher-backend ncclep", "ncclep requires --moe-token-dispatcher-type flex"),
+    ("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity", None),
+    ("--moe-token-dispatcher-type flex --expert-model-parallel-size 2 "
+     "--moe-expert-capacity-factor 1 --moe-pad-expert-input-to-capacity",
+     "deepep backend does not support --moe-pad-expert-input-to-capacity"),
+])
+def test_flex_dispatcher_refusals_are_megatron_lm_s(flags, named):
+    """Megatron-LM main's own checks on the flex dispatcher (DeepEP needs TP x EP > 1, ...);
+    HybridEP has none of them."""
+    from megatron_smp.training.arguments import validate_configs
+
+    configs = parse("--num-experts 4 " + flags)
+    world_size = 2 if "--expert-model-parallel-size 2" in flags else 1
+    if named is None:
+        validate_configs(configs, world_size=world_size)
+        return
+    with pytest.raises(ConfigError, match=named):
+        validate_configs(configs, world_size=world_size)
+
+
+def test_moe_enable_deepep_is_the_deepep_backend():
+    model = parse("--num-experts 4 --moe-token-dispatcher-type flex --moe-enable-deepep "
+                  "--moe-flex-dispatcher-backend deepep").model
+    assert model.moe_flex_dispatcher_backend == "deepep"
+    for flags, message in (("--moe-enable-deepep", "only supported with"),
+                           ("--moe-token-dispatcher-type flex --moe-enable-deepep "
+                            "--moe-flex-dispatcher-backend hybridep", "give one backend")):
+        with pytest.raises(ConfigError, match=message):
+            parse("--num-experts 4 " + flags)

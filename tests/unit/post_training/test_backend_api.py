@@ -68,7 +68,7 @@ def _hf_reference(hf, ids, batch, temperature=1.0):
 
 def _logprobs_worker(rank, world_size, flags, family):
     from megatron_smp.models.hf import config_to_hf
-    from megatron_smp.post_training.engine import compute_logprobs, iter_hf_weights
+    from megatron_smp.post_training.backend_api import compute_logprobs, iter_hf_weights
     import transformers
 
     configs, state, chunks = build(LLAMA + flags)
@@ -99,7 +99,7 @@ def _token_budget_diff(chunks, state, flags):
     the real positions, the largest value past them (0), and the micro-batch count. Where the
     data-parallel ranks may hold different rows (EP=2, FSDP2), rank 1's rows are longer, so
     the ranks' counts differ (3 and 4) and the shorter list is padded."""
-    from megatron_smp.post_training.engine import compute_logprobs, token_budget_microbatches
+    from megatron_smp.post_training.backend_api import compute_logprobs, token_budget_microbatches
 
     ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(4))
     lengths = [16, 5, 9, 12]
@@ -162,7 +162,7 @@ def _stream_worker(rank, world_size, layout, lora):
     import transformers
 
     import megatron_smp.smp as smp
-    from megatron_smp.post_training.engine import iter_hf_weights
+    from megatron_smp.post_training.backend_api import iter_hf_weights
 
     torch.manual_seed(0)
     if "expert_parallel_degree" in layout:
@@ -203,7 +203,7 @@ import re, sys, torch, transformers
 from megatron_smp.distributed.param_and_grad_buffer import map_large_host_allocations
 map_large_host_allocations(1 << 16)   # freed tensors go back to the OS: RSS follows live memory
 import megatron_smp.smp as smp
-from megatron_smp.post_training.engine import iter_hf_weights
+from megatron_smp.post_training.backend_api import iter_hf_weights
 
 def rss(field):
     return int(re.search(field + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
@@ -256,7 +256,7 @@ def test_token_budget_grouping_and_errors():
     width; a row wider than the budget, both sizes at once, or packed rows: errors naming
     what to change (raised before any collective)."""
     from megatron_smp.config import ConfigError
-    from megatron_smp.post_training.engine import compute_logprobs, token_budget_microbatches
+    from megatron_smp.post_training.backend_api import compute_logprobs, token_budget_microbatches
 
     assert token_budget_microbatches([16, 5, 9, 12], 24, 1, 16) == [([0], 16), ([3, 2], 12),
                                                                     ([1], 5)]

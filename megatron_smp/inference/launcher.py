@@ -47,7 +47,72 @@ def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="ref_zero (default): a prefix block is freed when no request holds "
                             "it; lru: kept until its space is needed (least recently used "
                             "first)")
+    group.add_argument("--speculative-config", default=None,
+                       help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | "
+                            "\"mtp\" | \"draft_model\", \"num_speculative_tokens\": N, "
+                            "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 1, "
+                            "\"model\": DRAFT_CHECKPOINT_DIR (draft_model)}")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="speculative decoding with the model's MTP layers "
+                            "(--mtp-num-layers models), N drafts per step (Megatron-LM)")
     return parser
+
+
+def speculative_config_of(args) -> Optional["SpeculativeConfig"]:
+    """The SpeculativeConfig of --speculative-config / --num-speculative-tokens, or None."""
+    import json
+
+    from megatron_smp.inference.speculative import SpeculativeConfig
+
+    if args.speculative_config is not None and args.num_speculative_tokens is not None:
+        raise ConfigError("give --speculative-config (vLLM's form) or --num-speculative-tokens "
+                          "(MTP drafts, Megatron-LM's form), not both")
+    if args.num_speculative_tokens is not None:
+        return SpeculativeConfig("mtp", args.num_speculative_tokens).validate()
+    if args.speculative_config is None:
+        return None
+    try:
+        values = json.loads(args.speculative_config)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--speculative-config is not JSON ({error})") from error
+    config = SpeculativeConfig.from_dict(values)
+    if config.method == "draft_model" and config.model is None:
+        raise ConfigError("--speculative-config method 'draft_model' needs \"model\": the "
+                          "draft checkpoint's directory (sharing the tokenizer)")
+    return config
+
+
+def _draft_argv(argv: Sequence[str], path: str) -> list:
+    """The flags with --load PATH (and --use-checkpoint-args): the draft checkpoint's model
+    with the same tokenizer."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--load":
+            skip = True
+        elif not arg.startswith("--load="):
+            out.append(str(arg))
+    out += ["--load", path]
+    return out if "--use-checkpoint-args" in out else out + ["--use-checkpoint-args"]
+
+
+def _load_draft_model(argv, path, providers, defaults, tokenizer, device):
+    """The draft model of speculative decoding, whole on every rank (the engine's leader
+    uses it), loaded from `path` with its checkpoint's model arguments (collective)."""
+    from megatron_smp.checkpointing import CheckpointError
+    from megatron_smp.checkpointing.loop import load_inference_weights
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.parallel_state import local_parallel_state
+    from megatron_smp.training.arguments import parse_args
+
+    configs = parse_args(_draft_argv(argv, path), providers, defaults)
+    configs.model.vocab_size = tokenizer.vocab_size
+    state = local_parallel_state()
+    model = GPTModel(configs.model, state).to(device)
+    if load_inference_weights([model], state, configs) is None:
+        raise CheckpointError(f"--speculative-config model {path} holds no checkpoint")
+    return model.eval()
 
 
 def _model_provider(configs, state, pre_process=True, post_process=True, **stage):
@@ -80,7 +145,9 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             parser = extra_args_provider(parser) or parser
         return parser
 
-    argv = list(argv) if argv is not None else None
+    import sys
+
+    argv = list(argv) if argv is not None else sys.argv[1:]
     # Training's required numbers, at values every layout divides (the engine's own limits
     # are the --inference-* flags).
     defaults = {"micro_batch_size": 1, "train_iters": 1, "seq_length": 8, "mock_data": True}
@@ -94,6 +161,12 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     check_step_budget(args.inference_dynamic_batching_max_tokens, args.enable_chunked_prefill)
+    speculative = speculative_config_of(args)
+    if speculative is not None and speculative.method == "mtp" \
+            and not configs.model.mtp_num_layers:
+        raise ConfigError("--num-speculative-tokens / speculative method 'mtp' drafts with the "
+                          "model's MTP layers: the model has none (--mtp-num-layers); use "
+                          "--speculative-config with method ngram or draft_model")
     prefix_caching = args.inference_dynamic_batching_prefix_caching_eviction_policy
     if not args.inference_dynamic_batching_enable_prefix_caching:
         if prefix_caching is not None:
@@ -132,6 +205,10 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                   flush=True)
     elif state.rank == 0:
         print(f"loaded {loaded}", flush=True)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = _load_draft_model(argv, speculative.model, providers, defaults, tokenizer,
+                                  state.device)
 
     def make_engine(group=None):
         return InferenceEngine(
@@ -142,7 +219,8 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             or configs.model.max_position_embeddings, group=group,
             prefix_caching=prefix_caching,
             max_step_tokens=args.inference_dynamic_batching_max_tokens,
-            chunked_prefill=args.enable_chunked_prefill)
+            chunked_prefill=args.enable_chunked_prefill, speculative=speculative,
+            draft_model=draft)
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \
@@ -151,4 +229,4 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     return configs, state, engine, tokenizer
 
 
-__all__ = ["add_inference_args", "build_inference_engine"]
+__all__ = ["add_inference_args", "build_inference_engine", "speculative_config_of"]

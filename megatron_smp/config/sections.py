@@ -1,0 +1,56 @@
+"""Configs: the typed sections of one run, handed around whole."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict
+
+from megatron_smp.config.checkpoint import CheckpointConfig
+from megatron_smp.config.data import DataConfig
+from megatron_smp.config.model import TransformerConfig
+from megatron_smp.config.optimizer import OptimizerConfig
+from megatron_smp.config.parallel import ParallelConfig
+from megatron_smp.config.resilience import ResilienceConfig
+from megatron_smp.config.training import TrainingConfig
+
+if TYPE_CHECKING:
+    import argparse
+
+
+# Each section's name in `Configs` (and in checkpoint metadata) and its dataclass.
+SECTIONS = {
+    "model": TransformerConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "resilience": ResilienceConfig,
+}
+
+
+@dataclass
+class Configs:
+    """Everything one run needs, typed. `args` keeps the raw namespace for the flags an entry
+    script adds with `extra_args_provider` (Megatron's convention)."""
+
+    model: TransformerConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    args: argparse.Namespace
+    # How validation names ParallelConfig fields the user set through --smp-config keys.
+    setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data view (for checkpoint metadata and logs)."""
+        out = {}
+        import torch
+
+        for name in SECTIONS:
+            section = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in section.items()}
+        return out

@@ -1,0 +1,130 @@
+"""parse_args: Megatron flags (and --smp-config) -> typed `Configs`, before any process group."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from megatron_smp.checkpointing.loop import checkpoint_model_fields
+from megatron_smp.config import ConfigError
+from megatron_smp.config.sections import SECTIONS as _SECTIONS, Configs
+from megatron_smp.training.arguments.compat import (
+    _activation_fields,
+    _apply_hybrid_flags,
+    _apply_megatron_fsdp,
+    _apply_megatron_main_flags,
+    _apply_optimizer_choice,
+    _apply_smp_config,
+    _check_rope_scaling_flags,
+    _model_fields,
+    _position_fields,
+    hybrid_pattern_given,
+)
+from megatron_smp.training.arguments.flags import (
+    _FLAGS,
+    _reject_not_supported_yet,
+    build_parser,
+)
+
+
+def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
+                     args_defaults: Optional[Dict[str, Any]]) -> argparse.Namespace:
+    """The argparse namespace of `argv`, with the entry script's defaults."""
+    _reject_not_supported_yet(argv)
+    parser = build_parser(extra_args_provider)
+    if args_defaults:
+        by_field = {}
+        for spec in _FLAGS:
+            key = spec.flag.lstrip("-").replace("-", "_")
+            by_field[key] = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
+        parser.set_defaults(**{by_field.get(k, k): v for k, v in args_defaults.items()})
+    if hybrid_pattern_given(argv):  # the pattern gives the layer count, as in Megatron
+        parser._option_string_actions["--num-layers"].required = False
+    if "--use-checkpoint-args" in argv:
+        # As in Megatron, the model's shape may come from the --load checkpoint alone.
+        for action in parser._actions:
+            if action.dest.startswith("model__"):
+                action.required = False
+    return parser.parse_args(argv)
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[Dict[str, Any]] = None,
+) -> Configs:
+    """Parse Megatron flags into `Configs`; `validate_configs` checks them (once the tokenizer
+    has given the vocabulary size). Raises ConfigError for flags that contradict each other
+    or name a capability that does not exist yet; argparse exits for malformed values.
+
+    `args_defaults` maps flag destinations without dashes (e.g. "tokenizer_type") to defaults
+    an entry script wants (Megatron's convention).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_namespace(argv, extra_args_provider, args_defaults)
+    sections: Dict[str, Dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for spec in _FLAGS:
+        if spec.section is None:
+            continue
+        value = getattr(args, f"{spec.section}__{spec.field}")
+        if value is not None:
+            sections[spec.section][spec.field] = value
+
+    model = sections["model"]
+    training = sections["training"]
+    _apply_hybrid_flags(args, model)
+    _position_fields(args, model)
+    _check_rope_scaling_flags(argv, model, args.enable_gpt_oss)
+    _activation_fields(args, argv, model)
+    _model_fields(args, argv, sections)
+    if args.moe_enable_deepep:
+        # Megatron-LM main's deprecated switch, with its checks.
+        if model.get("moe_token_dispatcher_type") != "flex":
+            raise ConfigError("--moe-enable-deepep: DeepEP is only supported with "
+                              "--moe-token-dispatcher-type flex")
+        if model.get("moe_flex_dispatcher_backend", "deepep") != "deepep":
+            raise ConfigError("--moe-enable-deepep with --moe-flex-dispatcher-backend "
+                              f"{model['moe_flex_dispatcher_backend']}: give one backend")
+        model["moe_flex_dispatcher_backend"] = "deepep"
+    _apply_optimizer_choice(args, sections["optimizer"], argv)
+    _apply_megatron_fsdp(args, sections)
+    _apply_megatron_main_flags(args, sections)
+    if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
+        # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
+        # with global tensor names and shapes, which FSDP2 runs write and read already.
+        if not sections["parallel"].get("use_torch_fsdp2"):
+            raise ConfigError("--ckpt-format fsdp_dtensor is Megatron-FSDP's format: add "
+                              "--use-megatron-fsdp --data-parallel-sharding-strategy "
+                              "optim_grads_params (or --use-torch-fsdp2), or use torch_dist")
+        sections["checkpoint"]["ckpt_format"] = "torch_dist"
+    setting_names: Dict[str, str] = {}
+    if args.smp_config:
+        _apply_smp_config(args.smp_config, sections, setting_names)
+
+    # Given by --train-samples instead: pretrain derives it (see NumMicrobatchesCalculator).
+    training.setdefault("train_iters", None)
+    if model.get("recompute_modules") is not None:
+        model["recompute_modules"] = [
+            name for token in model["recompute_modules"]
+            for name in re.split(r"[\s,\[\]]+", token) if name]
+    if args.recompute_activations:
+        if model.get("recompute_granularity", "selective") != "selective":
+            raise ConfigError("--recompute-activations is --recompute-granularity selective; "
+                              f"drop one (--recompute-granularity is "
+                              f"{model['recompute_granularity']})")
+        model["recompute_granularity"] = "selective"
+
+    if args.use_checkpoint_args:
+        model.update(checkpoint_model_fields(sections["checkpoint"].get("load"),
+                                             sections["checkpoint"].get("pretrained_checkpoint")))
+        missing = [f"--{name.replace('_', '-')}" for name in
+                   ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
+        if missing:
+            raise ConfigError(f"--use-checkpoint-args: the --load checkpoint gives no "
+                              f"{', '.join(missing)}; pass {'it' if len(missing) == 1 else 'them'}")
+    if training.get("skip_train"):
+        # Megatron's --skip-train only evaluates: the optimizer state is never needed.
+        sections["checkpoint"]["no_load_optim"] = True
+    built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+    return Configs(args=args, setting_names=setting_names, **built)

@@ -1,0 +1,204 @@
+"""A rank that stops without dying: pretrain_gpt.py at DP=2 under torchrun --max-restarts with
+the progress watchdog (--enable-ft-package). One rank is frozen by a real SIGSTOP in the middle
+of training, or blocks in its data loader; the watchdog names it with its Python stack within
+the configured timeouts (well under 60 s), the job exits with HANG_EXIT_CODE, torchrun restarts
+it, it resumes from the last checkpoint, and every logged iteration equals the uninterrupted
+run's bit for bit.
+
+The test-side wrapper (`_WRAPPER`) records each worker's pid and, from an environment variable
+only this test sets, makes one rank's dataset block in attempt 0 (storage that stops
+answering). The product has no such switch; the SIGSTOP comes from the test.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_smp.resilience import HANG_EXIT_CODE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORLD = 2
+ITERS = 24
+FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+    f"--train-iters {ITERS} --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
+    "--hidden-dropout 0.1 --attention-dropout 0.1 --lr 1e-3 --lr-warmup-iters 2 "
+    "--log-interval 1 --eval-interval 100 --eval-iters 0 --seed 7 --use-distributed-optimizer "
+    "--distributed-timeout-minutes 5"
+).split()
+WATCHDOG = ("--enable-ft-package --ft-num-warmup-iters 2 --ft-heartbeat-interval 0.5 "
+            "--ft-rank-heartbeat-timeout 8 --ft-rank-out-of-section-timeout 120 "
+            "--ft-rank-section-timeouts setup:240,step:12,checkpointing:120").split()
+_LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*?lm loss: ([-+\dEe.naif]+) \|")
+
+_WRAPPER = '''
+import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import megatron_smp.training as training
+
+rank = int(os.environ["RANK"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+open(os.path.join({pids!r}, f"attempt{{attempt}}.rank{{rank}}"), "w").write(str(os.getpid()))
+block = os.environ.get("TEST_BLOCK_DATA_AT")   # "rank,sample read" in attempt 0
+pretrain = training.pretrain
+reads = [0]
+
+def pretrain_with_faults(datasets, model, forward_step, **kwargs):
+    def provider(*args):
+        splits = datasets(*args)
+        train = splits[0]
+        if not block or attempt != 0 or rank != int(block.split(",")[0]):
+            return splits
+        original = type(train).__getitem__
+
+        class Blocking(type(train)):
+            def __getitem__(self, index):
+                reads[0] += 1
+                if reads[0] == int(block.split(",")[1]):
+                    time.sleep(3600)  # the storage stops answering
+                return original(self, index)
+        train.__class__ = Blocking
+        return (train,) + tuple(splits[1:])
+    return pretrain(provider, model, forward_step, **kwargs)
+
+training.pretrain = pretrain_with_faults
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+'''
+
+
+class Job:
+    """torchrun --standalone on WORLD workers of the wrapper, its output in a file."""
+
+    def __init__(self, tmp_path, flags, env=None, max_restarts=0):
+        self.tmp_path = tmp_path
+        self.pids = tmp_path / "pids"
+        self.pids.mkdir(exist_ok=True)
+        wrapper = tmp_path / "faulty_pretrain_gpt.py"
+        wrapper.write_text(_WRAPPER.format(root=ROOT, pids=str(self.pids),
+                                           script=os.path.join(ROOT, "pretrain_gpt.py")))
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", str(WORLD), f"--max-restarts={max_restarts}",
+                  "--monitor-interval", "0.2"]
+        self.log_path = tmp_path / f"torchrun{time.monotonic_ns()}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            launch + [str(wrapper)] + FLAGS + flags, stdout=self.log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {})),
+            cwd=str(tmp_path))
+
+    def output(self):
+        return self.log_path.read_text()
+
+    def wait_for(self, pattern, timeout, start=0):
+        """(monotonic time, offset of the match end) once `pattern` is in the output after
+        `start`; fails after `timeout` seconds or when the job ends first."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        while True:
+            match = regex.search(self.output(), start)
+            if match:
+                return time.monotonic(), match.end()
+            assert self.proc.poll() is None, f"job ended before {pattern!r}:\n" + \
+                self.output()[-5000:]
+            assert time.monotonic() < deadline, f"no {pattern!r} within {timeout} s:\n" + \
+                self.output()[-5000:]
+            time.sleep(0.05)
+
+    def pid(self, attempt, rank):
+        return int((self.pids / f"attempt{attempt}.rank{rank}").read_text())
+
+    def finish(self, timeout=240):
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:  # a hang: leave no worker behind
+                self.proc.kill()
+                for path in self.pids.iterdir():
+                    try:
+                        os.kill(int(path.read_text()), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                self.proc.wait()
+            self.log.close()
+        return self.proc.returncode, self.output()
+
+
+def _losses(output):
+    """{iteration: lm loss}; a resumed attempt's lines replace the earlier ones."""
+    return {int(it): float(loss) for it, loss in _LOSS.findall(output)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    code, output = Job(tmp_path_factory.mktemp("uninterrupted"), WATCHDOG).finish()
+    assert code == 0, output[-5000:]
+    losses = _losses(output)
+    assert sorted(losses) == list(range(1, ITERS + 1)), output[-4000:]
+    assert "[watchdog]" not in output  # no false alarm on a healthy run
+    return losses
+
+
+def _check_recovered(job, save, code, output, uninterrupted):
+    assert code == 0, output[-6000:]
+    assert sorted(os.listdir(job.pids)) == [f"attempt{a}.rank{r}" for a in (0, 1)
+                                           for r in range(WORLD)]
+    assert f"(exitcode: {HANG_EXIT_CODE})" in output, output[-6000:]
+    assert re.search(r"resuming at iteration \d+", output), output[-4000:]
+    assert _losses(output) == uninterrupted  # bitwise
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as tracker:
+        assert int(tracker.read()) == ITERS
+
+
+def test_sigstopped_rank_is_named_and_the_job_resumes(tmp_path, uninterrupted):
+    """Rank 1 SIGSTOPped after iteration 9 is logged: rank 0's watchdog finds its heartbeat
+    silent, names it with the stack of its last heartbeat, SIGKILLs it and exits 75; torchrun
+    restarts both from iteration 8's checkpoint."""
+    save = str(tmp_path / "ckpt")
+    job = Job(tmp_path, WATCHDOG + ["--save", save, "--load", save, "--save-interval", "4"],
+              max_restarts=1)
+    try:
+        job.wait_for(r" iteration +9/", timeout=180)
+        os.kill(job.pid(0, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=60)
+        resumed, _ = job.wait_for(r" iteration +\d+/", timeout=120, start=offset)
+    finally:
+        code, output = job.finish()
+    report = output[output.index("[watchdog] hang detected"):]
+    assert re.search(r"stuck: rank\(s\) 1 -- sends no heartbeat", report), report[:3000]
+    assert re.search(r"rank 1 \(host .*its last heartbeat's stack:\n +File", report), \
+        report[:3000]
+    assert re.search(r"rank 0 waits: .*at:\n +File", report), report[:3000]
+    _check_recovered(job, save, code, output, uninterrupted)
+    print(f"\nSIGSTOP: detected after {detected - stopped:.1f} s, first resumed iteration "
+          f"{resumed - stopped:.1f} s after the fault")
+    assert detected - stopped < 30
+
+
+def test_rank_blocked_in_its_data_loader_is_named(tmp_path, uninterrupted):
+    """Rank 1's dataset stops answering at its 30th sample read (iteration 15): its step
+    passes the 12 s step timeout, the watchdog names rank 1 as waiting for its data, with the
+    dataset's frame on its stack, while rank 0 waits in a collective; the job restarts and
+    resumes from iteration 12."""
+    save = str(tmp_path / "ckpt")
+    job = Job(tmp_path, WATCHDOG + ["--save", save, "--load", save, "--save-interval", "4"],
+              env={"TEST_BLOCK_DATA_AT": "1,30"}, max_restarts=1)
+    try:
+        blocked, _ = job.wait_for(r" iteration +14/", timeout=240)
+        detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=60)
+        resumed, _ = job.wait_for(r" iteration +\d+/", timeout=120, start=offset)
+    finally:
+        code, output = job.finish()
+    report = output[output.index("[watchdog] hang detected"):]
+    assert re.search(r"stuck: rank\(s\) 1 -- waits for its data", report), report[:3000]
+    assert re.search(r"phase 'data', stack:\n(    .*\n)*.*in __getitem__\n +time.sleep\(3600\)",
+                     report), report[:3000]
+    _check_recovered(job, save, code, output, uninterrupted)
+    print(f"\ndata loader: detected {detected - blocked:.1f} s after iteration 14 was "
+          f"logged, first resumed iteration {resumed - blocked:.1f} s after it")

@@ -1,0 +1,124 @@
+"""The progress watchdog in one process: section timeouts name the stuck rank with its stack,
+a silent neighbour is named and (on this host) SIGKILLed, --calc-ft-timeouts learns and keeps
+the timeouts, and bad flags are ConfigErrors naming them."""
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_smp.config import ConfigError
+from megatron_smp.resilience import HANG_EXIT_CODE
+from megatron_smp.config import ResilienceConfig
+from megatron_smp.resilience.watchdog import (
+    MIN_LEARNED_TIMEOUT_S, SAFETY_FACTOR, ProgressWatchdog,
+)
+
+
+class _Exit:
+    def __init__(self):
+        self.codes, self.event = [], threading.Event()
+
+    def __call__(self, code):
+        self.codes.append(code)
+        self.event.set()
+
+
+def _watchdog(config, rank=0, world_size=1, store=None, save_dir=None):
+    lines, exit = [], _Exit()
+    watchdog = ProgressWatchdog(config, rank, world_size, store or dist.HashStore(),
+                                save_dir=save_dir, log=lines.append, exit=exit)
+    return watchdog, lines, exit
+
+
+def _blocked_on_storage(event, seconds):
+    event.wait(seconds)
+
+
+def test_step_timeout_names_the_rank_with_its_stack():
+    config = ResilienceConfig(enable_ft_package=True, ft_num_warmup_iters=0,
+                              ft_rank_section_timeouts="step:1", ft_heartbeat_interval=0.1,
+                              ft_rank_heartbeat_timeout=5)
+    watchdog, lines, exit = _watchdog(config)
+    watchdog.step_started(1)
+    start = time.monotonic()
+    _blocked_on_storage(exit.event, 30)
+    elapsed = time.monotonic() - start
+    assert exit.codes == [HANG_EXIT_CODE]
+    assert 1.0 <= elapsed < 4.0, elapsed
+    report = lines[-1]
+    assert "rank 0 made no progress for" in report and "in section 'step'" in report
+    assert "in _blocked_on_storage" in report and "event.wait(seconds)" in report
+
+
+def test_silent_neighbour_is_named_and_killed_on_this_host():
+    """Rank 1's monitor stops (a frozen process): rank 0 names it after the heartbeat timeout
+    and SIGKILLs its process (here a stand-in `sleep`)."""
+    config = ResilienceConfig(enable_ft_package=True, ft_heartbeat_interval=0.1,
+                              ft_rank_heartbeat_timeout=1.0)
+    store = dist.HashStore()
+    stand_in = subprocess.Popen(["sleep", "60"])
+    try:
+        frozen, _, _ = _watchdog(config, rank=1, world_size=2, store=store)
+        frozen._identity = dict(frozen._identity, pid=stand_in.pid)
+        time.sleep(0.5)  # a few heartbeats
+        frozen._stop.set()
+        watcher, lines, exit = _watchdog(config, rank=0, world_size=2, store=store)
+        assert exit.event.wait(10)
+        assert stand_in.wait(timeout=10) == -9
+    finally:
+        stand_in.kill()
+    report = "\n".join(lines)
+    assert "rank 1 sent no heartbeat for" in report
+    assert "stuck: rank(s) 1 -- sends no heartbeat" in report
+    assert f"SIGKILLed rank 1 (pid {stand_in.pid})" in report
+    watcher._stop.set()
+
+
+def test_calc_ft_timeouts_learns_keeps_and_reloads(tmp_path):
+    config = ResilienceConfig(enable_ft_package=True, calc_ft_timeouts=True,
+                              ft_num_warmup_iters=2, ft_heartbeat_interval=0.2)
+    watchdog, lines, exit = _watchdog(config, save_dir=str(tmp_path))
+    for iteration in range(1, 21):
+        watchdog.step_started(iteration)
+        time.sleep(0.002)
+        watchdog.step_finished()
+    watchdog.checkpointing_started()
+    watchdog.checkpointing_finished()
+    observed = dict(watchdog.observed)
+    watchdog.close()
+    assert not exit.codes
+    state = json.loads((tmp_path / "ft_state.json").read_text())
+    for section in ("setup", "step", "checkpointing"):
+        expected = max(MIN_LEARNED_TIMEOUT_S, SAFETY_FACTOR * observed[section])
+        assert state["section_timeouts"][section] == pytest.approx(expected)
+    assert state["out_of_section_timeout"] == pytest.approx(
+        max(MIN_LEARNED_TIMEOUT_S, SAFETY_FACTOR * observed["out_of_section"]))
+    assert any("FT: updated timeouts saved to" in line for line in lines)
+    again, lines, _ = _watchdog(ResilienceConfig(enable_ft_package=True),
+                                save_dir=str(tmp_path))
+    assert again.section_timeouts == state["section_timeouts"]
+    assert any("FT: loaded timeouts from" in line for line in lines)
+    again.close()
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"ft_rank_section_timeouts": "step:0"}, "--ft-rank-section-timeouts"),
+    ({"ft_rank_section_timeouts": "train:5"}, "--ft-rank-section-timeouts"),
+    ({"calc_ft_timeouts": True}, "--calc-ft-timeouts"),
+    ({"ft_rank_heartbeat_timeout": 1.0}, "--ft-rank-heartbeat-timeout"),
+    ({"fault_injector_fault_types": "explode", "fault_injector_ranks": "1",
+      "fault_injector_fault_delay": 1.0}, "--fault-injector-fault-types"),
+    ({"fault_injector_ranks": "1"}, "--fault-injector-ranks"),
+    ({"fault_injector_fault_types": "hang", "fault_injector_ranks": "5",
+      "fault_injector_fault_delay": 1.0}, "--fault-injector-ranks"),
+    ({"fault_injector_fault_types": "hang", "fault_injector_ranks": "1"},
+     "--fault-injector-fault-delay"),
+    ({"disable_straggler_on_startup": True}, "--disable-straggler-on-startup"),
+    ({"straggler_minmax_count": 0}, "--straggler-minmax-count"),
+])
+def test_bad_flags_name_themselves(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ResilienceConfig(**kwargs).validate(save=None, world_size=2)
