@@ -41,10 +41,13 @@ def add_generate_args(parser):
     group = parser.add_argument_group("generate")
     group.add_argument("--input", required=True, help="JSON lines of prompts")
     group.add_argument("--output", required=True, help="JSON lines of completions (written)")
-    group.add_argument("--max-new-tokens", type=int, default=64)
+    group.add_argument("--max-new-tokens", type=int, default=64,
+                       help="tokens generated per line at most (a line's own max_new_tokens wins)")
     group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0,
+                       help="sample among the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample among the most likely tokens of this total probability")
     group.add_argument("--chat-template", default=None,
                        help="Jinja chat template (text or file) for 'messages' lines")
     group.add_argument("--ignore-eos", action="store_true",

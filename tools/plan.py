@@ -197,6 +197,8 @@ def main(argv=None) -> int:
         print(f"{candidates} layouts predicted on {cluster.num_gpus} x {cluster.gpu.name}; "
               f"the fastest {len(results)} that fit (times in ms):")
         print(planner.format_table(results))
+        if results:
+            print("flags of #1: " + " ".join(results[0].layout.flags()))
     else:
         print(planner.format_prediction(results[0]))
     return 0

@@ -28,7 +28,8 @@ def add_server_args(parser):
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only)")
-    group.add_argument("--port", type=int, default=5000)
+    group.add_argument("--port", type=int, default=5000,
+                       help="port to listen on (0: a free one, written to --port-file)")
     group.add_argument("--port-file", default=None,
                        help="write the listening port here once the server is up")
     group.add_argument("--chat-template", default=None,

@@ -124,6 +124,8 @@ class _Plan:
     chunk_ids: List[int] = field(default_factory=list)
     chunk_next: List[int] = field(default_factory=list)
     speculating: List[int] = field(default_factory=list)
+    # new requests' prompt + max_new_tokens (where MTP drafting stops)
+    limits: Dict[int, int] = field(default_factory=dict)
 
 
 def _group_ranks(group) -> List[int]:
@@ -284,6 +286,7 @@ class InferenceEngine(RequestIntake):
         self.num_accepted = 0
         self.draft_generators: Dict[int, Optional[torch.Generator]] = {}
         self._mtp_probs: Dict[int, torch.Tensor] = {}  # sampler: MTP drafts' q [k, V]
+        self._limits: Dict[int, int] = {}  # prompt + max_new_tokens of each request
 
     def _init_speculation(self, speculative, draft_model, num_blocks, block_size,
                           max_requests) -> None:
@@ -493,8 +496,10 @@ class InferenceEngine(RequestIntake):
             if request.draft_probs is not None and drafts.get(request_id):
                 draft_probs[request_id] = request.draft_probs[:len(drafts[request_id])]
         speculating = [r.request_id for r in self.running if self._speculation(r.params)]
+        limits = {request_id: len(self.requests[request_id].prompt) + params.max_new_tokens
+                  for request_id, params in new_params.items()}
         return _Plan(sampled, steps + chunks, wants, new_params, finished, num_drafts,
-                     draft_probs, seeds, chunk_ids, chunk_next, speculating)
+                     draft_probs, seeds, chunk_ids, chunk_next, speculating, limits)
 
     def _speculation(self, params: SamplingParams) -> int:
         """Drafts a request asks for per step (0: it decodes plainly)."""
@@ -591,8 +596,10 @@ class InferenceEngine(RequestIntake):
             self.generators.pop(request_id, None)
             self.draft_generators.pop(request_id, None)
             self._mtp_probs.pop(request_id, None)
+            self._limits.pop(request_id, None)
         for request_id, params in plan.new_params.items():
             self.params[request_id] = params
+            self._limits[request_id] = plan.limits[request_id]
             generator = None
             if not params.greedy:
                 seed = params.seed if params.seed is not None else plan.seeds[request_id]
@@ -723,8 +730,13 @@ class InferenceEngine(RequestIntake):
                 after = step.tokens[1:] + emitted[:1]
             else:  # the accepted rows, each followed by the token emitted after it
                 after = emitted
+            # Drafts the next step can verify: its positions stay below the request's end
+            # (the leader trims to the same count).
+            last = step.start + len(after)  # the position of the last token emitted
+            count = min(self._speculation(self.params[request_id]),
+                        self._limits[request_id] - last - 2)
             items.append((hidden[first:first + len(after)], step.start, after, step.blocks,
-                          self._speculation(self.params[request_id])))
+                          max(count, 0)))
             owners.append(request_id)
         for chunk, request_id in enumerate(plan.chunk_ids):
             if request_id not in speculating:

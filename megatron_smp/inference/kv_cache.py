@@ -20,7 +20,8 @@ when it leaves, so its state costs the same bytes at any length
 
 A step (`StepBatch`, the `KVCacheContext` the layers see) flattens the new tokens of all its
 requests into one sequence. Each layer runs its queries in groups (all one-token decodes
-together, each longer chunk on its own): a group's keys are its requests' cached keys and
+together; all requests with a few new tokens after cached ones, as speculative decoding
+verifies drafts, together; each longer chunk on its own): a group's keys are its requests' cached keys and
 the step's new ones (full attention: written to the pool first and gathered back by slot in
 one go; a window: its still-visible cached keys, then the new ones, which are written
 afterwards, so a ring never loses a key the step needs), padded to the group's longest
@@ -269,6 +270,7 @@ class _Group:
 
 
 _FAR = 1 << 40
+_FEW = 17  # the most new tokens of a request batched with others in one attention group
 
 
 def _slot(table: List[int], position: int, block_size: int) -> int:
@@ -322,8 +324,13 @@ class StepBatch(KVCacheContext):
         layout = self.cache.layout
         block_size = self.cache.block_size
         singles = [i for i, r in enumerate(requests) if len(r.tokens) == 1]
-        members = ([singles] if singles else []) + [
-            [i] for i, r in enumerate(requests) if len(r.tokens) > 1]
+        # A few tokens after a cached context (speculative decoding's verified drafts): one
+        # group, padded to the longest, as decodes are (attention-only models: a recurrent
+        # state runs each request's rows in order anyway). Prompts and long chunks alone.
+        few = [i for i, r in enumerate(requests)
+               if 1 < len(r.tokens) <= _FEW and r.start > 0 and not self.cache.states]
+        members = ([singles] if singles else []) + ([few] if few else []) + [
+            [i] for i, r in enumerate(requests) if len(r.tokens) > 1 and i not in few]
         groups = []
         for indices in members:
             sizes = [len(requests[i].tokens) for i in indices]

@@ -48,7 +48,7 @@ from megatron_smp.inference.kv_cache import (
     recurrent_layers,
 )
 from megatron_smp.inference.sampling import SamplingParams, warp_logits
-from megatron_smp.models.gpt import soft_cap_logits
+from megatron_smp.models.gpt import output_logits
 from megatron_smp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 METHODS = ("ngram", "mtp", "draft_model")
@@ -214,8 +214,7 @@ def vocab_logits(model: torch.nn.Module, hidden: torch.Tensor, tp_group) -> torc
     layer = model.output_layer
     weight = layer.weight if layer.weight is not None \
         else model.embedding.word_embeddings.weight
-    logits = soft_cap_logits(F.linear(hidden, weight, layer.bias),
-                             model.config.final_logit_softcapping)
+    logits = output_logits(F.linear(hidden, weight, layer.bias), model.config)
     logits = gather_from_tensor_model_parallel_region(logits, tp_group)
     return logits[:, : model.config.vocab_size]
 

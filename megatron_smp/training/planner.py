@@ -109,19 +109,24 @@ GPUS: Dict[str, GPUSpec] = {
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What fraction of the vendor peaks a run reaches; one set for all GPU rows (fitted
-    once against tests/fixtures/published_runs.json), another measured on a CPU."""
+    """What fraction of the vendor peaks a run reaches. `GPU_EFFICIENCY`: one set for every
+    GPU, fitted once (minimising the largest |log(predicted / published)|) to the Megatron-LM
+    rows of tests/fixtures/published_runs/published_runs.json; a CPU's is measured
+    (tools/bench/calibrate_planner.py)."""
 
-    gemm_max: float = 0.80
-    gemm_half_dim: float = 96.0  # d0: a GEMM dimension of d0 runs at half of gemm_max
-    attention: float = 0.40
-    memory: float = 0.71
-    network: float = 0.80  # bus bandwidth reached by large collectives
-    kernel_launch: float = 1e-5
-    elementwise_passes: float = 25.0  # hidden-sized reads+writes per layer forward
-    tp_overlap_exposed: float = 0.18  # with --tp-comm-overlap
-    dp_bucket_exposed: float = 0.10  # of an overlapped reduction, the last bucket's share
-    step_overhead: float = 0.019  # seconds per step: data, logging, synchronisation
+    gemm_max: float = 0.863
+    gemm_half_dim: float = 185.0  # d0: a GEMM dimension of d0 runs at half of gemm_max
+    attention: float = 0.162  # of the BF16 peak, on the causal half of the scores
+    memory: float = 0.654
+    network: float = 1.0  # share of the NIC bandwidth large collectives reach across nodes
+    nvlink: float = 0.883  # and of NVLink inside a node
+    kernel_launch: float = 3.3e-6
+    elementwise_passes: float = 17.9  # hidden-sized reads+writes per layer forward
+    tp_overlap_exposed: float = 0.02  # with --tp-comm-overlap
+    dp_bucket_exposed: float = 0.02  # of an overlapped reduction, the last bucket's share
+    step_overhead: float = 0.0019  # seconds per step: data, logging, synchronisation
+    layer_overhead: float = 3.0e-5  # seconds per layer forward (host work, small kernels)
+    comm_overlap: float = 1.0  # share of an overlappable window that hides communication
     optimizer_bytes_per_param: float = 38.0
 
     def to_dict(self) -> dict:
@@ -332,13 +337,19 @@ class Layout:
     sharding: str  # "ddp" | "distributed-optimizer" | "fsdp2"
     overlap_grad_reduce: bool
     overlap_param_gather: bool
+    # Uneven pipeline split (Megatron's --decoder-first/last-pipeline-num-layers); None: even.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def name(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        pp = f"PP{self.pp}"
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            pp += f"({self.first_stage_layers or '-'}..{self.last_stage_layers or '-'})"
+        parts = [f"TP{self.tp}", pp]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
         parts += [f"CP{self.cp}", f"EP{self.ep}", f"DP{self.dp}", f"mb{self.micro_batch_size}"]
@@ -350,10 +361,43 @@ class Layout:
                       "fsdp2": "fsdp2"}[self.sharding])
         return " ".join(parts)
 
+    def flags(self) -> List[str]:
+        """The entry-script flags that select this layout."""
+        out = ["--tensor-model-parallel-size", str(self.tp),
+               "--pipeline-model-parallel-size", str(self.pp),
+               "--context-parallel-size", str(self.cp),
+               "--expert-model-parallel-size", str(self.ep),
+               "--micro-batch-size", str(self.micro_batch_size),
+               "--global-batch-size", str(self.global_batch_size)]
+        if self.vpp > 1:
+            out += ["--virtual-pipeline-model-parallel-size", str(self.vpp)]
+        if self.first_stage_layers is not None:
+            out += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
+        if self.last_stage_layers is not None:
+            out += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
+        if self.sequence_parallel and self.tp > 1:
+            out.append("--sequence-parallel")
+        if self.recompute == "full":
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                    "--recompute-num-layers", "1"]
+        elif self.recompute == "selective":
+            out += ["--recompute-granularity", "selective", "--recompute-modules",
+                    *self.recompute_modules]
+        if self.sharding == "fsdp2":
+            out.append("--use-torch-fsdp2")
+        elif self.sharding == "distributed-optimizer":
+            out.append("--use-distributed-optimizer")
+            if self.overlap_param_gather:
+                out.append("--overlap-param-gather")
+        if self.overlap_grad_reduce and self.sharding != "fsdp2":
+            out.append("--overlap-grad-reduce")
+        return out
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["recompute_modules"] = list(self.recompute_modules)
         out["name"] = self.name()
+        out["flags"] = self.flags()
         return out
 
 
@@ -381,7 +425,9 @@ def layout_of(configs, num_gpus: int) -> Layout:
                   recompute=model.recompute_granularity, recompute_modules=modules,
                   sharding=sharding,
                   overlap_grad_reduce=configs.optimizer.overlap_grad_reduce,
-                  overlap_param_gather=configs.optimizer.overlap_param_gather)
+                  overlap_param_gather=configs.optimizer.overlap_param_gather,
+                  first_stage_layers=p.decoder_first_pipeline_num_layers,
+                  last_stage_layers=p.decoder_last_pipeline_num_layers)
 
 
 def configs_for(configs, layout: Layout):
@@ -393,6 +439,8 @@ def configs_for(configs, layout: Layout):
         expert_model_parallel_size=layout.ep, data_parallel_size=None,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
         use_torch_fsdp2=layout.sharding == "fsdp2")
     recompute = layout.recompute
     out.model = configs.model.replace(
@@ -462,7 +510,8 @@ class _Timer:
         if size <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self.cluster.link(stride, size)
-        bandwidth *= self.eff.network
+        inside = stride * size <= self.cluster.gpus_per_node
+        bandwidth *= self.eff.nvlink if inside else self.eff.network
         share = (size - 1) / size
         if kind == "all_reduce":
             return 2 * share * nbytes / bandwidth + 2 * (size - 1) * latency
@@ -576,10 +625,10 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
     routed = m.moe_router_topk * imbalance if moe else 1
     elementwise = timer.memory(eff.elementwise_passes * hidden / sp
                                + 3 * tokens * routed * (ffn or 0) / tp * timer.bytes)
-    t.forward += elementwise
-    t.backward += 2 * elementwise
+    t.forward += elementwise + eff.layer_overhead
+    t.backward += 2 * (elementwise + eff.layer_overhead)
     if full:
-        t.recompute += elementwise
+        t.recompute += elementwise + eff.layer_overhead
 
     # Tensor parallelism: two gathers and two scatters (or two all-reduces) each way.
     if tp > 1:
@@ -603,12 +652,14 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
         if m.cp_comm_type == "p2p":
             fwd = (cp - 1) * timer.collective("p2p", kv, cp, tp)
             bwd = 2 * fwd
-            t.cp += max(0.0, fwd - core_fwd) + max(0.0, bwd - 2.5 * core_fwd)
+            hide = eff.comm_overlap * core_fwd
+            t.cp += max(0.0, fwd - hide) + max(0.0, bwd - 2.5 * hide)
         else:  # all_gather (a2a: four exchanges of the same size)
             fwd = timer.collective("all_gather", kv * cp, cp, tp)
             t.cp += fwd + timer.collective("reduce_scatter", kv * cp, cp, tp)
         if full or "core_attn" in modules:
-            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp) - core_fwd)
+            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp)
+                        - eff.comm_overlap * core_fwd)
 
     # Expert parallelism: dispatch and combine, each way.
     if moe and ep > 1:
@@ -680,7 +731,8 @@ def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provid
         world = layout.tp * layout.pp * layout.cp * layout.dp
     else:
         world = num_gpus
-    key = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.sharding, world)
+    key = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.sharding, world,
+           layout.first_stage_layers, layout.last_stage_layers)
     if cache is not None and key in cache:
         return cache[key]
     stages = count_stages(configs_for(configs, layout), world, model_provider)
@@ -738,11 +790,11 @@ def predict(configs, cluster: Cluster, model_provider: Callable,
             # Every micro-batch gathers the params (again in backward) and reduce-scatters
             # the grads, behind that micro-batch's compute.
             per_mb = gather * 2 + reduce
-            compute = st.forward + st.backward + st.recompute
+            compute = (st.forward + st.backward + st.recompute) * eff.comm_overlap
             exposed = mb * max(per_mb * eff.dp_bucket_exposed, per_mb - compute)
         else:
-            window_bwd = st.backward + st.recompute
-            window_fwd = st.forward
+            window_bwd = (st.backward + st.recompute) * eff.comm_overlap
+            window_fwd = st.forward * eff.comm_overlap
             exposed_reduce = (max(reduce * eff.dp_bucket_exposed, reduce - window_bwd)
                               if layout.overlap_grad_reduce else reduce)
             exposed_gather = (max(gather * eff.dp_bucket_exposed, gather - window_fwd)
@@ -781,7 +833,10 @@ def attach_memory(prediction: StepPrediction, configs, cluster: Cluster, model_p
 
     layout = prediction.layout
     planned = configs_for(configs, layout)
-    stages = _param_counts(configs, layout, cluster.num_gpus, model_provider, cache)
+    # Per-rank counts do not depend on DP but for FSDP2's shards: the small world's serve.
+    stages = _param_counts(configs, layout,
+                           cluster.num_gpus if layout.sharding == "fsdp2" else None,
+                           model_provider, cache)
     report = memory_planner.estimate_memory(planned, cluster.num_gpus, model_provider,
                                             "cuda", stages=stages)
     prediction.memory_gib = report.largest.total / memory_planner.GIB
@@ -795,6 +850,28 @@ def attach_memory(prediction: StepPrediction, configs, cluster: Cluster, model_p
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipeline_splits(num_layers: int, ranks: int) -> List[Tuple[int, Optional[int],
+                                                                   Optional[int]]]:
+    """(pp, first, last) for every pipeline size dividing `ranks`: even where pp divides the
+    layers, else Megatron's uneven split with the middle stages at ceil(L / pp) layers and
+    the remainder on the first and last stages (first >= last >= 1)."""
+    out = []
+    for pp in _divisors(ranks):
+        if pp > num_layers:
+            break
+        if num_layers % pp == 0:
+            out.append((pp, None, None))
+            continue
+        if pp < 3:
+            continue
+        middle = -(-num_layers // pp)
+        rest = num_layers - (pp - 2) * middle
+        first, last = -(-rest // 2), rest // 2
+        if 1 <= last <= first <= middle:
+            out.append((pp, first, last))
+    return out
 
 
 def candidate_layouts(configs, cluster: Cluster,
@@ -816,13 +893,13 @@ def candidate_layouts(configs, cluster: Cluster,
         if model.num_attention_heads % tp or (model.num_query_groups % tp
                                               and tp % model.num_query_groups):
             continue
-        for pp in [p for p in _divisors(model.num_layers) if n % (tp * p) == 0]:
+        for pp, first, last in _pipeline_splits(model.num_layers, n // tp):
             for cp in [c for c in pow2 if n % (tp * pp * c) == 0
                        and training.seq_length % (2 * c) == 0 and c <= 16]:
                 dp = n // (tp * pp * cp)
                 for ep in [e for e in _divisors(experts) if (dp * cp) % e == 0]:
-                    vpps = [1] + [v for v in (2, 3, 4, 6, 8)
-                                  if pp > 1 and model.num_layers % (pp * v) == 0]
+                    vpps = [1] + [v for v in (2, 3, 4, 6, 8) if pp > 1 and first is None
+                                  and model.num_layers % (pp * v) == 0]
                     for vpp in vpps:
                         for mb in micro_batch_sizes:
                             if gbs % (mb * dp):
@@ -839,7 +916,8 @@ def candidate_layouts(configs, cluster: Cluster,
                                         recompute_modules=(("core_attn",)
                                                            if rc == "selective" else ()),
                                         sharding=sharding, overlap_grad_reduce=True,
-                                        overlap_param_gather=sharding != "fsdp2")
+                                        overlap_param_gather=sharding != "fsdp2",
+                                        first_stage_layers=first, last_stage_layers=last)
                                     try:
                                         validate_configs(configs_for(configs, layout), n)
                                     except ConfigError:
@@ -893,6 +971,8 @@ def format_table(predictions: List[StepPrediction]) -> str:
     head = (f"{'#':>2} {'layout':<58} {'tok/s/GPU':>10} {'MFU':>6} {'GiB':>6} {'step ms':>8} "
             + " ".join(f"{k[:8]:>8}" for k in BREAKDOWN))
     lines = [head]
+    if not predictions:
+        return "no layout fits"
     for i, p in enumerate(predictions, 1):
         lines.append(f"{i:>2} {p.layout.name():<58} {p.tokens_per_second_per_gpu:>10,.0f} "
                      f"{p.mfu * 100:>5.1f}% {p.memory_gib or 0:>6.1f} "

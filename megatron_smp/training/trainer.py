@@ -238,7 +238,8 @@ class Trainer:
                                time.time() if start_time is None else start_time)
         model_parallel_seed(training.seed, state)
         model = build_model_chunks(model_provider, configs, state)
-        optimizer = get_megatron_optimizer(configs.optimizer, model, state)
+        optimizer = get_megatron_optimizer(configs.optimizer, model, state,
+                                           mup_width_mult=configs.model.mup_width_mult)
         validator = _build_validator(configs, state, model)
         # --rampup-batch-size changes the global batch (and the microbatches per step) as
         # samples are consumed; --train-samples gives the length in samples (Megatron's

@@ -74,18 +74,23 @@ _FLAGS: List[_Flag] = [
     _f("--ffn-hidden-size", "model", type=int),
     _f("--num-attention-heads", "model", type=int, required=True),
     _f("--kv-channels", "model", type=int),
-    _f("--group-query-attention", None, "group_query_attention", action="store_true"),
-    _f("--num-query-groups", None, "num_query_groups", type=int),
+    _f("--group-query-attention", None, "group_query_attention", action="store_true",
+       help="grouped-query attention with --num-query-groups key/value heads"),
+    _f("--num-query-groups", None, "num_query_groups", type=int,
+       help="key/value heads under --group-query-attention (without it an error)"),
     _f("--max-position-embeddings", "model", type=int),
     _f("--make-vocab-size-divisible-by", "model", type=int, default=128),
     _f("--normalization", "model", choices=["LayerNorm", "RMSNorm"], default="LayerNorm"),
     _f("--norm-epsilon", "model", "layernorm_epsilon", type=float, default=1e-5),
-    _f("--swiglu", None, "swiglu", action="store_true"),
-    _f("--openai-gelu", None, "openai_gelu", action="store_true"),
+    _f("--swiglu", None, "swiglu", action="store_true",
+       help="gated MLP silu(gate) * up; without --ffn-hidden-size the width is 2/3 of 4h, "
+       "rounded down to a multiple of 64 (Megatron's rule)"),
+    _f("--openai-gelu", None, "openai_gelu", action="store_true",
+       help="MLP activation: the tanh approximation of GeLU (GPT-2's, HF gelu_new)"),
     _f("--position-embedding-type", "model", choices=_CHOICES_POSITION,
        default="learned_absolute"),
     _f("--use-rotary-position-embeddings", None, "use_rotary_position_embeddings",
-       action="store_true"),
+       action="store_true", help="Megatron's older spelling of --position-embedding-type rope"),
     _f("--rotary-base", "model", type=float, default=10000.0),
     _f("--rotary-percent", "model", type=float, default=1.0),
     # Llama 3.x's RoPE scaling (Megatron's flags; the last three are fixed in Megatron).
@@ -114,14 +119,15 @@ _FLAGS: List[_Flag] = [
        help="RoPE scaled by YaRN with gpt-oss's values (factor 32, original length 131072, "
        "beta fast 32, slow 1, mscale 1, mscale-all-dim 0, unrounded correction range), over "
        "the --position-embedding-type given"),
-    # Model numerics (Megatron's semantics; see README "Model numerics flags").
+    # Model numerics (Megatron's semantics; see docs/models.md "Model numerics").
     _f("--rotary-interleaved", "model", action="store_true"),
     _f("--no-position-embedding", None, "add_position_embedding", action="store_false",
        help="Megatron's deprecated spelling: only with --position-embedding-type rope"),
     _f("--apply-layernorm-1p", "model", "layernorm_zero_centered_gamma", action="store_true",
        help="norm weights stored zero-centred: y = norm(x) * (1 + w)"),
     _f("--qk-layernorm", "model", action="store_true"),
-    _f("--squared-relu", None, "squared_relu", action="store_true"),
+    _f("--squared-relu", None, "squared_relu", action="store_true",
+       help="MLP activation relu(x)^2"),
     _f("--use-parallel-residual", "model", "parallel_residual", action="store_true"),
     _f("--window-size", "model", type=_int_pair, metavar="LEFT,RIGHT",
        help="sliding-window attention: query i sees keys i-LEFT..i+RIGHT (Mistral's "
@@ -139,8 +145,9 @@ _FLAGS: List[_Flag] = [
     _f("--activation-func-clamp-value", "model", type=float,
        help="clamp the gate from above and up on both sides before the gated unit "
        "(gpt-oss's swiglu_limit, 7)"),
-    # Gemma 3 (README "Gemma 3"): Megatron-LM main's --rotary-seq-len-interpolation-factor;
-    # Megatron-LM has no flags for the rest, named here after Megatron-Bridge's Gemma fields.
+    # Gemma 3 (docs/models.md "gpt-oss and Gemma 3"): Megatron-LM main's
+    # --rotary-seq-len-interpolation-factor; Megatron-LM has no flags for the rest, named here
+    # after Megatron-Bridge's Gemma fields.
     _f("--rotary-seq-len-interpolation-factor", "model", type=float,
        help="linear RoPE scaling: positions / F (HF rope_type linear; Gemma 3's global "
        "layers: 8)"),
@@ -152,6 +159,17 @@ _FLAGS: List[_Flag] = [
        "(Gemma 2/3's post norms)"),
     _f("--apply-embedding-scaling", "model", action="store_true",
        help="multiply the word embeddings by sqrt(hidden size) (Gemma)"),
+    # Megatron-LM main's muP (TransformerConfig.use_mup and its mup_* fields).
+    _f("--use-mup", "model", action="store_true",
+       help="Maximal Update Parametrisation: width-scaled init, per-group learning rates and "
+       "Adam eps, muP attention and output scaling"),
+    _f("--mup-base-hidden-size", "model", type=int,
+       help="the proxy model's hidden size (width multiplier = hidden size / this)"),
+    _f("--mup-embedding-mult", "model", type=float, default=1.0),
+    _f("--mup-output-mult", "model", type=float, default=1.0,
+       help="logit multiplier; 1.0 means 1 / width multiplier"),
+    _f("--mup-base-head-dim", "model", type=float),
+    _f("--mup-attn-scale-power", "model", type=float, default=1.0),
     _f("--softmax-scale", "model", type=float,
        help="attention scores q.k times this (default 1/sqrt(kv channels); Gemma 3's "
        "query_pre_attn_scalar S: S**-0.5)"),
@@ -166,7 +184,8 @@ _FLAGS: List[_Flag] = [
        help="linear layers return their weight grads to autograd, which the DDP hook then "
             "adds to the fp32 main grads, instead of adding them there themselves"),
     _f("--attention-dropout", "model", type=float, default=0.1),
-    _f("--disable-bias-linear", None, "disable_bias_linear", action="store_true"),
+    _f("--disable-bias-linear", None, "disable_bias_linear", action="store_true",
+       help="no biases in the linear layers (--add-qkv-bias adds q/k/v ones back)"),
     _f("--add-qkv-bias", "model", action="store_true"),
     _f("--init-method-std", "model", type=float, default=0.02),
     _f("--recompute-granularity", "model", choices=["full", "selective"]),
@@ -176,20 +195,22 @@ _FLAGS: List[_Flag] = [
     _f("--recompute-num-layers", "model", type=int),
     # Space- or comma-separated; Megatron's test configs also write "[layernorm mlp]".
     _f("--recompute-modules", "model", nargs="+"),
-    # Multi-latent attention (Megatron's flags; see README "Multi-latent attention").
+    # Multi-latent attention (Megatron's flags; see docs/models.md "Multi-latent attention").
     _f("--multi-latent-attention", "model", action="store_true"),
     # Megatron: multi-latent attention takes YaRN by default (--rotary-scaling-factor, default
     # 1.0, where it equals plain RoPE), --rope-type rope opts out; other attention takes rope.
-    _f("--rope-type", None, "rope_type", choices=["rope", "yarn"]),
+    _f("--rope-type", None, "rope_type", choices=["rope", "yarn"],
+       help="with --multi-latent-attention: rope opts out of its default YaRN; yarn is only "
+       "for it (other attention: --position-embedding-type yarn)"),
     _f("--q-lora-rank", "model", type=int),
     _f("--kv-lora-rank", "model", type=int, default=32),
     _f("--qk-head-dim", "model", type=int, default=128),
     _f("--qk-pos-emb-head-dim", "model", type=int, default=64),
     _f("--v-head-dim", "model", type=int, default=128),
-    # Multi-token prediction (Megatron's flags; see README "Multi-token prediction").
+    # Multi-token prediction (Megatron's flags; see docs/models.md "Multi-token prediction").
     _f("--mtp-num-layers", "model", type=int),
     _f("--mtp-loss-scaling-factor", "model", type=float, default=0.1),
-    # Hybrid models (Megatron-LM main's flags; see README "Hybrid models").
+    # Hybrid models (Megatron-LM main's flags; see docs/models.md "Hybrid models").
     _f("--hybrid-layer-pattern", "model",
        help="one symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE; "
        "| between pipeline stages; decides --num-layers"),
@@ -212,7 +233,7 @@ _FLAGS: List[_Flag] = [
     _f("--linear-value-head-dim", "model", type=int, default=128),
     _f("--linear-num-key-heads", "model", type=int, default=16),
     _f("--linear-num-value-heads", "model", type=int, default=32),
-    # Mixture of experts (Megatron's flags; see README "Mixture of experts").
+    # Mixture of experts (Megatron's flags; see docs/models.md "Mixture of experts").
     _f("--num-experts", "model", "num_moe_experts", type=int),
     _f("--moe-layer-freq", "model", metavar="N|PATTERN",
        help="every N-th layer is MoE, or a 0/1 list per layer such as \"([1]*3+[0]*1)*2\""),
@@ -340,7 +361,9 @@ _FLAGS: List[_Flag] = [
        default="duplicated"),
     _f("--muon-extra-scale-factor", "optimizer", type=float, default=1.0),
     _f("--muon-scalar-optimizer", "optimizer", choices=["adam", "lion"], default="adam"),
-    _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true"),
+    _f("--muon-use-syrk", None, "muon_use_syrk", action="store_true",
+       help="refused: a Triton kernel choice for the Gram matrix; the iteration here uses "
+       "torch's matmul"),
     _f("--lion-beta1", "optimizer", type=float, default=0.95),
     _f("--lion-beta2", "optimizer", type=float, default=0.98),
     _f("--no-use-layer-wise-param-layout", "optimizer", "use_layer_wise_param_layout",
@@ -355,23 +378,37 @@ _FLAGS: List[_Flag] = [
        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False)"),
     _f("--dataloader-inter-document-masking", None, "dataloader_inter_document_masking",
        action="store_true", help="attention stays inside each document (--reset-attention-mask)"),
-    _f("--eval-micro-batch-size", None, "eval_micro_batch_size", type=int),
-    _f("--eval-global-batch-size", None, "eval_global_batch_size", type=int),
-    _f("--null-tokenizer-eod-id", None, "null_tokenizer_eod_id", type=int),
+    _f("--eval-micro-batch-size", None, "eval_micro_batch_size", type=int,
+       help="accepted when equal to --micro-batch-size: evaluation runs with the training batch"),
+    _f("--eval-global-batch-size", None, "eval_global_batch_size", type=int,
+       help="accepted when equal to --global-batch-size: evaluation runs with the training "
+       "batch"),
+    _f("--null-tokenizer-eod-id", None, "null_tokenizer_eod_id", type=int,
+       help="accepted when equal to --vocab-size: the NullTokenizer's EOD is the id after the "
+       "text ids"),
     _f("--exit-signal-handler-for-training", None, "exit_signal_handler_for_training",
-       action="store_true"),
+       action="store_true",
+       help="refused: Megatron-LM main's quiet exit on SIGINT/SIGTERM is not built "
+       "(--exit-signal-handler saves and exits)"),
     _f("--megatron-fsdp-main-params-dtype", None, "megatron_fsdp_main_params_dtype",
-       choices=["fp32", "bf16", "fp16", "auto"]),
+       choices=["fp32", "bf16", "fp16", "auto"],
+       help="with --use-megatron-fsdp: fp32 (auto for an fp32 model), what FSDP2 here keeps; "
+       "other values are an error"),
     _f("--megatron-fsdp-main-grads-dtype", None, "megatron_fsdp_main_grads_dtype",
-       choices=["fp32", "bf16", "fp16", "auto"]),
+       choices=["fp32", "bf16", "fp16", "auto"],
+       help="with --use-megatron-fsdp: fp32 (auto for an fp32 model), what FSDP2 here keeps; "
+       "other values are an error"),
     _f("--megatron-fsdp-grad-comm-dtype", None, "megatron_fsdp_grad_comm_dtype",
-       choices=["fp32", "bf16", "fp16", "auto"]),
+       choices=["fp32", "bf16", "fp16", "auto"],
+       help="with --use-megatron-fsdp: fp32 or auto; other values are an error"),
     _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
        type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
     _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
-       type=int, default=1),
+       type=int, default=1,
+       help="1 only: the distributed optimizer shards over the whole data-parallel group"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
-       choices=["none", "local", "transformer_engine"], default="none"),
+       choices=["none", "local", "transformer_engine"], default="none",
+       help="none only: CUDA graphs are not built"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -400,8 +437,11 @@ _FLAGS: List[_Flag] = [
     _f("--adam-eps", "optimizer", type=float, default=1e-8),
     _f("--sgd-momentum", "optimizer", type=float, default=0.9),
     # Precision.
-    _f("--fp16", None, "fp16", action="store_true"),
-    _f("--bf16", None, "bf16", action="store_true"),
+    _f("--fp16", None, "fp16", action="store_true",
+       help="fp16 params with fp32 main params and dynamic loss scaling"),
+    _f("--bf16", None, "bf16", action="store_true",
+       help="bf16 params with fp32 main params (grads reduced in fp32 unless "
+       "--grad-reduce-in-bf16)"),
     _f("--loss-scale", "optimizer", type=float),
     _f("--initial-loss-scale", "optimizer", type=float, default=2.0**32),
     _f("--min-loss-scale", "optimizer", type=float, default=1.0),
@@ -554,11 +594,12 @@ _FLAGS: List[_Flag] = [
        action="store_false",
        help="replicated tensors are written by their lowest rank, not spread over the ranks"),
     # Post-processed: the model flags are replaced by the --load checkpoint's.
-    _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true"),
+    _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true",
+       help="the model flags come from the --load checkpoint (the shape flags may be left out)"),
 ]
 
 # Megatron-LM flags accepted and ignored, each with the reason it changes neither results nor
-# memory here (the README lists the same table; a test keeps the two equal).
+# memory here (docs/flags.md lists the same table, generated from this one).
 IGNORED_FLAGS: Dict[str, str] = {
     "--use-flash-attn": "attention always runs through torch SDPA, which picks flash kernels "
                         "itself where the device has them",
@@ -644,6 +685,8 @@ IGNORED_FLAGS: Dict[str, str] = {
                                                  "counts as they are",
     "--moe-ncclep-zero-copy": "NCCL-EP's symmetric-memory IO path: where the exchanged rows "
                               "are buffered, not which",
+    "--mup-width-mult": "Megatron-LM main computes it (hidden size / --mup-base-hidden-size) "
+                        "over any value given, and reads it only with --use-mup",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -658,12 +701,15 @@ IGNORED_FLAGS: Dict[str, str] = {
 # Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
 # as "`--flag` without `--other`").
 IGNORED_WITHOUT: Dict[str, tuple] = {
+    **{flag: ("--use-mup", "Megatron-LM reads it only with --use-mup") for flag in (
+        "--mup-base-hidden-size", "--mup-embedding-mult", "--mup-output-mult",
+        "--mup-base-head-dim", "--mup-attn-scale-power")},
     "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
                                    "(Megatron-LM accepts it there too); every other 1-D param "
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+_IGNORED_WITH_VALUE = {"--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
                        "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
                        "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -675,10 +721,6 @@ _IGNORED_WITH_VALUE = {"--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     # Megatron-LM 0.19 / main.
-    "--use-mup": "Maximal Update Parametrisation (muP: width-scaled init, learning rates and "
-                 "attention scale)",
-    "--mup-base-hidden-size": "Maximal Update Parametrisation (--use-mup)",
-    "--mup-base-head-dim": "Maximal Update Parametrisation (--use-mup)",
     "--multiple-validation-sets": "separate validation losses per validation dataset",
     "--validation-set-names": "separate validation losses per validation dataset "
                               "(--multiple-validation-sets)",
