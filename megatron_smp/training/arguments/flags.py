@@ -739,8 +739,6 @@ IGNORED_FLAGS: Dict[str, str] = {
                                                       "from a loaded checkpoint's args unless "
                                                       "given this; checkpoints here never "
                                                       "supply it (what this flag asks)",
-    "--straggler-minmax-count": "how many slowest and fastest ranks Megatron-LM's straggler "
-                                "detector prints",
     "--inference-logging-step-interval": "how often Megatron-LM's RL loop logs its inference "
                                          "engine's metrics",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
@@ -767,8 +765,8 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--straggler-minmax-count",
-                       "--inference-logging-step-interval", "--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+_IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-interval",
+                       "--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
                        "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
                        "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
