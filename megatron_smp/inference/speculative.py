@@ -407,6 +407,30 @@ class MTPDrafter:
         return drafts
 
 
+def speculative_config_of(args) -> Optional["SpeculativeConfig"]:
+    """The SpeculativeConfig of --speculative-config / --num-speculative-tokens (an
+    InferenceConfig's, or a namespace's of the same names), or None."""
+    import json
+
+    if args.speculative_config is not None and args.num_speculative_tokens is not None:
+        raise ConfigError("give --speculative-config (vLLM's form) or --num-speculative-tokens "
+                          "(MTP drafts, Megatron-LM's form), not both")
+    if args.num_speculative_tokens is not None:
+        return SpeculativeConfig("mtp", args.num_speculative_tokens).validate()
+    if args.speculative_config is None:
+        return None
+    try:
+        values = json.loads(args.speculative_config)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--speculative-config is not JSON ({error})") from error
+    config = SpeculativeConfig.from_dict(values)
+    if config.method == "draft_model" and config.model is None:
+        raise ConfigError("--speculative-config method 'draft_model' needs \"model\": the "
+                          "draft checkpoint's directory (sharing the tokenizer)")
+    return config
+
+
 __all__ = ["SpeculativeConfig", "acceptance_probability", "residual_distribution",
            "accept_drafts", "verify", "pick_draft", "draft_generator", "ngram_propose",
-           "vocab_logits", "DraftModelRunner", "MTPDrafter", "METHODS", "warped_probs"]
+           "vocab_logits", "DraftModelRunner", "MTPDrafter", "METHODS", "warped_probs",
+           "speculative_config_of"]

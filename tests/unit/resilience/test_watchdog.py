@@ -73,7 +73,7 @@ def test_silent_neighbour_is_named_and_killed_on_this_host():
     report = "\n".join(lines)
     assert "rank 1 sent no heartbeat for" in report
     assert "stuck: rank(s) 1 -- sends no heartbeat" in report
-    assert f"SIGKILLed rank 1 (pid {stand_in.pid})" in report
+    assert f"SIGKILLs rank 1 (pid {stand_in.pid}) 1 s after exiting" in report
     watcher._stop.set()
 
 
