@@ -202,7 +202,7 @@ class _TrainingLoop:
 
     def _saving(self, iteration: int) -> bool:
         interval = self.checkpoint.save_interval
-        return bool(self.checkpointing and interval and iteration % interval == 0)
+        return bool(self.checkpoint.save and interval and iteration % interval == 0)
 
     def run(self) -> TrainingResult:
         trainer, training = self.trainer, self.training

@@ -299,6 +299,11 @@ _FLAGS: List[_Flag] = [
     _f("--use-megatron-fsdp", None, "use_megatron_fsdp", action="store_true",
        help="Megatron-FSDP's flag, run on the engine its --data-parallel-sharding-strategy "
        "maps to"),
+    # Megatron-FSDP's sharding over the outer data-parallel group of HSDP (several
+    # distributed-optimizer instances): no_shard, its default, is replication (all there is
+    # with one instance); optim is not built.
+    _f("--outer-dp-sharding-strategy", None, "outer_dp_sharding_strategy",
+       choices=["no_shard", "optim"], default="no_shard"),
     _f("--data-parallel-sharding-strategy", None, "data_parallel_sharding_strategy",
        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"], default="no_shard",
        help="with --use-megatron-fsdp: no_shard = DDP, optim = --use-distributed-optimizer, "
@@ -720,6 +725,22 @@ IGNORED_FLAGS: Dict[str, str] = {
                               "are buffered, not which",
     "--mup-width-mult": "Megatron-LM main computes it (hidden size / --mup-base-hidden-size) "
                         "over any value given, and reads it only with --use-mup",
+    "--overlap-param-gather-with-optimizer-step": "communication overlap choice (Megatron "
+                                                  "gathers the first bucket's params during the "
+                                                  "optimizer step); the same params",
+    "--overlap-p2p-communication-warmup-flush": "communication overlap choice (the pipeline's "
+                                                "warm-up and flush sends and receives "
+                                                "overlapped); the same activations",
+    "--wgrad-deferral-limit": "how many microbatches' output-layer weight grads Megatron defers "
+                              "(see --defer-embedding-wgrad-compute); the same grad",
+    "--delay-wgrad-compute": "when weight grads are computed (Megatron delays them to overlap "
+                             "the expert all-to-all); the same grads",
+    "--no-use-tokenizer-model-from-checkpoint-args": "Megatron-LM takes the tokenizer model "
+                                                      "from a loaded checkpoint's args unless "
+                                                      "given this; checkpoints here never "
+                                                      "supply it (what this flag asks)",
+    "--inference-logging-step-interval": "how often Megatron-LM's RL loop logs its inference "
+                                         "engine's metrics",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -734,6 +755,8 @@ IGNORED_FLAGS: Dict[str, str] = {
 # Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
 # as "`--flag` without `--other`").
 IGNORED_WITHOUT: Dict[str, tuple] = {
+    "--save-interval": ("--save", "there is nowhere to save to, so nothing is saved (Megatron-LM "
+                                  "accepts it there too)"),
     **{flag: ("--use-mup", "Megatron-LM reads it only with --use-mup") for flag in (
         "--mup-base-hidden-size", "--mup-embedding-mult", "--mup-output-mult",
         "--mup-base-head-dim", "--mup-attn-scale-power")},
@@ -742,7 +765,8 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+_IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-interval",
+                       "--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
                        "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
                        "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -778,9 +802,66 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
                  "exceed a threshold)",
     "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
     "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
+    # Megatron-LM main's functional-test configs.
+    "--error-injection-rate": "injecting faults into the result validation (--rerun-mode)",
+    "--error-injection-type": "injecting faults into the result validation (--rerun-mode)",
+    "--fim-data": "fill-in-the-middle training data",
+    "--fim-rate": "fill-in-the-middle training data (--fim-data)",
+    "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "another microbatch grouping of the "
+                                                          "interleaved pipeline schedule",
+    "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
+                                                 "splitting layers over pipeline stages",
+    "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
+                                            "layers over pipeline stages",
+    "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
+                                        "--decoder-first/last-pipeline-num-layers)",
+    "--test-mode": "Megatron-LM's real-time self-tests of its attention layers",
+    **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
+        "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
+        "--dsa-indexer-topk")},
+    # Megatron-LM's own RL loop (examples/rl): train_rl.py is the RL loop here and takes
+    # --grpo-*, --langrl-env-config, --rl-use-sequence-packing and the --rl-default-* flags.
+    **{flag: "this option of Megatron-LM's RL loop (train_rl.py is the RL loop here)"
+       for flag in (
+           "--perform-rl-step", "--rl-generation-lag", "--rl-partial-rollouts",
+           "--rl-offload-optimizer-during-inference", "--rl-sequence-packing-algo",
+           "--rl-consumption-granularity", "--rl-submission-granularity",
+           "--rl-offload-inference-model-weights-when-idle", "--refit-method",
+           "--rl-inference-tensor-model-parallel-size",
+           "--rl-inference-pipeline-model-parallel-size",
+           "--rl-inference-expert-model-parallel-size",
+           "--rl-inference-expert-tensor-model-parallel-size",
+           "--inference-max-seq-length", "--max-tokens-to-oom",
+           "--inference-dynamic-batching-buffer-size-gb")},
+}
+
+# Megatron-LM flags that need NVIDIA hardware or libraries this path does not have, refused
+# as Megatron-LM itself fails without them: {flag: what it needs}. Each only changes how the
+# same computation runs on a GPU: dropping it is the hardware-only change.
+NEEDS_NVIDIA_FLAGS: Dict[str, str] = {
+    "--tp-comm-overlap": "Transformer Engine's userbuffers on CUDA GPUs",
+    "--tp-comm-overlap-cfg": "Transformer Engine's userbuffers on CUDA GPUs (--tp-comm-overlap)",
+    "--te-rng-tracker": "Transformer Engine's CUDA RNG tracker",
+    **{flag: "CUDA graphs (a CUDA device)" for flag in (
+        "--cuda-graph-modules", "--cuda-graph-warmup-steps", "--cuda-graph-scope",
+        "--rl-training-cuda-graphs", "--inference-dynamic-batching-num-cuda-graphs",
+        "--inference-dynamic-batching-cuda-graph-sizing-distribution",
+        "--moe-pad-experts-for-cuda-graph-inference")},
+    **{flag: "CUDA unified memory" for flag in (
+        "--inference-dynamic-batching-unified-memory-level",
+        "--rl-inference-model-unified-memory-level")},
+    "--fine-grained-activation-offloading": "CUDA streams and pinned host memory (Megatron-LM's "
+                                            "fine-grained offloading; SMP's "
+                                            "sm_activation_offloading is the one built here)",
+    "--offload-modules": "CUDA streams (--fine-grained-activation-offloading)",
+    **{flag: "NVIDIA Model Optimizer (nvidia-modelopt), with which Megatron-LM's "
+             "pretrain_gpt.py declares its --export-* flags" for flag in (
+                 "--export-te-mcore-model", "--export-kd-teacher-load", "--export-kd-cfg")},
 }
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {
+    ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
     ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
                                                                  "per-expert bias by dual "
                                                                  "coordinate descent)",
@@ -827,6 +908,11 @@ def _reject_not_supported_yet(argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
+        if flag in NEEDS_NVIDIA_FLAGS:
+            raise ConfigError(
+                f"{flag} needs {NEEDS_NVIDIA_FLAGS[flag]}, as in Megatron-LM, and megatron_smp "
+                "has no such path: drop it (it changes how the same step runs on a GPU, not "
+                "what it computes)")
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
         if flag.startswith("--moe-") and flag not in _MOE_FLAGS and flag not in IGNORED_FLAGS:
