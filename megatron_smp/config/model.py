@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 from megatron_smp.config.attention import AttentionChecks
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 from megatron_smp.config.hybrid import HybridChecks
 from megatron_smp.config.mla import MLAChecks
 from megatron_smp.config.moe import MoEChecks, parse_moe_layer_freq
@@ -282,6 +282,42 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # Megatron's --rotary-seq-len-interpolation-factor F: linear RoPE scaling, positions / F
     # (HF rope_type "linear"; Gemma 3's full-attention layers: 8).
     rotary_seq_len_interpolation_factor: Optional[float] = None
+    # Megatron-LM main's muP (--use-mup), with width multiplier m = hidden_size /
+    # mup_base_hidden_size (None: hidden_size, m = 1): hidden matrices start at
+    # N(0, init_method_std / sqrt(m)) (output projections also / sqrt(2 L)), the embeddings and
+    # an untied output layer at N(0, init_method_std); embeddings are multiplied by
+    # mup_embedding_mult, logits by mup_output_mult (1.0 with m != 1: 1 / m); attention
+    # scores by sqrt(mup_base_head_dim or 1) / kv_channels ** mup_attn_scale_power unless
+    # softmax_scale is set; the optimizer gives hidden matrices LR and Adam eps / m
+    # (`mup_width_mult`, `mup_logit_mult`, `attention_softmax_scale`).
+    use_mup: bool = False
+    mup_base_hidden_size: Optional[int] = None
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
+
+    @property
+    def mup_width_mult(self) -> float:
+        """hidden_size / mup_base_hidden_size with --use-mup, else 1."""
+        if not self.use_mup:
+            return 1.0
+        return self.hidden_size / (self.mup_base_hidden_size or self.hidden_size)
+
+    def mup_logit_mult(self) -> float:
+        """What the logits are multiplied by (1 without --use-mup)."""
+        if not self.use_mup:
+            return 1.0
+        width = self.mup_width_mult
+        return 1.0 / width if self.mup_output_mult == 1.0 and width != 1.0 else \
+            self.mup_output_mult
+
+    def attention_softmax_scale(self) -> Optional[float]:
+        """The scale of q.k: --softmax-scale, else muP's, else None (1/sqrt(head dim))."""
+        if self.softmax_scale is not None or not self.use_mup:
+            return self.softmax_scale
+        base = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim ** 0.5
+        return base / self.kv_channels ** self.mup_attn_scale_power
 
     def __post_init__(self) -> None:
         if self.params_dtype is None:
@@ -316,17 +352,9 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
 
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
                  names: Optional[dict] = None) -> None:
-        """Check the model against the parallel layout (and sequence length). Pure; once per
-        contents and layout (a check with a sequence length covers one without)."""
-        # The data-parallel size is derived (ParallelState's copy has it, the flags' not);
-        # the model's checks never read it.
-        layout = (_fingerprint(self), _fingerprint(parallel, ("data_parallel_size",)))
-        if _validated(self, layout + (seq_length,)) or (
-                seq_length is None and any(key[:2] == layout for key in
-                                           self.__dict__.get("_validated_keys", ()))):
-            return
+        """Check the model against the parallel layout (and sequence length). Pure: reads
+        the configs, never changes them, so calling it again is harmless."""
         self._check(parallel, seq_length, names)
-        _remember_validated(self, layout + (seq_length,))
 
     def _check(self, parallel: ParallelConfig, seq_length: Optional[int],
                names: Optional[dict]) -> None:
@@ -345,6 +373,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
         _require(
             self.kv_channels is None or self.kv_channels >= 1,
             f"--kv-channels must be >= 1, got {self.kv_channels}",
+        )
+        _require(
+            self.mup_base_hidden_size is None or self.mup_base_hidden_size > 0,
+            f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}",
         )
         _require(
             self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,

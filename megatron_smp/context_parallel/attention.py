@@ -72,9 +72,9 @@ class _ContextParallelCore(torch.nn.Module):
         self.num_groups = divide(config.num_query_groups, tp_size)
         self.head_dim = config.kv_channels
         # Multi-latent attention gives its own (YaRN's mscale); else the config's
-        # (--softmax-scale), else 1/sqrt(d).
+        # (--softmax-scale, or muP's with --use-mup), else 1/sqrt(d).
         if softmax_scale is None:
-            softmax_scale = config.softmax_scale
+            softmax_scale = config.attention_softmax_scale()
         self.scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         self.layer_number = layer_number
         self.cp_group = state.cp_group

@@ -86,6 +86,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.add_position_embedding = config.position_embedding_type == "learned_absolute"
         # --apply-embedding-scaling (Gemma): word embeddings times sqrt(hidden).
         self.scale = math.sqrt(config.hidden_size) if config.apply_embedding_scaling else None
+        # --use-mup --mup-embedding-mult: the summed embeddings times this (Megatron-LM main).
+        self.mup_embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
         init_method = init_method_normal(config.init_method_std)
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
@@ -145,6 +147,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             else:
                 positions = position_ids.transpose(0, 1)[start : start + shard]
                 embeddings = embeddings + self.position_embeddings(positions)
+        if self.mup_embedding_mult != 1.0:
+            embeddings = embeddings * self.mup_embedding_mult
         if self.training and self.dropout > 0.0:
             if self.sequence_parallel:  # each rank holds a different shard
                 with get_rng_tracker().fork():
@@ -399,7 +403,7 @@ class GPTModel(torch.nn.Module):
         """hidden [s, b, h] -> this rank's logits [s, b, v/tp], soft-capped with
         --final-logit-softcapping (elementwise, so each vocab shard on its own)."""
         logits, _ = self.output_layer(hidden_states, weight=weight)
-        return soft_cap_logits(logits, self.config.final_logit_softcapping)
+        return output_logits(logits, self.config)
 
     def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, v/tp], labels [b, s] -> fp32 [b, s]."""
@@ -438,6 +442,15 @@ def soft_cap_logits(logits: torch.Tensor, cap) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+def output_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """The output layer's product as the model's logits: multiplied by muP's logit
+    multiplier (--use-mup), then soft-capped (--final-logit-softcapping); elementwise."""
+    mult = config.mup_logit_mult()
+    if mult != 1.0:
+        logits = logits * mult
+    return soft_cap_logits(logits, config.final_logit_softcapping)
+
+
 def gather_full_logits(
     logits_local: torch.Tensor, state: ParallelState, vocab_size: int
 ) -> torch.Tensor:
@@ -447,4 +460,5 @@ def gather_full_logits(
     return full[..., :vocab_size]
 
 
-__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits", "soft_cap_logits"]
+__all__ = ["GPTModel", "LanguageModelEmbedding", "gather_full_logits", "output_logits",
+           "soft_cap_logits"]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel import ColumnParallelLinear, init_method_normal
+from megatron_smp.tensor_parallel import ColumnParallelLinear, hidden_init_method
 from megatron_smp.tensor_parallel.mappings import (
     _gather_first_dim,
     gather_from_tensor_model_parallel_region,
@@ -81,7 +81,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         self.hnorm = build_norm(config, sequence_parallel=sp, device=device)
         self.eh_proj = ColumnParallelLinear(
             2 * config.hidden_size, config.hidden_size, config=config, tp_group=state.tp_group,
-            init_method=init_method_normal(config.init_method_std), bias=False,
+            init_method=hidden_init_method(config), bias=False,
             gather_output=False, device=device)
         layer_number = config.num_layers + depth
         self.mtp_model_layer = build_module(spec_for_layer(layer_spec, layer_number), config,

@@ -45,13 +45,35 @@ def is_embedding_or_output_parameter(name: str) -> bool:
     return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
 
 
+def is_mup_scaled(name: str, param: torch.nn.Parameter, config: OptimizerConfig,
+                  mup_width_mult: float) -> bool:
+    """Whether muP (--use-mup) gives `param` its own learning rate (and Adam eps), as
+    Megatron-LM main's get_mup_config_overrides does. Vector-like params are the 1-D ones,
+    the embeddings and the output layer; the others are hidden. Adam and other optimizers:
+    hidden params get LR / m (Adam also eps / m), except the matrices Muon itself steps;
+    SGD: vector-like params get LR x m, except those on --decoupled-lr."""
+    if mup_width_mult == 1.0:
+        return False
+    vector_like = (param.dim() <= 1 or "embedding" in name.lower()
+                   or name.endswith("output_layer.weight"))
+    if config.optimizer == "sgd":
+        return vector_like and not (config.decoupled_lr is not None
+                                    and is_embedding_or_output_parameter(name))
+    if vector_like:
+        return False
+    return not (config.optimizer == "muon" and is_muon_parameter(name, param))
+
+
 def get_param_groups(
     model_chunks: List[torch.nn.Module],
     config: OptimizerConfig,
     no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    mup_width_mult: float = 1.0,
 ) -> List[Dict]:
     """Trainable params split into a decayed and a non-decayed group, and with
-    --decoupled-lr the embedding / output layer weights into groups of their own.
+    --decoupled-lr the embedding / output layer weights into groups of their own; with a
+    muP width multiplier m != 1 (--use-mup) the params `is_mup_scaled` picks too, on a
+    schedule between --lr and --min-lr times 1/m (SGD: times m), Adam's with eps / m.
 
     Each group carries `wd_mult` / `lr_mult` so the scheduler can set
     `group["weight_decay"] = weight_decay * wd_mult` and `group["lr"] = lr * lr_mult`; the
@@ -72,19 +94,20 @@ def get_param_groups(
             if param.requires_grad:
                 key = (decoupled and is_embedding_or_output_parameter(name),
                        0.0 if condition(name, param) else 1.0,
-                       muon and is_muon_parameter(name, param))
+                       muon and is_muon_parameter(name, param),
+                       is_mup_scaled(name, param, config, mup_width_mult))
                 by_key.setdefault(key, []).append(param)
     groups = []
-    for own_schedule, wd_mult, use_muon in itertools.product((False, True), (1.0, 0.0),
-                                                            (True, False)):
-        params = by_key.get((own_schedule, wd_mult, use_muon))
+    for own_schedule, wd_mult, use_muon, mup in itertools.product(
+            (False, True), (1.0, 0.0), (True, False), (False, True)):
+        params = by_key.get((own_schedule, wd_mult, use_muon, mup))
         if not params:
             continue
         group = {
             "params": params,
             "wd_mult": wd_mult,
             "lr_mult": 1.0,
-            "default_config": not own_schedule,
+            "default_config": not (own_schedule or mup),
             "weight_decay": config.weight_decay * wd_mult,
             "lr": config.lr,
         }
@@ -93,6 +116,12 @@ def get_param_groups(
             group["max_lr"] = group["lr"] = config.decoupled_lr
             group["min_lr"] = (config.min_lr if config.decoupled_min_lr is None
                                else config.decoupled_min_lr)
+        if mup:
+            mult = mup_width_mult if config.optimizer == "sgd" else 1.0 / mup_width_mult
+            group["max_lr"] = group["lr"] = config.lr * mult
+            group["min_lr"] = config.min_lr * mult
+            if config.optimizer == "adam":
+                group["eps"] = config.adam_eps * mult
         groups.append(group)
     return groups
 
@@ -196,6 +225,7 @@ def get_megatron_optimizer(
     model_chunks: List[torch.nn.Module],
     state,
     no_weight_decay_cond: Optional[Callable[[str, torch.nn.Parameter], bool]] = None,
+    mup_width_mult: float = 1.0,
 ) -> MegatronOptimizer:
     """Build the optimizer for `model_chunks` (DDP-wrapped chunks, or plain modules without
     --use-distributed-optimizer, or FSDP2-sharded chunks: `FSDPOptimizer`).
@@ -203,9 +233,10 @@ def get_megatron_optimizer(
     --use-distributed-optimizer: `DistributedOptimizer`; fp16/bf16 params:
     `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`. The precision is the
     params' own (the model's config is its one home): fp16 params get loss scaling.
+    `mup_width_mult`: the model's muP width multiplier (TransformerConfig.mup_width_mult).
     """
     config.validate()
-    groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
+    groups = get_param_groups(model_chunks, config, no_weight_decay_cond, mup_width_mult)
     factory = build_torch_optimizer(config, state.device)
     dtypes = {p.dtype for g in groups for p in g["params"]}
     grad_scaler = get_grad_scaler(config, state.device, torch.float16 in dtypes)

@@ -40,7 +40,7 @@ from megatron_smp.tensor_parallel.mappings import (
 from megatron_smp.tensor_parallel.utils import (
     InitMethod,
     divide,
-    init_method_normal,
+    hidden_init_method,
     set_tensor_model_parallel_attributes,
 )
 
@@ -555,7 +555,7 @@ class ReplicatedLinear(torch.nn.Module):
                  sequence_parallel: bool, device: Optional[torch.device],
                  init_method: Optional[InitMethod] = None, bias: bool = False) -> None:
         super().__init__()
-        self.init_method = init_method or init_method_normal(config.init_method_std)
+        self.init_method = init_method or hidden_init_method(config)
         self.weight = torch.nn.Parameter(
             torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         self.bias = None

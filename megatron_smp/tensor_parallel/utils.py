@@ -38,12 +38,21 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+def hidden_init_method(config) -> InitMethod:
+    """The init of a hidden matrix (`config`: a TransformerConfig): N(0, init_method_std),
+    divided by sqrt(width multiplier) with --use-mup (Megatron-LM main's muP); embeddings and
+    an untied output layer keep N(0, init_method_std)."""
+    return init_method_normal(config.init_method_std / math.sqrt(config.mup_width_mult))
+
+
 def output_init_method(config) -> InitMethod:
     """The init of a layer's output projection (`config`: a TransformerConfig): scaled by
-    depth with use_scaled_init_method (Megatron's default), else the plain normal."""
+    depth with use_scaled_init_method (Megatron's default), else the plain normal; with
+    --use-mup also divided by sqrt(width multiplier)."""
+    std = config.init_method_std / math.sqrt(config.mup_width_mult)
     if config.use_scaled_init_method:
-        return scaled_init_method_normal(config.init_method_std, config.num_layers)
-    return init_method_normal(config.init_method_std)
+        return scaled_init_method_normal(std, config.num_layers)
+    return init_method_normal(std)
 
 
 def set_tensor_model_parallel_attributes(

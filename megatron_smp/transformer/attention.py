@@ -29,6 +29,7 @@ from megatron_smp.tensor_parallel import (
     RowParallelLinear,
     divide,
     dropout,
+    hidden_init_method,
     init_method_normal,
     output_init_method,
 )
@@ -396,7 +397,8 @@ class DotProductAttention(torch.nn.Module):
         self.num_heads_per_partition = divide(config.num_attention_heads, group_size(tp_group))
         self.head_dim = config.kv_channels
         # None: 1/sqrt(head_dim), or the config's (--softmax-scale, Gemma's query_pre_attn_scalar).
-        self.softmax_scale = config.softmax_scale if softmax_scale is None else softmax_scale
+        self.softmax_scale = (config.attention_softmax_scale() if softmax_scale is None
+                              else softmax_scale)
         self.attention_dropout = config.attention_dropout
         # This layer's window (--window-attn-skip-freq); (-1, 0) is plain causal attention:
         # keep SDPA's causal kernel for it.
@@ -497,7 +499,7 @@ class SelfAttention(torch.nn.Module):
         self.output_gate = config.attention_output_gate
         gated_heads = self.num_heads if self.output_gate else 0
         qkv_size = (self.num_heads + gated_heads + 2 * self.num_query_groups) * self.head_dim
-        init_method = init_method_normal(config.init_method_std)
+        init_method = hidden_init_method(config)
         output_init = output_init_method(config)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,

@@ -38,7 +38,7 @@ from megatron_smp.tensor_parallel import (
     ReplicatedLinear,
     RowParallelLinear,
     divide,
-    init_method_normal,
+    hidden_init_method,
     output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import (
@@ -99,7 +99,7 @@ class MLASelfAttention(torch.nn.Module):
         self.rotary_interleaved = config.rotary_interleaved
         self.selective_recompute = "core_attn" in recompute_modules(config)
         self.recompute_up_proj = "mla_up_proj" in recompute_modules(config)
-        init_method = init_method_normal(config.init_method_std)
+        init_method = hidden_init_method(config)
         output_init = output_init_method(config)
 
         def column(input_size, output_size):

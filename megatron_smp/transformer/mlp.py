@@ -15,7 +15,7 @@ from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    init_method_normal,
+    hidden_init_method,
     output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import ProcessGroup
@@ -76,7 +76,7 @@ class MLP(torch.nn.Module):
         self.config = config
         self.gated = config.gated_linear_unit
         self.activation = activation_function(config.activation)
-        init_method = init_method_normal(config.init_method_std)
+        init_method = hidden_init_method(config)
         output_init = output_init_method(config)
         fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = ColumnParallelLinear(

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel import init_method_normal
+from megatron_smp.tensor_parallel import hidden_init_method
 from megatron_smp.tensor_parallel.mappings import group_size
 from megatron_smp.tensor_parallel.random import (
     EXPERT_PARALLEL_RNG,
@@ -136,7 +136,7 @@ class TopKRouter(torch.nn.Module):
     def reset_parameters(self) -> None:
         """The gate (then the bias) drawn on the CPU, layout-independent; nothing is copied
         while the params are on the meta device (the draws still happen)."""
-        init = init_method_normal(self.config.init_method_std)
+        init = hidden_init_method(self.config)
         master = init(torch.empty(self.weight.shape))
         bias_master = None if self.bias is None else init(torch.empty(self.bias.shape))
         if self.weight.device.type != "meta":

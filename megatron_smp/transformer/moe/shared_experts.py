@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig
-from megatron_smp.tensor_parallel import init_method_normal
+from megatron_smp.tensor_parallel import hidden_init_method
 from megatron_smp.transformer.mlp import MLP
 
 
@@ -32,7 +32,7 @@ class SharedExpertMLP(MLP):
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             master = torch.empty(1, config.hidden_size)
-            init_method_normal(config.init_method_std)(master)
+            hidden_init_method(config)(master)
             self.gate_weight = torch.nn.Parameter(
                 torch.empty(1, config.hidden_size, dtype=config.params_dtype, device=device)
             )
@@ -46,7 +46,7 @@ class SharedExpertMLP(MLP):
         MLP's projections (`replay`), then the gate drawn after them, as constructed."""
         count = sum(replay(module) for module in self.modules() if module is not self)
         if self.gate_weight is not None and self.gate_weight.is_meta:
-            master = init_method_normal(self.config.init_method_std)(
+            master = hidden_init_method(self.config)(
                 torch.empty(self.gate_weight.shape))
             materialize(self)
             with torch.no_grad():

@@ -18,7 +18,7 @@ from megatron_smp.config import ConfigError
 from megatron_smp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    init_method_normal,
+    hidden_init_method,
     output_init_method,
 )
 from megatron_smp.tensor_parallel.mappings import group_rank, group_size
@@ -51,7 +51,7 @@ def fill_from_master(param: torch.nn.Parameter, master: torch.Tensor, tp_group) 
 def mixer_projections(config, tp_group, projected: int, inner: int, device):
     """A mixer's in_proj (h -> `projected` rows, split over TP) and out_proj (`inner` -> h,
     split along its input), without biases, initialised as the attention's projections."""
-    init_method = init_method_normal(config.init_method_std)
+    init_method = hidden_init_method(config)
     output_init = output_init_method(config)
     in_proj = ColumnParallelLinear(config.hidden_size, projected, config=config,
                                    tp_group=tp_group, init_method=init_method, bias=False,

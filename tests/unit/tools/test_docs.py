@@ -323,3 +323,15 @@ def test_every_flag_says_what_it_does():
     bare = [row.split(" | ")[0] for row in training.splitlines() if row.startswith("| `--")
             and re.match(r"^(See |On its own|$)", row.split(" | ")[2].strip(" |"))]
     assert bare == [], f"give these flags a help text (then run {REGENERATE})"
+
+
+def test_readme_tour_lists_the_packages():
+    """The README's tour names every package and module of megatron_smp/ (and nothing else)."""
+    readme = _read("README.md")
+    tour = re.search(r"## A short tour\n\n```\n(.*?)```", readme, flags=re.S).group(1)
+    listed = set(re.findall(r"^  (\w+(?:/|\.py))\s", tour, flags=re.M))
+    present = {name + "/" if os.path.isdir(os.path.join(REPO, "megatron_smp", name)) else name
+               for name in os.listdir(os.path.join(REPO, "megatron_smp"))
+               if not name.startswith(("_", ".")) and (name.endswith(".py") or os.path.isfile(
+                   os.path.join(REPO, "megatron_smp", name, "__init__.py")))}
+    assert listed == present
