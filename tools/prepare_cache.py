@@ -15,6 +15,7 @@ Prints each split's sample count, the cache directory and the time taken.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,7 +48,8 @@ def prepare(argv, world_size: int = 1):
     batch_sizes = NumMicrobatchesCalculator(
         training, configs.parallel.data_parallel_size_for(world_size)
     )
-    training.train_iters = batch_sizes.train_iters(training.train_iters, training.train_samples)
+    training = dataclasses.replace(training, train_iters=batch_sizes.train_iters(
+        training.train_iters, training.train_samples))
     num_samples = dataset_num_samples(training, batch_sizes.global_batch_size)
     datasets = build_train_valid_test_datasets(
         data, training.seq_length, training.seed, num_samples, tokenizer

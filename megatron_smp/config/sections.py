@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from megatron_smp.config.checkpoint import CheckpointConfig
 from megatron_smp.config.data import DataConfig
+from megatron_smp.config.inference import InferenceConfig
 from megatron_smp.config.model import TransformerConfig
 from megatron_smp.config.optimizer import OptimizerConfig
 from megatron_smp.config.parallel import ParallelConfig
+from megatron_smp.config.post_training import DPOConfig, RLConfig
 from megatron_smp.config.resilience import ResilienceConfig
 from megatron_smp.config.training import TrainingConfig
 
@@ -44,6 +46,11 @@ class Configs:
     # How validation names ParallelConfig fields the user set through --smp-config keys.
     setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
     resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
+    # The modes' sections, each present when the entry script added its flags
+    # (training.arguments.modes): train_dpo.py, train_rl.py, the inference launcher.
+    dpo: Optional[DPOConfig] = None
+    rl: Optional[RLConfig] = None
+    inference: Optional[InferenceConfig] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data view (for checkpoint metadata and logs)."""

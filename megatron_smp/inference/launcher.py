@@ -12,74 +12,14 @@ replicas, `inference.replicas.DataParallelEngine`: each replica serves its share
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from megatron_smp.config import ConfigError
-
-
-def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The engine's flags (Megatron-LM's names where it has one)."""
-    group = parser.add_argument_group("inference")
-    group.add_argument("--inference-max-tokens", type=int, default=16384,
-                       help="tokens the paged KV cache holds over all running requests")
-    group.add_argument("--inference-max-requests", type=int, default=64,
-                       help="requests in the running batch at once (the rest queue)")
-    group.add_argument("--inference-max-seq-length", type=int, default=None,
-                       help="longest prompt + generation (default: --max-position-embeddings)")
-    group.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
-                       help="tokens per KV cache block")
-    group.add_argument("--inference-dynamic-batching-max-tokens", type=int, default=None,
-                       help="tokens one step runs (each decode counts one); a prompt waits "
-                            "for a step with room for it (default: no limit)")
-    group.add_argument("--enable-chunked-prefill", action="store_true",
-                       help="split prompts into chunks that fill the room steps have "
-                            "(needs --inference-dynamic-batching-max-tokens)")
-    group.add_argument("--inference-dynamic-batching-prefix-caching",
-                       dest="inference_dynamic_batching_enable_prefix_caching",
-                       action=argparse.BooleanOptionalAction, default=False,
-                       help="share the KV blocks of common prompt prefixes between requests")
-    group.add_argument("--inference-dynamic-batching-prefix-caching-eviction-policy",
-                       choices=["ref_zero", "lru"], default=None,
-                       help="ref_zero (default): a prefix block is freed when no request holds "
-                            "it; lru: kept until its space is needed (least recently used "
-                            "first)")
-    group.add_argument("--speculative-config", default=None,
-                       help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | "
-                            "\"mtp\" | \"draft_model\", \"num_speculative_tokens\": N, "
-                            "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 1, "
-                            "\"model\": DRAFT_CHECKPOINT_DIR (draft_model)}")
-    group.add_argument("--num-speculative-tokens", type=int, default=None,
-                       help="speculative decoding with the model's MTP layers "
-                            "(--mtp-num-layers models), N drafts per step (Megatron-LM)")
-    return parser
-
-
-def speculative_config_of(args) -> Optional["SpeculativeConfig"]:
-    """The SpeculativeConfig of --speculative-config / --num-speculative-tokens, or None."""
-    import json
-
-    from megatron_smp.inference.speculative import SpeculativeConfig
-
-    if args.speculative_config is not None and args.num_speculative_tokens is not None:
-        raise ConfigError("give --speculative-config (vLLM's form) or --num-speculative-tokens "
-                          "(MTP drafts, Megatron-LM's form), not both")
-    if args.num_speculative_tokens is not None:
-        return SpeculativeConfig("mtp", args.num_speculative_tokens).validate()
-    if args.speculative_config is None:
-        return None
-    try:
-        values = json.loads(args.speculative_config)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--speculative-config is not JSON ({error})") from error
-    config = SpeculativeConfig.from_dict(values)
-    if config.method == "draft_model" and config.model is None:
-        raise ConfigError("--speculative-config method 'draft_model' needs \"model\": the "
-                          "draft checkpoint's directory (sharing the tokenizer)")
-    return config
+from megatron_smp.inference.speculative import speculative_config_of  # noqa: F401
+from megatron_smp.training.arguments.modes import add_inference_args  # noqa: F401 (its flags)
 
 
 def _draft_argv(argv: Sequence[str], path: str) -> list:
@@ -130,7 +70,6 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
-    from megatron_smp.inference.engine import check_step_budget
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
     from megatron_smp.parallel_state import build_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
@@ -152,28 +91,11 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     # are the --inference-* flags).
     defaults = {"micro_batch_size": 1, "train_iters": 1, "seq_length": 8, "mock_data": True}
     configs = parse_args(argv, providers, defaults)
-    args = configs.args
     tokenizer = build_tokenizer(configs.data)
     configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
-    validate_configs(configs)
-    for flag in ("inference_max_tokens", "inference_max_requests",
-                 "inference_dynamic_batching_block_size"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
-    check_step_budget(args.inference_dynamic_batching_max_tokens, args.enable_chunked_prefill)
-    speculative = speculative_config_of(args)
-    if speculative is not None and speculative.method == "mtp" \
-            and not configs.model.mtp_num_layers:
-        raise ConfigError("--num-speculative-tokens / speculative method 'mtp' drafts with the "
-                          "model's MTP layers: the model has none (--mtp-num-layers); use "
-                          "--speculative-config with method ngram or draft_model")
-    prefix_caching = args.inference_dynamic_batching_prefix_caching_eviction_policy
-    if not args.inference_dynamic_batching_enable_prefix_caching:
-        if prefix_caching is not None:
-            raise ConfigError("--inference-dynamic-batching-prefix-caching-eviction-policy "
-                              "needs --inference-dynamic-batching-prefix-caching")
-    elif prefix_caching is None:
-        prefix_caching = "ref_zero"
+    validate_configs(configs)  # the --inference-* flags too (configs.inference)
+    inference = configs.inference
+    speculative = speculative_config_of(inference)
     if configs.parallel.context_parallel_size > 1:
         raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
                           "pipeline or expert parallelism)")
@@ -212,14 +134,12 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
 
     def make_engine(group=None):
         return InferenceEngine(
-            chunks, max_tokens=args.inference_max_tokens,
-            max_requests=args.inference_max_requests,
-            block_size=args.inference_dynamic_batching_block_size,
-            max_seq_length=args.inference_max_seq_length
-            or configs.model.max_position_embeddings, group=group,
-            prefix_caching=prefix_caching,
-            max_step_tokens=args.inference_dynamic_batching_max_tokens,
-            chunked_prefill=args.enable_chunked_prefill, speculative=speculative,
+            chunks, max_tokens=inference.max_tokens, max_requests=inference.max_requests,
+            block_size=inference.block_size,
+            max_seq_length=inference.max_seq_length or configs.model.max_position_embeddings,
+            group=group, prefix_caching=inference.eviction_policy,
+            max_step_tokens=inference.max_step_tokens,
+            chunked_prefill=inference.chunked_prefill, speculative=speculative,
             draft_model=draft)
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).

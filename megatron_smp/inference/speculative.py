@@ -236,9 +236,10 @@ class DraftModelRunner:
                               f"differs from the model's ({vocab_size}); the draft must share "
                               "the tokenizer")
         state = model.state
-        if state.tp_size * state.pp_size > 1:
-            raise ConfigError("speculative draft model: it runs whole on the leader; build it "
-                              "with tensor and pipeline parallel size 1")
+        if any(len(ranks) > 1 for ranks in state.group_ranks.values()):
+            raise ConfigError("speculative draft model: it runs whole on the leader, alone; "
+                              "build it on a state of that rank only "
+                              "(parallel_state.local_parallel_state())")
         if recurrent_layers(model):
             raise ConfigError("speculative draft model: Mamba / Gated DeltaNet layers cannot "
                               "take back rejected tokens; use a draft of attention layers")
@@ -406,6 +407,30 @@ class MTPDrafter:
         return drafts
 
 
+def speculative_config_of(args) -> Optional["SpeculativeConfig"]:
+    """The SpeculativeConfig of --speculative-config / --num-speculative-tokens (an
+    InferenceConfig's, or a namespace's of the same names), or None."""
+    import json
+
+    if args.speculative_config is not None and args.num_speculative_tokens is not None:
+        raise ConfigError("give --speculative-config (vLLM's form) or --num-speculative-tokens "
+                          "(MTP drafts, Megatron-LM's form), not both")
+    if args.num_speculative_tokens is not None:
+        return SpeculativeConfig("mtp", args.num_speculative_tokens).validate()
+    if args.speculative_config is None:
+        return None
+    try:
+        values = json.loads(args.speculative_config)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--speculative-config is not JSON ({error})") from error
+    config = SpeculativeConfig.from_dict(values)
+    if config.method == "draft_model" and config.model is None:
+        raise ConfigError("--speculative-config method 'draft_model' needs \"model\": the "
+                          "draft checkpoint's directory (sharing the tokenizer)")
+    return config
+
+
 __all__ = ["SpeculativeConfig", "acceptance_probability", "residual_distribution",
            "accept_drafts", "verify", "pick_draft", "draft_generator", "ngram_propose",
-           "vocab_logits", "DraftModelRunner", "MTPDrafter", "METHODS", "warped_probs"]
+           "vocab_logits", "DraftModelRunner", "MTPDrafter", "METHODS", "warped_probs",
+           "speculative_config_of"]

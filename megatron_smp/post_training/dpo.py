@@ -20,56 +20,20 @@ with nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import ConfigError
+from megatron_smp.config.post_training import (  # noqa: F401 (the config's home)
+    DPO_LOSS_TYPES as LOSS_TYPES, DPO_REFERENCE_MODES as REFERENCE_MODES, DPOConfig,
+)
 
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 # TRL's metric names, logged as they are (log line and TensorBoard).
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
 LOSS_KEY = "dpo loss"
-REFERENCE_MODES = ("precomputed", "frozen", "adapters-off")
-
-
-@dataclass
-class DPOConfig:
-    """--dpo-* flags. `reference`: how the reference log-probs are obtained: `precomputed`
-    (one forward pass over the data before training, kept beside the checkpoints), `frozen`
-    (a frozen copy of the starting model, run live), `adapters-off` (LoRA only: the trained
-    model with its adapters switched off; no second copy)."""
-
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    rpo_alpha: Optional[float] = None
-    reference: str = "frozen"
-
-    def validate(self, lora: bool) -> None:
-        """ConfigError naming the flag (on every rank, before any collective)."""
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"--dpo-loss-type {self.loss_type!r}: choose from "
-                              f"{', '.join(LOSS_TYPES)}")
-        if not self.beta > 0.0:
-            raise ConfigError(f"--dpo-beta must be positive, got {self.beta}")
-        if self.loss_type == "robust" and not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"--dpo-label-smoothing {self.label_smoothing}: the robust loss "
-                              "needs a value in [0, 0.5)")
-        if self.label_smoothing != 0.0 and self.loss_type != "robust":
-            raise ConfigError(f"--dpo-label-smoothing {self.label_smoothing} only shapes "
-                              "--dpo-loss-type robust; drop it or use the robust loss")
-        if self.rpo_alpha is not None and not self.rpo_alpha >= 0.0:
-            raise ConfigError(f"--dpo-rpo-alpha must be >= 0, got {self.rpo_alpha}")
-        if self.reference not in REFERENCE_MODES:
-            raise ConfigError(f"--dpo-reference {self.reference!r}: choose from "
-                              f"{', '.join(REFERENCE_MODES)}")
-        if self.reference == "adapters-off" and not lora:
-            raise ConfigError("--dpo-reference adapters-off needs LoRA (--lora-rank): without "
-                              "adapters use --dpo-reference frozen or precomputed")
 
 
 def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,

@@ -39,6 +39,8 @@ from megatron_smp.post_training.dpo import (
 from megatron_smp.post_training.reference import (
     DPO_REFERENCE, build_reference_chunks, copy_base_weights, frozen_reference,
 )
+from megatron_smp.training.arguments.modes import add_dpo_args  # noqa: F401 (its flags)
+from megatron_smp.training.arguments.validation import check_dpo_configs
 from megatron_smp.training.logprobs import (
     compute_logprobs, model_outputs, split_batch_for_context_parallel, token_log_probs,
 )
@@ -48,38 +50,13 @@ DOCUMENTS_KEY = "token_documents"  # document ids split like the tokens under CP
 REFERENCE_FILE = "dpo_reference_logps.npy"
 
 
-def add_dpo_args(parser):
-    """The --dpo-* flags (Megatron's style; TRL's DPOConfig names after the prefix)."""
-    group = parser.add_argument_group("DPO (train_dpo.py)")
-    group.add_argument("--dpo-beta", type=float, default=0.1,
-                       help="beta: the strength of the reference's pull (TRL's beta)")
-    group.add_argument("--dpo-loss-type", default="sigmoid",
-                       help=f"TRL's loss_type: {', '.join(LOSS_TYPES)}")
-    group.add_argument("--dpo-label-smoothing", type=float, default=0.0,
-                       help="the robust loss's label smoothing, in [0, 0.5)")
-    group.add_argument("--dpo-rpo-alpha", type=float, default=None,
-                       help="add this times the chosen responses' mean NLL (RPO; TRL's "
-                            "loss_type 'sft' weighted by it)")
-    group.add_argument("--dpo-reference", default=None,
-                       help=f"{', '.join(REFERENCE_MODES)} (default: adapters-off with "
-                            "--lora-rank, else frozen)")
-    return parser
 
 
 def dpo_config(configs) -> DPOConfig:
-    """The validated DPOConfig of parsed flags (ConfigError naming the flag)."""
-    args, lora = configs.args, bool(configs.training.lora_rank)
-    config = DPOConfig(beta=args.dpo_beta, loss_type=args.dpo_loss_type,
-                       label_smoothing=args.dpo_label_smoothing, rpo_alpha=args.dpo_rpo_alpha,
-                       reference=args.dpo_reference or ("adapters-off" if lora else "frozen"))
-    config.validate(lora)
-    if configs.optimizer.calculate_per_token_loss:
-        raise ConfigError("--calculate-per-token-loss does not apply to DPO (its loss is a mean "
-                          "over pairs); drop it")
-    if not configs.data.sft:
-        raise ConfigError("train_dpo.py reads packed preference pairs: keep --sft (its default "
-                          "here)")
-    return config
+    """The run's DPOConfig (`configs.dpo`, parsed once from the --dpo-* flags), checked
+    against the run (`validate_configs` does the same; ConfigError naming the flag)."""
+    check_dpo_configs(configs)
+    return configs.dpo
 
 
 class DPORun:
@@ -259,11 +236,9 @@ def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
     """Parse the flags (Megatron's and --dpo-*), then train with DPO through `pretrain`;
     returns its TrainingResult."""
     from megatron_smp.training import pretrain
-    from megatron_smp.training.arguments import parse_args
 
     defaults = {"sft": True, **(args_defaults or {})}
-    # The --dpo-* flags are checked on every rank before anything is built.
-    dpo_config(parse_args(argv, add_dpo_args, defaults))
+    # The --dpo-* flags become `configs.dpo`, checked on every rank before anything is built.
     dpo = DPORun(model_provider)
     return pretrain(dpo.datasets, model_provider, dpo.forward_step,
                     extra_args_provider=add_dpo_args, args_defaults=defaults, argv=argv,

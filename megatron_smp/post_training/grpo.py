@@ -20,8 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
-SCALE_REWARDS = ("group", "batch", "none")
+from megatron_smp.config.post_training import GRPO_LOSS_TYPES, SCALE_REWARDS  # noqa: F401
 
 
 def _check_same_shape(reference: torch.Tensor, **tensors) -> None:

@@ -45,19 +45,22 @@ def sampling_params(config: RLConfig, seed: Optional[int],
 
 
 def generate_rollouts(engine, tokenizer, prompts: Sequence[Prompt], config: RLConfig, *,
-                      step: int, seed: int, end_token_ids: Sequence[int] = ()) -> List[Rollout]:
-    """`config.group_size` completions of each prompt, listed group by group (collective over
-    the engine's ranks; every rank passes the same prompts and gets the same rollouts).
+                      step: int, seed: int, end_token_ids: Sequence[int] = (),
+                      group_size: Optional[int] = None) -> List[Rollout]:
+    """`group_size` (default `config.group_size`) completions of each prompt, listed group by
+    group (collective over the engine's ranks; every rank passes the same prompts and gets
+    the same rollouts).
 
     tokenizer: has `tokenize(text) -> ids` and `detokenize(ids) -> text` (the project's
     tokenizers). end_token_ids: tokens that end a completion (kept in completion_ids, so the
     model learns to stop; cut from the decoded text).
     """
+    group_size = config.group_size if group_size is None else group_size
     prompt_ids = [list(tokenizer.tokenize(p.prompt)) for p in prompts]
     requests_ids, params = [], []
     for number, ids in enumerate(prompt_ids):
-        for member in range(config.group_size):
-            index = number * config.group_size + member
+        for member in range(group_size):
+            index = number * group_size + member
             requests_ids.append(ids)
             params.append(sampling_params(config, rollout_seed(seed, step, index), end_token_ids))
     requests = engine.generate(requests_ids, params)
@@ -66,7 +69,7 @@ def generate_rollouts(engine, tokenizer, prompts: Sequence[Prompt], config: RLCo
         completion_ids = list(request.output)
         text_ids = (completion_ids[:-1] if completion_ids and completion_ids[-1] in end_token_ids
                     else completion_ids)
-        rollouts.append(Rollout(prompt=prompts[index // config.group_size],
+        rollouts.append(Rollout(prompt=prompts[index // group_size],
                                 prompt_ids=requests_ids[index], completion_ids=completion_ids,
                                 completion=tokenizer.detokenize(text_ids),
                                 logprobs=list(request.logprobs),

@@ -47,6 +47,7 @@ rewards and losses.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import time
@@ -59,7 +60,7 @@ import torch.distributed as dist
 from megatron_smp.config import ConfigError
 from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.post_training.reference import RL_REFERENCE, frozen_reference
-from megatron_smp.post_training.rl_config import RLConfig, add_rl_args, rl_config
+from megatron_smp.post_training.rl_config import RLConfig, add_rl_args
 from megatron_smp.post_training.rl_env import (
     EnvConfigError, Environment, Prompt, PromptSampler, load_env_config,
 )
@@ -69,6 +70,7 @@ from megatron_smp.post_training.rl_generation import (
 from megatron_smp.post_training.rollouts import (
     build_rollout_batch, grpo_loss_fn, rollout_advantages, rollout_metrics, rollout_microbatches,
 )
+from megatron_smp.training.arguments.validation import check_rl_configs  # noqa: F401
 
 RL_STATE_DIR = "rl_state"
 LOSS_KEY = "rl loss"
@@ -83,7 +85,7 @@ _POLICY_METRICS = ("clip_fraction", "clip_ratio/high_mean", "clip_ratio/low_mean
 def add_rl_training_args(parser):
     """train_rl.py's flags beyond Megatron's training ones: the --grpo-* / --rl-* flags and
     the engine's --inference-* sizes."""
-    from megatron_smp.inference.launcher import add_inference_args
+    from megatron_smp.training.arguments.modes import add_inference_args
 
     return add_inference_args(add_rl_args(parser))
 
@@ -92,40 +94,6 @@ def policy_metric_keys(config: RLConfig) -> tuple:
     """The keys the RL loss function reports, the same on every pipeline stage."""
     keys = (LOSS_KEY,) + _POLICY_METRICS
     return keys + (("kl",) if config.kl_beta != 0.0 else ())
-
-
-def check_rl_configs(configs, config: RLConfig) -> None:
-    """ConfigErrors naming the flag for what a RL run cannot do (on every rank, before any
-    collective)."""
-    parallel, training = configs.parallel, configs.training
-    if config.env_config is None:
-        raise ConfigError("train_rl.py needs --langrl-env-config (a YAML list of environments: "
-                          "prompts and reward functions; see "
-                          "megatron_smp/post_training/envs/addition.yaml)")
-    if parallel.context_parallel_size > 1 and configs.model.cp_comm_type != "all_gather":
-        raise ConfigError(f"train_rl.py with --context-parallel-size "
-                          f"{parallel.context_parallel_size} needs --cp-comm-type all_gather "
-                          f"(each rollout attends only to itself: its row's documents attend "
-                          f"to their keys gathered over the CP ranks; p2p and a2a attend with "
-                          f"causal masks only)")
-    if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
-                          "inference engine; drop --num-layers-per-virtual-pipeline-stage")
-    if training.rampup_batch_size:
-        raise ConfigError("train_rl.py: --rampup-batch-size does not apply (a step's batch is "
-                          "--grpo-group-size x --grpo-prompts-per-step rollouts)")
-    if configs.optimizer.calculate_per_token_loss:
-        raise ConfigError("train_rl.py: --calculate-per-token-loss does not apply (the GRPO "
-                          "loss normalises over the rollout batch itself; --grpo-loss-type "
-                          "dapo is the per-token mean)")
-    if getattr(configs.args, "inference_max_seq_length", None) is not None:
-        raise ConfigError("train_rl.py: a rollout fills one sequence of --seq-length; drop "
-                          "--inference-max-seq-length (the engine's limit follows it)")
-    if training.global_batch_size != config.rollouts_per_step:
-        raise ConfigError(f"train_rl.py: --global-batch-size ({training.global_batch_size}) "
-                          f"must equal --grpo-group-size x --grpo-prompts-per-step "
-                          f"({config.rollouts_per_step}): one rollout per sequence; leave "
-                          f"--global-batch-size out to get it")
 
 
 def rollout_logprobs(model, batch: Dict[str, torch.Tensor], run) -> torch.Tensor:
@@ -191,14 +159,13 @@ class RLRun:
         self.pad_id = getattr(tokenizer, "pad", None)
         if self.pad_id is None:
             self.pad_id = self.end_token_ids[0] if self.end_token_ids else 0
-        args = self.configs.args
+        inference = self.configs.inference
         # The engine reads the training chunk's parameters in place; its KV cache is its own.
         # Under context parallelism every CP rank holds the full weights and runs each
         # generation step whole (the CP split is the training step's).
         self.engine = InferenceEngine(
-            trainer.model, max_tokens=args.inference_max_tokens,
-            max_requests=args.inference_max_requests,
-            block_size=args.inference_dynamic_batching_block_size,
+            trainer.model, max_tokens=inference.max_tokens, max_requests=inference.max_requests,
+            block_size=inference.block_size,
             max_seq_length=training.seq_length + 1, replicate_context_parallel=True)
         self._train_mode()
         self.lora = bool(training.lora_rank)
@@ -219,7 +186,8 @@ class RLRun:
         for chunk in self.trainer.model:
             chunk.train()
 
-    def _generate(self, prompts: Sequence[Prompt], config: RLConfig, number: int):
+    def _generate(self, prompts: Sequence[Prompt], config: RLConfig, number: int,
+                  group_size: Optional[int] = None):
         for chunk in self.trainer.model:
             if hasattr(chunk, "finish_param_sync"):  # --overlap-param-gather's last gathers
                 chunk.finish_param_sync()
@@ -228,7 +196,8 @@ class RLRun:
             with torch.no_grad(), _unsharded(self.trainer.model):
                 return generate_rollouts(self.engine, self.tokenizer, prompts, config,
                                          step=number, seed=self.configs.training.seed,
-                                         end_token_ids=self.end_token_ids)
+                                         end_token_ids=self.end_token_ids,
+                                         group_size=group_size)
         finally:
             self._train_mode()
 
@@ -430,10 +399,8 @@ class RLRun:
         records = [Prompt(env.name, r["prompt"], r["answer"])
                    for env in self.eval_environments for r in env.records]
         count = min(len(records), self.configs.training.eval_iters * self.config.prompts_per_step)
-        greedy = RLConfig(group_size=2, prompts_per_step=count, temperature=0.0,
-                          max_completion_length=self.config.max_completion_length)
-        greedy.group_size = 1  # one completion per prompt (the config's check is for training)
-        rollouts = self._generate(records[:count], greedy, 0)
+        greedy = dataclasses.replace(self.config, temperature=0.0, top_k=-1, top_p=0.0)
+        rollouts = self._generate(records[:count], greedy, 0, group_size=1)
         score_rollouts(self.environments, rollouts)
         fields = rollout_fields(rollouts)
         metrics = rollout_metrics(fields["rewards"], fields["per_function"],
@@ -541,17 +508,15 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
              argv: Optional[Sequence[str]] = None) -> RLResult:
     """Parse Megatron's flags with the RL ones, build the Trainer and the engine, and run
     the RL loop; returns the logged values (on every rank)."""
-    from megatron_smp.training.arguments import parse_args
     from megatron_smp.training.pretrain import build_configs, training_logger
     from megatron_smp.training.trainer import Trainer
 
     start_time = time.time()
     defaults = {"mock_data": True, **(args_defaults or {})}
-    # The RL flags first (every rank), then the global batch they imply.
-    config = rl_config(parse_args(argv, add_rl_training_args, defaults).args)
-    defaults.setdefault("global_batch_size", config.rollouts_per_step)
+    # One parse: the RL flags become configs.rl (and the global batch they imply, unless
+    # given), checked with the rest by validate_configs on every rank.
     configs, tokenizer = build_configs(argv, add_rl_training_args, defaults, model_provider)
-    check_rl_configs(configs, config)
+    config = configs.rl
     try:
         environments = load_env_config(config.env_config)
     except EnvConfigError as error:
@@ -563,7 +528,10 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
     run = RLRun(trainer, config, environments, tokenizer, model_provider,
                 training_logger(trainer))
     run.restore()
-    return run.run()
+    result = run.run()
+    if trainer.resilience is not None:  # the watchdog's peers see this rank finish
+        trainer.resilience.close()
+    return result
 
 
 __all__ = ["train_rl", "RLRun", "RLResult", "RolloutBatch", "add_rl_training_args",

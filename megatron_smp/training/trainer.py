@@ -110,9 +110,6 @@ def build_model_chunks(
     if configs.parallel.use_torch_fsdp2:
         from megatron_smp.distributed.fsdp import build_fsdp_model_chunk
 
-        if configs.training.torch_compile:
-            raise ConfigError("--torch-compile is not supported with --use-torch-fsdp2 yet; "
-                              "drop one of them")
         return [build_fsdp_model_chunk(model_provider, configs, state)]
     meta = configs.parallel.init_model_with_meta_device
     if meta:
@@ -248,8 +245,11 @@ class Trainer:
         # samples are consumed; --train-samples gives the length in samples (Megatron's
         # update_train_iters).
         batch_sizes = NumMicrobatchesCalculator(training, state.dp_size)
-        training.train_iters = batch_sizes.train_iters(training.train_iters,
-                                                       training.train_samples)
+        train_iters = batch_sizes.train_iters(training.train_iters, training.train_samples)
+        if train_iters != training.train_iters:
+            # The run's configs with the derived length: a copy, the validated ones unchanged.
+            training = dataclasses.replace(training, train_iters=train_iters)
+            configs = dataclasses.replace(configs, training=training)
         scheduler = OptimizerParamScheduler(
             optimizer, configs.optimizer, training.train_iters,
             train_samples=training.train_samples,
@@ -393,6 +393,8 @@ class Trainer:
         from megatron_smp.distributed import finalize_model_grads
         from megatron_smp.transformer.moe import reset_global_aux_loss, update_expert_bias
 
+        if self.resilience is not None:
+            self.resilience.compute_finished()  # straggler timing, a "slow" fault
         finalize_model_grads(chunks, self.state)
         update_expert_bias(chunks, self.configs.model, self.state)
         reset_global_aux_loss(chunks)

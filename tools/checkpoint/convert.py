@@ -17,7 +17,11 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-A loader gives (TransformerConfig, full model tensors in checkpoint form); a saver writes them.
+HF safetensors -> megatron_smp and megatron_smp -> HF convert one layer at a time (see
+`streaming`: peak memory about a layer plus the embedding, whatever the model's size); the HF
+output is sharded as save_pretrained shards it (--max-shard-size). Otherwise a loader gives
+(TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
+at a time.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
 Megatron's flags given here (--num-attention-heads, --num-query-groups, --swiglu, ...).
 Framework checkpoints hold global tensors and reshard when loaded, so the target sizes are
@@ -28,6 +32,7 @@ bit, and re-reads what it wrote; any difference is an error, never a warning.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -44,6 +49,7 @@ from tools.checkpoint.hf_format import (  # noqa: E402
     quantize_hf_experts,
     read_hf_checkpoint,
     write_hf_checkpoint,
+    write_hf_checkpoint_streaming,
 )
 from tools.checkpoint.megatron_format import (  # noqa: E402
     add_shape_arguments,
@@ -51,11 +57,12 @@ from tools.checkpoint.megatron_format import (  # noqa: E402
     write_megatron_checkpoint,
 )
 from tools.checkpoint.smp_format import (  # noqa: E402
+    open_smp_checkpoint,
     read_smp_checkpoint,
     write_smp_checkpoint,
     write_smp_checkpoint_streaming,
 )
-from tools.checkpoint.streaming import Producer  # noqa: E402
+from tools.checkpoint.streaming import Producer, parse_size  # noqa: E402
 from tools.checkpoint.smp_v1_format import read_smp_v1_checkpoint  # noqa: E402
 
 # "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
@@ -93,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--saver hf, gpt_oss: store the expert projections in MXFP4 "
                         "(*_blocks + *_scales, as the published checkpoints; lossy) instead "
                         "of the model's dtype")
+    parser.add_argument("--max-shard-size", default="50GB",
+                        help="--saver hf: the largest safetensors file, as save_pretrained's "
+                        "max_shard_size (5GB, 500MB or bytes; 1 GB = 10^9 bytes): a model "
+                        "larger than it is written as model-0000k-of-0000n.safetensors with "
+                        "model.safetensors.index.json (default: 50GB, save_pretrained's)")
     add_shape_arguments(parser)
     return parser
 
@@ -126,8 +138,21 @@ def _check_save_dir(save_dir: str, load_dir: str) -> None:
         )
 
 
+def _return_freed_memory() -> None:
+    """glibc raises its mmap threshold after each large free (up to 32 MiB), after which
+    tensors of a layer's size come from the heap, whose freed memory is seldom given back to
+    the system: a conversion that frees each layer after writing it would still grow by about
+    a layer at a time. A fixed threshold keeps every tensor's memory a mapping of its own,
+    unmapped when it is freed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD, 64 KiB
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def convert(args: argparse.Namespace) -> None:
     family = family_for(args.model_type)
+    _return_freed_memory()
     if args.hf_config is not None and args.loader != "smp_v1":
         raise ConfigError("--hf-config gives the model's shape to --loader smp_v1 only; the "
                           f"{args.loader} loader reads it from the checkpoint")
@@ -147,7 +172,13 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError("--mxfp4-experts writes a gpt-oss HF checkpoint's experts in MXFP4: "
                           "it needs --saver hf and --model-type gpt_oss")
 
+    if args.max_shard_size != "50GB" and args.saver != "hf":
+        raise ConfigError("--max-shard-size sizes the safetensors files of --saver hf")
+    max_shard_size = parse_size(args.max_shard_size)
     if args.loader == "hf" and args.saver == "megatron_smp" and _stream_hf(args, targets):
+        return
+    if args.loader == "megatron_smp" and args.saver == "hf" and _stream_to_hf(args,
+                                                                               max_shard_size):
         return
     source_hf_config: Optional[Dict] = None
     iteration = None
@@ -174,7 +205,8 @@ def convert(args: argparse.Namespace) -> None:
         model = _export_lora(args, config, model, common)
 
     if args.saver == "hf":
-        write_hf_checkpoint(args.save_dir, family, config, model, source_hf_config)
+        write_hf_checkpoint(args.save_dir, family, config, model, source_hf_config,
+                            max_shard_size)
         if args.mxfp4_experts:
             quantize_hf_experts(args.save_dir)
     elif args.saver == "megatron":
@@ -219,6 +251,25 @@ def _stream_hf(args: argparse.Namespace, targets) -> bool:
         args.save_dir, stream.config, stream.meta, Producer(stream.groups()),
         _conversion(args, stream.hf_config.to_diff_dict(), tp, pp))
     _report(args, stream.meta)
+    return True
+
+
+def _stream_to_hf(args: argparse.Namespace, max_shard_size: int) -> bool:
+    """megatron_smp -> HF one layer at a time (`write_hf_checkpoint_streaming`); False for a
+    checkpoint read whole (`open_smp_checkpoint`)."""
+    family = family_for(args.model_type)
+    if args.peft_dir is not None or args.pretrained_checkpoint is not None:
+        return False
+    opened = open_smp_checkpoint(args.load_dir, family, args.model_type)
+    if opened is None:
+        return False
+    config, common, meta, read = opened
+    source_hf_config = (common["config"].get("conversion") or {}).get("hf_config")
+    write_hf_checkpoint_streaming(args.save_dir, family, config, meta, read, source_hf_config,
+                                  max_shard_size)
+    if args.mxfp4_experts:
+        quantize_hf_experts(args.save_dir)
+    _report(args, meta)
     return True
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -49,12 +49,18 @@ from tools.checkpoint.common import (
 
 from tools.checkpoint.streaming import (  # noqa: E402
     SafetensorsSource,
+    ShardedSafetensorsWriter,
     check_digests,
     digest,
     groups,
     partial,
+    reread_safetensors,
+    to_file_names,
     to_module_names,
 )
+
+# save_pretrained's default --max-shard-size.
+DEFAULT_MAX_SHARD_SIZE = 50 * 10**9
 
 HEAD = "lm_head.weight"
 
@@ -178,8 +184,11 @@ class HFStream:
             check_digests(read, back, f"mapping {names[0]}... of {self.load_dir} to the "
                           "framework and back")
             del back
-            yield {k: v[:config.vocab_size] if _is_vocab_table(k) else v
+            # Tables of their own vocab_size rows, so that the padded ones are freed now.
+            out = {k: v[:config.vocab_size].clone() if _is_vocab_table(k) else v
                    for k, v in padded.items()}
+            del padded
+            yield out
 
 
 def _read_mxfp4(load_dir: str, hf_config):
@@ -244,31 +253,79 @@ def _hf_config_for(config: TransformerConfig, family: str, source: Optional[dict
 
 
 def write_hf_checkpoint(save_dir: str, family: str, config: TransformerConfig,
-                        model: Mapping[str, torch.Tensor], source_hf_config: Optional[dict] = None):
-    """save_pretrained the converted tensors, load them back with from_pretrained, compare."""
-    hf_config = _hf_config_for(config, family, source_hf_config)
-    hf_sd = hf_state_dict_from_framework(family, config, model)
-    dtypes = {t.dtype for t in hf_sd.values()}
-    hf_config.dtype = dtypes.pop() if len(dtypes) == 1 else config.params_dtype
-    hf_model = meta_hf_model(hf_config)
-    tied = {HEAD} if not config.untie_embeddings_and_output_weights else set()
-    result = hf_model.load_state_dict(hf_sd, strict=False, assign=True)
-    wrong = sorted(set(result.missing_keys) - tied) + sorted(result.unexpected_keys)
-    if wrong:
-        raise ConfigError(f"the converted tensors do not fit {type(hf_model).__name__}: "
-                          f"{listing(wrong)}")
-    if tied:
-        hf_model.tie_weights()
-    hf_model.config.architectures = [type(hf_model).__name__]
-    hf_model.save_pretrained(save_dir)
+                        model: Mapping[str, torch.Tensor], source_hf_config: Optional[dict] = None,
+                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+    """`write_hf_checkpoint_streaming` of framework tensors held in memory."""
+    return write_hf_checkpoint_streaming(
+        save_dir, family, config, {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                                   for k, v in model.items()},
+        lambda names: {k: model[k] for k in names}, source_hf_config, max_shard_size)
 
-    reloaded = dict(_from_pretrained(save_dir, "the written checkpoint").state_dict())
-    for name in tied:
-        del reloaded[name]
-    compare_state_dicts(hf_sd, reloaded, f"loading {save_dir} with from_pretrained")
-    compare_state_dicts(model, framework_from_hf_state_dict(family, config, reloaded),
-                        f"mapping {save_dir} back to the framework")
-    return hf_model.config
+
+def write_hf_checkpoint_streaming(save_dir: str, family: str, config: TransformerConfig,
+                                  meta: Mapping[str, torch.Tensor],
+                                  read: Callable[[List[str]], Dict[str, torch.Tensor]],
+                                  source_hf_config: Optional[dict] = None,
+                                  max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+    """Write the framework tensors `read(names)` gives (those of `meta`, checkpoint form) as
+    an HF directory, one group (a layer, or a tensor outside the layers) at a time: the
+    family adapter's `to_hf`, then transformers' own conversion to the names save_pretrained
+    writes (per-expert tensors of its fused MoE modules), into safetensors shards of at most
+    `max_shard_size` bytes as save_pretrained lays them out, with config.json and
+    generation_config.json. Each group is mapped back (transformers' conversion for
+    from_pretrained, the adapter's `from_hf`) and compared with what was read; the written
+    files are re-read one tensor at a time and compared with what was written."""
+    adapter = get_adapter(family)
+    tied = not config.untie_embeddings_and_output_weights
+    hf_config = _hf_config_for(config, family, source_hf_config)
+    meta_padded = pad_vocab_tables(dict(meta), config)
+    meta_hf = adapter.to_hf(meta_padded, config)
+    if tied:
+        meta_hf.pop(HEAD, None)
+    dtypes = {t.dtype for t in meta_hf.values()}
+    hf_config.dtype = dtypes.pop() if len(dtypes) == 1 else config.params_dtype
+    meta_model = meta_hf_model(hf_config)
+    expected = meta_model.state_dict()
+    if tied:
+        expected.pop(HEAD, None)
+    wrong = [f"{k}: missing" for k in sorted(set(expected) - set(meta_hf))]
+    wrong += [f"{k}: unexpected" for k in sorted(set(meta_hf) - set(expected))]
+    wrong += [f"{k}: shape {list(meta_hf[k].shape)}, expected {list(v.shape)}"
+              for k, v in expected.items() if k in meta_hf and meta_hf[k].shape != v.shape]
+    if wrong:
+        raise ConfigError(f"the converted tensors do not fit {type(meta_model).__name__}: "
+                          f"{listing(wrong)}")
+    writer = ShardedSafetensorsWriter(save_dir, max_shard_size)
+    for names in groups(meta):
+        ours = read(names)
+        read_digests = {k: digest(v) for k, v in ours.items()}
+        padded = pad_vocab_tables(ours, config)
+        del ours
+        hf_sd = partial(lambda sd: adapter.to_hf(sd, config), meta_padded, padded)
+        del padded
+        if tied:
+            hf_sd.pop(HEAD, None)
+        files = to_file_names(meta_model, hf_sd)
+        del hf_sd
+        module, unmatched = to_module_names(meta_model, files)
+        if unmatched:
+            raise ConfigError(f"verification failed: transformers does not read back "
+                              f"{listing(unmatched)} of {save_dir}")
+        back = partial(lambda sd: adapter.from_hf(sd, config), meta_hf, module)
+        del module
+        check_digests(read_digests, {k: v[:config.vocab_size] if _is_vocab_table(k) else v
+                                     for k, v in back.items()},
+                      f"mapping {names[0]}... to {save_dir} and back to the framework")
+        del back
+        for name in list(files):
+            writer.add(name, files.pop(name))
+    writer.finish()
+    meta_model.config.architectures = [type(meta_model).__name__]
+    meta_model.config.save_pretrained(save_dir)
+    if meta_model.can_generate():
+        meta_model.generation_config.save_pretrained(save_dir)
+    reread_safetensors(save_dir, writer.digests)
+    return meta_model.config
 
 
 # The expert projections gpt-oss checkpoints store in MXFP4, and what stays bf16 (the

@@ -31,7 +31,7 @@ from megatron_smp.checkpointing import (
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.checkpointing import engine as dcp
 from megatron_smp.checkpointing.engine import read_dcp_metadata
-from megatron_smp.checkpointing.engine.storage import HookedSavePlanner, _exact_storage
+from megatron_smp.checkpointing.engine.storage import HookedSavePlanner
 from megatron_smp.checkpointing.iterations import read_saved_checkpoint
 from tools.checkpoint.common import (
     check_family,
@@ -42,7 +42,7 @@ from tools.checkpoint.common import (
     listing,
     world_one_state,
 )
-from tools.checkpoint.streaming import Producer, check_digests, group_of
+from tools.checkpoint.streaming import Producer, check_digests, group_of, groups, meta_like
 
 MODEL_KEY = "model"
 CONVERTED_ITERATION = 0
@@ -146,51 +146,63 @@ def read_smp_checkpoint(load_dir: str, family: str, model_type: str,
 def write_smp_checkpoint(save_dir: str, config: TransformerConfig,
                          model: Mapping[str, torch.Tensor], conversion: Dict[str, Any],
                          iteration: Optional[int] = None) -> None:
-    """Save `model` (checkpoint form) as a model-only checkpoint, re-read it, compare."""
-    iteration = CONVERTED_ITERATION if iteration is None else iteration
-    metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
-    model = {k: v.contiguous() for k, v in model.items()}
-    with world_one_state() as state:
-        save_checkpoint(iteration, {MODEL_KEY: model}, save_dir, state, config=metadata,
-                        save_rng=False)
-        reread = {k: torch.empty_like(v) for k, v in model.items()}
-        load_checkpoint({MODEL_KEY: reread}, save_dir, state, load_rng=False)
-    compare_state_dicts(model, reread, f"re-reading {checkpoint_dir(save_dir, iteration)}")
-    with open(os.path.join(checkpoint_dir(save_dir, iteration), COMMON_FILENAME)) as f:
-        saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
-    if saved_config != config:
-        raise ConfigError(f"verification failed: {save_dir}'s common.json model config differs")
+    """`write_smp_checkpoint_streaming` of tensors held in memory (left as they are)."""
+    stream = ({name: model[name] for name in names} for names in groups(model))
+    write_smp_checkpoint_streaming(save_dir, config, meta_like(model), Producer(stream),
+                                   conversion, iteration, owned=False)
 
 
 class _ProducingPlanner(HookedSavePlanner):
     """Writes each "model" tensor as `produce(name)` computes it, when the writer reaches it:
-    the state dict planned holds meta tensors only."""
+    the state dict planned holds meta tensors only. DCP's file writer keeps every tensor it
+    wrote referenced until the file is complete (torch's `_write_files_from_queue`), so each
+    is handed over in memory of its own (copied when it views a larger storage or one handed
+    over before), which is released -- its storage resized to nothing -- when the writer asks
+    for the next one (the serial loader writes one item at a time)."""
 
-    def __init__(self, produce) -> None:
+    def __init__(self, produce, owned: bool = True) -> None:
         super().__init__()
         self.produce = produce
+        self.owned = owned  # False: the tensors are the caller's, always copied
+        self.last: Optional[torch.Tensor] = None
+        self.storages = set()
+
+    def release(self) -> None:
+        if self.last is not None:
+            self.last.untyped_storage().resize_(0)
+            self.last = None
 
     def resolve_data(self, write_item):
         fqn = write_item.index.fqn
-        if fqn.startswith(MODEL_KEY + "."):
-            tensor = self.produce(fqn[len(MODEL_KEY) + 1:])
-            return super().transform_object(write_item, _exact_storage(tensor.contiguous()))
-        return super().resolve_data(write_item)
+        if not fqn.startswith(MODEL_KEY + "."):
+            return super().resolve_data(write_item)
+        self.release()
+        tensor = self.produce(fqn[len(MODEL_KEY) + 1:]).contiguous()
+        storage = tensor.untyped_storage()
+        if not self.owned or storage.nbytes() != tensor.numel() * tensor.element_size() or \
+                not storage.resizable() or storage.data_ptr() in self.storages:
+            tensor = tensor.clone()
+        self.storages.add(tensor.untyped_storage().data_ptr())
+        self.last = tensor
+        return super().transform_object(write_item, tensor)
 
 
 def write_smp_checkpoint_streaming(save_dir: str, config: TransformerConfig,
                                    meta: Mapping[str, torch.Tensor], producer: Producer,
                                    conversion: Dict[str, Any],
-                                   iteration: Optional[int] = None) -> None:
+                                   iteration: Optional[int] = None, owned: bool = True) -> None:
     """Save the tensors `producer` computes (names, shapes and dtypes of `meta`) as a
     model-only checkpoint, each written as it comes; then re-read it one tensor at a time and
-    compare each with the digest of what was written."""
+    compare each with the digest of what was written. `owned`: the produced tensors are this
+    writer's to free once written (else each is copied first)."""
     iteration = CONVERTED_ITERATION if iteration is None else iteration
     metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
     order = sorted(meta, key=lambda name: (group_of(name), name))
+    planner = _ProducingPlanner(producer, owned)
     with world_one_state() as state:
         save_checkpoint(iteration, {MODEL_KEY: {k: meta[k] for k in order}}, save_dir, state,
-                        config=metadata, save_rng=False, planner=_ProducingPlanner(producer))
+                        config=metadata, save_rng=False, planner=planner)
+        planner.release()
         producer.drain()
         if producer.held:
             raise ConfigError(f"the conversion produced tensors the model does not have: "
@@ -206,3 +218,32 @@ def write_smp_checkpoint_streaming(save_dir: str, config: TransformerConfig,
         saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
     if saved_config != config:
         raise ConfigError(f"verification failed: {save_dir}'s common.json model config differs")
+
+
+def open_smp_checkpoint(load_dir: str, family: str, model_type: str):
+    """(TransformerConfig, common.json dict, {name: meta tensor}, read(names) -> tensors) of a
+    "torch_dist" checkpoint, read a group of tensors at a time; None for what
+    `read_smp_checkpoint` reads whole (a LoRA run's checkpoint, whose adapters are merged
+    into the base; the "torch" format's per-rank files)."""
+    from megatron_smp.checkpointing.loop import recorded_lora_base
+
+    iteration, path, common = _read_common(load_dir)
+    config = config_from_json(common["config"][MODEL_KEY], os.path.join(path, COMMON_FILENAME))
+    check_family(config, family, model_type)
+    if (common.get("ckpt_format") != "torch_dist" or recorded_lora_base(path) is not None
+            or _adapter_shapes(path, common)):
+        return None
+    expected = dict(framework_shapes(family, config))
+    dtypes = _saved_tensors(path, common, config, expected)
+    meta = {name: torch.empty(shape, dtype=dtypes[name], device="meta")
+            for name, shape in expected.items()}
+    metadata = dcp.read_checkpoint_metadata(path)
+
+    def read(names):
+        tensors = {name: torch.empty(meta[name].shape, dtype=meta[name].dtype)
+                   for name in names}
+        dcp.load({MODEL_KEY: tensors}, checkpoint_id=path, metadata=metadata,
+                  check_keys_matched=False)
+        return tensors
+
+    return config, common, meta, read

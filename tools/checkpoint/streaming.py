@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -97,24 +98,39 @@ def check_digests(expected: Mapping[str, str], actual: Mapping[str, torch.Tensor
 
 class SafetensorsSource:
     """The tensors of a directory's safetensors files (model.safetensors or the shards of
-    model.safetensors.index.json), read on demand."""
+    model.safetensors.index.json), read on demand: each file's header once, then each tensor
+    read from the file straight into a tensor of its own (no memory mapping, whose pages
+    would stay in the process while the mapping lives), in pieces of 1 MiB."""
+
+    PIECE = 1 << 20
 
     def __init__(self, directory: str, files: Sequence[str]) -> None:
-        from safetensors import safe_open
-
         self.directory = directory
         self.file_of: Dict[str, str] = {}
         self.meta: Dict[str, torch.Tensor] = {}
+        self.offset: Dict[str, int] = {}
         for file in files:
-            with safe_open(os.path.join(directory, file), framework="pt") as handle:
-                for name in handle.keys():
-                    piece = handle.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-                    if dtype is None:
-                        raise ConfigError(f"{directory}/{file}: {name} has dtype "
-                                          f"{piece.get_dtype()}, which torch cannot hold")
-                    self.file_of[name] = file
-                    self.meta[name] = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+            path = os.path.join(directory, file)
+            try:
+                with open(path, "rb") as handle:
+                    length = int.from_bytes(handle.read(8), "little")
+                    header = json.loads(handle.read(length))
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"{path} is not a safetensors file: {error}") from error
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ConfigError(f"{path}: {name} has dtype {info['dtype']}, which torch "
+                                      "cannot hold")
+                begin, end = info["data_offsets"]
+                meta = torch.empty(info["shape"], dtype=dtype, device="meta")
+                if end - begin != meta.numel() * meta.element_size():
+                    raise ConfigError(f"{path}: {name} holds {end - begin} bytes, not those of "
+                                      f"{info['dtype']}{info['shape']}")
+                self.file_of[name] = file
+                self.meta[name] = meta
+                self.offset[name] = 8 + length + begin
 
     @classmethod
     def of(cls, directory: str) -> Optional["SafetensorsSource"]:
@@ -130,17 +146,29 @@ class SafetensorsSource:
         return None
 
     def read(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
         out: Dict[str, torch.Tensor] = {}
         by_file: Dict[str, List[str]] = {}
         for name in names:
             by_file.setdefault(self.file_of[name], []).append(name)
         for file, keys in by_file.items():
-            # Opened and closed per read: the mapping's pages leave the process with it.
-            with safe_open(os.path.join(self.directory, file), framework="pt") as handle:
-                for name in keys:
-                    out[name] = handle.get_tensor(name).clone()
+            path = os.path.join(self.directory, file)
+            with open(path, "rb", buffering=0) as handle:
+                for name in sorted(keys, key=self.offset.__getitem__):
+                    meta = self.meta[name]
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype)
+                    flat = tensor.reshape(-1).view(torch.uint8)
+                    handle.seek(self.offset[name])
+                    buffer = bytearray(min(self.PIECE, flat.numel()))
+                    done = 0
+                    while done < flat.numel():
+                        count = handle.readinto(memoryview(buffer)[:flat.numel() - done])
+                        if not count:
+                            raise ConfigError(f"{path} ends inside {name}: the file is "
+                                              "truncated")
+                        flat[done:done + count].copy_(torch.frombuffer(buffer, dtype=torch.uint8,
+                                                                       count=count))
+                        done += count
+                    out[name] = tensor
         return out
 
 
@@ -209,14 +237,13 @@ def to_file_names(meta_model, module_tensors: Mapping[str, torch.Tensor]
     return revert_weight_conversion(meta_model, dict(module_tensors))
 
 
-_META_STATE_DICTS: Dict[int, Dict[str, torch.Tensor]] = {}
-
-
 def _meta_state_dict(meta_model) -> Dict[str, torch.Tensor]:
-    key = id(meta_model)
-    if key not in _META_STATE_DICTS:
-        _META_STATE_DICTS[key] = meta_model.state_dict()
-    return _META_STATE_DICTS[key]
+    """The meta model's state dict, taken once per model."""
+    cached = getattr(meta_model, "_streaming_state_dict", None)
+    if cached is None:
+        cached = meta_model.state_dict()
+        meta_model._streaming_state_dict = cached
+    return cached
 
 
 # -- safetensors written as they go ----------------------------------------------------------
@@ -245,9 +272,9 @@ class ShardedSafetensorsWriter:
     model.safetensors.index.json. A shard is closed once adding the next tensor would take it
     over `max_shard_size` (a tensor larger than that gets a shard of its own). Each shard's
     data goes to a temporary file first; closing writes the header, then copies the data
-    after it in 64 MiB pieces."""
+    after it in 4 MiB pieces."""
 
-    COPY = 64 << 20
+    COPY = 4 << 20
 
     def __init__(self, directory: str, max_shard_size: int) -> None:
         self.directory = directory
@@ -301,11 +328,7 @@ class ShardedSafetensorsWriter:
             with open(os.path.join(self.directory, file), "wb") as out, open(tmp, "rb") as data:
                 out.write(len(text).to_bytes(8, "little"))
                 out.write(text)
-                while True:
-                    piece = data.read(self.COPY)
-                    if not piece:
-                        break
-                    out.write(piece)
+                shutil.copyfileobj(data, out, self.COPY)
             os.remove(tmp)
             weight_map.update({name: file for name in header})
         if count > 1:
@@ -323,7 +346,6 @@ def reread_safetensors(directory: str, digests: Mapping[str, str]) -> None:
     if source is None:
         raise ConfigError(f"verification failed: {directory} holds no safetensors files")
     names = set(source.file_of)
-    check_digests(digests, {}, f"re-reading {directory}") if not names else None
     missing = sorted(set(digests) - names)
     unexpected = sorted(names - set(digests))
     if missing or unexpected:

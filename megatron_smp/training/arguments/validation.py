@@ -90,6 +90,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
     configs.resilience.validate(configs.checkpoint.save, world_size)
+    _validate_modes(configs)
 
 
 def _validate_logging_flags(configs: Configs) -> None:
@@ -189,9 +190,6 @@ def _validate_data_flags(configs: Configs) -> None:
         raise ConfigError(f"{' and '.join(whole_paths + per_split_paths)} are exclusive "
                           "(Megatron's rule): give one dataset cut by --split, or one dataset "
                           "per split")
-    if per_split_paths and getattr(configs.args, "data__split", None) is not None:
-        raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
-                          "whole (Megatron refuses both too): drop --split")
     if data.mid_level_dataset_surplus < 0:
         raise ConfigError(f"--mid-level-dataset-surplus must be >= 0, got "
                           f"{data.mid_level_dataset_surplus}")
@@ -200,8 +198,6 @@ def _validate_data_flags(configs: Configs) -> None:
 def _validate_checkpoint_flags(configs: Configs) -> None:
     """--save-interval, the run-control flags, the LR-schedule choice on load, the format."""
     checkpoint = configs.checkpoint
-    if checkpoint.save_interval is not None and not checkpoint.save:
-        raise ConfigError("--save-interval needs --save DIR")
     _validate_run_flags(configs)
     if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
         raise ConfigError(
@@ -223,12 +219,14 @@ def _validate_run_flags(configs: Configs) -> None:
     cuda = torch.cuda.is_available()
     validate_run_control(
         configs.training,
-        use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
         uses_nccl=backend == "nccl" or (backend is None and cuda),
         sharded_params=configs.parallel.use_torch_fsdp2,
     )
     validate_profiling(configs.training, cuda)
     validate_result_flags(configs.training)
+    if configs.training.torch_compile and configs.parallel.use_torch_fsdp2:
+        raise ConfigError("--torch-compile is not supported with --use-torch-fsdp2 yet; "
+                          "drop one of them")
     if configs.training.torch_compile and "layernorm" in (configs.model.recompute_modules or ()):
         raise ConfigError("--recompute-modules layernorm frees and refills tensor storage "
                           "between forward and backward, which --torch-compile's graphs do "
@@ -236,3 +234,80 @@ def _validate_run_flags(configs: Configs) -> None:
     validate_wandb(configs.training, configs.checkpoint.save)
     if configs.training.log_progress and not configs.checkpoint.save:
         raise ConfigError("--log-progress writes <--save>/progress.txt: add --save DIR")
+
+
+def _validate_modes(configs: Configs) -> None:
+    """The sections of the modes beside pretraining (present when their flags were added):
+    DPO, RL and the inference engine, each against the rest of the run."""
+    if configs.dpo is not None:
+        check_dpo_configs(configs)
+    if configs.rl is not None:
+        check_rl_configs(configs, configs.rl)
+    if configs.inference is not None:
+        _validate_inference(configs)
+
+
+def check_dpo_configs(configs: Configs) -> None:
+    """What a DPO run (train_dpo.py) cannot do, naming the flag."""
+    configs.dpo.validate(bool(configs.training.lora_rank))
+    if configs.optimizer.calculate_per_token_loss:
+        raise ConfigError("--calculate-per-token-loss does not apply to DPO (its loss is a mean "
+                          "over pairs); drop it")
+    if not configs.data.sft:
+        raise ConfigError("train_dpo.py reads packed preference pairs: keep --sft (its default "
+                          "here)")
+
+
+def check_rl_configs(configs, config) -> None:
+    """ConfigErrors naming the flag for what a RL run cannot do (on every rank, before any
+    collective); `config`: its RLConfig (validated on construction)."""
+    parallel, training = configs.parallel, configs.training
+    if config.env_config is None:
+        raise ConfigError("train_rl.py needs --langrl-env-config (a YAML list of environments: "
+                          "prompts and reward functions; see "
+                          "megatron_smp/post_training/envs/addition.yaml)")
+    if parallel.context_parallel_size > 1 and configs.model.cp_comm_type != "all_gather":
+        raise ConfigError(f"train_rl.py with --context-parallel-size "
+                          f"{parallel.context_parallel_size} needs --cp-comm-type all_gather "
+                          f"(each rollout attends only to itself: its row's documents attend "
+                          f"to their keys gathered over the CP ranks; p2p and a2a attend with "
+                          f"causal masks only)")
+    if parallel.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ConfigError("train_rl.py: virtual pipeline stages are not supported by the "
+                          "inference engine; drop --num-layers-per-virtual-pipeline-stage")
+    if training.rampup_batch_size:
+        raise ConfigError("train_rl.py: --rampup-batch-size does not apply (a step's batch is "
+                          "--grpo-group-size x --grpo-prompts-per-step rollouts)")
+    if configs.optimizer.calculate_per_token_loss:
+        raise ConfigError("train_rl.py: --calculate-per-token-loss does not apply (the GRPO "
+                          "loss normalises over the rollout batch itself; --grpo-loss-type "
+                          "dapo is the per-token mean)")
+    inference = getattr(configs, "inference", None)
+    if inference is not None and inference.max_seq_length is not None:
+        raise ConfigError("train_rl.py: a rollout fills one sequence of --seq-length; drop "
+                          "--inference-max-seq-length (the engine's limit follows it)")
+    if training.global_batch_size != config.rollouts_per_step:
+        raise ConfigError(f"train_rl.py: --global-batch-size ({training.global_batch_size}) "
+                          f"must equal --grpo-group-size x --grpo-prompts-per-step "
+                          f"({config.rollouts_per_step}): one rollout per sequence; leave "
+                          f"--global-batch-size out to get it")
+
+
+def _validate_inference(configs: Configs) -> None:
+    """The --inference-* and speculative-decoding flags."""
+    from megatron_smp.inference.engine import check_step_budget
+    from megatron_smp.inference.speculative import speculative_config_of
+
+    inference = configs.inference
+    inference.validate()
+    check_step_budget(inference.max_step_tokens, inference.chunked_prefill)
+    speculative = speculative_config_of(inference)
+    if speculative is not None and speculative.method == "mtp" \
+            and not configs.model.mtp_num_layers:
+        raise ConfigError("--num-speculative-tokens / speculative method 'mtp' drafts with the "
+                          "model's MTP layers: the model has none (--mtp-num-layers); use "
+                          "--speculative-config with method ngram or draft_model")
+    if not inference.prefix_caching and inference.prefix_caching_eviction_policy is not None:
+        raise ConfigError("--inference-dynamic-batching-prefix-caching-eviction-policy "
+                          "needs --inference-dynamic-batching-prefix-caching")
+

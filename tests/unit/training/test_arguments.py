@@ -59,7 +59,6 @@ def test_args_defaults_from_entry_script():
         ("--global-batch-size 3", "--global-batch-size (3)"),
         ("--fp16 --bf16", "mutually exclusive"),
         ("--num-query-groups 2", "--group-query-attention"),
-        ("--save-interval 5", "--save DIR"),
     ],
 )
 def test_bad_configurations_name_the_flag(extra, message, monkeypatch):
@@ -69,6 +68,13 @@ def test_bad_configurations_name_the_flag(extra, message, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse(argv)
+
+
+def test_save_interval_without_save_saves_nothing():
+    """Accepted as Megatron-LM accepts it (in the docs' ignored-flags table): nothing to save
+    to, so the run's checkpointing is off."""
+    configs = parse(BASE + ["--save-interval", "5"])
+    assert configs.checkpoint.save_interval == 5 and configs.checkpoint.save is None
 
 
 def test_unknown_flag_value_exits(capsys):
@@ -406,3 +412,50 @@ def test_global_aux_loss_parses_and_megatron_list_form_is_a_clear_error(capsys):
             parse(BASE + MOE + extra)
         err = capsys.readouterr().err
         assert extra[0] in err and "combining load-balancing losses" in err
+
+
+def test_torch_compile_with_fsdp2_is_refused_before_any_process_group():
+    configs = parse_args(BASE + ["--torch-compile", "--use-torch-fsdp2"])
+    configs.model.vocab_size = 1000
+    with pytest.raises(ConfigError, match="--torch-compile is not supported with "
+                                          "--use-torch-fsdp2"):
+        validate_configs(configs, world_size=2)
+
+
+def test_mode_sections_are_parsed_once_with_their_flags():
+    """A mode's flags (added by its entry script) become its typed section in the one parse;
+    pretraining has none of them."""
+    from megatron_smp.config.inference import InferenceConfig
+    from megatron_smp.config.post_training import DPOConfig, RLConfig
+    from megatron_smp.training.arguments.modes import (
+        add_dpo_args, add_inference_args, add_rl_args,
+    )
+
+    plain = parse(BASE)
+    assert (plain.dpo, plain.rl, plain.inference) == (None, None, None)
+    dpo = parse(BASE + "--sft --dpo-beta 0.3 --lora-rank 4".split(),
+                extra_args_provider=add_dpo_args)
+    assert dpo.dpo == DPOConfig(beta=0.3, reference="adapters-off")
+    rl = parse_args(BASE + "--grpo-group-size 4 --grpo-prompts-per-step 2 "
+                    "--inference-max-requests 8".split(),
+                    extra_args_provider=lambda p: add_inference_args(add_rl_args(p)))
+    assert rl.rl == RLConfig(group_size=4, prompts_per_step=2)
+    assert rl.training.global_batch_size == 8  # one rollout per sequence
+    assert rl.inference == InferenceConfig(max_requests=8)
+    with pytest.raises(ConfigError, match="--dpo-reference adapters-off needs LoRA"):
+        parse(BASE + "--sft --dpo-reference adapters-off".split(),
+              extra_args_provider=add_dpo_args)
+    with pytest.raises(ConfigError, match="--inference-max-tokens must be >= 1"):
+        parse(BASE + "--inference-max-tokens 0".split(), extra_args_provider=add_inference_args)
+
+
+def test_library_code_never_reads_the_flag_namespace():
+    """Only the flag layer (training/arguments/) reads `Configs.args`; everything else reads
+    the typed sections."""
+    import re
+
+    _, sources = _library_sources()
+    readers = sorted(path for path, text in sources.items()
+                     if not path.startswith("megatron_smp/training/arguments/")
+                     and re.search(r"configs\.args\b|\.args\.[a-z]", text))
+    assert readers == [], readers
