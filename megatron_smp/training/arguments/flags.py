@@ -776,6 +776,17 @@ _IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-inter
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
+    # Megatron-LM main's in-process restart (nvidia-resiliency-ext's Wrapper). A hang is handled
+    # by --enable-ft-package: exit code 75, and torchrun --max-restarts restarts the job.
+    **{f"--inprocess-{name}": "in-process restart (re-forming the process groups without a "
+       "relaunch); use --enable-ft-package with torchrun --max-restarts, which restarts the "
+       "processes and resumes from the last checkpoint"
+       for name in ("restart", "max-iterations", "monitor-thread-interval",
+                    "monitor-process-interval", "progress-watchdog-interval",
+                    "heartbeat-interval", "soft-timeout", "hard-timeout", "heartbeat-timeout",
+                    "barrier-timeout", "completion-timeout", "last-call-wait",
+                    "termination-grace-time", "granularity", "active-world-size",
+                    "empty-cuda-cache")},
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     # Megatron-LM 0.19 / main.
     "--multiple-validation-sets": "separate validation losses per validation dataset",

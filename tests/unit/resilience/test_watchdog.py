@@ -122,3 +122,13 @@ def test_calc_ft_timeouts_learns_keeps_and_reloads(tmp_path):
 def test_bad_flags_name_themselves(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         ResilienceConfig(**kwargs).validate(save=None, world_size=2)
+
+
+def test_inprocess_flags_are_clear_errors():
+    from megatron_smp.training.arguments import parse_args
+
+    argv = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --train-iters 1 "
+            "--inprocess-restart --inprocess-soft-timeout 30").split()
+    with pytest.raises(ConfigError, match="--inprocess-restart.*--enable-ft-package"):
+        parse_args(argv)
