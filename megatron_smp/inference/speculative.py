@@ -236,9 +236,10 @@ class DraftModelRunner:
                               f"differs from the model's ({vocab_size}); the draft must share "
                               "the tokenizer")
         state = model.state
-        if state.tp_size * state.pp_size > 1:
-            raise ConfigError("speculative draft model: it runs whole on the leader; build it "
-                              "with tensor and pipeline parallel size 1")
+        if any(len(ranks) > 1 for ranks in state.group_ranks.values()):
+            raise ConfigError("speculative draft model: it runs whole on the leader, alone; "
+                              "build it on a state of that rank only "
+                              "(parallel_state.local_parallel_state())")
         if recurrent_layers(model):
             raise ConfigError("speculative draft model: Mamba / Gated DeltaNet layers cannot "
                               "take back rejected tokens; use a draft of attention layers")

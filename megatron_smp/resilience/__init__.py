@@ -5,15 +5,19 @@ from. One object, `Resilience`, is what a training loop calls around its steps:
                        exit with HANG_EXIT_CODE for torchrun / SLURM to restart the job
     fault_injector.py  --fault-injector-*: hang / crash / slow faults at a chosen time
     straggler.py       --log-straggler: per-rank step times, the slowest and fastest named
+The typed flags are megatron_smp.config.ResilienceConfig.
 
 Each part is off unless its flags are given; `build_resilience` returns None when all are.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 from megatron_smp.config import ResilienceConfig
+from megatron_smp.resilience.fault_injector import FaultInjector
+from megatron_smp.resilience.straggler import STRAGGLER_THRESHOLD, StragglerDetector
 from megatron_smp.resilience.watchdog import (
     HANG_EXIT_CODE, ProgressIterator, ProgressWatchdog, format_thread_stack,
 )
@@ -34,8 +38,10 @@ def job_store(timeout_s: float):
 
 class Resilience:
     """What a Trainer's loop calls: `before_step(iteration)` / `after_step(iteration)`
-    around each training step, `checkpointing()` around each save, `data(iterator)` on the
-    training data, `close()` at the end of the run."""
+    around each training step, `compute_finished()` when its forward and backward are done
+    (the gradient reduction starts), `checkpointing()` around each save, `data(iterator)` on
+    the training data, `log_interval(iteration, print, add_scalar)` at each log line
+    (collective with --log-straggler), `close()` at the end of the run."""
 
     def __init__(self, config: ResilienceConfig, state, save_dir: Optional[str] = None,
                  log=None) -> None:
@@ -49,14 +55,42 @@ class Resilience:
                 (log or print)(f"FT: progress watchdog on, timeouts "
                                f"{self.watchdog.describe_timeouts()}, heartbeat timeout "
                                f"{config.ft_rank_heartbeat_timeout:.1f} s")
+        self.faults = (FaultInjector(config, state.rank, state.world_size, state.device, log)
+                       if config.fault_injection else None)
+        self.stragglers = (StragglerDetector(config, state.rank, state.world_size,
+                                             state.device, log)
+                           if config.log_straggler else None)
 
     def before_step(self, iteration: int) -> None:
         if self.watchdog is not None:
             self.watchdog.step_started(iteration)
+        if self.faults is not None:
+            self.faults.arm(iteration)  # collective once: the plan is broadcast
+        if self.stragglers is not None:
+            self.stragglers.step_started(iteration)
+        self._step_start = time.perf_counter()
+        self._computed = False
+
+    def compute_finished(self) -> None:
+        if self._computed:  # a rerun of the step (--rerun-mode) is not timed again
+            return
+        self._computed = True
+        if self.faults is not None:
+            self.faults.after_compute(time.perf_counter() - self._step_start)
+        if self.stragglers is not None:
+            self.stragglers.compute_finished()
 
     def after_step(self, iteration: int) -> None:
         if self.watchdog is not None:
             self.watchdog.step_finished()
+        if self.stragglers is not None:
+            self.stragglers.step_finished()
+
+    def log_interval(self, iteration: int, print_line, add_scalar=None) -> None:
+        """At a log line: the straggler report (collective over the world)."""
+        if self.stragglers is not None:
+            for line in self.stragglers.report(iteration, add_scalar):
+                print_line(line)
 
     @contextlib.contextmanager
     def checkpointing(self):
@@ -77,15 +111,20 @@ class Resilience:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.faults is not None:
+            self.faults.close()
+        if self.stragglers is not None:
+            self.stragglers.close()
 
 
 def build_resilience(config: ResilienceConfig, state, save_dir: Optional[str] = None,
                      log=None) -> Optional[Resilience]:
     """The run's resilience services (collective-free), or None when every flag is off."""
-    if config is None or not config.enable_ft_package:
+    if config is None or not (config.enable_ft_package or config.fault_injection
+                              or config.log_straggler):
         return None
     return Resilience(config, state, save_dir, log)
 
 
-__all__ = ["HANG_EXIT_CODE", "Resilience", "ResilienceConfig", "build_resilience",
+__all__ = ["HANG_EXIT_CODE", "STRAGGLER_THRESHOLD", "Resilience", "ResilienceConfig", "build_resilience",
            "format_thread_stack", "job_store"]

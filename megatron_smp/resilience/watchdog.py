@@ -53,6 +53,7 @@ MIN_LEARNED_TIMEOUT_S = 30.0
 # Megatron-LM: the step timeout is learned only from at least this many timed steps.
 MIN_STEPS_FOR_STEP_TIMEOUT = 16
 FT_STATE_FILE = "ft_state.json"
+KILL_DELAY_S = 1.0
 _STACK_FRAMES = 14
 _FAULT_KEY = "fault"
 
@@ -396,15 +397,23 @@ class ProgressWatchdog:
         self._stop_job(None)
 
     def _kill_if_local(self, rank: int, beat: Optional[Dict[str, Any]]) -> None:
-        """A frozen rank cannot exit by itself: SIGKILL it when it is this host's process."""
+        """A frozen rank cannot exit by itself: SIGKILL it when it is this host's process,
+        KILL_DELAY_S after this rank has exited (from a forked helper), so that the launcher
+        records this rank's HANG_EXIT_CODE as the job's first failure."""
         if beat is None or any(beat.get(k) != self._identity[k]
                                for k in ("host", "pidns", "boot")):
             return
-        try:
-            os.kill(beat["pid"], signal.SIGKILL)
-            self._log(f"[watchdog] rank {self.rank}: SIGKILLed rank {rank} (pid {beat['pid']})")
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._log(f"[watchdog] rank {self.rank}: SIGKILLs rank {rank} (pid {beat['pid']}) "
+                  f"{KILL_DELAY_S:.0f} s after exiting")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:  # the helper: nothing but a sleep and a signal, then gone
+            time.sleep(KILL_DELAY_S)
+            try:
+                os.kill(beat["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            os._exit(0)
 
     def _join_fault(self, report: str) -> None:
         first_line = report.splitlines()[0] if report else "a hang"

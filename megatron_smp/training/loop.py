@@ -86,7 +86,7 @@ class TrainingLoop:
 
     def _saving(self, iteration: int) -> bool:
         interval = self.checkpoint.save_interval
-        return bool(self.checkpointing and interval and iteration % interval == 0)
+        return bool(self.checkpoint.save and interval and iteration % interval == 0)
 
     def run(self) -> TrainingResult:
         trainer, training = self.trainer, self.training
@@ -151,8 +151,14 @@ class TrainingLoop:
             step.global_batch_size * training.seq_length / elapsed,
             flops / elapsed / 1e12 / state.world_size, params_norm=params_norm,
         ))
+        if trainer.resilience is not None:  # --log-straggler's report (collective)
+            trainer.resilience.log_interval(iteration, self._log_line, self.logger.add_scalar)
         pending.interval_sums, self.interval_iters = {}, 0
         self.timer.start()
+
+    def _log_line(self, line: str) -> None:
+        self.logger.print(line)
+        self.result.log_lines.append(line)
 
     def _after_step(self, step, hash_interval: Optional[int]) -> bool:
         """Weight hashes, evaluation, saves, garbage collection and the exit check after an

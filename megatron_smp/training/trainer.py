@@ -393,6 +393,8 @@ class Trainer:
         from megatron_smp.distributed import finalize_model_grads
         from megatron_smp.transformer.moe import reset_global_aux_loss, update_expert_bias
 
+        if self.resilience is not None:
+            self.resilience.compute_finished()  # straggler timing, a "slow" fault
         finalize_model_grads(chunks, self.state)
         update_expert_bias(chunks, self.configs.model, self.state)
         reset_global_aux_loss(chunks)

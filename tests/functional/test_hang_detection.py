@@ -202,3 +202,37 @@ def test_rank_blocked_in_its_data_loader_is_named(tmp_path, uninterrupted):
     _check_recovered(job, save, code, output, uninterrupted)
     print(f"\ndata loader: detected {detected - blocked:.1f} s after iteration 14 was "
           f"logged, first resumed iteration {resumed - blocked:.1f} s after it")
+
+
+@pytest.mark.parametrize("fault", ["hang", "crash"])
+def test_injected_fault_is_recovered(tmp_path, uninterrupted, fault):
+    """--fault-injector-*: rank 1 SIGSTOPs (hang) or SIGKILLs (crash) itself 0.3 s after
+    iteration 9 completes, in the first attempt only; the hang is named by the watchdog, the
+    crash restarts through torchrun; both resume with the uninterrupted run's losses."""
+    save = str(tmp_path / "ckpt")
+    flags = WATCHDOG + ["--save", save, "--load", save, "--save-interval", "4",
+                        "--fault-injector-ranks", "1", "--fault-injector-fault-types", fault,
+                        "--fault-injector-delay-start-iteration", "9",
+                        "--fault-injector-fault-delay", "0.3"]
+    job = Job(tmp_path, flags, max_restarts=1)
+    try:
+        injected, offset = job.wait_for(rf"FAULT INJECTION: rank 1 injects {fault} now",
+                                        timeout=180)
+        if fault == "hang":
+            detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=60,
+                                            start=offset)
+        resumed, _ = job.wait_for(r"resuming at iteration \d+\n iteration +\d+/", timeout=120,
+                                  start=offset)
+    finally:
+        code, output = job.finish()
+    assert code == 0, output[-6000:]
+    assert sorted(os.listdir(job.pids)) == [f"attempt{a}.rank{r}" for a in (0, 1)
+                                           for r in range(WORLD)]
+    assert output.count("FAULT INJECTION: rank 1 will inject") == 1  # not in the restart
+    if fault == "hang":
+        assert f"(exitcode: {HANG_EXIT_CODE})" in output
+        assert re.search(r"stuck: rank\(s\) 1 -- sends no heartbeat", output), output[-5000:]
+        print(f"\ninjected hang: detected after {detected - injected:.1f} s", end="")
+    assert _losses(output) == uninterrupted
+    print(f"\ninjected {fault}: first resumed iteration {resumed - injected:.1f} s after the "
+          "fault")

@@ -17,7 +17,11 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-A loader gives (TransformerConfig, full model tensors in checkpoint form); a saver writes them.
+HF safetensors -> megatron_smp and megatron_smp -> HF convert one layer at a time (see
+`streaming`: peak memory about a layer plus the embedding, whatever the model's size); the HF
+output is sharded as save_pretrained shards it (--max-shard-size). Otherwise a loader gives
+(TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
+at a time.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
 Megatron's flags given here (--num-attention-heads, --num-query-groups, --swiglu, ...).
 Framework checkpoints hold global tensors and reshard when loaded, so the target sizes are

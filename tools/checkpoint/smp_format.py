@@ -42,7 +42,7 @@ from tools.checkpoint.common import (
     listing,
     world_one_state,
 )
-from tools.checkpoint.streaming import Producer, check_digests, group_of
+from tools.checkpoint.streaming import Producer, check_digests, group_of, groups, meta_like
 
 MODEL_KEY = "model"
 CONVERTED_ITERATION = 0
@@ -146,20 +146,10 @@ def read_smp_checkpoint(load_dir: str, family: str, model_type: str,
 def write_smp_checkpoint(save_dir: str, config: TransformerConfig,
                          model: Mapping[str, torch.Tensor], conversion: Dict[str, Any],
                          iteration: Optional[int] = None) -> None:
-    """Save `model` (checkpoint form) as a model-only checkpoint, re-read it, compare."""
-    iteration = CONVERTED_ITERATION if iteration is None else iteration
-    metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
-    model = {k: v.contiguous() for k, v in model.items()}
-    with world_one_state() as state:
-        save_checkpoint(iteration, {MODEL_KEY: model}, save_dir, state, config=metadata,
-                        save_rng=False)
-        reread = {k: torch.empty_like(v) for k, v in model.items()}
-        load_checkpoint({MODEL_KEY: reread}, save_dir, state, load_rng=False)
-    compare_state_dicts(model, reread, f"re-reading {checkpoint_dir(save_dir, iteration)}")
-    with open(os.path.join(checkpoint_dir(save_dir, iteration), COMMON_FILENAME)) as f:
-        saved_config = config_from_json(json.load(f)["config"][MODEL_KEY], save_dir)
-    if saved_config != config:
-        raise ConfigError(f"verification failed: {save_dir}'s common.json model config differs")
+    """`write_smp_checkpoint_streaming` of tensors held in memory (left as they are)."""
+    stream = ({name: model[name] for name in names} for names in groups(model))
+    write_smp_checkpoint_streaming(save_dir, config, meta_like(model), Producer(stream),
+                                   conversion, iteration, owned=False)
 
 
 class _ProducingPlanner(HookedSavePlanner):
@@ -170,9 +160,10 @@ class _ProducingPlanner(HookedSavePlanner):
     over before), which is released -- its storage resized to nothing -- when the writer asks
     for the next one (the serial loader writes one item at a time)."""
 
-    def __init__(self, produce) -> None:
+    def __init__(self, produce, owned: bool = True) -> None:
         super().__init__()
         self.produce = produce
+        self.owned = owned  # False: the tensors are the caller's, always copied
         self.last: Optional[torch.Tensor] = None
         self.storages = set()
 
@@ -188,7 +179,7 @@ class _ProducingPlanner(HookedSavePlanner):
         self.release()
         tensor = self.produce(fqn[len(MODEL_KEY) + 1:]).contiguous()
         storage = tensor.untyped_storage()
-        if storage.nbytes() != tensor.numel() * tensor.element_size() or \
+        if not self.owned or storage.nbytes() != tensor.numel() * tensor.element_size() or \
                 not storage.resizable() or storage.data_ptr() in self.storages:
             tensor = tensor.clone()
         self.storages.add(tensor.untyped_storage().data_ptr())
@@ -199,14 +190,15 @@ class _ProducingPlanner(HookedSavePlanner):
 def write_smp_checkpoint_streaming(save_dir: str, config: TransformerConfig,
                                    meta: Mapping[str, torch.Tensor], producer: Producer,
                                    conversion: Dict[str, Any],
-                                   iteration: Optional[int] = None) -> None:
+                                   iteration: Optional[int] = None, owned: bool = True) -> None:
     """Save the tensors `producer` computes (names, shapes and dtypes of `meta`) as a
     model-only checkpoint, each written as it comes; then re-read it one tensor at a time and
-    compare each with the digest of what was written."""
+    compare each with the digest of what was written. `owned`: the produced tensors are this
+    writer's to free once written (else each is copied first)."""
     iteration = CONVERTED_ITERATION if iteration is None else iteration
     metadata = {MODEL_KEY: config_to_json(config), "conversion": conversion}
     order = sorted(meta, key=lambda name: (group_of(name), name))
-    planner = _ProducingPlanner(producer)
+    planner = _ProducingPlanner(producer, owned)
     with world_one_state() as state:
         save_checkpoint(iteration, {MODEL_KEY: {k: meta[k] for k in order}}, save_dir, state,
                         config=metadata, save_rng=False, planner=planner)

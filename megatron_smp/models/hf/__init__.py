@@ -10,6 +10,7 @@ experts: their full state dicts name every expert by its global index).
 """
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -66,8 +67,26 @@ def family_of(hf_model_or_config: Any) -> str:
     return model_type
 
 
+def _check_mup_expressible(config, family: str) -> None:
+    """A muP model (--use-mup) converts only where its multipliers are the standard ones:
+    Hugging Face's configs have no logit or embedding multiplier, nor muP's attention scale."""
+    if not getattr(config, "use_mup", False):
+        return
+    scale = config.attention_softmax_scale()
+    standard_attention = abs(scale * math.sqrt(config.kv_channels) - 1.0) < 1e-12
+    if config.mup_logit_mult() != 1.0 or config.mup_embedding_mult != 1.0 or \
+            not standard_attention:
+        raise ConfigError(
+            f"this --use-mup model multiplies its logits by {config.mup_logit_mult():g}, its "
+            f"embeddings by {config.mup_embedding_mult:g} and its attention scores by "
+            f"{scale:g} (standard: 1, 1, 1/sqrt({config.kv_channels})), which a Hugging Face "
+            f"{family} config cannot express; only a muP model at its base width with "
+            "--mup-base-head-dim equal to its head dim converts")
+
+
 def config_to_hf(config, family: str):
     """The HF config of `family` for a TransformerConfig."""
+    _check_mup_expressible(config, family)
     adapter = get_adapter(family)
     if adapter is llama:
         return llama.config_to_hf(config, family)

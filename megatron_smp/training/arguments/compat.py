@@ -70,6 +70,10 @@ def _apply_megatron_fsdp(args: argparse.Namespace, sections: Dict[str, Dict[str,
     no_shard is DDP, optim shards the optimizer state (--use-distributed-optimizer),
     optim_grads_params shards params, grads and optimizer state (FSDP2, --use-torch-fsdp2);
     optim_grads (params replicated, grads sharded) is not built."""
+    if args.outer_dp_sharding_strategy != "no_shard":
+        raise ConfigError("--outer-dp-sharding-strategy optim shards the optimizer state over "
+                          "HSDP's outer data-parallel group (several distributed-optimizer "
+                          "instances), which is not built here; give no_shard or drop it")
     strategy = args.data_parallel_sharding_strategy
     flag = f"--data-parallel-sharding-strategy {strategy}"
     if not args.use_megatron_fsdp:

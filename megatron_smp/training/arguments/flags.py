@@ -299,6 +299,11 @@ _FLAGS: List[_Flag] = [
     _f("--use-megatron-fsdp", None, "use_megatron_fsdp", action="store_true",
        help="Megatron-FSDP's flag, run on the engine its --data-parallel-sharding-strategy "
        "maps to"),
+    # Megatron-FSDP's sharding over the outer data-parallel group of HSDP (several
+    # distributed-optimizer instances): no_shard, its default, is replication (all there is
+    # with one instance); optim is not built.
+    _f("--outer-dp-sharding-strategy", None, "outer_dp_sharding_strategy",
+       choices=["no_shard", "optim"], default="no_shard"),
     _f("--data-parallel-sharding-strategy", None, "data_parallel_sharding_strategy",
        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"], default="no_shard",
        help="with --use-megatron-fsdp: no_shard = DDP, optim = --use-distributed-optimizer, "
@@ -516,6 +521,39 @@ _FLAGS: List[_Flag] = [
     _f("--ft-rank-heartbeat-timeout", "resilience", type=float, default=60.0,
        help="a rank whose monitor thread sends no heartbeat this long is frozen or cut off"),
     _f("--ft-heartbeat-interval", "resilience", type=float, default=1.0),
+    _f("--fault-injector-ranks", "resilience", metavar="R[,R...]",
+       help="the ranks that get the injected fault"),
+    _f("--fault-injector-num-ranks", "resilience", type=int,
+       help="instead of --fault-injector-ranks: this many ranks drawn from 1..world-1"),
+    _f("--fault-injector-fault-types", "resilience", metavar="hang|crash|slow[,...]",
+       help="the fault, drawn from these: hang (the process SIGSTOPs itself), crash (SIGKILL), "
+       "slow (each later step --fault-injector-slow-factor times as long); only the first "
+       "restart attempt injects"),
+    _f("--fault-injector-fault-probabilities", "resilience", metavar="P[,P...]",
+       help="weights of --fault-injector-fault-types (default: equal)"),
+    _f("--fault-injector-fault-delay", "resilience", type=float,
+       help="seconds from the start of training (or --fault-injector-delay-start-iteration) "
+       "to the fault"),
+    _f("--fault-injector-delay-start-iteration", "resilience", type=int,
+       help="the delay starts after this iteration completes"),
+    _f("--fault-injector-mtti-seconds", "resilience", type=float,
+       help="instead of --fault-injector-fault-delay: an exponential delay of this mean"),
+    _f("--fault-injector-offset-seconds", "resilience", type=float,
+       help="added to the delay drawn with --fault-injector-mtti-seconds"),
+    _f("--fault-injector-seed", "resilience", type=int,
+       help="seed of the plan (ranks, fault, delay), drawn on rank 0"),
+    _f("--fault-injector-slow-factor", "resilience", type=float, default=2.0,
+       help="a 'slow' fault makes each later step of the rank take this many times as long"),
+    _f("--log-straggler", "resilience", action="store_true",
+       help="every log interval, the slowest and fastest ranks by forward-backward time, "
+       "with their throughput relative to the median; ranks below 0.6x in two reports running "
+       "named as stragglers"),
+    _f("--straggler-minmax-count", "resilience", type=int, default=1,
+       help="how many slowest and fastest ranks the straggler report names"),
+    _f("--disable-straggler-on-startup", "resilience", action="store_true",
+       help="the straggler report starts off (toggle it on --straggler-ctrlr-port)"),
+    _f("--straggler-ctrlr-port", "resilience", type=int, default=65535,
+       help="rank 0 toggles the straggler report on each GET to 127.0.0.1:PORT"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -687,6 +725,22 @@ IGNORED_FLAGS: Dict[str, str] = {
                               "are buffered, not which",
     "--mup-width-mult": "Megatron-LM main computes it (hidden size / --mup-base-hidden-size) "
                         "over any value given, and reads it only with --use-mup",
+    "--overlap-param-gather-with-optimizer-step": "communication overlap choice (Megatron "
+                                                  "gathers the first bucket's params during the "
+                                                  "optimizer step); the same params",
+    "--overlap-p2p-communication-warmup-flush": "communication overlap choice (the pipeline's "
+                                                "warm-up and flush sends and receives "
+                                                "overlapped); the same activations",
+    "--wgrad-deferral-limit": "how many microbatches' output-layer weight grads Megatron defers "
+                              "(see --defer-embedding-wgrad-compute); the same grad",
+    "--delay-wgrad-compute": "when weight grads are computed (Megatron delays them to overlap "
+                             "the expert all-to-all); the same grads",
+    "--no-use-tokenizer-model-from-checkpoint-args": "Megatron-LM takes the tokenizer model "
+                                                      "from a loaded checkpoint's args unless "
+                                                      "given this; checkpoints here never "
+                                                      "supply it (what this flag asks)",
+    "--inference-logging-step-interval": "how often Megatron-LM's RL loop logs its inference "
+                                         "engine's metrics",
     "--use-transformer-engine-op-fuser": "kernel fusion choice (Megatron-LM main: Transformer "
                                          "Engine's operation fuser builds fused kernels for the "
                                          "same ops)",
@@ -701,6 +755,8 @@ IGNORED_FLAGS: Dict[str, str] = {
 # Megatron-LM: {flag: (the flag it needs to act, the reason)} (the docs table lists them too,
 # as "`--flag` without `--other`").
 IGNORED_WITHOUT: Dict[str, tuple] = {
+    "--save-interval": ("--save", "there is nowhere to save to, so nothing is saved (Megatron-LM "
+                                  "accepts it there too)"),
     **{flag: ("--use-mup", "Megatron-LM reads it only with --use-mup") for flag in (
         "--mup-base-hidden-size", "--mup-embedding-mult", "--mup-output-mult",
         "--mup-base-head-dim", "--mup-attn-scale-power")},
@@ -709,7 +765,8 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
                                    "and bias stays undecayed"),
 }
 # Which of them take a value.
-_IGNORED_WITH_VALUE = {"--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
+_IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-interval",
+                       "--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--moe-deepep-num-sms",
                        "--moe-hybridep-num-sms", "--moe-hybridep-num-sms-preprocessing",
                        "--moe-hybridep-num-blocks-permute", "--moe-hybridep-num-blocks-unpermute",
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
@@ -719,6 +776,17 @@ _IGNORED_WITH_VALUE = {"--mup-width-mult", "--moe-flex-dispatcher-num-sms", "--m
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
+    # Megatron-LM main's in-process restart (nvidia-resiliency-ext's Wrapper). A hang is handled
+    # by --enable-ft-package: exit code 75, and torchrun --max-restarts restarts the job.
+    **{f"--inprocess-{name}": "in-process restart (re-forming the process groups without a "
+       "relaunch); use --enable-ft-package with torchrun --max-restarts, which restarts the "
+       "processes and resumes from the last checkpoint"
+       for name in ("restart", "max-iterations", "monitor-thread-interval",
+                    "monitor-process-interval", "progress-watchdog-interval",
+                    "heartbeat-interval", "soft-timeout", "hard-timeout", "heartbeat-timeout",
+                    "barrier-timeout", "completion-timeout", "last-call-wait",
+                    "termination-grace-time", "granularity", "active-world-size",
+                    "empty-cuda-cache")},
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     # Megatron-LM 0.19 / main.
     "--multiple-validation-sets": "separate validation losses per validation dataset",
@@ -734,9 +802,66 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
                  "exceed a threshold)",
     "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
     "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
+    # Megatron-LM main's functional-test configs.
+    "--error-injection-rate": "injecting faults into the result validation (--rerun-mode)",
+    "--error-injection-type": "injecting faults into the result validation (--rerun-mode)",
+    "--fim-data": "fill-in-the-middle training data",
+    "--fim-rate": "fill-in-the-middle training data (--fim-data)",
+    "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "another microbatch grouping of the "
+                                                          "interleaved pipeline schedule",
+    "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
+                                                 "splitting layers over pipeline stages",
+    "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
+                                            "layers over pipeline stages",
+    "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
+                                        "--decoder-first/last-pipeline-num-layers)",
+    "--test-mode": "Megatron-LM's real-time self-tests of its attention layers",
+    **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
+        "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
+        "--dsa-indexer-topk")},
+    # Megatron-LM's own RL loop (examples/rl): train_rl.py is the RL loop here and takes
+    # --grpo-*, --langrl-env-config, --rl-use-sequence-packing and the --rl-default-* flags.
+    **{flag: "this option of Megatron-LM's RL loop (train_rl.py is the RL loop here)"
+       for flag in (
+           "--perform-rl-step", "--rl-generation-lag", "--rl-partial-rollouts",
+           "--rl-offload-optimizer-during-inference", "--rl-sequence-packing-algo",
+           "--rl-consumption-granularity", "--rl-submission-granularity",
+           "--rl-offload-inference-model-weights-when-idle", "--refit-method",
+           "--rl-inference-tensor-model-parallel-size",
+           "--rl-inference-pipeline-model-parallel-size",
+           "--rl-inference-expert-model-parallel-size",
+           "--rl-inference-expert-tensor-model-parallel-size",
+           "--inference-max-seq-length", "--max-tokens-to-oom",
+           "--inference-dynamic-batching-buffer-size-gb")},
+}
+
+# Megatron-LM flags that need NVIDIA hardware or libraries this path does not have, refused
+# as Megatron-LM itself fails without them: {flag: what it needs}. Each only changes how the
+# same computation runs on a GPU: dropping it is the hardware-only change.
+NEEDS_NVIDIA_FLAGS: Dict[str, str] = {
+    "--tp-comm-overlap": "Transformer Engine's userbuffers on CUDA GPUs",
+    "--tp-comm-overlap-cfg": "Transformer Engine's userbuffers on CUDA GPUs (--tp-comm-overlap)",
+    "--te-rng-tracker": "Transformer Engine's CUDA RNG tracker",
+    **{flag: "CUDA graphs (a CUDA device)" for flag in (
+        "--cuda-graph-modules", "--cuda-graph-warmup-steps", "--cuda-graph-scope",
+        "--rl-training-cuda-graphs", "--inference-dynamic-batching-num-cuda-graphs",
+        "--inference-dynamic-batching-cuda-graph-sizing-distribution",
+        "--moe-pad-experts-for-cuda-graph-inference")},
+    **{flag: "CUDA unified memory" for flag in (
+        "--inference-dynamic-batching-unified-memory-level",
+        "--rl-inference-model-unified-memory-level")},
+    "--fine-grained-activation-offloading": "CUDA streams and pinned host memory (Megatron-LM's "
+                                            "fine-grained offloading; SMP's "
+                                            "sm_activation_offloading is the one built here)",
+    "--offload-modules": "CUDA streams (--fine-grained-activation-offloading)",
+    **{flag: "NVIDIA Model Optimizer (nvidia-modelopt), with which Megatron-LM's "
+             "pretrain_gpt.py declares its --export-* flags" for flag in (
+                 "--export-te-mcore-model", "--export-kd-teacher-load", "--export-kd-cfg")},
 }
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {
+    ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
     ("--moe-router-load-balancing-type", "quantile_balancing"): "quantile balancing (a "
                                                                  "per-expert bias by dual "
                                                                  "coordinate descent)",
@@ -783,6 +908,11 @@ def _reject_not_supported_yet(argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
+        if flag in NEEDS_NVIDIA_FLAGS:
+            raise ConfigError(
+                f"{flag} needs {NEEDS_NVIDIA_FLAGS[flag]}, as in Megatron-LM, and megatron_smp "
+                "has no such path: drop it (it changes how the same step runs on a GPU, not "
+                "what it computes)")
         if flag in NOT_SUPPORTED_YET_FLAGS:
             raise not_supported(flag, NOT_SUPPORTED_YET_FLAGS[flag])
         if flag.startswith("--moe-") and flag not in _MOE_FLAGS and flag not in IGNORED_FLAGS:

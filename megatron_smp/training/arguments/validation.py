@@ -202,8 +202,6 @@ def _validate_data_flags(configs: Configs) -> None:
 def _validate_checkpoint_flags(configs: Configs) -> None:
     """--save-interval, the run-control flags, the LR-schedule choice on load, the format."""
     checkpoint = configs.checkpoint
-    if checkpoint.save_interval is not None and not checkpoint.save:
-        raise ConfigError("--save-interval needs --save DIR")
     _validate_run_flags(configs)
     if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
         raise ConfigError(

@@ -10,7 +10,7 @@ import torch
 from megatron_smp.config import ConfigError
 from megatron_smp.inference import InferenceEngine, SamplingParams
 from megatron_smp.inference.speculative import (
-    SpeculativeConfig, accept_drafts, acceptance_probability, ngram_propose,
+    DraftModelRunner, SpeculativeConfig, accept_drafts, acceptance_probability, ngram_propose,
     residual_distribution,
 )
 from megatron_smp.testing import run_distributed
@@ -18,15 +18,17 @@ from megatron_smp.testing import run_distributed
 VOCAB = 97
 
 
-def _model(state, layers=2, hidden=64, mtp=0, seed=5, pipeline=False):
-    """A small Llama (peaky logits: fewer near-ties between greedy choices); under pipeline
-    parallelism this rank's stage of it."""
+def _model(state, layers=2, hidden=64, mtp=0, seed=5, moe=False):
+    """A small Llama (peaky logits: fewer near-ties between greedy choices), with moe: 4
+    experts (top 2) in every layer; under pipeline parallelism this rank's stage of it."""
     from megatron_smp.models import GPTModel, llama_config
     from megatron_smp.tensor_parallel.random import model_parallel_seed
 
     config = llama_config(layers, hidden, 4, VOCAB, max_position_embeddings=256,
                           ffn_hidden_size=2 * hidden, num_query_groups=2,
-                          mtp_num_layers=mtp or None)
+                          mtp_num_layers=mtp or None,
+                          **(dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+                             if moe else {}))
     model_parallel_seed(seed, state)
     stage = {}
     if state.pp_size > 1:
@@ -69,7 +71,7 @@ def _compare(target, draft, mtp, **engine_kwargs):
         methods.append(("mtp", None))
     for method, model in methods:
         if model == "self":
-            model = target if target.state.tp_size * target.state.pp_size == 1 else None
+            model = target if target.state.world_size == 1 else None
             if model is None:
                 continue
         speculative = SpeculativeConfig(method, 3, prompt_lookup_max=3)
@@ -110,23 +112,24 @@ def _layouts(rank, world_size):
     from megatron_smp.parallel_state import build_parallel_state, local_parallel_state
 
     results = {}
-    for layout in ("tp", "pp"):
-        config = ParallelConfig(tensor_model_parallel_size=2) if layout == "tp" \
-            else ParallelConfig(pipeline_model_parallel_size=2)
+    configs = {"tp": ParallelConfig(tensor_model_parallel_size=2),
+               "pp": ParallelConfig(pipeline_model_parallel_size=2),
+               "ep": ParallelConfig(expert_model_parallel_size=2)}
+    for layout, config in configs.items():
         state = build_parallel_state(config)
-        target = _model(state, mtp=1)
+        target = _model(state, mtp=1, moe=layout == "ep")
         draft = _model(local_parallel_state(), layers=1, hidden=32, seed=7) if rank == 0 \
             else None
-        results[layout] = _compare(target, draft, mtp=True)
-        torch.distributed.destroy_process_group()
+        results[layout] = _compare(target, draft, mtp=True)  # (one world, new groups each)
     return results
 
 
-def test_greedy_tokens_equal_plain_decoding_tp2_pp2():
-    """TP=2 (MTP layers sharded, drafts made on both ranks alike) and PP=2 (MTP on the last
-    stage, its drafts sent to the leader; the draft model whole on the leader)."""
+def test_greedy_tokens_equal_plain_decoding_tp2_pp2_ep2():
+    """TP=2 (MTP layers sharded, drafts made on both ranks alike), PP=2 (MTP on the last
+    stage, its drafts sent to the leader; the draft model whole on the leader) and EP=2 (a
+    MoE target, its MTP layer's experts over both ranks)."""
     for results in run_distributed(_layouts, 2, timeout=300):
-        for layout in ("tp", "pp"):
+        for layout in ("tp", "pp", "ep"):
             _check(results[layout])
 
 
@@ -210,6 +213,16 @@ def test_accept_rule_samples_the_target_distribution(deterministic):
     assert float(((pairs - expected) ** 2 / expected).sum()) < 51.18
 
 
+class _FakeModel:
+    """A model whose state spans two ranks (only what the draft runner reads first)."""
+
+    class config:
+        vocab_size = VOCAB
+
+    class state:
+        group_ranks = {"tp": [0, 1], "pp": [0]}
+
+
 def test_configuration_errors():
     from megatron_smp.config import ParallelConfig
     from megatron_smp.parallel_state import build_parallel_state
@@ -223,6 +236,8 @@ def test_configuration_errors():
                           (SpeculativeConfig("draft_model", 2), "needs a draft model")):
         with pytest.raises(ConfigError, match=match):
             InferenceEngine(target, max_tokens=64, speculative=config)
+    with pytest.raises(ConfigError, match="alone"):
+        DraftModelRunner(_FakeModel(), VOCAB, 8, 4, 2, "cpu")
     with pytest.raises(ConfigError, match="takes no draft model"):
         InferenceEngine(target, max_tokens=64, speculative=SpeculativeConfig("ngram", 2),
                         draft_model=target)

@@ -58,6 +58,30 @@ def test_generate_tool_tp2_with_a_draft_checkpoint(checkpoint):
     assert "acceptance rate 1.000" in line and 0 < drafted <= 14, line
 
 
+def test_generate_tool_data_parallel_replicas_with_ngram(checkpoint):
+    """Two data-parallel replicas (2 ranks at TP=1): HF's tokens, and the drafted / accepted
+    counts summed over both replicas' requests."""
+    root, hf, tokenizer = checkpoint
+    texts = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+             "And the earth was without form, and void; and darkness was upon the face"]
+    source, output = root / "replicas.jsonl", root / "replicas_out.jsonl"
+    source.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    flags = model_flags(root / "ckpt", root / "hf") + [
+        "--input", source, "--output", output, "--max-new-tokens", "8", "--ignore-eos",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    procs = launch("generate.py", flags, 2, root)
+    log = root / "rank0.log"
+    assert wait_all(procs, 240) == [0, 0], log.read_text()[-3000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    for record, text in zip(records, texts):
+        assert record["tokens"] == _hf_greedy(hf, tokenizer.encode(text), 8)
+    text = log.read_text()
+    assert "requests per data-parallel replica: [1, 1]" in text
+    line = next(line for line in text.splitlines()
+                if line.startswith("speculative decoding (ngram)"))
+    assert int(line.split(": ")[1].split(" tokens drafted")[0]) > 0, line
+
+
 def _metrics(url):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -152,3 +152,17 @@ def test_optimizer_groups_follow_megatron_formulas():
     _, groups_m1, _ = _groups_by_name("adam", 1.0)
     _, groups_plain, _ = _groups_by_name("adam", 1.0)
     assert len(groups_m1) == len(groups_plain) == 2
+
+
+def test_hugging_face_conversion_refuses_what_its_config_cannot_express():
+    """HF configs have no logit / embedding multiplier nor muP attention: a muP model
+    converts only at its base width with --mup-base-head-dim its head dim (then standard)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.models.hf import config_to_hf
+
+    with pytest.raises(ConfigError, match="--use-mup model multiplies its logits by 0.25"):
+        config_to_hf(_config(use_mup=True, mup_base_hidden_size=BASE), "gpt2")
+    with pytest.raises(ConfigError, match="attention scores by 0.03125"):
+        config_to_hf(_config(use_mup=True), "gpt2")
+    standard = config_to_hf(_config(use_mup=True, mup_base_head_dim=32), "gpt2")
+    assert standard.n_embd == WIDTH

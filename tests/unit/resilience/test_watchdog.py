@@ -73,7 +73,7 @@ def test_silent_neighbour_is_named_and_killed_on_this_host():
     report = "\n".join(lines)
     assert "rank 1 sent no heartbeat for" in report
     assert "stuck: rank(s) 1 -- sends no heartbeat" in report
-    assert f"SIGKILLed rank 1 (pid {stand_in.pid})" in report
+    assert f"SIGKILLs rank 1 (pid {stand_in.pid}) 1 s after exiting" in report
     watcher._stop.set()
 
 
@@ -122,3 +122,13 @@ def test_calc_ft_timeouts_learns_keeps_and_reloads(tmp_path):
 def test_bad_flags_name_themselves(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         ResilienceConfig(**kwargs).validate(save=None, world_size=2)
+
+
+def test_inprocess_flags_are_clear_errors():
+    from megatron_smp.training.arguments import parse_args
+
+    argv = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --train-iters 1 "
+            "--inprocess-restart --inprocess-soft-timeout 30").split()
+    with pytest.raises(ConfigError, match="--inprocess-restart.*--enable-ft-package"):
+        parse_args(argv)

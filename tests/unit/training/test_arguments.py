@@ -59,7 +59,6 @@ def test_args_defaults_from_entry_script():
         ("--global-batch-size 3", "--global-batch-size (3)"),
         ("--fp16 --bf16", "mutually exclusive"),
         ("--num-query-groups 2", "--group-query-attention"),
-        ("--save-interval 5", "--save DIR"),
     ],
 )
 def test_bad_configurations_name_the_flag(extra, message, monkeypatch):
@@ -69,6 +68,13 @@ def test_bad_configurations_name_the_flag(extra, message, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse(argv)
+
+
+def test_save_interval_without_save_saves_nothing():
+    """Accepted as Megatron-LM accepts it (in the docs' ignored-flags table): nothing to save
+    to, so the run's checkpointing is off."""
+    configs = parse(BASE + ["--save-interval", "5"])
+    assert configs.checkpoint.save_interval == 5 and configs.checkpoint.save is None
 
 
 def test_unknown_flag_value_exits(capsys):
