@@ -528,7 +528,10 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
     run = RLRun(trainer, config, environments, tokenizer, model_provider,
                 training_logger(trainer))
     run.restore()
-    return run.run()
+    result = run.run()
+    if trainer.resilience is not None:  # the watchdog's peers see this rank finish
+        trainer.resilience.close()
+    return result
 
 
 __all__ = ["train_rl", "RLRun", "RLResult", "RolloutBatch", "add_rl_training_args",

@@ -132,3 +132,33 @@ def test_inprocess_flags_are_clear_errors():
             "--inprocess-restart --inprocess-soft-timeout 30").split()
     with pytest.raises(ConfigError, match="--inprocess-restart.*--enable-ft-package"):
         parse_args(argv)
+
+
+class _CutOffStore:
+    """A store whose every call fails after `cut`: the network to it went down."""
+
+    def __init__(self, cut):
+        self.inner, self.cut = dist.HashStore(), cut
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def call(*args):
+            if self.cut.is_set():
+                raise dist.DistStoreError("Socket Timeout")
+            return method(*args)
+        return call
+
+
+def test_a_rank_cut_off_from_the_store_stops_with_the_hang_code():
+    cut = threading.Event()
+    config = ResilienceConfig(enable_ft_package=True, ft_heartbeat_interval=0.1,
+                              ft_rank_heartbeat_timeout=1.0)
+    watchdog, lines, exit = _watchdog(config, store=_CutOffStore(cut))
+    time.sleep(0.3)
+    cut.set()
+    start = time.monotonic()
+    assert exit.event.wait(10)
+    assert exit.codes == [HANG_EXIT_CODE] and 1.0 <= time.monotonic() - start < 4.0
+    assert "the job's store has been unreachable" in lines[-1]
+    assert "cut off from the others" in lines[-1]
