@@ -128,23 +128,6 @@ def parse_args(
     if training.get("skip_train"):
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
-    _check_given_flags(args, sections)
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     return Configs(args=args, setting_names=setting_names, **built, **modes)
 
-
-def _check_given_flags(args: argparse.Namespace, sections: Dict[str, Dict[str, Any]]) -> None:
-    """The checks that need to know whether a flag was given at all (a config field only
-    holds its value)."""
-    data = sections["data"]
-    per_split_paths = [flag for flag, name in (
-        ("--train-data-path", "train_data_path"), ("--valid-data-path", "valid_data_path"),
-        ("--test-data-path", "test_data_path"),
-        ("--per-split-data-args-path", "per_split_data_args_path")) if data.get(name)]
-    if per_split_paths and args.data__split is not None:
-        raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
-                          "whole (Megatron refuses both too): drop --split")
-    if sections["training"].get("deterministic_mode") and getattr(
-            args, "ignored__--use-flash-attn", False):
-        raise ConfigError("--use-flash-attn cannot be used with --deterministic-mode (flash "
-                          "attention's backward is not deterministic): drop one")
