@@ -169,6 +169,8 @@ class _ProducingPlanner(HookedSavePlanner):
 
     def release(self) -> None:
         if self.last is not None:
+            # Its memory is freed now: a later allocation may get the same address.
+            self.storages.discard(self.last.untyped_storage().data_ptr())
             self.last.untyped_storage().resize_(0)
             self.last = None
 

@@ -15,6 +15,7 @@ at a time and compared with those hashes.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -73,10 +74,13 @@ def partial(fn: Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]],
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """SHA-256 of a tensor's dtype, shape and bytes."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """SHA-256 of a tensor's dtype, shape and bytes. The bytes are read in place (a CPU
+    tensor's memory, not through `.numpy()`, which would leave its storage unresizable: the
+    DCP writer then has to copy each tensor before it can free it, see `_ProducingPlanner`)."""
+    data = tensor.detach().cpu().contiguous()
     h = hashlib.sha256(f"{tensor.dtype}{list(tensor.shape)}".encode())
-    h.update(memoryview(data))
+    if data.numel():
+        h.update(memoryview((ctypes.c_char * data.nbytes).from_address(data.data_ptr())))
     return h.hexdigest()
 
 
