@@ -52,34 +52,36 @@ def test_sharded_hf_output_loads_with_from_pretrained(tmp_path):
 
     status, stderr = _convert("mixtral", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x",
                               "--max-shard-size", "1GB")
-    assert status == 1 and "--max-shard-size sizes the safetensors files of --saver hf" in stderr
+    assert status == 2 and "--max-shard-size sizes the safetensors files of --saver hf" in stderr
     status, stderr = _convert("mixtral", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "y",
                               "--max-shard-size", "lots")
-    assert status == 1 and "--max-shard-size 'lots': give a positive size" in stderr
+    assert status == 2 and "--max-shard-size 'lots': give a positive size" in stderr
 
 
 # A Llama of 12 layers (6.3 MB each, bf16) and 8.2 MB vocabulary tables: 92 MB of weights.
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=8000)
-# What a conversion holds beyond 1.5 x (largest layer + embedding) whatever the model: the
-# 1 MiB read buffer, the per-group objects of transformers' weight conversions and of DCP's
-# writer, and the allocator's slack -- about 2 MB measured on this model (23.3 MB peak
-# above the baseline HF -> ours, 16.7 MB ours -> HF, against 21.7 MB).
-ALLOWANCE = 8e6
+# Each direction holds about 2 x the embedding at its peak (a vocabulary table read and its
+# padded form, or the padded form and its trimmed copy): 16.4 MB = 1.13 x (largest layer +
+# embedding) here; measured 17 MB above the baseline in both directions, against the 23.3 MB
+# HF -> ours held while each tensor was copied again for the DCP writer.
+# ALLOWANCE: the 1 MiB read buffer, the per-group objects of transformers' weight conversions
+# and of DCP's writer, the allocator's slack.
+RATIO, ALLOWANCE = 1.25, 4e6
 
 
 def test_peak_memory_is_bounded_by_a_layer_and_the_embedding(tmp_path):
     """Peak RSS of each direction in a fresh process, above that of the same conversion of a
-    tiny Llama (the imports, the meta-device HF model): under 1.5 x (largest layer +
-    embedding) + ALLOWANCE, i.e. about a third of the model (the whole-model conversion held
-    3.5x-4.6x the model)."""
+    tiny Llama (the imports, the meta-device HF model): under RATIO x (largest layer +
+    embedding) + ALLOWANCE (22.1 MB), i.e. under a quarter of the model (the whole-model
+    conversion held 3.5x-4.6x the model)."""
     from tools.bench.bench_convert import SIZES, model_bytes, round_trip
 
     baseline = round_trip(str(tmp_path), "tiny", SIZES["tiny"])
     figures = round_trip(str(tmp_path), "model", SHAPE)
     total, layer, embedding = model_bytes(SHAPE)
     assert 90e6 < total < 95e6
-    bound = 1.5 * (layer + embedding) + ALLOWANCE
+    bound = RATIO * (layer + embedding) + ALLOWANCE
     for direction, (peak, _) in figures.items():
         above = peak - baseline[direction][0]
         assert above < bound, (direction, above / 1e6, bound / 1e6)
