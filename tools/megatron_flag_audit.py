@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -37,6 +38,8 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_smp.cli import run_entry  # noqa: E402
 
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.training.arguments import IGNORED_FLAGS, build_parser, parse_args  # noqa: E402
@@ -46,9 +49,23 @@ _BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "16", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
 
 
+# What Megatron's functional-test launcher puts for the configs' ${...} (paths are never read).
+LAUNCHER_ENVIRONMENT = {"DATA_PATH": "/data", "DATA_CACHE_PATH": "/data/cache",
+                        "CHECKPOINT_SAVE_PATH": "/ckpt", "CHECKPOINT_LOAD_PATH": "/ckpt",
+                        "TENSORBOARD_PATH": "/tb", "WANDB_SAVE_PATH": "/wandb",
+                        "WANDB_EXPERIMENT": "experiment", "REPEAT": "1"}
+
+
 def config_argv(model_args: Dict[str, object]) -> List[str]:
     """MODEL_ARGS -> argv as Megatron's functional-test launcher passes it: `true` is the
-    bare switch, `false` leaves the flag out, "[a b c]" is several values."""
+    bare switch, `false` leaves the flag out, "[a b c]" is several values, ${NAME} is
+    LAUNCHER_ENVIRONMENT's."""
+    argv = _config_tokens(model_args)
+    return [re.sub(r"\$\{(\w+)\}", lambda m: LAUNCHER_ENVIRONMENT.get(m.group(1), m.group(0)),
+                   token) for token in argv]
+
+
+def _config_tokens(model_args: Dict[str, object]) -> List[str]:
     argv: List[str] = []
     for flag, value in model_args.items():
         if value is False or value is None:
@@ -302,4 +319,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_smp.config.errors import _require
+from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -93,8 +93,11 @@ class OptimizerConfig:
         return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
-        """Check the optimizer settings (pure)."""
-        self._check()
+        """Check the optimizer settings (once per contents)."""
+        key = _fingerprint(self)
+        if not _validated(self, key):
+            self._check()
+            _remember_validated(self, key)
 
     def _check(self) -> None:
         _require(

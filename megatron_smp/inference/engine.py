@@ -20,6 +20,12 @@ gives each replica its own share of the requests instead). The *leader*
    max_new_tokens leaves the batch and frees its blocks, and waiting requests take its place
    at the next step.
 
+With speculative decoding (`speculative=`, `inference.speculative`) a speculating request's
+decode step carries its drafts after its last token (n-gram lookup or a draft model: made by
+the leader while it plans; the model's MTP layers: made on the last stage after the step
+before); the sampling rank verifies them (the accept / resample rule) and the request gains
+1 .. k + 1 tokens per step.
+
 Requests therefore join and leave at token granularity, and a request's tokens do not depend
 on what else is in the batch (each request attends over its own cache only).
 """

@@ -16,10 +16,10 @@ reference log-probs and the loss function the loop's schedule calls.
 * The loss (`post_training.dpo`) and TRL's six metrics are reported as [sum, pairs], so the
   log line and TensorBoard show their means over the global batch's pairs.
 
-The loop is `training.pretrain` over a `Trainer`; this module plugs into it through
-`pretrain(run_hook=)`, `Trainer.step_data` (the reference pass of each global batch, before
-its schedule) and `Trainer.metric_keys`; `DPORun.loss_fn` has the `loss_fn(logits, batch)`
-shape `Trainer.forward_backward` takes.
+The loop is `Trainer.train` (through `training.pretrain`); this module plugs into it with
+`pretrain(loss_fn=DPORun.loss_fn, run_hook=)`, `Trainer.step_data` (each global batch before
+its schedule: the documents per token, the live reference's log-probs) and
+`Trainer.metric_keys`.
 """
 from __future__ import annotations
 
@@ -41,9 +41,7 @@ from megatron_smp.post_training.reference import (
 )
 from megatron_smp.training.arguments.modes import add_dpo_args  # noqa: F401 (its flags)
 from megatron_smp.training.arguments.validation import check_dpo_configs
-from megatron_smp.training.logprobs import (
-    compute_logprobs, model_outputs, split_batch_for_context_parallel, token_log_probs,
-)
+from megatron_smp.training.logprobs import compute_logprobs, token_log_probs
 
 REF_KEY = "ref_logps"  # per-token reference log-probs [b, s] in a batch
 DOCUMENTS_KEY = "token_documents"  # document ids split like the tokens under CP
@@ -78,8 +76,7 @@ class DPORun:
         lora = bool(configs.training.lora_rank)
         if mode == "frozen":
             self.reference = self._frozen_reference(run, lora)
-        if mode in ("frozen", "adapters-off"):
-            run.step_data = self.step_data
+        run.step_data = self.step_data
 
     def _frozen_reference(self, run, lora: bool) -> List[torch.nn.Module]:
         """The frozen copy: with LoRA the base (unchanged by training); with full fine-tuning
@@ -93,12 +90,17 @@ class DPORun:
         return frozen_reference(self.model_provider, configs, state, run.model, run.iteration,
                                 DPO_REFERENCE)
 
-    # -- the reference pass of each global batch (Trainer.step_data) -------------------------
+    # -- each global batch before its schedule (Trainer.step_data) ---------------------------
     def step_data(self, run, data_iterator, num_microbatches: int):
+        """The global batch's microbatches with their documents kept per token (split like
+        the tokens under context parallelism) and, with a live reference, its log-probs
+        (computed here, before the schedule)."""
         if data_iterator is None:
             return None
         batches = [next(data_iterator) for _ in range(num_microbatches)]
-        if REF_KEY in batches[0]:  # a rerun replays batches that have them already
+        for batch in batches:
+            batch[DOCUMENTS_KEY] = batch["document_ids"].long()
+        if REF_KEY in batches[0]:  # precomputed, or a rerun replaying its batches
             return iter(batches)
         keys = ("tokens", "labels", "position_ids", "document_ids")
         whole = {key: torch.cat([b[key] for b in batches]) for key in keys if key in batches[0]}
@@ -196,7 +198,7 @@ class DPORun:
             dist.all_reduce(values, group=state.dp_group)  # one writer per position
         return values.cpu().numpy()
 
-    # -- the loss (a Trainer-style loss function) and the loop's forward step ---------------
+    # -- the loss (the loop runs it through the Trainer's forward step) ---------------------
     def loss_fn(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]):
         """(loss, reports) of one microbatch from the last stage's logits [b, s, v/tp] and the
         (CP-local) batch with its `ref_logps` and `token_documents`: the shape of
@@ -216,20 +218,6 @@ class DPORun:
         # averages grads over dp x cp, so the CP ranks' shares are scaled back up.
         return loss * state.cp_size, reports
 
-    def forward_step(self, data_iterator, model):
-        """Megatron's forward_step(data_iterator, model) -> (output, loss_func) over
-        `loss_fn`: the microbatch on the device, its documents kept per token, this rank's
-        share under context parallelism, the model run without labels (logits)."""
-        state = model.state
-        batch = None
-        if data_iterator is not None:
-            batch = {key: value.to(state.device, non_blocking=True)
-                     for key, value in next(data_iterator).items()}
-            batch[DOCUMENTS_KEY] = batch["document_ids"].long()  # split like the tokens
-            batch = split_batch_for_context_parallel(batch, state)
-        output = model_outputs(model, batch)
-        return output, lambda logits: self.loss_fn(logits, batch)
-
 
 def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
               argv: Optional[Sequence[str]] = None):
@@ -240,7 +228,7 @@ def train_dpo(model_provider: Callable, args_defaults: Optional[Dict] = None,
     defaults = {"sft": True, **(args_defaults or {})}
     # The --dpo-* flags become `configs.dpo`, checked on every rank before anything is built.
     dpo = DPORun(model_provider)
-    return pretrain(dpo.datasets, model_provider, dpo.forward_step,
+    return pretrain(dpo.datasets, model_provider, loss_fn=dpo.loss_fn,
                     extra_args_provider=add_dpo_args, args_defaults=defaults, argv=argv,
                     run_hook=dpo.attach)
 

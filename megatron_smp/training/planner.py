@@ -718,13 +718,14 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
 def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provider,
                   cache) -> list:
     """The memory planner's per-stage parameter count (meta build), cached per layout shape.
-    `num_gpus` None: the smallest world of the same TP / PP / CP / EP (DP = EP), whose
+    `num_gpus` None: the smallest world of the same TP / PP / EP (CP 1, DP = EP), whose
     per-rank dense and expert counts are the same (what the timing reads; FSDP2's shard
     sizes need the real world)."""
     from megatron_smp.training.memory_planner import count_stages
 
     if num_gpus is None:
-        layout = dataclasses.replace(layout, dp=layout.ep, micro_batch_size=1,
+        # Parameters do not depend on CP either: counted at CP 1.
+        layout = dataclasses.replace(layout, dp=layout.ep, cp=1, micro_batch_size=1,
                                      global_batch_size=layout.ep * layout.pp,
                                      sharding="ddp" if layout.sharding == "fsdp2"
                                      else layout.sharding)

@@ -34,7 +34,7 @@ from megatron_smp.config import ConfigError, TrainingConfig
 _DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
 
 
-def validate_run_control(training: TrainingConfig, uses_nccl: bool,
+def validate_run_control(training: TrainingConfig, use_flash_attn: bool, uses_nccl: bool,
                          sharded_params: bool = False) -> None:
     """ConfigError for run-control flags that cannot work (pure; every rank, before any
     collective). `uses_nccl`: the run will reduce over NCCL (a CUDA device);
@@ -55,7 +55,9 @@ def validate_run_control(training: TrainingConfig, uses_nccl: bool,
     if training.exit_signal != "SIGTERM" and not training.exit_signal_handler:
         raise ConfigError("--exit-signal chooses the signal of --exit-signal-handler: add it")
     if training.deterministic_mode:
-        # (--use-flash-attn with it: refused by parse_args, which sees the flag.)
+        if use_flash_attn:
+            raise ConfigError("--use-flash-attn cannot be used with --deterministic-mode (flash "
+                              "attention's backward is not deterministic): drop one")
         if uses_nccl and os.environ.get("NCCL_ALGO") not in _DETERMINISTIC_NCCL_ALGOS:
             raise ConfigError(
                 f"--deterministic-mode needs the environment variable NCCL_ALGO set to one of "

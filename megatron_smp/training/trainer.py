@@ -507,6 +507,19 @@ class Trainer:
         losses.update(mtp_metrics(self.model, model, state, num_microbatches))
         return per_layer
 
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self, data, logger, start_time: float,
+              forward_step: Optional[ForwardStep] = None, loss_fn: Optional[LossFn] = None):
+        """Megatron's train() over this Trainer (`training.loop.TrainingLoop`): steps until
+        --train-iters or an exit condition, with the log line, evaluations, saves and the
+        evaluations after training; each microbatch through `forward_step` or `loss_fn`.
+        `data`: a `training.loop.TrainingData`; returns a `training.loop.TrainingResult`."""
+        from megatron_smp.training.loop import TrainingLoop
+
+        return TrainingLoop(self, data, logger, start_time, forward_step=forward_step,
+                            loss_fn=loss_fn).run()
+
     # -- evaluation -------------------------------------------------------------------------
 
     def evaluate(self, data_iterator, eval_iters: int, loss_fn: Optional[LossFn] = None,

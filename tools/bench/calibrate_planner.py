@@ -2,7 +2,9 @@
 --efficiency FILE): one process per rank, one thread each (as the tests and torchrun run here).
 
     share     the share of a core this process gets now (CPU time / wall time of a busy
-              loop): the compute figures below are CPU times, divided by it for wall time
+              loop): the compute figures below are CPU times (an idle core's); `at_share`
+              turns them into wall times for a given share (planner_cpu.py measures it
+              just before each run: the load of other sessions moves it)
     GEMM      fp32 matmul time over a table of shapes; fitted to the planner's roofline
               t = 2 M N K / (peak x M/(M+d0) x N/(N+d0) x K/(K+d0)) + launch
               (peak, d0 and launch: least squares on log time over a grid of d0 / launch)
@@ -11,8 +13,9 @@
     host      forward + backward of a tiny GPT layer (compute negligible): the per-layer
               host overhead; a world-1 pretrain_gpt.py step of a one-layer model: the
               per-step overhead (data, optimizer, logging)
-    gloo      all_reduce between two processes over 4 KiB .. 8 MiB: t = 2 (n-1)/n S / bw
-              + 2 (n-1) latency fitted for bandwidth and latency
+    gloo      all_reduce between two processes over 4 KiB .. 8 MiB, the fastest of 15 (gloo
+              works on the CPU: its copies and sums slow down with the share like compute):
+              t = 2 (n-1)/n S / bw + 2 (n-1) latency fitted for bandwidth and latency
 Communication is not overlapped with compute on this machine (2 cores shared by every rank:
 NOTES-CPU.md), so `comm_overlap` is 0 and every collective is exposed.
 
@@ -158,11 +161,11 @@ def _gloo_body(rank, world_size, sizes, repeats):
             start = time.perf_counter()
             dist.all_reduce(buffer)
             times.append(time.perf_counter() - start)
-        out.append((size, statistics.median(times)))
+        out.append((size, min(times)))
     return out
 
 
-def gloo_link(world_size: int = 2, repeats: int = 9) -> dict:
+def gloo_link(world_size: int = 2, repeats: int = 15) -> dict:
     """All-reduce times over sizes, fitted to 2 (n-1)/n S / bw + 2 (n-1) latency."""
     from megatron_smp.testing import run_distributed
 
@@ -212,9 +215,8 @@ def calibrate(world_size: int = 2) -> dict:
     share = cpu_share()
     table = gemm_table()
     gemm = fit_gemm(table)
-    # Wall time = CPU time / share: the compute figures are scaled by the share measured now.
-    peak = gemm["peak_flops"] * share
-    bandwidth = memory_bandwidth() * share
+    peak = gemm["peak_flops"]
+    bandwidth = memory_bandwidth()
     link = gloo_link(world_size)
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
@@ -226,10 +228,27 @@ def calibrate(world_size: int = 2) -> dict:
     efficiency = {"gemm_max": 1.0, "gemm_half_dim": gemm["gemm_half_dim"],
                   "attention": attention_throughput(gemm["peak_flops"]), "memory": 1.0, "network": 1.0,
                   "kernel_launch": gemm["kernel_launch"], "comm_overlap": 0.0,
-                  "layer_overhead": layer_overhead() / share, "step_overhead": step_overhead()}
+                  "layer_overhead": layer_overhead(), "step_overhead": step_overhead()}
     return {"device": device, "efficiency": efficiency,
             "measured": {"gemm": table, "gemm_fit": gemm, "all_reduce": link["all_reduce"],
                          "cpu_share": share, "load_average": os.getloadavg()}}
+
+
+def at_share(calibration: dict, share: float) -> dict:
+    """The calibration's figures (an idle core's) as wall times for processes that get
+    `share` of a core: peak, memory and gloo bandwidth x share, latencies and host overheads
+    / share."""
+    out = json.loads(json.dumps(calibration))
+    device, efficiency = out["device"], out["efficiency"]
+    for name in ("bf16_flops", "fp32_flops", "hbm_bandwidth", "intra_node_bandwidth",
+                 "inter_node_bandwidth"):
+        device[name] *= share
+    for name in ("intra_node_latency", "inter_node_latency"):
+        device[name] /= share
+    for name in ("layer_overhead", "kernel_launch"):
+        efficiency[name] /= share
+    out["measured"]["share_used"] = share
+    return out
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """--search on a small CPU model at world 2 (this machine's constants, measured by
 tools/bench/calibrate_planner.py, in tests/fixtures/planner/cpu_calibration.json): it returns
 exactly the layouts the memory planner says fit, ranked by predicted tokens/s, and the best of
-them runs faster through pretrain_gpt.py than the slowest one it kept."""
+them runs faster through pretrain_gpt.py (world 2) than the slowest one it kept."""
 import os
 
 import pytest
@@ -46,7 +46,11 @@ def test_search_returns_what_fits_and_its_best_runs_faster():
 
     best, slowest = fitting[0], fitting[-1]
     assert best.step_time < 0.8 * slowest.step_time  # a gap the machine's noise keeps
-    measured_best = measure(MODEL + best.layout.flags(), 2, iters=5)
-    measured_slowest = measure(MODEL + slowest.layout.flags(), 2, iters=5)
-    assert measured_best < measured_slowest, (best.layout.name(), measured_best,
-                                              slowest.layout.name(), measured_slowest)
+    # Compared at equal CPU share: the step time x the share of a core the ranks got (other
+    # sessions load this machine; the share moves by 2x within a minute).
+    step, share = measure(MODEL + best.layout.flags(), 2, iters=5)
+    best_seconds = step * share
+    step, share = measure(MODEL + slowest.layout.flags(), 2, iters=5)
+    slowest_seconds = step * share
+    assert best_seconds < slowest_seconds, (best.layout.name(), best_seconds,
+                                            slowest.layout.name(), slowest_seconds)
