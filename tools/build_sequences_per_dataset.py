@@ -16,6 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
+
 from megatron_smp.config import DataConfig  # noqa: E402
 from megatron_smp.data.dataset_builder import (  # noqa: E402
     parse_data_path,
@@ -61,4 +63,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

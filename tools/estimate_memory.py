@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--entry", choices=["gpt", "llama"], default="gpt")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ours, pretrain_flags = parser.parse_known_args(argv)
+    from megatron_smp.cli import CONFIG_ERROR_STATUS, print_error
     from megatron_smp.config import ConfigError
     from megatron_smp.training.memory_planner import report_from_argv
 
@@ -51,8 +52,8 @@ def main(argv=None) -> int:
         report = report_from_argv(pretrain_flags, ours.world_size, model_provider, defaults,
                                   ours.device)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        print_error(str(exc))
+        return CONFIG_ERROR_STATUS
     print(report.table())
     return 0
 

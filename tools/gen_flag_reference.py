@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_smp.cli import run_entry  # noqa: E402
+
 OUTPUT = os.path.join("docs", "flags.md")
 REGENERATE = ".venv/bin/python tools/gen_flag_reference.py"
 
@@ -526,4 +528,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry(main))

@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
@@ -146,4 +147,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

@@ -39,6 +39,8 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
+
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.training.arguments import IGNORED_FLAGS, build_parser, parse_args  # noqa: E402
 
@@ -317,4 +319,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

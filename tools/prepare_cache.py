@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
+
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.data import build_tokenizer, build_train_valid_test_datasets  # noqa: E402
 from megatron_smp.training.arguments import parse_args, validate_configs  # noqa: E402
@@ -61,11 +63,7 @@ def main(argv=None) -> None:
                         help="ranks of the training job (for the data-parallel size)")
     ours, rest = parser.parse_known_args(argv)
     start = time.perf_counter()
-    try:
-        datasets, num_samples = prepare(rest, ours.world_size)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+    datasets, num_samples = prepare(rest, ours.world_size)
     for name, dataset, wanted in zip(("train", "valid", "test"), datasets, num_samples):
         if dataset is None:
             print(f"{name:<6} (none)")
@@ -81,4 +79,4 @@ def datasets_cache_dir(argv) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import CONFIG_ERROR_STATUS, print_error  # noqa: E402
 from megatron_smp.data.indexed_dataset import (  # noqa: E402
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -349,8 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except ValueError as error:  # ConfigError: a missing tokenizer file and the like
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        print_error(str(error))
+        return CONFIG_ERROR_STATUS
     return 0
 
 

@@ -41,6 +41,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
+
 from megatron_smp.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     data_file_path,
@@ -286,4 +288,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_entry(main))

@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_smp.cli import run_entry  # noqa: E402
 from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
 
 
@@ -67,4 +68,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main))

@@ -73,7 +73,7 @@ from megatron_smp.checkpointing.megatron_lm import (
     read_model,
     trim_vocab_rows,
 )
-from megatron_smp.config import FUNCTION_FIELDS, ConfigError
+from megatron_smp.config import FUNCTION_FIELDS, ConfigError, TransformerConfig
 from megatron_smp.checkpointing.engine.agreement import (
     collective_device,
     is_distributed,
@@ -88,16 +88,30 @@ LORA_BASE_KEY = "lora_base"
 # Megatron's --dist-ckpt-strictness values (megatron.core.dist_checkpointing StrictHandling).
 STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
                       "raise_all", "return_unexpected", "return_all", "ignore_all")
-# TransformerConfig fields --use-checkpoint-args takes from the checkpoint (shape and function;
-# not the vocabulary, which the tokenizer gives, nor precision, dropout or initialisation).
-CHECKPOINT_ARGS_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "max_position_embeddings", "ffn_hidden_size", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-    "qk_layernorm", "make_vocab_size_divisible_by",
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "moe_layer_freq", "moe_shared_expert_intermediate_size", "mtp_num_layers",
-) + FUNCTION_FIELDS
+# TransformerConfig fields that belong to the run rather than to the model a checkpoint holds:
+# precision, dropout, initialisation, recomputation,
+# sequence parallelism, kernels and the MoE / MTP training knobs. --use-checkpoint-args takes
+# every other field from the checkpoint (a field added later is architecture unless listed).
+RUN_FIELDS = frozenset((
+    "fp16", "bf16", "params_dtype", "hidden_dropout", "attention_dropout",
+    "init_method_std", "use_scaled_init_method", "gradient_accumulation_fusion",
+    "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_modules", "cp_comm_type", "packed_attention", "moe_router_bias_update_rate",
+    "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+    "moe_grouped_gemm", "mtp_loss_scaling_factor", "mamba_chunk_size", "linear_chunk_size",
+))
+CHECKPOINT_ARGS_FIELDS = tuple(field.name for field in dataclasses.fields(TransformerConfig)
+                               if field.name not in RUN_FIELDS)
+
+
+def model_vocab_size(saved: int, tokenizer_vocab_size: int) -> int:
+    """The model's vocabulary: the tokenizer's, or a checkpoint's larger one (restored by
+    --use-checkpoint-args). Hugging Face models often have more embedding rows than their
+    tokenizer has ids (Qwen2.5: 152,064 for 151,665); the extra rows are kept, so the logits
+    and greedy choices are the checkpoint's own."""
+    return max(saved or 0, tokenizer_vocab_size)
 
 
 def check_checkpoint_flags(config) -> None:

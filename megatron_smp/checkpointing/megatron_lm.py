@@ -288,6 +288,16 @@ _SAME_MEANING = {
     "sandwich_norm": "sandwich_norm", "apply_embedding_scaling": "apply_embedding_scaling",
     "local_rotary_base": "local_rotary_base",
     "final_logit_softcapping": "final_logit_softcapping",
+    # Hybrid stacks (Megatron-LM main's args carry its TransformerConfig's names).
+    "hybrid_layer_pattern": "hybrid_layer_pattern", "mamba_state_dim": "mamba_state_dim",
+    "mamba_head_dim": "mamba_head_dim", "mamba_num_groups": "mamba_num_groups",
+    "mamba_num_heads": "mamba_num_heads", "linear_attention_freq": "linear_attention_freq",
+    "experimental_attention_variant": "experimental_attention_variant",
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
 }
 # Args recorded for our reader that Megatron-LM would ignore (building another model).
 GEMMA_ONLY_ARGS = ("sandwich_norm", "apply_embedding_scaling", "local_rotary_base",
@@ -311,6 +321,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
         )
     fields = {ours: args[theirs] for theirs, ours in _SAME_MEANING.items()
               if args.get(theirs) is not None}
+    if args.get("hybrid_override_pattern") and "hybrid_layer_pattern" not in fields:
+        fields["hybrid_layer_pattern"] = args["hybrid_override_pattern"]  # its older spelling
     if "num_attention_heads" in fields:
         grouped = args.get("group_query_attention") and args.get("num_query_groups")
         fields["num_query_groups"] = (args["num_query_groups"] if grouped

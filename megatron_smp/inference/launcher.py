@@ -41,13 +41,13 @@ def _load_draft_model(argv, path, providers, defaults, tokenizer, device):
     """The draft model of speculative decoding, whole on every rank (the engine's leader
     uses it), loaded from `path` with its checkpoint's model arguments (collective)."""
     from megatron_smp.checkpointing import CheckpointError
-    from megatron_smp.checkpointing.loop import load_inference_weights
+    from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.parallel_state import local_parallel_state
     from megatron_smp.training.arguments import parse_args
 
     configs = parse_args(_draft_argv(argv, path), providers, defaults)
-    configs.model.vocab_size = tokenizer.vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     state = local_parallel_state()
     model = GPTModel(configs.model, state).to(device)
     if load_inference_weights([model], state, configs) is None:
@@ -67,7 +67,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
                            model_provider: Optional[Callable] = None):
     """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
     the model keeps its --seed initialisation (a clear warning on rank 0)."""
-    from megatron_smp.checkpointing.loop import load_inference_weights
+    from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
@@ -92,7 +92,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     defaults = {"micro_batch_size": 1, "train_iters": 1, "seq_length": 8, "mock_data": True}
     configs = parse_args(argv, providers, defaults)
     tokenizer = build_tokenizer(configs.data)
-    configs.model.vocab_size = tokenizer.vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     validate_configs(configs)  # the --inference-* flags too (configs.inference)
     inference = configs.inference
     speculative = speculative_config_of(inference)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import sys
 import time
 from typing import Dict, Optional
 
@@ -440,6 +439,3 @@ def set_logging_level(config: TrainingConfig) -> None:
     if level is not None:
         logging.getLogger().setLevel(level)
 
-
-def print_error(message: str) -> None:
-    print(f"megatron_smp: error: {message}", file=sys.stderr, flush=True)

@@ -546,11 +546,13 @@ def report_from_argv(argv: List[str], world_size: int, model_provider: Callable,
                      device_type: Optional[str] = None) -> MemoryReport:
     """Parse entry-script flags (with the entry script's defaults), build the tokenizer for
     the vocabulary size, validate at `world_size` and estimate."""
+    from megatron_smp.checkpointing.loop import model_vocab_size
     from megatron_smp.data import build_tokenizer
     from megatron_smp.training.arguments import parse_args, validate_configs
 
     configs = parse_args(argv, None, args_defaults)
-    configs.model.vocab_size = build_tokenizer(configs.data).vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size,
+                                                build_tokenizer(configs.data).vocab_size)
     validate_configs(configs, world_size)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

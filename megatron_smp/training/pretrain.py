@@ -12,16 +12,14 @@ Entry scripts (pretrain_gpt.py, pretrain_llama.py) define three functions and ca
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron_smp.config import ConfigError, Configs
+from megatron_smp.config import Configs
 from megatron_smp.training.arguments import parse_args, validate_configs
-from megatron_smp.training.logging import TrainingLogger, print_error, set_logging_level
+from megatron_smp.training.logging import TrainingLogger, set_logging_level
 from megatron_smp.training.loop import TrainingData, TrainingResult
 from megatron_smp.training.result_validation import ReplayIterator
 from megatron_smp.training.run_control import data_worker_init_fn
@@ -29,6 +27,8 @@ from megatron_smp.training.trainer import Trainer
 # Re-exported: callers import them from here (the loop's helpers before the Trainer).
 from megatron_smp.training.trainer import build_model_chunks, empty_unused_memory  # noqa: F401
 from megatron_smp.training.wandb_logger import init_wandb
+from megatron_smp.checkpointing.loop import model_vocab_size
+from megatron_smp.cli import run_entry
 
 
 def _cyclic(loader) -> Iterator:
@@ -79,7 +79,7 @@ def build_configs(argv: Optional[Sequence[str]] = None,
     # below sees the real vocabulary, and a bad configuration fails on every rank before the
     # first collective.
     tokenizer = build_tokenizer(configs.data)
-    configs.model.vocab_size = tokenizer.vocab_size
+    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     validate_configs(configs)
     if configs.training.report_memory and model_provider is not None:
         _report_memory(configs, model_provider)
@@ -164,26 +164,7 @@ def pretrain(
                          loss_fn=loss_fn)
 
 
-_CONFIG_ERROR_GRACE_S = 3.0
-
-
 def main(entry: Callable[[], Any]) -> None:
-    """Run an entry script's `pretrain(...)`, turning configuration errors into one clear
-    message (printed by rank 0) and a non-zero exit on every rank."""
-    try:
-        entry()
-    except ConfigError as exc:
-        from megatron_smp.parallel_state import launcher_rank
-
-        if launcher_rank() == 0:
-            print_error(str(exc))
-            sys.stderr.flush()
-        else:
-            # torchrun stops the other workers as soon as one exits: give rank 0 the time to
-            # print the message before this rank's exit makes the agent terminate it.
-            time.sleep(_CONFIG_ERROR_GRACE_S)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Run an entry script's `pretrain(...)`: a configuration error ends as one clear message
+    (printed by rank 0) and exit status 2 on every rank (see megatron_smp.cli)."""
+    run_entry(entry)

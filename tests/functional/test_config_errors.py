@@ -53,3 +53,34 @@ def test_kv_channels_model_trains_at_every_tensor_parallel_size():
     assert single[-1] < single[0]
     for losses in run_distributed(_train, 2, args=(argv + ["--tensor-model-parallel-size", "2"],)):
         assert losses == pytest.approx(single, rel=1e-4)
+
+
+def test_tools_end_a_configuration_error_with_one_line_and_status_2(tmp_path):
+    """tools/generate.py at world 2 on a converted checkpoint with a contradicting shape flag,
+    and convert.py on a directory without a model: `megatron_smp: error: ...` once (rank 0),
+    exit status 2 on every rank, no traceback."""
+    from tests.unit.inference.common import convert_to_ours, hf_model_dir, launch, wait_all
+
+    hf_model_dir(tmp_path / "hf")
+    convert_to_ours(tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "In the beginning"}\n')
+    procs = launch("generate.py", ["--load", tmp_path / "ckpt", "--use-checkpoint-args",
+                                   "--hidden-size", "32", "--tokenizer-type",
+                                   "HuggingFaceTokenizer", "--tokenizer-model", tmp_path / "hf",
+                                   "--tensor-model-parallel-size", "2", "--input",
+                                   tmp_path / "prompts.jsonl", "--output", tmp_path / "out"],
+                   2, tmp_path)
+    assert wait_all(procs, 120) == [2, 2]
+    logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)]
+    errors = [line for line in logs[0].splitlines() if line.startswith("megatron_smp: error:")]
+    assert len(errors) == 1 and "--hidden-size gives hidden_size=32, the checkpoint 64" \
+        in errors[0], logs[0][-2000:]
+    assert "Traceback" not in logs[0] + logs[1] and "megatron_smp: error" not in logs[1]
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"),
+                           "--model-type", "llama", "--loader", "hf", "--saver", "megatron_smp",
+                           "--load-dir", str(tmp_path / "nothing"), "--save-dir",
+                           str(tmp_path / "out_ckpt")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("megatron_smp: error:") == 1, proc.stderr[-2000:]

@@ -99,7 +99,18 @@ def test_mismatched_model_names_the_fields_and_use_checkpoint_args_fixes_it():
     message = _error(wrong + load)
     assert "ffn_hidden_size: checkpoint 128 vs flags 192" in message
     assert "--use-checkpoint-args" in message
-    fixed = _losses(1, "pretrain_llama", wrong + load + ["--use-checkpoint-args"])
+    # With --use-checkpoint-args a contradicting weight shape is an error naming both values
+    # (Megatron-LM keeps a given --ffn-hidden-size, then fails to load); without the flag
+    # the checkpoint gives the whole model.
+    from megatron_smp.config import ConfigError
+    from megatron_smp.training.arguments import parse_args
+
+    with pytest.raises(ConfigError, match="--ffn-hidden-size gives ffn_hidden_size=192, the "
+                                          "checkpoint 128"):
+        parse_args(wrong + load + ["--use-checkpoint-args"])
+    at = wrong.index("--ffn-hidden-size")
+    fixed = _losses(1, "pretrain_llama",
+                    wrong[:at] + wrong[at + 2:] + load + ["--use-checkpoint-args"])
     assert fixed == pytest.approx(_losses(1, "pretrain_llama", LLAMA + load), abs=0)
 
 

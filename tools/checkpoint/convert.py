@@ -311,13 +311,15 @@ def _export_lora(args: argparse.Namespace, config: TransformerConfig,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Returns the exit status: 0, or 1 after printing what is wrong and what would work."""
+    """Returns the exit status: 0, or 2 after printing what is wrong and what would work."""
+    from megatron_smp.cli import CONFIG_ERROR_STATUS, print_error
+
     args = build_parser().parse_args(argv)
     try:
         convert(args)
     except ConfigError as error:  # CheckpointError is one too
-        print(f"convert.py: error: {error}", file=sys.stderr)
-        return 1
+        print_error(str(error))
+        return CONFIG_ERROR_STATUS
     return 0
 
 

@@ -153,7 +153,10 @@ class HFStream:
             return None
         config = get_adapter(family).config_from_hf(hf_config)
         meta_model = meta_hf_model(hf_config)
-        module_meta, unmatched = to_module_names(meta_model, source.meta)
+        try:
+            module_meta, unmatched = to_module_names(meta_model, source.meta)
+        except ImportError:  # a transformers without its weight-conversion API (< 5)
+            return None
         expected = meta_model.state_dict()
         tied = not config.untie_embeddings_and_output_weights
         if tied:

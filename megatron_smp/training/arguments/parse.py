@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_smp.checkpointing.loop import checkpoint_model_fields
@@ -27,6 +28,77 @@ from megatron_smp.training.arguments.flags import (
     build_parser,
 )
 from megatron_smp.training.arguments.modes import mode_sections
+
+
+# Flags that are not model fields themselves but decide these model fields.
+_DERIVED_MODEL_FLAGS = {
+    "--group-query-attention": ("num_query_groups",), "--num-query-groups": ("num_query_groups",),
+    "--swiglu": ("activation", "gated_linear_unit"), "--openai-gelu": ("activation",),
+    "--squared-relu": ("activation",), "--quick-geglu": ("activation", "gated_linear_unit"),
+    "--geglu": ("activation", "gated_linear_unit"),
+    "--use-rotary-position-embeddings": ("position_embedding_type",),
+    "--no-position-embedding": ("position_embedding_type",),
+    "--rope-type": ("position_embedding_type",), "--disable-bias-linear": ("add_bias_linear",),
+    "--hybrid-override-pattern": ("hybrid_layer_pattern", "num_layers"),
+    "--hybrid-layer-pattern": ("hybrid_layer_pattern", "num_layers"),
+}
+# Fields given as Megatron's layer-frequency text ("([1]*3+[0])*2") or as its list.
+_FREQUENCY_FIELDS = ("moe_layer_freq", "linear_attention_freq", "window_attn_skip_freq")
+
+
+def _comparable(name: str, value: Any) -> Any:
+    if name in _FREQUENCY_FIELDS and isinstance(value, str):
+        from megatron_smp.config import parse_moe_layer_freq
+
+        try:
+            return parse_moe_layer_freq(value)
+        except (ConfigError, TypeError, ValueError):
+            return value
+    return list(value) if isinstance(value, tuple) else value
+
+
+# The model flags Megatron-LM's --use-checkpoint-args leaves as given (load_args_from_checkpoint
+# sets them only when absent): weight shapes, which a checkpoint of another shape cannot fill.
+# It overrides every other model flag with the checkpoint's value.
+_FLAGS_KEPT_BY_MEGATRON = ("num_layers", "hidden_size", "ffn_hidden_size",
+                           "num_attention_heads", "kv_channels", "max_position_embeddings")
+
+
+def _check_against_checkpoint(argv: Sequence[str], model: Dict[str, Any],
+                              saved: Dict[str, Any]) -> Dict[str, Any]:
+    """--use-checkpoint-args: the checkpoint's model fields, checked against the model flags
+    given on the command line. A weight shape that differs is a ConfigError naming both
+    values (Megatron-LM keeps the flag and then fails to load); another field that differs
+    takes the checkpoint's value, as in Megatron-LM, with a warning naming both. Returns the
+    fields to apply."""
+    flag_fields = {spec.flag: (spec.field,) for spec in _FLAGS if spec.section == "model"}
+    flag_fields.update(_DERIVED_MODEL_FLAGS)
+    given = {}
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        for name in flag_fields.get(flag, ()):
+            given.setdefault(name, flag)
+    differing = {name: flag for name, flag in given.items() if name in saved
+                 and _comparable(name, model.get(name)) != _comparable(name, saved[name])}
+    fields = dict(saved)
+    learned_positions = saved.get("position_embedding_type") == "learned_absolute"
+    if "max_position_embeddings" in differing and not learned_positions:
+        # No weights depend on it without a learned position table: the flag stays, as in
+        # Megatron-LM.
+        del differing["max_position_embeddings"]
+        fields["max_position_embeddings"] = model["max_position_embeddings"]
+    shapes = [f"{flag} gives {name}={model.get(name)!r}, the checkpoint {saved[name]!r}"
+              for name, flag in differing.items() if name in _FLAGS_KEPT_BY_MEGATRON]
+    if shapes:
+        raise ConfigError("--use-checkpoint-args: the --load checkpoint holds another model "
+                          "than the flags describe: " + "; ".join(shapes) + ". Drop those "
+                          "flags (the checkpoint gives them), or load a checkpoint of that shape")
+    others = [f"{flag} ({name}={model.get(name)!r}) gives way to the checkpoint's "
+              f"{saved[name]!r}" for name, flag in differing.items()
+              if name not in _FLAGS_KEPT_BY_MEGATRON]
+    if others:
+        warnings.warn("--use-checkpoint-args: " + "; ".join(others))
+    return fields
 
 
 def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
@@ -118,8 +190,9 @@ def parse_args(
         model["recompute_granularity"] = "selective"
 
     if args.use_checkpoint_args:
-        model.update(checkpoint_model_fields(sections["checkpoint"].get("load"),
-                                             sections["checkpoint"].get("pretrained_checkpoint")))
+        saved = checkpoint_model_fields(sections["checkpoint"].get("load"),
+                                        sections["checkpoint"].get("pretrained_checkpoint"))
+        model.update(_check_against_checkpoint(argv, model, saved))
         missing = [f"--{name.replace('_', '-')}" for name in
                    ("num_layers", "hidden_size", "num_attention_heads") if model.get(name) is None]
         if missing:

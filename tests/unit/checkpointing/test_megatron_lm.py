@@ -95,7 +95,7 @@ def test_checkpoint_without_args_takes_the_shape_from_flags(tmp_path, capsys):
     load_dir = _without_args(tmp_path)
     argv = ["--model-type", "llama", "--loader", "megatron", "--saver", "hf", "--load-dir",
             str(load_dir), "--save-dir", str(tmp_path / "hf")]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "saved without args: pass the model's --num-attention-heads" in capsys.readouterr().err
     _convert("llama", "megatron", "hf", load_dir, tmp_path / "hf2", "--num-attention-heads",
              "4", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
@@ -109,7 +109,7 @@ def test_flags_contradicting_the_saved_args_are_an_error(tmp_path, capsys):
     argv = ["--model-type", "llama", "--loader", "megatron", "--saver", "megatron_smp",
             "--load-dir", os.path.join(FIXTURES, "llama_torch_dist"), "--save-dir",
             str(tmp_path / "out"), "--num-attention-heads", "8"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "--num-attention-heads 8 (checkpoint: 4)" in capsys.readouterr().err
 
 
@@ -187,27 +187,36 @@ def test_moe_checkpoint_reads_megatron_core_tensors_exactly(tmp_path):
 @pytest.mark.parametrize("ours,fixture", [(False, "llama_torch_dist"), (True, "llama_torch_dist"),
                                           (False, "llama_torch_dist_0192")])
 def test_use_checkpoint_args_takes_the_model_shape(ours, fixture, tmp_path):
-    """--use-checkpoint-args: the model flags give way to the checkpoint's (Megatron's pickled
-    args -- in common.pt, or in megatron-core 0.19's DCP files -- or our common.json), for
-    every shape and function field."""
+    """--use-checkpoint-args: the model comes from the checkpoint (Megatron's pickled args --
+    in common.pt, or in megatron-core 0.19's DCP files -- or our common.json), for every
+    shape and function field. As in Megatron-LM, a function flag on the command line gives
+    way to the checkpoint's value (with a warning); a weight shape that contradicts it is a
+    clear error naming both values (Megatron-LM keeps such a flag and fails to load)."""
     from megatron_smp.training.arguments import parse_args
 
     load = os.path.join(FIXTURES, fixture)
     if ours:
         _convert("llama", "megatron", "megatron_smp", load, tmp_path / "ours")
         load = str(tmp_path / "ours")
-    wrong = ("--num-layers 3 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
-             "--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --mock-data "
-             "--tokenizer-type NullTokenizer --vocab-size 99 --lr 1e-3 --load").split() + [load]
-    model = parse_args(wrong + ["--use-checkpoint-args"]).model
+    run = ("--seq-length 16 --micro-batch-size 1 --global-batch-size 1 --train-iters 1 "
+           "--mock-data --tokenizer-type NullTokenizer --vocab-size 99 --lr 1e-3 "
+           "--use-checkpoint-args --load").split() + [load]
+    other_function = "--normalization LayerNorm --position-embedding-type learned_absolute"
+    with pytest.warns(UserWarning, match=r"--normalization \(normalization='LayerNorm'\) "
+                      r"gives way to the checkpoint's 'RMSNorm'"):
+        model = parse_args(other_function.split() + ["--num-layers", "2"] + run).model
     expected = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                 "num_query_groups": 2, "ffn_hidden_size": 128, "normalization": "RMSNorm",
                 "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False,
                 "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True,
                 "max_position_embeddings": 32}
     assert {k: getattr(model, k) for k in expected} == expected
+    wrong_shape = "--num-layers 3 --hidden-size 64 --num-attention-heads 2".split()
+    with pytest.raises(ConfigError, match=r"--num-layers gives num_layers=3, the checkpoint 2; "
+                       r"--num-attention-heads gives num_attention_heads=2, the checkpoint 4"):
+        parse_args(wrong_shape + run)
     with pytest.raises(ConfigError, match="--use-checkpoint-args.*add --load"):
-        parse_args(wrong[:-2] + ["--use-checkpoint-args"])
+        parse_args(run[:-2] + ["--use-checkpoint-args"])
 
 
 def test_deepseek_router_args_round_trip():

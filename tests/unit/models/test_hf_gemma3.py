@@ -254,7 +254,7 @@ def test_megatron_args_record_gemma_and_its_export_is_refused(tmp_path):
     _convert_ok("gemma3", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "smp")
     status, stderr = _convert("gemma3", "megatron_smp", "megatron", tmp_path / "smp",
                               tmp_path / "megatron")
-    assert status == 1 and "Megatron-LM has no --sandwich-norm, --apply-embedding-scaling, " \
+    assert status == 2 and "Megatron-LM has no --sandwich-norm, --apply-embedding-scaling, " \
         "--local-rotary-base, --final-logit-softcapping, --geglu" in stderr, stderr
 
 

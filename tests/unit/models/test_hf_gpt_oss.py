@@ -200,7 +200,7 @@ def test_convert_mxfp4_checkpoint_to_tp2_and_back_to_bf16_hf(tmp_path):
     assert all(torch.equal(requantized[name], actual[name]) for name in requantized)
     status, stderr = _convert("gpt_oss", "hf", "megatron_smp", tmp_path / "hf",
                               tmp_path / "bad", "--mxfp4-experts")
-    assert status == 1 and "--mxfp4-experts writes a gpt-oss HF checkpoint" in stderr
+    assert status == 2 and "--mxfp4-experts writes a gpt-oss HF checkpoint" in stderr
 
 
 def test_megatron_legacy_format_round_trip_at_tp2(tmp_path):

@@ -92,18 +92,18 @@ def test_errors_are_clear(tmp_path):
     source = build_hf("llama")
     source.save_pretrained(tmp_path / "hf")
     status, stderr = _convert("mixtral", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x")
-    assert status == 1 and "'llama' model but --model-type is mixtral" in stderr
+    assert status == 2 and "'llama' model but --model-type is mixtral" in stderr
     status, stderr = _convert("gpt2", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x")
-    assert status == 1 and "'llama' model but --model-type is gpt2" in stderr
+    assert status == 2 and "'llama' model but --model-type is gpt2" in stderr
     status, stderr = _convert("llama", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x",
                               "--target-tensor-parallel-size", "3")
-    assert status == 1 and "--target-tensor-parallel-size 3 does not divide" in stderr
+    assert status == 2 and "--target-tensor-parallel-size 3 does not divide" in stderr
     status, stderr = _convert("llama", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "x",
                               "--target-pipeline-parallel-size", "4")
-    assert status == 1 and "does not divide num_layers (2)" in stderr
+    assert status == 2 and "does not divide num_layers (2)" in stderr
     assert not (tmp_path / "x").exists()  # nothing written by a failed conversion
     status, stderr = _convert("llama", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "hf")
-    assert status == 1 and "must differ" in stderr
+    assert status == 2 and "must differ" in stderr
 
     # A tensor missing and one too many: both named.
     broken = tmp_path / "broken"
@@ -114,16 +114,16 @@ def test_errors_are_clear(tmp_path):
     weights["model.layers.1.mlp.extra.weight"] = torch.zeros(3)
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     status, stderr = _convert("llama", "hf", "megatron_smp", broken, tmp_path / "y")
-    assert status == 1
+    assert status == 2
     assert "model.layers.1.mlp.up_proj.weight: missing" in stderr
     assert "model.layers.1.mlp.extra.weight: unexpected" in stderr
 
     # A framework checkpoint read as the wrong family, and a non-empty save directory.
     _convert_ok("llama", "hf", "megatron_smp", tmp_path / "hf", tmp_path / "smp")
     status, stderr = _convert("gptneox", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "z")
-    assert status == 1 and "not a gptneox" in stderr
+    assert status == 2 and "not a gptneox" in stderr
     status, stderr = _convert("llama", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
-    assert status == 1 and "not empty" in stderr
+    assert status == 2 and "not empty" in stderr
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "mistral"])

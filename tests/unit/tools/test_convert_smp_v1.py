@@ -62,13 +62,13 @@ def test_v1_checkpoint_to_framework_and_translated_files(tmp_path):
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "smp", tmp_path / "hf")
     _assert_same_model(source, tmp_path / "hf")
 
-    # pretrain_gpt.py takes GPT-J's fields (no Megatron flags) with --use-checkpoint-args and
+    # pretrain_gpt.py takes GPT-J's whole model with --use-checkpoint-args (no model flags) and
     # trains it at TP=2; the trained model exported to HF gives the framework's logits.
     import transformers
 
     results = run_distributed(_finetune_tp2, 2, args=(
         str(tmp_path / "smp"), str(tmp_path / "trained"), source.config.vocab_size,
-        "--num-layers 1 --hidden-size 8 --num-attention-heads 1 --use-checkpoint-args"))
+        "--use-checkpoint-args"))
     losses = results[0]["losses"]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
     _convert_ok("gptj", "megatron_smp", "hf", tmp_path / "trained", tmp_path / "hf_trained")
@@ -130,24 +130,24 @@ def test_v1_loader_errors_are_clear(tmp_path):
     for tp_rank in (0, 1):
         torch.save({"model_state_dict": {"_smp_is_partial": True}}, partial / f"ckpt_0_{tp_rank}")
     status, stderr = _convert("gpt2", "smp_v1", "hf", partial / "ckpt", tmp_path / "x")
-    assert status == 1 and "partial checkpoint" in stderr and "partial=False" in stderr
+    assert status == 2 and "partial checkpoint" in stderr and "partial=False" in stderr
     status, stderr = _convert("gpt2", "smp_v1", "hf", partial, tmp_path / "x")
-    assert status == 1 and "partial checkpoint" in stderr
+    assert status == 2 and "partial checkpoint" in stderr
     # No HF config beside the file and none given.
     (v1_dir / "config.json").unlink()
     status, stderr = _convert("gpt2", "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "x")
-    assert status == 1 and "needs the model's Hugging Face config" in stderr
+    assert status == 2 and "needs the model's Hugging Face config" in stderr
     # A config of another shape: the mismatching tensor is named.
     small = build_hf("gpt2", n_inner=128).config
     small.save_pretrained(tmp_path / "other")
     status, stderr = _convert("gpt2", "smp_v1", "hf", v1_dir / "checkpoint.pt", tmp_path / "x",
                               "--hf-config", str(tmp_path / "other"))
-    assert status == 1 and "transformer.h.0.mlp.c_fc.weight: [64, 256], the config says" in stderr
+    assert status == 2 and "transformer.h.0.mlp.c_fc.weight: [64, 256], the config says" in stderr
     status, stderr = _convert("llama", "smp_v1", "hf", v1_dir, tmp_path / "x")
-    assert status == 1 and "use gpt2, gpt_neox or gptj" in stderr
+    assert status == 2 and "use gpt2, gpt_neox or gptj" in stderr
     # Megatron-LM cannot build a GPT-J: said before anything is written.
     (tmp_path / "j").mkdir()
     _, gptj_dir = _save_v1(tmp_path / "j", "gptj", prefixed=False)
     status, stderr = _convert("gptj", "smp_v1", "megatron", gptj_dir, tmp_path / "x")
-    assert status == 1 and "Megatron-LM's GPT model has no parallel_residual_shared_norm" in stderr
+    assert status == 2 and "Megatron-LM's GPT model has no parallel_residual_shared_norm" in stderr
     assert not (tmp_path / "x").exists()

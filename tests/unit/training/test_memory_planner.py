@@ -267,5 +267,5 @@ def test_estimate_memory_tool(capsys):
     assert "(TP2 PP2 CP1 DP2 EP1, world size 8), MiB:" in out
     # The last stage holds the untied output layer besides its layers and the logits.
     assert "largest: pipeline rank 1" in out
-    assert main(shape + ["--world-size", "6", "--tensor-model-parallel-size", "4"]) == 1
+    assert main(shape + ["--world-size", "6", "--tensor-model-parallel-size", "4"]) == 2
     assert "--tensor-model-parallel-size (4)" in capsys.readouterr().err

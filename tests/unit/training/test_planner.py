@@ -167,6 +167,17 @@ def test_plan_tool(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tokens/s/GPU" in text and "MFU" in text and "fits" in text
 
+    # The network flags reach the collectives: DP over two nodes at a fifth of the NIC
+    # bandwidth; the same 16 GPUs in one node run the DP traffic on NVLink.
+    def dp_seconds(*flags):
+        assert main(["--num-gpus", "16", "--json", *flags] + GPT) == 0
+        return json.loads(capsys.readouterr().out)["plans"][0]["breakdown_s"]["dp"]
+
+    default = dp_seconds()
+    assert dp_seconds("--inter-node-bandwidth", "10") > 2 * default
+    assert dp_seconds("--gpus-per-node", "16") < default
+    assert dp_seconds("--inter-node-latency", "1000") > default
+
     assert main(["--gpu", "a100-80gb", "--num-gpus", "16", "--fp8-format", "e4m3"] + GPT) == 1
     assert "--fp8-format" in capsys.readouterr().err
     assert main(["--gpu", "cpu", "--num-gpus", "2"] + GPT) == 1
