@@ -308,89 +308,55 @@ class RLRun:
         with context:
             return rollout_logprobs(model, batch, self)
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> RLResult:
-        trainer, training, config = self.trainer, self.configs.training, self.config
-        checkpoint = self.configs.checkpoint
+    # -- what RL adds to the Trainer's loop (training.loop.LoopHooks) ----------------------
+    def run(self, start_time: Optional[float] = None) -> RLResult:
+        """`Trainer.train` with RL's hooks: each step's batch is the current rollout batch
+        (a new one every --grpo-iterations updates), its metrics and times are logged beside
+        the losses, the evaluation is the greedy reward of the evaluation environments, and a
+        save keeps the RL state beside the Trainer's checkpoint."""
+        from megatron_smp.training.loop import LoopHooks, TrainingData
+
+        hooks = LoopHooks(batches=self._next_batches, log_values=self._log_values,
+                          evaluate=self._evaluate_hook, save=self.save)
+        data = TrainingData(train=None, valid=None, test_loader=None, datasets=())
+        loop = self.trainer.train(data, self.logger,
+                                  time.time() if start_time is None else start_time,
+                                  loss_fn=self.loss_fn, hooks=hooks)
         result = self.result
-        while trainer.iteration < training.train_iters and not training.skip_train:
-            if self.pending is None or self.pending.updates_done == config.iterations:
-                self.pending = self.rollout_batch(trainer.iteration // config.iterations)
-            pending = self.pending
-            self._scale_for(pending)
-            start = time.perf_counter()
-            step = trainer.train_step(iter(pending.microbatches), loss_fn=self.loss_fn,
-                                      num_microbatches=len(pending.microbatches))
-            pending.updates_done += 1
-            values = {key: value.item() for key, value in step.losses.items()}
-            values.update(pending.metrics)
-            values[GENERATION_TIME] = pending.generation_time
-            values[TRAINING_TIME] = time.perf_counter() - start
-            result.iterations[trainer.iteration] = values
-            self._log(step, values)
-            iteration = trainer.iteration
-            if (training.eval_interval and training.eval_iters > 0 and self.eval_environments
-                    and iteration % training.eval_interval == 0):
-                self.evaluate()
-            if checkpoint.save and checkpoint.save_interval and (
-                    iteration % checkpoint.save_interval == 0):
-                self.save()
-            if checkpoint.save or checkpoint.load:
-                trainer.poll_saves()
-            result.exit_reason = trainer.exits.reason_to_exit(iteration, step.exit_flags)
-            if result.exit_reason is not None:
-                self.logger.print(result.exit_reason)
-                break
-        trainer.exits.close()
-        saved_last = bool(checkpoint.save_interval) and (
-            trainer.iteration % checkpoint.save_interval == 0)
-        if checkpoint.save and not training.skip_train and not saved_last:
-            self.save()
-        # Megatron's evaluation after training (also the only one with --skip-train).
-        if (result.exit_reason is None and training.eval_iters > 0 and self.eval_environments
-                and trainer.iteration not in result.valid_rewards):
-            self.evaluate()
-        if checkpoint.save or checkpoint.load:
-            trainer.finalize_saves()
-        self.logger.close()
-        result.iteration = trainer.iteration
+        result.log_lines = loop.log_lines
+        result.exit_reason, result.iteration = loop.exit_reason, loop.iteration
         return result
 
-    def _log(self, step, values: Dict[str, float]) -> None:
-        """Megatron's log line with the RL values appended (every iteration; a rollout batch's
-        metrics repeat on its --grpo-iterations lines) and the same TensorBoard scalars."""
-        trainer, training = self.trainer, self.configs.training
-        iteration = trainer.iteration
-        lr = trainer.optimizer.param_groups[0]["lr"]
-        loss_scale = trainer.optimizer.get_loss_scale()[0]
-        extra = {key: value for key, value in values.items() if key not in step.losses}
-        # "global batch size" is the rollout batch's size (what the consumed samples count);
-        # the rows the step ran (fewer when packed, padded to whole microbatches) are
-        # "rollout_rows", and the throughput counts them.
-        rollouts = training.global_batch_size
-        self.logger.iteration_scalars(iteration, lr, rollouts, step.losses,
-                                      loss_scale, step.grad_norm, step.num_zeros_in_grad,
-                                      extra_scalars=extra)
-        trainer.pending_losses.read()
-        trainer.pending_losses.interval_sums = {}
-        if iteration % training.log_interval and iteration != training.train_iters:
-            return
-        from megatron_smp.training.logging import flops_per_iteration
+    def _next_batches(self):
+        """(this rank's microbatches of the current rollout batch, their count)."""
+        config = self.config
+        if self.pending is None or self.pending.updates_done == config.iterations:
+            self.pending = self.rollout_batch(self.trainer.iteration // config.iterations)
+        self._scale_for(self.pending)
+        self._step_start = time.perf_counter()
+        return iter(self.pending.microbatches), len(self.pending.microbatches)
 
-        # The iteration's time: its update, and the generation of its rollout batch on the
-        # batch's first update.
-        elapsed = values[TRAINING_TIME] + (values[GENERATION_TIME]
-                                           if self.pending.updates_done == 1 else 0.0)
-        model, state = self.configs.model, self.state
-        flops = flops_per_iteration(model, training.seq_length, step.global_batch_size,
-                                    model.padded_vocab_size(state.tp_size))
-        line = self.logger.training_line(
-            iteration, trainer.progress.consumed_train_samples, elapsed * 1000.0, lr,
-            rollouts, values, float(loss_scale), step.grad_norm,
-            step.num_zeros_in_grad, trainer.progress.skipped_iterations, trainer.nan_iterations,
-            step.global_batch_size * training.seq_length / elapsed,
-            flops / elapsed / 1e12 / state.world_size)
-        self.result.log_lines.append(line)
+    def _log_values(self, step) -> Dict[str, float]:
+        """The rollout batch's metrics (repeated on its --grpo-iterations lines) and times,
+        logged beside the step's losses; kept per iteration in the result."""
+        pending = self.pending
+        pending.updates_done += 1
+        values = {key: value.item() for key, value in step.losses.items()}
+        values.update(pending.metrics)
+        values[GENERATION_TIME] = pending.generation_time
+        values[TRAINING_TIME] = time.perf_counter() - self._step_start
+        self.result.iterations[self.trainer.iteration] = values
+        return {key: value for key, value in values.items() if key not in step.losses}
+
+    def _evaluate_hook(self, final: bool) -> List[str]:
+        """The greedy evaluation every --eval-interval, and once after training (unless the
+        last iteration had one)."""
+        if self.configs.training.eval_iters <= 0 or not self.eval_environments:
+            return []
+        if final and self.trainer.iteration in self.result.valid_rewards:
+            return []
+        self.evaluate()
+        return [self._last_eval_line]
 
     def evaluate(self) -> Dict[str, float]:
         """Greedy completions of --eval-iters x --grpo-prompts-per-step prompts of the
@@ -413,7 +379,7 @@ class RLRun:
             line += f" {key}: {value:.6E} |"
             self.logger.add_scalar(f"{key} validation", value, iteration)
         self.logger.print("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
-        self.result.log_lines.append(line)
+        self._last_eval_line = line
         self.result.valid_rewards[iteration] = values
         return values
 
@@ -528,10 +494,7 @@ def train_rl(model_provider: Callable, args_defaults: Optional[Dict] = None,
     run = RLRun(trainer, config, environments, tokenizer, model_provider,
                 training_logger(trainer))
     run.restore()
-    result = run.run()
-    if trainer.resilience is not None:  # the watchdog's peers see this rank finish
-        trainer.resilience.close()
-    return result
+    return run.run(start_time)  # the loop closes the resilience services (pretrain's too)
 
 
 __all__ = ["train_rl", "RLRun", "RLResult", "RolloutBatch", "add_rl_training_args",

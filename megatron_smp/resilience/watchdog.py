@@ -129,6 +129,9 @@ class ProgressWatchdog:
         self._stop = threading.Event()
         self.fault_report: Optional[str] = None
         self.start_section("setup")
+        # The first heartbeat before the thread starts: a rank frozen at once (before its
+        # thread got to run) is still named with its pid and stack.
+        store.set(_heartbeat_key(rank), json.dumps(self._heartbeat()))
         self._thread = threading.Thread(target=self._monitor, name="progress-watchdog",
                                         daemon=True)
         self._thread.start()

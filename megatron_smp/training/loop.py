@@ -52,6 +52,27 @@ class TrainingData:
     datasets: tuple  # (train, validation, test)
 
 
+@dataclass
+class LoopHooks:
+    """What a training mode adds to the loop (each optional; pretraining, SFT and DPO need
+    none of them):
+
+    * `batches()` -> (data iterator, microbatches): where each step's global batch comes
+      from, instead of the training data (RL's rollout batches);
+    * `log_values(step)` -> {name: value}: the step's values logged beside its losses (the
+      log line and the scalars), e.g. rollout metrics and times;
+    * `evaluate(final)` -> log lines: the mode's own evaluation every --eval-interval
+      (final=False) and after training (final=True), instead of the validation and test
+      losses;
+    * `save()`: the checkpoint with the mode's own state (it calls `Trainer.save`).
+    """
+
+    batches: Optional[Callable[[], Any]] = None
+    log_values: Optional[Callable[[Any], Dict[str, float]]] = None
+    evaluate: Optional[Callable[[bool], List[str]]] = None
+    save: Optional[Callable[[], None]] = None
+
+
 class TrainingLoop:
     """The loop over a Trainer (`Trainer.train`): when to log, evaluate, check weights, save
     and stop (Megatron's train()). Each step runs `forward_step` (Megatron's
@@ -61,11 +82,12 @@ class TrainingLoop:
 
     def __init__(self, trainer, data: TrainingData, logger: TrainingLogger, start_time: float,
                  forward_step: Optional[Callable] = None,
-                 loss_fn: Optional[Callable] = None) -> None:
+                 loss_fn: Optional[Callable] = None, hooks: Optional[LoopHooks] = None) -> None:
         configs, state = trainer.configs, trainer.state
         self.trainer, self.data, self.logger = trainer, data, logger
         # One of the two (Trainer.train_step checks): how a microbatch becomes a loss.
         self.step_fn = {"forward_step": forward_step, "loss_fn": loss_fn}
+        self.hooks = hooks or LoopHooks()
         self.training, self.checkpoint = configs.training, configs.checkpoint
         is_logging_rank = state.rank == state.world_size - 1
         self.profiler = StepProfiler(self.training, state.rank, state.device, trainer.iteration,
@@ -83,6 +105,9 @@ class TrainingLoop:
         self.timer = Timer(state.device)
         self.interval_iters = 0
         self.num_microbatches = trainer.num_microbatches()
+
+    def _save(self) -> None:
+        (self.hooks.save or self.trainer.save)()
 
     def _saving(self, iteration: int) -> bool:
         interval = self.checkpoint.save_interval
@@ -102,7 +127,11 @@ class TrainingLoop:
         while trainer.iteration < training.train_iters and not training.skip_train:
             self.profiler.before_iteration(trainer.iteration)
             self._save_at_batch_size_change()
-            step = trainer.train_step(self.data.train, **self.step_fn)
+            if self.hooks.batches is not None:
+                batches, count = self.hooks.batches()
+                step = trainer.train_step(batches, num_microbatches=count, **self.step_fn)
+            else:
+                step = trainer.train_step(self.data.train, **self.step_fn)
             self.num_microbatches = step.num_microbatches
             self.profiler.after_iteration(trainer.iteration)
             if self.checkpointing and trainer.iteration == start_iteration + 1:
@@ -121,7 +150,7 @@ class TrainingLoop:
         previous, self.num_microbatches = self.num_microbatches, self.trainer.num_microbatches()
         if (self.num_microbatches != previous and self.checkpointing and self.checkpoint.save
                 and not self._saving(self.trainer.iteration)):
-            self.trainer.save()
+            self._save()
 
     def _log(self, step) -> None:
         """The step's scalars, and Megatron's log line every --log-interval iterations."""
@@ -130,15 +159,17 @@ class TrainingLoop:
         lr = trainer.optimizer.param_groups[0]["lr"]
         loss_scale = trainer.optimizer.get_loss_scale()[0]  # a device tensor, read when logged
         params_norm = trainer.optimizer.get_params_norm() if training.log_params_norm else None
+        extra = self.hooks.log_values(step) if self.hooks.log_values is not None else {}
         self.logger.iteration_scalars(iteration, lr, step.global_batch_size, step.losses,
                                       loss_scale, step.grad_norm, step.num_zeros_in_grad,
-                                      params_norm, step.per_layer)
+                                      params_norm, {**step.per_layer, **extra})
         self.interval_iters += 1
         if iteration % training.log_interval != 0 and iteration != training.train_iters:
             return
         pending.read()
         elapsed = self.timer.stop() / self.interval_iters
         averaged = {k: v / self.interval_iters for k, v in pending.interval_sums.items()}
+        averaged.update(extra)  # the mode's values: this iteration's
         configs, state = trainer.configs, trainer.state
         # This iteration's batch, as Megatron counts it (batch ramp-up changes it).
         flops = flops_per_iteration(configs.model, training.seq_length, step.global_batch_size,
@@ -168,12 +199,15 @@ class TrainingLoop:
         if hash_interval is not None and iteration % hash_interval == 0:
             check_weight_hashes(trainer.model, trainer.state, iteration)
             self.timer.start()
-        if self.data.valid is not None and training.eval_interval and (
-                iteration % training.eval_interval == 0):
-            self._evaluate_during_training()
+        if training.eval_interval and iteration % training.eval_interval == 0 and (
+                self.hooks.evaluate is not None or self.data.valid is not None):
+            if self.hooks.evaluate is not None:
+                self.result.log_lines += self.hooks.evaluate(False)
+            else:
+                self._evaluate_during_training()
             self.timer.start()
         if self._saving(iteration):
-            trainer.save()
+            self._save()
             self.timer.start()
         if self.checkpointing:
             trainer.poll_saves()  # publishes asynchronous saves that every rank finished
@@ -207,9 +241,12 @@ class TrainingLoop:
         trainer, training, result = self.trainer, self.training, self.result
         if (self.checkpointing and self.checkpoint.save and not training.skip_train
                 and not self._saving(trainer.iteration)):
-            trainer.save()
+            self._save()
         if result.exit_reason is None:
-            self._final_evaluation()
+            if self.hooks.evaluate is not None:
+                result.log_lines += self.hooks.evaluate(True)
+            else:
+                self._final_evaluation()
         if self.checkpointing:
             trainer.finalize_saves()
         self.logger.close()

@@ -510,15 +510,17 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self, data, logger, start_time: float,
-              forward_step: Optional[ForwardStep] = None, loss_fn: Optional[LossFn] = None):
+              forward_step: Optional[ForwardStep] = None, loss_fn: Optional[LossFn] = None,
+              hooks=None):
         """Megatron's train() over this Trainer (`training.loop.TrainingLoop`): steps until
         --train-iters or an exit condition, with the log line, evaluations, saves and the
         evaluations after training; each microbatch through `forward_step` or `loss_fn`.
-        `data`: a `training.loop.TrainingData`; returns a `training.loop.TrainingResult`."""
+        `data`: a `training.loop.TrainingData`; `hooks`: a `training.loop.LoopHooks` (what
+        a mode adds); returns a `training.loop.TrainingResult`."""
         from megatron_smp.training.loop import TrainingLoop
 
         return TrainingLoop(self, data, logger, start_time, forward_step=forward_step,
-                            loss_fn=loss_fn).run()
+                            loss_fn=loss_fn, hooks=hooks).run()
 
     # -- evaluation -------------------------------------------------------------------------
 

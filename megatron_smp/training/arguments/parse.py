@@ -104,8 +104,13 @@ def _check_against_checkpoint(argv: Sequence[str], model: Dict[str, Any],
 def _parse_namespace(argv: List[str], extra_args_provider: Optional[Callable],
                      args_defaults: Optional[Dict[str, Any]]) -> argparse.Namespace:
     """The argparse namespace of `argv`, with the entry script's defaults."""
-    _reject_not_supported_yet(argv)
     parser = build_parser(extra_args_provider)
+    # A mode's own flags (e.g. the inference tools' --inference-max-seq-length) are not the
+    # Megatron-LM options of the same name that the training scripts refuse.
+    mode_flags = (set(parser._option_string_actions)
+                  - set(build_parser()._option_string_actions)) if extra_args_provider else set()
+    _reject_not_supported_yet([token for token in argv
+                               if token.split("=", 1)[0] not in mode_flags])
     if args_defaults:
         by_field = {}
         for spec in _FLAGS:

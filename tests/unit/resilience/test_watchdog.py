@@ -53,16 +53,21 @@ def test_step_timeout_names_the_rank_with_its_stack():
     assert "in _blocked_on_storage" in report and "event.wait(seconds)" in report
 
 
-def test_silent_neighbour_is_named_and_killed_on_this_host():
+def test_silent_neighbour_is_named_and_killed_on_this_host(monkeypatch):
     """Rank 1's monitor stops (a frozen process): rank 0 names it after the heartbeat timeout
-    and SIGKILLs its process (here a stand-in `sleep`)."""
+    and SIGKILLs its process (here a stand-in `sleep`, the pid rank 1's heartbeats give)."""
+    from megatron_smp.resilience import watchdog as watchdog_module
+
     config = ResilienceConfig(enable_ft_package=True, ft_heartbeat_interval=0.1,
                               ft_rank_heartbeat_timeout=1.0)
     store = dist.HashStore()
     stand_in = subprocess.Popen(["sleep", "60"])
+    identity = watchdog_module._process_identity()
     try:
+        monkeypatch.setattr(watchdog_module, "_process_identity",
+                            lambda: dict(identity, pid=stand_in.pid))
         frozen, _, _ = _watchdog(config, rank=1, world_size=2, store=store)
-        frozen._identity = dict(frozen._identity, pid=stand_in.pid)
+        monkeypatch.undo()
         time.sleep(0.5)  # a few heartbeats
         frozen._stop.set()
         watcher, lines, exit = _watchdog(config, rank=0, world_size=2, store=store)
