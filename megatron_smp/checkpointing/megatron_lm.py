@@ -32,6 +32,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron_smp.checkpointing.iterations import TRACKER_FILENAME
 from megatron_smp.config import TransformerConfig
@@ -413,58 +414,128 @@ def _megatron_name(name: str) -> str:
     return _MTP_OURS.sub(r"\1transformer_layer.", name)
 
 
-def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as torch_dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class TorchDistSource:
+    """The tensors of a torch_dist checkpoint under our names (per layer, per expert), read
+    on demand: `meta` ({name: meta tensor}) from the metadata alone, `read(names)` loads only
+    the regions those names occupy -- one layer's slice of megatron-core's tensors stacked
+    [layers, ...] or [layers, experts, ...], not the whole stack."""
 
-    reader = torch_dcp.FileSystemReader(checkpoint.path)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as error:
-        raise CheckpointError(f"{checkpoint.path}/.metadata cannot be read: {error}") from error
-    stored = {key: torch.empty(info.size, dtype=info.properties.dtype)
-              for key, info in metadata.state_dict_metadata.items()
-              if isinstance(info, TensorStorageMetadata) and "_extra_state" not in key}
-    # Every rank reads on its own: no collective, whatever the caller's process groups.
-    torch_dcp.load(stored, storage_reader=reader, no_dist=True)
-    out = {}
-    for key, tensor in stored.items():
-        per_layer = _PER_LAYER.match(key)
-        if per_layer is not None:
-            # Layers of different kinds (dense first layers, MoE ones, MTP) are stored one by
-            # one; each MoE layer's experts stacked [experts, ...].
-            prefix, rest = per_layer.groups()
-            expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
-            if expert_prefix is not None:
-                tail = rest[len(expert_prefix):]
-                for expert in range(tensor.shape[0]):
-                    name = _our_name(f"{prefix}mlp.experts.local_experts.{expert}.{tail}")
-                    out[name] = tensor[expert].clone()
+    def __init__(self, checkpoint: MegatronCheckpoint) -> None:
+        import torch.distributed.checkpoint as torch_dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.reader_path = checkpoint.path
+        reader = torch_dcp.FileSystemReader(checkpoint.path)
+        try:
+            self.metadata = reader.read_metadata()
+        except Exception as error:
+            raise CheckpointError(f"{checkpoint.path}/.metadata cannot be read: {error}"
+                                  ) from error
+        # name -> (key, leading indices of the region read, index of the name in the region)
+        self.where: Dict[str, Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = {}
+        self.meta: Dict[str, torch.Tensor] = {}
+        for key, info in self.metadata.state_dict_metadata.items():
+            if not isinstance(info, TensorStorageMetadata) or "_extra_state" in key:
                 continue
-            name = _our_name(key)
-            if name is not None:
-                out[name] = tensor
-            continue
-        if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
-            # megatron-core stacks the experts too: [layers, experts, ...].
-            expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
-            if expert_prefix is not None:
-                tail = rest[len(expert_prefix):]
-                for layer in range(tensor.shape[0]):
-                    for expert in range(tensor.shape[1]):
-                        out[f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{tail}"] \
-                            = tensor[layer, expert].clone()
+            size, dtype = tuple(info.size), info.properties.dtype
+            per_layer = _PER_LAYER.match(key)
+            if per_layer is not None:
+                # Layers of different kinds (dense first layers, MoE ones, MTP) are stored one
+                # by one; each MoE layer's experts stacked [experts, ...].
+                prefix, rest = per_layer.groups()
+                expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
+                if expert_prefix is not None:
+                    tail = rest[len(expert_prefix):]
+                    for expert in range(size[0]):
+                        self._add(_our_name(f"{prefix}mlp.experts.local_experts.{expert}.{tail}"),
+                                  key, (), (expert,), size[1:], dtype)
+                    continue
+                self._add(_our_name(key), key, (), (), size, dtype)
                 continue
-            for layer in range(tensor.shape[0]):  # megatron-core stacks the layers
-                name = _our_name(f"decoder.layers.{layer}.{rest}")
-                if name is not None:
-                    out[name] = tensor[layer].clone()
-        else:
-            name = _our_name(key)
-            if name is not None:
-                out[name] = tensor
-    return out
+            if key.startswith("decoder.layers."):
+                rest = key[len("decoder.layers."):]
+                # megatron-core stacks the experts too: [layers, experts, ...].
+                expert_prefix = next((p for p in _STACKED_EXPERTS if rest.startswith(p)), None)
+                for layer in range(size[0]):  # megatron-core stacks the layers
+                    if expert_prefix is not None:
+                        tail = rest[len(expert_prefix):]
+                        for expert in range(size[1]):
+                            self._add(f"decoder.layers.{layer}.mlp.experts.local_experts."
+                                      f"{expert}.{tail}", key, (layer,), (0, expert), size[2:],
+                                      dtype)
+                    else:
+                        self._add(_our_name(f"decoder.layers.{layer}.{rest}"), key, (layer,),
+                                  (0,), size[1:], dtype)
+            else:
+                self._add(_our_name(key), key, (), (), size, dtype)
+
+    def _add(self, name, key, region, index, shape, dtype) -> None:
+        if name is not None:
+            self.where[name] = (key, region, index)
+            self.meta[name] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def read(self, names) -> Dict[str, torch.Tensor]:
+        """{name: tensor} for `names`, each region loaded once (a region per key per load)."""
+        import torch.distributed.checkpoint as torch_dcp
+
+        pending: Dict[str, List[Tuple[int, ...]]] = {}
+        for name in names:
+            key, region, _ = self.where[name]
+            if region not in pending.setdefault(key, []):
+                pending[key].append(region)
+        loaded: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
+        while pending:
+            regions = {key: todo.pop() for key, todo in pending.items()}
+            pending = {key: todo for key, todo in pending.items() if todo}
+            holder = {}
+            for key, region in regions.items():
+                size = self.metadata.state_dict_metadata[key].size
+                dtype = self.metadata.state_dict_metadata[key].properties.dtype
+                holder[key] = torch.empty((1,) * len(region) + tuple(size[len(region):]),
+                                          dtype=dtype)
+            # Every rank reads on its own: no collective, whatever the caller's groups.
+            torch_dcp.load(holder, storage_reader=torch_dcp.FileSystemReader(self.reader_path),
+                           planner=_RegionPlanner(regions), no_dist=True)
+            loaded.update({(key, regions[key]): tensor for key, tensor in holder.items()})
+        out = {}
+        for name in names:
+            key, region, index = self.where[name]
+            tensor = loaded[(key, region)]
+            out[name] = tensor[index].clone() if index else tensor
+        return out
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Loads, for each key, the region [i, j, ..., :, ...] of its leading indices `regions`
+    gives into a tensor of that region's shape (leading sizes 1)."""
+
+    def __init__(self, regions: Mapping[str, Tuple[int, ...]]) -> None:
+        super().__init__()
+        self.regions = dict(regions)
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        items = []
+        for key, region in self.regions.items():
+            info = self.metadata.state_dict_metadata[key]
+            rest = tuple(info.size[len(region):])
+            chunk = ChunkStorageMetadata(offsets=torch.Size(region + (0,) * len(rest)),
+                                         sizes=torch.Size((1,) * len(region) + rest))
+            items += create_read_items_for_chunk_list(key, info, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]  # the region's own tensor (offsets are within it)
+
+
+def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
+    source = TorchDistSource(checkpoint)
+    return source.read(list(source.meta))
 
 
 def _read_legacy(checkpoint: MegatronCheckpoint, config: TransformerConfig
