@@ -139,10 +139,11 @@ def find_megatron_checkpoint(load_dir: str, prefer_ours: bool = True
 # -- restricted unpickling --------------------------------------------------------------------
 
 
-def safe_load(path: str, data: Optional[bytes] = None) -> Any:
+def safe_load(path: str, data: Optional[bytes] = None, mmap: bool = False) -> Any:
     """torch.load with weights_only=True, allowing argparse.Namespace, numpy RNG arrays and
     (as OpaqueMegatronValue) megatron's own classes; another global is a CheckpointError.
-    With `data`, those bytes are read (`path` then only names them in errors)."""
+    With `data`, those bytes are read (`path` then only names them in errors). `mmap`: the
+    file is memory-mapped, its tensors read from it only when touched (`load_mapped`)."""
     import io
 
     def source():
@@ -173,9 +174,61 @@ def safe_load(path: str, data: Optional[bytes] = None) -> Any:
         )
     with torch.serialization.safe_globals(allowed):
         try:
+            if mmap and data is None:
+                return load_mapped(path)
             return torch.load(source(), map_location="cpu", weights_only=True)
         except Exception as error:  # pickle errors come in many types
             raise CheckpointError(f"{path} cannot be read: {error}") from error
+
+
+# The files `load_mapped` mapped: only pages of their mappings are ever released.
+_MAPPED_FILES: set = set()
+
+
+def load_mapped(path: str) -> Any:
+    """torch.load(weights_only=True) of a torch.save file with its tensors memory-mapped
+    (`mmap=True`): only the pickle is read now, each tensor's bytes when it is touched, so
+    what a file holds besides the model (optimizer state) is never read. A file in the
+    format before torch 1.6 (not a zip archive) cannot be mapped and is read whole."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+    _MAPPED_FILES.add(os.path.realpath(path))
+    return loaded
+
+
+def release_pages(tensors) -> None:
+    """Give back the memory of what was read of tensors `load_mapped` mapped: their pages
+    leave the process (madvise MADV_DONTNEED; read from the file again if touched again),
+    which would otherwise keep every page read until the mapping is closed. Only pages that
+    lie in a current mapping of such a file are released; other tensors are left alone."""
+    import ctypes
+
+    if not _MAPPED_FILES:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        with open("/proc/self/maps") as handle:
+            mapped = []
+            for line in handle:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") in _MAPPED_FILES:
+                    low, high = (int(x, 16) for x in parts[0].split("-"))
+                    mapped.append((low, high))
+    except OSError:  # not Linux / glibc: the pages stay until the mapping is closed
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if not storage.nbytes():
+            continue
+        begin = storage.data_ptr() & ~(page - 1)
+        end = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
+        if any(low <= begin and end <= high for low, high in mapped):
+            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), 4)  # DONTNEED
 
 
 def _read_dcp_bytes(checkpoint_path: str, key: str) -> Optional[bytes]:
@@ -533,70 +586,102 @@ class _RegionPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the region's own tensor (offsets are within it)
 
 
-def _read_torch_dist(checkpoint: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
-    source = TorchDistSource(checkpoint)
-    return source.read(list(source.meta))
+class LegacySource:
+    """The tensors of a legacy checkpoint (mp_rank_XX[_YYY]/model_optim_rng.pt per rank)
+    under our names, full (TP=1, one stage), read on demand: each rank's file is
+    memory-mapped (`load_mapped`), `meta` is the merged shapes, and `read(names)` joins those
+    tensors' TP slices, then releases the pages read. `config` gives the SwiGLU layout and
+    tying (its vocab size is not used); vocab tables keep the rows stored."""
+
+    def __init__(self, checkpoint: MegatronCheckpoint, config: TransformerConfig) -> None:
+        ranks = sorted(checkpoint.rank_dirs)
+        tp = 1 + max(r[0] for r in ranks)
+        pp = 1 + max(r[1] for r in ranks)
+        if max(r[2] for r in ranks) > 0:
+            raise CheckpointError(f"{checkpoint.path}: legacy checkpoints with expert "
+                                  "parallelism are not read; save it at expert-parallel size 1")
+        missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                   for t in range(tp) for p in range(pp)
+                   if (t, p, 0) not in checkpoint.rank_dirs]
+        if missing:
+            raise CheckpointError(f"{checkpoint.path} lacks {', '.join(missing)}: incomplete")
+        self.stages: List[Tuple[List[Dict[str, torch.Tensor]], TransformerConfig]] = []
+        self.where: Dict[str, Tuple[int, str]] = {}  # our full name -> (stage, stage's name)
+        self.meta: Dict[str, torch.Tensor] = {}
+        layer_offset = 0
+        for stage in range(pp):
+            shards = []
+            for rank in range(tp):
+                state = safe_load(os.path.join(checkpoint.rank_dirs[(rank, stage, 0)],
+                                               LEGACY_FILENAME), mmap=True)
+                if "model" not in state:
+                    keys = sorted(k for k in state if k.startswith("model"))
+                    raise CheckpointError(
+                        f"{checkpoint.rank_dirs[(rank, stage, 0)]} has no 'model' entry (found "
+                        f"{keys}): virtual pipeline stages are not read")
+                shards.append({_our_name(name): t for name, t in state["model"].items()
+                               if isinstance(t, torch.Tensor) and _our_name(name) is not None})
+            rows = sum(s["embedding.word_embeddings.weight"].shape[0] for s in shards) \
+                if "embedding.word_embeddings.weight" in shards[0] else None
+            if rows is None and "output_layer.weight" in shards[0]:
+                rows = sum(s["output_layer.weight"].shape[0] for s in shards)
+            # Vocab tables are merged as stored: padded rows included, none added or cut.
+            merge_config = config.replace(vocab_size=rows or config.vocab_size,
+                                          make_vocab_size_divisible_by=1)
+            merged = merge_state_dicts(
+                [{k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in s.items()}
+                 for s in shards], merge_config)
+            layers = set()
+            for local, tensor in merged.items():
+                name = local
+                match = _LAYER.match(name)
+                if match:
+                    layers.add(int(match.group(1)))
+                    name = (f"decoder.layers.{int(match.group(1)) + layer_offset}."
+                            f"{match.group(2)}")
+                if (name == "output_layer.weight"
+                        and not config.untie_embeddings_and_output_weights):
+                    continue  # the last stage's copy of the tied embedding
+                self.where[name] = (stage, local)
+                self.meta[name] = tensor
+            self.stages.append((shards, merge_config))
+            layer_offset += len(layers)
+
+    def read(self, names) -> Dict[str, torch.Tensor]:
+        by_stage: Dict[int, Dict[str, str]] = {}
+        for name in names:
+            stage, local = self.where[name]
+            by_stage.setdefault(stage, {})[local] = name
+        out = {}
+        for stage, wanted in by_stage.items():
+            shards, merge_config = self.stages[stage]
+            subset = [{local: shard[local] for local in wanted} for shard in shards]
+            merged = merge_state_dicts(subset, merge_config)  # new tensors: cat / clone
+            release_pages([t for shard in subset for t in shard.values()])
+            out.update({wanted[local]: tensor for local, tensor in merged.items()})
+        return out
 
 
-def _read_legacy(checkpoint: MegatronCheckpoint, config: TransformerConfig
-                 ) -> Dict[str, torch.Tensor]:
-    ranks = sorted(checkpoint.rank_dirs)
-    tp = 1 + max(r[0] for r in ranks)
-    pp = 1 + max(r[1] for r in ranks)
-    if max(r[2] for r in ranks) > 0:
-        raise CheckpointError(f"{checkpoint.path}: legacy checkpoints with expert parallelism "
-                              "are not read; save it at expert-parallel size 1")
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-               for t in range(tp) for p in range(pp) if (t, p, 0) not in checkpoint.rank_dirs]
-    if missing:
-        raise CheckpointError(f"{checkpoint.path} lacks {', '.join(missing)}: incomplete")
-    full: Dict[str, torch.Tensor] = {}
-    layer_offset = 0
-    for stage in range(pp):
-        shards = []
-        for rank in range(tp):
-            state = safe_load(os.path.join(checkpoint.rank_dirs[(rank, stage, 0)],
-                                           LEGACY_FILENAME))
-            if "model" not in state:
-                keys = sorted(k for k in state if k.startswith("model"))
-                raise CheckpointError(
-                    f"{checkpoint.rank_dirs[(rank, stage, 0)]} has no 'model' entry (found "
-                    f"{keys}): virtual pipeline stages are not read")
-            shards.append({_our_name(name): t for name, t in state["model"].items()
-                           if isinstance(t, torch.Tensor) and _our_name(name) is not None})
-        rows = sum(s["embedding.word_embeddings.weight"].shape[0] for s in shards) \
-            if "embedding.word_embeddings.weight" in shards[0] else None
-        if rows is None and "output_layer.weight" in shards[0]:
-            rows = sum(s["output_layer.weight"].shape[0] for s in shards)
-        # Vocab tables are merged as stored: padded rows included, none added or cut.
-        merge_config = config.replace(vocab_size=rows or config.vocab_size,
-                                      make_vocab_size_divisible_by=1)
-        merged = merge_state_dicts(shards, merge_config)
-        layers = set()
-        for name, tensor in merged.items():
-            name = _our_name(name)
-            match = _LAYER.match(name)
-            if match:
-                layers.add(int(match.group(1)))
-                name = f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
-            if name == "output_layer.weight" and not config.untie_embeddings_and_output_weights:
-                continue  # the last stage's copy of the tied embedding
-            full[name] = tensor
-        layer_offset += len(layers)
-    return full
+def open_model(checkpoint: MegatronCheckpoint, config: TransformerConfig):
+    """The checkpoint's model as a source read on demand: `.meta` ({our name: meta tensor},
+    full TP=1 shapes, vocab tables with the rows stored) and `.read(names)`. `config` gives
+    the SwiGLU layout and tying (its vocab size is not used); a tied output layer is left
+    out."""
+    if checkpoint.ckpt_format == "torch_dist":
+        source = TorchDistSource(checkpoint)
+    else:
+        source = LegacySource(checkpoint, config)
+    if not config.untie_embeddings_and_output_weights:
+        source.meta.pop("output_layer.weight", None)
+    return source
 
 
 def read_model(checkpoint: MegatronCheckpoint, config: TransformerConfig
                ) -> Dict[str, torch.Tensor]:
     """Full (TP=1, one stage) state dict with our names; vocab tables with the rows stored.
     `config` gives the SwiGLU layout and tying (its vocab size is not used)."""
-    if checkpoint.ckpt_format == "torch_dist":
-        model = _read_torch_dist(checkpoint)
-    else:
-        model = _read_legacy(checkpoint, config)
-    if not config.untie_embeddings_and_output_weights:
-        model.pop("output_layer.weight", None)
-    return model
+    source = open_model(checkpoint, config)
+    return source.read(list(source.meta))
 
 
 def trim_vocab_rows(model: Mapping[str, torch.Tensor], vocab_size: int, where: str
