@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import os
 import re
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -546,9 +547,13 @@ class TorchDistSource:
                 dtype = self.metadata.state_dict_metadata[key].properties.dtype
                 holder[key] = torch.empty((1,) * len(region) + tuple(size[len(region):]),
                                           dtype=dtype)
-            # Every rank reads on its own: no collective, whatever the caller's groups.
-            torch_dcp.load(holder, storage_reader=torch_dcp.FileSystemReader(self.reader_path),
-                           planner=_RegionPlanner(regions), no_dist=True)
+            # Every rank reads on its own: no collective, whatever the caller's groups (and
+            # torch's warning that it assumes so, once per region, is not repeated).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                torch_dcp.load(holder,
+                               storage_reader=torch_dcp.FileSystemReader(self.reader_path),
+                               planner=_RegionPlanner(regions), no_dist=True)
             loaded.update({(key, regions[key]): tensor for key, tensor in holder.items()})
         out = {}
         for name in names:

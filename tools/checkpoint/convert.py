@@ -17,7 +17,8 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-HF safetensors -> megatron_smp and megatron_smp -> HF convert one layer at a time (see
+HF safetensors -> megatron_smp, megatron_smp -> HF and Megatron-LM (torch_dist, or legacy
+per-rank files, memory-mapped) -> HF / megatron_smp convert one layer at a time (see
 `streaming`: peak memory about a layer plus the embedding, whatever the model's size); the HF
 output is sharded as save_pretrained shards it (--max-shard-size). Otherwise a loader gives
 (TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
@@ -53,6 +54,7 @@ from tools.checkpoint.hf_format import (  # noqa: E402
 )
 from tools.checkpoint.megatron_format import (  # noqa: E402
     add_shape_arguments,
+    open_megatron_checkpoint,
     read_megatron_checkpoint,
     write_megatron_checkpoint,
 )
@@ -62,7 +64,7 @@ from tools.checkpoint.smp_format import (  # noqa: E402
     write_smp_checkpoint,
     write_smp_checkpoint_streaming,
 )
-from tools.checkpoint.streaming import Producer, parse_size  # noqa: E402
+from tools.checkpoint.streaming import Producer, groups, parse_size  # noqa: E402
 from tools.checkpoint.smp_v1_format import read_smp_v1_checkpoint  # noqa: E402
 
 # "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
@@ -180,6 +182,9 @@ def convert(args: argparse.Namespace) -> None:
     if args.loader == "megatron_smp" and args.saver == "hf" and _stream_to_hf(args,
                                                                                max_shard_size):
         return
+    if args.loader == "megatron" and args.saver in ("hf", "megatron_smp"):
+        _stream_megatron(args, targets, max_shard_size)
+        return
     source_hf_config: Optional[Dict] = None
     iteration = None
     if args.loader in ("hf", "smp_v1"):
@@ -271,6 +276,27 @@ def _stream_to_hf(args: argparse.Namespace, max_shard_size: int) -> bool:
         quantize_hf_experts(args.save_dir)
     _report(args, meta)
     return True
+
+
+def _stream_megatron(args: argparse.Namespace, targets, max_shard_size: int) -> None:
+    """A Megatron-LM checkpoint -> HF or megatron_smp one layer at a time: the model's shape
+    from its metadata, each group's tensors read when the writer comes to it
+    (`open_megatron_checkpoint`)."""
+    family = family_for(args.model_type)
+    config, meta, read, iteration = open_megatron_checkpoint(args.load_dir, family,
+                                                             args.model_type, args)
+    if args.saver == "hf":
+        write_hf_checkpoint_streaming(args.save_dir, family, config, meta, read, None,
+                                      max_shard_size)
+        if args.mxfp4_experts:
+            quantize_hf_experts(args.save_dir)
+    else:
+        tp, pp = (t or 1 for t in targets)
+        validate_target_layout(config, tp, pp)
+        write_smp_checkpoint_streaming(
+            args.save_dir, config, meta, Producer(read(names) for names in groups(meta)),
+            _conversion(args, None, tp, pp), iteration)
+    _report(args, meta)
 
 
 def _export_lora(args: argparse.Namespace, config: TransformerConfig,

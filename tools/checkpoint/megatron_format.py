@@ -9,7 +9,7 @@ to convert.py (`--num-attention-heads`, `--num-query-groups`, `--swiglu`, `--voc
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from megatron_smp.checkpointing.megatron_lm import (
     describe,
     find_megatron_checkpoint,
     read_args,
+    open_model,
     read_model,
     save_legacy_checkpoint,
     trim_vocab_rows,
@@ -108,6 +109,18 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
                              cli: argparse.Namespace) -> Tuple[TransformerConfig,
                                                                Dict[str, torch.Tensor], int]:
     """-> (TransformerConfig, {name: global tensor} in checkpoint form, iteration)."""
+    config, meta, read, iteration = open_megatron_checkpoint(load_dir, family, model_type, cli)
+    return config, read(list(meta)), iteration
+
+
+def open_megatron_checkpoint(load_dir: str, family: str, model_type: str,
+                             cli: argparse.Namespace
+                             ) -> Tuple[TransformerConfig, Dict[str, torch.Tensor],
+                                        Callable[[List[str]], Dict[str, torch.Tensor]], int]:
+    """-> (TransformerConfig, {name: meta tensor} in checkpoint form, read(names) -> those
+    tensors, iteration): the shape from the checkpoint's metadata and args alone, the tensors
+    read when asked for (`open_model`: a torch_dist checkpoint one layer's region at a time,
+    a legacy one's memory-mapped rank files)."""
     checkpoint = find_megatron_checkpoint(load_dir, prefer_ours=False)
     if checkpoint is None:
         raise ConfigError(
@@ -131,7 +144,8 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
                               multi_latent_attention=bool(
                                   (saved or given).get("multi_latent_attention")),
                               mtp_num_layers=(saved or given).get("mtp_num_layers"))
-    stored = read_model(checkpoint, probe)
+    source = open_model(checkpoint, probe)
+    stored = source.meta
     args = _resolve_args(saved, given, stored, where)
     fields = config_fields_from_args(args)
     fields.setdefault("vocab_size", stored["embedding.word_embeddings.weight"].shape[0])
@@ -151,7 +165,16 @@ def read_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     if problems:
         raise ConfigError(f"{where} does not hold the {model_type} its args / flags describe: "
                           f"{listing(problems)}")
-    return config, model, checkpoint.iteration
+    vocab_tables = [name for name in model if stored[name].shape != model[name].shape]
+
+    def read(names: List[str]) -> Dict[str, torch.Tensor]:
+        tensors = source.read(names)
+        for name in vocab_tables:
+            if name in tensors:  # Megatron's padding rows dropped
+                tensors[name] = tensors[name][:config.vocab_size].clone()
+        return tensors
+
+    return config, model, read, checkpoint.iteration
 
 
 # TransformerConfig fields Megatron-LM has no flag for (GPT-J's), with the value Megatron's
@@ -186,5 +209,5 @@ def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
                           f"{listing(differing)}")
 
 
-__all__ = ["add_shape_arguments", "read_megatron_checkpoint", "write_megatron_checkpoint",
+__all__ = ["add_shape_arguments", "read_megatron_checkpoint", "open_megatron_checkpoint", "write_megatron_checkpoint",
            "SHAPE_FLAGS", "SWITCHES"]
