@@ -65,7 +65,10 @@ from tools.checkpoint.smp_format import (  # noqa: E402
     write_smp_checkpoint_streaming,
 )
 from tools.checkpoint.streaming import Producer, groups, parse_size  # noqa: E402
-from tools.checkpoint.smp_v1_format import read_smp_v1_checkpoint  # noqa: E402
+from tools.checkpoint.smp_v1_format import (  # noqa: E402
+    open_smp_v1_stream,
+    read_smp_v1_checkpoint,
+)
 
 # "megatron": Megatron-LM's checkpoints (read: torch_dist or legacy torch; written: legacy).
 FORMATS = ("hf", "megatron_smp", "megatron")
@@ -182,6 +185,9 @@ def convert(args: argparse.Namespace) -> None:
     if args.loader == "megatron_smp" and args.saver == "hf" and _stream_to_hf(args,
                                                                                max_shard_size):
         return
+    if args.loader == "smp_v1" and args.saver in ("hf", "megatron_smp") and _stream_smp_v1(
+            args, targets, max_shard_size):
+        return
     if args.loader == "megatron" and args.saver in ("hf", "megatron_smp"):
         _stream_megatron(args, targets, max_shard_size)
         return
@@ -275,6 +281,29 @@ def _stream_to_hf(args: argparse.Namespace, max_shard_size: int) -> bool:
     if args.mxfp4_experts:
         quantize_hf_experts(args.save_dir)
     _report(args, meta)
+    return True
+
+
+def _stream_smp_v1(args: argparse.Namespace, targets, max_shard_size: int) -> bool:
+    """SMP v1's full-model file (memory-mapped) -> HF or megatron_smp one layer at a time
+    (`open_smp_v1_stream`); False for a file read whole."""
+    family = family_for(args.model_type)
+    stream = open_smp_v1_stream(args.load_dir, family, args.model_type, args.hf_config)
+    if stream is None:
+        return False
+    source_hf_config = stream.hf_config.to_diff_dict()
+    if args.saver == "hf":
+        producer = Producer(stream.groups())
+        write_hf_checkpoint_streaming(args.save_dir, family, stream.config, stream.meta,
+                                      lambda names: {name: producer(name) for name in names},
+                                      source_hf_config, max_shard_size)
+    else:
+        tp, pp = (t or 1 for t in targets)
+        validate_target_layout(stream.config, tp, pp)
+        write_smp_checkpoint_streaming(args.save_dir, stream.config, stream.meta,
+                                       Producer(stream.groups()),
+                                       _conversion(args, source_hf_config, tp, pp))
+    _report(args, stream.meta)
     return True
 
 

@@ -151,6 +151,13 @@ class HFStream:
         source = SafetensorsSource.of(load_dir)
         if multimodal or is_mxfp4(hf_config) or source is None:
             return None
+        return cls.of_source(load_dir, family, hf_config, source)
+
+    @classmethod
+    def of_source(cls, load_dir: str, family: str, hf_config, source) -> Optional["HFStream"]:
+        """The stream of `source`'s HF tensors (`.file_of`: their names, `.meta`, `.read(names)`;
+        a SafetensorsSource or another reader of that form), None when they are not exactly
+        the HF model's of `hf_config` (the whole-model path then says what differs)."""
         config = get_adapter(family).config_from_hf(hf_config)
         meta_model = meta_hf_model(hf_config)
         try:

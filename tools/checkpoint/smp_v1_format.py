@@ -29,10 +29,11 @@ import glob
 import json
 import os
 import re
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from megatron_smp.checkpointing.megatron_lm import load_mapped, release_pages
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import family_of, get_adapter
 from megatron_smp.models.hf.smp_v1 import (
@@ -42,6 +43,7 @@ from megatron_smp.models.hf.smp_v1 import (
     translate_state_dict_to_hf_gpt2_layer,
 )
 from tools.checkpoint.common import listing, meta_hf_model
+from tools.checkpoint.streaming import meta_like, partial
 
 HEAD = "lm_head.weight"
 # Keys that only v1's own layout has (the HF layouts of these families have none of them).
@@ -163,21 +165,8 @@ def read_smp_v1_checkpoint(load_dir: str, family: str, model_type: str,
     if found != family:
         raise ConfigError(f"the Hugging Face config for {path} is a {found!r} model but "
                           f"--model-type is {model_type}; pass the model type of the checkpoint")
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # unpickling refused or a corrupt file: both the user's input
-        raise ConfigError(f"{path} cannot be read as a torch.save file with weights_only=True "
-                          f"({error})") from error
-    state_dict = _model_state_dict(saved, path)
-    if any(k.startswith(_V1_ROOTS) for k in state_dict):
-        to_hf, _, needs_config = TRANSLATORS[family]
-        hf_sd = to_hf(state_dict, **({"config": hf_config} if needs_config else {}))
-    elif family == "gpt2" and any(map(_V1_GPT2_BLOCK.match, state_dict)):
-        hf_sd = translate_state_dict_to_hf_gpt2_layer(state_dict)
-    else:  # already translated to HF's layout before saving (the v1 -> v2 migration guide):
-        # v1's translators also wrote causal-mask buffers, and NeoX's head as embed_out.
-        hf_sd = {("lm_head.weight" if k == "embed_out.weight" else k): v
-                 for k, v in state_dict.items() if not is_derived_hf_buffer(k)}
+    state_dict = _load(path)
+    hf_sd = _translator(family, hf_config, state_dict)(state_dict)
     config = get_adapter(family).config_from_hf(hf_config)
     tied = not config.untie_embeddings_and_output_weights
     if tied:
@@ -189,4 +178,112 @@ def read_smp_v1_checkpoint(load_dir: str, family: str, model_type: str,
     return hf_config, config, hf_sd
 
 
-__all__ = ["read_smp_v1_checkpoint"]
+def _load(path: str) -> Dict[str, torch.Tensor]:
+    """The model state dict of the file, its tensors memory-mapped (`load_mapped`: read from
+    the file when touched)."""
+    try:
+        saved = load_mapped(path)
+    except Exception as error:  # unpickling refused or a corrupt file: both the user's input
+        raise ConfigError(f"{path} cannot be read as a torch.save file with weights_only=True "
+                          f"({error})") from error
+    return _model_state_dict(saved, path)
+
+
+def _translator(family: str, hf_config, state_dict: Mapping[str, torch.Tensor]
+                ) -> Callable[[Mapping[str, torch.Tensor]], Dict[str, torch.Tensor]]:
+    """v1's state dict -> Hugging Face's, for the layout `state_dict` is in."""
+    if any(k.startswith(_V1_ROOTS) for k in state_dict):
+        to_hf, _, needs_config = TRANSLATORS[family]
+        return lambda sd: to_hf(sd, **({"config": hf_config} if needs_config else {}))
+    if family == "gpt2" and any(map(_V1_GPT2_BLOCK.match, state_dict)):
+        return translate_state_dict_to_hf_gpt2_layer
+    # Already translated to HF's layout before saving (the v1 -> v2 migration guide): v1's
+    # translators also wrote causal-mask buffers, and NeoX's head as embed_out.
+    return lambda sd: {("lm_head.weight" if k == "embed_out.weight" else k): v
+                       for k, v in sd.items() if not is_derived_hf_buffer(k)}
+
+
+# A transformer layer's index in v1's names (transformer.seq_layers.3., transformer.h.3.)
+# and HF's.
+_ANY_LAYER = re.compile(r"(?:^|\.)(?:seq_layers|layers|h)\.(\d+)\.")
+
+
+def _meta_inputs(state_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`state_dict` as meta tensors, less v1's optional rotary buffers (GPT-NeoX's
+    `inv_freq`), which the translator compares by value with the config's: each layer's is
+    given real with that layer's tensors, so it is still checked."""
+    return meta_like({k: v for k, v in state_dict.items()
+                      if not k.endswith("rotary_emb.inv_freq")})
+
+
+class _V1Source:
+    """The HF tensors of a v1 file, translated one layer at a time: `read(names)` runs v1's
+    translator on the memory-mapped tensors of those names' layers (every other tensor a meta
+    tensor, `streaming.partial`), then releases the pages read."""
+
+    def __init__(self, state_dict, translate, hf_meta) -> None:
+        self.state_dict, self.translate = state_dict, translate
+        self.meta = hf_meta
+        self.file_of = dict.fromkeys(hf_meta)
+        self.v1_meta = _meta_inputs(state_dict)
+        self.held: Dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _layer(name: str):
+        match = _ANY_LAYER.search(name)
+        return int(match.group(1)) if match else None
+
+    def read(self, names) -> Dict[str, torch.Tensor]:
+        out = {name: self.held.pop(name) for name in names if name in self.held}
+        layers = {self._layer(name) for name in names if name not in out}
+        if layers:
+            real = {k: v for k, v in self.state_dict.items() if self._layer(k) in layers}
+            translated = partial(self.translate, self.v1_meta, real)
+            inputs = {v.untyped_storage().data_ptr() for v in real.values()}
+            for name, tensor in translated.items():
+                if tensor.untyped_storage().data_ptr() in inputs:
+                    tensor = tensor.clone()  # its own memory: the mapped pages are released
+                if name in names:
+                    out.setdefault(name, tensor)
+                elif self._layer(name) is None and None not in layers:
+                    # A tensor outside the layers kept in one (GPT-2's final norm in v1's
+                    # last layer): held until asked for.
+                    self.held[name] = tensor
+            release_pages(real.values())
+        missing = [name for name in names if name not in out]
+        if missing:
+            raise ConfigError(f"SMP v1's translator computes {listing(missing)} from tensors of "
+                              "other layers: this checkpoint cannot be converted a layer at a "
+                              "time")
+        return out
+
+
+def open_smp_v1_stream(load_dir: str, family: str, model_type: str,
+                       hf_config_path: Optional[str] = None):
+    """The v1 file as an `HFStream` (framework tensors one layer at a time), or None when
+    its translation cannot be run on meta tensors (`read_smp_v1_checkpoint` then reads it
+    whole)."""
+    from tools.checkpoint.hf_format import HFStream
+
+    if family not in TRANSLATORS:
+        return None  # read_smp_v1_checkpoint says which families are read
+    path = _checkpoint_file(load_dir)
+    hf_config = _read_hf_config(hf_config_path, path)
+    if family_of(hf_config) != family:
+        return None
+    state_dict = _load(path)
+    translate = _translator(family, hf_config, state_dict)
+    try:
+        hf_meta = {k: v for k, v in translate(_meta_inputs(state_dict)).items()
+                   if v.device.type == "meta"}
+    except Exception:  # noqa: BLE001 -- a translator that needs the values: read whole
+        return None
+    config = get_adapter(family).config_from_hf(hf_config)
+    tied = not config.untie_embeddings_and_output_weights
+    if tied:
+        hf_meta.pop(HEAD, None)
+    _check_against_model(hf_meta, hf_config, path, tied)
+    return HFStream.of_source(path, family, hf_config, _V1Source(state_dict, translate, hf_meta))
+
+
+__all__ = ["read_smp_v1_checkpoint", "open_smp_v1_stream"]
