@@ -283,7 +283,8 @@ def _common_state(checkpoint: MegatronCheckpoint) -> Dict[str, Any]:
             raise CheckpointError(f"{where} holds {type(common).__name__}, not the common dict")
         return common
     first = checkpoint.rank_dirs[min(checkpoint.rank_dirs)]
-    return safe_load(os.path.join(first, LEGACY_FILENAME))
+    # Memory-mapped: the tensors (model, optimizer state) are not read, only the pickle.
+    return safe_load(os.path.join(first, LEGACY_FILENAME), mmap=True)
 
 
 def read_args(checkpoint: MegatronCheckpoint) -> Optional[Dict[str, Any]]:
