@@ -241,14 +241,17 @@ class _V1Source:
             translated = partial(self.translate, self.v1_meta, real)
             inputs = {v.untyped_storage().data_ptr() for v in real.values()}
             for name, tensor in translated.items():
-                if tensor.untyped_storage().data_ptr() in inputs:
-                    tensor = tensor.clone()  # its own memory: the mapped pages are released
-                if name in names:
-                    out.setdefault(name, tensor)
+                if name in names and name not in out:
+                    keep = out
                 elif self._layer(name) is None and None not in layers:
                     # A tensor outside the layers kept in one (GPT-2's final norm in v1's
                     # last layer): held until asked for.
-                    self.held[name] = tensor
+                    keep = self.held
+                else:
+                    continue
+                if tensor.untyped_storage().data_ptr() in inputs:
+                    tensor = tensor.clone()  # its own memory: the mapped pages are released
+                keep[name] = tensor
             release_pages(real.values())
         missing = [name for name in names if name not in out]
         if missing:
