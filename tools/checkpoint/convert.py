@@ -17,10 +17,11 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-HF safetensors -> megatron_smp, megatron_smp -> HF and Megatron-LM (torch_dist, or legacy
-per-rank files, memory-mapped) -> HF / megatron_smp convert one layer at a time (see
-`streaming`: peak memory about a layer plus the embedding, whatever the model's size); the HF
-output is sharded as save_pretrained shards it (--max-shard-size). Otherwise a loader gives
+HF safetensors -> megatron_smp, megatron_smp -> HF, and Megatron-LM (torch_dist, or legacy
+per-rank files, memory-mapped) or SMP v1 (its file memory-mapped) -> HF / megatron_smp convert
+one layer at a time (see `streaming`: peak memory about a layer plus the embedding, whatever
+the model's size); the HF output is sharded as save_pretrained shards it (--max-shard-size).
+Otherwise (--saver megatron, LoRA exports, pytorch_model.bin, MXFP4) a loader gives
 (TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
 at a time.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
