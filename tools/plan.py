@@ -165,6 +165,7 @@ def cluster_from(ours):
 
 def main(argv=None) -> int:
     ours, pretrain_flags = build_parser().parse_known_args(argv)
+    from megatron_smp.cli import CONFIG_ERROR_STATUS, print_error
     from megatron_smp.config import ConfigError
     from megatron_smp.training import planner
     from megatron_smp.training.arguments import validate_configs
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
             results, candidates = [planner.predict(configs, cluster, model_provider,
                                                    options)], 1
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        print_error(str(exc))
+        return CONFIG_ERROR_STATUS
     if ours.json:
         print(json.dumps({"gpu": cluster.gpu.name, "num_gpus": cluster.num_gpus,
                           "candidates": candidates,

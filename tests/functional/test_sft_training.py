@@ -305,7 +305,7 @@ def test_lora_finetunes_an_hf_llama_resumes_and_exports(sft_data, tmp_path):
     assert convert.main(["--model-type", "llama", "--loader", "megatron_smp", "--saver", "hf",
                          "--load-dir", str(tmp_path / "base"),
                          "--save-dir", str(tmp_path / "again"),
-                         "--peft-dir", str(tmp_path / "none")]) == 1
+                         "--peft-dir", str(tmp_path / "none")]) == 2
 
 
 def _check_lora_base_errors(root):

@@ -178,13 +178,13 @@ def test_plan_tool(tmp_path, capsys):
     assert dp_seconds("--gpus-per-node", "16") < default
     assert dp_seconds("--inter-node-latency", "1000") > default
 
-    assert main(["--gpu", "a100-80gb", "--num-gpus", "16", "--fp8-format", "e4m3"] + GPT) == 1
+    assert main(["--gpu", "a100-80gb", "--num-gpus", "16", "--fp8-format", "e4m3"] + GPT) == 2
     assert "--fp8-format" in capsys.readouterr().err
-    assert main(["--gpu", "cpu", "--num-gpus", "2"] + GPT) == 1
+    assert main(["--gpu", "cpu", "--num-gpus", "2"] + GPT) == 2
     assert "--efficiency" in capsys.readouterr().err
-    assert main(["--num-gpus", "16", "--moe-imbalance", "0.5"] + GPT) == 1
+    assert main(["--num-gpus", "16", "--moe-imbalance", "0.5"] + GPT) == 2
     assert "--moe-imbalance" in capsys.readouterr().err
-    assert main(["--num-gpus", "12", "--tensor-model-parallel-size", "8"] + GPT) == 1
+    assert main(["--num-gpus", "12", "--tensor-model-parallel-size", "8"] + GPT) == 2
     capsys.readouterr()
 
     from transformers import LlamaConfig
@@ -201,7 +201,7 @@ def test_plan_tool(tmp_path, capsys):
     assert main(["--num-gpus", "8", "--hf-config", str(tmp_path), "--json"] + flags) == 0
     assert json.loads(capsys.readouterr().out)["plans"][0]["layout"]["seq_length"] == 1024
     assert main(["--num-gpus", "8", "--hf-config", str(tmp_path), "--num-layers", "2"]
-                + flags) == 1
+                + flags) == 2
     assert "--num-layers" in capsys.readouterr().err
-    assert main(["--num-gpus", "8", "--hf-config", str(tmp_path / "none")] + flags) == 1
+    assert main(["--num-gpus", "8", "--hf-config", str(tmp_path / "none")] + flags) == 2
     assert "config.json" in capsys.readouterr().err
