@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -410,13 +410,11 @@ class ProgressWatchdog:
                   f"{KILL_DELAY_S:.0f} s after exiting")
         sys.stdout.flush()
         sys.stderr.flush()
-        if os.fork() == 0:  # the helper: nothing but a sleep and a signal, then gone
-            time.sleep(KILL_DELAY_S)
-            try:
-                os.kill(beat["pid"], signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            os._exit(0)
+        # A shell outlives this rank's exit; a fork of this threaded process could block in
+        # the at-fork handlers of its thread pools before it ever signals.
+        subprocess.Popen(["/bin/sh", "-c", f"sleep {KILL_DELAY_S}; kill -9 {int(beat['pid'])}"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _join_fault(self, report: str) -> None:
         first_line = report.splitlines()[0] if report else "a hang"
