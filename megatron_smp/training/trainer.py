@@ -225,12 +225,12 @@ class Trainer:
         import datetime
 
         from megatron_smp.optimizer import get_megatron_optimizer
-        from megatron_smp.parallel_state import build_parallel_state
+        from megatron_smp.parallel_state import create_parallel_state
         from megatron_smp.tensor_parallel.random import model_parallel_seed
         from megatron_smp.training.run_control import apply_deterministic_mode
 
         timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-        state = build_parallel_state(configs.parallel, timeout=timeout)
+        state = create_parallel_state(configs.parallel, timeout=timeout)
         training = configs.training
         if training.deterministic_mode:
             apply_deterministic_mode(state.device)
