@@ -72,7 +72,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
-    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.parallel_state import create_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
     from megatron_smp.training.arguments import parse_args, validate_configs
 
@@ -104,7 +104,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
         raise ConfigError("inference: virtual pipeline stages are not supported; drop "
                           "--num-layers-per-virtual-pipeline-stage")
     timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-    state = build_parallel_state(configs.parallel, timeout=timeout)
+    state = create_parallel_state(configs.parallel, timeout=timeout)
     model_parallel_seed(configs.training.seed, state)
     provider = model_provider or _model_provider
     if state.pp_size > 1:
