@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_smp.config import ConfigError
+from megatron_smp.inference.decode_step import decode_step_options
 from megatron_smp.inference.speculative import speculative_config_of  # noqa: F401
 from megatron_smp.training.arguments.modes import add_inference_args  # noqa: F401 (its flags)
 
@@ -71,7 +72,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
     from megatron_smp.data import build_tokenizer
     from megatron_smp.inference import InferenceEngine
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
-    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.parallel_state import create_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
     from megatron_smp.training.arguments import parse_args, validate_configs
 
@@ -103,7 +104,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
         raise ConfigError("inference: virtual pipeline stages are not supported; drop "
                           "--num-layers-per-virtual-pipeline-stage")
     timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-    state = build_parallel_state(configs.parallel, timeout=timeout)
+    state = create_parallel_state(configs.parallel, timeout=timeout)
     model_parallel_seed(configs.training.seed, state)
     provider = model_provider or _model_provider
     if state.pp_size > 1:
@@ -140,7 +141,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             group=group, prefix_caching=inference.eviction_policy,
             max_step_tokens=inference.max_step_tokens,
             chunked_prefill=inference.chunked_prefill, speculative=speculative,
-            draft_model=draft)
+            draft_model=draft, **decode_step_options(inference))
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \

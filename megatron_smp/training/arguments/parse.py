@@ -209,5 +209,7 @@ def parse_args(
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
-    return Configs(args=args, setting_names=setting_names, **built, **modes)
+    given_flags = frozenset(token.split("=", 1)[0] for token in argv if token.startswith("--"))
+    return Configs(args=args, setting_names=setting_names, given_flags=given_flags, **built,
+                   **modes)
 
