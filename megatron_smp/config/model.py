@@ -102,6 +102,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # Megatron's --qk-layernorm: `normalization` over each head's query and key (head dim),
     # after the QKV projection and before RoPE.
     qk_layernorm: bool = False
+    # Megatron's --test-mode: every attention forward checks that the data- and
+    # tensor-parallel replicas of its q/k norm parameters are equal (its real-time test of
+    # silent corruption), raising on every rank of a group that disagrees.
+    test_mode: bool = False
     # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU) | "squared_relu" (relu(x)^2)
     # | "quick_gelu" (x * sigmoid(1.702 x); gated: Megatron's --quick-geglu, gpt-oss's GLU)
     activation: str = "gelu"

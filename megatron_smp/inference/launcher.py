@@ -19,6 +19,7 @@ import torch
 
 from megatron_smp.config import ConfigError
 from megatron_smp.config.sections import Configs
+from megatron_smp.inference.decode_step import decode_step_options
 from megatron_smp.inference.speculative import speculative_config_of
 
 
@@ -108,7 +109,7 @@ def launch_inference_engine(configs: Configs, model_provider: Optional[Callable]
             group=group, prefix_caching=inference.eviction_policy,
             max_step_tokens=inference.max_step_tokens,
             chunked_prefill=inference.chunked_prefill, speculative=speculative,
-            draft_model=draft)
+            draft_model=draft, **decode_step_options(inference))
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \

@@ -126,6 +126,10 @@ _FLAGS: List[_Flag] = [
     _f("--apply-layernorm-1p", "model", "layernorm_zero_centered_gamma", action="store_true",
        help="norm weights stored zero-centred: y = norm(x) * (1 + w)"),
     _f("--qk-layernorm", "model", action="store_true"),
+    _f("--test-mode", "model", action="store_true",
+       help="Megatron-LM's real-time test: each attention forward checks that the data- and "
+            "tensor-parallel replicas of its --qk-layernorm weights are equal, and stops the "
+            "run on every rank of a group that disagrees"),
     _f("--squared-relu", None, "squared_relu", action="store_true",
        help="MLP activation relu(x)^2"),
     _f("--use-parallel-residual", "model", "parallel_residual", action="store_true"),
@@ -285,6 +289,10 @@ _FLAGS: List[_Flag] = [
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--microbatch-group-size-per-virtual-pipeline-stage", "training",
+       "microbatch_group_size_per_vp_stage", type=int,
+       help="the interleaved schedule runs each model chunk on this many microbatches in turn "
+            "(default: the pipeline size; between it and the number of microbatches)"),
     _f("--decoder-first-pipeline-num-layers", "parallel", type=int),
     _f("--decoder-last-pipeline-num-layers", "parallel", type=int),
     _f("--sequence-parallel", "model", action="store_true"),
@@ -413,7 +421,9 @@ _FLAGS: List[_Flag] = [
        help="1 only: the distributed optimizer shards over the whole data-parallel group"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
        choices=["none", "local", "transformer_engine"], default="none",
-       help="none only: CUDA graphs are not built"),
+       help="local: the inference tools' (and train_rl.py's rollouts') decode steps "
+       "captured as CUDA graphs, one per padded batch size and key width (a CUDA device); "
+       "training: none only"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -763,6 +773,8 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
     "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
                                    "(Megatron-LM accepts it there too); every other 1-D param "
                                    "and bias stays undecayed"),
+    "--test-mode": ("--qk-layernorm", "its one real-time test compares the replicas of the q/k "
+                                      "norm weights (Megatron-LM returns from it there too)"),
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-interval",
@@ -808,15 +820,12 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
-    "--microbatch-group-size-per-virtual-pipeline-stage": "another microbatch grouping of the "
-                                                          "interleaved pipeline schedule",
     "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
                                                  "splitting layers over pipeline stages",
     "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
                                             "layers over pipeline stages",
     "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
                                         "--decoder-first/last-pipeline-num-layers)",
-    "--test-mode": "Megatron-LM's real-time self-tests of its attention layers",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
         "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
         "--dsa-indexer-topk")},

@@ -44,7 +44,8 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
         from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches
 
         for count in calculator.microbatch_counts():
-            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
+            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size,
+                                       training.microbatch_group_size_per_vp_stage)
 
 
 def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
