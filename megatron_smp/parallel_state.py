@@ -503,17 +503,30 @@ def build_parallel_state(
     backend: Optional[str] = None,
     timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
-    """Validate `config` against the world size, then create every process group.
+    """Check `config` against the world size, then create every process group: the entry
+    point for a layout built by hand.
 
-    The configuration is checked on every rank before the first collective, so a layout
-    that cannot work raises `ConfigError` everywhere instead of hanging.
+    The check runs on every rank before the first collective, so a layout that cannot work
+    raises `ConfigError` everywhere instead of hanging. The training scripts, `smp.init` and
+    the inference launcher check their configs where they build them (`validate_configs`,
+    `parse_smp_config`) and call `create_parallel_state`, which does not check again.
     """
     config = config or ParallelConfig()
     config.validate(launcher_world_size())
+    return create_parallel_state(config, backend=backend, timeout=timeout)
+
+
+def create_parallel_state(
+    config: ParallelConfig,
+    *,
+    backend: Optional[str] = None,
+    timeout: Optional[datetime.timedelta] = None,
+) -> ParallelState:
+    """Create every process group of the layout a validated `config` describes (collective).
+    Its world size is the launcher's (`launcher_world_size`), the one it was validated with."""
     init_process_group(backend or config.distributed_backend, timeout)
     world_size = dist.get_world_size()
     rank = dist.get_rank()
-    config.validate(world_size)
 
     tp = config.tensor_model_parallel_size
     cp = config.context_parallel_size
@@ -621,6 +634,7 @@ def rank_zero_print(state: Optional[ParallelState], *args, **kwargs) -> None:
 __all__ = [
     "ParallelState",
     "build_parallel_state",
+    "create_parallel_state",
     "local_parallel_state",
     "destroy_parallel_state",
     "init_process_group",

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 
 
 # How validation messages name ParallelConfig fields: Megatron's flags by default; `smp.init`
@@ -79,17 +79,12 @@ class ParallelConfig:
         return dp_cp if self.hybrid_shard_degree == 0 else self.hybrid_shard_degree
 
     def validate(self, world_size: int, names: Optional[dict] = None) -> None:
-        """Check the degrees against `world_size`. Pure: reads the config, never changes it
-        (once per contents and world size: see `_fingerprint`).
+        """Check the degrees against `world_size`. Pure: reads the config, never changes it.
+        Run once, where the configs are built (`validate_configs`, `smp.init`), or, for a
+        config built by hand, by `build_parallel_state` before its first collective.
 
         `names` maps field names to how the user spelled them (default: Megatron's flags).
         """
-        key = (_fingerprint(self), world_size)
-        if not _validated(self, key):
-            self._check(world_size, names)
-            _remember_validated(self, key)
-
-    def _check(self, world_size: int, names: Optional[dict]) -> None:
         name = dict(FLAG_NAMES, **(names or {}))
         for field_name in (
             "tensor_model_parallel_size",

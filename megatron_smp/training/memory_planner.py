@@ -73,14 +73,14 @@ def fake_layout(parallel_config, world_size: int, rank: int):
     size and rank is real, no collective communicates. For counting only (meta builds)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.parallel_state import create_parallel_state
 
     if dist.is_initialized():
         raise RuntimeError("fake_layout needs torch.distributed uninitialised (the memory "
                            "report runs before the process group is created)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield build_parallel_state(parallel_config)
+        yield create_parallel_state(parallel_config)
     finally:
         dist.destroy_process_group()
 

@@ -450,12 +450,33 @@ def test_mode_sections_are_parsed_once_with_their_flags():
 
 
 def test_library_code_never_reads_the_flag_namespace():
-    """Only the flag layer (training/arguments/) reads `Configs.args`; everything else reads
-    the typed sections."""
+    """Only the flag layer (training/arguments/, where the namespace becomes `Configs`) reads
+    `Configs.args`; everything else, validation included, reads the typed sections."""
     import re
 
     _, sources = _library_sources()
     readers = sorted(path for path, text in sources.items()
-                     if not path.startswith("megatron_smp/training/arguments/")
+                     if (not path.startswith("megatron_smp/training/arguments/")
+                         or path.endswith("/validation.py"))
                      and re.search(r"configs\.args\b|\.args\.[a-z]", text))
     assert readers == [], readers
+
+
+def test_microbatch_group_size_reaches_the_config_and_is_checked_against_the_batch():
+    virtual = BASE + ["--pipeline-model-parallel-size", "2",
+                      "--virtual-pipeline-model-parallel-size", "2", "--num-layers", "4",
+                      "--global-batch-size", "8"]
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    # 4 microbatches of 2 at world 2 (pp 2): a group of 4 runs; 3 leaves a last group of 1.
+
+    def validated(group):
+        configs = parse_args(virtual + [flag, group, "--vocab-size", "1000"])
+        validate_configs(configs, world_size=2)
+        return configs
+
+    assert validated("4").training.microbatch_group_size_per_vp_stage == 4
+    with pytest.raises(ConfigError, match=r"last group holds 1 microbatches \(4 % "
+                                          rf"{flag} 3\)"):
+        validated("3")
+    with pytest.raises(ConfigError, match=rf"{flag} \(9\) must lie between"):
+        validated("9")
