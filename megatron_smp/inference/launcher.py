@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_smp.config import ConfigError
+from megatron_smp.inference.decode_step import decode_step_options
 from megatron_smp.inference.speculative import speculative_config_of  # noqa: F401
 from megatron_smp.training.arguments.modes import add_inference_args  # noqa: F401 (its flags)
 
@@ -140,7 +141,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             group=group, prefix_caching=inference.eviction_policy,
             max_step_tokens=inference.max_step_tokens,
             chunked_prefill=inference.chunked_prefill, speculative=speculative,
-            draft_model=draft)
+            draft_model=draft, **decode_step_options(inference))
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \

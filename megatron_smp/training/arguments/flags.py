@@ -424,7 +424,9 @@ _FLAGS: List[_Flag] = [
        help="1 only: the distributed optimizer shards over the whole data-parallel group"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
        choices=["none", "local", "transformer_engine"], default="none",
-       help="none only: CUDA graphs are not built"),
+       help="local: the inference tools' (and train_rl.py's rollouts') decode steps "
+       "captured as CUDA graphs, one per padded batch size and key width (a CUDA device); "
+       "training: none only"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
