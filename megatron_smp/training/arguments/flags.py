@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_smp.checkpointing.loop import STRICTNESS_CHOICES
+from megatron_smp.training.arguments import megatron_lm
 from megatron_smp.config import (
     CP_COMM_TYPES,
     LR_DECAY_STYLES,
@@ -649,6 +650,17 @@ _FLAGS: List[_Flag] = [
        help="the model flags come from the --load checkpoint (the shape flags may be left out)"),
 ]
 
+# Megatron-LM main's flags with a meaning of their own here (megatron_lm.py).
+_FLAGS += [_f(flag, section, field, **kwargs)
+           for flag, section, field, kwargs in megatron_lm.IMPLEMENTED]
+# Its other spellings of flags in the table: the same config field.
+_FLAGS += [_Flag(alias, spec.section, spec.field,
+                 megatron_lm.alias_kwargs(spec.flag, spec.kwargs, negated))
+           for spec in list(_FLAGS)
+           for aliases, negated in ((megatron_lm.ALIASES, False),
+                                    (megatron_lm.NEGATED_ALIASES, True))
+           for alias, flag in aliases.items() if flag == spec.flag]
+
 # Megatron-LM flags accepted and ignored, each with the reason it changes neither results nor
 # memory here (docs/flags.md lists the same table, generated from this one).
 IGNORED_FLAGS: Dict[str, str] = {
@@ -788,6 +800,10 @@ _IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-inter
                        "--timing-log-level", "--cross-entropy-fusion-impl",
                        "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
 
+# The rest of Megatron-LM main's parser (megatron_lm.py): its ignored flags join the table.
+IGNORED_FLAGS.update(megatron_lm.IGNORED)
+_IGNORED_NARGS = {flag: nargs for flag, nargs in megatron_lm.IGNORED_NARGS.items() if nargs}
+
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
@@ -848,6 +864,8 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
            "--inference-dynamic-batching-buffer-size-gb")},
 }
 
+NOT_SUPPORTED_YET_FLAGS.update(megatron_lm.NOT_BUILT)
+
 # Megatron-LM flags that need NVIDIA hardware or libraries this path does not have, refused
 # as Megatron-LM itself fails without them: {flag: what it needs}. Each only changes how the
 # same computation runs on a GPU: dropping it is the hardware-only change.
@@ -871,6 +889,7 @@ NEEDS_NVIDIA_FLAGS: Dict[str, str] = {
              "pretrain_gpt.py declares its --export-* flags" for flag in (
                  "--export-te-mcore-model", "--export-kd-teacher-load", "--export-kd-cfg")},
 }
+NEEDS_NVIDIA_FLAGS.update(megatron_lm.NEEDS_NVIDIA)
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {
     ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
@@ -920,6 +939,8 @@ def _reject_not_supported_yet(argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
+        if flag in megatron_lm.MEGATRON_ERRORS:  # as Megatron-LM's validate_args refuses it
+            raise ConfigError(megatron_lm.MEGATRON_ERRORS[flag])
         if flag in NEEDS_NVIDIA_FLAGS:
             raise ConfigError(
                 f"{flag} needs {NEEDS_NVIDIA_FLAGS[flag]}, as in Megatron-LM, and megatron_smp "
@@ -940,7 +961,10 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         dest = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.add_argument(spec.flag, dest=dest, **spec.kwargs)
     for flag in IGNORED_FLAGS:
-        if flag in _IGNORED_WITH_VALUE:
+        if flag in _IGNORED_NARGS:
+            parser.add_argument(flag, dest=f"ignored__{flag}", help=argparse.SUPPRESS,
+                                nargs=None if _IGNORED_NARGS[flag] == 1 else _IGNORED_NARGS[flag])
+        elif flag in _IGNORED_WITH_VALUE:
             parser.add_argument(flag, dest=f"ignored__{flag}", help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, dest=f"ignored__{flag}", action="store_true",
