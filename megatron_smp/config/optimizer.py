@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -93,13 +93,9 @@ class OptimizerConfig:
         return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
-        """Check the optimizer settings (once per contents)."""
-        key = _fingerprint(self)
-        if not _validated(self, key):
-            self._check()
-            _remember_validated(self, key)
-
-    def _check(self) -> None:
+        """Check the optimizer settings. Pure; run once where the configs are built
+        (`validate_configs`); a config built by hand is checked by calling this before
+        `get_megatron_optimizer`, which does not."""
         _require(
             self.optimizer in ("adam", "sgd", "muon", "lion"),
             f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",

@@ -34,6 +34,9 @@ class TrainingConfig:
     eval_iters: int = 10
     tensorboard_dir: Optional[str] = None
     pipeline_schedule: str = "interleaved"  # SMP: "simple" | "interleaved"
+    # Megatron's --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule
+    # runs each model chunk on this many microbatches in turn (None: the pipeline size).
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     exit_interval: Optional[int] = None
     # Logging, as Megatron's flags of the same names.
     log_throughput: bool = False  # tokens/s and TFLOP/s/GPU in the log line

@@ -227,12 +227,12 @@ class Trainer:
         import datetime
 
         from megatron_smp.optimizer import get_megatron_optimizer
-        from megatron_smp.parallel_state import build_parallel_state
+        from megatron_smp.parallel_state import create_parallel_state
         from megatron_smp.tensor_parallel.random import model_parallel_seed
         from megatron_smp.training.run_control import apply_deterministic_mode
 
         timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-        state = build_parallel_state(configs.parallel, timeout=timeout)
+        state = create_parallel_state(configs.parallel, timeout=timeout)
         training = configs.training
         if training.deterministic_mode:
             apply_deterministic_mode(state.device)
@@ -379,13 +379,17 @@ class Trainer:
         training = self.configs.training
         if self.step_data is not None:
             data_iterator = self.step_data(self, data_iterator, num_microbatches)
-        forward_backward = get_forward_backward_func(
-            self.state.pp_size, schedule_name(training.pipeline_schedule, len(self.model)))
+        name = schedule_name(training.pipeline_schedule, len(self.model))
+        forward_backward = get_forward_backward_func(self.state.pp_size, name)
+        extra = {}
+        if name == "interleaved_1f1b" and self.state.pp_size > 1:
+            extra["microbatch_group_size_per_vp_stage"] = (
+                training.microbatch_group_size_per_vp_stage)
         return forward_backward(
             forward_step_func=forward_step, data_iterator=data_iterator, model=self.model,
             num_microbatches=num_microbatches, seq_length=training.seq_length,
             micro_batch_size=training.micro_batch_size, forward_only=forward_only,
-            hooks=None if forward_only else self._schedule_hooks())
+            hooks=None if forward_only else self._schedule_hooks(), **extra)
 
     def _schedule_hooks(self) -> ScheduleHooks:
         model = self.model

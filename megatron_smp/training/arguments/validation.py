@@ -44,7 +44,8 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
         from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches
 
         for count in calculator.microbatch_counts():
-            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
+            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size,
+                                       training.microbatch_group_size_per_vp_stage)
 
 
 def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
@@ -148,6 +149,18 @@ def _validate_feature_combinations(configs: Configs) -> None:
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    etp = parallel.expert_tensor_parallel_size
+    split_experts = (configs.model.num_moe_experts is not None and etp is not None
+                     and etp != parallel.tensor_model_parallel_size)
+    if split_experts and training.lora_rank:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --lora-rank is not supported "
+                          "yet; drop one of the two")
+    if split_experts and configs.checkpoint.ckpt_format == "torch" and configs.checkpoint.save:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --ckpt-format torch is not "
+                          "supported yet (its files are per TP x PP x EP rank); use "
+                          "--ckpt-format torch_dist")
     elif configs.checkpoint.pretrained_checkpoint:
         raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
                           "for full fine-tuning use --load DIR --finetune")
@@ -204,8 +217,8 @@ def _validate_data_flags(configs: Configs) -> None:
         raise ConfigError(f"{' and '.join(whole_paths + per_split_paths)} are exclusive "
                           "(Megatron's rule): give one dataset cut by --split, or one dataset "
                           "per split")
-    # Whether --split was given at all: the flag layer's namespace (the field has a default).
-    if per_split_paths and getattr(configs.args, "data__split", None) is not None:
+    # Whether --split was given at all (the field has Megatron's default).
+    if per_split_paths and "--split" in configs.given_flags:
         raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
                           "whole (Megatron refuses both too): drop --split")
     if data.mid_level_dataset_surplus < 0:
@@ -237,8 +250,8 @@ def _validate_run_flags(configs: Configs) -> None:
     cuda = torch.cuda.is_available()
     validate_run_control(
         configs.training,
-        # An ignored flag (no config field): whether it was given is the namespace's.
-        use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
+        # An ignored flag (no config field): only whether it was given.
+        use_flash_attn="--use-flash-attn" in configs.given_flags,
         uses_nccl=backend == "nccl" or (backend is None and cuda),
         sharded_params=configs.parallel.use_torch_fsdp2,
     )
