@@ -31,6 +31,7 @@ FLAGS = (
 ).split()
 _ITER = re.compile(r" iteration +(\d+)/ *\d+ \| consumed samples: +(\d+) \|.*"
                    r"number of skipped iterations: +(\d+)")
+_GRAD_NORM = re.compile(r" iteration +(\d+)/.*\| lm loss: ([-+\dEe.]+) \|.*grad norm: ([\d.]+) \|")
 _QUORUM = re.compile(r"replica group (\d): iteration (\d+): (\d) of 2 replica groups")
 _SENT = re.compile(r"replica group (\d): sent iteration (\d+)'s state .* weights sha1 (\w+)")
 _RECOVERED = re.compile(r"replica group (\d): recovered iteration (\d+)'s .* weights sha1 (\w+)")
@@ -150,6 +151,12 @@ def test_a_killed_replica_group_rejoins_without_stopping_the_other(tmp_path):
     # The killed process got no further than where it was killed (plus the step in flight).
     iterations1 = [int(m.group(1)) for m in _ITER.finditer(text1)]
     assert killed_at <= iterations1[-1] <= killed_at + 1, (killed_at, iterations1[-3:])
+    # From the rejoin on, both groups update with the same gradient -- the mean over both
+    # groups' batches -- while each computes its own loss on its own shard of the data.
+    norms0 = {int(i): (loss, norm) for i, loss, norm in _GRAD_NORM.findall(text0)}
+    norms1b = {int(i): (loss, norm) for i, loss, norm in _GRAD_NORM.findall(text1b)}
+    assert all(norms1b[i][1] == norms0[i][1] for i in range(rejoined, ITERS + 1))
+    assert sum(norms1b[i][0] != norms0[i][0] for i in range(rejoined, ITERS + 1)) > 0
     # Same weights at the end on both groups.
     finished = {m.group(1): (int(m.group(2)), m.group(3)) for m in _FINISHED.finditer(
         text0 + text1b)}
