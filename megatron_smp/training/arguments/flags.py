@@ -568,6 +568,23 @@ _FLAGS: List[_Flag] = [
        help="the straggler report starts off (toggle it on --straggler-ctrlr-port)"),
     _f("--straggler-ctrlr-port", "resilience", type=int, default=65535,
        help="rank 0 toggles the straggler report on each GET to 127.0.0.1:PORT"),
+    # Replica groups (torchft), torchtitan's --fault_tolerance.* options.
+    _f("--fault-tolerance", "resilience", action="store_true",
+       help="this job is one replica group of several (torchft): the groups average their "
+       "gradients over the groups alive at each step; a group that fails leaves the quorum "
+       "and the others go on, a restarted group fetches the weights and optimizer state from "
+       "a live one and rejoins"),
+    _f("--fault-tolerance-replica-id", "resilience", type=int, default=0,
+       help="this replica group's index (its data shard), 0..group-size-1"),
+    _f("--fault-tolerance-group-size", "resilience", type=int, default=0,
+       help="how many replica groups the job has (each reads 1/N of the data)"),
+    _f("--fault-tolerance-min-replica-size", "resilience", type=int, default=1,
+       help="the fewest replica groups a step may update with (fewer: the step is skipped)"),
+    _f("--fault-tolerance-lighthouse", "resilience", metavar="http://HOST:PORT",
+       help="the torchft lighthouse (default: the TORCHFT_LIGHTHOUSE variable)"),
+    _f("--fault-tolerance-process-group-timeout-ms", "resilience", type=int, default=10000,
+       help="the longest a gradient all-reduce across replica groups may take before the "
+       "step is given up (and the quorum re-formed)"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),

@@ -92,6 +92,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
     configs.resilience.validate(configs.checkpoint.save, world_size)
+    _validate_replica_groups(configs)
     _validate_modes(configs)
 
 
@@ -116,6 +117,19 @@ def _validate_optimizer_instances(configs: Configs, data_parallel_size: int) -> 
         raise ConfigError("--num-distributed-optimizer-instances shards Megatron's distributed "
                           "optimizer; with --use-torch-fsdp2 shard in groups with "
                           "hybrid_shard_degree instead")
+
+
+def _validate_replica_groups(configs: Configs) -> None:
+    """--fault-tolerance against the rest of the run."""
+    if not configs.resilience.fault_tolerance:
+        return
+    for flag, on in (("--use-torch-fsdp2", configs.parallel.use_torch_fsdp2),
+                     ("train_dpo.py", configs.dpo is not None),
+                     ("train_rl.py", configs.rl is not None)):
+        if on:
+            raise ConfigError(f"--fault-tolerance does not apply to {flag}: replica groups run "
+                              "the pretraining / SFT scripts over our DDP (with tensor, "
+                              "pipeline and data parallelism inside each group)")
 
 
 def _validate_logging_flags(configs: Configs) -> None:

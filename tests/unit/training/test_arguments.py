@@ -258,7 +258,8 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
                       "mup_base_hidden_size": "mup_width_mult",
                       "mup_output_mult": "mup_logit_mult",
                       "mup_base_head_dim": "attention_softmax_scale",
-                      "mup_attn_scale_power": "attention_softmax_scale"}
+                      "mup_attn_scale_power": "attention_softmax_scale",
+                      "fault_tolerance_lighthouse": "lighthouse"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:
