@@ -756,11 +756,12 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
 
 def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provider,
                   cache) -> list:
-    """The memory planner's per-stage parameter count (meta build), cached per layout shape.
+    """The memory planner's per-stage parameter count (composed from one-layer meta builds,
+    `count_stages_composed`, whose pieces `cache` keeps), cached per layout shape.
     `num_gpus` None: the smallest world of the same TP / PP / EP (CP 1, DP = EP), whose
     per-rank dense and expert counts are the same (what the timing reads; FSDP2's shard
     sizes need the real world)."""
-    from megatron_smp.training.memory_planner import count_stages
+    from megatron_smp.training.memory_planner import count_stages_composed
 
     if num_gpus is None:
         # Parameters do not depend on CP either: counted at CP 1.
@@ -775,7 +776,8 @@ def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provid
            layout.first_stage_layers, layout.last_stage_layers)
     if cache is not None and key in cache:
         return cache[key]
-    stages = count_stages(configs_for(configs, layout), world, model_provider)
+    pieces = cache.setdefault("pieces", {}) if cache is not None else None
+    stages = count_stages_composed(configs_for(configs, layout), world, model_provider, pieces)
     if cache is not None:
         cache[key] = stages
     return stages

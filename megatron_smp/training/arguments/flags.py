@@ -280,7 +280,10 @@ _FLAGS: List[_Flag] = [
     _f("--moe-per-layer-logging", "training", action="store_true",
        help="also write each MoE layer's load_balancing_loss / z_loss to TensorBoard and "
        "W&B (moe/<name>_layer_<i>)"),
-    _f("--expert-tensor-parallel-size", "parallel", type=int),
+    _f("--expert-tensor-parallel-size", "parallel", type=int,
+       help="ranks each expert is split over (default --tensor-model-parallel-size; at most "
+            "that): each pipeline stage's ranks form Megatron's expert grid etp x ep x "
+            "expert-data-parallel"),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),

@@ -135,6 +135,18 @@ def _validate_feature_combinations(configs: Configs) -> None:
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    etp = parallel.expert_tensor_parallel_size
+    split_experts = (configs.model.num_moe_experts is not None and etp is not None
+                     and etp != parallel.tensor_model_parallel_size)
+    if split_experts and training.lora_rank:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --lora-rank is not supported "
+                          "yet; drop one of the two")
+    if split_experts and configs.checkpoint.ckpt_format == "torch" and configs.checkpoint.save:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --ckpt-format torch is not "
+                          "supported yet (its files are per TP x PP x EP rank); use "
+                          "--ckpt-format torch_dist")
     elif configs.checkpoint.pretrained_checkpoint:
         raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
                           "for full fine-tuning use --load DIR --finetune")
