@@ -36,7 +36,11 @@ from megatron_smp.pipeline_parallel.schedules import (
 from megatron_smp.training.logging import ProgressLog
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron_smp.training.result_validation import ResultValidator, validation_enabled
+from megatron_smp.training.result_validation import (
+    ResultValidator,
+    nan_checks_enabled,
+    validation_enabled,
+)
 from megatron_smp.training.run_control import ExitConditions
 from megatron_smp.training.step_agreement import agree_on_step, loss_keys
 
@@ -659,7 +663,11 @@ def _build_validator(configs: Configs, state: ParallelState,
         if every_rank or state.rank == 0:
             print(message, flush=True)
 
-    validator = ResultValidator(configs.training.rerun_mode, state, log)
+    training = configs.training
+    validator = ResultValidator(
+        training.rerun_mode, state, log,
+        nan=nan_checks_enabled(training, configs.model.fp16, configs.optimizer.loss_scale),
+        spiky_loss=training.check_for_spiky_loss, large_grads=training.check_for_large_grads)
     for chunk in model:
         for buffer in getattr(chunk, "param_and_grad_buffers", []):
             buffer.grad_check = validator.check_grads

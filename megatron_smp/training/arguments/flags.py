@@ -420,9 +420,9 @@ _FLAGS: List[_Flag] = [
        help="with --use-megatron-fsdp: fp32 or auto; other values are an error"),
     _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
        type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
-    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
-       type=int, default=1,
-       help="1 only: the distributed optimizer shards over the whole data-parallel group"),
+    _f("--num-distributed-optimizer-instances", "optimizer", type=int, default=1,
+       help="split the data-parallel ranks into N consecutive instances: the distributed "
+            "optimizer shards within each, and the instances all-reduce each shard's grads"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
        choices=["none", "local", "transformer_engine"], default="none",
        help="local: the inference tools' (and train_rl.py's rollouts') decode steps "
