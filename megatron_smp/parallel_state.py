@@ -375,6 +375,42 @@ class ParallelState:
                 replicate_groups.append(members[offset::shard])
         self._new_groups((("fsdp_shard", shard_groups), ("fsdp_replicate", replicate_groups)))
 
+    def optimizer_instance_groups(self, instances: int):
+        """--num-distributed-optimizer-instances (Megatron's partial distributed optimizer):
+        {"dense": (intra, inter), "expert": (intra, inter)}. Each dp x cp group (expert-dp
+        group) splits into `instances` runs of consecutive members: the distributed
+        optimizer shards within a run (intra) and the members at the same place of every run
+        (inter) all-reduce their shard; (None, None) for experts whose expert-dp groups do
+        not divide (validation refuses that for a model with experts). Collective on first
+        use: every rank must ask."""
+        name = f"dist_opt_{instances}"
+        if f"{name}_intra" not in self.groups:
+            groups: Dict[str, List[List[int]]] = {
+                f"{name}{kind}": [] for kind in ("_intra", "_inter", "_expert_intra",
+                                                 "_expert_inter")}
+            for base, key in (("dp_cp", name), ("expert_dp", f"{name}_expert")):
+                for members in self._all_groups(base):
+                    size = len(members) // instances
+                    if len(members) % instances:  # experts: refused where they exist
+                        break
+                    groups[f"{key}_intra"] += [members[i * size:(i + 1) * size]
+                                               for i in range(instances)]
+                    groups[f"{key}_inter"] += [members[offset::size] for offset in range(size)]
+            self._new_groups(sorted(groups.items()))
+        return {"dense": (self.groups[f"{name}_intra"], self.groups[f"{name}_inter"]),
+                "expert": (self.groups.get(f"{name}_expert_intra"),
+                           self.groups.get(f"{name}_expert_inter"))}
+
+    def _all_groups(self, name: str) -> List[List[int]]:
+        """Every group of kind "dp_cp" or "expert_dp" (members in rank order)."""
+        if name == "dp_cp":
+            return rank_groups(self.sizes, ["cp", "dp"])
+        etp, ep = self.etp_size, self.ep_size
+        stage = self.sizes["tp"] * self.sizes["cp"] * self.sizes["dp"]
+        expert_dp = stage // (etp * ep)
+        return [[p * stage + t + etp * (a + ep * e) for e in range(expert_dp)]
+                for p in range(self.sizes["pp"]) for t in range(etp) for a in range(ep)]
+
     def _new_groups(self, named_groups) -> None:
         """Create every group of each (name, [members...]) in a rank-independent order (a
         collective: all ranks call it alike) and keep the one this rank belongs to."""

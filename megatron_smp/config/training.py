@@ -66,6 +66,10 @@ class TrainingConfig:
     # each bucket's local grad norm stops the run, after an in-place rerun in
     # "validate_results" mode; "disabled" raises at once.
     check_for_nan_in_loss_and_grad: bool = True
+    # Megatron's non-fatal checks: a loss (a bucket's local grad norm) at least 10x the largest
+    # of the first 100 seen is rerun in place, reported, and training goes on.
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
     rerun_mode: str = "validate_results"
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).

@@ -147,8 +147,16 @@ class MegatronOptimizer:
         # expert tensor-model-pipeline group; with ETP = TP the same as tp x pp, then ep).
         expert = [state.pp_group, state.tp_ep_group]
         if self.grads_sharded_over_dp:
-            dense.append(state.dp_cp_group)
-            expert.append(state.expert_dp_group)
+            # Sharded within an instance (--num-distributed-optimizer-instances): the others
+            # hold the same shards.
+            instances = self.config.num_distributed_optimizer_instances
+            if instances > 1:
+                groups = state.optimizer_instance_groups(instances)
+                dense.append(groups["dense"][0])
+                expert.append(groups["expert"][0])
+            else:
+                dense.append(state.dp_cp_group)
+                expert.append(state.expert_dp_group)
         return dense, expert
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:

@@ -420,9 +420,9 @@ _FLAGS: List[_Flag] = [
        help="with --use-megatron-fsdp: fp32 or auto; other values are an error"),
     _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
        type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
-    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
-       type=int, default=1,
-       help="1 only: the distributed optimizer shards over the whole data-parallel group"),
+    _f("--num-distributed-optimizer-instances", "optimizer", type=int, default=1,
+       help="split the data-parallel ranks into N consecutive instances: the distributed "
+            "optimizer shards within each, and the instances all-reduce each shard's grads"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
        choices=["none", "local", "transformer_engine"], default="none",
        help="local: the inference tools' (and train_rl.py's rollouts') decode steps "
@@ -568,6 +568,23 @@ _FLAGS: List[_Flag] = [
        help="the straggler report starts off (toggle it on --straggler-ctrlr-port)"),
     _f("--straggler-ctrlr-port", "resilience", type=int, default=65535,
        help="rank 0 toggles the straggler report on each GET to 127.0.0.1:PORT"),
+    # Replica groups (torchft), torchtitan's --fault_tolerance.* options.
+    _f("--fault-tolerance", "resilience", action="store_true",
+       help="this job is one replica group of several (torchft): the groups average their "
+       "gradients over the groups alive at each step; a group that fails leaves the quorum "
+       "and the others go on, a restarted group fetches the weights and optimizer state from "
+       "a live one and rejoins"),
+    _f("--fault-tolerance-replica-id", "resilience", type=int, default=0,
+       help="this replica group's index (its data shard), 0..group-size-1"),
+    _f("--fault-tolerance-group-size", "resilience", type=int, default=0,
+       help="how many replica groups the job has (each reads 1/N of the data)"),
+    _f("--fault-tolerance-min-replica-size", "resilience", type=int, default=1,
+       help="the fewest replica groups a step may update with (fewer: the step is skipped)"),
+    _f("--fault-tolerance-lighthouse", "resilience", metavar="http://HOST:PORT",
+       help="the torchft lighthouse (default: the TORCHFT_LIGHTHOUSE variable)"),
+    _f("--fault-tolerance-process-group-timeout-ms", "resilience", type=int, default=10000,
+       help="the longest a gradient all-reduce across replica groups may take before the "
+       "step is given up (and the quorum re-formed)"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),

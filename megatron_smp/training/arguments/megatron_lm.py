@@ -1,5 +1,5 @@
-"""The rest of Megatron-LM main's parser: every flag it declares that the flag table
-(flags.py) does not, sorted into
+"""The rest of Megatron-LM main's parser (and megatron-core 0.19.2's): every flag it declares
+that the flag table (flags.py) does not, sorted into
 
 * `ALIASES`: Megatron-LM's other spellings of flags in the table (the same action);
 * `IMPLEMENTED`: flags with their own meaning here (post-processed by `apply`);
@@ -65,6 +65,15 @@ IMPLEMENTED: List[Tuple[str, Any, str, Dict[str, Any]]] = [
           help="with --load or --pretrained-checkpoint: the weights the checkpoint gives "
           "overwrite the drawn ones (Megatron leaves them uninitialised for it); without "
           "either an error")),
+    ("--check-for-spiky-loss", "training", "check_for_spiky_loss",
+     dict(action="store_true",
+          help="a loss at least 10x the largest of the first 100 is rejected: rerun in place "
+          "under --rerun-mode validate_results, logged, and training goes on")),
+    ("--check-for-large-grads", "training", "check_for_large_grads",
+     dict(action="store_true",
+          help="a bucket's local grad norm at least 10x the largest of the first 100 is "
+          "rejected: rerun in place under --rerun-mode validate_results, logged, and training "
+          "goes on")),
     ("--mtp-hybrid-override-pattern", None, "mtp_hybrid_override_pattern",
      dict(help="Megatron-LM's deprecated MTP pattern: with --mtp-num-layers N, appended to "
           "--hybrid-layer-pattern N times after its MTP separator '/'")),
@@ -160,6 +169,9 @@ _IGNORED_GROUPS: List[Tuple[str, str]] = [
      "--use-same-sampling-seed-across-dp-ranks"),
     ("read only by Megatron's --dataloader-type cyclic sampler (refused here)",
      "--no-data-sharding"),
+    ("megatron-core 0.19: how Transformer Engine's FP8 params are dequantised while a "
+     "checkpoint loads; there are no quantised params here (FP8 is refused)",
+     "--no-stream-ckpt-dequant --disable-stream-ckpt-dequant"),
 ]
 IGNORED: Dict[str, str] = {flag.rstrip("=*"): reason
                            for flag, reason in _expand(_IGNORED_GROUPS).items()}
@@ -312,9 +324,8 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--no-strict-fsdp-dtensor-load"),
     ("Multi-Storage Client / object-storage paths (local paths only)",
      "--enable-msc --object-storage-cache-path"),
-    ("spiky-loss and large-grad checks of the rerun state machine, nor its rejected-results "
-     "file (the NaN/Inf checks of --check-for-nan-in-loss-and-grad are built)",
-     "--check-for-spiky-loss --check-for-large-grads --result-rejected-tracker-filename"),
+    ("file of rejected results of the rerun state machine (rejections are logged)",
+     "--result-rejected-tracker-filename"),
     ("per-parameter grad-reduction precision (grads here are accumulated and reduced in "
      "fp32, or in bf16 with --grad-reduce-in-bf16)",
      "--ddp-param-name-patterns-for-fp32-local-accumulation "

@@ -36,7 +36,8 @@ def test_audit_of_megatron_main_parser_finds_no_missing_flag():
               set(megatron_lm.MEGATRON_ERRORS), set(megatron_lm.NEEDS_NVIDIA),
               set(megatron_lm.NOT_BUILT)]
     assert sum(len(table) for table in tables) == len(set().union(*tables))
-    assert set().union(*tables) <= declared
+    assert set().union(*tables) - declared == {"--no-stream-ckpt-dequant",
+                                               "--disable-stream-ckpt-dequant"}  # 0.19.2's
     for flag in megatron_lm.MEGATRON_ERRORS:
         assert flag in result["error"]
 
@@ -149,3 +150,72 @@ def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(whole[iteration], rel=1e-6)
     assert "--exit-on-missing-checkpoint is set but no checkpoint was found" in error
+
+
+def test_spiky_loss_and_large_grads_checks():
+    """Megatron's is_unexpectedly_large (threshold 10 over the largest of the first 100
+    finite values, per context), non-fatal: validate_results reruns the iteration in place
+    and goes on; disabled logs and goes on. The first iteration of validate_results is not
+    checked (nor counted)."""
+    import types
+
+    import torch
+
+    from megatron_smp.training.result_validation import MESSAGES, ResultValidator
+    from megatron_smp.training.trainer import _build_validator
+
+    state = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+    logs = []
+    validator = ResultValidator("validate_results", state, lambda m, every_rank=False:
+                                logs.append(m), nan=False, spiky_loss=True, large_grads=True)
+    reruns = []
+
+    def step(iteration, losses, grad_norm=None, rerun_losses=None):
+        validator.start_iteration(iteration, None)
+        for loss in losses:
+            validator.check_loss(torch.tensor(loss))
+        if grad_norm is not None:
+            validator.check_grads(torch.tensor([grad_norm]))
+        counts = validator.local_counts()
+
+        def rerun():
+            reruns.append(iteration)
+            for loss in rerun_losses or losses:
+                validator.check_loss(torch.tensor(loss))
+        validator.finish_step(None, None, rerun, None if counts is None else counts.tolist())
+        return None if counts is None else counts.tolist()
+
+    assert step(1, [1000.0]) is None  # the first iteration: not checked, not counted
+    for i in range(50):  # 100 loss samples (largest 2.0), NaN not counted; 50 grad norms
+        assert step(2 + i, [1.0, 2.0 if i == 7 else 1.5, float("nan")], grad_norm=3.0) == \
+            [0.0] * len(MESSAGES)
+    assert step(52, [19.9], grad_norm=3.0) == [0.0] * len(MESSAGES)  # < 10 x 2.0
+    assert reruns == []
+    assert step(53, [20.0])[4] == 1.0  # >= 10 x 2.0: rerun in place, reproduced, go on
+    assert reruns == [53] and "reproducible within the tolerance. Training goes on" in logs[-1]
+    assert step(54, [25.0], rerun_losses=[1.0])[4] == 1.0
+    assert reruns == [53, 54] and "not reproducible" in logs[-1]
+    # The grad norms: still sampling (50 + 1 of 100), so a large one is counted, not rejected.
+    assert step(55, [1.0], grad_norm=1e6)[5] == 0.0
+    for i in range(48):
+        step(56 + i, [1.0], grad_norm=3.0)
+    assert step(104, [1.0], grad_norm=1e6)[5] == 0.0  # the largest is now 1e6
+    assert step(105, [1.0], grad_norm=1e7)[5] == 1.0
+    assert MESSAGES[5] in logs[-3]
+
+    disabled = ResultValidator("disabled", state, lambda m, every_rank=False: logs.append(m),
+                               nan=True, spiky_loss=True)
+    for iteration in range(1, 102):
+        disabled.start_iteration(iteration, None)
+        disabled.check_loss(torch.tensor(30.0 if iteration == 101 else 1.0))
+        counts = disabled.local_counts().tolist()
+        disabled.finish_step(None, None, lambda: reruns.append("disabled"), counts)
+    assert counts[4] == 1.0 and "training goes on" in logs[-1] and "disabled" not in reruns
+
+    # The flags reach the trainer's validator, without the NaN checks when those are off.
+    configs = parse_args(BASE + ["--check-for-spiky-loss", "--check-for-large-grads",
+                                 "--no-check-for-nan-in-loss-and-grad"])
+    built = _build_validator(configs, state, [])
+    assert (built.nan, built.spiky_loss, built.large_grads) == (False, True, True)
+    assert _build_validator(parse_args(BASE + ["--no-check-for-nan-in-loss-and-grad"]), state,
+                            []) is None
