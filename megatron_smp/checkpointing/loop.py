@@ -80,7 +80,7 @@ from megatron_smp.checkpointing.engine.agreement import (
     raise_if_any_rank_failed,
 )
 from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
-from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.config.errors import format_listing
 
 # common.json's config key naming the base checkpoint of a small LoRA checkpoint:
 # {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
