@@ -568,8 +568,9 @@ _FLAGS: List[_Flag] = [
     _f("--fault-injector-slow-factor", "resilience", type=float, default=2.0,
        help="a 'slow' fault makes each later step of the rank take this many times as long"),
     _f("--log-straggler", "resilience", action="store_true",
-       help="every log interval, the slowest and fastest ranks by forward-backward time, "
-       "with their throughput relative to the median; ranks below 0.6x in two reports running "
+       help="every log interval, the slowest and fastest ranks by their fastest "
+       "forward-backward in the interval, "
+       "with their throughput relative to the median; ranks below 0.7x in two reports running "
        "named as stragglers"),
     _f("--straggler-minmax-count", "resilience", type=int, default=1,
        help="how many slowest and fastest ranks the straggler report names"),
