@@ -1,6 +1,6 @@
 """InferenceConfig: the inference engine's sizes and options (the --inference-* flags and
-speculative decoding's), for `inference.launcher` (tools/generate.py, the server) and the
-rollouts of `train_rl.py`."""
+speculative decoding's), for `inference.launcher` (tools/generate.py and the server, through
+`training.inference_flags`) and the rollouts of `train_rl.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

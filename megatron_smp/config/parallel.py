@@ -57,8 +57,9 @@ class ParallelConfig:
     # Megatron's --init-model-with-meta-device: every model chunk is built on the meta device
     # and materialised part by part on its device (with FSDP2: unit by unit while sharding).
     init_model_with_meta_device: bool = False
-    # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
-    # (the only layout built: experts split like the dense MLP over the TP group).
+    # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP.
+    # Smaller: each stage's ranks form Megatron's expert grid etp x ep x expert-dp (see
+    # parallel_state), the experts split over etp ranks.
     expert_tensor_parallel_size: Optional[int] = None
 
     def data_parallel_size_for(self, world_size: int) -> int:
@@ -129,11 +130,27 @@ class ParallelConfig:
                 f"pp={pp} the data-parallel size must be {data_parallel}, not "
                 f"{self.data_parallel_size}",
             )
-        _require(
-            (data_parallel * cp) % self.expert_model_parallel_size == 0,
-            f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
-            f"divide data-parallel x context-parallel size ({data_parallel} x {cp})",
-        )
+        etp = self.expert_tensor_parallel_size
+        if etp is None or etp == tp:
+            _require(
+                (data_parallel * cp) % self.expert_model_parallel_size == 0,
+                f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) "
+                f"must divide data-parallel x context-parallel size ({data_parallel} x {cp})",
+            )
+        else:
+            # Megatron's expert grid: each pipeline stage's tp x cp x dp ranks, in order, are
+            # split etp-fastest into etp x ep x expert-dp.
+            _require(
+                isinstance(etp, int) and etp >= 1,
+                f"--expert-tensor-parallel-size must be a positive integer, got {etp!r}",
+            )
+            _require(
+                (tp * cp * data_parallel) % (etp * self.expert_model_parallel_size) == 0,
+                f"--expert-tensor-parallel-size ({etp}) x "
+                f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) "
+                f"must divide the ranks of a pipeline stage (tp {tp} x cp {cp} x dp "
+                f"{data_parallel})",
+            )
         if pp == 1:
             pipeline_only = {
                 name["virtual_pipeline_model_parallel_size"]:

@@ -27,6 +27,7 @@ from megatron_smp.training.arguments.flags import (
     _reject_not_supported_yet,
     build_parser,
 )
+from megatron_smp.training.arguments import megatron_lm
 from megatron_smp.training.arguments.modes import mode_sections
 
 
@@ -169,6 +170,7 @@ def parse_args(
     _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
     _apply_megatron_main_flags(args, sections)
+    megatron_lm.apply(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
         # with global tensor names and shapes, which FSDP2 runs write and read already.

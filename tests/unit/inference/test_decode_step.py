@@ -53,7 +53,7 @@ def test_decode_step_flags():
     """The tools' flags (tools/generate.py, the server, train_rl.py's rollouts) reach the
     engine's runner; contradictions and CUDA graphs off CUDA are errors naming the flag."""
     from megatron_smp.inference.decode_step import decode_step_options
-    from megatron_smp.inference.launcher import add_inference_args
+    from megatron_smp.training.arguments.modes import add_inference_args
     from megatron_smp.training.arguments import parse_args
 
     model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
