@@ -89,7 +89,8 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_feature_combinations(configs)
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
-    configs.resilience.validate(configs.checkpoint.save, world_size)
+    configs.resilience.validate(configs.checkpoint.save, world_size,
+                                load=configs.checkpoint.load)
     _validate_modes(configs)
 
 
