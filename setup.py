@@ -33,8 +33,10 @@ setup(
     extras_require={"test": ["pytest", "tiktoken", "peft",
                              "trl",
                              "fastapi", "uvicorn", "prometheus_client", "openai", "requests",
-                             "lm-eval[api]==0.4.13"],
+                             "lm-eval[api]==0.4.13", "torchft==0.2.0"],
                     "tiktoken": ["tiktoken"],
                     "peft": ["peft"],
-                    "serve": ["fastapi", "uvicorn", "prometheus_client"]},
+                    "serve": ["fastapi", "uvicorn", "prometheus_client"],
+                    # --fault-tolerance: replica groups over torchft's lighthouse and manager.
+                    "torchft": ["torchft==0.2.0"]},
 )

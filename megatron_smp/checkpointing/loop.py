@@ -498,6 +498,8 @@ def _load_lora_base(record: CheckpointRecord, base_dir: str, iteration: int) -> 
 def _find_iteration(record: CheckpointRecord) -> Optional[int]:
     """The iteration to resume from, or None (with a warning) when --load holds none."""
     load_dir = record.configs.checkpoint.load
+    if record.configs.checkpoint.ckpt_step is not None:  # Megatron's --ckpt-step
+        return record.configs.checkpoint.ckpt_step
     if _all_ranks_agree(os.path.isfile(tracker_path(load_dir))):
         return read_tracker(load_dir)
     if not os.path.isdir(load_dir):
@@ -507,6 +509,9 @@ def _find_iteration(record: CheckpointRecord) -> Optional[int]:
         why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
             f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
         )
+    if record.configs.checkpoint.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--exit-on-missing-checkpoint is set but no checkpoint was "
+                              f"found: --load directory {load_dir} {why}")
     if record.configs.checkpoint.pretrained_checkpoint:
         _print_rank_0(record, f"--load directory {load_dir} {why}: the LoRA adapters start "
                               "fresh over --pretrained-checkpoint")
@@ -742,6 +747,11 @@ def load(record: CheckpointRecord) -> None:
             raise CheckpointError(
                 f"--load {config.load} is a Megatron-LM checkpoint and --pretrained-checkpoint "
                 "names a base too; give the base once")
+        if config.ckpt_step not in (None, megatron.iteration):
+            raise CheckpointError(
+                f"--ckpt-step {config.ckpt_step}: --load {config.load} is a Megatron-LM "
+                f"checkpoint, read at the iteration its tracker names ({megatron.iteration}) "
+                "here; drop --ckpt-step, or point the tracker at that iteration")
         _load_megatron(record, megatron)
         return
     iteration = _find_iteration(record) if config.load else None

@@ -57,6 +57,7 @@ from megatron_smp.distributed.delayed_init import (  # noqa: F401
 _PARAM_ATTRIBUTES = (
     "tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
     "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename", "qkv_split_shapes",
+    "tensor_parallel_coords",
 )
 
 

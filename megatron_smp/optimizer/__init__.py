@@ -234,8 +234,9 @@ def get_megatron_optimizer(
     `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`. The precision is the
     params' own (the model's config is its one home): fp16 params get loss scaling.
     `mup_width_mult`: the model's muP width multiplier (TransformerConfig.mup_width_mult).
+    `config` is a validated one (`validate_configs`, or `config.validate()` for a config
+    built by hand).
     """
-    config.validate()
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond, mup_width_mult)
     factory = build_torch_optimizer(config, state.device)
     dtypes = {p.dtype for g in groups for p in g["params"]}

@@ -249,10 +249,15 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"unknown optimizer {group['optimizer']!r} in a param group")
 
     def bind(self, model_and_main: Iterable[Tuple[torch.nn.Parameter, torch.Tensor]],
-             tp_group=None) -> None:
-        """Record each main param's MuonParamInfo from its model param."""
+             tp_group=None, expert_tp_group=None) -> None:
+        """Record each main param's MuonParamInfo from its model param (an expert's split
+        over `expert_tp_group`, when given: --expert-tensor-parallel-size)."""
+        from megatron_smp.tensor_parallel.utils import is_expert_param
+
         for model_param, main_param in model_and_main:
-            self.param_info[main_param] = muon_param_info(model_param, tp_group, self.split_qkv)
+            group = (expert_tp_group if expert_tp_group is not None
+                     and is_expert_param(model_param) else tp_group)
+            self.param_info[main_param] = muon_param_info(model_param, group, self.split_qkv)
 
     # The orthogonalised update ----------------------------------------------------------------
     def _orthogonalize_matrix(self, matrix: torch.Tensor, info: MuonParamInfo) -> torch.Tensor:

@@ -74,7 +74,7 @@ class MegatronOptimizer:
         self._param_pairs = pairs
         # Muon reads each main param's TP layout and QKV split from its model param.
         if hasattr(self.optimizer, "bind"):
-            self.optimizer.bind(pairs, self.state.tp_group)
+            self.optimizer.bind(pairs, self.state.tp_group, self.state.etp_group)
 
     # Interface used by the training loop ---------------------------------------------------------
     @property
@@ -143,10 +143,20 @@ class MegatronOptimizer:
         """Groups over which partial sums of dense and of expert grads are added."""
         state = self.state
         dense = [state.model_parallel_group]
-        expert = [state.model_parallel_group, state.ep_group]
+        # Each expert tensor once: over the stages and the etp x ep block of each (Megatron's
+        # expert tensor-model-pipeline group; with ETP = TP the same as tp x pp, then ep).
+        expert = [state.pp_group, state.tp_ep_group]
         if self.grads_sharded_over_dp:
-            dense.append(state.dp_cp_group)
-            expert.append(state.expert_dp_group)
+            # Sharded within an instance (--num-distributed-optimizer-instances): the others
+            # hold the same shards.
+            instances = self.config.num_distributed_optimizer_instances
+            if instances > 1:
+                groups = state.optimizer_instance_groups(instances)
+                dense.append(groups["dense"][0])
+                expert.append(groups["expert"][0])
+            else:
+                dense.append(state.dp_cp_group)
+                expert.append(state.expert_dp_group)
         return dense, expert
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:

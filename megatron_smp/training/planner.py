@@ -14,6 +14,7 @@ The cost model, per micro-batch and layer on one rank of the slowest pipeline st
                 forward (FlashAttention's five GEMMs against two). Norms, residuals,
                 activations: `elementwise_passes` passes over the hidden state at HBM speed.
                 Under FP8 the linear layers' GEMMs run at the FP8 peak, attention in BF16.
+                Unfused (eager PyTorch, `fused_elementwise=False`): `eager_passes` more.
     recompute   full: every layer's forward once more; selective: the modules named
                 (core_attn, mlp, moe, moe_act, shared_experts, layernorm).
     TP          sequence parallelism: all-gather + reduce-scatter of the hidden state twice
@@ -93,11 +94,18 @@ class GPUSpec:
 # GB200 (NVL72, per GPU): 2.5 PFLOP/s BF16, 5 FP8 dense, 186 GB HBM3e at 8 TB/s, NVLink 5
 #   1.8 TB/s across all 72 GPUs of the rack, https://www.nvidia.com/en-us/data-center/gb200-nvl72/
 #   ; ConnectX-8 800 Gb/s per GPU between racks.
+# H100 96GB HBM2e at 500 W (Meta's Grand Teton hosts, torchtitan's published runs): HBM2e at
+#   2.4 TB/s, 400 Gb/s RDMA per GPU, the 500 W power limit (the SXM part's is 700 W), peak
+#   "between SXM and NVL" (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, which does
+#   not know it): taken as the mean of the SXM's 989 and the NVL's 835 TFLOP/s BF16 dense
+#   (1,671 with sparsity, https://www.nvidia.com/en-us/data-center/h100/), FP8 likewise.
 GPUS: Dict[str, GPUSpec] = {
     "a100-80gb": GPUSpec("A100 80GB SXM", 312 * TB, None, 2039 * GB, 80 * GB, 8,
                          300 * GB, 25 * GB, fp32_flops=19.5 * TB),
     "h100-sxm": GPUSpec("H100 SXM", 989 * TB, 1979 * TB, 3350 * GB, 80 * GB, 8,
                         450 * GB, 50 * GB, fp32_flops=67 * TB),
+    "h100-96gb-500w": GPUSpec("H100 96GB HBM2e 500 W", 912 * TB, 1825 * TB, 2400 * GB,
+                              96 * GB, 8, 450 * GB, 50 * GB, fp32_flops=60 * TB),
     "h200": GPUSpec("H200 SXM", 989 * TB, 1979 * TB, 4800 * GB, 141 * GB, 8,
                     450 * GB, 50 * GB, fp32_flops=67 * TB),
     "b200": GPUSpec("B200", 2250 * TB, 4500 * TB, 7700 * GB, 180 * GB, 8,
@@ -187,6 +195,11 @@ class PlanOptions:
     # Selective recompute that torchtitan's per-op policy does (half the matmuls): the share
     # of the linear layers' forward GEMM time recomputed. None: from the model's flags.
     recompute_gemm_fraction: Optional[float] = None
+    # ... and that policy recomputes every non-matmul op too (norms, RoPE, the activation).
+    recompute_elementwise: bool = False
+    # False: the layer's norms, RoPE, GQA's key/value expansion and the gated activation run as
+    # separate PyTorch ops, as torchtitan's Llama without torch.compile (`eager_passes`).
+    fused_elementwise: bool = True
     memory_fraction: float = 0.95
 
 
@@ -267,6 +280,29 @@ def mlp_gemms(model, tokens: float, tp: int, moe: bool, ep: int,
         out += [Gemm("shared_fc1", tokens, gated * shared / tp, h),
                 Gemm("shared_fc2", tokens, h, shared / tp)]
     return out
+
+
+def eager_passes(model, tp: int = 1, sp: int = 1) -> float:
+    """Hidden-sized reads + writes one layer's forward adds when its elementwise ops are
+    separate PyTorch kernels instead of fused ones (the fused count is `elementwise_passes`),
+    counted on torchtitan's Llama (models/llama/model.py, models/norms.py at 2024-12):
+    RMSNorm in fp32 (x.float(), pow, mean, x * rsqrt, type_as, * weight: 18 passes against a
+    fused norm's 2, twice per layer); RoPE through fp32 complex numbers on q and k (10 passes of
+    their width against 2); GQA's repeat_kv copying k and v to every head; the attention
+    output's transpose copy; SiLU and the product as two kernels (5 passes of the FFN width
+    against 3)."""
+    h = model.hidden_size
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    q, kv = a * d / tp, g * d / max(1, min(tp, g))
+    passes = 2 * 16.0 / sp
+    if model.uses_rotary_embedding():
+        passes += 8.0 * (q + kv) / h
+    if g < a:
+        passes += 2.0 * (q + kv) / h
+    passes += 2.0 * q / h
+    if model.gated_linear_unit:
+        passes += 2.0 * model.ffn_hidden_size / tp / h
+    return passes
 
 
 def output_gemm(model, tokens: float, tp: int) -> Gemm:
@@ -623,11 +659,14 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
     hidden = tokens * m.hidden_size * timer.bytes
     ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if moe else m.ffn_hidden_size
     routed = m.moe_router_topk * imbalance if moe else 1
-    elementwise = timer.memory(eff.elementwise_passes * hidden / sp
+    passes = eff.elementwise_passes / sp
+    if not options.fused_elementwise:
+        passes += eager_passes(m, tp, sp)
+    elementwise = timer.memory(passes * hidden
                                + 3 * tokens * routed * (ffn or 0) / tp * timer.bytes)
     t.forward += elementwise + eff.layer_overhead
     t.backward += 2 * (elementwise + eff.layer_overhead)
-    if full:
+    if full or options.recompute_elementwise:
         t.recompute += elementwise + eff.layer_overhead
 
     # Tensor parallelism: two gathers and two scatters (or two all-reduces) each way.
@@ -717,11 +756,12 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
 
 def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provider,
                   cache) -> list:
-    """The memory planner's per-stage parameter count (meta build), cached per layout shape.
+    """The memory planner's per-stage parameter count (composed from one-layer meta builds,
+    `count_stages_composed`, whose pieces `cache` keeps), cached per layout shape.
     `num_gpus` None: the smallest world of the same TP / PP / EP (CP 1, DP = EP), whose
     per-rank dense and expert counts are the same (what the timing reads; FSDP2's shard
     sizes need the real world)."""
-    from megatron_smp.training.memory_planner import count_stages
+    from megatron_smp.training.memory_planner import count_stages_composed
 
     if num_gpus is None:
         # Parameters do not depend on CP either: counted at CP 1.
@@ -736,7 +776,8 @@ def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provid
            layout.first_stage_layers, layout.last_stage_layers)
     if cache is not None and key in cache:
         return cache[key]
-    stages = count_stages(configs_for(configs, layout), world, model_provider)
+    pieces = cache.setdefault("pieces", {}) if cache is not None else None
+    stages = count_stages_composed(configs_for(configs, layout), world, model_provider, pieces)
     if cache is not None:
         cache[key] = stages
     return stages

@@ -185,13 +185,12 @@ def _apply_megatron_main_flags(args: argparse.Namespace,
             raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
                               "--virtual-pipeline-model-parallel-size are one setting; give one")
         parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
-    if args.num_distributed_optimizer_instances != 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances "
-                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
-                          "here shards over the whole data-parallel group (one instance); drop it")
-    if args.cuda_graph_impl != "none":
-        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
-                          "megatron_smp does not build; drop it (a hardware-only switch)")
+    if args.cuda_graph_impl != "none" and not hasattr(args, "inference_max_tokens"):
+        # (the inference tools and train_rl.py's rollouts capture decode steps: modes.py)
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs of "
+                          "training steps, which megatron_smp does not build; drop it (a "
+                          "hardware-only switch). The inference tools take --cuda-graph-impl "
+                          "local for their decode steps")
     if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
         # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
         if not parallel.get("use_torch_fsdp2"):

@@ -1,4 +1,6 @@
-"""The package root is lazy: a config or a data tool imports only what it uses."""
+"""The package root is lazy: a config or a data tool imports only what it uses; imports point
+down (no circles, DESIGN.md's directions between packages)."""
+import functools
 import json
 import os
 import subprocess
@@ -41,6 +43,7 @@ def test_root_names_still_resolve():
     assert smp.smp.__name__ == "megatron_smp.smp"
 
 
+@functools.lru_cache(maxsize=None)
 def _imports_by_module(package_dir: str):
     """{module: modules of ours it imports (at the top or inside functions)}."""
     import ast
@@ -104,3 +107,35 @@ def test_no_import_circles():
             visit(module, [module])
     assert circles == [], circles
 
+
+
+def _package(module: str) -> str:
+    """megatron_smp.<package>.x -> <package> (a top-level module is its own package)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+# DESIGN.md's directions: what each package never imports (besides nothing importing
+# post_training, and config importing nothing of ours).
+NEVER_IMPORTS = {
+    "inference": {"training", "post_training"},
+    "data": {"tensor_parallel", "transformer", "context_parallel", "models", "training"},
+    "tensor_parallel": {"transformer", "models"},
+    "models": {"training", "optimizer"},
+}
+
+
+def test_imports_point_down_between_packages():
+    import megatron_smp
+
+    edges = _imports_by_module(os.path.dirname(megatron_smp.__file__))
+    wrong = []
+    for module, targets in sorted(edges.items()):
+        source = _package(module)
+        for target in sorted(targets):
+            package = _package(target)
+            if package == source:
+                continue
+            if (package in NEVER_IMPORTS.get(source, ()) or package == "post_training"
+                    or source == "config"):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == [], wrong

@@ -160,6 +160,23 @@ def test_inprocess_flags_of_nvidia_resiliency_ext_are_clear_errors():
         parse_args(argv)
 
 
+def test_inprocess_restart_with_rl_or_replica_groups_is_a_clear_error(tmp_path):
+    from megatron_smp.post_training.rl_training import add_rl_training_args
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    argv = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --train-iters 1 --vocab-size 64 "
+            f"--tokenizer-type NullTokenizer --mock-data --save {tmp_path} --load {tmp_path} "
+            "--inprocess-restart").split()
+    validate_configs(parse_args(argv), world_size=1)
+    with pytest.raises(ConfigError, match="--inprocess-restart and --fault-tolerance"):
+        validate_configs(parse_args(argv + ["--fault-tolerance", "--fault-tolerance-group-size",
+                                            "2", "--fault-tolerance-lighthouse", "http://h:1"]),
+                         world_size=1)
+    with pytest.raises(ConfigError, match="--inprocess-restart .*train_rl.py"):
+        validate_configs(parse_args(argv, add_rl_training_args), world_size=1)
+
+
 def test_stuck_live_rank_interrupts_for_an_inprocess_restart():
     """With --inprocess-restart a rank stuck past its step timeout but alive (its heartbeats
     go on) is recovered in process: the watchdog calls `interrupt` and does not exit."""
@@ -177,30 +194,35 @@ def test_stuck_live_rank_interrupts_for_an_inprocess_restart():
 
 
 class _CutOffStore:
-    """A store whose every call fails after `cut`: the network to it went down."""
+    """A store whose every call fails after `cut` (the connection was reset), or blocks
+    (`block`: a cut link, where the connection sees no reset)."""
 
-    def __init__(self, cut):
-        self.inner, self.cut = dist.HashStore(), cut
+    def __init__(self, cut, block=False):
+        self.inner, self.cut, self.block = dist.HashStore(), cut, block
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
 
         def call(*args):
             if self.cut.is_set():
+                if self.block:
+                    time.sleep(3600)
                 raise dist.DistStoreError("Socket Timeout")
             return method(*args)
         return call
 
 
-def test_a_rank_cut_off_from_the_store_stops_with_the_hang_code():
+@pytest.mark.parametrize("block", [False, True], ids=["reset", "blocked"])
+def test_a_rank_cut_off_from_the_store_stops_with_the_hang_code(block):
     cut = threading.Event()
     config = ResilienceConfig(enable_ft_package=True, ft_heartbeat_interval=0.1,
                               ft_rank_heartbeat_timeout=1.0)
-    watchdog, lines, exit = _watchdog(config, store=_CutOffStore(cut))
+    watchdog, lines, exit = _watchdog(config, store=_CutOffStore(cut, block))
     time.sleep(0.3)
     cut.set()
     start = time.monotonic()
     assert exit.event.wait(10)
-    assert exit.codes == [HANG_EXIT_CODE] and 1.0 <= time.monotonic() - start < 4.0
+    assert exit.codes == [HANG_EXIT_CODE] and 0.9 <= time.monotonic() - start < 4.0
     assert "the job's store has been unreachable" in lines[-1]
+    assert ("no answer" if block else "Socket Timeout") in lines[-1]
     assert "cut off from the others" in lines[-1]

@@ -133,6 +133,25 @@ def test_mechanisms_move_their_part():
     assert 1.3 < skewed.breakdown["ep"] / balanced.breakdown["ep"] <= 1.5
     assert skewed.breakdown["compute"] > balanced.breakdown["compute"]
 
+    # Unfused elementwise ops (eager PyTorch): eager_passes more hidden-sized passes per layer
+    # forward, twice that backward; the op policy's recompute adds the forward's passes.
+    from megatron_smp.training.planner import GPUS, eager_passes
+
+    llama = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "3584",
+             "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size",
+             "32000", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+             "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+    fused, eager = _predict(llama), _predict(llama, fused_elementwise=False)
+    configs, _ = _configs(llama)
+    assert eager_passes(configs.model) == pytest.approx(32 + 8 * 1.25 + 2 * 1.25 + 2 + 7)
+    per_pass = 2048 * 1024 * 2 / (GPUS["h100-sxm"].hbm_bandwidth * GPU_EFFICIENCY.memory)
+    assert eager.breakdown["compute"] - fused.breakdown["compute"] == pytest.approx(
+        4 * 8 * 3 * eager_passes(configs.model) * per_pass, rel=1e-9)
+    recomputed = _predict(llama, recompute_elementwise=True)
+    assert recomputed.breakdown["compute"] == pytest.approx(fused.breakdown["compute"])
+    assert recomputed.breakdown["recompute"] > fused.breakdown["recompute"] == 0
+
 
 def test_memory_is_the_memory_planners():
     """The plan's memory is estimate_memory's largest rank; fits compares it with HBM x the
