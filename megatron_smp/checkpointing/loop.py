@@ -80,7 +80,7 @@ from megatron_smp.checkpointing.engine.agreement import (
     raise_if_any_rank_failed,
 )
 from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
-from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.config.errors import format_listing
 
 # common.json's config key naming the base checkpoint of a small LoRA checkpoint:
 # {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
@@ -254,7 +254,8 @@ def save(record: CheckpointRecord) -> None:
                                        "iteration": record.lora_base[1]}
     if record.validates_results and record.rerun is not None:
         # --rerun-mode validate_results: the resumed job first reruns this iteration.
-        state_dict["rerun_iteration"], state_dict["rerun_device"] = map(int, record.rerun)
+        (state_dict["rerun_iteration"], state_dict["rerun_device"],
+         state_dict["rerun_injected"]) = map(int, record.rerun)
     save_checkpoint(
         record.iteration, state_dict, config.save, record.state,
         async_save=config.async_save,
@@ -635,6 +636,7 @@ class _LoadPlan:
     progress: bool
     rng: bool
     rerun: bool  # the saved --rerun-mode validate_results position
+    rerun_injected: bool  # ... and whether its error was injected (--error-injection-rate)
     base: Optional[LoraBase]  # a small LoRA checkpoint's base, loaded first
     adapters_fresh: bool  # --lora-rank over a checkpoint without adapters
 
@@ -681,6 +683,8 @@ def _plan_load(record: CheckpointRecord, saved: SavedCheckpoint) -> _LoadPlan:
         rng=not (config.no_load_rng or config.finetune) and (keys is None or "rng_state" in keys),
         rerun=(load_progress and record.validates_results and keys is not None
                and "rerun_iteration" in keys),
+        rerun_injected=(load_progress and record.validates_results and keys is not None
+                        and "rerun_injected" in keys),
         base=base, adapters_fresh=lora and not has_adapters)
 
 
@@ -702,6 +706,8 @@ def _load_template(record: CheckpointRecord, plan: _LoadPlan, path: str) -> Dict
     if plan.rerun:
         state_dict["rerun_iteration"] = 0
         state_dict["rerun_device"] = 0
+    if plan.rerun_injected:
+        state_dict["rerun_injected"] = 0
     return state_dict
 
 
@@ -714,7 +720,8 @@ def _apply_loaded(record: CheckpointRecord, plan: _LoadPlan, state_dict: Dict[st
         # A base checkpoint, or a whole (older) LoRA one: its weights are this run's base.
         record.lora_base = (os.path.abspath(saved.load_dir), int(saved.iteration))
     if plan.rerun:
-        record.rerun = (int(state_dict["rerun_iteration"]), int(state_dict["rerun_device"]))
+        record.rerun = (int(state_dict["rerun_iteration"]), int(state_dict["rerun_device"]),
+                        int(state_dict.get("rerun_injected", 0)))
     if plan.optimizer:
         finish_optimizer_load(record.optimizer, state_dict["optimizer"])
     else:

@@ -41,7 +41,7 @@ FUNCTION_FIELDS = (
     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
-    "yarn_correction_range_round_to_int",
+    "yarn_correction_range_round_to_int", "mla_rope_type",
     "hybrid_layer_pattern", "linear_attention_freq", "attention_output_gate", "mamba_dt_min",
     # Gemma 3's numerics (see TransformerConfig).
     "sandwich_norm", "apply_embedding_scaling", "softmax_scale", "final_logit_softcapping",
@@ -117,6 +117,11 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     activation_func_clamp_value: Optional[float] = None
     # "learned_absolute" | "rope" | "yarn" (RoPE with YaRN's scaling) | "alibi" | "none"
     position_embedding_type: str = "learned_absolute"
+    # Multi-latent attention rotates its positional channels whatever the position embedding
+    # (Megatron's MLA builds its own rotary embedding from --rope-type, default yarn): with
+    # position_embedding_type "learned_absolute" or "none" this is that RoPE ("rope" |
+    # "yarn"), beside the learned positions. None: from position_embedding_type.
+    mla_rope_type: Optional[str] = None
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     # Llama 3.x's RoPE frequency scaling (Megatron's --use-rope-scaling, --rope-scaling-factor;

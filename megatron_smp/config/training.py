@@ -71,6 +71,10 @@ class TrainingConfig:
     check_for_spiky_loss: bool = False
     check_for_large_grads: bool = False
     rerun_mode: str = "validate_results"
+    # Megatron's --error-injection-rate / --error-injection-type (its RerunErrorInjector):
+    # rehearsing the reruns above with injected errors (training/result_validation.py).
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).
     torch_compile: Optional[str] = None

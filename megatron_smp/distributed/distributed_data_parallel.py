@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from megatron_smp.config import ConfigError, OptimizerConfig
 from megatron_smp.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megatron_smp.optimizer.muon import is_muon_parameter
-from megatron_smp.tensor_parallel.utils import is_expert_param
+from megatron_smp.tensor_parallel.utils import is_expert_param, is_muon_parameter
 
 # Megatron's default when overlapping: large enough to keep the link busy, and at least
 # 1M elements per data-parallel rank so each shard is not tiny.

@@ -42,6 +42,7 @@ from megatron_smp.config import (
     MUON_SCALE_MODES,
     MUON_TP_MODES,
 )
+from megatron_smp.tensor_parallel.utils import is_muon_parameter
 
 # The published NS coefficient sets; the sets of "polar_express", "cans" and "deepseekv4" are
 # per step and their last triple repeats past the end, the others cycle.
@@ -147,15 +148,6 @@ def newton_schulz(
             matrix = torch.addmm(matrix, update, matrix, beta=a)
     matrix = matrix.float()
     return matrix.mT if transpose else matrix
-
-
-def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
-    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
-    output layer, norms, biases and params marked `use_muon = False` go to the scalar
-    optimizer (--muon-scalar-optimizer)."""
-    if param.dim() != 2 or not getattr(param, "use_muon", True):
-        return False
-    return "embedding" not in name and not name.endswith("output_layer.weight")
 
 
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:

@@ -103,6 +103,16 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
+    output layer, norms, biases and params marked `use_muon = False` go to the scalar
+    optimizer (--muon-scalar-optimizer). Here, beside the other kinds of param, because the
+    grad buffers' layout (layer-wise distributed optimizer) follows it too."""
+    if param.dim() != 2 or not getattr(param, "use_muon", True):
+        return False
+    return "embedding" not in name and not name.endswith("output_layer.weight")
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True when `param` should be counted on this rank in a norm over the model-parallel
     group: split parameters count on every rank, replicated ones only on tp rank 0 (an
@@ -123,4 +133,5 @@ __all__ = [
     "param_is_not_tensor_parallel_duplicate",
     "mark_expert_param",
     "is_expert_param",
+    "is_muon_parameter",
 ]

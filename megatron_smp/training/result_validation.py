@@ -35,11 +35,19 @@ logged losses) and its one host read.
                     error)" if the result is reproduced there and "Possible persistent error!"
                     if not.
   report_stats      not supported (a clear error).
+
+--error-injection-rate N / --error-injection-type (Megatron's RerunErrorInjector, for
+rehearsing the above): under validate_results, after the first iteration, each check of an
+iteration's first pass is rejected with probability 1/N on each rank (at most once per
+iteration and rank). transient_error: the in-place rerun does not reproduce it (exit 17);
+persistent_error and correct_result: it does (checkpoint, exit 16), and the resumed job's
+rerun elsewhere reports "Possible persistent error!" or "Correct result" respectively.
 """
 from __future__ import annotations
 
 import collections
 import os
+import random
 import zlib
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -52,7 +60,7 @@ EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 # The checkpoint keys of a pending rerun (present only in checkpoints the rerun wrote).
-RERUN_KEYS = ("rerun_iteration", "rerun_device")
+RERUN_KEYS = ("rerun_iteration", "rerun_device", "rerun_injected")
 
 # The checks, in the order of the counts the ranks all-reduce: four fatal, then two not.
 MESSAGES = (
@@ -65,8 +73,14 @@ MESSAGES = (
     "Spiky loss",
     "found unexpected large grads in backward pass before data-parallel communication "
     "collective",
+    "injected error (--error-injection-rate)",
 )
 FATAL_CHECKS = 4
+INJECTED_CHECK = 6  # fatal too
+# Megatron's --error-injection-type values and how its RerunErrorInjector names them.
+ERROR_INJECTION_TYPES = {"correct_result": "Expected result",
+                         "transient_error": "Transient error",
+                         "persistent_error": "Persistent error"}
 # Megatron's is_unexpectedly_large: its threshold and how many values set the largest.
 LARGE_VALUE_FACTOR = 10.0
 LARGE_VALUE_SAMPLES = 100
@@ -92,6 +106,18 @@ def validate_result_flags(training) -> None:
         raise ConfigError("--rerun-mode report_stats (rerun every iteration to measure "
                           "non-determinism) is not supported yet; use validate_results (the "
                           "default) or disabled")
+    if training.error_injection_rate < 0:
+        raise ConfigError(f"--error-injection-rate must be >= 0, got "
+                          f"{training.error_injection_rate}")
+    if training.error_injection_rate and training.rerun_mode != "validate_results":
+        raise ConfigError("--error-injection-rate injects errors into the reruns of --rerun-mode "
+                          f"validate_results (Megatron-LM injects none under "
+                          f"{training.rerun_mode}): use --rerun-mode validate_results, or drop "
+                          "it")
+    if training.error_injection_type not in ERROR_INJECTION_TYPES:
+        raise ConfigError(f"--error-injection-type must be one of "
+                          f"{', '.join(ERROR_INJECTION_TYPES)}, got "
+                          f"{training.error_injection_type!r}")
 
 
 def device_identity(device: torch.device) -> int:
@@ -130,8 +156,18 @@ class ResultValidator:
     """One per run; `train_step` drives it (see the module docstring)."""
 
     def __init__(self, mode: str, state, log: Callable[[str], None], nan: bool = True,
-                 spiky_loss: bool = False, large_grads: bool = False):
+                 spiky_loss: bool = False, large_grads: bool = False,
+                 injection_rate: int = 0, injection_type: str = "transient_error"):
         self.mode = mode
+        # Megatron's RerunErrorInjector (--error-injection-rate / --error-injection-type): each
+        # check of the first pass of an iteration is rejected with probability 1/rate on each
+        # rank (once per iteration); the in-place rerun reproduces it unless the type is
+        # transient_error, and the resumed job's rerun reproduces it for correct_result only.
+        self.injection_rate = injection_rate if mode == "validate_results" else 0
+        self.injection_type = injection_type
+        self._injected_call: Optional[int] = None
+        self._rerunning = False
+        self.rerun_injected = 0  # the pending rerun's first pass had an injected error
         self.nan, self.spiky_loss, self.large_grads = nan, spiky_loss, large_grads
         # is_unexpectedly_large's state per context (0 loss, 1 grads), on the device:
         # [finite values counted, their largest absolute value].
@@ -171,7 +207,27 @@ class ResultValidator:
             flags[first_check + 1] = value.isinf()
         if large is not None:
             flags[FATAL_CHECKS + large] = self._unexpectedly_large(value, large)
+        if self.injection_rate and self._inject(len(self._records)):
+            flags[INJECTED_CHECK] = True
         self._records.append(flags)
+
+    def _inject(self, call: int) -> bool:
+        """Whether this iteration's check number `call` on this rank is rejected by the error
+        injector (Megatron's maybe_inject / maybe_miscompare, see __init__)."""
+        if self._rerunning:
+            return call == self._injected_call and self.injection_type != "transient_error"
+        if self.rerun_iteration and self.rerun_iteration == self.iteration:
+            return (call == 0 and self.state.rank == 0 and bool(self.rerun_injected)
+                    and self.injection_type == "correct_result")
+        if not self.first_iteration_complete or self._injected_call is not None:
+            return False
+        rate = self.injection_rate
+        if (random.randint(0, rate - 1) + self.state.rank) % rate:
+            return False
+        self._injected_call = call
+        self.log(f"Injecting error type {ERROR_INJECTION_TYPES[self.injection_type]}",
+                 every_rank=True)
+        return True
 
     def _unexpectedly_large(self, value: torch.Tensor, context: int) -> torch.Tensor:
         """Megatron's is_unexpectedly_large as device ops: False while the first 100 finite
@@ -217,6 +273,7 @@ class ResultValidator:
 
         self.iteration = iteration
         self._records = []
+        self._injected_call = None
         self._rng = None
         self._active = self.mode == "disabled" or self.first_iteration_complete or (
             self.rerun_iteration == iteration)
@@ -291,7 +348,8 @@ class ResultValidator:
             return
         self._log_local(local)
         where = f"iteration {self.iteration}: {self._describe(counts)}"
-        if not from_checkpoint and not any(n > 0 for n in counts[:FATAL_CHECKS]):
+        fatal = list(counts[:FATAL_CHECKS]) + [counts[INJECTED_CHECK]]
+        if not from_checkpoint and not any(n > 0 for n in fatal):
             self._not_fatal(where, local, data_iterator, rerun)
             return
         if self.mode == "disabled":
@@ -308,7 +366,11 @@ class ResultValidator:
         if isinstance(data_iterator, ReplayIterator):
             data_iterator.rewind()
         self._records = []
-        rerun()
+        self._rerunning = True
+        try:
+            rerun()
+        finally:
+            self._rerunning = False
         differs = self._rerun_differs(initial)
         set_rng_state(self._rng)
         if differs:
@@ -378,14 +440,21 @@ class ResultValidator:
             if pending:
                 self.rerun_iteration = self.iteration
                 self.rerun_device = device_identity(self.state.device)
+                self.rerun_injected = int(self._injected_call is not None)
+                if self.injection_rate and dist.is_initialized() and dist.get_world_size() > 1:
+                    injected = torch.tensor([float(self.rerun_injected)],
+                                            device=self.state.device)
+                    dist.all_reduce(injected, op=dist.ReduceOp.MAX)
+                    self.rerun_injected = int(injected.item())
             try:
                 save()
             finally:
-                self.rerun_iteration = self.rerun_device = 0
+                self.rerun_iteration = self.rerun_device = self.rerun_injected = 0
         raise SystemExit(code)
 
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
-           "MESSAGES", "RERUN_KEYS", "RERUN_MODES", "ReplayIterator", "ResultValidator",
+           "ERROR_INJECTION_TYPES", "MESSAGES", "RERUN_KEYS", "RERUN_MODES", "ReplayIterator",
+           "ResultValidator",
            "device_identity", "nan_checks_enabled", "validate_result_flags",
            "validation_enabled"]

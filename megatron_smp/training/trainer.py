@@ -595,7 +595,8 @@ class Trainer:
         validator = self.validator
         rerun = None
         if validator is not None and validator.rerun_iteration:
-            rerun = (validator.rerun_iteration, validator.rerun_device)
+            rerun = (validator.rerun_iteration, validator.rerun_device,
+                     validator.rerun_injected)
         on_saved = self.progress_log.checkpoint_saved if self.progress_log is not None else None
         return CheckpointRecord(
             self.configs, self.state, self.model, self.optimizer, self.scheduler,
@@ -620,7 +621,8 @@ class Trainer:
         checkpointing.load(record)
         self.progress, self.lora_base = record.progress, record.lora_base
         if record.rerun is not None and self.validator is not None:
-            self.validator.rerun_iteration, self.validator.rerun_device = record.rerun
+            (self.validator.rerun_iteration, self.validator.rerun_device,
+             self.validator.rerun_injected) = record.rerun
 
     def prepare_async_save(self) -> None:
         from megatron_smp.checkpointing import loop as checkpointing
@@ -667,7 +669,9 @@ def _build_validator(configs: Configs, state: ParallelState,
     validator = ResultValidator(
         training.rerun_mode, state, log,
         nan=nan_checks_enabled(training, configs.model.fp16, configs.optimizer.loss_scale),
-        spiky_loss=training.check_for_spiky_loss, large_grads=training.check_for_large_grads)
+        spiky_loss=training.check_for_spiky_loss, large_grads=training.check_for_large_grads,
+        injection_rate=training.error_injection_rate,
+        injection_type=training.error_injection_type)
     for chunk in model:
         for buffer in getattr(chunk, "param_and_grad_buffers", []):
             buffer.grad_check = validator.check_grads

@@ -59,7 +59,7 @@ def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any],
         raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
                           "--use-rope-scaling, or drop them")
     yarn = sorted(given & set(_YARN_FLAGS))
-    if yarn and model.get("position_embedding_type") != "yarn":
+    if yarn and "yarn" not in (model.get("position_embedding_type"), model.get("mla_rope_type")):
         raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
                           "yarn (with --multi-latent-attention: drop --rope-type rope), or "
                           "drop them")
@@ -326,6 +326,11 @@ def _position_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
     if (model.get("multi_latent_attention") and args.rope_type != "rope"
             and model.get("position_embedding_type") == "rope"):
         model["position_embedding_type"] = "yarn"
+    if model.get("multi_latent_attention") and model.get(
+            "position_embedding_type", "learned_absolute") in ("learned_absolute", "none"):
+        # Megatron's MLA rotates its positional channels with its own --rope-type (default
+        # yarn) beside the learned absolute positions.
+        model["mla_rope_type"] = args.rope_type or "yarn"
 
 
 def _activation_fields(args: argparse.Namespace, argv: List[str],

@@ -517,6 +517,15 @@ _FLAGS: List[_Flag] = [
        action="store_false", default=True),
     _f("--rerun-mode", "training", choices=["disabled", "validate_results", "report_stats"],
        default="validate_results"),
+    _f("--error-injection-rate", "training", type=int, default=0,
+       help="with --rerun-mode validate_results: reject each check with probability 1/N per "
+            "rank (Megatron's error injector, to rehearse the reruns); 0: never"),
+    _f("--error-injection-type", "training",
+       choices=["correct_result", "transient_error", "persistent_error"],
+       default="transient_error",
+       help="what the injected error looks like to the reruns: not reproduced in place "
+            "(transient), or reproduced in place and then not (persistent) or again "
+            "(correct) on the resumed job's rerun elsewhere"),
     # Resilience (megatron_smp/resilience): hang detection, fault injection, stragglers.
     _f("--enable-ft-package", "resilience", action="store_true",
        help="a progress watchdog per rank: a rank with no progress past its section's timeout "
@@ -570,8 +579,9 @@ _FLAGS: List[_Flag] = [
     _f("--inprocess-empty-cuda-cache", "resilience", action="store_true",
        help="return the CUDA caching allocator's unused memory at each in-process restart"),
     _f("--log-straggler", "resilience", action="store_true",
-       help="every log interval, the slowest and fastest ranks by forward-backward time, "
-       "with their throughput relative to the median; ranks below 0.6x in two reports running "
+       help="every log interval, the slowest and fastest ranks by their fastest "
+       "forward-backward in the interval, "
+       "with their throughput relative to the median; ranks below 0.7x in two reports running "
        "named as stragglers"),
     _f("--straggler-minmax-count", "resilience", type=int, default=1,
        help="how many slowest and fastest ranks the straggler report names"),
@@ -863,8 +873,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
     "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
     # Megatron-LM main's functional-test configs.
-    "--error-injection-rate": "injecting faults into the result validation (--rerun-mode)",
-    "--error-injection-type": "injecting faults into the result validation (--rerun-mode)",
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",

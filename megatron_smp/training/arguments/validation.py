@@ -189,6 +189,9 @@ def _validate_feature_combinations(configs: Configs) -> None:
         if parallel.use_torch_fsdp2:
             raise ConfigError("--lora-rank is not supported with --use-torch-fsdp2 yet; use "
                               "DDP or --use-distributed-optimizer")
+    elif configs.checkpoint.pretrained_checkpoint:
+        raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
+                          "for full fine-tuning use --load DIR --finetune")
     etp = parallel.expert_tensor_parallel_size
     split_experts = (configs.model.num_moe_experts is not None and etp is not None
                      and etp != parallel.tensor_model_parallel_size)
@@ -201,9 +204,6 @@ def _validate_feature_combinations(configs: Configs) -> None:
                           "--tensor-model-parallel-size) with --ckpt-format torch is not "
                           "supported yet (its files are per TP x PP x EP rank); use "
                           "--ckpt-format torch_dist")
-    elif configs.checkpoint.pretrained_checkpoint:
-        raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
-                          "for full fine-tuning use --load DIR --finetune")
     if configs.model.mtp_num_layers is not None:
         unsupported = [flag for flag, on in (
             ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),

@@ -139,3 +139,26 @@ def test_imports_point_down_between_packages():
                     or source == "config"):
                 wrong.append(f"{module} -> {target}")
     assert wrong == [], wrong
+
+
+# The one package pair that imports both ways: the Mamba / Gated DeltaNet layers mix their
+# sequence over context parallelism with the CP package's layout and all-to-all (a lazy
+# import), while the CP attention cores build on the transformer's attention.
+TWO_WAY_EXCEPTIONS = {("megatron_smp.transformer.ssm.layers", "context_parallel")}
+
+
+def test_no_two_packages_import_each_other():
+    """At the level of packages too, imports point one way (a module-level edge from a
+    package to another that imports it back is a circle between the two)."""
+    import megatron_smp
+
+    edges = _imports_by_module(os.path.dirname(megatron_smp.__file__))
+    by_package = {}
+    for module, targets in edges.items():
+        for target in targets:
+            if _package(module) != _package(target) and \
+                    (module, _package(target)) not in TWO_WAY_EXCEPTIONS:
+                by_package.setdefault(_package(module), set()).add(_package(target))
+    both_ways = sorted((a, b) for a, targets in by_package.items() for b in targets
+                       if a in by_package.get(b, ()) and a < b)
+    assert both_ways == [], both_ways

@@ -224,3 +224,37 @@ def test_plan_tool(tmp_path, capsys):
     assert "--num-layers" in capsys.readouterr().err
     assert main(["--num-gpus", "8", "--hf-config", str(tmp_path / "none")] + flags) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_hybrid_layers_have_their_parts():
+    """--hybrid-layer-pattern layers hold one part each: "*-*-" costs what two GPT layers do
+    (the same GEMMs, attention, norms and TP collectives) but for the two more layers' host
+    overhead; a Mamba-2 or Gated DeltaNet mixer adds its projections and its chunked scan
+    (`mixer_scan_flops` at the attention efficiency, backward 2.5 x); --linear-attention-freq
+    GPT layers swap their attention for the Gated DeltaNet. MFU counts Megatron's hybrid
+    FLOPs."""
+    from megatron_smp.training.planner import (GPU_EFFICIENCY, GPUS, mixer_gemms,
+                                               mixer_scan_flops, model_flops)
+
+    base = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--vocab-size", "32000",
+            "--micro-batch-size", "1", "--global-batch-size", "32", "--bf16",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    gpt = _predict(base + ["--num-layers", "2"])
+    attention_mlp = _predict(base + ["--hybrid-layer-pattern", "*-*-"])
+    assert attention_mlp.breakdown["tp"] == pytest.approx(gpt.breakdown["tp"], rel=1e-9)
+    micro_batches = 32 // 8
+    assert attention_mlp.breakdown["compute"] - gpt.breakdown["compute"] == pytest.approx(
+        micro_batches * 2 * 3 * GPU_EFFICIENCY.layer_overhead, rel=1e-6)
+
+    mamba = _predict(base + ["--hybrid-layer-pattern", "M-M-"])
+    configs, _ = _configs(base + ["--hybrid-layer-pattern", "M-M-"])
+    assert mamba.mfu == pytest.approx(model_flops(configs.model, 2048, 32) / mamba.step_time
+                                      / 16 / GPUS["h100-sxm"].bf16_flops)
+    scan = mixer_scan_flops(configs.model, "M", 2048, 2048, 2)
+    assert scan > 0 and len(mixer_gemms(configs.model, "M", 2048, 2)) == 2
+    assert mamba.breakdown["compute"] != attention_mlp.breakdown["compute"]
+    gdn = _predict(base + ["--hybrid-layer-pattern", "G-G-"])
+    linear = _predict(base + ["--num-layers", "2", "--linear-attention-freq", "2"])
+    assert gdn.breakdown["compute"] > 0 and linear.breakdown["compute"] > 0
+    assert linear.breakdown["compute"] != gpt.breakdown["compute"]
