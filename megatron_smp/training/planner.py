@@ -88,6 +88,11 @@ class GPUSpec:
     # gloo's reduce_scatter all-reduces its input and keeps the rank's shard (measured here:
     # as long as an all_reduce of the same input); NCCL's moves (n - 1) / n of it.
     reduce_scatter_as_all_reduce: bool = False
+    # Seconds each call costs beyond bandwidth and latency (measured for gloo on a CPU:
+    # tools/bench/calibrate_planner.py's collective_overheads; 0 for the GPU presets).
+    all_gather_overhead: float = 0.0
+    reduce_scatter_overhead: float = 0.0
+    ring_exchange_overhead: float = 0.0
 
 
 # Vendor specifications (dense tensor-core figures; the sparsity figures are twice these):
@@ -587,16 +592,25 @@ class _Timer:
     def memory(self, nbytes: float) -> float:
         return nbytes / (self.cluster.gpu.hbm_bandwidth * self.eff.memory)
 
-    def collective(self, kind: str, nbytes: float, size: int, stride: int) -> float:
+    def collective(self, kind: str, nbytes: float, size: int, stride: int,
+                   plain: bool = False) -> float:
         """One collective of `nbytes` (the full buffer: gathered output / reduced input) over
-        `size` ranks `stride` apart."""
+        `size` ranks `stride` apart (`plain`: without the device's per-call overhead)."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self.cluster.link(stride, size)
         inside = stride * size <= self.cluster.gpus_per_node
         bandwidth *= self.eff.nvlink if inside else self.eff.network
         share = (size - 1) / size
-        if kind == "reduce_scatter" and self.cluster.gpu.reduce_scatter_as_all_reduce:
+        gpu = self.cluster.gpu
+        extra = {"all_gather": gpu.all_gather_overhead,
+                 "reduce_scatter": gpu.reduce_scatter_overhead,
+                 "ring": gpu.ring_exchange_overhead}.get(kind, 0.0)
+        if extra and not plain:
+            return self.collective(kind, nbytes, size, stride, plain=True) + extra
+        if kind == "ring":  # context parallelism's exchange with its ring neighbours
+            kind = "p2p"
+        if kind == "reduce_scatter" and gpu.reduce_scatter_as_all_reduce:
             kind = "all_reduce"
         if kind == "all_reduce":
             return 2 * share * nbytes / bandwidth + 2 * (size - 1) * latency
@@ -771,7 +785,7 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
         if m.cp_comm_type == "p2p":
             # Forward: K/V visit the cp - 1 other ranks; backward: K/V again, and their
             # grads travel cp hops back to their owner (context_parallel.attention).
-            step = timer.collective("p2p", kv, cp, tp)
+            step = timer.collective("ring", kv, cp, tp)
             fwd, bwd = (cp - 1) * step, (2 * cp - 1) * step
             hide = eff.comm_overlap * core_fwd
             t.cp += max(0.0, fwd - hide) + max(0.0, bwd - 2.5 * hide)
@@ -779,7 +793,7 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
             fwd = timer.collective("all_gather", kv * cp, cp, tp)
             t.cp += fwd + timer.collective("reduce_scatter", kv * cp, cp, tp)
         if full or "core_attn" in modules:
-            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp)
+            t.cp += max(0.0, (cp - 1) * timer.collective("ring", kv, cp, tp)
                         - eff.comm_overlap * core_fwd)
 
     # Expert parallelism: dispatch and combine, each way.

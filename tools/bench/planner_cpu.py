@@ -8,7 +8,8 @@ machine's load is alike). The table gives predicted / measured per layout.
 Each run is the entry script under torchrun on --mock-data (fp32, no dropout, one thread per
 rank), the median "elapsed time per iteration" after the warm-up iterations. The machine is
 shared: the prediction uses the calibration's idle-core figures scaled by the share of a core
-a runnable process got over the timed iterations (a probe thread's CPU time / wall time).
+the ranks got over the timed iterations (their CPU time / wall time / ranks, from /proc, over
+the part of the step they were not waiting in the pipeline bubble: `busy_share`).
 """
 from __future__ import annotations
 
@@ -85,46 +86,12 @@ def _cpu_seconds(pids) -> float:
     return total
 
 
-class _ShareProbe:
-    """What share of a core a runnable process gets meanwhile: a thread that every 100 ms
-    spins on small GEMMs for 20 ms and records its CPU time / wall time (the ranks compute
-    under the same scheduler; their own CPU time would read low where they wait in a bubble
-    or a collective)."""
-
-    def __init__(self):
-        import threading
-
-        self.samples, self._stop = [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        import time
-
-        import torch
-
-        a = torch.randn(32, 32)
-        while not self._stop.is_set():
-            wall, cpu = time.perf_counter(), time.thread_time()
-            while time.perf_counter() - wall < 0.02:
-                torch.mm(a, a)
-            self.samples.append((wall, (time.thread_time() - cpu)
-                                 / (time.perf_counter() - wall)))
-            self._stop.wait(0.08)
-
-    def share(self, start: float, end: float) -> float:
-        self._stop.set()
-        self._thread.join()
-        inside = [s for t, s in self.samples if start <= t <= end] or [
-            s for _, s in self.samples]
-        return min(1.0, statistics.median(inside))
-
-
 def measure(flags, world_size: int, iters: int = 6, warmup: int = 2,
             timeout: float = 600) -> tuple:
-    """(median seconds per iteration after the warm-up, the share of a core a runnable
-    process got over those iterations, `_ShareProbe`'s) of pretrain_gpt.py with `flags` at
-    `world_size`."""
+    """(median seconds per iteration after the warm-up, the share of a core each rank got
+    over those iterations: the ranks' CPU time / wall time / world size) of pretrain_gpt.py
+    with `flags` at `world_size`. A rank waiting in a bubble or a collective uses no CPU, so
+    the share reads low for layouts that wait."""
     import time
 
     argv = flags + [a.format(iters=iters) for a in RUN]
@@ -136,7 +103,6 @@ def measure(flags, world_size: int, iters: int = 6, warmup: int = 2,
                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     output, marks, pids = [], {}, []
-    probe = _ShareProbe()
     deadline = time.time() + timeout
     try:
         for line in proc.stdout:
@@ -153,16 +119,15 @@ def measure(flags, world_size: int, iters: int = 6, warmup: int = 2,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if len(marks) < 2:
-            probe.share(0.0, 0.0)  # stops the probe
     text = "".join(output)
     times = {int(m.group(1)): float(m.group(2)) / 1e3 for m in _ITERATION_LINE.finditer(text)}
     timed = [t for i, t in sorted(times.items()) if i > warmup]
     if proc.returncode != 0 or not timed or len(marks) < 2:
         raise RuntimeError(f"pretrain_gpt.py failed (exit {proc.returncode}):\n"
                            + text[-3000:])
-    (wall0, _), (wall1, _) = marks[warmup], marks[iters]
-    return statistics.median(timed), probe.share(wall0, wall1)
+    (wall0, cpu0), (wall1, cpu1) = marks[warmup], marks[iters]
+    share = min(1.0, (cpu1 - cpu0) / (wall1 - wall0) / world_size)
+    return statistics.median(timed), share
 
 
 def predict(flags, world_size: int, calibration: str, share: float = 1.0):
@@ -190,12 +155,22 @@ def predict(flags, world_size: int, calibration: str, share: float = 1.0):
     return planner.predict(configs, cluster, provider, memory=False)
 
 
+def busy_share(flags, world_size: int, calibration: str, share: float) -> float:
+    """The share of a core the ranks got while they ran: their CPU time / wall time / ranks
+    (`measure`'s) reads low by the pipeline bubble, where they wait; divided by the share of
+    the step the prediction has them busy."""
+    p = predict(flags, world_size, calibration, share)
+    busy = 1.0 - p.breakdown["pp_bubble"] / p.step_time
+    return min(1.0, share / busy)
+
+
 def compare(layouts, calibration: str, iters: int = 6) -> list:
     """Per layout: the measured step, the share of a core its ranks got meanwhile (other
     sessions' load moves it), and the prediction at that share."""
     rows = []
     for name, world_size, flags in layouts:
         measured, share = measure(MODEL + flags, world_size, iters)
+        share = busy_share(MODEL + flags, world_size, calibration, share)
         p = predict(MODEL + flags, world_size, calibration, share)
         rows.append({"name": name, "world_size": world_size, "measured_s": measured,
                      "predicted_s": p.step_time, "ratio": p.step_time / measured,
