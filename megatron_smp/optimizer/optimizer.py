@@ -257,9 +257,11 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 params: the model params are the main params, `.grad` aliases `main_grad`."""
 
-    def __init__(self, optimizer_factory: Callable, config, state, model_chunks, param_groups):
+    def __init__(self, optimizer_factory: Callable, config, state, model_chunks, param_groups,
+                 grad_scaler=None):
+        """`grad_scaler`: only where the model computes in fp16 on fp32 params (FSDP2)."""
         optimizer = optimizer_factory(param_groups)
-        super().__init__(optimizer, config, state, model_chunks, grad_scaler=None)
+        super().__init__(optimizer, config, state, model_chunks, grad_scaler=grad_scaler)
         self.param_pairs = [(p, p) for group in param_groups for p in group["params"]]
 
     def _copy_model_grads_to_main_grads(self) -> None:
