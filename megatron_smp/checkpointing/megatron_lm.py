@@ -30,7 +30,7 @@ import dataclasses
 import os
 import re
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -391,6 +391,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
         fields.update(gated_linear_unit=True, activation="gelu_tanh")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
+    elif args.get("openai_gelu"):  # GPT-2's tanh approximation (HF's gelu_new)
+        fields.update(gated_linear_unit=False, activation="gelu_tanh")
     elif "swiglu" in args:
         fields.update(gated_linear_unit=False, activation="gelu")
     position = args.get("position_embedding_type")
@@ -437,6 +439,7 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
         quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
         geglu=config.gated_linear_unit and config.activation == "gelu_tanh",
         squared_relu=config.activation == "squared_relu",
+        openai_gelu=not config.gated_linear_unit and config.activation == "gelu_tanh",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
         vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size(tp),
@@ -736,11 +739,60 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
                            model: Mapping[str, torch.Tensor], tp: int = 1, pp: int = 1,
                            extra: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write `model` (checkpoint form: vocab tables of vocab_size rows) as Megatron-LM's legacy
-    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written."""
+    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written
+    (`save_legacy_checkpoint_streaming` of tensors held in memory)."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.items()}
+    return save_legacy_checkpoint_streaming(
+        save_dir, iteration, config, meta, lambda names: {k: model[k] for k in names},
+        [[name] for name in model], tp, pp, extra)
+
+
+def _placements(config: TransformerConfig, names: List[str], pp: int
+                ) -> Dict[str, List[Tuple[int, str]]]:
+    """Our full name -> [(pipeline stage, stage-local name)] of each copy Megatron-LM keeps:
+    layers renumbered within their stage, the embedding on the first stage, the rest on the
+    last; the tied embedding again as the last stage's output layer, and beside the MTP
+    layers there (PP > 1)."""
+    per_stage = config.num_layers // pp
+    out: Dict[str, List[Tuple[int, str]]] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match.group(1))
+            stage = layer // per_stage
+            out[name] = [(stage, f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}")]
+        elif name.startswith("embedding."):
+            out[name] = [(0, name)]
+        else:
+            out[name] = [(pp - 1, name)]  # output layer, final norm, MTP
+    embedding = "embedding.word_embeddings.weight"
+    if pp > 1 and embedding in out:
+        if not config.untie_embeddings_and_output_weights:
+            out[embedding].append((pp - 1, "output_layer.weight"))
+        if config.mtp_num_layers:
+            out[embedding].append((pp - 1, embedding))
+    return out
+
+
+def save_legacy_checkpoint_streaming(
+        save_dir: str, iteration: int, config: TransformerConfig,
+        meta: Mapping[str, torch.Tensor],
+        read: Callable[[List[str]], Dict[str, torch.Tensor]], name_groups: List[List[str]],
+        tp: int = 1, pp: int = 1, extra: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Write the tensors `read(names)` gives (those of `meta`, checkpoint form: vocab tables
+    of vocab_size rows), asked for a group of `name_groups` at a time, as Megatron-LM's legacy
+    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written.
+
+    Each rank's file is first written by `torch.save` with every tensor's bytes left empty
+    (`torch.serialization.skip_data`, the model's shapes as fake tensors); then each group's
+    TP shards are written into their place in the files (their offsets from loading the
+    files on the meta device), and each record's CRC-32 set, so the files are those
+    `torch.save` would have written. Only a group's tensors and their shards are in memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     if config.num_layers % pp:
         raise CheckpointError(f"pipeline size {pp} does not divide num_layers "
                               f"{config.num_layers}")
-    per_stage = config.num_layers // pp
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
     args = args_from_config(config, tp, pp, iteration)
     lacking = [f"--{name.replace('_', '-')}" for name in GEMMA_ONLY_ARGS
@@ -749,42 +801,116 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
         raise CheckpointError(f"Megatron-LM has no {', '.join(lacking)} (Gemma 3's numerics): it "
                               "would load this checkpoint as another model; keep it in "
                               "megatron_smp's format or export it to Hugging Face")
-    tied = not config.untie_embeddings_and_output_weights
-    written = []
+    placements = _placements(config, list(meta), pp)
+    fake_mode = FakeTensorMode()
+    files: Dict[Tuple[int, int], str] = {}
+    # (stage, rank) -> {Megatron's name: (offset of its bytes in the file, bytes)}
+    offsets: Dict[Tuple[int, int], Dict[str, Tuple[int, int]]] = {}
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
-        stage_model = {}
-        for name, tensor in model.items():
-            match = _LAYER.match(name)
-            if match:
-                layer = int(match.group(1))
-                if stage * per_stage <= layer < (stage + 1) * per_stage:
-                    stage_model[f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}"] \
-                        = tensor
-            elif name.startswith("embedding.") and first:
-                stage_model[name] = tensor
-            elif not name.startswith("embedding.") and last:
-                stage_model[name] = tensor  # output layer, final norm, MTP
-        if tied and last and pp > 1:  # Megatron keeps the output copy on the last stage
-            stage_model["output_layer.weight"] = model["embedding.word_embeddings.weight"]
-        if config.mtp_num_layers and last and pp > 1:  # and the MTP layers' embedding
-            stage_model["embedding.word_embeddings.weight"] = \
-                model["embedding.word_embeddings.weight"]
+        stage_meta = {local: meta[name] for name, places in placements.items()
+                      for where, local in places if where == stage}
         for rank in range(tp):
             shard = {_megatron_name(name): tensor for name, tensor in
-                     shard_state_dict(stage_model, config, tp, rank).items()}
+                     shard_state_dict(stage_meta, config, tp, rank).items()}
+            with fake_mode:
+                model: Dict[str, Any] = {name: torch.empty(t.shape, dtype=t.dtype)
+                                         for name, t in shard.items()}
             for name in extra_state_names(list(shard)):
-                shard[name] = None
+                model[name] = None
             rank_dir = os.path.join(path, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1
                                                                    else ""))
             os.makedirs(rank_dir, exist_ok=True)
             file = os.path.join(rank_dir, LEGACY_FILENAME)
-            torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                        "iteration": iteration, "model": shard, **(extra or {})}, file)
-            written.append(file)
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                            "iteration": iteration, "model": model, **(extra or {})}, file)
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                laid_out = torch.load(file, map_location="meta", weights_only=True)["model"]
+            offsets[(stage, rank)] = {
+                name: (t.untyped_storage()._checkpoint_offset, t.untyped_storage().nbytes())
+                for name, t in laid_out.items() if isinstance(t, torch.Tensor)}
+            files[(stage, rank)] = file
+    handles = {key: open(file, "r+b") for key, file in files.items()}
+    crcs: Dict[Tuple[int, int], Dict[int, int]] = {key: {} for key in files}
+    try:
+        for names in name_groups:
+            tensors = read(list(names))
+            for name in names:
+                tensor = tensors.pop(name)
+                for stage, local in placements[name]:
+                    for rank in range(tp):
+                        piece = shard_state_dict({local: tensor}, config, tp, rank)[local]
+                        offset, nbytes = offsets[(stage, rank)][_megatron_name(local)]
+                        crcs[(stage, rank)][offset] = _write_bytes(
+                            handles[(stage, rank)], offset, nbytes, piece)
+                        del piece
+                del tensor
+    finally:
+        for handle in handles.values():
+            handle.close()
+    for key, file in files.items():
+        _set_zip_crcs(file, crcs[key])
     with open(os.path.join(save_dir, TRACKER_FILENAME), "w") as f:
         f.write(str(iteration))
-    return written
+    return [files[key] for key in sorted(files, key=lambda k: (k[1], k[0]))]
+
+
+def _write_bytes(handle, offset: int, nbytes: int, tensor: torch.Tensor) -> int:
+    """Write `tensor`'s bytes at `offset` (the `nbytes` laid out for them); their CRC-32."""
+    import zlib
+
+    tensor = tensor.detach().contiguous()
+    if tensor.numel() * tensor.element_size() != nbytes:
+        raise CheckpointError(f"a tensor of {tuple(tensor.shape)} {tensor.dtype} does not fill "
+                              f"the {nbytes} bytes laid out for it")
+    if not nbytes:
+        return 0
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    handle.seek(offset)
+    handle.write(data)
+    return zlib.crc32(data)
+
+
+def _set_zip_crcs(path: str, crcs: Mapping[int, int]) -> None:
+    """Set the CRC-32 of the zip records whose data starts at the offsets of `crcs` (in their
+    local header, data descriptor and central directory entry): `torch.save` under skip_data
+    recorded those of the empty space."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        central = archive.start_dir
+    with open(path, "r+b") as handle:
+        position = central
+        for info in infos:
+            handle.seek(position)
+            entry = handle.read(46)
+            if entry[:4] != b"PK\x01\x02":
+                raise CheckpointError(f"{path}: unexpected zip central directory")
+            name_length, extra_length, comment_length = struct.unpack("<HHH", entry[28:34])
+            handle.seek(info.header_offset)
+            local = handle.read(30)
+            local_name, local_extra = struct.unpack("<HH", local[26:30])
+            data = info.header_offset + 30 + local_name + local_extra
+            crc = crcs.get(data)
+            if crc is not None:
+                packed = struct.pack("<I", crc)
+                handle.seek(position + 16)
+                handle.write(packed)
+                handle.seek(info.header_offset + 14)
+                handle.write(packed)
+                if info.flag_bits & 0x08:  # a data descriptor follows the data
+                    handle.seek(data + info.compress_size)
+                    signature = handle.read(4)
+                    handle.seek(data + info.compress_size + (4 if signature == b"PK\x07\x08"
+                                                             else 0))
+                    handle.write(packed)
+            position += 46 + name_length + extra_length + comment_length
+    with zipfile.ZipFile(path) as archive:  # every record's CRC now that of its data
+        bad = archive.testzip()
+    if bad is not None:
+        raise CheckpointError(f"{path}: the record {bad} does not match its CRC-32")
 
 
 def describe(checkpoint: MegatronCheckpoint) -> str:
@@ -807,6 +933,7 @@ __all__ = [
     "trim_vocab_rows",
     "load_megatron_model",
     "save_legacy_checkpoint",
+    "save_legacy_checkpoint_streaming",
     "extra_state_names",
     "describe",
 ]

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -153,10 +154,35 @@ PATHS = [
 ]
 
 
-def convert_all(workdir: str, name: str, model_type: str, shape: dict,
-                paths: List[str]) -> Dict[str, Tuple[int, float]]:
-    """Peak RSS and seconds of each path of `paths` (names of PATHS), for a model written
-    now; each output directory is removed as soon as no later path reads it."""
+def measure_here(argv: List[str]) -> Tuple[int, float]:
+    """(peak RSS above the RSS before, seconds) of convert.py's main(argv) in this process:
+    VmHWM reset to the current RSS (/proc/self/clear_refs) after freed memory was returned.
+    Cheaper than a fresh process per conversion (the imports once), for a process that
+    converted a tiny model along the same path first."""
+    import gc
+
+    from megatron_smp.distributed.param_and_grad_buffer import release_freed_host_memory
+    from megatron_smp.testing import proc_status_kib
+    from tools.checkpoint.convert import main as convert_main
+
+    gc.collect()
+    release_freed_host_memory()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # VmHWM := VmRSS
+    start = proc_status_kib("VmRSS")
+    begin = time.perf_counter()
+    status = convert_main(argv)
+    seconds = time.perf_counter() - begin
+    if status:
+        raise RuntimeError(f"convert.py {' '.join(argv)} failed with status {status}")
+    return (proc_status_kib("VmHWM") - start) * 1024, seconds
+
+
+def convert_all(workdir: str, name: str, model_type: str, shape: dict, paths: List[str],
+                measure_one=measure) -> Dict[str, Tuple[int, float]]:
+    """Peak RSS and seconds (`measure_one`: a fresh process each, or `measure_here`) of each
+    path of `paths` (names of PATHS), for a model written now; each output directory is
+    removed as soon as no later path reads it."""
     def where(kind: str) -> str:
         return os.path.join(workdir, f"{name}-{kind}")
 
@@ -167,9 +193,9 @@ def convert_all(workdir: str, name: str, model_type: str, shape: dict,
         write_smp_v1(where("hf"), where("v1"))
     figures = {}
     for index, (path, loader, saver, source, target, extra) in enumerate(chosen):
-        figures[path] = measure(["--model-type", model_type, "--loader", loader, "--saver",
-                                 saver, "--load-dir", where(source), "--save-dir",
-                                 where(target)] + extra)
+        figures[path] = measure_one(["--model-type", model_type, "--loader", loader, "--saver",
+                                     saver, "--load-dir", where(source), "--save-dir",
+                                     where(target)] + extra)
         later = {p[3] for p in chosen[index + 1:]}
         for kind in (source, target):
             if kind not in later:
@@ -177,6 +203,18 @@ def convert_all(workdir: str, name: str, model_type: str, shape: dict,
     for kind in {"hf", "v1"} | {p[3] for p in chosen} | {p[4] for p in chosen}:
         shutil.rmtree(where(kind), ignore_errors=True)
     return figures
+
+
+def peaks_in_one_process(workdir: str, model_type: str, shape: dict,
+                         paths: List[str]) -> Dict[str, Tuple[int, float]]:
+    """`convert_all` of the model with `measure_here`, after the same paths on the tiny model
+    of its kind (so that what they import and cache is in the RSS before)."""
+    from tools.checkpoint.convert import _return_freed_memory
+
+    _return_freed_memory()  # the models written here free their memory too
+    convert_all(workdir, "tiny", model_type, MODELS[f"{model_type}-tiny"][1], paths,
+                measure_here)
+    return convert_all(workdir, "model", model_type, shape, paths, measure_here)
 
 
 def main() -> None:
@@ -236,4 +274,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["MODELS", "PATHS", "convert_all", "model_bytes", "measure", "write_model"]
+__all__ = ["MODELS", "PATHS", "convert_all", "model_bytes", "measure", "measure_here",
+           "peaks_in_one_process", "write_model"]
