@@ -38,7 +38,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from megatron_smp.checkpointing.iterations import TRACKER_FILENAME
 from megatron_smp.config import TransformerConfig
 from megatron_smp.checkpointing.engine.storage import CheckpointError
-from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
+from megatron_smp.models.sharding import (
+    VOCAB_PARALLEL_SUFFIXES,
+    default_layout,
+    merge_state_dicts,
+    partition_of,
+    shard_state_dict,
+)
 
 METADATA_FILENAME = "metadata.json"
 COMMON_PT_FILENAME = "common.pt"
@@ -201,17 +207,10 @@ def load_mapped(path: str) -> Any:
     return loaded
 
 
-def release_pages(tensors) -> None:
-    """Give back the memory of what was read of tensors `load_mapped` mapped: their pages
-    leave the process (madvise MADV_DONTNEED; read from the file again if touched again),
-    which would otherwise keep every page read until the mapping is closed. Only pages that
-    lie in a current mapping of such a file are released; other tensors are left alone."""
-    import ctypes
-
-    if not _MAPPED_FILES:
-        return
+def _mapped_ranges() -> Optional[List[Tuple[int, int]]]:
+    """The address ranges of the current mappings of files `load_mapped` mapped; None where
+    /proc/self/maps cannot be read (not Linux)."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
         with open("/proc/self/maps") as handle:
             mapped = []
             for line in handle:
@@ -219,17 +218,60 @@ def release_pages(tensors) -> None:
                 if len(parts) == 6 and parts[5].rstrip("\n") in _MAPPED_FILES:
                     low, high = (int(x, 16) for x in parts[0].split("-"))
                     mapped.append((low, high))
-    except OSError:  # not Linux / glibc: the pages stay until the mapping is closed
-        return
+    except OSError:
+        return None
+    return mapped
+
+
+def _release(begin: int, end: int, mapped: List[Tuple[int, int]]) -> None:
+    """madvise(MADV_DONTNEED) the pages of [begin, end) when they lie in one of `mapped`."""
+    import ctypes
+
     page = os.sysconf("SC_PAGE_SIZE")
+    begin &= ~(page - 1)
+    end = -(-end // page) * page
+    if begin < end and any(low <= begin and end <= high for low, high in mapped):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:  # not glibc: the pages stay until the mapping is closed
+            return
+        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), 4)  # DONTNEED
+
+
+def release_pages(tensors) -> None:
+    """Give back the memory of what was read of tensors `load_mapped` mapped: their pages
+    leave the process (madvise MADV_DONTNEED; read from the file again if touched again),
+    which would otherwise keep every page read until the mapping is closed. Only pages that
+    lie in a current mapping of such a file are released; other tensors are left alone."""
+    if not _MAPPED_FILES:
+        return
+    mapped = _mapped_ranges()
+    if mapped is None:
+        return
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        if not storage.nbytes():
-            continue
-        begin = storage.data_ptr() & ~(page - 1)
-        end = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
-        if any(low <= begin and end <= high for low, high in mapped):
-            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), 4)  # DONTNEED
+        if storage.nbytes():
+            _release(storage.data_ptr(), storage.data_ptr() + storage.nbytes(), mapped)
+
+
+# The piece `copy_into` copies before releasing the pages it read.
+_PIECE = 1 << 20
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target.copy_(source) for contiguous tensors of the same dtype and size; a `source` in a
+    file `load_mapped` mapped is copied a piece at a time, each piece's pages released once
+    copied, so that the copy and all the pages read are not in memory together."""
+    mapped = _mapped_ranges() if _MAPPED_FILES else None
+    if not mapped or not source.is_contiguous() or not target.is_contiguous():
+        target.copy_(source)
+        return
+    flat_source = source.reshape(-1).view(torch.uint8)
+    flat_target = target.reshape(-1).view(torch.uint8)
+    for start in range(0, flat_source.numel(), _PIECE):
+        end = min(start + _PIECE, flat_source.numel())
+        flat_target[start:end].copy_(flat_source[start:end])
+        _release(flat_source.data_ptr() + start, flat_source.data_ptr() + end, mapped)
 
 
 def _read_dcp_bytes(checkpoint_path: str, key: str) -> Optional[bytes]:
@@ -532,8 +574,9 @@ class TorchDistSource:
             self.where[name] = (key, region, index)
             self.meta[name] = torch.empty(shape, dtype=dtype, device="meta")
 
-    def read(self, names) -> Dict[str, torch.Tensor]:
-        """{name: tensor} for `names`, each region loaded once (a region per key per load)."""
+    def read(self, names, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """{name: tensor} for `names`, each region loaded once (a region per key per load);
+        `rows`: vocab tables cut to that many rows (Megatron's padding rows dropped)."""
         import torch.distributed.checkpoint as torch_dcp
 
         pending: Dict[str, List[Tuple[int, ...]]] = {}
@@ -563,7 +606,11 @@ class TorchDistSource:
         for name in names:
             key, region, index = self.where[name]
             tensor = loaded[(key, region)]
-            out[name] = tensor[index].clone() if index else tensor
+            tensor = tensor[index].clone() if index else tensor
+            if rows is not None and name.endswith(VOCAB_PARALLEL_SUFFIXES) and \
+                    tensor.shape[0] > rows:
+                tensor = tensor[:rows].clone()
+            out[name] = tensor
         return out
 
 
@@ -656,7 +703,9 @@ class LegacySource:
             self.stages.append((shards, merge_config))
             layer_offset += len(layers)
 
-    def read(self, names) -> Dict[str, torch.Tensor]:
+    def read(self, names, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """{name: full tensor} for `names`; `rows`: vocab tables cut to that many rows
+        (Megatron's padding rows dropped, never copied)."""
         by_stage: Dict[int, Dict[str, str]] = {}
         for name in names:
             stage, local = self.where[name]
@@ -664,11 +713,55 @@ class LegacySource:
         out = {}
         for stage, wanted in by_stage.items():
             shards, merge_config = self.stages[stage]
-            subset = [{local: shard[local] for local in wanted} for shard in shards]
-            merged = merge_state_dicts(subset, merge_config)  # new tensors: cat / clone
-            release_pages([t for shard in subset for t in shard.values()])
-            out.update({wanted[local]: tensor for local, tensor in merged.items()})
+            layout = default_layout(merge_config)
+            rest = []
+            for local, name in wanted.items():
+                spec = partition_of(layout, local)
+                cut = rows if name.endswith(VOCAB_PARALLEL_SUFFIXES) else None
+                if spec is None or len(shards) == 1 or spec[0] == 0:
+                    out[name] = self._join_rows(name, [shard[local] for shard in shards],
+                                                spec, cut)
+                else:
+                    rest.append(local)
+            if rest:  # split along another dim: the whole result, then a row cut
+                subset = [{local: shard[local] for local in rest} for shard in shards]
+                merged = merge_state_dicts(subset, merge_config)  # new tensors: cat / clone
+                release_pages([t for shard in subset for t in shard.values()])
+                for local, tensor in merged.items():
+                    if rows is not None and local.endswith(VOCAB_PARALLEL_SUFFIXES):
+                        tensor = tensor[:rows].clone()
+                    out[wanted[local]] = tensor
         return out
+
+    def _join_rows(self, name: str, pieces: List[torch.Tensor],
+                   spec: Optional[Tuple[int, int]], rows: Optional[int]) -> torch.Tensor:
+        """`merge_state_dicts` of one tensor that is replicated, or split along dim 0 (or not
+        split: TP=1), without holding its pages and the result together: each rank's rows
+        are copied into their place a piece at a time (`copy_into`), in the order
+        `join_tensors` gives them (stride pieces, then ranks); `rows`: only the first that
+        many rows are copied (a vocab table without Megatron's padding)."""
+        shape = self.meta[name].shape
+        total = shape[0]
+        if rows is not None and shape[0] > rows:
+            shape = torch.Size((rows,) + tuple(shape[1:]))
+        full = torch.empty(shape, dtype=self.meta[name].dtype)
+        if spec is None or len(pieces) == 1:
+            copy_into(full, pieces[0][:full.shape[0]] if full.dim() else pieces[0])
+            return full
+        stride = spec[1]
+        blocks = [torch.chunk(piece, stride, dim=0) for piece in pieces]
+        row = 0
+        for index in range(stride):
+            for rank in range(len(pieces)):
+                block = blocks[rank][index]
+                end = min(row + block.shape[0], full.shape[0])
+                if end > row:
+                    copy_into(full[row:end], block[:end - row])
+                row += block.shape[0]
+        if row != total:
+            raise CheckpointError(f"{name}: the tensor-parallel slices hold {row} rows, the "
+                                  f"merged shape {list(self.meta[name].shape)}")
+        return full
 
 
 def open_model(checkpoint: MegatronCheckpoint, config: TransformerConfig):
@@ -830,6 +923,7 @@ def save_legacy_checkpoint_streaming(
                 name: (t.untyped_storage()._checkpoint_offset, t.untyped_storage().nbytes())
                 for name, t in laid_out.items() if isinstance(t, torch.Tensor)}
             files[(stage, rank)] = file
+    layout = default_layout(config)
     handles = {key: open(file, "r+b") for key, file in files.items()}
     crcs: Dict[Tuple[int, int], Dict[int, int]] = {key: {} for key in files}
     try:
@@ -839,11 +933,17 @@ def save_legacy_checkpoint_streaming(
                 tensor = tensors.pop(name)
                 for stage, local in placements[name]:
                     for rank in range(tp):
-                        piece = shard_state_dict({local: tensor}, config, tp, rank)[local]
                         offset, nbytes = offsets[(stage, rank)][_megatron_name(local)]
-                        crcs[(stage, rank)][offset] = _write_bytes(
-                            handles[(stage, rank)], offset, nbytes, piece)
-                        del piece
+                        crc = 0
+                        handle = handles[(stage, rank)]
+                        handle.seek(offset)
+                        for piece in _shard_pieces(local, tensor, config, tp, rank, layout):
+                            crc = _write_bytes(handle, piece, crc)
+                            nbytes -= piece.numel() * piece.element_size()
+                        if nbytes:
+                            raise CheckpointError(f"{local}: its shard does not fill the "
+                                                  "bytes laid out for it")
+                        crcs[(stage, rank)][offset] = crc
                 del tensor
     finally:
         for handle in handles.values():
@@ -855,20 +955,43 @@ def save_legacy_checkpoint_streaming(
     return [files[key] for key in sorted(files, key=lambda k: (k[1], k[0]))]
 
 
-def _write_bytes(handle, offset: int, nbytes: int, tensor: torch.Tensor) -> int:
-    """Write `tensor`'s bytes at `offset` (the `nbytes` laid out for them); their CRC-32."""
+def _shard_pieces(name: str, tensor: torch.Tensor, config: TransformerConfig, tp: int,
+                  rank: int, layout) -> List[torch.Tensor]:
+    """Tensors whose bytes, one after the other, are those of rank `rank`'s shard of `tensor`
+    (`shard_state_dict`). A tensor split along dim 0 (vocab tables, QKV, fc1) gives views of
+    its own rows and the zero rows of Megatron's vocab padding, not a padded copy and a
+    shard; one split otherwise gives its shard."""
+    spec = partition_of(layout, name)
+    if spec is None:
+        return [tensor]
+    dim, stride = spec
+    rows = tensor.shape[0] if tensor.dim() else 0
+    vocab = name.endswith(VOCAB_PARALLEL_SUFFIXES)
+    target = config.padded_vocab_size(tp) if vocab else rows
+    if dim != 0 or (vocab and rows != config.vocab_size) or target % (tp * stride):
+        return [shard_state_dict({name: tensor}, config, tp, rank)[name]]
+    block = target // (tp * stride)
+    pieces = []
+    for index in range(stride):
+        begin = (index * tp + rank) * block
+        end = begin + block
+        if begin < rows:
+            pieces.append(tensor[begin:min(end, rows)])
+        if end > max(begin, rows):
+            pieces.append(tensor.new_zeros((end - max(begin, rows),) + tuple(tensor.shape[1:])))
+    return pieces
+
+
+def _write_bytes(handle, tensor: torch.Tensor, crc: int) -> int:
+    """Write `tensor`'s bytes where `handle` is; the CRC-32 `crc` continued over them."""
     import zlib
 
     tensor = tensor.detach().contiguous()
-    if tensor.numel() * tensor.element_size() != nbytes:
-        raise CheckpointError(f"a tensor of {tuple(tensor.shape)} {tensor.dtype} does not fill "
-                              f"the {nbytes} bytes laid out for it")
-    if not nbytes:
-        return 0
+    if not tensor.numel():
+        return crc
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    handle.seek(offset)
     handle.write(data)
-    return zlib.crc32(data)
+    return zlib.crc32(data, crc)
 
 
 def _set_zip_crcs(path: str, crcs: Mapping[int, int]) -> None:
@@ -934,6 +1057,8 @@ __all__ = [
     "load_megatron_model",
     "save_legacy_checkpoint",
     "save_legacy_checkpoint_streaming",
+    "copy_into",
+    "release_pages",
     "extra_state_names",
     "describe",
 ]

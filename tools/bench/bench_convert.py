@@ -205,14 +205,18 @@ def convert_all(workdir: str, name: str, model_type: str, shape: dict, paths: Li
     return figures
 
 
+# Paths that between them run every reader and writer (and import what they import).
+WARM_UP = ["hf->ours", "ours->megatron", "megatron->hf", "smp_v1->ours"]
+
+
 def peaks_in_one_process(workdir: str, model_type: str, shape: dict,
                          paths: List[str]) -> Dict[str, Tuple[int, float]]:
-    """`convert_all` of the model with `measure_here`, after the same paths on the tiny model
-    of its kind (so that what they import and cache is in the RSS before)."""
+    """`convert_all` of the model with `measure_here`, after WARM_UP on the tiny model of its
+    kind (so that what the readers and writers import and cache is in the RSS before)."""
     from tools.checkpoint.convert import _return_freed_memory
 
     _return_freed_memory()  # the models written here free their memory too
-    convert_all(workdir, "tiny", model_type, MODELS[f"{model_type}-tiny"][1], paths,
+    convert_all(workdir, "tiny", model_type, MODELS[f"{model_type}-tiny"][1], WARM_UP,
                 measure_here)
     return convert_all(workdir, "model", model_type, shape, paths, measure_here)
 

@@ -164,14 +164,9 @@ def open_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     if problems:
         raise ConfigError(f"{where} does not hold the {model_type} its args / flags describe: "
                           f"{listing(problems)}")
-    vocab_tables = [name for name in model if stored[name].shape != model[name].shape]
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:
-        tensors = source.read(names)
-        for name in vocab_tables:
-            if name in tensors:  # Megatron's padding rows dropped
-                tensors[name] = tensors[name][:config.vocab_size].clone()
-        return tensors
+        return source.read(names, rows=config.vocab_size)  # Megatron's padding rows dropped
 
     return config, model, read, checkpoint.iteration
 
@@ -228,19 +223,14 @@ def write_megatron_checkpoint_streaming(save_dir: str, config: TransformerConfig
     if problems:
         raise ConfigError(f"verification failed, {where}: {listing(problems)}")
     for names in name_groups:
-        tensors = source.read(names)
-        check_digests({name: written[name] for name in names},
-                      {name: tensor[:config.vocab_size] if name in _VOCAB_TABLES else tensor
-                       for name, tensor in tensors.items()}, where)
+        tensors = source.read(names, rows=config.vocab_size)
+        check_digests({name: written[name] for name in names}, tensors, where)
         del tensors
     saved = config_fields_from_args(read_args(checkpoint))
     differing = [k for k, v in saved.items() if getattr(config, k) != v]
     if differing:
         raise ConfigError(f"verification failed: the args written to {save_dir} differ in "
                           f"{listing(differing)}")
-
-
-_VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 __all__ = ["add_shape_arguments", "read_megatron_checkpoint", "open_megatron_checkpoint",

@@ -58,13 +58,14 @@ def test_sharded_hf_output_loads_with_from_pretrained(tmp_path):
     assert status == 2 and "--max-shard-size 'lots': give a positive size" in stderr
 
 
-# A GPT-2 with a tied head: 8 layers of 6.3 MB (bf16), an 8.2 MB vocabulary table: 59 MB.
-SHAPE = dict(n_embd=512, n_layer=8, n_head=8, vocab_size=8000, n_positions=512)
-# The table is held once on every path (the tied head is the same tensor); a layer is held
-# with its converted copy (2 x 6.3 MB) and Megatron-LM's TP=2 writer holds a table with its
-# padded rows and a rank's shard. Measured: FIGURES.
-# ALLOWANCE: the 1 MiB read buffer, the per-group objects of transformers' weight conversions
-# and of the DCP and zip writers, the allocator's slack.
+# A GPT-2 with a tied head: 4 layers of 6.3 MB (bf16), a 32.8 MB vocabulary table: 58.5 MB.
+SHAPE = dict(n_embd=512, n_layer=4, n_head=8, vocab_size=32000, n_positions=512)
+# The table is held once on every path (the tied head is the same tensor, Megatron-LM's
+# padding rows are neither copied nor read, memory-mapped pages are released as they are
+# copied); a layer is held with its converted copy. Measured 34-36 MB above the RSS before
+# (45.8 MB SMP v1 -> HF), against 2 x the table (66 MB) before.
+# ALLOWANCE: the 1 MiB read and copy pieces, the per-group objects of transformers' weight
+# conversions and of the DCP and zip writers, the allocator's slack.
 RATIO, ALLOWANCE = 1.25, 4e6
 
 
@@ -72,15 +73,15 @@ def test_peak_memory_is_bounded_by_a_layer_and_the_embedding(tmp_path):
     """Peak RSS of every streaming path of a tied GPT-2 -- HF <-> megatron_smp, megatron_smp
     -> Megatron-LM (legacy, TP=2) -> HF / megatron_smp, SMP v1 -> HF / megatron_smp -- each
     above the RSS before it, in one fresh process that ran the same paths on a tiny GPT-2
-    first: under RATIO x (largest layer + embedding) + ALLOWANCE (22.1 MB), i.e. under 40% of
-    the model (the whole-model conversion held 3.5x-4.6x the model)."""
+    first: under RATIO x (largest layer + embedding) + ALLOWANCE (52.8 MB), i.e. under the
+    model (the whole-model conversion held 3.5x-4.6x the model) and under 2 x the table."""
     import subprocess
     import sys
 
     from tools.bench.bench_convert import PATHS, ROOT, model_bytes
 
     total, layer, embedding = model_bytes("gpt2", SHAPE)
-    assert 55e6 < total < 62e6 and embedding == 8000 * 512 * 2
+    assert 58e6 < total < 59e6 and embedding == 32000 * 512 * 2
     script = ("import json, sys; from tools.bench.bench_convert import peaks_in_one_process; "
               f"print('PEAKS', json.dumps(peaks_in_one_process({str(tmp_path)!r}, 'gpt2', "
               f"{SHAPE!r}, {[p[0] for p in PATHS]!r})))")
@@ -90,6 +91,6 @@ def test_peak_memory_is_bounded_by_a_layer_and_the_embedding(tmp_path):
     peaks = json.loads(result.stdout.split("PEAKS", 1)[1])
     assert sorted(peaks) == sorted(p[0] for p in PATHS)
     bound = RATIO * (layer + embedding) + ALLOWANCE
-    assert bound < 0.4 * total
+    assert bound < min(total, 2 * embedding)
     for path, (peak, _) in peaks.items():
         assert peak < bound, (path, peak / 1e6, bound / 1e6)
