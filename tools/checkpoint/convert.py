@@ -17,13 +17,13 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-HF safetensors -> megatron_smp, megatron_smp -> HF, and Megatron-LM (torch_dist, or legacy
-per-rank files, memory-mapped) or SMP v1 (its file memory-mapped) -> HF / megatron_smp convert
-one layer at a time (see `streaming`: peak memory about a layer plus the embedding, whatever
-the model's size); the HF output is sharded as save_pretrained shards it (--max-shard-size).
-Otherwise (--saver megatron, LoRA exports, pytorch_model.bin, MXFP4) a loader gives
-(TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
-at a time.
+Every loader -- HF safetensors, megatron_smp, Megatron-LM (torch_dist, or legacy per-rank
+files, memory-mapped) and SMP v1 (its file memory-mapped) -- feeds every saver (hf,
+megatron_smp, megatron) one layer at a time (see `streaming`: peak memory about a layer plus
+the embedding, whatever the model's size; a vocabulary table and its tied head held once);
+the HF output is sharded as save_pretrained shards it (--max-shard-size). Read whole, then
+written a tensor at a time: LoRA exports, pytorch_model.bin, MXFP4 experts, multimodal
+Gemma 3, megatron_smp's "torch" format.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
 Megatron's flags given here (--num-attention-heads, --num-query-groups, --swiglu, ...).
 Framework checkpoints hold global tensors and reshard when loaded, so the target sizes are
