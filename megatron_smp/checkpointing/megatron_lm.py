@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron_smp.checkpointing.iterations import TRACKER_FILENAME
 from megatron_smp.config import TransformerConfig
-from megatron_smp.checkpointing.engine.storage import CheckpointError
+from megatron_smp.checkpointing.engine.storage import CheckpointError, SafeFileSystemReader
 from megatron_smp.models.sharding import (
     VOCAB_PARALLEL_SUFFIXES,
     default_layout,
@@ -599,7 +599,7 @@ class TorchDistSource:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 torch_dcp.load(holder,
-                               storage_reader=torch_dcp.FileSystemReader(self.reader_path),
+                               storage_reader=SafeFileSystemReader(self.reader_path),
                                planner=_RegionPlanner(regions), no_dist=True)
             loaded.update({(key, regions[key]): tensor for key, tensor in holder.items()})
         out = {}
