@@ -24,17 +24,20 @@ setup(
         # pyyaml: the RL environment configs (--langrl-env-config).
         "pyyaml",
     ],
+    # pytest-xdist: scripts/run_tests.sh runs the suite on two worker processes.
     # tiktoken: only for --tokenizer-type TikTokenizer (imported when that is built).
     # peft: the tests load our exported LoRA adapters with it (the library never imports it).
     # trl: the tests train a transformed model with SFTTrainer(padding_free=True), and compare
     # our DPO losses with its DPOTrainer's (the library never imports it).
     # serve: the inference server (tools/run_text_generation_server.py; prometheus_client for
     # its /metrics); the tests drive it with the openai client and lm-evaluation-harness.
-    extras_require={"test": ["pytest", "tiktoken", "peft",
+    extras_require={"test": ["pytest", "pytest-xdist", "tiktoken", "peft",
                              "trl",
                              "fastapi", "uvicorn", "prometheus_client", "openai", "requests",
-                             "lm-eval[api]==0.4.13"],
+                             "lm-eval[api]==0.4.13", "torchft==0.2.0"],
                     "tiktoken": ["tiktoken"],
                     "peft": ["peft"],
-                    "serve": ["fastapi", "uvicorn", "prometheus_client"]},
+                    "serve": ["fastapi", "uvicorn", "prometheus_client"],
+                    # --fault-tolerance: replica groups over torchft's lighthouse and manager.
+                    "torchft": ["torchft==0.2.0"]},
 )

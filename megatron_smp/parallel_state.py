@@ -4,11 +4,18 @@ Ranks are laid out in Megatron's order tp-cp-ep-dp-pp (tp varies fastest):
 
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
-Expert parallelism splits the data x context-parallel dimension, as Megatron's expert grid
-folds cp into it: dp_cp_rank = cp_rank + CP * dp_rank = ep_rank + EP * expert_dp_rank, so the
-ranks of one expert-parallel group are consecutive members of a dp x cp group, and the
+The experts follow Megatron's expert grid: the ranks of each pipeline stage, in the order
+above, are split etp-fastest into etp x ep x expert-dp,
+
+    rank_in_stage = tp_rank + TP * (cp_rank + CP * dp_rank)
+                  = etp_rank + ETP * (ep_rank + EP * expert_dp_rank),
+
+ETP being --expert-tensor-parallel-size (default TP). With ETP = TP expert parallelism splits
+the data x context-parallel dimension (dp_cp_rank = ep_rank + EP * expert_dp_rank): the ranks
+of one expert-parallel group are consecutive members of a dp x cp group, and the
 expert-data-parallel group (the ranks holding the same experts, whose grads are reduced
-together) takes in the context-parallel ranks.
+together) takes in the context-parallel ranks. With ETP < TP an expert-parallel group spans
+several TP groups.
 
 Nothing in the library reads a global group: a module that needs a group takes the
 `ParallelState` (or the group itself) in its constructor.
@@ -206,6 +213,8 @@ class ParallelState:
     group_ranks: Dict[str, List[int]]
     expert_model_parallel_size: int = 1
     expert_model_parallel_rank: int = 0
+    expert_tensor_parallel_size: int = 1
+    expert_tensor_parallel_rank: int = 0
     # Built on first use by `fsdp_mesh` / `device_mesh` (FSDP2 only).
     _meshes: Dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -289,9 +298,23 @@ class ParallelState:
         return self.groups["ep"]
 
     @property
+    def etp_size(self) -> int:
+        """Ranks one expert is split over (--expert-tensor-parallel-size, default TP)."""
+        return self.expert_tensor_parallel_size
+
+    @property
+    def etp_rank(self) -> int:
+        return self.expert_tensor_parallel_rank
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup:
+        """The ranks holding the parts of this rank's experts (the TP group when ETP = TP)."""
+        return self.groups["etp"]
+
+    @property
     def tp_ep_group(self) -> dist.ProcessGroup:
-        """The tensor- and expert-parallel ranks of this rank's experts, at position
-        ep_rank * tp_size + tp_rank (the flex token dispatcher's group)."""
+        """The expert-tensor- and expert-parallel ranks of this rank's experts, at position
+        ep_rank * etp_size + etp_rank (the flex token dispatcher's group)."""
         return self.groups["tp_ep"]
 
     @property
@@ -351,6 +374,42 @@ class ParallelState:
             for offset in range(shard):
                 replicate_groups.append(members[offset::shard])
         self._new_groups((("fsdp_shard", shard_groups), ("fsdp_replicate", replicate_groups)))
+
+    def optimizer_instance_groups(self, instances: int):
+        """--num-distributed-optimizer-instances (Megatron's partial distributed optimizer):
+        {"dense": (intra, inter), "expert": (intra, inter)}. Each dp x cp group (expert-dp
+        group) splits into `instances` runs of consecutive members: the distributed
+        optimizer shards within a run (intra) and the members at the same place of every run
+        (inter) all-reduce their shard; (None, None) for experts whose expert-dp groups do
+        not divide (validation refuses that for a model with experts). Collective on first
+        use: every rank must ask."""
+        name = f"dist_opt_{instances}"
+        if f"{name}_intra" not in self.groups:
+            groups: Dict[str, List[List[int]]] = {
+                f"{name}{kind}": [] for kind in ("_intra", "_inter", "_expert_intra",
+                                                 "_expert_inter")}
+            for base, key in (("dp_cp", name), ("expert_dp", f"{name}_expert")):
+                for members in self._all_groups(base):
+                    size = len(members) // instances
+                    if len(members) % instances:  # experts: refused where they exist
+                        break
+                    groups[f"{key}_intra"] += [members[i * size:(i + 1) * size]
+                                               for i in range(instances)]
+                    groups[f"{key}_inter"] += [members[offset::size] for offset in range(size)]
+            self._new_groups(sorted(groups.items()))
+        return {"dense": (self.groups[f"{name}_intra"], self.groups[f"{name}_inter"]),
+                "expert": (self.groups.get(f"{name}_expert_intra"),
+                           self.groups.get(f"{name}_expert_inter"))}
+
+    def _all_groups(self, name: str) -> List[List[int]]:
+        """Every group of kind "dp_cp" or "expert_dp" (members in rank order)."""
+        if name == "dp_cp":
+            return rank_groups(self.sizes, ["cp", "dp"])
+        etp, ep = self.etp_size, self.ep_size
+        stage = self.sizes["tp"] * self.sizes["cp"] * self.sizes["dp"]
+        expert_dp = stage // (etp * ep)
+        return [[p * stage + t + etp * (a + ep * e) for e in range(expert_dp)]
+                for p in range(self.sizes["pp"]) for t in range(etp) for a in range(ep)]
 
     def _new_groups(self, named_groups) -> None:
         """Create every group of each (name, [members...]) in a rank-independent order (a
@@ -503,17 +562,30 @@ def build_parallel_state(
     backend: Optional[str] = None,
     timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
-    """Validate `config` against the world size, then create every process group.
+    """Check `config` against the world size, then create every process group: the entry
+    point for a layout built by hand.
 
-    The configuration is checked on every rank before the first collective, so a layout
-    that cannot work raises `ConfigError` everywhere instead of hanging.
+    The check runs on every rank before the first collective, so a layout that cannot work
+    raises `ConfigError` everywhere instead of hanging. The training scripts, `smp.init` and
+    the inference launcher check their configs where they build them (`validate_configs`,
+    `parse_smp_config`) and call `create_parallel_state`, which does not check again.
     """
     config = config or ParallelConfig()
     config.validate(launcher_world_size())
+    return create_parallel_state(config, backend=backend, timeout=timeout)
+
+
+def create_parallel_state(
+    config: ParallelConfig,
+    *,
+    backend: Optional[str] = None,
+    timeout: Optional[datetime.timedelta] = None,
+) -> ParallelState:
+    """Create every process group of the layout a validated `config` describes (collective).
+    Its world size is the launcher's (`launcher_world_size`), the one it was validated with."""
     init_process_group(backend or config.distributed_backend, timeout)
     world_size = dist.get_world_size()
     rank = dist.get_rank()
-    config.validate(world_size)
 
     tp = config.tensor_model_parallel_size
     cp = config.context_parallel_size
@@ -548,25 +620,36 @@ def build_parallel_state(
     create("mp", rank_groups(sizes, ["tp", "pp"]))
     create("tp_cp", rank_groups(sizes, ["tp", "cp"]))
 
-    # Expert parallelism: consecutive members of a dp x cp group (cp fastest) form one ep
-    # group; members with the same ep rank hold the same experts. Every context-parallel rank
-    # routes its own tokens, so the experts see tokens of all of them.
-    ep_groups, expert_dp_groups = [], []
-    for members in rank_groups(sizes, ["cp", "dp"]):
-        for start in range(0, dp * cp, ep):
-            ep_groups.append(members[start : start + ep])
-        for offset in range(ep):
-            expert_dp_groups.append(members[offset::ep])
-    create("ep", sorted(ep_groups))
-    create("expert_dp", sorted(expert_dp_groups))
-    # Megatron's tp x ep group (the flex token dispatcher's one all-to-all): the TP groups of
-    # one expert-parallel group's members, which sit at tp rank 0 with the others at +1 ..
-    # +TP-1, so a member's position in it is ep_rank * TP + tp_rank.
-    if tp > 1 and ep > 1:
-        create("tp_ep", sorted(sorted(member + t for member in members for t in range(tp))
-                               for members in ep_groups if members[0] % tp == 0))
+    # Expert grid (see the module docstring): per pipeline stage, etp-fastest. With ETP = TP
+    # an ep group is a run of consecutive members of a dp x cp group (cp fastest); members
+    # with the same ep rank hold the same experts. Every context-parallel rank routes its own
+    # tokens, so the experts see tokens of all of them.
+    etp = config.expert_tensor_parallel_size or tp
+    stage = tp * cp * dp
+    expert_dp = stage // (etp * ep)
+
+    def expert_rank(stage_start: int, t: int, a: int, e: int) -> int:
+        return stage_start + t + etp * (a + ep * e)
+
+    stages = [p * stage for p in range(pp)]
+    ep_groups = sorted([expert_rank(s0, t, a, e) for a in range(ep)]
+                       for s0 in stages for t in range(etp) for e in range(expert_dp))
+    create("ep", ep_groups)
+    create("expert_dp", sorted([expert_rank(s0, t, a, e) for e in range(expert_dp)]
+                               for s0 in stages for t in range(etp) for a in range(ep)))
+    if etp == tp:
+        groups["etp"], group_ranks["etp"] = groups["tp"], group_ranks["tp"]
     else:
-        alias = "ep" if tp == 1 else "tp"
+        create("etp", sorted([expert_rank(s0, t, a, e) for t in range(etp)]
+                             for s0 in stages for a in range(ep) for e in range(expert_dp)))
+    # Megatron's etp x ep group (the flex token dispatcher's one all-to-all): a block of
+    # etp x ep consecutive ranks of a stage, so a member's position in it is
+    # ep_rank * ETP + etp_rank.
+    if etp > 1 and ep > 1:
+        create("tp_ep", sorted([expert_rank(s0, t, a, e) for a in range(ep) for t in range(etp)]
+                               for s0 in stages for e in range(expert_dp)))
+    else:
+        alias = "ep" if etp == 1 else "etp"
         groups["tp_ep"], group_ranks["tp_ep"] = groups[alias], group_ranks[alias]
 
     # Embedding group: first and last pipeline stage, for tied input/output embeddings.
@@ -576,6 +659,7 @@ def build_parallel_state(
     create("embedding", embedding_groups)
 
     ep_rank = group_ranks["ep"].index(rank)
+    etp_rank = group_ranks["etp"].index(rank)
     return ParallelState(
         config=config,
         rank=rank,
@@ -587,6 +671,8 @@ def build_parallel_state(
         group_ranks=group_ranks,
         expert_model_parallel_size=ep,
         expert_model_parallel_rank=ep_rank,
+        expert_tensor_parallel_size=etp,
+        expert_tensor_parallel_rank=etp_rank,
     )
 
 
@@ -597,7 +683,8 @@ def local_parallel_state() -> ParallelState:
     takes part in creating its groups."""
     rank = dist.get_rank()
     group = dist.new_group([rank], use_local_synchronization=True)
-    names = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "tp_cp", "ep", "expert_dp", "embedding")
+    names = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "tp_cp", "ep", "etp", "tp_ep", "expert_dp",
+             "embedding")
     return ParallelState(
         config=ParallelConfig(), rank=rank, world_size=dist.get_world_size(),
         device=default_device(), sizes={"tp": 1, "cp": 1, "dp": 1, "pp": 1},
@@ -621,6 +708,7 @@ def rank_zero_print(state: Optional[ParallelState], *args, **kwargs) -> None:
 __all__ = [
     "ParallelState",
     "build_parallel_state",
+    "create_parallel_state",
     "local_parallel_state",
     "destroy_parallel_state",
     "init_process_group",

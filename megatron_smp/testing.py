@@ -74,6 +74,13 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # A test may give a collective timeout of a second; gloo's init waits for its peers
+        # under that same timeout, and on a loaded machine the ranks start seconds apart.
+        # Every rank first waits here, under a long timeout, until all have started.
+        started = dist.FileStore(init_file + ".started", world_size)
+        started.set_timeout(datetime.timedelta(seconds=max(collective_timeout, 300.0)))
+        started.set(f"rank_{rank}", "1")
+        started.wait([f"rank_{other}" for other in range(world_size)])
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",

@@ -380,8 +380,18 @@ def _refused_rows() -> List[str]:
     saved = sys.modules.get("transformer_engine", None)
     sys.modules["transformer_engine"] = None  # type: ignore[assignment]
     try:
-        for flag in sorted(not_supported):
-            rows.append((flag, _try(_base_argv() + [flag])))
+        # Flags refused whatever their value; flags with the same error but for their name
+        # share a row.
+        from megatron_smp.training.arguments import megatron_lm
+
+        whole = (set(not_supported) | set(flag_layer("NEEDS_NVIDIA_FLAGS"))
+                 | set(megatron_lm.MEGATRON_ERRORS))
+        grouped: Dict[str, List[Tuple[str, str]]] = {}
+        for flag in sorted(whole):
+            message = _try(_base_argv() + [flag])
+            grouped.setdefault((message or "").replace(flag, "\0"), []).append((flag, message))
+        for members in grouped.values():
+            rows.append(("`, `".join(flag for flag, _ in members), members[0][1]))
         for flag, value in sorted(values):
             rows.append((f"{flag} {value}", _try(_base_argv() + [flag, value])))
         for prefix in prefixes:
@@ -484,7 +494,8 @@ def render() -> str:
             for flag, (other, reason) in flag_layer("IGNORED_WITHOUT").items()]
     out += ["", "## Refused", "",
             "Given on any entry script, each of these stops the run before anything starts, "
-            "with this error:", "",
+            "with this error (a row of several flags shows the first one's; each names "
+            "itself):", "",
             "| flag | the error |", "| --- | --- |"]
     out += _refused_rows() + [""]
 

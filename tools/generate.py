@@ -32,7 +32,7 @@ from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.inference import SamplingParams  # noqa: E402
 from megatron_smp.inference.text import TextCodec  # noqa: E402
 from megatron_smp.parallel_state import destroy_parallel_state  # noqa: E402
-from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
+from megatron_smp.training.inference_flags import build_inference_engine  # noqa: E402
 
 LINE_FIELDS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_k",
                "top_p", "seed", "stop"}

@@ -43,6 +43,7 @@ from megatron_smp.cli import run_entry  # noqa: E402
 
 from megatron_smp.config import ConfigError  # noqa: E402
 from megatron_smp.training.arguments import IGNORED_FLAGS, build_parser, parse_args  # noqa: E402
+from megatron_smp.training.arguments.flags import _reject_not_supported_yet  # noqa: E402
 
 # The smallest flag set parse_args needs, for trying one flag on its own.
 _BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -263,7 +264,12 @@ def audit_parser(specs: List[dict]) -> dict:
         if flag in accepted_flags:
             classes["accepted"].append(flag)
             continue
-        outcome, message = try_parse(_BASE + _sample_argv(spec))
+        try:  # parse_args's first check: flags refused whatever else is given
+            _reject_not_supported_yet(_sample_argv(spec))
+        except ConfigError as error:
+            outcome, message = "error", str(error)
+        else:
+            outcome, message = try_parse(_BASE + _sample_argv(spec))
         kind = "error" if outcome == "error" and flag in message else "missing"
         classes[kind].append(flag)
         messages[flag] = message

@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_smp.cli import run_entry  # noqa: E402
-from megatron_smp.inference.launcher import build_inference_engine  # noqa: E402
+from megatron_smp.training.inference_flags import build_inference_engine  # noqa: E402
 
 
 def add_server_args(parser):

@@ -43,7 +43,7 @@ from megatron_smp.checkpointing import engine as dcp
 from megatron_smp.checkpointing.engine.agreement import is_distributed, raise_if_any_rank_failed
 from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE, AsyncCallsQueue
 from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView
-from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.config.errors import format_listing
 from megatron_smp.checkpointing.engine.saver import (
     check_state_dict,
     schedule_staged_write,

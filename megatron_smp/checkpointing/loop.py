@@ -80,7 +80,7 @@ from megatron_smp.checkpointing.engine.agreement import (
     raise_if_any_rank_failed,
 )
 from megatron_smp.checkpointing.engine.async_queue import DEFAULT_ASYNC_QUEUE
-from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.config.errors import format_listing
 
 # common.json's config key naming the base checkpoint of a small LoRA checkpoint:
 # {"load": absolute directory, "iteration": N}; its "model" holds only the adapters.
@@ -254,7 +254,8 @@ def save(record: CheckpointRecord) -> None:
                                        "iteration": record.lora_base[1]}
     if record.validates_results and record.rerun is not None:
         # --rerun-mode validate_results: the resumed job first reruns this iteration.
-        state_dict["rerun_iteration"], state_dict["rerun_device"] = map(int, record.rerun)
+        (state_dict["rerun_iteration"], state_dict["rerun_device"],
+         state_dict["rerun_injected"]) = map(int, record.rerun)
     save_checkpoint(
         record.iteration, state_dict, config.save, record.state,
         async_save=config.async_save,
@@ -498,6 +499,8 @@ def _load_lora_base(record: CheckpointRecord, base_dir: str, iteration: int) -> 
 def _find_iteration(record: CheckpointRecord) -> Optional[int]:
     """The iteration to resume from, or None (with a warning) when --load holds none."""
     load_dir = record.configs.checkpoint.load
+    if record.configs.checkpoint.ckpt_step is not None:  # Megatron's --ckpt-step
+        return record.configs.checkpoint.ckpt_step
     if _all_ranks_agree(os.path.isfile(tracker_path(load_dir))):
         return read_tracker(load_dir)
     if not os.path.isdir(load_dir):
@@ -507,6 +510,9 @@ def _find_iteration(record: CheckpointRecord) -> Optional[int]:
         why = f"has no {os.path.basename(tracker_path(load_dir))}" + (
             f" (complete checkpoints there: {found})" if found else " and holds no checkpoint"
         )
+    if record.configs.checkpoint.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--exit-on-missing-checkpoint is set but no checkpoint was "
+                              f"found: --load directory {load_dir} {why}")
     if record.configs.checkpoint.pretrained_checkpoint:
         _print_rank_0(record, f"--load directory {load_dir} {why}: the LoRA adapters start "
                               "fresh over --pretrained-checkpoint")
@@ -630,6 +636,7 @@ class _LoadPlan:
     progress: bool
     rng: bool
     rerun: bool  # the saved --rerun-mode validate_results position
+    rerun_injected: bool  # ... and whether its error was injected (--error-injection-rate)
     base: Optional[LoraBase]  # a small LoRA checkpoint's base, loaded first
     adapters_fresh: bool  # --lora-rank over a checkpoint without adapters
 
@@ -676,6 +683,8 @@ def _plan_load(record: CheckpointRecord, saved: SavedCheckpoint) -> _LoadPlan:
         rng=not (config.no_load_rng or config.finetune) and (keys is None or "rng_state" in keys),
         rerun=(load_progress and record.validates_results and keys is not None
                and "rerun_iteration" in keys),
+        rerun_injected=(load_progress and record.validates_results and keys is not None
+                        and "rerun_injected" in keys),
         base=base, adapters_fresh=lora and not has_adapters)
 
 
@@ -697,6 +706,8 @@ def _load_template(record: CheckpointRecord, plan: _LoadPlan, path: str) -> Dict
     if plan.rerun:
         state_dict["rerun_iteration"] = 0
         state_dict["rerun_device"] = 0
+    if plan.rerun_injected:
+        state_dict["rerun_injected"] = 0
     return state_dict
 
 
@@ -709,7 +720,8 @@ def _apply_loaded(record: CheckpointRecord, plan: _LoadPlan, state_dict: Dict[st
         # A base checkpoint, or a whole (older) LoRA one: its weights are this run's base.
         record.lora_base = (os.path.abspath(saved.load_dir), int(saved.iteration))
     if plan.rerun:
-        record.rerun = (int(state_dict["rerun_iteration"]), int(state_dict["rerun_device"]))
+        record.rerun = (int(state_dict["rerun_iteration"]), int(state_dict["rerun_device"]),
+                        int(state_dict.get("rerun_injected", 0)))
     if plan.optimizer:
         finish_optimizer_load(record.optimizer, state_dict["optimizer"])
     else:
@@ -742,6 +754,11 @@ def load(record: CheckpointRecord) -> None:
             raise CheckpointError(
                 f"--load {config.load} is a Megatron-LM checkpoint and --pretrained-checkpoint "
                 "names a base too; give the base once")
+        if config.ckpt_step not in (None, megatron.iteration):
+            raise CheckpointError(
+                f"--ckpt-step {config.ckpt_step}: --load {config.load} is a Megatron-LM "
+                f"checkpoint, read at the iteration its tracker names ({megatron.iteration}) "
+                "here; drop --ckpt-step, or point the tracker at that iteration")
         _load_megatron(record, megatron)
         return
     iteration = _find_iteration(record) if config.load else None

@@ -37,8 +37,9 @@ class Progress:
 
 # (directory, iteration) of a LoRA run's frozen base model.
 LoraBase = Tuple[str, int]
-# (iteration, device identity) that --rerun-mode validate_results reruns after a resume.
-RerunPosition = Tuple[int, int]
+# (iteration, device identity, whether an --error-injection-rate error was injected) that
+# --rerun-mode validate_results reruns after a resume.
+RerunPosition = Tuple[int, int, int]
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ import torch
 from megatron_smp.checkpointing.engine.sharded_tensor import ShardedTensorView, local_to_global_blocks
 from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.models.sharding import VOCAB_PARALLEL_SUFFIXES
+from megatron_smp.tensor_parallel.utils import tensor_parallel_coords
 
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -99,9 +100,11 @@ def model_layouts(model_chunks: Sequence[torch.nn.Module], state, vocab_size: in
             split = getattr(tensor, "tensor_model_parallel", False)
             dim = int(getattr(tensor, "partition_dim", 0)) if split else None
             stride = int(getattr(tensor, "partition_stride", 1)) if split else 1
+            # An expert's split is over its expert-tensor-parallel group.
+            tp_rank, tp_size = tensor_parallel_coords(tensor, state)
             global_shape = list(tensor.shape)
             if dim is not None:
-                global_shape[dim] *= state.tp_size
+                global_shape[dim] *= tp_size
             row_limit = None
             if key.endswith(VOCAB_PARALLEL_SUFFIXES):
                 row_limit = vocab_size
@@ -109,7 +112,7 @@ def model_layouts(model_chunks: Sequence[torch.nn.Module], state, vocab_size: in
             layout = ParamLayout(
                 key=key, local_shape=tensor.shape, global_shape=tuple(global_shape),
                 partition_dim=dim, partition_stride=stride,
-                tp_rank=state.tp_rank if split else 0, tp_size=state.tp_size if split else 1,
+                tp_rank=tp_rank if split else 0, tp_size=tp_size if split else 1,
                 row_limit=row_limit, tied_copy=tied_copy,
             )
             entries.append((layout, tensor))

@@ -20,8 +20,15 @@ class AttentionChecks:
     """Mixed into TransformerConfig: position embeddings, windows and softmax numerics."""
 
     def uses_rotary_embedding(self) -> bool:
-        """RoPE, plain or scaled (position_embedding_type "rope" or "yarn")."""
-        return self.position_embedding_type in ("rope", "yarn")
+        """RoPE, plain or scaled (position_embedding_type "rope" or "yarn", or multi-latent
+        attention's own `mla_rope_type`)."""
+        return self.rotary_type() is not None
+
+    def rotary_type(self) -> Optional[str]:
+        """"rope", "yarn" (RoPE with YaRN's scaling) or None: the rotary embedding built."""
+        if self.position_embedding_type in ("rope", "yarn"):
+            return self.position_embedding_type
+        return self.mla_rope_type if self.multi_latent_attention else None
 
     def _validate_rope_scaling(self) -> None:
         if self.use_rope_scaling:
@@ -38,7 +45,7 @@ class AttentionChecks:
                 f"low/high frequency factors ({self.rope_scaling_low_freq_factor}, "
                 f"{self.rope_scaling_high_freq_factor}) positive and increasing",
             )
-        if self.position_embedding_type == "yarn":
+        if self.rotary_type() == "yarn":
             _require(
                 self.yarn_rotary_scaling_factor > 0
                 and self.yarn_original_max_position_embeddings >= 1

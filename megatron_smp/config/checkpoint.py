@@ -40,3 +40,8 @@ class CheckpointConfig:
     # Megatron's --save-retain-interval: each new checkpoint deletes the one before it unless
     # that one's iteration is a multiple of this (None: keep every checkpoint).
     save_retain_interval: Optional[int] = None
+    # Megatron's --exit-on-missing-checkpoint: a --load directory without a checkpoint is an
+    # error instead of a start from scratch.
+    exit_on_missing_checkpoint: bool = False
+    # Megatron's --ckpt-step: the iteration to load instead of the tracker's latest.
+    ckpt_step: Optional[int] = None

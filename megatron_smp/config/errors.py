@@ -1,9 +1,7 @@
 """ConfigError and the helpers every config section's checks use."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Tuple
-
+from typing import List
 
 class ConfigError(ValueError):
     """A configuration that cannot work. The message names the flag and what would work."""
@@ -24,23 +22,11 @@ def not_supported(setting: str, what: str) -> ConfigError:
     return ConfigError(f"{setting} {NOT_SUPPORTED_YET.format(what=what)}")
 
 
-# -- validated once ---------------------------------------------------------------------------
-# Each config is validated where it is built (training.arguments.validate_configs, smp.init);
-# the library entry points that take a config (build_parallel_state, GPTModel,
-# get_megatron_optimizer) call `validate` too, for callers that build configs by hand. A
-# config remembers the contents and layout it was validated with, so those repeated calls
-# return at once; a config changed since (or a copy, dataclasses.replace) is checked again.
+_MAX_LISTED = 20
 
 
-def _fingerprint(config, skip: Tuple[str, ...] = ()) -> str:
-    """A config's contents (every dataclass field but `skip`), as text."""
-    return repr([(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
-                 if f.name not in skip])
-
-
-def _validated(config, key) -> bool:
-    return key in config.__dict__.get("_validated_keys", ())
-
-
-def _remember_validated(config, key) -> None:
-    config.__dict__.setdefault("_validated_keys", set()).add(key)
+def format_listing(items: List[str]) -> str:
+    """Comma-separated, at most 20 entries (error messages stay readable)."""
+    shown = items[:_MAX_LISTED]
+    more = f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return ", ".join(shown) + more

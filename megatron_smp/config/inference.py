@@ -1,6 +1,6 @@
 """InferenceConfig: the inference engine's sizes and options (the --inference-* flags and
-speculative decoding's), for `inference.launcher` (tools/generate.py, the server) and the
-rollouts of `train_rl.py`."""
+speculative decoding's), for `inference.launcher` (tools/generate.py and the server, through
+`training.inference_flags`) and the rollouts of `train_rl.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +25,13 @@ class InferenceConfig:
     prefix_caching_eviction_policy: Optional[str] = None
     speculative_config: Optional[str] = None  # --speculative-config: vLLM's JSON
     num_speculative_tokens: Optional[int] = None  # --num-speculative-tokens: MTP drafts
+    # The decode-only steps at padded shapes: "cuda_graph" (--cuda-graph-impl local),
+    # "compile" (--inference-torch-compile) or None (eager).
+    decode_step: Optional[str] = None
+    num_cuda_graphs: int = 16  # --inference-dynamic-batching-num-cuda-graphs: batch sizes
+    # --inference-dynamic-batching-cuda-graph-sizing-distribution: exponential | linear
+    cuda_graph_sizing_distribution: str = "exponential"
+    cuda_graph_warmup_steps: int = 3  # --cuda-graph-warmup-steps: eager runs before a capture
 
     def validate(self) -> None:
         """ConfigError naming the flag (the engine's own sizes and options)."""
@@ -33,6 +40,11 @@ class InferenceConfig:
                             ("--inference-dynamic-batching-block-size", self.block_size)):
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1")
+        if self.num_cuda_graphs == 0 or self.num_cuda_graphs < -1:
+            raise ConfigError("--inference-dynamic-batching-num-cuda-graphs must be >= 1, or "
+                              "-1 (every batch size the sizing distribution gives)")
+        if self.cuda_graph_warmup_steps < 0:
+            raise ConfigError("--cuda-graph-warmup-steps must be >= 0")
 
     @property
     def eviction_policy(self) -> Optional[str]:

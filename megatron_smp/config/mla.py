@@ -10,9 +10,10 @@ class MLAChecks:
 
     def _validate_mla(self, parallel: ParallelConfig) -> None:
         """--multi-latent-attention: what transformer/mla.py builds, and what it does not yet."""
-        _require(self.position_embedding_type in ("rope", "yarn"),
-                 "--multi-latent-attention rotates its positional channels: add "
-                 "--position-embedding-type rope (YaRN: yarn)")
+        _require(self.rotary_type() in ("rope", "yarn"),
+                 "--multi-latent-attention rotates its positional channels: give "
+                 "--position-embedding-type rope or yarn, or --rope-type beside learned "
+                 "absolute positions")
         for flag, value in (("--kv-lora-rank", self.kv_lora_rank),
                             ("--qk-head-dim", self.qk_head_dim),
                             ("--v-head-dim", self.v_head_dim),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 from megatron_smp.config.attention import AttentionChecks
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 from megatron_smp.config.hybrid import HybridChecks
 from megatron_smp.config.mla import MLAChecks
 from megatron_smp.config.moe import MoEChecks, parse_moe_layer_freq
@@ -41,7 +41,7 @@ FUNCTION_FIELDS = (
     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
-    "yarn_correction_range_round_to_int",
+    "yarn_correction_range_round_to_int", "mla_rope_type",
     "hybrid_layer_pattern", "linear_attention_freq", "attention_output_gate", "mamba_dt_min",
     # Gemma 3's numerics (see TransformerConfig).
     "sandwich_norm", "apply_embedding_scaling", "softmax_scale", "final_logit_softcapping",
@@ -102,6 +102,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # Megatron's --qk-layernorm: `normalization` over each head's query and key (head dim),
     # after the QKV projection and before RoPE.
     qk_layernorm: bool = False
+    # Megatron's --test-mode: every attention forward checks that the data- and
+    # tensor-parallel replicas of its q/k norm parameters are equal (its real-time test of
+    # silent corruption), raising on every rank of a group that disagrees.
+    test_mode: bool = False
     # "gelu" | "gelu_tanh" | "silu" (with gated_linear_unit: SwiGLU) | "squared_relu" (relu(x)^2)
     # | "quick_gelu" (x * sigmoid(1.702 x); gated: Megatron's --quick-geglu, gpt-oss's GLU)
     activation: str = "gelu"
@@ -113,6 +117,11 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     activation_func_clamp_value: Optional[float] = None
     # "learned_absolute" | "rope" | "yarn" (RoPE with YaRN's scaling) | "alibi" | "none"
     position_embedding_type: str = "learned_absolute"
+    # Multi-latent attention rotates its positional channels whatever the position embedding
+    # (Megatron's MLA builds its own rotary embedding from --rope-type, default yarn): with
+    # position_embedding_type "learned_absolute" or "none" this is that RoPE ("rope" |
+    # "yarn"), beside the learned positions. None: from position_embedding_type.
+    mla_rope_type: Optional[str] = None
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     # Llama 3.x's RoPE frequency scaling (Megatron's --use-rope-scaling, --rope-scaling-factor;
@@ -352,20 +361,9 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
 
     def validate(self, parallel: ParallelConfig, seq_length: Optional[int] = None,
                  names: Optional[dict] = None) -> None:
-        """Check the model against the parallel layout (and sequence length). Pure; once per
-        contents and layout (a check with a sequence length covers one without)."""
-        # The data-parallel size is derived (ParallelState's copy has it, the flags' not);
-        # the model's checks never read it.
-        layout = (_fingerprint(self), _fingerprint(parallel, ("data_parallel_size",)))
-        if _validated(self, layout + (seq_length,)) or (
-                seq_length is None and any(key[:2] == layout for key in
-                                           self.__dict__.get("_validated_keys", ()))):
-            return
-        self._check(parallel, seq_length, names)
-        _remember_validated(self, layout + (seq_length,))
-
-    def _check(self, parallel: ParallelConfig, seq_length: Optional[int],
-               names: Optional[dict]) -> None:
+        """Check the model against the parallel layout (and sequence length). Pure; run once
+        where the configs are built (`validate_configs`, `smp.transform`); a config built by
+        hand is checked by calling this before `GPTModel`, which does not."""
         parallel.check_supported(names)
         tp = parallel.tensor_model_parallel_size
         _require(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")

@@ -131,10 +131,25 @@ class MoEChecks:
             "--moe-expert-capacity-factor applies to top-k routing; use "
             "--moe-router-load-balancing-type aux_loss, seq_aux_loss, global_aux_loss or none",
         )
+        etp = parallel.expert_tensor_parallel_size
         _require(
-            self.moe_ffn_hidden_size % tp == 0,
+            etp is None or etp <= tp,
+            f"--expert-tensor-parallel-size {etp}: experts split over more ranks than the "
+            f"dense layers (--tensor-model-parallel-size {tp}) are not supported yet; use at "
+            f"most {tp}",
+        )
+        _require(
+            etp is None or etp == tp or not parallel.use_torch_fsdp2,
+            f"--expert-tensor-parallel-size {etp} below --tensor-model-parallel-size ({tp}) "
+            "with --use-torch-fsdp2 is not supported yet (FSDP2 shards the experts over the "
+            "dense layers' groups); drop one of the two",
+        )
+        expert_tp, expert_tp_flag = ((tp, "--tensor-model-parallel-size") if etp is None
+                                     else (etp, "--expert-tensor-parallel-size"))
+        _require(
+            self.moe_ffn_hidden_size % expert_tp == 0,
             f"--moe-ffn-hidden-size ({self.moe_ffn_hidden_size}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp})",
+            f"{expert_tp_flag} ({expert_tp})",
         )
         shared = self.moe_shared_expert_intermediate_size
         _require(
@@ -154,13 +169,6 @@ class MoEChecks:
             tp == 1 or self.sequence_parallel,
             "mixture-of-experts layers with --tensor-model-parallel-size > 1 need "
             "--sequence-parallel (as in Megatron-LM)",
-        )
-        etp = parallel.expert_tensor_parallel_size
-        _require(
-            etp is None or etp == tp,
-            f"--expert-tensor-parallel-size {etp}: experts are split over the tensor-parallel "
-            f"group like the dense MLP; leave it out or set it to --tensor-model-parallel-size "
-            f"({tp})",
         )
         self.moe_layer_pattern()  # raises for a malformed or wrong-length pattern
 

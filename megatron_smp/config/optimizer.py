@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -53,6 +53,10 @@ class OptimizerConfig:
     # they are 1-D (optimizer.get_param_groups).
     apply_wd_to_qk_layernorm: bool = False
     use_distributed_optimizer: bool = False
+    # Megatron's --num-distributed-optimizer-instances: the data-parallel ranks split into
+    # this many consecutive instances; each shards the optimizer over its own ranks
+    # (reduce-scatter and all-gather within it) and the instances all-reduce each shard.
+    num_distributed_optimizer_instances: int = 1
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     # fp16 loss scaling: None = dynamic.
@@ -93,13 +97,9 @@ class OptimizerConfig:
         return self.use_distributed_optimizer and self.optimizer in ("muon", "lion")
 
     def validate(self) -> None:
-        """Check the optimizer settings (once per contents)."""
-        key = _fingerprint(self)
-        if not _validated(self, key):
-            self._check()
-            _remember_validated(self, key)
-
-    def _check(self) -> None:
+        """Check the optimizer settings. Pure; run once where the configs are built
+        (`validate_configs`); a config built by hand is checked by calling this before
+        `get_megatron_optimizer`, which does not."""
         _require(
             self.optimizer in ("adam", "sgd", "muon", "lion"),
             f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",
@@ -142,6 +142,12 @@ class OptimizerConfig:
             not self.overlap_param_gather or self.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer",
         )
+        instances = self.num_distributed_optimizer_instances
+        _require(instances >= 1, f"--num-distributed-optimizer-instances must be >= 1, got "
+                                 f"{instances}")
+        _require(instances == 1 or self.use_distributed_optimizer,
+                 "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                 "(as in Megatron-LM: partial sharding of the distributed optimizer)")
         _require(
             self.use_layer_wise_param_layout or self.use_layer_wise_distributed_optimizer,
             "--no-use-layer-wise-param-layout chooses how the layer-wise distributed optimizer "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_smp.config.errors import _fingerprint, _remember_validated, _require, _validated
+from megatron_smp.config.errors import _require
 
 
 # How validation messages name ParallelConfig fields: Megatron's flags by default; `smp.init`
@@ -57,8 +57,9 @@ class ParallelConfig:
     # Megatron's --init-model-with-meta-device: every model chunk is built on the meta device
     # and materialised part by part on its device (with FSDP2: unit by unit while sharding).
     init_model_with_meta_device: bool = False
-    # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP
-    # (the only layout built: experts split like the dense MLP over the TP group).
+    # Megatron's --expert-tensor-parallel-size; None: the experts use the dense layers' TP.
+    # Smaller: each stage's ranks form Megatron's expert grid etp x ep x expert-dp (see
+    # parallel_state), the experts split over etp ranks.
     expert_tensor_parallel_size: Optional[int] = None
 
     def data_parallel_size_for(self, world_size: int) -> int:
@@ -79,17 +80,12 @@ class ParallelConfig:
         return dp_cp if self.hybrid_shard_degree == 0 else self.hybrid_shard_degree
 
     def validate(self, world_size: int, names: Optional[dict] = None) -> None:
-        """Check the degrees against `world_size`. Pure: reads the config, never changes it
-        (once per contents and world size: see `_fingerprint`).
+        """Check the degrees against `world_size`. Pure: reads the config, never changes it.
+        Run once, where the configs are built (`validate_configs`, `smp.init`), or, for a
+        config built by hand, by `build_parallel_state` before its first collective.
 
         `names` maps field names to how the user spelled them (default: Megatron's flags).
         """
-        key = (_fingerprint(self), world_size)
-        if not _validated(self, key):
-            self._check(world_size, names)
-            _remember_validated(self, key)
-
-    def _check(self, world_size: int, names: Optional[dict]) -> None:
         name = dict(FLAG_NAMES, **(names or {}))
         for field_name in (
             "tensor_model_parallel_size",
@@ -134,11 +130,27 @@ class ParallelConfig:
                 f"pp={pp} the data-parallel size must be {data_parallel}, not "
                 f"{self.data_parallel_size}",
             )
-        _require(
-            (data_parallel * cp) % self.expert_model_parallel_size == 0,
-            f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) must "
-            f"divide data-parallel x context-parallel size ({data_parallel} x {cp})",
-        )
+        etp = self.expert_tensor_parallel_size
+        if etp is None or etp == tp:
+            _require(
+                (data_parallel * cp) % self.expert_model_parallel_size == 0,
+                f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) "
+                f"must divide data-parallel x context-parallel size ({data_parallel} x {cp})",
+            )
+        else:
+            # Megatron's expert grid: each pipeline stage's tp x cp x dp ranks, in order, are
+            # split etp-fastest into etp x ep x expert-dp.
+            _require(
+                isinstance(etp, int) and etp >= 1,
+                f"--expert-tensor-parallel-size must be a positive integer, got {etp!r}",
+            )
+            _require(
+                (tp * cp * data_parallel) % (etp * self.expert_model_parallel_size) == 0,
+                f"--expert-tensor-parallel-size ({etp}) x "
+                f"{name['expert_model_parallel_size']} ({self.expert_model_parallel_size}) "
+                f"must divide the ranks of a pipeline stage (tp {tp} x cp {cp} x dp "
+                f"{data_parallel})",
+            )
         if pp == 1:
             pipeline_only = {
                 name["virtual_pipeline_model_parallel_size"]:

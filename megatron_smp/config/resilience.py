@@ -1,6 +1,7 @@
 """ResilienceConfig: the progress watchdog (--enable-ft-package and its timeouts), the fault
 injector (--fault-injector-*) and the straggler report (--log-straggler), Megatron-LM main's
-flag names (megatron_smp/resilience reads it)."""
+flag names; replica groups that leave and rejoin the job (--fault-tolerance-*, torchtitan's
+--fault_tolerance.* options over torchft). megatron_smp/resilience reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,6 +62,14 @@ class ResilienceConfig:
     straggler_minmax_count: int = 1
     disable_straggler_on_startup: bool = False
     straggler_ctrlr_port: int = 65535
+    # -- replica groups (torchft; torchtitan's --fault_tolerance.*) -------------------------------
+    fault_tolerance: bool = False
+    fault_tolerance_replica_id: int = 0
+    fault_tolerance_group_size: int = 0
+    fault_tolerance_min_replica_size: int = 1
+    # The torchft lighthouse (http://HOST:PORT); default: the TORCHFT_LIGHTHOUSE variable.
+    fault_tolerance_lighthouse: Optional[str] = None
+    fault_tolerance_process_group_timeout_ms: int = 10000
 
     def section_timeouts(self) -> Dict[str, float]:
         return parse_section_timeouts(self.ft_rank_section_timeouts)
@@ -98,6 +107,46 @@ class ResilienceConfig:
         if self.disable_straggler_on_startup and not self.log_straggler:
             raise ConfigError("--disable-straggler-on-startup applies to --log-straggler: "
                               "add it")
+        self._validate_fault_tolerance()
+
+    def lighthouse(self) -> Optional[str]:
+        """--fault-tolerance-lighthouse, else the TORCHFT_LIGHTHOUSE variable (torchft's)."""
+        import os
+
+        return self.fault_tolerance_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+
+    def _validate_fault_tolerance(self) -> None:
+        defaults = ResilienceConfig()
+        given = [name for name in vars(self) if name.startswith("fault_tolerance_")
+                 and getattr(self, name) != getattr(defaults, name)]
+        if not self.fault_tolerance:
+            if given:
+                raise ConfigError(f"--{given[0].replace('_', '-')} applies to replica groups: "
+                                  "add --fault-tolerance")
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("torchft") is None:
+            raise ConfigError("--fault-tolerance runs on torchft, which is not installed: "
+                              "pip install 'megatron_smp[torchft]' (torchft==0.2.0)")
+        size, replica = self.fault_tolerance_group_size, self.fault_tolerance_replica_id
+        if size < 1:
+            raise ConfigError("--fault-tolerance needs --fault-tolerance-group-size N (how many "
+                              f"replica groups the job has, >= 1), got {size}")
+        if not 0 <= replica < size:
+            raise ConfigError(f"--fault-tolerance-replica-id must be in [0, {size - 1}] "
+                              f"(--fault-tolerance-group-size {size}), got {replica}")
+        if not 1 <= self.fault_tolerance_min_replica_size <= size:
+            raise ConfigError(f"--fault-tolerance-min-replica-size must be in [1, {size}], got "
+                              f"{self.fault_tolerance_min_replica_size}")
+        if self.fault_tolerance_process_group_timeout_ms <= 0:
+            raise ConfigError("--fault-tolerance-process-group-timeout-ms must be > 0, got "
+                              f"{self.fault_tolerance_process_group_timeout_ms}")
+        if not self.lighthouse():
+            raise ConfigError("--fault-tolerance needs the torchft lighthouse's address: "
+                              "--fault-tolerance-lighthouse http://HOST:PORT or the "
+                              "TORCHFT_LIGHTHOUSE variable (start one with torchft_lighthouse "
+                              "--min_replicas 1)")
 
     def _validate_fault_injector(self, world_size: Optional[int]) -> None:
         given = [name for name, value in vars(self).items()

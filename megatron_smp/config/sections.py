@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional
 
 from megatron_smp.config.checkpoint import CheckpointConfig
 from megatron_smp.config.data import DataConfig
@@ -45,6 +45,10 @@ class Configs:
     args: argparse.Namespace
     # How validation names ParallelConfig fields the user set through --smp-config keys.
     setting_names: Dict[str, str] = dataclasses.field(default_factory=dict)
+    # The flags given on the command line, for the checks that depend on whether a flag was
+    # given rather than on its value (--split beside per-split data paths; the ignored
+    # --use-flash-attn with --deterministic-mode). Empty for configs built by hand.
+    given_flags: FrozenSet[str] = frozenset()
     resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
     # The modes' sections, each present when the entry script added its flags
     # (training.arguments.modes): train_dpo.py, train_rl.py, the inference launcher.

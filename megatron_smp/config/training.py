@@ -34,6 +34,9 @@ class TrainingConfig:
     eval_iters: int = 10
     tensorboard_dir: Optional[str] = None
     pipeline_schedule: str = "interleaved"  # SMP: "simple" | "interleaved"
+    # Megatron's --microbatch-group-size-per-virtual-pipeline-stage: the interleaved schedule
+    # runs each model chunk on this many microbatches in turn (None: the pipeline size).
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     exit_interval: Optional[int] = None
     # Logging, as Megatron's flags of the same names.
     log_throughput: bool = False  # tokens/s and TFLOP/s/GPU in the log line
@@ -63,7 +66,15 @@ class TrainingConfig:
     # each bucket's local grad norm stops the run, after an in-place rerun in
     # "validate_results" mode; "disabled" raises at once.
     check_for_nan_in_loss_and_grad: bool = True
+    # Megatron's non-fatal checks: a loss (a bucket's local grad norm) at least 10x the largest
+    # of the first 100 seen is rerun in place, reported, and training goes on.
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
     rerun_mode: str = "validate_results"
+    # Megatron's --error-injection-rate / --error-injection-type (its RerunErrorInjector):
+    # rehearsing the reruns above with injected errors (training/result_validation.py).
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
     # torch.compile backend for each transformer layer (--torch-compile; None: eager).
     torch_compile: Optional[str] = None

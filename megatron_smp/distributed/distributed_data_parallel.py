@@ -15,10 +15,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_smp.config import OptimizerConfig
+from megatron_smp.config import ConfigError, OptimizerConfig
 from megatron_smp.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megatron_smp.optimizer.muon import is_muon_parameter
-from megatron_smp.tensor_parallel.utils import is_expert_param
+from megatron_smp.tensor_parallel.utils import is_expert_param, is_muon_parameter
 
 # Megatron's default when overlapping: large enough to keep the link busy, and at least
 # 1M elements per data-parallel rank so each shard is not tiny.
@@ -81,17 +80,27 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             dense_scale = expert_scale = 1.0 / dp_cp_size
 
+        # --num-distributed-optimizer-instances: reduce-scatter (and shard) within an instance,
+        # then all-reduce each shard across the instances (AVG twice gives the same mean).
+        groups = {"dense": (state.dp_cp_group, None), "expert": (state.expert_dp_group, None)}
+        instances = config.num_distributed_optimizer_instances
+        if self.use_distributed_optimizer and instances > 1:
+            groups = state.optimizer_instance_groups(instances)
+            if expert and groups["expert"][0] is None:
+                raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must "
+                                  "divide the expert-data-parallel size")
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
-        for params_by_dtype, group, scale in (
-            (dense, state.dp_cp_group, dense_scale),
-            (expert, state.expert_dp_group, expert_scale),
+        for params_by_dtype, (group, inter_group), replicas, scale in (
+            (dense, groups["dense"], state.dp_cp_group, dense_scale),
+            (expert, groups["expert"], state.expert_dp_group, expert_scale),
         ):
             for (param_dtype, grad_dtype, whole), params in params_by_dtype.items():
                 self.param_and_grad_buffers.append(
                     ParamAndGradBuffer(
                         params, param_dtype, grad_dtype, group, bucket_size, scale,
                         config.ddp_average_in_collective, self.use_distributed_optimizer,
-                        param_names, layer_wise=whole,
+                        param_names, layer_wise=whole, inter_instance_group=inter_group,
+                        replica_group=replicas,
                     )
                 )
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
@@ -208,7 +217,7 @@ class DistributedDataParallel(torch.nn.Module):
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's params to every replica (random init per rank)."""
         for buffer in self.param_and_grad_buffers:
-            group = buffer.data_parallel_group
+            group = buffer.replica_group
             source = dist.get_global_rank(group, 0)
             dist.broadcast(buffer.param_data, src=source, group=group)
 

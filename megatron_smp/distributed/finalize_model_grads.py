@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from megatron_smp.tensor_parallel.utils import is_expert_param
+
 
 def _grad_of(param: torch.nn.Parameter):
     main_grad = getattr(param, "main_grad", None)
@@ -37,15 +39,20 @@ def allreduce_sequence_parallel_grads(model_chunks: Iterable[torch.nn.Module], s
     """
     if state.tp_size == 1:
         return
-    grads = [
-        _grad_of(param)
-        for chunk in model_chunks
-        for param in chunk.parameters()
-        if param.requires_grad and getattr(param, "sequence_parallel", False)
-        and _grad_of(param) is not None
-    ]
-    if grads:
-        _allreduce_coalesced(grads, state.tp_group, state.device)
+    dense, expert = [], []
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False) \
+                    and _grad_of(param) is not None:
+                (expert if is_expert_param(param) else dense).append(_grad_of(param))
+    # An expert's replicated params are partial over its own (expert-tensor-parallel) group.
+    # The ranks of a group hold the same modules, so each call is collective.
+    if state.etp_group is state.tp_group:
+        dense, expert = dense + expert, []
+    if dense:
+        _allreduce_coalesced(dense, state.tp_group, state.device)
+    if expert and state.etp_size > 1:
+        _allreduce_coalesced(expert, state.etp_group, state.device)
 
 
 def _language_model(chunk: torch.nn.Module) -> torch.nn.Module:

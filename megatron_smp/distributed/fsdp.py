@@ -57,6 +57,7 @@ from megatron_smp.distributed.delayed_init import (  # noqa: F401
 _PARAM_ATTRIBUTES = (
     "tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
     "allreduce", "shared", "shared_embedding", "expert_checkpoint_rename", "qkv_split_shapes",
+    "tensor_parallel_coords",
 )
 
 
@@ -383,6 +384,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         self.module = fully_shard_model(module, state, param_dtype=param_dtype,
                                         reshard_after_forward=reshard_after_forward, **kwargs)
         self.state = state
+        # The dtype layers compute in (None: fp32); fp16 gets loss scaling (get_megatron_optimizer).
+        self.param_dtype = param_dtype
         # The OptimizerConfig, as our DDP wrapper's `config` (forward steps read e.g.
         # calculate_per_token_loss from it).
         self.config = config
@@ -436,8 +439,6 @@ def validate_fsdp_configs(configs) -> None:
          "FSDP2 reduces one layer per collective"),
         (optimizer.ddp_average_in_collective, "--ddp-average-in-collective",
          "FSDP2 always averages in its reduce-scatter"),
-        (configs.model.fp16, "--fp16", "use --bf16 (fp16 loss scaling of sharded grads is not "
-         "built)"),
         (configs.checkpoint.ckpt_format != "torch_dist", "--ckpt-format torch",
          "FSDP2 checkpoints are distributed (torch_dist)"),
         # Built (the shard groups span dp x cp) but not yet tested against one process.

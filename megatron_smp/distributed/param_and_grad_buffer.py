@@ -199,6 +199,13 @@ class Bucket:
                 self.grad_data, op=op, group=buffer.data_parallel_group, async_op=async_op
             )
             self.grad_reduce_handle = handle if async_op else _DONE
+        if buffer.inter_instance_group is not None:
+            # --num-distributed-optimizer-instances: this rank's shard, reduced within its
+            # instance, is then reduced across the instances (after the first completes).
+            self.grad_reduce_handle.wait()
+            handle = dist.all_reduce(self.shard(self.grad_data), op=op,
+                                     group=buffer.inter_instance_group, async_op=async_op)
+            self.grad_reduce_handle = handle if async_op else _DONE
         if buffer.on_grad_sync_start is not None:
             buffer.on_grad_sync_start(self)
 
@@ -293,6 +300,11 @@ class ParamAndGradBuffer:
         average_in_collective: use ReduceOp.AVG instead of SUM.
         layer_wise: every param lies whole in one data-parallel rank's shard
             (`layer_wise_shard_layout`), as Muon's layer-wise distributed optimizer needs.
+        inter_instance_group: with --num-distributed-optimizer-instances, the ranks holding
+            this rank's shard in the other instances (`data_parallel_group` is then this
+            rank's instance): each shard's reduced grads are all-reduced over it.
+        replica_group: every replica of these params (default `data_parallel_group`), from
+            whose first member `broadcast_params` copies them.
     """
 
     def __init__(
@@ -308,8 +320,12 @@ class ParamAndGradBuffer:
         param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
         device: Optional[torch.device] = None,
         layer_wise: bool = False,
+        inter_instance_group=None,
+        replica_group=None,
     ):
         self.param_dtype = param_dtype
+        self.inter_instance_group = inter_instance_group
+        self.replica_group = data_parallel_group if replica_group is None else replica_group
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = dist.get_world_size(data_parallel_group)

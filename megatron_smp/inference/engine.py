@@ -54,6 +54,7 @@ from megatron_smp.inference.kv_cache import (
     check_inference_layout,
     state_bytes_per_request,
 )
+from megatron_smp.inference.decode_step import build_decode_runner
 from megatron_smp.inference.prefix_cache import PrefixCachingAllocator
 from megatron_smp.inference.sampling import SamplingParams, sample, top_logprobs
 from megatron_smp.inference.speculative import (
@@ -206,6 +207,10 @@ class InferenceEngine(RequestIntake):
     or `draft_model`: a model sharing the vocabulary, used whole on the leader, built at
     tensor / pipeline parallel size 1; other ranks may pass None). A request's
     `SamplingParams.num_speculative_tokens` lowers it (0: plain decoding).
+    decode_step: "compile" or "cuda_graph" runs the decode-only steps at padded shapes,
+    compiled or captured (`inference.decode_step`), with `num_decode_graphs` batch sizes
+    spaced by `decode_graph_distribution` and `cuda_graph_warmup_steps` eager runs before a
+    capture; None: every step eager.
     Collective over `group`: `step()`, `generate()`, `shutdown()`.
     """
 
@@ -215,7 +220,10 @@ class InferenceEngine(RequestIntake):
                  prefix_caching: Optional[str] = None, max_step_tokens: Optional[int] = None,
                  chunked_prefill: bool = False, replicate_context_parallel: bool = False,
                  speculative: Optional[SpeculativeConfig] = None,
-                 draft_model: Optional[torch.nn.Module] = None) -> None:
+                 draft_model: Optional[torch.nn.Module] = None,
+                 decode_step: Optional[str] = None, num_decode_graphs: int = 16,
+                 decode_graph_distribution: str = "exponential",
+                 cuda_graph_warmup_steps: int = 3) -> None:
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ConfigError("inference: virtual pipeline stages are not supported "
@@ -279,6 +287,9 @@ class InferenceEngine(RequestIntake):
         self.group_size = len(ranks)
 
         self._init_speculation(speculative, draft_model, num_blocks, block_size, max_requests)
+        self.decode_runner = build_decode_runner(
+            model, self.cache, self.layout, bool(self.state_bytes_per_request), max_requests,
+            decode_step, num_decode_graphs, decode_graph_distribution, cuda_graph_warmup_steps)
 
         self._init_intake()
         self.running: List[Request] = []
@@ -643,6 +654,11 @@ class InferenceEngine(RequestIntake):
         accepted or None); on the last stage with MTP drafting (the step's final hidden
         states [T, h], its StepBatch), else None)."""
         model, state = self.model, self.state
+        if self.decode_runner is not None and self.decode_runner.takes(plan):
+            with record_function("inference::model"):
+                logits = self.decode_runner.run(plan.steps)
+            with record_function("inference::logits_sampling"):
+                return self._pick(plan, logits, [(row, 1) for row in range(len(logits))]), None
         pad_to = state.tp_size if self.sequence_parallel else 1
         with record_function("inference::step_plan"):
             batch = StepBatch(self.cache, plan.steps, self.device, pad_to)
@@ -684,6 +700,12 @@ class InferenceEngine(RequestIntake):
             logits = self._logits(hidden[:len(rows), 0])
         else:
             logits = self._logits(hidden[:, 0][torch.tensor(rows, device=hidden.device)])
+        return self._pick(plan, logits, spans)
+
+    def _pick(self, plan: _Plan, logits: torch.Tensor, spans: List[Tuple[int, int]]):
+        """The sampler's results from the step's `logits` [R, vocab], request i's rows
+        spans[i] = (first, count) (None on other ranks); see `_forward`."""
+        num_drafts = plan.num_drafts or [None] * len(plan.request_ids)
         if self.rank != self.sampler:
             return None
         params = [self.params[i] for i in plan.request_ids]

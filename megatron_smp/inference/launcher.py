@@ -1,57 +1,52 @@
-"""A model for inference from Megatron's flags: what `tools/generate.py` and
-`tools/run_text_generation_server.py` share.
+"""An inference engine from validated configs: what `tools/generate.py` and
+`tools/run_text_generation_server.py` share, below the flags.
 
-    configs, state, engine, tokenizer = build_inference_engine(argv, extra_args_provider)
+    state, engine = launch_inference_engine(configs, model_provider=None, draft_configs=None)
 
-parses the flags (`--load`, `--use-checkpoint-args`, the model and parallel sizes, the
-tokenizer), builds the process group and this rank's pipeline stage of `GPTModel`, loads the
+builds the process group and this rank's pipeline stage of `GPTModel`, loads the
 checkpoint's weights (model only: ours, or Megatron-LM's torch_dist / legacy checkpoints,
 detected; `torch_dist` reshards to this layout) and wraps it in an
-`inference.InferenceEngine` sized by the inference flags added here (with data-parallel
-replicas, `inference.replicas.DataParallelEngine`: each replica serves its share).
+`inference.InferenceEngine` sized by `configs.inference` (with data-parallel replicas,
+`inference.replicas.DataParallelEngine`: each replica serves its share). Megatron's flags
+become those configs in `training.inference_flags.build_inference_engine`.
 """
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
 from megatron_smp.config import ConfigError
-from megatron_smp.inference.speculative import speculative_config_of  # noqa: F401
-from megatron_smp.training.arguments.modes import add_inference_args  # noqa: F401 (its flags)
+from megatron_smp.config.sections import Configs
+from megatron_smp.inference.decode_step import decode_step_options
+from megatron_smp.inference.speculative import speculative_config_of
 
 
-def _draft_argv(argv: Sequence[str], path: str) -> list:
-    """The flags with --load PATH (and --use-checkpoint-args): the draft checkpoint's model
-    with the same tokenizer."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--load":
-            skip = True
-        elif not arg.startswith("--load="):
-            out.append(str(arg))
-    out += ["--load", path]
-    return out if "--use-checkpoint-args" in out else out + ["--use-checkpoint-args"]
+def check_inference_layout(configs: Configs) -> None:
+    """The layouts the engine cannot serve, as ConfigErrors naming the flag (pure: before
+    any process group)."""
+    if configs.parallel.context_parallel_size > 1:
+        raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
+                          "pipeline or expert parallelism)")
+    if configs.parallel.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ConfigError("inference: virtual pipeline stages are not supported; drop "
+                          "--num-layers-per-virtual-pipeline-stage")
 
 
-def _load_draft_model(argv, path, providers, defaults, tokenizer, device):
+def _load_draft_model(draft_configs: Configs, device):
     """The draft model of speculative decoding, whole on every rank (the engine's leader
-    uses it), loaded from `path` with its checkpoint's model arguments (collective)."""
+    uses it), loaded from its checkpoint (collective)."""
     from megatron_smp.checkpointing import CheckpointError
-    from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
+    from megatron_smp.checkpointing.loop import load_inference_weights
     from megatron_smp.models.gpt import GPTModel
     from megatron_smp.parallel_state import local_parallel_state
-    from megatron_smp.training.arguments import parse_args
 
-    configs = parse_args(_draft_argv(argv, path), providers, defaults)
-    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
     state = local_parallel_state()
-    model = GPTModel(configs.model, state).to(device)
-    if load_inference_weights([model], state, configs) is None:
-        raise CheckpointError(f"--speculative-config model {path} holds no checkpoint")
+    model = GPTModel(draft_configs.model, state).to(device)
+    if load_inference_weights([model], state, draft_configs) is None:
+        raise CheckpointError(f"--speculative-config model {draft_configs.checkpoint.load} "
+                              "holds no checkpoint")
     return model.eval()
 
 
@@ -62,48 +57,23 @@ def _model_provider(configs, state, pre_process=True, post_process=True, **stage
                     **stage)
 
 
-def build_inference_engine(argv: Optional[Sequence[str]] = None,
-                           extra_args_provider: Optional[Callable] = None,
-                           model_provider: Optional[Callable] = None):
-    """(configs, state, engine, tokenizer) from Megatron flags; collective. Without --load
-    the model keeps its --seed initialisation (a clear warning on rank 0)."""
-    from megatron_smp.checkpointing.loop import load_inference_weights, model_vocab_size
-    from megatron_smp.data import build_tokenizer
+def launch_inference_engine(configs: Configs, model_provider: Optional[Callable] = None,
+                            draft_configs: Optional[Configs] = None):
+    """(state, engine) from validated `configs` (`validate_configs` and
+    `check_inference_layout`; with their `inference` section and the tokenizer's vocabulary);
+    collective. `draft_configs`: the draft model's (its model validated at one process's
+    layout), for --speculative-config's draft_model method. Without --load the model keeps
+    its --seed initialisation (a clear warning on rank 0)."""
+    from megatron_smp.checkpointing.loop import load_inference_weights
     from megatron_smp.inference import InferenceEngine
     from megatron_smp.inference.replicas import DataParallelEngine, num_replicas
-    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.parallel_state import create_parallel_state
     from megatron_smp.tensor_parallel.random import model_parallel_seed
-    from megatron_smp.training.arguments import parse_args, validate_configs
 
-    def providers(parser):
-        for action in parser._actions:  # a training length means nothing here
-            if action.dest == "training__seq_length":
-                action.required = False
-        parser = add_inference_args(parser)
-        if extra_args_provider is not None:
-            parser = extra_args_provider(parser) or parser
-        return parser
-
-    import sys
-
-    argv = list(argv) if argv is not None else sys.argv[1:]
-    # Training's required numbers, at values every layout divides (the engine's own limits
-    # are the --inference-* flags).
-    defaults = {"micro_batch_size": 1, "train_iters": 1, "seq_length": 8, "mock_data": True}
-    configs = parse_args(argv, providers, defaults)
-    tokenizer = build_tokenizer(configs.data)
-    configs.model.vocab_size = model_vocab_size(configs.model.vocab_size, tokenizer.vocab_size)
-    validate_configs(configs)  # the --inference-* flags too (configs.inference)
     inference = configs.inference
     speculative = speculative_config_of(inference)
-    if configs.parallel.context_parallel_size > 1:
-        raise ConfigError("inference: --context-parallel-size must be 1 (generate at tensor, "
-                          "pipeline or expert parallelism)")
-    if configs.parallel.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ConfigError("inference: virtual pipeline stages are not supported; drop "
-                          "--num-layers-per-virtual-pipeline-stage")
     timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-    state = build_parallel_state(configs.parallel, timeout=timeout)
+    state = create_parallel_state(configs.parallel, timeout=timeout)
     model_parallel_seed(configs.training.seed, state)
     provider = model_provider or _model_provider
     if state.pp_size > 1:
@@ -129,8 +99,7 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
         print(f"loaded {loaded}", flush=True)
     draft = None
     if speculative is not None and speculative.method == "draft_model":
-        draft = _load_draft_model(argv, speculative.model, providers, defaults, tokenizer,
-                                  state.device)
+        draft = _load_draft_model(draft_configs, state.device)
 
     def make_engine(group=None):
         return InferenceEngine(
@@ -140,13 +109,13 @@ def build_inference_engine(argv: Optional[Sequence[str]] = None,
             group=group, prefix_caching=inference.eviction_policy,
             max_step_tokens=inference.max_step_tokens,
             chunked_prefill=inference.chunked_prefill, speculative=speculative,
-            draft_model=draft)
+            draft_model=draft, **decode_step_options(inference))
 
     # Data-parallel replicas each serve their share of the requests (the caches per replica).
     engine = DataParallelEngine(state, make_engine) if num_replicas(state) > 1 \
         else make_engine()
     torch.set_grad_enabled(False)
-    return configs, state, engine, tokenizer
+    return state, engine
 
 
-__all__ = ["add_inference_args", "build_inference_engine", "speculative_config_of"]
+__all__ = ["check_inference_layout", "launch_inference_engine", "speculative_config_of"]

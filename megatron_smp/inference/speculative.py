@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_smp.config import ConfigError
+from megatron_smp.distributed.unwrap import unwrap_model
 from megatron_smp.inference.kv_cache import (
     BlockAllocator,
     CacheLayout,
@@ -229,7 +230,7 @@ class DraftModelRunner:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, num_blocks: int,
                  block_size: int, max_requests: int, device) -> None:
-        model = getattr(model, "module", model)
+        model = unwrap_model(model)
         config = model.config
         if config.vocab_size != vocab_size:
             raise ConfigError(f"speculative draft model: its vocabulary ({config.vocab_size}) "

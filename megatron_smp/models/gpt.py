@@ -179,6 +179,9 @@ class GPTModel(torch.nn.Module):
     `transformer_layer_spec` picks each decoder layer's attention and MLP (a `ModuleSpec`, or
     a function of the global layer number); default `get_gpt_decoder_layer_spec`.
 
+    `config` is a validated one (`validate_configs`, `smp.transform`, or
+    `config.validate(state.config, seq_length)` for a config built by hand).
+
     With context parallelism every sequence tensor holds this rank's tokens only (`[b, s/cp]`
     inputs, see `context_parallel.split`); position_ids=None then means their global
     positions, so learned positions, RoPE and ALiBi see where each token really is.
@@ -196,7 +199,6 @@ class GPTModel(torch.nn.Module):
         transformer_layer_spec: Optional[LayerSpec] = None,
     ) -> None:
         super().__init__()
-        config.validate(state.config)
         self.config = config
         self.state = state
         self.pre_process = pre_process

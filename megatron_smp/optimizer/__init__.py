@@ -234,20 +234,23 @@ def get_megatron_optimizer(
     `Float16OptimizerWithFloat16Params`; otherwise `FP32Optimizer`. The precision is the
     params' own (the model's config is its one home): fp16 params get loss scaling.
     `mup_width_mult`: the model's muP width multiplier (TransformerConfig.mup_width_mult).
+    `config` is a validated one (`validate_configs`, or `config.validate()` for a config
+    built by hand).
     """
-    config.validate()
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond, mup_width_mult)
     factory = build_torch_optimizer(config, state.device)
     dtypes = {p.dtype for g in groups for p in g["params"]}
-    grad_scaler = get_grad_scaler(config, state.device, torch.float16 in dtypes)
     if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
-        # FSDP2-sharded chunks: the sharded fp32 params are the main params.
-        if config.use_distributed_optimizer or grad_scaler is not None:
+        # FSDP2-sharded chunks: the sharded fp32 params are the main params; layers that
+        # compute in fp16 (the chunk's param_dtype) get the loss scaler, over the shards.
+        if config.use_distributed_optimizer:
             raise ConfigError(
                 "an FSDP2-sharded model already shards its optimizer state and keeps fp32 "
-                "main params: drop --use-distributed-optimizer and use --bf16 (not --fp16)"
-            )
-        return FSDPOptimizer(factory, config, state, model_chunks, groups)
+                "main params: drop --use-distributed-optimizer")
+        fp16 = any(getattr(chunk, "param_dtype", None) == torch.float16 for chunk in model_chunks)
+        return FSDPOptimizer(factory, config, state, model_chunks, groups,
+                             grad_scaler=get_grad_scaler(config, state.device, fp16))
+    grad_scaler = get_grad_scaler(config, state.device, torch.float16 in dtypes)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(factory, config, state, model_chunks, groups, grad_scaler)
     if dtypes & set(HALF_DTYPES):

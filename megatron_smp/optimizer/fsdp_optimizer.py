@@ -2,7 +2,9 @@
 
 FSDP2's sharded parameters are fp32 DTensors (the main params: mixed precision casts them to
 bf16 only when gathering), and their `.grad` are the reduce-scattered fp32 shards, so the
-step is FP32Optimizer's on shards. What differs is the statistics: each rank holds rows of
+step is FP32Optimizer's on shards (with --fp16 the layers compute in fp16 and the dynamic
+loss scaler unscales the fp32 grad shards; an inf or NaN in any rank's shard skips the step
+everywhere). What differs is the statistics: each rank holds rows of
 each TP-local tensor, so the grad norm and the zero count sum the local shards over the FSDP
 shard group (replicas of hybrid sharding hold the same rows and are not added again) and
 over tp x pp as usual, skipping TP-replicated params on tp ranks other than 0. Expert params

@@ -42,6 +42,7 @@ from megatron_smp.config import (
     MUON_SCALE_MODES,
     MUON_TP_MODES,
 )
+from megatron_smp.tensor_parallel.utils import is_muon_parameter
 
 # The published NS coefficient sets; the sets of "polar_express", "cans" and "deepseekv4" are
 # per step and their last triple repeats past the end, the others cycle.
@@ -149,15 +150,6 @@ def newton_schulz(
     return matrix.mT if transpose else matrix
 
 
-def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
-    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
-    output layer, norms, biases and params marked `use_muon = False` go to the scalar
-    optimizer (--muon-scalar-optimizer)."""
-    if param.dim() != 2 or not getattr(param, "use_muon", True):
-        return False
-    return "embedding" not in name and not name.endswith("output_layer.weight")
-
-
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
     """The update's scale for a [rows, cols] matrix (`--muon-scale-mode`)."""
     if mode == "spectral":  # Kimi's: matches AdamW's update RMS with --muon-extra-scale-factor
@@ -249,10 +241,15 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"unknown optimizer {group['optimizer']!r} in a param group")
 
     def bind(self, model_and_main: Iterable[Tuple[torch.nn.Parameter, torch.Tensor]],
-             tp_group=None) -> None:
-        """Record each main param's MuonParamInfo from its model param."""
+             tp_group=None, expert_tp_group=None) -> None:
+        """Record each main param's MuonParamInfo from its model param (an expert's split
+        over `expert_tp_group`, when given: --expert-tensor-parallel-size)."""
+        from megatron_smp.tensor_parallel.utils import is_expert_param
+
         for model_param, main_param in model_and_main:
-            self.param_info[main_param] = muon_param_info(model_param, tp_group, self.split_qkv)
+            group = (expert_tp_group if expert_tp_group is not None
+                     and is_expert_param(model_param) else tp_group)
+            self.param_info[main_param] = muon_param_info(model_param, group, self.split_qkv)
 
     # The orthogonalised update ----------------------------------------------------------------
     def _orthogonalize_matrix(self, matrix: torch.Tensor, info: MuonParamInfo) -> torch.Tensor:

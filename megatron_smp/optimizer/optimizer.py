@@ -74,7 +74,7 @@ class MegatronOptimizer:
         self._param_pairs = pairs
         # Muon reads each main param's TP layout and QKV split from its model param.
         if hasattr(self.optimizer, "bind"):
-            self.optimizer.bind(pairs, self.state.tp_group)
+            self.optimizer.bind(pairs, self.state.tp_group, self.state.etp_group)
 
     # Interface used by the training loop ---------------------------------------------------------
     @property
@@ -143,10 +143,20 @@ class MegatronOptimizer:
         """Groups over which partial sums of dense and of expert grads are added."""
         state = self.state
         dense = [state.model_parallel_group]
-        expert = [state.model_parallel_group, state.ep_group]
+        # Each expert tensor once: over the stages and the etp x ep block of each (Megatron's
+        # expert tensor-model-pipeline group; with ETP = TP the same as tp x pp, then ep).
+        expert = [state.pp_group, state.tp_ep_group]
         if self.grads_sharded_over_dp:
-            dense.append(state.dp_cp_group)
-            expert.append(state.expert_dp_group)
+            # Sharded within an instance (--num-distributed-optimizer-instances): the others
+            # hold the same shards.
+            instances = self.config.num_distributed_optimizer_instances
+            if instances > 1:
+                groups = state.optimizer_instance_groups(instances)
+                dense.append(groups["dense"][0])
+                expert.append(groups["expert"][0])
+            else:
+                dense.append(state.dp_cp_group)
+                expert.append(state.expert_dp_group)
         return dense, expert
 
     def get_grad_norm(self, norm_type: float = 2.0) -> float:
@@ -247,9 +257,11 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 params: the model params are the main params, `.grad` aliases `main_grad`."""
 
-    def __init__(self, optimizer_factory: Callable, config, state, model_chunks, param_groups):
+    def __init__(self, optimizer_factory: Callable, config, state, model_chunks, param_groups,
+                 grad_scaler=None):
+        """`grad_scaler`: only where the model computes in fp16 on fp32 params (FSDP2)."""
         optimizer = optimizer_factory(param_groups)
-        super().__init__(optimizer, config, state, model_chunks, grad_scaler=None)
+        super().__init__(optimizer, config, state, model_chunks, grad_scaler=grad_scaler)
         self.param_pairs = [(p, p) for group in param_groups for p in group["params"]]
 
     def _copy_model_grads_to_main_grads(self) -> None:

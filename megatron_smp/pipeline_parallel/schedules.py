@@ -405,28 +405,8 @@ def forward_backward_pipelining_without_interleaving(
 def _microbatch_group_size(num_microbatches: int, pp_size: int,
                            group_size: Optional[int]) -> int:
     """The group size in use (default pp_size); ConfigError for one the schedule cannot run."""
-    if group_size is None or group_size == pp_size:
-        # Whole groups of pp: the check that names the batch flags a user sets.
-        check_virtual_microbatches(num_microbatches, pp_size)
-        return pp_size
-    # Chunk c + 1 of rank 0 takes microbatch j from rank pp - 1, which runs chunk c on it
-    # pp - 1 steps after rank 0 did: a group (the distance between the two) shorter than
-    # pp would wait on an input not yet produced, and so would a last group shorter than pp.
-    if not pp_size <= group_size <= num_microbatches:
-        raise ConfigError(
-            f"microbatch_group_size_per_vp_stage ({group_size}) must lie between "
-            f"--pipeline-model-parallel-size ({pp_size}) and the number of microbatches "
-            f"({num_microbatches}) for the interleaved_1f1b schedule"
-        )
-    remainder = num_microbatches % group_size
-    if 0 < remainder < pp_size:
-        raise ConfigError(
-            f"the interleaved_1f1b schedule's last group holds {remainder} microbatches "
-            f"({num_microbatches} % microbatch_group_size_per_vp_stage {group_size}), fewer "
-            f"than --pipeline-model-parallel-size ({pp_size}); use a group size that divides "
-            f"the {num_microbatches} microbatches or leaves at least {pp_size}"
-        )
-    return group_size
+    check_virtual_microbatches(num_microbatches, pp_size, group_size)
+    return group_size or pp_size
 
 
 def get_schedule_table(
@@ -629,14 +609,37 @@ _VIRTUAL_FLAGS = ("--virtual-pipeline-model-parallel-size / "
                   "--num-layers-per-virtual-pipeline-stage")
 
 
-def check_virtual_microbatches(num_microbatches: int, pipeline_size: int) -> None:
-    """The virtual schedule walks microbatches in groups of pp; a partial group cannot work."""
-    if num_microbatches % pipeline_size:
+def check_virtual_microbatches(num_microbatches: int, pipeline_size: int,
+                               group_size: Optional[int] = None) -> None:
+    """The virtual schedule walks microbatches in groups of `group_size` (Megatron's
+    --microbatch-group-size-per-virtual-pipeline-stage, default pp): ConfigError for a count
+    or group size it cannot run."""
+    if group_size is None or group_size == pipeline_size:
+        if num_microbatches % pipeline_size:
+            raise ConfigError(
+                f"the interleaved virtual-pipeline schedule needs the number of microbatches "
+                f"({num_microbatches} = --global-batch-size / (--micro-batch-size x "
+                f"data-parallel size)) to be a multiple of --pipeline-model-parallel-size "
+                f"({pipeline_size}); change --global-batch-size or drop the virtual stages"
+            )
+        return
+    # Chunk c + 1 of rank 0 takes microbatch j from rank pp - 1, which runs chunk c on it
+    # pp - 1 steps after rank 0 did: a group (the distance between the two) shorter than
+    # pp would wait on an input not yet produced, and so would a last group shorter than pp.
+    if not pipeline_size <= group_size <= num_microbatches:
         raise ConfigError(
-            f"the interleaved virtual-pipeline schedule needs the number of microbatches "
-            f"({num_microbatches} = --global-batch-size / (--micro-batch-size x data-parallel "
-            f"size)) to be a multiple of --pipeline-model-parallel-size ({pipeline_size}); "
-            "change --global-batch-size or drop the virtual stages"
+            f"--microbatch-group-size-per-virtual-pipeline-stage ({group_size}) must lie "
+            f"between --pipeline-model-parallel-size ({pipeline_size}) and the number of "
+            f"microbatches ({num_microbatches}) for the interleaved_1f1b schedule"
+        )
+    remainder = num_microbatches % group_size
+    if 0 < remainder < pipeline_size:
+        raise ConfigError(
+            f"the interleaved_1f1b schedule's last group holds {remainder} microbatches "
+            f"({num_microbatches} % --microbatch-group-size-per-virtual-pipeline-stage "
+            f"{group_size}), fewer than --pipeline-model-parallel-size ({pipeline_size}); use "
+            f"a group size that divides the {num_microbatches} microbatches or leaves at "
+            f"least {pipeline_size}"
         )
 
 

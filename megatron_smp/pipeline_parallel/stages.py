@@ -185,7 +185,7 @@ def validate_pipeline_configs(configs, pipeline_size: int,
     if (schedule_name(training.pipeline_schedule, len(layout[0])) == "interleaved_1f1b"
             and not varying):
         check_virtual_microbatches(training.num_microbatches(data_parallel_size),
-                                   pipeline_size)
+                                   pipeline_size, training.microbatch_group_size_per_vp_stage)
     return layout
 
 

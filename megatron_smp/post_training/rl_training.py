@@ -147,6 +147,7 @@ class RLRun:
     def __init__(self, trainer, config: RLConfig, environments: Sequence[Environment],
                  tokenizer, model_provider: Callable, logger):
         from megatron_smp.inference import InferenceEngine
+        from megatron_smp.inference.decode_step import decode_step_options
 
         self.trainer, self.config, self.environments = trainer, config, list(environments)
         self.tokenizer, self.logger = tokenizer, logger
@@ -166,7 +167,8 @@ class RLRun:
         self.engine = InferenceEngine(
             trainer.model, max_tokens=inference.max_tokens, max_requests=inference.max_requests,
             block_size=inference.block_size,
-            max_seq_length=training.seq_length + 1, replicate_context_parallel=True)
+            max_seq_length=training.seq_length + 1, replicate_context_parallel=True,
+            **decode_step_options(inference))
         self._train_mode()
         self.lora = bool(training.lora_rank)
         self.reference = None

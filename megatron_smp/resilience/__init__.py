@@ -5,6 +5,8 @@ from. One object, `Resilience`, is what a training loop calls around its steps:
                        exit with HANG_EXIT_CODE for torchrun / SLURM to restart the job
     fault_injector.py  --fault-injector-*: hang / crash / slow faults at a chosen time
     straggler.py       --log-straggler: per-rank step times, the slowest and fastest named
+    replicas.py        --fault-tolerance: replica groups over torchft that leave and rejoin
+                       the job (built by the Trainer, not by `Resilience`)
 The typed flags are megatron_smp.config.ResilienceConfig.
 
 Each part is off unless its flags are given; `build_resilience` returns None when all are.

@@ -125,7 +125,8 @@ class ProgressWatchdog:
         self._seq = 0
         self._neighbour = (rank + 1) % world_size
         self._neighbour_seen = (None, now)  # (its last heartbeat seq, when it changed)
-        self._store_failing_since: Optional[float] = None
+        self._store_ok_at = now  # when a heartbeat last got through to the store
+        self._store_error: Optional[Exception] = None
         self._stop = threading.Event()
         self.fault_report: Optional[str] = None
         self.start_section("setup")
@@ -288,22 +289,32 @@ class ProgressWatchdog:
                 f"timeout {timeout:.1f} s")
 
     def _monitor(self) -> None:
+        """Heartbeats go through a thread of their own: a store call across a cut link
+        blocks (the connection sees no reset; the store's timeout does not end every call),
+        so this thread only watches when the last one got through."""
+        interval = self.config.ft_heartbeat_interval
+        self._store_ok_at, self._store_error = time.monotonic(), None
+        threading.Thread(target=self._store_loop, name="progress-watchdog-store",
+                         daemon=True).start()
+        while not self._stop.wait(interval):
+            silent = time.monotonic() - self._store_ok_at
+            if silent > self.config.ft_rank_heartbeat_timeout:
+                self._stop_job(
+                    f"[watchdog] rank {self.rank}: the job's store has been unreachable "
+                    f"for {silent:.1f} s ({self._store_error or 'no answer'}); this rank is "
+                    "cut off from the others (network partition, or the store's host "
+                    "stopped). Its main thread:\n"
+                    + "\n".join(_indent(format_thread_stack(self._main_thread))))
+                return
+
+    def _store_loop(self) -> None:
         interval = self.config.ft_heartbeat_interval
         while not self._stop.wait(interval):
             try:
                 self._tick()
-                self._store_failing_since = None
+                self._store_ok_at, self._store_error = time.monotonic(), None
             except Exception as exc:  # noqa: BLE001 - the store is unreachable
-                now = time.monotonic()
-                if self._store_failing_since is None:
-                    self._store_failing_since = now
-                elif now - self._store_failing_since > self.config.ft_rank_heartbeat_timeout:
-                    self._stop_job(
-                        f"[watchdog] rank {self.rank}: the job's store has been unreachable "
-                        f"for {now - self._store_failing_since:.1f} s ({exc}); this rank is "
-                        "cut off from the others (network partition, or the store's host "
-                        "stopped). Its main thread:\n"
-                        + "\n".join(_indent(format_thread_stack(self._main_thread))))
+                self._store_error = exc
 
     def _tick(self) -> None:
         store = self.store

@@ -10,7 +10,7 @@ import os
 from typing import Any, Dict, Optional, Union
 
 from megatron_smp.config import ConfigError
-from megatron_smp.parallel_state import ParallelState, build_parallel_state, launcher_world_size
+from megatron_smp.parallel_state import ParallelState, create_parallel_state, launcher_world_size
 from megatron_smp.smp.keys import _SMP_KEYS, parse_smp_config
 
 
@@ -82,7 +82,7 @@ def init(config: Union[None, str, os.PathLike, Dict[str, Any]] = None) -> None:
             "your script, or train with pretrain_gpt.py --smp-config, which maps them to its "
             "microbatches and --pipeline-schedule"
         )
-    parallel_state = build_parallel_state(parallel_config)
+    parallel_state = create_parallel_state(parallel_config)
     model_parallel_seed(values["random_seed"], parallel_state)
 
     state.parallel_state = parallel_state

@@ -526,6 +526,8 @@ def transform(
     overrides.setdefault("bf16", dtype == torch.bfloat16)
     overrides.setdefault("fp16", dtype == torch.float16)
     transformer_config = transformer_config.replace(**overrides)
+    # The model's one check against the layout (GPTModel takes a validated config).
+    transformer_config.validate(parallel_state.config)
     device = torch.device(device) if device is not None else parallel_state.device
     outside_rank0_tp_group = 0 not in parallel_state.group_ranks["tp"]
     if _has_meta(model) and (not load_state_dict_from_rank0 or outside_rank0_tp_group):

@@ -563,7 +563,8 @@ class ReplicatedLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(
                 torch.empty(output_size, dtype=config.params_dtype, device=device))
             self.bias.sequence_parallel = sequence_parallel
-        self.reset_parameters()
+        if not _is_meta(device):  # as the parallel linears: delayed init draws on replay
+            self.reset_parameters()
         self.weight.sequence_parallel = sequence_parallel
 
     def reset_parameters(self) -> None:

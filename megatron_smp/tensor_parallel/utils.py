@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -77,14 +77,25 @@ def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: tor
             setattr(destination, name, getattr(source, name))
 
 
-def mark_expert_param(param: torch.Tensor, local_name: str, global_name: str) -> None:
+def mark_expert_param(param: torch.Tensor, local_name: str, global_name: str,
+                      tp_coords: Optional[Tuple[int, int]] = None) -> None:
     """Mark `param` as one expert's (Megatron's `allreduce = False`): it differs across
     expert-parallel ranks, so its grad is reduced over the expert-data-parallel group and
     counted once per expert in norms. Checkpoints store it with `local_name` (a fragment of
     its module name, e.g. ".local_experts.0.") replaced by `global_name` (".local_experts.5.").
+    `tp_coords`: (rank, size) of the group a split param is split over, when that is the
+    expert-tensor-parallel group (see `tensor_parallel_coords`).
     """
     param.allreduce = False
     param.expert_checkpoint_rename = (local_name, global_name)
+    if tp_coords is not None:
+        param.tensor_parallel_coords = tp_coords
+
+
+def tensor_parallel_coords(param: torch.Tensor, state) -> Tuple[int, int]:
+    """(rank, size) of the group `param` is split over (or replicated across, for one that
+    is not split): an expert's expert-tensor-parallel group, else the TP group."""
+    return getattr(param, "tensor_parallel_coords", None) or (state.tp_rank, state.tp_size)
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -92,9 +103,23 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def is_muon_parameter(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether Muon steps `param`: 2-D hidden weights. Embeddings (word and position), the
+    output layer, norms, biases and params marked `use_muon = False` go to the scalar
+    optimizer (--muon-scalar-optimizer). Here, beside the other kinds of param, because the
+    grad buffers' layout (layer-wise distributed optimizer) follows it too."""
+    if param.dim() != 2 or not getattr(param, "use_muon", True):
+        return False
+    return "embedding" not in name and not name.endswith("output_layer.weight")
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True when `param` should be counted on this rank in a norm over the model-parallel
-    group: split parameters count on every rank, replicated ones only on tp rank 0."""
+    group: split parameters count on every rank, replicated ones only on tp rank 0 (an
+    expert's: expert-tensor-parallel rank 0, see `tensor_parallel_coords`)."""
+    coords = getattr(param, "tensor_parallel_coords", None)
+    if coords is not None:
+        tp_rank = coords[0]
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
@@ -108,4 +133,5 @@ __all__ = [
     "param_is_not_tensor_parallel_duplicate",
     "mark_expert_param",
     "is_expert_param",
+    "is_muon_parameter",
 ]

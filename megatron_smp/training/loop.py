@@ -252,6 +252,8 @@ class TrainingLoop:
         self.logger.close()
         if trainer.resilience is not None:
             trainer.resilience.close()
+        if trainer.replicas is not None:
+            trainer.replicas.close()
         if training.manual_gc:
             gc.enable()
         result.skipped_iterations = trainer.progress.skipped_iterations

@@ -73,14 +73,14 @@ def fake_layout(parallel_config, world_size: int, rank: int):
     size and rank is real, no collective communicates. For counting only (meta builds)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.parallel_state import create_parallel_state
 
     if dist.is_initialized():
         raise RuntimeError("fake_layout needs torch.distributed uninitialised (the memory "
                            "report runs before the process group is created)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield build_parallel_state(parallel_config)
+        yield create_parallel_state(parallel_config)
     finally:
         dist.destroy_process_group()
 
@@ -187,28 +187,96 @@ def count_stages(configs, world_size: int, model_provider: Callable) -> List[Sta
     return stages
 
 
+def count_stages_composed(configs, world_size: int, model_provider: Callable,
+                          cache: Optional[dict] = None) -> List[StageCount]:
+    """`count_stages`'s counts, composed from one-layer builds: a layer's parameters depend on
+    its kind (MoE or dense, its --hybrid-layer-pattern symbol) and the layout, not on where it
+    sits, so each stage is the sum of the pieces it holds: the first layer of each chunk built
+    with the chunk's embedding / output layer, every other layer by its kind. `cache` keeps
+    the pieces across calls for one model shape (a search over layouts builds each piece once
+    per TP / EP / shard). Equal to `count_stages` (tests/unit/training/test_memory_planner.py)."""
+    from megatron_smp.pipeline_parallel.stages import layout_from_configs
+
+    check_model_provider(model_provider)
+    parallel, model = configs.parallel, configs.model
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    dp = parallel.data_parallel_size_for(world_size)
+    layout = layout_from_configs(configs, pp) if pp > 1 else [[(0, model.num_layers)]]
+    if any(num_layers < 1 for chunks in layout for _, num_layers in chunks):
+        return count_stages(configs, world_size, model_provider)
+    shard = parallel.fsdp_shard_size(world_size) if parallel.use_torch_fsdp2 else 1
+    cache = {} if cache is None else cache
+    moe = _layer_kinds(model, 0, model.num_layers)
+    kinds = _mixer_kinds(model, 0, model.num_layers)
+    base = (tp, parallel.expert_model_parallel_size,
+            parallel.expert_tensor_parallel_size, shard, parallel.use_torch_fsdp2, pp > 1)
+
+    def piece(pp_rank: int, offset: int, pre: bool, post: bool) -> StageCount:
+        key = base + (moe[offset], kinds[offset], pre, post)
+        if key not in cache:
+            with torch.random.fork_rng(devices=[]):
+                cache[key] = _count_chunks(configs, world_size, model_provider,
+                                           pp_rank * tp * cp * dp,
+                                           [(offset, 1, pre, post, True)], shard)
+        return cache[key]
+
+    stages = []
+    for pp_rank, chunks in enumerate(layout):
+        count = StageCount(pp_rank)
+        for index, (offset, num_layers) in enumerate(chunks):
+            pre = pp_rank == 0 and index == 0
+            post = pp_rank == pp - 1 and index == len(chunks) - 1
+            parts = [piece(pp_rank, offset, pre, post)]
+            parts += [piece(pp_rank, i, False, False)
+                      for i in range(offset + 1, offset + num_layers)]
+            for part in parts:
+                for name in ("param_bytes", "dense_numel", "expert_numel",
+                             "fsdp_shard_numel"):
+                    setattr(count, name, getattr(count, name) + getattr(part, name))
+                for name in ("largest_param_numel", "largest_unfused_numel",
+                             "largest_unit_numel"):
+                    setattr(count, name, max(getattr(count, name), getattr(part, name)))
+            count.chunks.append(_chunk_info(model, offset, num_layers, pre, post))
+        stages.append(count)
+    return stages
+
+
 def _count_stage(configs, world_size, model_provider, layout, pp_rank, ranks_per_stage,
                  shard) -> StageCount:
     """One pipeline rank's chunks built on meta (at tp = cp = dp = 0 of the stage), counted."""
+    pp = len(layout)
+    chunks = layout[pp_rank]
+    specs = [(offset, num_layers, pp_rank == 0 and index == 0,
+              pp_rank == pp - 1 and index == len(chunks) - 1, pp > 1)
+             for index, (offset, num_layers) in enumerate(chunks)]
+    count = _count_chunks(configs, world_size, model_provider, pp_rank * ranks_per_stage,
+                          specs, shard)
+    count.pp_rank = pp_rank
+    return count
+
+
+def _chunk_info(model_config, offset: int, num_layers: int, pre: bool, post: bool) -> dict:
+    return {"pre": pre, "post": post, "moe": _layer_kinds(model_config, offset, num_layers),
+            "kinds": _mixer_kinds(model_config, offset, num_layers),
+            "windows": _layer_windows(model_config, offset, num_layers)}
+
+
+def _count_chunks(configs, world_size, model_provider, rank, specs, shard) -> StageCount:
+    """Chunks (offset, layers, pre_process, post_process, staged) built on meta as `rank`
+    holds them and counted together (a parameter two chunks share counts once)."""
     from megatron_smp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron_smp.tensor_parallel.utils import is_expert_param
 
-    pp = len(layout)
     parallel = configs.parallel
-    rank = pp_rank * ranks_per_stage  # tp = cp = dp = 0 of this stage
-    count = StageCount(pp_rank)
+    count = StageCount(0)
     with fake_layout(parallel, world_size, rank) as state:
         chunks = []
-        for index, (offset, num_layers) in enumerate(layout[pp_rank]):
-            pre = pp_rank == 0 and index == 0
-            post = pp_rank == pp - 1 and index == len(layout[pp_rank]) - 1
-            stage = {} if pp == 1 else {"layer_offset": offset, "num_layers": num_layers}
+        for offset, num_layers, pre, post, staged in specs:
+            stage = {"layer_offset": offset, "num_layers": num_layers} if staged else {}
             chunks.append(model_provider(configs, state, pre_process=pre, post_process=post,
                                          device=torch.device("meta"), **stage))
-            count.chunks.append({"pre": pre, "post": post,
-                                 "moe": _layer_kinds(configs.model, offset, num_layers),
-                                 "kinds": _mixer_kinds(configs.model, offset, num_layers),
-                                 "windows": _layer_windows(configs.model, offset, num_layers)})
+            count.chunks.append(_chunk_info(configs.model, offset, num_layers, pre, post))
     fused = set()
     if configs.model.gradient_accumulation_fusion and not parallel.use_torch_fsdp2:
         fused = {id(m.weight) for chunk in chunks for m in chunk.modules()
@@ -560,7 +628,8 @@ def report_from_argv(argv: List[str], world_size: int, model_provider: Callable,
 
 
 __all__ = [
-    "fake_layout", "check_model_provider", "count_stages", "layer_activation_bytes",
+    "fake_layout", "check_model_provider", "count_stages", "count_stages_composed",
+    "layer_activation_bytes",
     "in_flight_microbatches", "moe_capacity_tokens", "estimate_memory", "report_from_argv",
     "MemoryReport", "RankMemory",
 ]

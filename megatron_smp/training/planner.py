@@ -14,13 +14,21 @@ The cost model, per micro-batch and layer on one rank of the slowest pipeline st
                 forward (FlashAttention's five GEMMs against two). Norms, residuals,
                 activations: `elementwise_passes` passes over the hidden state at HBM speed.
                 Under FP8 the linear layers' GEMMs run at the FP8 peak, attention in BF16.
+                Unfused (eager PyTorch, `fused_elementwise=False`): `eager_passes` more.
+                Hybrid layers (--hybrid-layer-pattern, --linear-attention-freq): each part
+                its own (attention, MLP, MoE; Mamba-2 and Gated DeltaNet: their in / out
+                projections as GEMMs, the chunked scan's FLOPs, `mixer_scan_flops`, at the
+                attention efficiency, backward 2.5 x), norms and TP collectives per part.
     recompute   full: every layer's forward once more; selective: the modules named
                 (core_attn, mlp, moe, moe_act, shared_experts, layernorm).
     TP          sequence parallelism: all-gather + reduce-scatter of the hidden state twice
-                per layer forward, twice backward; without it all-reduces. Exposed whole, or
+                per layer forward, twice backward, and the column-parallel layers' gather
+                again for the weight grad (behind the input grad's GEMM); without it
+                all-reduces; the embedding's, the output layer's and the cross entropy's
+                collectives on the first / last stage. Exposed whole, or
                 `tp_overlap_exposed` of it with Megatron's --tp-comm-overlap.
-    CP          p2p ring: (cp - 1) K/V blocks forward, K/V and their grads backward, hidden
-                behind the block's attention; all_gather / a2a: exposed collectives.
+    CP          p2p ring: (cp - 1) K/V blocks forward; backward the K/V again and their grads
+                cp hops home (2 cp - 1 exchanges), hidden behind the block's attention; all_gather / a2a: exposed collectives.
     EP          all-to-all dispatch and combine of top-k x hidden per token (the allgather
                 dispatcher: all-gather / reduce-scatter of the tokens over EP), forward and
                 backward, x the routing imbalance (the busiest rank sets the pace); the
@@ -77,6 +85,14 @@ class GPUSpec:
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
     fp32_flops: Optional[float] = None  # non-tensor-core FP32 (TF32 is not assumed)
+    # gloo's reduce_scatter all-reduces its input and keeps the rank's shard (measured here:
+    # as long as an all_reduce of the same input); NCCL's moves (n - 1) / n of it.
+    reduce_scatter_as_all_reduce: bool = False
+    # Seconds each call costs beyond bandwidth and latency (measured for gloo on a CPU:
+    # tools/bench/calibrate_planner.py's collective_overheads; 0 for the GPU presets).
+    all_gather_overhead: float = 0.0
+    reduce_scatter_overhead: float = 0.0
+    ring_exchange_overhead: float = 0.0
 
 
 # Vendor specifications (dense tensor-core figures; the sparsity figures are twice these):
@@ -93,11 +109,18 @@ class GPUSpec:
 # GB200 (NVL72, per GPU): 2.5 PFLOP/s BF16, 5 FP8 dense, 186 GB HBM3e at 8 TB/s, NVLink 5
 #   1.8 TB/s across all 72 GPUs of the rack, https://www.nvidia.com/en-us/data-center/gb200-nvl72/
 #   ; ConnectX-8 800 Gb/s per GPU between racks.
+# H100 96GB HBM2e at 500 W (Meta's Grand Teton hosts, torchtitan's published runs): HBM2e at
+#   2.4 TB/s, 400 Gb/s RDMA per GPU, the 500 W power limit (the SXM part's is 700 W), peak
+#   "between SXM and NVL" (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, which does
+#   not know it): taken as the mean of the SXM's 989 and the NVL's 835 TFLOP/s BF16 dense
+#   (1,671 with sparsity, https://www.nvidia.com/en-us/data-center/h100/), FP8 likewise.
 GPUS: Dict[str, GPUSpec] = {
     "a100-80gb": GPUSpec("A100 80GB SXM", 312 * TB, None, 2039 * GB, 80 * GB, 8,
                          300 * GB, 25 * GB, fp32_flops=19.5 * TB),
     "h100-sxm": GPUSpec("H100 SXM", 989 * TB, 1979 * TB, 3350 * GB, 80 * GB, 8,
                         450 * GB, 50 * GB, fp32_flops=67 * TB),
+    "h100-96gb-500w": GPUSpec("H100 96GB HBM2e 500 W", 912 * TB, 1825 * TB, 2400 * GB,
+                              96 * GB, 8, 450 * GB, 50 * GB, fp32_flops=60 * TB),
     "h200": GPUSpec("H200 SXM", 989 * TB, 1979 * TB, 4800 * GB, 141 * GB, 8,
                     450 * GB, 50 * GB, fp32_flops=67 * TB),
     "b200": GPUSpec("B200", 2250 * TB, 4500 * TB, 7700 * GB, 180 * GB, 8,
@@ -187,6 +210,11 @@ class PlanOptions:
     # Selective recompute that torchtitan's per-op policy does (half the matmuls): the share
     # of the linear layers' forward GEMM time recomputed. None: from the model's flags.
     recompute_gemm_fraction: Optional[float] = None
+    # ... and that policy recomputes every non-matmul op too (norms, RoPE, the activation).
+    recompute_elementwise: bool = False
+    # False: the layer's norms, RoPE, GQA's key/value expansion and the gated activation run as
+    # separate PyTorch ops, as torchtitan's Llama without torch.compile (`eager_passes`).
+    fused_elementwise: bool = True
     memory_fraction: float = 0.95
 
 
@@ -216,14 +244,6 @@ def _precision(configs, options: PlanOptions) -> str:
 
 def _dtype_bytes(precision: str) -> int:
     return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}[precision]
-
-
-def _check_supported(model) -> None:
-    if model.hybrid_layer_pattern is not None or model.experimental_attention_variant:
-        raise ConfigError("the step-time planner models GPT layers (attention or MLA with a "
-                          "dense or MoE MLP); --hybrid-layer-pattern / --linear-attention-freq "
-                          "models are not modelled: plan their memory with "
-                          "tools/estimate_memory.py")
 
 
 def attention_gemms(model, tokens: float, tp: int) -> List[Gemm]:
@@ -267,6 +287,74 @@ def mlp_gemms(model, tokens: float, tp: int, moe: bool, ep: int,
         out += [Gemm("shared_fc1", tokens, gated * shared / tp, h),
                 Gemm("shared_fc2", tokens, h, shared / tp)]
     return out
+
+
+def mixer_gemms(model, kind: str, tokens: float, tp: int) -> List[Gemm]:
+    """One Mamba-2 ("M") or Gated DeltaNet ("G") mixer's projections on one TP rank (the
+    heads split over TP, as transformer/ssm's layers split them)."""
+    h = model.hidden_size
+    if kind == "M":
+        inner = model.mamba_heads() * model.mamba_head_dim
+        groups_state = 2 * model.mamba_num_groups * model.mamba_state_dim
+        return [Gemm("in_proj", tokens, (2 * inner + groups_state + model.mamba_heads()) / tp,
+                     h),
+                Gemm("out_proj", tokens, h, inner / tp)]
+    qk = model.linear_key_head_dim * model.linear_num_key_heads
+    v = model.linear_value_head_dim * model.linear_num_value_heads
+    return [Gemm("in_proj", tokens, (2 * qk + 2 * v + 2 * model.linear_num_value_heads) / tp,
+                 h),
+            Gemm("out_proj", tokens, h, v / tp)]
+
+
+def mixer_scan_flops(model, kind: str, tokens: float, seq_length: int, tp: int) -> float:
+    """Forward FLOPs of a mixer's chunked scan on one rank (chunks of L tokens). Mamba-2's
+    SSD per token: the chunk states B^T x and their read-out C h (2 x 2 d_inner n), inside
+    the chunk C B^T (causal, L / 2 x 2 g n) and its product with x (L / 2 x 2 d_inner).
+    Gated DeltaNet per token and value head: the state's update and read-out (2 x 2 d_k d_v),
+    inside the chunk the causal products over d_k and d_v and the WY transform's
+    (L / 2 x 2 (2 d_k + d_v))."""
+    if kind == "M":
+        inner = model.mamba_heads() * model.mamba_head_dim
+        chunk = min(model.mamba_chunk_size, seq_length)
+        gn = model.mamba_num_groups * model.mamba_state_dim
+        per_token = 4 * inner * model.mamba_state_dim + chunk * (gn + inner)
+    else:
+        dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+        chunk = min(model.linear_chunk_size, seq_length)
+        per_token = model.linear_num_value_heads * (4 * dk * dv + chunk * (2 * dk + dv))
+    return per_token * tokens / tp
+
+
+def mixer_width(model, kind: str) -> float:
+    """Channels a mixer's elementwise work runs over (its conv, activation and gate)."""
+    if kind == "M":
+        return (model.mamba_heads() * model.mamba_head_dim
+                + 2 * model.mamba_num_groups * model.mamba_state_dim)
+    return (2 * model.linear_key_head_dim * model.linear_num_key_heads
+            + model.linear_value_head_dim * model.linear_num_value_heads)
+
+
+def eager_passes(model, tp: int = 1, sp: int = 1) -> float:
+    """Hidden-sized reads + writes one layer's forward adds when its elementwise ops are
+    separate PyTorch kernels instead of fused ones (the fused count is `elementwise_passes`),
+    counted on torchtitan's Llama (models/llama/model.py, models/norms.py at 2024-12):
+    RMSNorm in fp32 (x.float(), pow, mean, x * rsqrt, type_as, * weight: 18 passes against a
+    fused norm's 2, twice per layer); RoPE through fp32 complex numbers on q and k (10 passes of
+    their width against 2); GQA's repeat_kv copying k and v to every head; the attention
+    output's transpose copy; SiLU and the product as two kernels (5 passes of the FFN width
+    against 3)."""
+    h = model.hidden_size
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    q, kv = a * d / tp, g * d / max(1, min(tp, g))
+    passes = 2 * 16.0 / sp
+    if model.uses_rotary_embedding():
+        passes += 8.0 * (q + kv) / h
+    if g < a:
+        passes += 2.0 * (q + kv) / h
+    passes += 2.0 * q / h
+    if model.gated_linear_unit:
+        passes += 2.0 * model.ffn_hidden_size / tp / h
+    return passes
 
 
 def output_gemm(model, tokens: float, tp: int) -> Gemm:
@@ -504,15 +592,26 @@ class _Timer:
     def memory(self, nbytes: float) -> float:
         return nbytes / (self.cluster.gpu.hbm_bandwidth * self.eff.memory)
 
-    def collective(self, kind: str, nbytes: float, size: int, stride: int) -> float:
+    def collective(self, kind: str, nbytes: float, size: int, stride: int,
+                   plain: bool = False) -> float:
         """One collective of `nbytes` (the full buffer: gathered output / reduced input) over
-        `size` ranks `stride` apart."""
+        `size` ranks `stride` apart (`plain`: without the device's per-call overhead)."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self.cluster.link(stride, size)
         inside = stride * size <= self.cluster.gpus_per_node
         bandwidth *= self.eff.nvlink if inside else self.eff.network
         share = (size - 1) / size
+        gpu = self.cluster.gpu
+        extra = {"all_gather": gpu.all_gather_overhead,
+                 "reduce_scatter": gpu.reduce_scatter_overhead,
+                 "ring": gpu.ring_exchange_overhead}.get(kind, 0.0)
+        if extra and not plain:
+            return self.collective(kind, nbytes, size, stride, plain=True) + extra
+        if kind == "ring":  # context parallelism's exchange with its ring neighbours
+            kind = "p2p"
+        if kind == "reduce_scatter" and gpu.reduce_scatter_as_all_reduce:
+            kind = "all_reduce"
         if kind == "all_reduce":
             return 2 * share * nbytes / bandwidth + 2 * (size - 1) * latency
         if kind == "all_to_all":
@@ -577,10 +676,21 @@ def _stage_layers(configs, layout: Layout) -> List[List[Tuple[int, int]]]:
     return layout_from_configs(configs_for(configs, layout), layout.pp)
 
 
+def _layer_parts(model, kind: Optional[str]) -> Tuple[bool, Optional[str], bool]:
+    """(attention, mixer "M" / "G" or None, MLP) of a layer: a GPT layer has attention (or a
+    --linear-attention-freq Gated DeltaNet) and an MLP; a --hybrid-layer-pattern layer its
+    one part ("*" attention, "-" MLP, "E" MoE, "M" Mamba-2, "G" Gated DeltaNet)."""
+    if model.hybrid_layer_pattern is None:
+        return kind is None, kind, True
+    return kind == "*", kind if kind in ("M", "G") else None, kind in ("-", "E")
+
+
 def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: bool,
-                windowed: bool, options: PlanOptions) -> StageTime:
-    """One transformer layer, one micro-batch, on one rank."""
+                windowed: bool, options: PlanOptions, kind: Optional[str] = None) -> StageTime:
+    """One transformer layer, one micro-batch, on one rank (`kind`: `_layer_parts`)."""
     m, eff = configs.model, cluster.efficiency
+    attention, mixer, has_mlp = _layer_parts(m, kind)
+    parts = int(attention) + int(mixer is not None) + int(has_mlp)
     tp, cp, ep = layout.tp, layout.cp, layout.ep
     tokens = layout.micro_batch_size * layout.seq_length / cp  # gathered over SP
     sp = tp if layout.sequence_parallel else 1
@@ -599,9 +709,17 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
         return fwd_total
 
     full = layout.recompute == "full"
-    attn_fwd = add(attention_gemms(m, tokens, tp), full)
+    attn_fwd = add(attention_gemms(m, tokens, tp), full) if attention else 0.0
+    if mixer is not None:
+        attn_fwd += add(mixer_gemms(m, mixer, tokens, tp), full)
+        scan = mixer_scan_flops(m, mixer, tokens, layout.seq_length, tp) / (
+            timer.attention_peak * eff.attention)
+        t.forward += scan
+        t.backward += 2.5 * scan
+        if full:
+            t.recompute += scan
     imbalance = options.moe_imbalance if moe else 1.0
-    mlp = mlp_gemms(m, tokens, tp, moe, ep, imbalance)
+    mlp = mlp_gemms(m, tokens, tp, moe, ep, imbalance) if has_mlp else []
     if moe:
         experts = [g for g in mlp if g.name.startswith("expert")]
         shared = [g for g in mlp if g.name.startswith("shared") or g.name == "router"]
@@ -613,7 +731,7 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
     if options.recompute_gemm_fraction:
         t.recompute += options.recompute_gemm_fraction * attn_fwd
     core = attention_core_flops(m, layout.seq_length, layout.micro_batch_size, tp, cp,
-                                windowed)
+                                windowed) if attention else 0.0
     core_fwd = core / (timer.attention_peak * eff.attention)
     t.forward += core_fwd
     t.backward += 2.5 * core_fwd
@@ -623,25 +741,40 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
     hidden = tokens * m.hidden_size * timer.bytes
     ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if moe else m.ffn_hidden_size
     routed = m.moe_router_topk * imbalance if moe else 1
-    elementwise = timer.memory(eff.elementwise_passes * hidden / sp
-                               + 3 * tokens * routed * (ffn or 0) / tp * timer.bytes)
+    passes = eff.elementwise_passes / sp * parts / 2  # the fitted count is two parts'
+    if not options.fused_elementwise:
+        passes += eager_passes(m, tp, sp)
+    if not has_mlp:
+        ffn = 0
+    width = mixer_width(m, mixer) if mixer is not None else 0
+    elementwise = timer.memory(passes * hidden
+                               + 3 * tokens * routed * (ffn or 0) / tp * timer.bytes
+                               + 6 * tokens * width / tp * timer.bytes)
     t.forward += elementwise + eff.layer_overhead
     t.backward += 2 * (elementwise + eff.layer_overhead)
-    if full:
+    if full or options.recompute_elementwise:
         t.recompute += elementwise + eff.layer_overhead
 
-    # Tensor parallelism: two gathers and two scatters (or two all-reduces) each way.
+    # Tensor parallelism: two gathers and two scatters (or two all-reduces) each way; with
+    # sequence parallelism the column-parallel layers (QKV, fc1) gather their input again in
+    # backward for the weight grad, behind the input grad's GEMM.
     if tp > 1:
         if layout.sequence_parallel:
-            one = (timer.collective("all_gather", hidden, tp, 1)
-                   + timer.collective("reduce_scatter", hidden, tp, 1))
+            gather = timer.collective("all_gather", hidden, tp, 1)
+            one = gather + timer.collective("reduce_scatter", hidden, tp, 1)
+            columns = ((attention_gemms(m, tokens, tp)[:1] if attention else [])
+                       + (mixer_gemms(m, mixer, tokens, tp)[:1] if mixer else [])
+                       + (mlp_gemms(m, tokens, tp, False, 1, 1.0)[:1] if has_mlp else []))
+            regather = sum(max(0.0, gather - eff.comm_overlap
+                               * timer.gemm(g.m, g.k, g.n, timer.linear_peak))
+                           for g in columns)
         else:
-            one = timer.collective("all_reduce", hidden, tp, 1)
-        comm = 2 * one * (2 + (1 if full else 0))
+            one, regather = timer.collective("all_reduce", hidden, tp, 1), 0.0
+        comm = parts * one * (2 + (1 if full else 0)) + regather
         t.tp += comm * (eff.tp_overlap_exposed if options.tp_comm_overlap else 1.0)
 
     # Context parallelism.
-    if cp > 1:
+    if cp > 1 and attention:
         if m.multi_latent_attention:
             kv_width = m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim
                                                  + m.v_head_dim) / tp
@@ -650,15 +783,17 @@ def _layer_time(configs, layout: Layout, timer: _Timer, cluster: Cluster, moe: b
                 1, min(tp, m.num_query_groups))
         kv = tokens * kv_width * timer.bytes
         if m.cp_comm_type == "p2p":
-            fwd = (cp - 1) * timer.collective("p2p", kv, cp, tp)
-            bwd = 2 * fwd
+            # Forward: K/V visit the cp - 1 other ranks; backward: K/V again, and their
+            # grads travel cp hops back to their owner (context_parallel.attention).
+            step = timer.collective("ring", kv, cp, tp)
+            fwd, bwd = (cp - 1) * step, (2 * cp - 1) * step
             hide = eff.comm_overlap * core_fwd
             t.cp += max(0.0, fwd - hide) + max(0.0, bwd - 2.5 * hide)
         else:  # all_gather (a2a: four exchanges of the same size)
             fwd = timer.collective("all_gather", kv * cp, cp, tp)
             t.cp += fwd + timer.collective("reduce_scatter", kv * cp, cp, tp)
         if full or "core_attn" in modules:
-            t.cp += max(0.0, (cp - 1) * timer.collective("p2p", kv, cp, tp)
+            t.cp += max(0.0, (cp - 1) * timer.collective("ring", kv, cp, tp)
                         - eff.comm_overlap * core_fwd)
 
     # Expert parallelism: dispatch and combine, each way.
@@ -678,15 +813,18 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
                 chunks: List[Tuple[int, int]], first: bool, last: bool,
                 options: PlanOptions, cache: dict) -> StageTime:
     m = configs.model
-    moe_pattern = m.moe_layer_pattern()
+    from megatron_smp.training.memory_planner import _layer_kinds, _mixer_kinds
+
+    moe_pattern = _layer_kinds(m, 0, m.num_layers)
+    kinds = _mixer_kinds(m, 0, m.num_layers)
     windows = m.window_layer_pattern()
     total = StageTime()
     for offset, count in chunks:
         for index in range(offset, offset + count):
-            key = (bool(moe_pattern[index]), bool(windows[index]))
+            key = (bool(moe_pattern[index]), bool(windows[index]), kinds[index])
             if key not in cache:
                 cache[key] = _layer_time(configs, layout, timer, cluster, key[0], key[1],
-                                         options)
+                                         options, key[2])
             layer = cache[key]
             for name in ("forward", "backward", "recompute", "tp", "cp", "ep"):
                 setattr(total, name, getattr(total, name) + getattr(layer, name))
@@ -698,7 +836,7 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
         total.forward += fwd + loss
         total.backward += bwd + loss
         if m.mtp_num_layers:
-            mtp = cache.get((bool(moe_pattern[-1]), False))
+            mtp = cache.get((bool(moe_pattern[-1]), False, None))
             if mtp is not None:
                 total.forward += m.mtp_num_layers * (mtp.forward + fwd)
                 total.backward += m.mtp_num_layers * (mtp.backward + bwd)
@@ -706,6 +844,22 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
         hidden = tokens * m.hidden_size * timer.bytes
         total.forward += timer.memory(2 * hidden)
         total.backward += timer.memory(2 * hidden)
+    if layout.tp > 1 and (first or last):
+        # The vocabulary-parallel embedding's reduction (a reduce-scatter into the sequence
+        # shards, or an all-reduce) and its backward gather; the output layer's gather, its
+        # grad's reduce-scatter and the weight grad's gather; the cross entropy's three
+        # all-reduces of one fp32 figure per token (max, target logit, sum of exponents).
+        hidden = tokens * m.hidden_size * timer.bytes
+        tp = layout.tp
+        if layout.sequence_parallel:
+            pair = (timer.collective("all_gather", hidden, tp, 1)
+                    + timer.collective("reduce_scatter", hidden, tp, 1))
+            embedding, output = pair, pair + timer.collective("all_gather", hidden, tp, 1)
+        else:
+            embedding, output = timer.collective("all_reduce", hidden, tp, 1), 0.0
+        comm = (embedding if first else 0.0) + (
+            output + 3 * timer.collective("all_reduce", tokens * 4, tp, 1) if last else 0.0)
+        total.tp += comm * (cluster.efficiency.tp_overlap_exposed if options.tp_comm_overlap else 1.0)
     if layout.pp > 1:
         sp = layout.tp if layout.sequence_parallel else 1
         activation = tokens * m.hidden_size * timer.bytes / sp
@@ -717,11 +871,12 @@ def _stage_time(configs, layout: Layout, timer: _Timer, cluster: Cluster,
 
 def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provider,
                   cache) -> list:
-    """The memory planner's per-stage parameter count (meta build), cached per layout shape.
+    """The memory planner's per-stage parameter count (composed from one-layer meta builds,
+    `count_stages_composed`, whose pieces `cache` keeps), cached per layout shape.
     `num_gpus` None: the smallest world of the same TP / PP / EP (CP 1, DP = EP), whose
     per-rank dense and expert counts are the same (what the timing reads; FSDP2's shard
     sizes need the real world)."""
-    from megatron_smp.training.memory_planner import count_stages
+    from megatron_smp.training.memory_planner import count_stages_composed
 
     if num_gpus is None:
         # Parameters do not depend on CP either: counted at CP 1.
@@ -736,7 +891,8 @@ def _param_counts(configs, layout: Layout, num_gpus: Optional[int], model_provid
            layout.first_stage_layers, layout.last_stage_layers)
     if cache is not None and key in cache:
         return cache[key]
-    stages = count_stages(configs_for(configs, layout), world, model_provider)
+    pieces = cache.setdefault("pieces", {}) if cache is not None else None
+    stages = count_stages_composed(configs_for(configs, layout), world, model_provider, pieces)
     if cache is not None:
         cache[key] = stages
     return stages
@@ -749,7 +905,6 @@ def predict(configs, cluster: Cluster, model_provider: Callable,
     peak per GPU when `memory`. `configs.model.vocab_size` must be set."""
     options = options or PlanOptions()
     model = configs.model
-    _check_supported(model)
     layout = layout_of(configs, cluster.num_gpus)
     precision = _precision(configs, options)
     timer = _Timer(cluster, precision)

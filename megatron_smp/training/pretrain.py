@@ -102,27 +102,44 @@ def _build_data(trainer: Trainer, provider: Callable, tokenizer) -> TrainingData
 
     configs, state, training = trainer.configs, trainer.state, trainer.configs.training
     num_samples = dataset_num_samples(training, trainer.batch_sizes.global_batch_size)
+    # --fault-tolerance: each replica group reads its shard; the groups' steps together
+    # consume group-size x --global-batch-size samples.
+    dp_rank, dp_size, groups = state.dp_rank, state.dp_size, 1
+    if trainer.replicas is not None:
+        dp_rank, dp_size = trainer.replicas.data_slot(dp_rank, dp_size)
+        groups = trainer.replicas.group_size
+        num_samples = [n * groups for n in num_samples]
     train_ds, valid_ds, test_ds = provider(num_samples, configs, tokenizer)
 
     def loader(dataset, consumed):
         if dataset is None:
             return None
         return build_pretraining_data_loader(
-            dataset, consumed, training.micro_batch_size, state.dp_rank, state.dp_size,
+            dataset, consumed * groups, training.micro_batch_size, dp_rank, dp_size,
             configs.data.num_workers, worker_init_fn=data_worker_init_fn(training),
         )
 
-    train = iter(loader(train_ds, trainer.progress.consumed_train_samples))
-    if trainer.resilience is not None:
-        train = trainer.resilience.data(train)  # the watchdog tells a rank waiting for data
-    if trainer.validator is not None and trainer.validator.mode == "validate_results":
-        train = ReplayIterator(train)  # an iteration can be rerun on its batches
+    def train_iterator():
+        train = iter(loader(train_ds, trainer.progress.consumed_train_samples))
+        if trainer.resilience is not None:
+            train = trainer.resilience.data(train)  # the watchdog tells a rank waiting for data
+        if trainer.validator is not None and trainer.validator.mode == "validate_results":
+            train = ReplayIterator(train)  # an iteration can be rerun on its batches
+        return train
+
+    train = train_iterator()
     # --eval-iters 0 evaluates nothing (Megatron's do_valid / do_test): its splits are not
     # read, and may hold less than one sample.
     evaluating = training.eval_iters > 0
     valid_loader = loader(valid_ds, 0) if evaluating else None
-    return TrainingData(train, _cyclic(valid_loader) if valid_loader is not None else None,
-                 loader(test_ds, 0) if evaluating else None, (train_ds, valid_ds, test_ds))
+    data = TrainingData(train, _cyclic(valid_loader) if valid_loader is not None else None,
+                        loader(test_ds, 0) if evaluating else None, (train_ds, valid_ds, test_ds))
+    if trainer.replicas is not None:
+        def recovered():  # the group took its peers' iteration: read on from there
+            data.train = train_iterator()
+            return data.train
+        trainer.replicas.on_recovered = recovered
+    return data
 
 
 def _report_packing(datasets, logger: TrainingLogger) -> None:
@@ -155,6 +172,8 @@ def pretrain(
     trainer = Trainer.build(configs, model_provider, start_time)
     if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
         trainer.load()
+    if trainer.replicas is not None:
+        trainer.replicas.join()  # a late group takes the live groups' iteration first
     if run_hook is not None:
         run_hook(trainer)
     data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)

@@ -36,7 +36,11 @@ from megatron_smp.pipeline_parallel.schedules import (
 from megatron_smp.training.logging import ProgressLog
 from megatron_smp.training.num_microbatches import NumMicrobatchesCalculator
 from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron_smp.training.result_validation import ResultValidator, validation_enabled
+from megatron_smp.training.result_validation import (
+    ResultValidator,
+    nan_checks_enabled,
+    validation_enabled,
+)
 from megatron_smp.training.run_control import ExitConditions
 from megatron_smp.training.step_agreement import agree_on_step, loss_keys
 
@@ -213,6 +217,8 @@ class Trainer:
     step_data: Optional[Callable] = None
     # --enable-ft-package / --log-straggler / --fault-injector-*: told of each step and save.
     resilience: Optional[Any] = None  # megatron_smp.resilience.Resilience
+    # --fault-tolerance: this job is one replica group of several (torchft).
+    replicas: Optional[Any] = None  # megatron_smp.resilience.replicas.ReplicaGroups
 
     # -- build ------------------------------------------------------------------------------
 
@@ -225,12 +231,12 @@ class Trainer:
         import datetime
 
         from megatron_smp.optimizer import get_megatron_optimizer
-        from megatron_smp.parallel_state import build_parallel_state
+        from megatron_smp.parallel_state import create_parallel_state
         from megatron_smp.tensor_parallel.random import model_parallel_seed
         from megatron_smp.training.run_control import apply_deterministic_mode
 
         timeout = datetime.timedelta(minutes=configs.parallel.distributed_timeout_minutes)
-        state = build_parallel_state(configs.parallel, timeout=timeout)
+        state = create_parallel_state(configs.parallel, timeout=timeout)
         training = configs.training
         if training.deterministic_mode:
             apply_deterministic_mode(state.device)
@@ -258,8 +264,14 @@ class Trainer:
 
         resilience = build_resilience(getattr(configs, "resilience", None), state,
                                       configs.checkpoint.save)
-        return cls(configs, state, model, optimizer, scheduler, batch_sizes,
-                   validator=validator, exits=exits, resilience=resilience)
+        trainer = cls(configs, state, model, optimizer, scheduler, batch_sizes,
+                      validator=validator, exits=exits, resilience=resilience)
+        resilience_config = getattr(configs, "resilience", None)
+        if resilience_config is not None and resilience_config.fault_tolerance:
+            from megatron_smp.resilience.replicas import ReplicaGroups
+
+            trainer.replicas = ReplicaGroups(resilience_config, trainer)
+        return trainer
 
     @property
     def iteration(self) -> int:
@@ -371,13 +383,17 @@ class Trainer:
         training = self.configs.training
         if self.step_data is not None:
             data_iterator = self.step_data(self, data_iterator, num_microbatches)
-        forward_backward = get_forward_backward_func(
-            self.state.pp_size, schedule_name(training.pipeline_schedule, len(self.model)))
+        name = schedule_name(training.pipeline_schedule, len(self.model))
+        forward_backward = get_forward_backward_func(self.state.pp_size, name)
+        extra = {}
+        if name == "interleaved_1f1b" and self.state.pp_size > 1:
+            extra["microbatch_group_size_per_vp_stage"] = (
+                training.microbatch_group_size_per_vp_stage)
         return forward_backward(
             forward_step_func=forward_step, data_iterator=data_iterator, model=self.model,
             num_microbatches=num_microbatches, seq_length=training.seq_length,
             micro_batch_size=training.micro_batch_size, forward_only=forward_only,
-            hooks=None if forward_only else self._schedule_hooks())
+            hooks=None if forward_only else self._schedule_hooks(), **extra)
 
     def _schedule_hooks(self) -> ScheduleHooks:
         model = self.model
@@ -396,6 +412,8 @@ class Trainer:
         if self.resilience is not None:
             self.resilience.compute_finished()  # straggler timing, a "slow" fault
         finalize_model_grads(chunks, self.state)
+        if self.replicas is not None:  # the mean over the replica groups in the quorum
+            self.replicas.allreduce_grads(chunks)
         update_expert_bias(chunks, self.configs.model, self.state)
         reset_global_aux_loss(chunks)
 
@@ -412,6 +430,8 @@ class Trainer:
         the consumed samples by one iteration of --global-batch-size, so a schedule over
         --train-iters does not depend on how the step's rows were padded or split; its
         StepResult.global_batch_size is the rows it ran."""
+        if self.replicas is not None:  # the quorum; a group behind takes its peers' state
+            data_iterator = self.replicas.start_step(data_iterator)
         if self.resilience is not None:
             self.resilience.before_step(self.iteration + 1)
         result = self._train_step(data_iterator, loss_fn, forward_step, num_microbatches)
@@ -478,6 +498,8 @@ class Trainer:
             # The last --async-save may still be copying params and optimizer state to CPU
             # memory; step() is the first thing to modify them.
             checkpointing.wait_for_staging(self.checkpoint_record())
+        if self.replicas is not None and not self.replicas.should_commit():
+            return False, None, None  # a replica group failed during the step: no update
         result = self.optimizer.step()
         empty_unused_memory(self, 2)
         return result
@@ -573,7 +595,8 @@ class Trainer:
         validator = self.validator
         rerun = None
         if validator is not None and validator.rerun_iteration:
-            rerun = (validator.rerun_iteration, validator.rerun_device)
+            rerun = (validator.rerun_iteration, validator.rerun_device,
+                     validator.rerun_injected)
         on_saved = self.progress_log.checkpoint_saved if self.progress_log is not None else None
         return CheckpointRecord(
             self.configs, self.state, self.model, self.optimizer, self.scheduler,
@@ -598,7 +621,8 @@ class Trainer:
         checkpointing.load(record)
         self.progress, self.lora_base = record.progress, record.lora_base
         if record.rerun is not None and self.validator is not None:
-            self.validator.rerun_iteration, self.validator.rerun_device = record.rerun
+            (self.validator.rerun_iteration, self.validator.rerun_device,
+             self.validator.rerun_injected) = record.rerun
 
     def prepare_async_save(self) -> None:
         from megatron_smp.checkpointing import loop as checkpointing
@@ -641,7 +665,13 @@ def _build_validator(configs: Configs, state: ParallelState,
         if every_rank or state.rank == 0:
             print(message, flush=True)
 
-    validator = ResultValidator(configs.training.rerun_mode, state, log)
+    training = configs.training
+    validator = ResultValidator(
+        training.rerun_mode, state, log,
+        nan=nan_checks_enabled(training, configs.model.fp16, configs.optimizer.loss_scale),
+        spiky_loss=training.check_for_spiky_loss, large_grads=training.check_for_large_grads,
+        injection_rate=training.error_injection_rate,
+        injection_type=training.error_injection_type)
     for chunk in model:
         for buffer in getattr(chunk, "param_and_grad_buffers", []):
             buffer.grad_check = validator.check_grads

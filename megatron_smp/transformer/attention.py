@@ -493,6 +493,9 @@ class SelfAttention(torch.nn.Module):
             partial = tp_size > 1
             self.q_layernorm = build_norm(config, self.head_dim, partial, device)
             self.k_layernorm = build_norm(config, self.head_dim, partial, device)
+        # --test-mode: the groups whose replicas of the q/k norms are compared each forward.
+        self._test_groups = ((("DP", state.dp_group), ("TP", tp_group))
+                             if config.test_mode and config.qk_layernorm else ())
 
         # --attention-output-gate: each group's rows also hold a gate per query channel,
         # [q heads, gates, k, v], so the TP split by groups keeps a head's gate with it.
@@ -530,6 +533,33 @@ class SelfAttention(torch.nn.Module):
             device=device,
         )
 
+    def run_realtime_tests(self) -> None:
+        """Megatron's --test-mode check: this rank's q/k norm parameters equal those of every
+        data-parallel and tensor-parallel replica (they are replicated; a difference is a
+        silent corruption of memory or of a transfer). One all-gather per group; every
+        member raises RuntimeError naming the parameter, the parallelism and the ranks."""
+        import torch.distributed as dist
+
+        named = [(f"{which}_{kind}", getattr(norm, attribute))
+                 for which, norm in (("q", self.q_layernorm), ("k", self.k_layernorm))
+                 for kind, attribute in (("w", "weight"), ("b", "bias"))
+                 if getattr(norm, attribute, None) is not None]
+        local = torch.stack([param.detach() for _, param in named])
+        for parallelism, group in self._test_groups:
+            size = group_size(group)
+            if size == 1:
+                continue
+            gathered = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(gathered, local, group=group)
+            rank = group_rank(group)
+            for other, values in enumerate(gathered):
+                for (name, _), theirs, ours in zip(named, values, local):
+                    if not torch.equal(theirs, ours):
+                        raise RuntimeError(
+                            f"--test-mode: discrepancy between {name} in {parallelism} ranks "
+                            f"{other} and {rank} (layer {self.layer_number}). Diff: "
+                            f"{torch.norm(theirs - ours).item()}")
+
     def _split_qkv(self, mixed: torch.Tensor):
         """[s, b, ng_local * (qpg + 2) * d] -> q [s, b, nh_local, d], k, v [s, b, ng_local, d],
         gate [s, b, nh_local * d] (--attention-output-gate: qpg more rows per group) or None."""
@@ -552,6 +582,8 @@ class SelfAttention(torch.nn.Module):
         query, key, value, gate = self._split_qkv(mixed)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if self._test_groups:
+            self.run_realtime_tests()
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)

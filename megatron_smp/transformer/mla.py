@@ -91,7 +91,7 @@ class MLASelfAttention(torch.nn.Module):
         # YaRN: scores scaled by mscale(factor, mscale_all_dim)^2 as well (Megatron's and HF's
         # DeepSeek attention); the rotary table carries the mscale / mscale_all_dim ratio.
         mscale = 1.0
-        if config.position_embedding_type == "yarn":
+        if config.rotary_type() == "yarn":
             mscale = yarn_get_mscale(config.yarn_rotary_scaling_factor,
                                      config.yarn_mscale_all_dim)
         self.softmax_scale = mscale * mscale / math.sqrt(self.q_head_width)

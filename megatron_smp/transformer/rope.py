@@ -134,7 +134,7 @@ def rope_scaling_of(config) -> Optional[RopeScaling]:
     """The scaling a TransformerConfig asks for: YaRN for --position-embedding-type yarn,
     Llama 3.x's for --use-rope-scaling, linear for --rotary-seq-len-interpolation-factor,
     else None (plain RoPE)."""
-    if config.position_embedding_type == "yarn":
+    if config.rotary_type() == "yarn":
         return YarnRopeScaling(
             factor=config.yarn_rotary_scaling_factor,
             original_max_position_embeddings=config.yarn_original_max_position_embeddings,

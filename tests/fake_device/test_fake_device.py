@@ -179,3 +179,63 @@ def test_fsdp2_cpu_offload_step_on_the_fake_device():
     assert [sync.where.split(":")[0] + " " + sync.where.split(" ")[-1]
             for sync in device.syncs[setup:]] == [
         "megatron_smp/optimizer/optimizer.py _total_norm"], device.syncs[setup:]
+
+
+def test_decode_cuda_graphs_on_the_fake_device(monkeypatch, tmp_path):
+    """The engine with CUDA-graph decode steps (--cuda-graph-impl local) on the fake
+    accelerator, capture stood in (it runs the step; replay runs it again): the captured
+    step reads nothing on the host (a capture would fail on any read) and keeps every tensor
+    on the device, one graph per (batch, key width) bucket, and the greedy tokens are the
+    eager engine's."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import megatron_smp.inference.decode_step as decode_step
+    from megatron_smp.config import ParallelConfig, TransformerConfig
+    from megatron_smp.inference import InferenceEngine, SamplingParams
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.parallel_state import build_parallel_state
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        vocab_size=96, max_position_embeddings=64, position_embedding_type="rope",
+        normalization="RMSNorm", gated_linear_unit=True, activation="silu",
+        add_bias_linear=False, ffn_hidden_size=64, init_method_std=0.5)
+    prompts = [[5, 17, 30, 2, 9], [44, 80, 1], [7, 7, 7, 7, 8, 9, 10]]
+    params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 5)]
+    graph_syncs = []
+
+    def stand_in(api, run, warmup_steps):
+        def replay():
+            before = len(device.syncs)
+            output.copy_(run())
+            graph_syncs.append(device.syncs[before:])
+
+        before = len(device.syncs)
+        output = run()  # the capture
+        graph_syncs.append(device.syncs[before:])
+        return replay, output
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        with FakeDevice() as device:
+            state = build_parallel_state(ParallelConfig())
+            torch.manual_seed(0)
+            model = GPTModel(config, state).to(device.device).eval()
+            eager = InferenceEngine(model, max_tokens=64, block_size=4, max_requests=3)
+            expected = [r.output for r in eager.generate(prompts, params)]
+            monkeypatch.setattr(decode_step, "_graph_api", lambda where: "stand-in")
+            monkeypatch.setattr(decode_step, "capture_graph", stand_in)
+            engine = InferenceEngine(model, max_tokens=64, block_size=4, max_requests=3,
+                                     decode_step="cuda_graph", num_decode_graphs=2)
+            outputs = [r.output for r in engine.generate(prompts, params)]
+    finally:
+        dist.destroy_process_group()
+    assert outputs == expected
+    assert len(set(expected[0])) > 1, expected  # the tokens vary: the check means something
+    # 5 decode steps, 3 captures: not one host read in any
+    assert engine.decode_runner.steps == 5 and graph_syncs == [[]] * 8
+    # batch sizes 3, 2 (padded to 3), then 1; keys up to 8, then 16 positions
+    assert sorted(engine.decode_runner.graphs) == [(1, 16), (3, 8), (3, 16)]

@@ -138,3 +138,22 @@ def test_fsdp2_moe_matches_single_process_and_resumes_exactly(tmp_path):
         assert resumed == {i: uninterrupted[i] for i in (3, 4)}
         for iteration in (3, 4):
             assert resharded[iteration] == pytest.approx(reference[iteration], rel=1e-4)
+
+
+def _runs(rank, world_size, argvs):
+    return [_train(rank, world_size, argv) for argv in argvs]
+
+
+def test_fsdp2_fp16_scales_the_loss_like_ddp():
+    """--use-torch-fsdp2 --fp16: the layers compute in fp16 on the fp32 shards and the
+    dynamic loss scaler unscales the grad shards (any rank's overflow skips the step on all):
+    the same skipped steps, loss scales and losses as DDP's fp16 run at DP=2."""
+    fp16 = COMMON + ["--fp16", "--initial-loss-scale", str(2 ** 24), "--hysteresis", "1",
+                     "--log-interval", "1"]
+    ddp, fsdp = run_distributed(_runs, 2, args=([fp16, fp16 + FSDP2],), timeout=300)[0]
+    scales = [[line.split("loss scale:")[1].split("|")[0].strip() for line in run["log_lines"]
+               if "loss scale:" in line] for run in (ddp, fsdp)]
+    assert scales[0] == scales[1] and len(set(scales[0])) > 1, scales  # backed off, same steps
+    assert sorted(fsdp["losses"]) == sorted(ddp["losses"])
+    for iteration, want in ddp["losses"].items():
+        assert fsdp["losses"][iteration] == pytest.approx(want, rel=2e-3), iteration

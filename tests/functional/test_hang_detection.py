@@ -237,3 +237,145 @@ def test_injected_fault_is_recovered(tmp_path, uninterrupted, fault):
     assert _losses(output) == uninterrupted
     print(f"\ninjected {fault}: first resumed iteration {resumed - injected:.1f} s after the "
           "fault")
+
+
+class TwoNodes:
+    """Two network namespaces joined by a veth pair (198.18.41.1 and .2, RFC 2544's range,
+    which exists only inside this machine), each with its own host name and /etc/hosts: the
+    nodes of a cluster, on the shared file system. `link(False)` cuts the link between them
+    with every process alive (a network partition); `close()` removes all of it."""
+
+    PREFIX, NET = "msmppart", "198.18.41"
+
+    def __init__(self, tmp_path):
+        self.names = [f"{self.PREFIX}-n{n}" for n in (1, 2)]
+        self.hosts = tmp_path / "hosts"
+        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{self.NET}.{n} {name}\n" for n, name in enumerate(self.names, 1)))
+        self.close()  # what an interrupted earlier run may have left
+        v1, v2 = f"{self.PREFIX}-v1", f"{self.PREFIX}-v2"
+        commands = [["ip", "netns", "add", self.names[0]], ["ip", "netns", "add", self.names[1]],
+                    ["ip", "link", "add", v1, "netns", self.names[0], "type", "veth", "peer",
+                     "name", v2, "netns", self.names[1]]]
+        for n, (name, dev) in enumerate(zip(self.names, (v1, v2)), 1):
+            commands += [["ip", "-n", name, "addr", "add", f"{self.NET}.{n}/24", "dev", dev],
+                         ["ip", "-n", name, "link", "set", dev, "up"],
+                         ["ip", "-n", name, "link", "set", "lo", "up"]]
+        for command in commands:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            if proc.returncode:
+                self.close()
+                raise OSError(f"{' '.join(command)}: {proc.stderr.strip()}")
+
+    def command(self, n, argv):
+        """argv run on node n (its network, host name and /etc/hosts)."""
+        name = self.names[n - 1]
+        return ["nsenter", f"--net=/run/netns/{name}", "unshare", "--mount", "--uts", "sh",
+                "-c", 'mount --bind "$0" /etc/hosts && hostname "$1" && shift 2 && exec "$@"',
+                str(self.hosts), name, "--"] + argv
+
+    def link(self, up):
+        subprocess.run(["ip", "-n", self.names[1], "link", "set", f"{self.PREFIX}-v2",
+                        "up" if up else "down"], check=True, timeout=30)
+
+    def close(self):
+        for name in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                  text=True, timeout=30).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("a network partition needs two network namespaces: run as root")
+    try:
+        nodes = TwoNodes(tmp_path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"network namespaces are not permitted here: {exc}")
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+@pytest.mark.two_node
+def test_network_partition_between_two_nodes_is_named_and_the_job_resumes(
+        tmp_path, two_nodes, uninterrupted):
+    """DP=2 over two namespace nodes (a torchrun per node, c10d rendezvous on node 1, one
+    worker each). After iteration 9 the link between the nodes goes down, every process
+    alive: the rank that still reaches the job's store finds the other's heartbeat silent and
+    names it; the cut-off rank finds the store unreachable and says so; both exit 75. The link
+    comes back, both torchruns restart their worker, and the job resumes from iteration 8's
+    checkpoint with the uninterrupted run's losses."""
+    save = str(tmp_path / "ckpt")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    wrapper = tmp_path / "faulty_pretrain_gpt.py"
+    wrapper.write_text(_WRAPPER.format(root=ROOT, pids=str(pids),
+                                       script=os.path.join(ROOT, "pretrain_gpt.py")))
+    flags = WATCHDOG + ["--save", save, "--load", save, "--save-interval", "4"]
+    jobs, logs = [], []
+    for n in (1, 2):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                  "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"{TwoNodes.NET}.1:29431", "--rdzv-id", "partition",
+                  "--max-restarts", "1", "--monitor-interval", "0.2"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+                   GLOO_SOCKET_IFNAME=f"{TwoNodes.PREFIX}-v{n}",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        logs.append(tmp_path / f"node{n}.log")
+        jobs.append(subprocess.Popen(two_nodes.command(n, launch + [str(wrapper)] + FLAGS
+                                                        + flags),
+                                     stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT,
+                                     env=env, cwd=str(tmp_path)))
+
+    def output(node=None):
+        return "".join(log.read_text() for n, log in enumerate(logs, 1) if node in (None, n))
+
+    def wait_for(pattern, timeout, node=None):
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, output(node)):
+            assert all(job.poll() is None for job in jobs), output()[-6000:]
+            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n" + \
+                output()[-6000:]
+            time.sleep(0.05)
+        return time.monotonic()
+
+    try:
+        wait_for(r" iteration +9/", timeout=240)
+        two_nodes.link(False)
+        cut = time.monotonic()
+        named = wait_for(r"\[watchdog\] hang detected", timeout=60)
+        unreachable = wait_for(r"the job's store has been unreachable", timeout=60)
+        two_nodes.link(True)
+        # The last rank logs the iterations: the first one after its restart.
+        resumed = wait_for(r"(store has been unreachable|hang detected)[\s\S]* iteration +"
+                           r"\d+/", timeout=180, node=2)
+        codes = [job.wait(timeout=240) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait(timeout=30)
+    text = output()
+    assert codes == [0, 0], text[-6000:]
+    report = text[text.index("[watchdog] hang detected"):]
+    stuck = re.search(r"stuck: rank\(s\) (\d) -- sends no heartbeat \(process frozen, or its "
+                      r"node cut off\)", report)
+    assert stuck, report[:3000]
+    cut_off = re.search(r"\[watchdog\] rank (\d): the job's store has been unreachable", text)
+    assert cut_off.group(1) == stuck.group(1)  # the same rank, named from both sides
+    assert text.count(f"(exitcode: {HANG_EXIT_CODE})") >= 1, text[-6000:]
+    assert re.search(r"resuming at iteration 8\b", text), text[-4000:]
+    assert _losses(text) == uninterrupted
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as tracker:
+        assert int(tracker.read()) == ITERS
+    print(f"\nnetwork partition: named after {named - cut:.1f} s, the cut-off rank stopped "
+          f"after {unreachable - cut:.1f} s; first resumed iteration {resumed - cut:.1f} s "
+          "after the cut (the link back up once both had stopped)")

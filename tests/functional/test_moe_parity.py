@@ -95,3 +95,56 @@ def test_flex_dispatcher_routes_and_trains_as_alltoall(world_size, flags):
             else:
                 for got, want in zip(flex, alltoall):
                     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_experts_on_fewer_tensor_parallel_ranks_match_single_process(tmp_path):
+    """--expert-tensor-parallel-size 1 below --tensor-model-parallel-size 2 (Megatron's expert
+    grid: the 4 ranks split etp x ep x expert-dp, each expert whole on one rank) follows the
+    single-process trajectory with each dispatcher: EP=4 over all ranks (alltoall), EP=2 with
+    two expert-data-parallel replicas and the distributed optimizer (allgather). The
+    allgather run saves at iteration 5 and stops, and an ETP = TP = 2 run resumes from it: the
+    experts' slices land where they belong whichever layout wrote them."""
+    tp = "--tensor-model-parallel-size 2 --sequence-parallel".split()
+    etp1 = ["--expert-tensor-parallel-size", "1"]
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "5", "--exit-interval", "5"]
+    argvs = [
+        COMMON + LLAMA + MOE + tp + etp1 + ["--expert-model-parallel-size", "4",
+                                            "--moe-token-dispatcher-type", "alltoall"],
+        COMMON + LLAMA + MOE + tp + etp1 + ["--expert-model-parallel-size", "2",
+                                            "--use-distributed-optimizer",
+                                            "--moe-token-dispatcher-type", "allgather"] + save,
+        COMMON + LLAMA + MOE + tp + ["--expert-model-parallel-size", "2",
+                                     "--use-distributed-optimizer",
+                                     "--moe-token-dispatcher-type", "alltoall",
+                                     "--load", str(tmp_path / "ckpt")],
+    ]
+    reference = {name: baseline(name) for name in DISPATCHERS}
+    for alltoall, allgather, resumed in run_distributed(_train_each, 4, args=(argvs,),
+                                                        timeout=300):
+        for got_run, want_run in ((alltoall, reference["alltoall"]),
+                                  (allgather, reference["allgather"][:5]),
+                                  (resumed, reference["allgather"][5:])):
+            assert len(got_run) == len(want_run)
+            for step, (got, want) in enumerate(zip(got_run, want_run)):
+                assert got == pytest.approx(want, rel=1e-4), (step, got, want)
+
+
+def test_two_distributed_optimizer_instances_match_single_process(tmp_path):
+    """--num-distributed-optimizer-instances 2 at DP=4 with EP=2 (Megatron's partial
+    distributed optimizer): dense params sharded over 2 ranks and all-reduced across the 2
+    instances, experts (expert-DP 2) sharded over 1 and all-reduced across 2; with overlapped
+    grad reduction and param gather the losses are the single-process ones, and a save at
+    iteration 5 resumes to them."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = (COMMON + LLAMA + MOE
+             + "--moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
+               "--use-distributed-optimizer --num-distributed-optimizer-instances 2 "
+               "--overlap-grad-reduce --overlap-param-gather".split())
+    argvs = [flags + ["--save", ckpt, "--save-interval", "5", "--exit-interval", "5"],
+             flags + ["--load", ckpt]]
+    reference = baseline("alltoall")
+    for first, resumed in run_distributed(_train_each, 4, args=(argvs,), timeout=300):
+        for got_run, want_run in ((first, reference[:5]), (resumed, reference[5:])):
+            assert len(got_run) == len(want_run)
+            for step, (got, want) in enumerate(zip(got_run, want_run)):
+                assert got == pytest.approx(want, rel=1e-4), (step, got, want)

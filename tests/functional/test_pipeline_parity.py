@@ -13,8 +13,10 @@ LAYOUTS = {
     "pp2_simple": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule simple"),
     "pp2_1f1b_overlap": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule interleaved "
                             "--overlap-grad-reduce"),
+    # Megatron's microbatch groups: each chunk runs all 4 microbatches in turn (default 2).
     "pp2_virtual2_overlap": (2, "--pipeline-model-parallel-size 2 "
-                                "--virtual-pipeline-model-parallel-size 2 --overlap-grad-reduce"),
+                                "--virtual-pipeline-model-parallel-size 2 --overlap-grad-reduce "
+                                "--microbatch-group-size-per-virtual-pipeline-stage 4"),
     "pp4_simple": (4, "--pipeline-model-parallel-size 4 --pipeline-schedule simple"),
     "pp4_1f1b": (4, "--pipeline-model-parallel-size 4"),
     "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 "
@@ -40,13 +42,19 @@ def test_pipeline_layout_matches_single_process(layout, tmp_path):
     world_size, flags = LAYOUTS[layout]
     flags = flags.split()
     trace = str(tmp_path / "timeline.json")
-    if layout == "pp2_uneven":
+    if layout in ("pp2_uneven", "pp2_virtual2_overlap"):
         flags += ["--pipeline-timeline", trace]
     reference = _reference()
     results = run_distributed(_train, world_size, args=(COMMON + PIPELINE + flags,), timeout=300)
     assert len(reference) == 10 and reference[-1] < reference[0]
     for losses in results:  # every rank reports the last stage's losses
         assert losses == pytest.approx(reference, rel=1e-4), (layout, losses, reference)
+    if layout == "pp2_virtual2_overlap":  # rank 0's first forwards: chunk 0 on microbatch 0-3
+        with open(str(tmp_path / "timeline.rank0.json")) as handle:
+            events = json.load(handle)["traceEvents"]
+        forwards = [(e["args"]["chunk"], e["args"]["microbatch"]) for e in events
+                    if e.get("cat") == "compute" and e["name"].startswith("F")]
+        assert forwards[:8] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
     if layout == "pp2_uneven":
         for rank in range(world_size):
             with open(str(tmp_path / f"timeline.rank{rank}.json")) as handle:
@@ -66,6 +74,7 @@ BAD_LAYOUTS = {
         "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
         "--global-batch-size 6",
         "number of microbatches (3 = --global-batch-size"),
+
 }
 
 

@@ -148,3 +148,37 @@ def test_result_validation_flag_errors():
         validate_configs(parse_args(ARGV + ["--rerun-mode", "report_stats"]), world_size=1)
     with pytest.raises(SystemExit):  # argparse: invalid choice
         parse_args(ARGV + ["--rerun-mode", "sometimes"])
+
+
+def _runs(rank, world_size, plans):
+    return [_run(rank, world_size, argv, **kwargs) for argv, kwargs in plans]
+
+
+def test_injected_errors_take_megatrons_three_paths(tmp_path):
+    """--error-injection-rate 1 (Megatron's RerunErrorInjector: every rank rejects its first
+    check of iteration 2, the first checked one): a transient error is not reproduced in
+    place (exit 17); a persistent error and a correct result are (checkpoint, exit 16), and
+    the resumed job's rerun on another device tells them apart."""
+    def argv(kind, ckpt):
+        return ARGV + ["--save", str(tmp_path / ckpt), "--save-interval", "100",
+                       "--error-injection-rate", "1", "--error-injection-type", kind]
+
+    plans = [(argv("transient_error", "t"), {}), (argv("persistent_error", "p"), {}),
+             (argv("correct_result", "c"), {}),
+             (argv("persistent_error", "p") + ["--load", str(tmp_path / "p")],
+              {"other_device": True}),
+             (argv("correct_result", "c") + ["--load", str(tmp_path / "c")],
+              {"other_device": True})]
+    results = run_distributed(_runs, 2, args=(plans,), timeout=240)
+    for rank, (transient, persistent, correct, resumed_p, resumed_c) in enumerate(results):
+        assert [transient[0], persistent[0], correct[0]] == [17, 16, 16]
+        assert [resumed_p[0], resumed_c[0]] == [17, 17]
+        assert transient[3] == 6  # two iterations' 2 microbatches + the rerun's 2
+        assert "Injecting error type Transient error" in transient[1] + "".join(transient[2])
+    printed = [run[1] for run in results[0]]
+    assert "Possible transient error!" in printed[0]
+    assert "unexpected result is reproducible within the tolerance" in printed[1]
+    assert "injected error (--error-injection-rate) on 2 rank(s)" in printed[1]
+    assert "Possible persistent error!" in printed[3]
+    assert "Correct result (but possible Application error)" in printed[4]
+    assert all(_tracker(str(tmp_path / name)) == "1" for name in "tpc")

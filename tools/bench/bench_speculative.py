@@ -60,7 +60,7 @@ def _prompts(path, tokenizer, count, length):
 def main(argv=None):
     from megatron_smp.inference import InferenceEngine, SamplingParams
     from megatron_smp.inference.speculative import SpeculativeConfig
-    from megatron_smp.inference.launcher import build_inference_engine
+    from megatron_smp.training.inference_flags import build_inference_engine
 
     argv = list(sys.argv[1:] if argv is None else argv)
     known, _ = bench_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)

@@ -15,7 +15,14 @@
               per-step overhead (data, optimizer, logging)
     gloo      all_reduce between two processes over 4 KiB .. 8 MiB, the fastest of 15 (gloo
               works on the CPU: its copies and sums slow down with the share like compute):
-              t = 2 (n-1)/n S / bw + 2 (n-1) latency fitted for bandwidth and latency
+              t = 2 (n-1)/n S / bw + 2 (n-1) latency fitted for bandwidth; the latency is
+              that of a small all_reduce between two GEMMs (`gloo_blocking`, the median:
+              the wait for the other rank, which a shared machine's scheduler stretches, is
+              what every blocking collective of a step pays), on idle-core terms; gloo's
+              reduce_scatter costs an all_reduce of its input (it is one, then a copy);
+              the project's all-gather, reduce-scatter and ring exchange of a hidden state
+              between GEMMs: each one's overhead beyond that fit, per call
+              (`collective_overheads`)
 Communication is not overlapped with compute on this machine (2 cores shared by every rank:
 NOTES-CPU.md), so `comm_overlap` is 0 and every collective is exposed.
 
@@ -182,6 +189,92 @@ def gloo_link(world_size: int = 2, repeats: int = 15) -> dict:
             "all_reduce": measured}
 
 
+def _blocking_body(rank, world_size, repeats, work):
+    import torch
+    import torch.distributed as dist
+
+    a, small = torch.randn(work, work), torch.zeros(1024)
+    for _ in range(3):
+        torch.mm(a, a)
+        dist.all_reduce(small)
+    times = []
+    for _ in range(repeats):
+        torch.mm(a, a)
+        start = time.perf_counter()
+        dist.all_reduce(small)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collectives_body(rank, world_size, rows, hidden, repeats, work):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_smp.context_parallel.attention import _wait
+    from megatron_smp.tensor_parallel.mappings import (_gather_first_dim,
+                                                       _reduce_scatter_first_dim)
+
+    shard, whole = torch.randn(rows, hidden), torch.randn(rows * world_size, hidden)
+    incoming = torch.empty_like(shard)
+    peer = (rank + 1) % world_size, (rank - 1) % world_size
+
+    def ring():
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, shard, peer[0]),
+                                      dist.P2POp(dist.irecv, incoming, peer[1])]))
+
+    ops = {"all_gather": lambda: _gather_first_dim(shard, None),
+           "reduce_scatter": lambda: _reduce_scatter_first_dim(whole, None),
+           "ring": ring}
+    a = torch.randn(work, work)
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            torch.mm(a, a)
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
+
+
+def collective_overheads(bandwidth: float, latency: float, share: float,
+                         world_size: int = 2, rows: int = 512, hidden: int = 256,
+                         repeats: int = 31) -> dict:
+    """The project's own all-gather, reduce-scatter (tensor_parallel.mappings) and ring
+    exchange (context parallelism's batch_isend_irecv) of a hidden state ([rows, hidden] fp32
+    per rank) between GEMMs, median wall time in idle-core terms (x `share`), less what the
+    bandwidth and latency fit gives them: each call's overhead beyond the fit (gloo's
+    reduce-scatter and the exchange wait on the other rank far longer than an all_reduce)."""
+    from megatron_smp.testing import run_distributed
+
+    per_rank = run_distributed(_collectives_body, world_size,
+                               args=(rows, hidden, repeats, 160), timeout=300)
+    nbytes = rows * hidden * 4
+    fit = {"all_gather": (world_size - 1) * nbytes / bandwidth + (world_size - 1) * latency,
+           "reduce_scatter": 2 * (world_size - 1) / world_size * nbytes * world_size
+           / bandwidth + 2 * (world_size - 1) * latency,
+           "ring": nbytes / bandwidth + latency}
+    out = {}
+    for name, model in fit.items():
+        measured = statistics.median(r[name] for r in per_rank) * share
+        out[name] = {"measured_idle_s": measured, "overhead_s": max(0.0, measured - model)}
+    return out
+
+
+def gloo_blocking(world_size: int = 2, repeats: int = 41, work: int = 160) -> float:
+    """What one small blocking collective costs between compute, as a step's collectives do
+    (each rank a GEMM of about a millisecond, then a 4 KiB all_reduce): the median wall time
+    of the all_reduce over the ranks' medians. Beside gloo's own latency it holds the wait
+    for the other rank, which the scheduler of a shared machine delays."""
+    from megatron_smp.testing import run_distributed
+
+    medians = run_distributed(_blocking_body, world_size, args=(repeats, work), timeout=300)
+    return statistics.median(medians)
+
+
 def step_overhead() -> float:
     """Iteration time of pretrain_gpt.py at world 1 on a one-layer, hidden-32 model: what a
     step costs besides its layers (data, loss, optimizer, logging)."""
@@ -218,19 +311,29 @@ def calibrate(world_size: int = 2) -> dict:
     peak = gemm["peak_flops"]
     bandwidth = memory_bandwidth()
     link = gloo_link(world_size)
+    # A collective's latency as the steps see it (idle-core terms: x the share now).
+    blocking = gloo_blocking(world_size)
+    latency = max(link["latency"], blocking * share / (2 * (world_size - 1)))
+    overheads = collective_overheads(link["bandwidth"], latency, share, world_size)
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
     device = {"name": "CPU (1 thread per rank, measured)", "bf16_flops": peak,
               "fp8_flops": None, "hbm_bandwidth": bandwidth, "hbm_bytes": total,
               "gpus_per_node": 1024, "intra_node_bandwidth": link["bandwidth"],
-              "inter_node_bandwidth": link["bandwidth"], "intra_node_latency": link["latency"],
-              "inter_node_latency": link["latency"], "fp32_flops": peak}
+              "inter_node_bandwidth": link["bandwidth"], "intra_node_latency": latency,
+              "inter_node_latency": latency, "fp32_flops": peak,
+              "reduce_scatter_as_all_reduce": True,
+              "all_gather_overhead": overheads["all_gather"]["overhead_s"],
+              "reduce_scatter_overhead": overheads["reduce_scatter"]["overhead_s"],
+              "ring_exchange_overhead": overheads["ring"]["overhead_s"]}
     efficiency = {"gemm_max": 1.0, "gemm_half_dim": gemm["gemm_half_dim"],
                   "attention": attention_throughput(gemm["peak_flops"]), "memory": 1.0, "network": 1.0,
                   "kernel_launch": gemm["kernel_launch"], "comm_overlap": 0.0,
                   "layer_overhead": layer_overhead(), "step_overhead": step_overhead()}
     return {"device": device, "efficiency": efficiency,
             "measured": {"gemm": table, "gemm_fit": gemm, "all_reduce": link["all_reduce"],
+                         "gloo_latency_fastest": link["latency"], "blocking_all_reduce": blocking,
+                         "collectives": overheads,
                          "cpu_share": share, "load_average": os.getloadavg()}}
 
 
@@ -243,8 +346,10 @@ def at_share(calibration: dict, share: float) -> dict:
     for name in ("bf16_flops", "fp32_flops", "hbm_bandwidth", "intra_node_bandwidth",
                  "inter_node_bandwidth"):
         device[name] *= share
-    for name in ("intra_node_latency", "inter_node_latency"):
-        device[name] /= share
+    for name in ("intra_node_latency", "inter_node_latency", "all_gather_overhead",
+                 "reduce_scatter_overhead", "ring_exchange_overhead"):
+        if name in device:
+            device[name] /= share
     for name in ("layer_overhead", "kernel_launch"):
         efficiency[name] /= share
     out["measured"]["share_used"] = share

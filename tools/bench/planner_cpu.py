@@ -8,7 +8,8 @@ machine's load is alike). The table gives predicted / measured per layout.
 Each run is the entry script under torchrun on --mock-data (fp32, no dropout, one thread per
 rank), the median "elapsed time per iteration" after the warm-up iterations. The machine is
 shared: the prediction uses the calibration's idle-core figures scaled by the share of a core
-the ranks got over the timed iterations (their CPU time / wall time / ranks, from /proc).
+the ranks got over the timed iterations (their CPU time / wall time / ranks, from /proc, over
+the part of the step they were not waiting in the pipeline bubble: `busy_share`).
 """
 from __future__ import annotations
 
@@ -154,12 +155,22 @@ def predict(flags, world_size: int, calibration: str, share: float = 1.0):
     return planner.predict(configs, cluster, provider, memory=False)
 
 
+def busy_share(flags, world_size: int, calibration: str, share: float) -> float:
+    """The share of a core the ranks got while they ran: their CPU time / wall time / ranks
+    (`measure`'s) reads low by the pipeline bubble, where they wait; divided by the share of
+    the step the prediction has them busy."""
+    p = predict(flags, world_size, calibration, share)
+    busy = 1.0 - p.breakdown["pp_bubble"] / p.step_time
+    return min(1.0, share / busy)
+
+
 def compare(layouts, calibration: str, iters: int = 6) -> list:
     """Per layout: the measured step, the share of a core its ranks got meanwhile (other
     sessions' load moves it), and the prediction at that share."""
     rows = []
     for name, world_size, flags in layouts:
         measured, share = measure(MODEL + flags, world_size, iters)
+        share = busy_share(MODEL + flags, world_size, calibration, share)
         p = predict(MODEL + flags, world_size, calibration, share)
         rows.append({"name": name, "world_size": world_size, "measured_s": measured,
                      "predicted_s": p.step_time, "ratio": p.step_time / measured,

@@ -30,19 +30,11 @@ from megatron_smp.checkpointing.engine.storage import (
     SafeLoadPlanner,
     validate_data_files,
 )
-
-_MAX_LISTED = 20
+from megatron_smp.config.errors import format_listing
 
 
 def _top_level(key: str) -> str:
     return key.split(".", 1)[0]
-
-
-def format_listing(items: List[str]) -> str:
-    """Comma-separated, at most 20 entries (error messages stay readable)."""
-    shown = items[:_MAX_LISTED]
-    more = f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
-    return ", ".join(shown) + more
 
 
 def _local_key_report(state_dict: Dict[str, Any], metadata: Metadata) -> Dict[str, Any]:

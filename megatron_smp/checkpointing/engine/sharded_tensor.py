@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megatron_smp.tensor_parallel.utils import tensor_parallel_coords
+
 Chunk = Tuple[Tuple[int, ...], torch.Tensor]
 
 
@@ -259,11 +261,12 @@ def sharded_state_dict(module: torch.nn.Module, state, prefix: str = "") -> dict
             result[prefix + name] = value
             continue
         tensor = value.detach()
-        if getattr(value, "tensor_model_parallel", False) and state.tp_size > 1:
+        tp_rank, tp_size = tensor_parallel_coords(value, state)  # an expert's: its ETP
+        if getattr(value, "tensor_model_parallel", False) and tp_size > 1:
             tensor = tp_sharded_tensor(
                 tensor,
-                state.tp_rank,
-                state.tp_size,
+                tp_rank,
+                tp_size,
                 partition_dim=int(getattr(value, "partition_dim", 0)),
                 partition_stride=int(getattr(value, "partition_stride", 1)),
             )

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
-from megatron_smp.checkpointing.engine.loader import format_listing
+from megatron_smp.config.errors import format_listing
 
 StateDict = Dict[str, torch.Tensor]
 

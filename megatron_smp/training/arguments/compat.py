@@ -59,7 +59,7 @@ def _check_rope_scaling_flags(argv: Sequence[str], model: Dict[str, Any],
         raise ConfigError(f"{', '.join(llama3)} configure Llama 3.x RoPE scaling: add "
                           "--use-rope-scaling, or drop them")
     yarn = sorted(given & set(_YARN_FLAGS))
-    if yarn and model.get("position_embedding_type") != "yarn":
+    if yarn and "yarn" not in (model.get("position_embedding_type"), model.get("mla_rope_type")):
         raise ConfigError(f"{', '.join(yarn)} configure YaRN: add --position-embedding-type "
                           "yarn (with --multi-latent-attention: drop --rope-type rope), or "
                           "drop them")
@@ -185,13 +185,12 @@ def _apply_megatron_main_flags(args: argparse.Namespace,
             raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
                               "--virtual-pipeline-model-parallel-size are one setting; give one")
         parallel["virtual_pipeline_model_parallel_size"] = args.num_virtual_stages_per_pipeline_rank
-    if args.num_distributed_optimizer_instances != 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances "
-                          f"{args.num_distributed_optimizer_instances}: the distributed optimizer "
-                          "here shards over the whole data-parallel group (one instance); drop it")
-    if args.cuda_graph_impl != "none":
-        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which "
-                          "megatron_smp does not build; drop it (a hardware-only switch)")
+    if args.cuda_graph_impl != "none" and not hasattr(args, "inference_max_tokens"):
+        # (the inference tools and train_rl.py's rollouts capture decode steps: modes.py)
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs of "
+                          "training steps, which megatron_smp does not build; drop it (a "
+                          "hardware-only switch). The inference tools take --cuda-graph-impl "
+                          "local for their decode steps")
     if sections["checkpoint"].get("ckpt_format") == "torch_dcp":
         # Megatron-LM's torch_dcp (FSDP2 only) is plain DCP, as our torch_dist is.
         if not parallel.get("use_torch_fsdp2"):
@@ -327,6 +326,11 @@ def _position_fields(args: argparse.Namespace, model: Dict[str, Any]) -> None:
     if (model.get("multi_latent_attention") and args.rope_type != "rope"
             and model.get("position_embedding_type") == "rope"):
         model["position_embedding_type"] = "yarn"
+    if model.get("multi_latent_attention") and model.get(
+            "position_embedding_type", "learned_absolute") in ("learned_absolute", "none"):
+        # Megatron's MLA rotates its positional channels with its own --rope-type (default
+        # yarn) beside the learned absolute positions.
+        model["mla_rope_type"] = args.rope_type or "yarn"
 
 
 def _activation_fields(args: argparse.Namespace, argv: List[str],

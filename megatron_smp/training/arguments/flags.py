@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_smp.checkpointing.loop import STRICTNESS_CHOICES
+from megatron_smp.training.arguments import megatron_lm
 from megatron_smp.config import (
     CP_COMM_TYPES,
     LR_DECAY_STYLES,
@@ -126,6 +127,10 @@ _FLAGS: List[_Flag] = [
     _f("--apply-layernorm-1p", "model", "layernorm_zero_centered_gamma", action="store_true",
        help="norm weights stored zero-centred: y = norm(x) * (1 + w)"),
     _f("--qk-layernorm", "model", action="store_true"),
+    _f("--test-mode", "model", action="store_true",
+       help="Megatron-LM's real-time test: each attention forward checks that the data- and "
+            "tensor-parallel replicas of its --qk-layernorm weights are equal, and stops the "
+            "run on every rank of a group that disagrees"),
     _f("--squared-relu", None, "squared_relu", action="store_true",
        help="MLP activation relu(x)^2"),
     _f("--use-parallel-residual", "model", "parallel_residual", action="store_true"),
@@ -275,7 +280,10 @@ _FLAGS: List[_Flag] = [
     _f("--moe-per-layer-logging", "training", action="store_true",
        help="also write each MoE layer's load_balancing_loss / z_loss to TensorBoard and "
        "W&B (moe/<name>_layer_<i>)"),
-    _f("--expert-tensor-parallel-size", "parallel", type=int),
+    _f("--expert-tensor-parallel-size", "parallel", type=int,
+       help="ranks each expert is split over (default --tensor-model-parallel-size; at most "
+            "that): each pipeline stage's ranks form Megatron's expert grid etp x ep x "
+            "expert-data-parallel"),
     # Parallelism.
     _f("--tensor-model-parallel-size", "parallel", type=int, default=1),
     _f("--pipeline-model-parallel-size", "parallel", type=int, default=1),
@@ -285,6 +293,10 @@ _FLAGS: List[_Flag] = [
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--microbatch-group-size-per-virtual-pipeline-stage", "training",
+       "microbatch_group_size_per_vp_stage", type=int,
+       help="the interleaved schedule runs each model chunk on this many microbatches in turn "
+            "(default: the pipeline size; between it and the number of microbatches)"),
     _f("--decoder-first-pipeline-num-layers", "parallel", type=int),
     _f("--decoder-last-pipeline-num-layers", "parallel", type=int),
     _f("--sequence-parallel", "model", action="store_true"),
@@ -408,12 +420,14 @@ _FLAGS: List[_Flag] = [
        help="with --use-megatron-fsdp: fp32 or auto; other values are an error"),
     _f("--num-virtual-stages-per-pipeline-rank", None, "num_virtual_stages_per_pipeline_rank",
        type=int, help="Megatron-LM main's name of --virtual-pipeline-model-parallel-size"),
-    _f("--num-distributed-optimizer-instances", None, "num_distributed_optimizer_instances",
-       type=int, default=1,
-       help="1 only: the distributed optimizer shards over the whole data-parallel group"),
+    _f("--num-distributed-optimizer-instances", "optimizer", type=int, default=1,
+       help="split the data-parallel ranks into N consecutive instances: the distributed "
+            "optimizer shards within each, and the instances all-reduce each shard's grads"),
     _f("--cuda-graph-impl", None, "cuda_graph_impl",
        choices=["none", "local", "transformer_engine"], default="none",
-       help="none only: CUDA graphs are not built"),
+       help="local: the inference tools' (and train_rl.py's rollouts') decode steps "
+       "captured as CUDA graphs, one per padded batch size and key width (a CUDA device); "
+       "training: none only"),
     _f("--lr", "optimizer", type=float, default=1e-4),
     _f("--min-lr", "optimizer", type=float, default=0.0),
     _f("--lr-decay-style", "optimizer", choices=list(LR_DECAY_STYLES), default="linear"),
@@ -503,6 +517,15 @@ _FLAGS: List[_Flag] = [
        action="store_false", default=True),
     _f("--rerun-mode", "training", choices=["disabled", "validate_results", "report_stats"],
        default="validate_results"),
+    _f("--error-injection-rate", "training", type=int, default=0,
+       help="with --rerun-mode validate_results: reject each check with probability 1/N per "
+            "rank (Megatron's error injector, to rehearse the reruns); 0: never"),
+    _f("--error-injection-type", "training",
+       choices=["correct_result", "transient_error", "persistent_error"],
+       default="transient_error",
+       help="what the injected error looks like to the reruns: not reproduced in place "
+            "(transient), or reproduced in place and then not (persistent) or again "
+            "(correct) on the resumed job's rerun elsewhere"),
     # Resilience (megatron_smp/resilience): hang detection, fault injection, stragglers.
     _f("--enable-ft-package", "resilience", action="store_true",
        help="a progress watchdog per rank: a rank with no progress past its section's timeout "
@@ -545,8 +568,9 @@ _FLAGS: List[_Flag] = [
     _f("--fault-injector-slow-factor", "resilience", type=float, default=2.0,
        help="a 'slow' fault makes each later step of the rank take this many times as long"),
     _f("--log-straggler", "resilience", action="store_true",
-       help="every log interval, the slowest and fastest ranks by forward-backward time, "
-       "with their throughput relative to the median; ranks below 0.6x in two reports running "
+       help="every log interval, the slowest and fastest ranks by their fastest "
+       "forward-backward in the interval, "
+       "with their throughput relative to the median; ranks below 0.7x in two reports running "
        "named as stragglers"),
     _f("--straggler-minmax-count", "resilience", type=int, default=1,
        help="how many slowest and fastest ranks the straggler report names"),
@@ -554,6 +578,23 @@ _FLAGS: List[_Flag] = [
        help="the straggler report starts off (toggle it on --straggler-ctrlr-port)"),
     _f("--straggler-ctrlr-port", "resilience", type=int, default=65535,
        help="rank 0 toggles the straggler report on each GET to 127.0.0.1:PORT"),
+    # Replica groups (torchft), torchtitan's --fault_tolerance.* options.
+    _f("--fault-tolerance", "resilience", action="store_true",
+       help="this job is one replica group of several (torchft): the groups average their "
+       "gradients over the groups alive at each step; a group that fails leaves the quorum "
+       "and the others go on, a restarted group fetches the weights and optimizer state from "
+       "a live one and rejoins"),
+    _f("--fault-tolerance-replica-id", "resilience", type=int, default=0,
+       help="this replica group's index (its data shard), 0..group-size-1"),
+    _f("--fault-tolerance-group-size", "resilience", type=int, default=0,
+       help="how many replica groups the job has (each reads 1/N of the data)"),
+    _f("--fault-tolerance-min-replica-size", "resilience", type=int, default=1,
+       help="the fewest replica groups a step may update with (fewer: the step is skipped)"),
+    _f("--fault-tolerance-lighthouse", "resilience", metavar="http://HOST:PORT",
+       help="the torchft lighthouse (default: the TORCHFT_LIGHTHOUSE variable)"),
+    _f("--fault-tolerance-process-group-timeout-ms", "resilience", type=int, default=10000,
+       help="the longest a gradient all-reduce across replica groups may take before the "
+       "step is given up (and the quorum re-formed)"),
     _f("--profile", "training", action="store_true"),
     _f("--use-pytorch-profiler", "training", action="store_true"),
     _f("--profile-step-start", "training", type=int, default=10),
@@ -635,6 +676,17 @@ _FLAGS: List[_Flag] = [
     _f("--use-checkpoint-args", None, "use_checkpoint_args", action="store_true",
        help="the model flags come from the --load checkpoint (the shape flags may be left out)"),
 ]
+
+# Megatron-LM main's flags with a meaning of their own here (megatron_lm.py).
+_FLAGS += [_f(flag, section, field, **kwargs)
+           for flag, section, field, kwargs in megatron_lm.IMPLEMENTED]
+# Its other spellings of flags in the table: the same config field.
+_FLAGS += [_Flag(alias, spec.section, spec.field,
+                 megatron_lm.alias_kwargs(spec.flag, spec.kwargs, negated))
+           for spec in list(_FLAGS)
+           for aliases, negated in ((megatron_lm.ALIASES, False),
+                                    (megatron_lm.NEGATED_ALIASES, True))
+           for alias, flag in aliases.items() if flag == spec.flag]
 
 # Megatron-LM flags accepted and ignored, each with the reason it changes neither results nor
 # memory here (docs/flags.md lists the same table, generated from this one).
@@ -763,6 +815,8 @@ IGNORED_WITHOUT: Dict[str, tuple] = {
     "--apply-wd-to-qk-layernorm": ("--qk-layernorm", "there are no q/k norm weights to decay "
                                    "(Megatron-LM accepts it there too); every other 1-D param "
                                    "and bias stays undecayed"),
+    "--test-mode": ("--qk-layernorm", "its one real-time test compares the replicas of the q/k "
+                                      "norm weights (Megatron-LM returns from it there too)"),
 }
 # Which of them take a value.
 _IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-interval",
@@ -772,6 +826,10 @@ _IGNORED_WITH_VALUE = {"--wgrad-deferral-limit", "--inference-logging-step-inter
                        "--attention-backend", "--transformer-impl", "--DDP-impl",
                        "--timing-log-level", "--cross-entropy-fusion-impl",
                        "--timing-log-option", "--async-strategy", "--dist-ckpt-workers"}
+
+# The rest of Megatron-LM main's parser (megatron_lm.py): its ignored flags join the table.
+IGNORED_FLAGS.update(megatron_lm.IGNORED)
+_IGNORED_NARGS = {flag: nargs for flag, nargs in megatron_lm.IGNORED_NARGS.items() if nargs}
 
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
@@ -803,20 +861,15 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
     "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
     # Megatron-LM main's functional-test configs.
-    "--error-injection-rate": "injecting faults into the result validation (--rerun-mode)",
-    "--error-injection-type": "injecting faults into the result validation (--rerun-mode)",
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
-    "--microbatch-group-size-per-virtual-pipeline-stage": "another microbatch grouping of the "
-                                                          "interleaved pipeline schedule",
     "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
                                                  "splitting layers over pipeline stages",
     "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
                                             "layers over pipeline stages",
     "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
                                         "--decoder-first/last-pipeline-num-layers)",
-    "--test-mode": "Megatron-LM's real-time self-tests of its attention layers",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
         "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
         "--dsa-indexer-topk")},
@@ -835,6 +888,8 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
            "--inference-max-seq-length", "--max-tokens-to-oom",
            "--inference-dynamic-batching-buffer-size-gb")},
 }
+
+NOT_SUPPORTED_YET_FLAGS.update(megatron_lm.NOT_BUILT)
 
 # Megatron-LM flags that need NVIDIA hardware or libraries this path does not have, refused
 # as Megatron-LM itself fails without them: {flag: what it needs}. Each only changes how the
@@ -859,6 +914,7 @@ NEEDS_NVIDIA_FLAGS: Dict[str, str] = {
              "pretrain_gpt.py declares its --export-* flags" for flag in (
                  "--export-te-mcore-model", "--export-kd-teacher-load", "--export-kd-cfg")},
 }
+NEEDS_NVIDIA_FLAGS.update(megatron_lm.NEEDS_NVIDIA)
 # Values Megatron-LM main added to existing flags that are not built here.
 _NOT_SUPPORTED_YET_VALUES = {
     ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
@@ -908,6 +964,8 @@ def _reject_not_supported_yet(argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag.startswith(_LOW_PRECISION_FLAG_PREFIXES) or flag in _LOW_PRECISION_FLAGS:
             raise _low_precision_error(flag)
+        if flag in megatron_lm.MEGATRON_ERRORS:  # as Megatron-LM's validate_args refuses it
+            raise ConfigError(megatron_lm.MEGATRON_ERRORS[flag])
         if flag in NEEDS_NVIDIA_FLAGS:
             raise ConfigError(
                 f"{flag} needs {NEEDS_NVIDIA_FLAGS[flag]}, as in Megatron-LM, and megatron_smp "
@@ -928,7 +986,10 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         dest = spec.field if spec.section is None else f"{spec.section}__{spec.field}"
         parser.add_argument(spec.flag, dest=dest, **spec.kwargs)
     for flag in IGNORED_FLAGS:
-        if flag in _IGNORED_WITH_VALUE:
+        if flag in _IGNORED_NARGS:
+            parser.add_argument(flag, dest=f"ignored__{flag}", help=argparse.SUPPRESS,
+                                nargs=None if _IGNORED_NARGS[flag] == 1 else _IGNORED_NARGS[flag])
+        elif flag in _IGNORED_WITH_VALUE:
             parser.add_argument(flag, dest=f"ignored__{flag}", help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, dest=f"ignored__{flag}", action="store_true",

@@ -10,8 +10,9 @@ the flags it finds, and `validate_configs` checks it against the rest of the run
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+from megatron_smp.config.errors import ConfigError
 from megatron_smp.config.inference import InferenceConfig
 from megatron_smp.config.post_training import (
     DPO_LOSS_TYPES as LOSS_TYPES,
@@ -137,6 +138,22 @@ def add_inference_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--num-speculative-tokens", type=int, default=None,
                        help="speculative decoding with the model's MTP layers "
                             "(--mtp-num-layers models), N drafts per step (Megatron-LM)")
+    group.add_argument("--inference-torch-compile", action="store_true",
+                       help="run the decode-only steps through torch.compile at padded "
+                            "shapes (batch sizes of --inference-dynamic-batching-num-cuda-"
+                            "graphs, key widths of power-of-two blocks); --cuda-graph-impl "
+                            "local captures the same steps as CUDA graphs instead (a CUDA "
+                            "device)")
+    group.add_argument("--inference-dynamic-batching-num-cuda-graphs", type=int, default=16,
+                       help="batch sizes the decode step is compiled or captured at (the "
+                            "running batch padded up to the next; -1: every size the sizing "
+                            "distribution gives), the largest --inference-max-requests")
+    group.add_argument("--inference-dynamic-batching-cuda-graph-sizing-distribution",
+                       choices=["exponential", "linear"], default="exponential",
+                       help="exponential: batch sizes halving from --inference-max-requests "
+                            "to 1; linear: evenly spaced")
+    group.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                       help="eager runs of a decode bucket before its CUDA graph is captured")
     return parser
 
 
@@ -160,7 +177,26 @@ def inference_section(args: argparse.Namespace) -> InferenceConfig:
         prefix_caching_eviction_policy=(
             args.inference_dynamic_batching_prefix_caching_eviction_policy),
         speculative_config=getattr(args, "speculative_config", None),
-        num_speculative_tokens=getattr(args, "num_speculative_tokens", None))
+        num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
+        decode_step=decode_step_mode(args),
+        num_cuda_graphs=args.inference_dynamic_batching_num_cuda_graphs,
+        cuda_graph_sizing_distribution=(
+            args.inference_dynamic_batching_cuda_graph_sizing_distribution),
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps)
+
+
+def decode_step_mode(args: argparse.Namespace) -> Optional[str]:
+    """The engine's decode step of --cuda-graph-impl and --inference-torch-compile."""
+    if args.cuda_graph_impl not in ("none", "local"):
+        raise ConfigError(f"--cuda-graph-impl {args.cuda_graph_impl}: the inference engine "
+                          "captures its decode steps with local (its own CUDA graphs); "
+                          "Transformer Engine's are not built here")
+    if args.cuda_graph_impl == "local" and args.inference_torch_compile:
+        raise ConfigError("--cuda-graph-impl local and --inference-torch-compile are two ways "
+                          "to run the decode step: give one")
+    if args.cuda_graph_impl == "local":
+        return "cuda_graph"
+    return "compile" if args.inference_torch_compile else None
 
 
 def mode_sections(args: argparse.Namespace, training: Dict[str, Any]) -> Dict[str, Any]:

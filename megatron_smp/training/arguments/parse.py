@@ -27,6 +27,7 @@ from megatron_smp.training.arguments.flags import (
     _reject_not_supported_yet,
     build_parser,
 )
+from megatron_smp.training.arguments import megatron_lm
 from megatron_smp.training.arguments.modes import mode_sections
 
 
@@ -169,6 +170,7 @@ def parse_args(
     _apply_optimizer_choice(args, sections["optimizer"], argv)
     _apply_megatron_fsdp(args, sections)
     _apply_megatron_main_flags(args, sections)
+    megatron_lm.apply(args, sections)
     if sections["checkpoint"].get("ckpt_format") == "fsdp_dtensor":
         # Megatron-FSDP's format is DCP over the sharded DTensors; ours (torch_dist) is DCP
         # with global tensor names and shapes, which FSDP2 runs write and read already.
@@ -207,5 +209,7 @@ def parse_args(
         # Megatron's --skip-train only evaluates: the optimizer state is never needed.
         sections["checkpoint"]["no_load_optim"] = True
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
-    return Configs(args=args, setting_names=setting_names, **built, **modes)
+    given_flags = frozenset(token.split("=", 1)[0] for token in argv if token.startswith("--"))
+    return Configs(args=args, setting_names=setting_names, given_flags=given_flags, **built,
+                   **modes)
 

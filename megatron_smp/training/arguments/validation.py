@@ -44,7 +44,8 @@ def _validate_training_length(configs: Configs, data_parallel_size: int) -> None
         from megatron_smp.pipeline_parallel.schedules import check_virtual_microbatches
 
         for count in calculator.microbatch_counts():
-            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size)
+            check_virtual_microbatches(count, parallel.pipeline_model_parallel_size,
+                                       training.microbatch_group_size_per_vp_stage)
 
 
 def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None:
@@ -66,6 +67,7 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
         raise ConfigError("--micro-batch-size must be >= 1")
     data_parallel_size = parallel.data_parallel_size_for(world_size)
     _validate_training_length(configs, data_parallel_size)
+    _validate_optimizer_instances(configs, data_parallel_size)
     backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if (configs.checkpoint.async_save and not parallel.use_gloo_process_groups
             and backend != "gloo"):
@@ -90,7 +92,44 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
     configs.resilience.validate(configs.checkpoint.save, world_size)
+    _validate_replica_groups(configs)
     _validate_modes(configs)
+
+
+def _validate_optimizer_instances(configs: Configs, data_parallel_size: int) -> None:
+    """--num-distributed-optimizer-instances against the layout (as Megatron-LM asserts)."""
+    instances = configs.optimizer.num_distributed_optimizer_instances
+    if instances == 1:
+        return
+    parallel = configs.parallel
+    dp_cp = data_parallel_size * parallel.context_parallel_size
+    if dp_cp % instances:
+        raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must divide the "
+                          f"data-parallel x context-parallel size ({dp_cp})")
+    if configs.model.num_moe_experts is not None:
+        etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+        expert_dp = (dp_cp * parallel.tensor_model_parallel_size
+                     // (etp * parallel.expert_model_parallel_size))
+        if expert_dp % instances:
+            raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must divide "
+                              f"the expert-data-parallel size ({expert_dp})")
+    if parallel.use_torch_fsdp2:
+        raise ConfigError("--num-distributed-optimizer-instances shards Megatron's distributed "
+                          "optimizer; with --use-torch-fsdp2 shard in groups with "
+                          "hybrid_shard_degree instead")
+
+
+def _validate_replica_groups(configs: Configs) -> None:
+    """--fault-tolerance against the rest of the run."""
+    if not configs.resilience.fault_tolerance:
+        return
+    for flag, on in (("--use-torch-fsdp2", configs.parallel.use_torch_fsdp2),
+                     ("train_dpo.py", configs.dpo is not None),
+                     ("train_rl.py", configs.rl is not None)):
+        if on:
+            raise ConfigError(f"--fault-tolerance does not apply to {flag}: replica groups run "
+                              "the pretraining / SFT scripts over our DDP (with tensor, "
+                              "pipeline and data parallelism inside each group)")
 
 
 def _validate_logging_flags(configs: Configs) -> None:
@@ -137,6 +176,18 @@ def _validate_feature_combinations(configs: Configs) -> None:
     elif configs.checkpoint.pretrained_checkpoint:
         raise ConfigError("--pretrained-checkpoint names the base model of a --lora-rank run; "
                           "for full fine-tuning use --load DIR --finetune")
+    etp = parallel.expert_tensor_parallel_size
+    split_experts = (configs.model.num_moe_experts is not None and etp is not None
+                     and etp != parallel.tensor_model_parallel_size)
+    if split_experts and training.lora_rank:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --lora-rank is not supported "
+                          "yet; drop one of the two")
+    if split_experts and configs.checkpoint.ckpt_format == "torch" and configs.checkpoint.save:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} (below "
+                          "--tensor-model-parallel-size) with --ckpt-format torch is not "
+                          "supported yet (its files are per TP x PP x EP rank); use "
+                          "--ckpt-format torch_dist")
     if configs.model.mtp_num_layers is not None:
         unsupported = [flag for flag, on in (
             ("--calculate-per-token-loss", configs.optimizer.calculate_per_token_loss),
@@ -190,8 +241,8 @@ def _validate_data_flags(configs: Configs) -> None:
         raise ConfigError(f"{' and '.join(whole_paths + per_split_paths)} are exclusive "
                           "(Megatron's rule): give one dataset cut by --split, or one dataset "
                           "per split")
-    # Whether --split was given at all: the flag layer's namespace (the field has a default).
-    if per_split_paths and getattr(configs.args, "data__split", None) is not None:
+    # Whether --split was given at all (the field has Megatron's default).
+    if per_split_paths and "--split" in configs.given_flags:
         raise ConfigError(f"--split cuts --data-path; {'/'.join(per_split_paths)} are used "
                           "whole (Megatron refuses both too): drop --split")
     if data.mid_level_dataset_surplus < 0:
@@ -223,8 +274,8 @@ def _validate_run_flags(configs: Configs) -> None:
     cuda = torch.cuda.is_available()
     validate_run_control(
         configs.training,
-        # An ignored flag (no config field): whether it was given is the namespace's.
-        use_flash_attn=bool(getattr(configs.args, "ignored__--use-flash-attn", False)),
+        # An ignored flag (no config field): only whether it was given.
+        use_flash_attn="--use-flash-attn" in configs.given_flags,
         uses_nccl=backend == "nccl" or (backend is None and cuda),
         sharded_params=configs.parallel.use_torch_fsdp2,
     )

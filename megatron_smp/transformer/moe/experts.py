@@ -1,12 +1,12 @@
 """The local experts of one MoE layer: `num_local_experts` feed-forward blocks.
 
-Each expert is the dense `MLP` (SwiGLU or GeLU, split over the tensor-parallel group like
-the dense one) with `moe_ffn_hidden_size`; its parameters are marked as expert parameters
+Each expert is the dense `MLP` (SwiGLU or GeLU, split like the dense one, over the
+expert-tensor-parallel group: the TP group, or --expert-tensor-parallel-size ranks) with `moe_ffn_hidden_size`; its parameters are marked as expert parameters
 (`allreduce = False`: reduced over the expert-data-parallel group) and carry the rename of
 their local index to the global expert index for checkpoints.
 
 forward(tokens [N, h] sorted by local expert, tokens_per_expert [num_local_experts])
--> [N, h], this rank's tensor-parallel partial sums. The experts do no communication: the
+-> [N, h], this rank's expert-tensor-parallel partial sums. The experts do no communication: the
 token dispatcher gathers their input and reduce-scatters their output once for all of them.
 Computation is one matmul per expert and projection, or with `moe_grouped_gemm` one
 `torch._grouped_mm` for all experts where torch has it (a tested fallback otherwise); LoRA
@@ -82,7 +82,7 @@ class MoEExperts(torch.nn.Module):
         # sums add up to one bias (its grad is then summed over TP, like a norm weight's).
         # The other ranks add it times zero: every TP rank uses it alike, so a sum of its
         # grad inside backward (torch FSDP, see smp.fsdp_grads) runs on all of them.
-        self.adds_output_bias = group_rank(state.tp_group) == 0
+        self.adds_output_bias = group_rank(state.etp_group) == 0
         # Latent experts (--moe-latent-size) read and write the latent width.
         expert_config = config.replace(ffn_hidden_size=config.moe_ffn_hidden_size,
                                        hidden_size=config.moe_latent_size or config.hidden_size)
@@ -93,10 +93,12 @@ class MoEExperts(torch.nn.Module):
         for local_index in range(num_local_experts):
             global_index = expert_offset + local_index
             with init_rng_scope(derive_seed(base_seed, global_index)):
-                expert = MLP(expert_config, state, layer_number=layer_number, device=device)
+                expert = MLP(expert_config, state, layer_number=layer_number, device=device,
+                             tp_group=state.etp_group)
             for param in expert.parameters():
                 mark_expert_param(
-                    param, f".local_experts.{local_index}.", f".local_experts.{global_index}."
+                    param, f".local_experts.{local_index}.", f".local_experts.{global_index}.",
+                    (state.etp_rank, state.etp_size),
                 )
             experts.append(expert)
         self.local_experts = torch.nn.ModuleList(experts)

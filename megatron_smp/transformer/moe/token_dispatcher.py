@@ -3,7 +3,9 @@
 Both take this rank's tokens [T, h] (its sequence shard under sequence parallelism), the
 router's probs [T, E] and routing map [T, E], and give the local experts their input sorted
 by local expert; `combine` takes the experts' output (tensor-parallel partial sums) and
-returns [T, h]. Every communication is an autograd pair (all-gather <-> reduce-scatter,
+returns [T, h]. "TP" below is the experts' tensor-parallel group (`state.etp_group`: the TP
+group, or --expert-tensor-parallel-size ranks of Megatron's expert grid); every rank of a
+stage holds tokens of its own, so the scheme is the same whichever ranks form it. Every communication is an autograd pair (all-gather <-> reduce-scatter,
 all-to-all <-> all-to-all with the splits swapped), so backward retraces the same path.
 
 * allgather: all-gather the tokens over the TP group, then over the EP group; each rank
@@ -98,7 +100,7 @@ class MoEAllGatherTokenDispatcher:
         self.num_experts = num_experts
         self.local_start = local_expert_indices[0]
         self.local_end = local_expert_indices[-1] + 1
-        self.groups = (state.tp_group, state.ep_group)
+        self.groups = (state.etp_group, state.ep_group)
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
                  ) -> Tuple[torch.Tensor, List[int]]:
@@ -125,7 +127,7 @@ class MoEAlltoAllTokenDispatcher:
     def __init__(self, num_experts: int, local_expert_indices: Sequence[int], state) -> None:
         self.num_experts = num_experts
         self.num_local_experts = len(local_expert_indices)
-        self.tp_group = state.tp_group
+        self.tp_group = state.etp_group
         self.ep_group = state.ep_group
         self.ep_size = group_size(state.ep_group)
 
@@ -181,7 +183,7 @@ class MoEFlexTokenDispatcher:
     def __init__(self, num_experts: int, local_expert_indices: Sequence[int], state,
                  backend: str = "deepep") -> None:
         self.num_local_experts = len(local_expert_indices)
-        self.tp_size, self.ep_size = state.tp_size, state.ep_size
+        self.tp_size, self.ep_size = state.etp_size, state.ep_size
         self.group = state.tp_ep_group
         self.backend = backend
 

@@ -1,4 +1,6 @@
-"""The package root is lazy: a config or a data tool imports only what it uses."""
+"""The package root is lazy: a config or a data tool imports only what it uses; imports point
+down (no circles, DESIGN.md's directions between packages)."""
+import functools
 import json
 import os
 import subprocess
@@ -41,6 +43,7 @@ def test_root_names_still_resolve():
     assert smp.smp.__name__ == "megatron_smp.smp"
 
 
+@functools.lru_cache(maxsize=None)
 def _imports_by_module(package_dir: str):
     """{module: modules of ours it imports (at the top or inside functions)}."""
     import ast
@@ -104,3 +107,58 @@ def test_no_import_circles():
             visit(module, [module])
     assert circles == [], circles
 
+
+
+def _package(module: str) -> str:
+    """megatron_smp.<package>.x -> <package> (a top-level module is its own package)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+# DESIGN.md's directions: what each package never imports (besides nothing importing
+# post_training, and config importing nothing of ours).
+NEVER_IMPORTS = {
+    "inference": {"training", "post_training"},
+    "data": {"tensor_parallel", "transformer", "context_parallel", "models", "training"},
+    "tensor_parallel": {"transformer", "models"},
+    "models": {"training", "optimizer"},
+}
+
+
+def test_imports_point_down_between_packages():
+    import megatron_smp
+
+    edges = _imports_by_module(os.path.dirname(megatron_smp.__file__))
+    wrong = []
+    for module, targets in sorted(edges.items()):
+        source = _package(module)
+        for target in sorted(targets):
+            package = _package(target)
+            if package == source:
+                continue
+            if (package in NEVER_IMPORTS.get(source, ()) or package == "post_training"
+                    or source == "config"):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == [], wrong
+
+
+# The one package pair that imports both ways: the Mamba / Gated DeltaNet layers mix their
+# sequence over context parallelism with the CP package's layout and all-to-all (a lazy
+# import), while the CP attention cores build on the transformer's attention.
+TWO_WAY_EXCEPTIONS = {("megatron_smp.transformer.ssm.layers", "context_parallel")}
+
+
+def test_no_two_packages_import_each_other():
+    """At the level of packages too, imports point one way (a module-level edge from a
+    package to another that imports it back is a circle between the two)."""
+    import megatron_smp
+
+    edges = _imports_by_module(os.path.dirname(megatron_smp.__file__))
+    by_package = {}
+    for module, targets in edges.items():
+        for target in targets:
+            if _package(module) != _package(target) and \
+                    (module, _package(target)) not in TWO_WAY_EXCEPTIONS:
+                by_package.setdefault(_package(module), set()).add(_package(target))
+    both_ways = sorted((a, b) for a, targets in by_package.items() for b in targets
+                       if a in by_package.get(b, ()) and a < b)
+    assert both_ways == [], both_ways

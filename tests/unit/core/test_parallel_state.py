@@ -36,18 +36,34 @@ def _layout(rank, world_size, tp, pp, ep):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=state.groups[name])
         sums[name] = (t.item(), float(sum(state.group_ranks[name])))
-    return state.coords, state.ep_rank, sums
+    # Megatron's partial distributed optimizer: each dp x cp group (here 2 ranks) in 2 runs.
+    instances = state.optimizer_instance_groups(2)
+    extra = {"intra": dist.get_process_group_ranks(instances["dense"][0]),
+             "inter": dist.get_process_group_ranks(instances["dense"][1])}
+    # Experts on fewer TP ranks: each stage's 4 ranks are etp 1 x ep 4 (Megatron's grid).
+    grid = build_parallel_state(ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=2 * ep, expert_tensor_parallel_size=1))
+    extra.update({name: grid.group_ranks[name] for name in ("ep", "etp", "tp_ep", "expert_dp")})
+    extra["expert_ranks"] = (grid.ep_rank, grid.etp_rank, grid.etp_size)
+    return state.coords, state.ep_rank, sums, extra
 
 
 def test_groups_world_8():
     results = run_distributed(_layout, 8, args=(2, 2, 2))
-    for rank, (coords, ep_rank, sums) in enumerate(results):
+    for rank, (coords, ep_rank, sums, extra) in enumerate(results):
         assert coords["tp"] == rank % 2
         assert coords["dp"] == (rank // 2) % 2
         assert coords["pp"] == rank // 4
         assert ep_rank == coords["dp"]
         for name, (got, expected) in sums.items():
             assert got == expected, (rank, name)
+        dp_cp = [rank % 2 + 4 * (rank // 4) + 2 * d for d in range(2)]
+        assert extra["intra"] == [rank] and extra["inter"] == dp_cp
+        stage = [4 * (rank // 4) + i for i in range(4)]
+        assert extra["ep"] == extra["tp_ep"] == stage
+        assert extra["etp"] == extra["expert_dp"] == [rank]
+        assert extra["expert_ranks"] == (rank % 4, 0, 1)
 
 
 def _bad(rank, world_size):

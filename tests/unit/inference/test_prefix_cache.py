@@ -180,7 +180,7 @@ def test_chunked_prefill_same_tokens_within_the_step_budget(family):
 def test_flags_that_need_another():
     """The tools' flags: an eviction policy without prefix caching, chunked prefill without a
     step budget are errors, before any process group exists."""
-    from megatron_smp.inference.launcher import build_inference_engine
+    from megatron_smp.training.inference_flags import build_inference_engine
 
     model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer",

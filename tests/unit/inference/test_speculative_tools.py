@@ -137,9 +137,8 @@ def test_server_ngram_speculation_and_metrics(checkpoint):
 
 
 def test_speculative_flag_errors(checkpoint):
-    from megatron_smp.inference.launcher import (
-        build_inference_engine, speculative_config_of,
-    )
+    from megatron_smp.inference.speculative import speculative_config_of
+    from megatron_smp.training.inference_flags import build_inference_engine
 
     def args(config=None, tokens=None):
         return argparse.Namespace(speculative_config=config, num_speculative_tokens=tokens)

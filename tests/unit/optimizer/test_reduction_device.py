@@ -54,7 +54,9 @@ def test_sequence_parallel_grads_reduce_on_the_state_device(recorder):
     layer = torch.nn.Linear(2, 2)
     layer.weight.sequence_parallel = True
     layer.weight.grad = torch.ones(2, 2)  # offloaded: on the CPU
-    state = types.SimpleNamespace(tp_size=2, tp_group=object(), device=DEVICE)
+    group = object()
+    state = types.SimpleNamespace(tp_size=2, tp_group=group, etp_group=group, etp_size=2,
+                                  device=DEVICE)
     assert _reduced_on(lambda: finalize_model_grads.allreduce_sequence_parallel_grads(
         [layer], state)) == DEVICE
 

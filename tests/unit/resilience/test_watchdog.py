@@ -140,30 +140,35 @@ def test_inprocess_flags_are_clear_errors():
 
 
 class _CutOffStore:
-    """A store whose every call fails after `cut`: the network to it went down."""
+    """A store whose every call fails after `cut` (the connection was reset), or blocks
+    (`block`: a cut link, where the connection sees no reset)."""
 
-    def __init__(self, cut):
-        self.inner, self.cut = dist.HashStore(), cut
+    def __init__(self, cut, block=False):
+        self.inner, self.cut, self.block = dist.HashStore(), cut, block
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
 
         def call(*args):
             if self.cut.is_set():
+                if self.block:
+                    time.sleep(3600)
                 raise dist.DistStoreError("Socket Timeout")
             return method(*args)
         return call
 
 
-def test_a_rank_cut_off_from_the_store_stops_with_the_hang_code():
+@pytest.mark.parametrize("block", [False, True], ids=["reset", "blocked"])
+def test_a_rank_cut_off_from_the_store_stops_with_the_hang_code(block):
     cut = threading.Event()
     config = ResilienceConfig(enable_ft_package=True, ft_heartbeat_interval=0.1,
                               ft_rank_heartbeat_timeout=1.0)
-    watchdog, lines, exit = _watchdog(config, store=_CutOffStore(cut))
+    watchdog, lines, exit = _watchdog(config, store=_CutOffStore(cut, block))
     time.sleep(0.3)
     cut.set()
     start = time.monotonic()
     assert exit.event.wait(10)
-    assert exit.codes == [HANG_EXIT_CODE] and 1.0 <= time.monotonic() - start < 4.0
+    assert exit.codes == [HANG_EXIT_CODE] and 0.9 <= time.monotonic() - start < 4.0
     assert "the job's store has been unreachable" in lines[-1]
+    assert ("no answer" if block else "Socket Timeout") in lines[-1]
     assert "cut off from the others" in lines[-1]

@@ -154,6 +154,8 @@ def test_lora_flag_errors():
     with pytest.raises(ConfigError, match="--pretrained-checkpoint names the base model of a "
                                           "--lora-rank run.*--load DIR --finetune"):
         validate_configs(configs, world_size=1)
+    configs.training.lora_rank = 4  # a LoRA run over that base: accepted
+    validate_configs(configs, world_size=1)
 
 
 def test_transformed_model_takes_lora_in_one_call(tmp_path):

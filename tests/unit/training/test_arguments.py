@@ -258,7 +258,8 @@ def test_every_accepted_flag_is_consumed_or_documented_as_ignored():
                       "mup_base_hidden_size": "mup_width_mult",
                       "mup_output_mult": "mup_logit_mult",
                       "mup_base_head_dim": "attention_softmax_scale",
-                      "mup_attn_scale_power": "attention_softmax_scale"}
+                      "mup_attn_scale_power": "attention_softmax_scale",
+                      "fault_tolerance_lighthouse": "lighthouse"}
     everything_else = "\n".join(sources.values())
     unused = []
     for spec in _FLAGS:
@@ -384,7 +385,11 @@ MOE_ERRORS = [
      r"size \(2 x 1\)"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, r"need --sequence-parallel"),
     (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-            "--expert-tensor-parallel-size", "1"], 2, r"--expert-tensor-parallel-size 1"),
+            "--expert-tensor-parallel-size", "4"], 4,
+     r"--expert-tensor-parallel-size 4: experts split over more ranks than the dense"),
+    (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "4"], 2,
+     r"--expert-tensor-parallel-size \(1\) x --expert-model-parallel-size \(4\) must divide"),
     (["--moe-router-topk", "2"], 1, r"--moe-router-topk configure mixture-of-experts layers"),
     (MOE + ["--moe-layer-freq", "[1]*3"], 1, r"one 0 or 1 per layer \(--num-layers 2\)"),
     (MOE + ["--moe-layer-freq", "__import__('os')"], 1, r"--moe-layer-freq"),
@@ -450,12 +455,53 @@ def test_mode_sections_are_parsed_once_with_their_flags():
 
 
 def test_library_code_never_reads_the_flag_namespace():
-    """Only the flag layer (training/arguments/) reads `Configs.args`; everything else reads
-    the typed sections."""
+    """Only the flag layer (training/arguments/, where the namespace becomes `Configs`) reads
+    `Configs.args`; everything else, validation included, reads the typed sections."""
     import re
 
     _, sources = _library_sources()
     readers = sorted(path for path, text in sources.items()
-                     if not path.startswith("megatron_smp/training/arguments/")
+                     if (not path.startswith("megatron_smp/training/arguments/")
+                         or path.endswith("/validation.py"))
                      and re.search(r"configs\.args\b|\.args\.[a-z]", text))
     assert readers == [], readers
+
+
+def test_microbatch_group_size_reaches_the_config_and_is_checked_against_the_batch():
+    virtual = BASE + ["--pipeline-model-parallel-size", "2",
+                      "--virtual-pipeline-model-parallel-size", "2", "--num-layers", "4",
+                      "--global-batch-size", "8"]
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    # 4 microbatches of 2 at world 2 (pp 2): a group of 4 runs; 3 leaves a last group of 1.
+
+    def validated(group):
+        configs = parse_args(virtual + [flag, group, "--vocab-size", "1000"])
+        validate_configs(configs, world_size=2)
+        return configs
+
+    assert validated("4").training.microbatch_group_size_per_vp_stage == 4
+    with pytest.raises(ConfigError, match=r"last group holds 1 microbatches \(4 % "
+                                          rf"{flag} 3\)"):
+        validated("3")
+    with pytest.raises(ConfigError, match=rf"{flag} \(9\) must lie between"):
+        validated("9")
+
+
+def test_distributed_optimizer_instances_are_checked_against_the_layout():
+    flag = ["--num-distributed-optimizer-instances", "2", "--vocab-size", "1000"]
+
+    def validated(extra, world_size):
+        configs = parse_args(BASE + flag + extra)
+        validate_configs(configs, world_size=world_size)
+        return configs
+
+    assert validated(["--use-distributed-optimizer"], 4) \
+        .optimizer.num_distributed_optimizer_instances == 2
+    with pytest.raises(ConfigError, match="needs --use-distributed-optimizer"):
+        validated([], 4)
+    with pytest.raises(ConfigError, match=r"must divide the data-parallel x context-parallel "
+                                          r"size \(3\)"):
+        validated(["--use-distributed-optimizer"], 3)
+    with pytest.raises(ConfigError, match=r"must divide the expert-data-parallel size \(1\)"):
+        validated(["--use-distributed-optimizer", "--num-experts", "4",
+                   "--expert-model-parallel-size", "4"], 4)

@@ -269,3 +269,37 @@ def test_estimate_memory_tool(capsys):
     assert "largest: pipeline rank 1" in out
     assert main(shape + ["--world-size", "6", "--tensor-model-parallel-size", "4"]) == 2
     assert "--tensor-model-parallel-size (4)" in capsys.readouterr().err
+
+
+def test_composed_counts_equal_the_stage_builds():
+    """count_stages_composed (one-layer pieces, what the step-time planner's search uses)
+    equals count_stages (every stage built) field by field: tied and untied embeddings, TP,
+    PP with virtual and uneven stages, FSDP2's shards, MoE with dense first layers and MTP."""
+    from tools.plan import build_parser, load_configs
+
+    from megatron_smp.training.memory_planner import count_stages, count_stages_composed
+
+    gpt = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "1000",
+           "--micro-batch-size", "1", "--global-batch-size", "8"]
+    moe = gpt + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq",
+                 "[0]*2+[1]*4", "--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    cases = [
+        (gpt, 8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--virtual-pipeline-model-parallel-size", "3"]),
+        (gpt, 8, ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]),
+        (gpt + ["--untie-embeddings-and-output-weights"], 4,
+         ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+          "--decoder-last-pipeline-num-layers", "1"]),
+        (moe, 8, ["--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"]),
+        (moe, 8, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", "--use-torch-fsdp2"]),
+    ]
+    caches = {}  # one per model shape, kept across its layouts as a search keeps it
+    for flags, world, layout in cases:
+        ours, rest = build_parser().parse_known_args(["--num-gpus", str(world)] + flags
+                                                     + layout)
+        configs, provider = load_configs(ours, rest)
+        composed = count_stages_composed(configs, world, provider,
+                                         caches.setdefault(id(flags), {}))
+        assert composed == count_stages(configs, world, provider), layout

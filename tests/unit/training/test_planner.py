@@ -133,6 +133,25 @@ def test_mechanisms_move_their_part():
     assert 1.3 < skewed.breakdown["ep"] / balanced.breakdown["ep"] <= 1.5
     assert skewed.breakdown["compute"] > balanced.breakdown["compute"]
 
+    # Unfused elementwise ops (eager PyTorch): eager_passes more hidden-sized passes per layer
+    # forward, twice that backward; the op policy's recompute adds the forward's passes.
+    from megatron_smp.training.planner import GPUS, eager_passes
+
+    llama = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "3584",
+             "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size",
+             "32000", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+             "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+    fused, eager = _predict(llama), _predict(llama, fused_elementwise=False)
+    configs, _ = _configs(llama)
+    assert eager_passes(configs.model) == pytest.approx(32 + 8 * 1.25 + 2 * 1.25 + 2 + 7)
+    per_pass = 2048 * 1024 * 2 / (GPUS["h100-sxm"].hbm_bandwidth * GPU_EFFICIENCY.memory)
+    assert eager.breakdown["compute"] - fused.breakdown["compute"] == pytest.approx(
+        4 * 8 * 3 * eager_passes(configs.model) * per_pass, rel=1e-9)
+    recomputed = _predict(llama, recompute_elementwise=True)
+    assert recomputed.breakdown["compute"] == pytest.approx(fused.breakdown["compute"])
+    assert recomputed.breakdown["recompute"] > fused.breakdown["recompute"] == 0
+
 
 def test_memory_is_the_memory_planners():
     """The plan's memory is estimate_memory's largest rank; fits compares it with HBM x the
@@ -205,3 +224,37 @@ def test_plan_tool(tmp_path, capsys):
     assert "--num-layers" in capsys.readouterr().err
     assert main(["--num-gpus", "8", "--hf-config", str(tmp_path / "none")] + flags) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_hybrid_layers_have_their_parts():
+    """--hybrid-layer-pattern layers hold one part each: "*-*-" costs what two GPT layers do
+    (the same GEMMs, attention, norms and TP collectives) but for the two more layers' host
+    overhead; a Mamba-2 or Gated DeltaNet mixer adds its projections and its chunked scan
+    (`mixer_scan_flops` at the attention efficiency, backward 2.5 x); --linear-attention-freq
+    GPT layers swap their attention for the Gated DeltaNet. MFU counts Megatron's hybrid
+    FLOPs."""
+    from megatron_smp.training.planner import (GPU_EFFICIENCY, GPUS, mixer_gemms,
+                                               mixer_scan_flops, model_flops)
+
+    base = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--vocab-size", "32000",
+            "--micro-batch-size", "1", "--global-batch-size", "32", "--bf16",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    gpt = _predict(base + ["--num-layers", "2"])
+    attention_mlp = _predict(base + ["--hybrid-layer-pattern", "*-*-"])
+    assert attention_mlp.breakdown["tp"] == pytest.approx(gpt.breakdown["tp"], rel=1e-9)
+    micro_batches = 32 // 8
+    assert attention_mlp.breakdown["compute"] - gpt.breakdown["compute"] == pytest.approx(
+        micro_batches * 2 * 3 * GPU_EFFICIENCY.layer_overhead, rel=1e-6)
+
+    mamba = _predict(base + ["--hybrid-layer-pattern", "M-M-"])
+    configs, _ = _configs(base + ["--hybrid-layer-pattern", "M-M-"])
+    assert mamba.mfu == pytest.approx(model_flops(configs.model, 2048, 32) / mamba.step_time
+                                      / 16 / GPUS["h100-sxm"].bf16_flops)
+    scan = mixer_scan_flops(configs.model, "M", 2048, 2048, 2)
+    assert scan > 0 and len(mixer_gemms(configs.model, "M", 2048, 2)) == 2
+    assert mamba.breakdown["compute"] != attention_mlp.breakdown["compute"]
+    gdn = _predict(base + ["--hybrid-layer-pattern", "G-G-"])
+    linear = _predict(base + ["--num-layers", "2", "--linear-attention-freq", "2"])
+    assert gdn.breakdown["compute"] > 0 and linear.breakdown["compute"] > 0
+    assert linear.breakdown["compute"] != gpt.breakdown["compute"]

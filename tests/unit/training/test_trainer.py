@@ -88,10 +88,10 @@ def _count_validations_and_logprobs(rank, world_size, argv):
 
     counts = {}
     for cls in (config.ParallelConfig, config.TransformerConfig, config.OptimizerConfig):
-        def counted(self, *args, _check=cls._check, _name=cls.__name__, **kwargs):
+        def counted(self, *args, _validate=cls.validate, _name=cls.__name__, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            return _check(self, *args, **kwargs)
-        cls._check = counted
+            return _validate(self, *args, **kwargs)
+        cls.validate = counted
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from trainer_custom_loss import FLAGS
 
@@ -110,8 +110,8 @@ def _count_validations_and_logprobs(rank, world_size, argv):
 
 
 def test_configs_validated_once_and_logprobs_at_tp2():
-    """validate_configs checks each config; build_parallel_state, GPTModel and
-    get_megatron_optimizer find it validated. compute_logprobs over vocab-parallel logits
+    """validate_configs checks each config once; build_parallel_state, GPTModel and
+    get_megatron_optimizer take it as validated (no second check). compute_logprobs over vocab-parallel logits
     equals the log-softmax of the gathered logits."""
     for counts, error, shape in run_distributed(
             _count_validations_and_logprobs, 2, args=(["--tensor-model-parallel-size", "2"],),

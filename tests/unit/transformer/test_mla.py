@@ -126,7 +126,8 @@ def test_mla_equals_hf_deepseek_v3_attention(world_size, q_lora_rank, recompute)
 
 
 @pytest.mark.parametrize("settings, parallel, message", [
-    (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope"),
+    (dict(position_embedding_type="learned_absolute"), {}, "position-embedding-type rope or "
+                                                           "yarn, or --rope-type"),
     (dict(num_query_groups=2), {}, "--group-query-attention"),
     (dict(qk_pos_emb_head_dim=5), {}, "must be even"),
 ])
@@ -168,6 +169,38 @@ def test_rope_type_flags_follow_megatron():
                           v_head_dim=128, hidden_size=64, num_attention_heads=4)
     attention = MLASelfAttention(model, build_parallel_state(ParallelConfig()), device="meta")
     assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / 192 ** 0.5)
+
+
+def test_mla_with_learned_absolute_positions_rotates_its_channels_too():
+    """Megatron's MLA builds its own rotary embedding (--rope-type, default yarn) whatever
+    --position-embedding-type says: with learned_absolute the model adds the learned
+    positions to its embeddings and rotates MLA's positional channels, so with those
+    positions zeroed it computes what --position-embedding-type rope (YaRN) computes."""
+    from megatron_smp.config import ParallelConfig
+    from megatron_smp.models.gpt import GPTModel
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+    from tests.unit.training.test_arguments import BASE, parse
+
+    mla = BASE + ("--multi-latent-attention --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+                  "--v-head-dim 8 --kv-lora-rank 8 --max-position-embeddings 32").split()
+    learned = parse(mla).model
+    assert (learned.position_embedding_type, learned.mla_rope_type) == ("learned_absolute",
+                                                                        "yarn")
+    assert parse(mla + ["--rope-type", "rope"]).model.mla_rope_type == "rope"
+    rotary = parse(mla + ["--position-embedding-type", "rope"]).model
+    state = build_parallel_state(ParallelConfig())
+    model_parallel_seed(3, state)
+    models = [GPTModel(config, state).eval() for config in (learned, rotary)]
+    assert models[0].rotary_pos_emb is not None and models[0].embedding.add_position_embedding
+    missing = models[0].load_state_dict(models[1].state_dict(), strict=False).missing_keys
+    assert missing == ["embedding.position_embeddings.weight"]
+    tokens = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        models[0].embedding.position_embeddings.weight.zero_()
+        torch.testing.assert_close(models[0](tokens), models[1](tokens))
+        models[0].embedding.position_embeddings.weight.normal_()
+        assert not torch.allclose(models[0](tokens), models[1](tokens))
 
 
 def test_latent_norms_follow_qk_layernorm():

@@ -8,7 +8,7 @@ import torch
 from megatron_smp.models.llama import llama_config
 from megatron_smp.transformer.moe.experts import MoEExperts, grouped_gemm_supported
 
-STATE = SimpleNamespace(tp_group=None, tp_size=1)
+STATE = SimpleNamespace(tp_group=None, tp_size=1, etp_group=None, etp_rank=0, etp_size=1)
 
 
 def _experts(hidden, ffn, grouped, bias=False):
