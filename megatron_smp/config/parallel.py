@@ -36,6 +36,11 @@ class ParallelConfig:
     # Uneven pipeline split: layers on the first / last stage, the rest split evenly.
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    # Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
+    # split: the embedding (the loss) counts as one layer of the split, so the first virtual
+    # stage of the first rank (the last of the last) holds one transformer layer fewer.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     # Chrome trace of the pipeline schedule, one file per rank (PATH.rank<r>.json).
     pipeline_timeline: Optional[str] = None
     # SMP v2 sharded data parallelism (FSDP2, `distributed.fsdp`): parameters, grads and

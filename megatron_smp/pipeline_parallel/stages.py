@@ -107,15 +107,31 @@ def pipeline_layer_layout(
     layers_per_virtual_stage: Optional[int] = None,
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
 ) -> List[List[tuple]]:
     """(layer_offset, num_layers) of every chunk of every rank: layout[pp_rank][chunk].
+    `account_for_embedding` / `account_for_loss` (Megatron's --account-for-*-in-pipeline-
+    split): the split counts the embedding (the loss) as a layer, which the first chunk of
+    the first rank (the last chunk of the last) then holds instead of a transformer layer.
 
     Raises ConfigError, naming the flags, for a split that cannot work. Pure: every rank
     computes the same layout and fails the same way.
     """
-    virtual = _virtual_size(num_layers, pipeline_size, virtual_size, layers_per_virtual_stage)
-    per_stage = _layers_per_stage(num_layers, pipeline_size, first_stage_layers,
-                                  last_stage_layers)
+    extra = int(account_for_embedding) + int(account_for_loss)
+    if extra and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ConfigError(
+            "--decoder-first/last-pipeline-num-layers do not combine with "
+            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split "
+            "(as in Megatron-LM): give one way of splitting")
+    slots = num_layers + extra
+    if extra and slots % pipeline_size:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) plus the embedding / loss counted by "
+            f"--account-for-*-in-pipeline-split ({extra}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pipeline_size})")
+    virtual = _virtual_size(slots, pipeline_size, virtual_size, layers_per_virtual_stage)
+    per_stage = _layers_per_stage(slots, pipeline_size, first_stage_layers, last_stage_layers)
     for rank, count in enumerate(per_stage):
         if count % virtual:
             raise ConfigError(
@@ -129,6 +145,10 @@ def pipeline_layer_layout(
     for chunk in range(virtual):  # virtual stage chunk * pp + rank, in layer order
         for rank in range(pipeline_size):
             count = per_stage[rank] // virtual
+            if account_for_embedding and rank == 0 and chunk == 0:
+                count -= 1
+            if account_for_loss and rank == pipeline_size - 1 and chunk == virtual - 1:
+                count -= 1
             layout[rank].append((offset, count))
             offset += count
     return layout
@@ -168,6 +188,8 @@ def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
         layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
         first_stage_layers=parallel.decoder_first_pipeline_num_layers,
         last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+        account_for_embedding=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss=parallel.account_for_loss_in_pipeline_split,
     )
 
 

@@ -66,6 +66,21 @@ def test_pipeline_layout_matches_single_process(layout, tmp_path):
             assert sum(e["name"].startswith("B") for e in compute) == 10 * 4
 
 
+def test_split_counting_the_embedding_and_loss_matches_single_process():
+    """Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
+    split at PP=2 x 2 virtual stages with 2 layers: 4 slots, one a chunk, so rank 0's first
+    chunk holds only the embedding and rank 1's last only the final norm, output layer and
+    loss; the losses are the single-process ones."""
+    from tests.functional.test_training_parity import baseline
+
+    flags = ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
+             "--account-for-embedding-in-pipeline-split "
+             "--account-for-loss-in-pipeline-split").split()
+    reference = baseline("gpt")
+    for losses in run_distributed(_train, 2, args=(COMMON + flags,), timeout=300):
+        assert losses == pytest.approx(reference, rel=1e-4)
+
+
 BAD_LAYOUTS = {
     "layers_not_divisible": (
         "--pipeline-model-parallel-size 2 --num-layers 3",

@@ -293,6 +293,12 @@ _FLAGS: List[_Flag] = [
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--account-for-embedding-in-pipeline-split", "parallel", action="store_true",
+       help="the layer split over pipeline stages counts the embedding as a layer: the first "
+            "stage's first chunk holds one transformer layer fewer"),
+    _f("--account-for-loss-in-pipeline-split", "parallel", action="store_true",
+       help="the layer split counts the loss as a layer: the last stage's last chunk holds "
+            "one transformer layer fewer"),
     _f("--microbatch-group-size-per-virtual-pipeline-stage", "training",
        "microbatch_group_size_per_vp_stage", type=int,
        help="the interleaved schedule runs each model chunk on this many microbatches in turn "
@@ -876,10 +882,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
-    "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
-                                                 "splitting layers over pipeline stages",
-    "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
-                                            "layers over pipeline stages",
     "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
                                         "--decoder-first/last-pipeline-num-layers)",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (

@@ -42,3 +42,19 @@ def test_bad_layouts_are_config_errors_naming_the_flags(kwargs, flag):
     with pytest.raises(ConfigError, match=None) as info:
         pipeline_layer_layout(**kwargs)
     assert flag in str(info.value)
+
+
+def test_split_counting_the_embedding_and_the_loss_follows_megatron():
+    """Megatron's get_num_layers_to_build with --account-for-embedding/loss-in-pipeline-split
+    (its functional test: 6 layers, PP=4, 2 virtual stages)."""
+    from megatron_smp.config import ConfigError
+    from megatron_smp.pipeline_parallel.stages import pipeline_layer_layout
+
+    assert pipeline_layer_layout(6, 4, virtual_size=2, account_for_embedding=True,
+                                 account_for_loss=True) == [
+        [(0, 0), (3, 1)], [(0, 1), (4, 1)], [(1, 1), (5, 1)], [(2, 1), (6, 0)]]
+    assert pipeline_layer_layout(5, 2, account_for_embedding=True) == [[(0, 2)], [(2, 3)]]
+    with pytest.raises(ConfigError, match="must be divisible by --pipeline-model-parallel"):
+        pipeline_layer_layout(4, 4, account_for_loss=True)
+    with pytest.raises(ConfigError, match="do not combine with --account-for-embedding"):
+        pipeline_layer_layout(4, 2, first_stage_layers=1, account_for_embedding=True)
