@@ -128,6 +128,21 @@ def new_group(members: List[int], **kwargs) -> dist.ProcessGroup:
     return dist.new_group(members, **kwargs)
 
 
+# --inprocess-restart's count of restarts in this process (megatron_smp.resilience.inprocess
+# sets it): each forms its process groups in a namespace of the store of its own.
+_INPROCESS_ATTEMPT = 0
+
+
+def set_inprocess_attempt(attempt: int) -> None:
+    global _INPROCESS_ATTEMPT
+    _INPROCESS_ATTEMPT = attempt
+
+
+def inprocess_attempt() -> int:
+    """How many times this process's run restarted in process (--inprocess-restart)."""
+    return _INPROCESS_ATTEMPT
+
+
 def _elastic_attempt_store(
     world_size: int, rank: int, timeout: Optional[datetime.timedelta]
 ) -> Optional[dist.Store]:
@@ -155,14 +170,16 @@ def _elastic_attempt_store(
         multi_tenant=not agent_hosts_store,
     )
     if not agent_hosts_store:
-        return store
+        return (dist.PrefixStore(f"inprocess_{_INPROCESS_ATTEMPT}", store) if _INPROCESS_ATTEMPT
+                else store)
     if rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE") or 1) > 1 \
             and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
         warnings.warn(
             "torchrun on several nodes with --max-restarts and the agent's shared store: a "
             "restart for a rejoining node can hang in init_process_group; export "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (scripts/launch_env.sh does)")
-    return dist.PrefixStore(f"attempt_{attempt}", store)
+    suffix = f"_inprocess_{_INPROCESS_ATTEMPT}" if _INPROCESS_ATTEMPT else ""
+    return dist.PrefixStore(f"attempt_{attempt}{suffix}", store)
 
 
 def _rank_of(coords: Dict[str, int], sizes: Dict[str, int]) -> int:

@@ -30,15 +30,21 @@ import dataclasses
 import os
 import re
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from megatron_smp.checkpointing.iterations import TRACKER_FILENAME
 from megatron_smp.config import TransformerConfig
-from megatron_smp.checkpointing.engine.storage import CheckpointError
-from megatron_smp.models.sharding import merge_state_dicts, shard_state_dict
+from megatron_smp.checkpointing.engine.storage import CheckpointError, SafeFileSystemReader
+from megatron_smp.models.sharding import (
+    VOCAB_PARALLEL_SUFFIXES,
+    default_layout,
+    merge_state_dicts,
+    partition_of,
+    shard_state_dict,
+)
 
 METADATA_FILENAME = "metadata.json"
 COMMON_PT_FILENAME = "common.pt"
@@ -201,17 +207,10 @@ def load_mapped(path: str) -> Any:
     return loaded
 
 
-def release_pages(tensors) -> None:
-    """Give back the memory of what was read of tensors `load_mapped` mapped: their pages
-    leave the process (madvise MADV_DONTNEED; read from the file again if touched again),
-    which would otherwise keep every page read until the mapping is closed. Only pages that
-    lie in a current mapping of such a file are released; other tensors are left alone."""
-    import ctypes
-
-    if not _MAPPED_FILES:
-        return
+def _mapped_ranges() -> Optional[List[Tuple[int, int]]]:
+    """The address ranges of the current mappings of files `load_mapped` mapped; None where
+    /proc/self/maps cannot be read (not Linux)."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
         with open("/proc/self/maps") as handle:
             mapped = []
             for line in handle:
@@ -219,17 +218,60 @@ def release_pages(tensors) -> None:
                 if len(parts) == 6 and parts[5].rstrip("\n") in _MAPPED_FILES:
                     low, high = (int(x, 16) for x in parts[0].split("-"))
                     mapped.append((low, high))
-    except OSError:  # not Linux / glibc: the pages stay until the mapping is closed
-        return
+    except OSError:
+        return None
+    return mapped
+
+
+def _release(begin: int, end: int, mapped: List[Tuple[int, int]]) -> None:
+    """madvise(MADV_DONTNEED) the pages of [begin, end) when they lie in one of `mapped`."""
+    import ctypes
+
     page = os.sysconf("SC_PAGE_SIZE")
+    begin &= ~(page - 1)
+    end = -(-end // page) * page
+    if begin < end and any(low <= begin and end <= high for low, high in mapped):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:  # not glibc: the pages stay until the mapping is closed
+            return
+        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), 4)  # DONTNEED
+
+
+def release_pages(tensors) -> None:
+    """Give back the memory of what was read of tensors `load_mapped` mapped: their pages
+    leave the process (madvise MADV_DONTNEED; read from the file again if touched again),
+    which would otherwise keep every page read until the mapping is closed. Only pages that
+    lie in a current mapping of such a file are released; other tensors are left alone."""
+    if not _MAPPED_FILES:
+        return
+    mapped = _mapped_ranges()
+    if mapped is None:
+        return
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        if not storage.nbytes():
-            continue
-        begin = storage.data_ptr() & ~(page - 1)
-        end = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
-        if any(low <= begin and end <= high for low, high in mapped):
-            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), 4)  # DONTNEED
+        if storage.nbytes():
+            _release(storage.data_ptr(), storage.data_ptr() + storage.nbytes(), mapped)
+
+
+# The piece `copy_into` copies before releasing the pages it read.
+_PIECE = 1 << 20
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target.copy_(source) for contiguous tensors of the same dtype and size; a `source` in a
+    file `load_mapped` mapped is copied a piece at a time, each piece's pages released once
+    copied, so that the copy and all the pages read are not in memory together."""
+    mapped = _mapped_ranges() if _MAPPED_FILES else None
+    if not mapped or not source.is_contiguous() or not target.is_contiguous():
+        target.copy_(source)
+        return
+    flat_source = source.reshape(-1).view(torch.uint8)
+    flat_target = target.reshape(-1).view(torch.uint8)
+    for start in range(0, flat_source.numel(), _PIECE):
+        end = min(start + _PIECE, flat_source.numel())
+        flat_target[start:end].copy_(flat_source[start:end])
+        _release(flat_source.data_ptr() + start, flat_source.data_ptr() + end, mapped)
 
 
 def _read_dcp_bytes(checkpoint_path: str, key: str) -> Optional[bytes]:
@@ -391,6 +433,8 @@ def config_fields_from_args(args: Mapping[str, Any]) -> Dict[str, Any]:
         fields.update(gated_linear_unit=True, activation="gelu_tanh")
     elif args.get("squared_relu"):
         fields.update(gated_linear_unit=False, activation="squared_relu")
+    elif args.get("openai_gelu"):  # GPT-2's tanh approximation (HF's gelu_new)
+        fields.update(gated_linear_unit=False, activation="gelu_tanh")
     elif "swiglu" in args:
         fields.update(gated_linear_unit=False, activation="gelu")
     position = args.get("position_embedding_type")
@@ -437,6 +481,7 @@ def args_from_config(config: TransformerConfig, tp: int, pp: int,
         quick_geglu=config.gated_linear_unit and config.activation == "quick_gelu",
         geglu=config.gated_linear_unit and config.activation == "gelu_tanh",
         squared_relu=config.activation == "squared_relu",
+        openai_gelu=not config.gated_linear_unit and config.activation == "gelu_tanh",
         position_embedding_type=config.position_embedding_type,
         use_rotary_position_embeddings=config.position_embedding_type == "rope",
         vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size(tp),
@@ -529,8 +574,9 @@ class TorchDistSource:
             self.where[name] = (key, region, index)
             self.meta[name] = torch.empty(shape, dtype=dtype, device="meta")
 
-    def read(self, names) -> Dict[str, torch.Tensor]:
-        """{name: tensor} for `names`, each region loaded once (a region per key per load)."""
+    def read(self, names, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """{name: tensor} for `names`, each region loaded once (a region per key per load);
+        `rows`: vocab tables cut to that many rows (Megatron's padding rows dropped)."""
         import torch.distributed.checkpoint as torch_dcp
 
         pending: Dict[str, List[Tuple[int, ...]]] = {}
@@ -553,14 +599,18 @@ class TorchDistSource:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 torch_dcp.load(holder,
-                               storage_reader=torch_dcp.FileSystemReader(self.reader_path),
+                               storage_reader=SafeFileSystemReader(self.reader_path),
                                planner=_RegionPlanner(regions), no_dist=True)
             loaded.update({(key, regions[key]): tensor for key, tensor in holder.items()})
         out = {}
         for name in names:
             key, region, index = self.where[name]
             tensor = loaded[(key, region)]
-            out[name] = tensor[index].clone() if index else tensor
+            tensor = tensor[index].clone() if index else tensor
+            if rows is not None and name.endswith(VOCAB_PARALLEL_SUFFIXES) and \
+                    tensor.shape[0] > rows:
+                tensor = tensor[:rows].clone()
+            out[name] = tensor
         return out
 
 
@@ -653,7 +703,9 @@ class LegacySource:
             self.stages.append((shards, merge_config))
             layer_offset += len(layers)
 
-    def read(self, names) -> Dict[str, torch.Tensor]:
+    def read(self, names, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """{name: full tensor} for `names`; `rows`: vocab tables cut to that many rows
+        (Megatron's padding rows dropped, never copied)."""
         by_stage: Dict[int, Dict[str, str]] = {}
         for name in names:
             stage, local = self.where[name]
@@ -661,11 +713,55 @@ class LegacySource:
         out = {}
         for stage, wanted in by_stage.items():
             shards, merge_config = self.stages[stage]
-            subset = [{local: shard[local] for local in wanted} for shard in shards]
-            merged = merge_state_dicts(subset, merge_config)  # new tensors: cat / clone
-            release_pages([t for shard in subset for t in shard.values()])
-            out.update({wanted[local]: tensor for local, tensor in merged.items()})
+            layout = default_layout(merge_config)
+            rest = []
+            for local, name in wanted.items():
+                spec = partition_of(layout, local)
+                cut = rows if name.endswith(VOCAB_PARALLEL_SUFFIXES) else None
+                if spec is None or len(shards) == 1 or spec[0] == 0:
+                    out[name] = self._join_rows(name, [shard[local] for shard in shards],
+                                                spec, cut)
+                else:
+                    rest.append(local)
+            if rest:  # split along another dim: the whole result, then a row cut
+                subset = [{local: shard[local] for local in rest} for shard in shards]
+                merged = merge_state_dicts(subset, merge_config)  # new tensors: cat / clone
+                release_pages([t for shard in subset for t in shard.values()])
+                for local, tensor in merged.items():
+                    if rows is not None and local.endswith(VOCAB_PARALLEL_SUFFIXES):
+                        tensor = tensor[:rows].clone()
+                    out[wanted[local]] = tensor
         return out
+
+    def _join_rows(self, name: str, pieces: List[torch.Tensor],
+                   spec: Optional[Tuple[int, int]], rows: Optional[int]) -> torch.Tensor:
+        """`merge_state_dicts` of one tensor that is replicated, or split along dim 0 (or not
+        split: TP=1), without holding its pages and the result together: each rank's rows
+        are copied into their place a piece at a time (`copy_into`), in the order
+        `join_tensors` gives them (stride pieces, then ranks); `rows`: only the first that
+        many rows are copied (a vocab table without Megatron's padding)."""
+        shape = self.meta[name].shape
+        total = shape[0]
+        if rows is not None and shape[0] > rows:
+            shape = torch.Size((rows,) + tuple(shape[1:]))
+        full = torch.empty(shape, dtype=self.meta[name].dtype)
+        if spec is None or len(pieces) == 1:
+            copy_into(full, pieces[0][:full.shape[0]] if full.dim() else pieces[0])
+            return full
+        stride = spec[1]
+        blocks = [torch.chunk(piece, stride, dim=0) for piece in pieces]
+        row = 0
+        for index in range(stride):
+            for rank in range(len(pieces)):
+                block = blocks[rank][index]
+                end = min(row + block.shape[0], full.shape[0])
+                if end > row:
+                    copy_into(full[row:end], block[:end - row])
+                row += block.shape[0]
+        if row != total:
+            raise CheckpointError(f"{name}: the tensor-parallel slices hold {row} rows, the "
+                                  f"merged shape {list(self.meta[name].shape)}")
+        return full
 
 
 def open_model(checkpoint: MegatronCheckpoint, config: TransformerConfig):
@@ -736,11 +832,60 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
                            model: Mapping[str, torch.Tensor], tp: int = 1, pp: int = 1,
                            extra: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write `model` (checkpoint form: vocab tables of vocab_size rows) as Megatron-LM's legacy
-    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written."""
+    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written
+    (`save_legacy_checkpoint_streaming` of tensors held in memory)."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.items()}
+    return save_legacy_checkpoint_streaming(
+        save_dir, iteration, config, meta, lambda names: {k: model[k] for k in names},
+        [[name] for name in model], tp, pp, extra)
+
+
+def _placements(config: TransformerConfig, names: List[str], pp: int
+                ) -> Dict[str, List[Tuple[int, str]]]:
+    """Our full name -> [(pipeline stage, stage-local name)] of each copy Megatron-LM keeps:
+    layers renumbered within their stage, the embedding on the first stage, the rest on the
+    last; the tied embedding again as the last stage's output layer, and beside the MTP
+    layers there (PP > 1)."""
+    per_stage = config.num_layers // pp
+    out: Dict[str, List[Tuple[int, str]]] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match.group(1))
+            stage = layer // per_stage
+            out[name] = [(stage, f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}")]
+        elif name.startswith("embedding."):
+            out[name] = [(0, name)]
+        else:
+            out[name] = [(pp - 1, name)]  # output layer, final norm, MTP
+    embedding = "embedding.word_embeddings.weight"
+    if pp > 1 and embedding in out:
+        if not config.untie_embeddings_and_output_weights:
+            out[embedding].append((pp - 1, "output_layer.weight"))
+        if config.mtp_num_layers:
+            out[embedding].append((pp - 1, embedding))
+    return out
+
+
+def save_legacy_checkpoint_streaming(
+        save_dir: str, iteration: int, config: TransformerConfig,
+        meta: Mapping[str, torch.Tensor],
+        read: Callable[[List[str]], Dict[str, torch.Tensor]], name_groups: List[List[str]],
+        tp: int = 1, pp: int = 1, extra: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Write the tensors `read(names)` gives (those of `meta`, checkpoint form: vocab tables
+    of vocab_size rows), asked for a group of `name_groups` at a time, as Megatron-LM's legacy
+    "torch" checkpoint at TP=`tp`, PP=`pp`; returns the files written.
+
+    Each rank's file is first written by `torch.save` with every tensor's bytes left empty
+    (`torch.serialization.skip_data`, the model's shapes as fake tensors); then each group's
+    TP shards are written into their place in the files (their offsets from loading the
+    files on the meta device), and each record's CRC-32 set, so the files are those
+    `torch.save` would have written. Only a group's tensors and their shards are in memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     if config.num_layers % pp:
         raise CheckpointError(f"pipeline size {pp} does not divide num_layers "
                               f"{config.num_layers}")
-    per_stage = config.num_layers // pp
     path = os.path.join(save_dir, f"iter_{iteration:07d}")
     args = args_from_config(config, tp, pp, iteration)
     lacking = [f"--{name.replace('_', '-')}" for name in GEMMA_ONLY_ARGS
@@ -749,42 +894,146 @@ def save_legacy_checkpoint(save_dir: str, iteration: int, config: TransformerCon
         raise CheckpointError(f"Megatron-LM has no {', '.join(lacking)} (Gemma 3's numerics): it "
                               "would load this checkpoint as another model; keep it in "
                               "megatron_smp's format or export it to Hugging Face")
-    tied = not config.untie_embeddings_and_output_weights
-    written = []
+    placements = _placements(config, list(meta), pp)
+    fake_mode = FakeTensorMode()
+    files: Dict[Tuple[int, int], str] = {}
+    # (stage, rank) -> {Megatron's name: (offset of its bytes in the file, bytes)}
+    offsets: Dict[Tuple[int, int], Dict[str, Tuple[int, int]]] = {}
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
-        stage_model = {}
-        for name, tensor in model.items():
-            match = _LAYER.match(name)
-            if match:
-                layer = int(match.group(1))
-                if stage * per_stage <= layer < (stage + 1) * per_stage:
-                    stage_model[f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}"] \
-                        = tensor
-            elif name.startswith("embedding.") and first:
-                stage_model[name] = tensor
-            elif not name.startswith("embedding.") and last:
-                stage_model[name] = tensor  # output layer, final norm, MTP
-        if tied and last and pp > 1:  # Megatron keeps the output copy on the last stage
-            stage_model["output_layer.weight"] = model["embedding.word_embeddings.weight"]
-        if config.mtp_num_layers and last and pp > 1:  # and the MTP layers' embedding
-            stage_model["embedding.word_embeddings.weight"] = \
-                model["embedding.word_embeddings.weight"]
+        stage_meta = {local: meta[name] for name, places in placements.items()
+                      for where, local in places if where == stage}
         for rank in range(tp):
             shard = {_megatron_name(name): tensor for name, tensor in
-                     shard_state_dict(stage_model, config, tp, rank).items()}
+                     shard_state_dict(stage_meta, config, tp, rank).items()}
+            with fake_mode:
+                model: Dict[str, Any] = {name: torch.empty(t.shape, dtype=t.dtype)
+                                         for name, t in shard.items()}
             for name in extra_state_names(list(shard)):
-                shard[name] = None
+                model[name] = None
             rank_dir = os.path.join(path, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1
                                                                    else ""))
             os.makedirs(rank_dir, exist_ok=True)
             file = os.path.join(rank_dir, LEGACY_FILENAME)
-            torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                        "iteration": iteration, "model": shard, **(extra or {})}, file)
-            written.append(file)
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                            "iteration": iteration, "model": model, **(extra or {})}, file)
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                laid_out = torch.load(file, map_location="meta", weights_only=True)["model"]
+            offsets[(stage, rank)] = {
+                name: (t.untyped_storage()._checkpoint_offset, t.untyped_storage().nbytes())
+                for name, t in laid_out.items() if isinstance(t, torch.Tensor)}
+            files[(stage, rank)] = file
+    layout = default_layout(config)
+    handles = {key: open(file, "r+b") for key, file in files.items()}
+    crcs: Dict[Tuple[int, int], Dict[int, int]] = {key: {} for key in files}
+    try:
+        for names in name_groups:
+            tensors = read(list(names))
+            for name in names:
+                tensor = tensors.pop(name)
+                for stage, local in placements[name]:
+                    for rank in range(tp):
+                        offset, nbytes = offsets[(stage, rank)][_megatron_name(local)]
+                        crc = 0
+                        handle = handles[(stage, rank)]
+                        handle.seek(offset)
+                        for piece in _shard_pieces(local, tensor, config, tp, rank, layout):
+                            crc = _write_bytes(handle, piece, crc)
+                            nbytes -= piece.numel() * piece.element_size()
+                        if nbytes:
+                            raise CheckpointError(f"{local}: its shard does not fill the "
+                                                  "bytes laid out for it")
+                        crcs[(stage, rank)][offset] = crc
+                del tensor
+    finally:
+        for handle in handles.values():
+            handle.close()
+    for key, file in files.items():
+        _set_zip_crcs(file, crcs[key])
     with open(os.path.join(save_dir, TRACKER_FILENAME), "w") as f:
         f.write(str(iteration))
-    return written
+    return [files[key] for key in sorted(files, key=lambda k: (k[1], k[0]))]
+
+
+def _shard_pieces(name: str, tensor: torch.Tensor, config: TransformerConfig, tp: int,
+                  rank: int, layout) -> List[torch.Tensor]:
+    """Tensors whose bytes, one after the other, are those of rank `rank`'s shard of `tensor`
+    (`shard_state_dict`). A tensor split along dim 0 (vocab tables, QKV, fc1) gives views of
+    its own rows and the zero rows of Megatron's vocab padding, not a padded copy and a
+    shard; one split otherwise gives its shard."""
+    spec = partition_of(layout, name)
+    if spec is None:
+        return [tensor]
+    dim, stride = spec
+    rows = tensor.shape[0] if tensor.dim() else 0
+    vocab = name.endswith(VOCAB_PARALLEL_SUFFIXES)
+    target = config.padded_vocab_size(tp) if vocab else rows
+    if dim != 0 or (vocab and rows != config.vocab_size) or target % (tp * stride):
+        return [shard_state_dict({name: tensor}, config, tp, rank)[name]]
+    block = target // (tp * stride)
+    pieces = []
+    for index in range(stride):
+        begin = (index * tp + rank) * block
+        end = begin + block
+        if begin < rows:
+            pieces.append(tensor[begin:min(end, rows)])
+        if end > max(begin, rows):
+            pieces.append(tensor.new_zeros((end - max(begin, rows),) + tuple(tensor.shape[1:])))
+    return pieces
+
+
+def _write_bytes(handle, tensor: torch.Tensor, crc: int) -> int:
+    """Write `tensor`'s bytes where `handle` is; the CRC-32 `crc` continued over them."""
+    import zlib
+
+    tensor = tensor.detach().contiguous()
+    if not tensor.numel():
+        return crc
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    handle.write(data)
+    return zlib.crc32(data, crc)
+
+
+def _set_zip_crcs(path: str, crcs: Mapping[int, int]) -> None:
+    """Set the CRC-32 of the zip records whose data starts at the offsets of `crcs` (in their
+    local header, data descriptor and central directory entry): `torch.save` under skip_data
+    recorded those of the empty space."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        central = archive.start_dir
+    with open(path, "r+b") as handle:
+        position = central
+        for info in infos:
+            handle.seek(position)
+            entry = handle.read(46)
+            if entry[:4] != b"PK\x01\x02":
+                raise CheckpointError(f"{path}: unexpected zip central directory")
+            name_length, extra_length, comment_length = struct.unpack("<HHH", entry[28:34])
+            handle.seek(info.header_offset)
+            local = handle.read(30)
+            local_name, local_extra = struct.unpack("<HH", local[26:30])
+            data = info.header_offset + 30 + local_name + local_extra
+            crc = crcs.get(data)
+            if crc is not None:
+                packed = struct.pack("<I", crc)
+                handle.seek(position + 16)
+                handle.write(packed)
+                handle.seek(info.header_offset + 14)
+                handle.write(packed)
+                if info.flag_bits & 0x08:  # a data descriptor follows the data
+                    handle.seek(data + info.compress_size)
+                    signature = handle.read(4)
+                    handle.seek(data + info.compress_size + (4 if signature == b"PK\x07\x08"
+                                                             else 0))
+                    handle.write(packed)
+            position += 46 + name_length + extra_length + comment_length
+    with zipfile.ZipFile(path) as archive:  # every record's CRC now that of its data
+        bad = archive.testzip()
+    if bad is not None:
+        raise CheckpointError(f"{path}: the record {bad} does not match its CRC-32")
 
 
 def describe(checkpoint: MegatronCheckpoint) -> str:
@@ -807,6 +1056,9 @@ __all__ = [
     "trim_vocab_rows",
     "load_megatron_model",
     "save_legacy_checkpoint",
+    "save_legacy_checkpoint_streaming",
+    "copy_into",
+    "release_pages",
     "extra_state_names",
     "describe",
 ]

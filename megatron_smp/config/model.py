@@ -182,6 +182,9 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # temporary and no separate accumulation pass. Only where the weight has a main grad.
     gradient_accumulation_fusion: bool = True
     init_method_std: float = 0.02
+    # Megatron's --embedding-init-method-std: the word and position embeddings (and, under muP,
+    # an untied output layer) start at N(0, this) instead of init_method_std.
+    embedding_init_method_std: Optional[float] = None
     # Megatron scales the init of output projections by 1/sqrt(2 * num_layers).
     use_scaled_init_method: bool = True
 
@@ -506,6 +509,11 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
                  or self.moe_shared_expert_intermediate_size is not None,
                  "--recompute-modules shared_experts recomputes the MoE layers' shared "
                  "experts: add --moe-shared-expert-intermediate-size, or drop it")
+
+    def embedding_init_std(self) -> float:
+        """The embeddings' init std: --embedding-init-method-std, else --init-method-std."""
+        return (self.init_method_std if self.embedding_init_method_std is None
+                else self.embedding_init_method_std)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size

@@ -24,6 +24,11 @@ class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     weight_decay: float = 0.01
+    # Megatron's weight-decay schedule: constant (--weight-decay throughout), or linear /
+    # cosine from start to end over the run (--train-iters x global batch, or --train-samples).
+    weight_decay_incr_style: str = "constant"
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -100,6 +105,21 @@ class OptimizerConfig:
         """Check the optimizer settings. Pure; run once where the configs are built
         (`validate_configs`); a config built by hand is checked by calling this before
         `get_megatron_optimizer`, which does not."""
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        _require(self.weight_decay_incr_style in ("constant", "linear", "cosine"),
+                 f"--weight-decay-incr-style must be constant, linear or cosine, got "
+                 f"{self.weight_decay_incr_style!r}")
+        if self.weight_decay_incr_style == "constant":
+            _require(ends == (None, None),
+                     "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "
+                     "linear or cosine (constant uses --weight-decay throughout)")
+        else:
+            _require(None not in ends,
+                     f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                     "--start-weight-decay and --end-weight-decay")
+            _require(0.0 <= ends[0] <= ends[1],
+                     f"--start-weight-decay ({ends[0]}) must be >= 0 and at most "
+                     f"--end-weight-decay ({ends[1]}), as in Megatron-LM")
         _require(
             self.optimizer in ("adam", "sgd", "muon", "lion"),
             f"--optimizer must be adam, sgd, muon or lion, got {self.optimizer!r}",

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 from megatron_smp.config.errors import ConfigError
 
 SECTIONS = ("setup", "step", "checkpointing")
-FAULT_TYPES = ("hang", "crash", "slow")
+FAULT_TYPES = ("hang", "crash", "slow", "exception")
 
 
 def parse_section_timeouts(text: str, flag: str = "--ft-rank-section-timeouts"
@@ -57,6 +57,10 @@ class ResilienceConfig:
     fault_injector_offset_seconds: Optional[float] = None
     fault_injector_seed: Optional[int] = None
     fault_injector_slow_factor: float = 2.0
+    # -- in-process restart (megatron_smp.resilience.inprocess) -------------------------------
+    inprocess_restart: bool = False
+    inprocess_max_iterations: Optional[int] = None
+    inprocess_empty_cuda_cache: bool = False
     # -- stragglers ---------------------------------------------------------------------------
     log_straggler: bool = False
     straggler_minmax_count: int = 1
@@ -78,7 +82,8 @@ class ResilienceConfig:
     def fault_injection(self) -> bool:
         return self.fault_injector_fault_types is not None
 
-    def validate(self, save: Optional[str], world_size: Optional[int] = None) -> None:
+    def validate(self, save: Optional[str], world_size: Optional[int] = None,
+                 load: Optional[str] = None) -> None:
         """ConfigError for flags that cannot work (pure: every rank, before a collective)."""
         self.section_timeouts()
         for flag, value in (("--ft-rank-out-of-section-timeout",
@@ -101,6 +106,7 @@ class ResilienceConfig:
             raise ConfigError("--calc-ft-timeouts keeps the learned timeouts in "
                               "<--save>/ft_state.json: add --save DIR")
         self._validate_fault_injector(world_size)
+        self._validate_inprocess(save, load, world_size)
         if self.straggler_minmax_count < 1:
             raise ConfigError(f"--straggler-minmax-count must be >= 1, got "
                               f"{self.straggler_minmax_count}")
@@ -148,6 +154,27 @@ class ResilienceConfig:
                               "TORCHFT_LIGHTHOUSE variable (start one with torchft_lighthouse "
                               "--min_replicas 1)")
 
+    def _validate_inprocess(self, save: Optional[str], load: Optional[str],
+                            world_size: Optional[int]) -> None:
+        import os
+
+        if self.inprocess_max_iterations is not None and self.inprocess_max_iterations < 1:
+            raise ConfigError(f"--inprocess-max-iterations must be >= 1, got "
+                              f"{self.inprocess_max_iterations}")
+        if not self.inprocess_restart:
+            if self.inprocess_max_iterations is not None or self.inprocess_empty_cuda_cache:
+                flag = ("--inprocess-max-iterations" if self.inprocess_max_iterations is not None
+                        else "--inprocess-empty-cuda-cache")
+                raise ConfigError(f"{flag} applies to --inprocess-restart: add it")
+            return
+        if not save or not load or os.path.abspath(save) != os.path.abspath(load):
+            raise ConfigError("--inprocess-restart resumes from the last checkpoint the run "
+                              "saved: give --save DIR and --load DIR with the same DIR")
+        if (world_size or 1) > 1 and not os.environ.get("TORCHELASTIC_RESTART_COUNT"):
+            raise ConfigError("--inprocess-restart re-forms the process groups in a fresh "
+                              "namespace of torchrun's store: launch with torchrun (several "
+                              "processes without torchrun are not supported)")
+
     def _validate_fault_injector(self, world_size: Optional[int]) -> None:
         given = [name for name, value in vars(self).items()
                  if name.startswith("fault_injector_") and value is not None
@@ -155,7 +182,7 @@ class ResilienceConfig:
         if not self.fault_injection:
             if given:
                 raise ConfigError(f"--{given[0].replace('_', '-')} needs "
-                                  "--fault-injector-fault-types (hang, crash, slow)")
+                                  f"--fault-injector-fault-types ({', '.join(FAULT_TYPES)})")
             return
         types = [t.strip() for t in self.fault_injector_fault_types.split(",")]
         unknown = [t for t in types if t not in FAULT_TYPES]

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from megatron_smp.config import ConfigError
 from megatron_smp.distributed.unwrap import unwrap_model
@@ -50,6 +49,7 @@ from megatron_smp.inference.kv_cache import (
 )
 from megatron_smp.inference.sampling import SamplingParams, warp_logits
 from megatron_smp.models.gpt import output_logits
+from megatron_smp.tensor_parallel.layers import linear
 from megatron_smp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 METHODS = ("ngram", "mtp", "draft_model")
@@ -215,7 +215,7 @@ def vocab_logits(model: torch.nn.Module, hidden: torch.Tensor, tp_group) -> torc
     layer = model.output_layer
     weight = layer.weight if layer.weight is not None \
         else model.embedding.word_embeddings.weight
-    logits = output_logits(F.linear(hidden, weight, layer.bias), model.config)
+    logits = output_logits(linear(hidden, weight, layer.bias), model.config)
     logits = gather_from_tensor_model_parallel_region(logits, tp_group)
     return logits[:, : model.config.vocab_size]
 

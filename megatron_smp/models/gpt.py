@@ -88,7 +88,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.scale = math.sqrt(config.hidden_size) if config.apply_embedding_scaling else None
         # --use-mup --mup-embedding-mult: the summed embeddings times this (Megatron-LM main).
         self.mup_embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
-        init_method = init_method_normal(config.init_method_std)
+        init_method = init_method_normal(config.embedding_init_std())
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
@@ -270,7 +270,10 @@ class GPTModel(torch.nn.Module):
                     config.padded_vocab_size(state.tp_size),
                     config=config,
                     tp_group=state.tp_group,
-                    init_method=init_method_normal(config.init_method_std),
+                    # Megatron-LM main: under muP an untied output layer starts as the
+                    # embeddings do.
+                    init_method=init_method_normal(config.embedding_init_std() if config.use_mup
+                                                   else config.init_method_std),
                     bias=config.add_output_layer_bias,
                     gather_output=False,
                     skip_weight_param_allocation=tied_here,

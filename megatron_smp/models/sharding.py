@@ -30,6 +30,11 @@ def _pattern(name: str) -> str:
     return _EXPERT_INDEX.sub(".local_experts.*.", _LAYER_INDEX.sub(r"\1layers.*.", name))
 
 
+def partition_of(layout: Layout, name: str) -> Optional[Tuple[int, int]]:
+    """(partition_dim, stride) of parameter `name` in `layout`; None when it is replicated."""
+    return layout.get(_pattern(name))
+
+
 def tensor_parallel_layout(model: torch.nn.Module) -> Layout:
     """{name pattern: (partition_dim, stride)} of the parameters split over TP in `model`."""
     layout: Layout = {}
@@ -216,6 +221,7 @@ __all__ = [
     "Layout",
     "tensor_parallel_layout",
     "default_layout",
+    "partition_of",
     "split_tensor",
     "join_tensors",
     "shard_state_dict",

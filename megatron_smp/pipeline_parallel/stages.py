@@ -107,15 +107,31 @@ def pipeline_layer_layout(
     layers_per_virtual_stage: Optional[int] = None,
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
 ) -> List[List[tuple]]:
     """(layer_offset, num_layers) of every chunk of every rank: layout[pp_rank][chunk].
+    `account_for_embedding` / `account_for_loss` (Megatron's --account-for-*-in-pipeline-
+    split): the split counts the embedding (the loss) as a layer, which the first chunk of
+    the first rank (the last chunk of the last) then holds instead of a transformer layer.
 
     Raises ConfigError, naming the flags, for a split that cannot work. Pure: every rank
     computes the same layout and fails the same way.
     """
-    virtual = _virtual_size(num_layers, pipeline_size, virtual_size, layers_per_virtual_stage)
-    per_stage = _layers_per_stage(num_layers, pipeline_size, first_stage_layers,
-                                  last_stage_layers)
+    extra = int(account_for_embedding) + int(account_for_loss)
+    if extra and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ConfigError(
+            "--decoder-first/last-pipeline-num-layers do not combine with "
+            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split "
+            "(as in Megatron-LM): give one way of splitting")
+    slots = num_layers + extra
+    if extra and slots % pipeline_size:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) plus the embedding / loss counted by "
+            f"--account-for-*-in-pipeline-split ({extra}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pipeline_size})")
+    virtual = _virtual_size(slots, pipeline_size, virtual_size, layers_per_virtual_stage)
+    per_stage = _layers_per_stage(slots, pipeline_size, first_stage_layers, last_stage_layers)
     for rank, count in enumerate(per_stage):
         if count % virtual:
             raise ConfigError(
@@ -129,6 +145,10 @@ def pipeline_layer_layout(
     for chunk in range(virtual):  # virtual stage chunk * pp + rank, in layer order
         for rank in range(pipeline_size):
             count = per_stage[rank] // virtual
+            if account_for_embedding and rank == 0 and chunk == 0:
+                count -= 1
+            if account_for_loss and rank == pipeline_size - 1 and chunk == virtual - 1:
+                count -= 1
             layout[rank].append((offset, count))
             offset += count
     return layout
@@ -156,8 +176,79 @@ def hybrid_pattern_layout(segments: List[int], pipeline_size: int, parallel) -> 
     return [[(offsets[rank], segments[rank])] for rank in range(pipeline_size)]
 
 
+def megatron_pipeline_layout(text: str, pipeline_size: int, num_layers: int,
+                             mtp_num_layers: Optional[int]) -> List[List[tuple]]:
+    """The layout of Megatron's --pipeline-model-parallel-layout string (its
+    PipelineParallelLayerLayout): `|` separates virtual stages, stage k going to rank
+    k mod pp as chunk k // pp; "E" the embedding, "t" a transformer layer, "m" an MTP layer,
+    "L" the loss; "(...)*n" and "x*n" repeat, commas are cosmetic. Checked as Megatron
+    checks it (E first, L last, once each, the t count is --num-layers, MTP after every t);
+    the MTP layers must sit with the loss (on the last stage), where they are built here."""
+    import re
+
+    flag = "--pipeline-model-parallel-layout"
+    expanded = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        expanded = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), expanded)
+    stages = expanded.split("|")
+    unknown = sorted(set(expanded) - set("|EtmL"))
+    if unknown:
+        raise ConfigError(f"{flag} {text!r}: unknown layer character(s) {unknown}; the layer "
+                          "characters are E (embedding), t (transformer), m (MTP), L (loss)")
+    if len(stages) % pipeline_size:
+        raise ConfigError(f"{flag} {text!r} has {len(stages)} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size ({pipeline_size})")
+    flat = "".join(stages)
+    problems = []
+    if not flat.startswith("E") or flat.count("E") != 1:
+        problems.append("the embedding E must come first, once")
+    if not flat.endswith("L") or flat.count("L") != 1:
+        problems.append("the loss L must come last, once")
+    if flat.count("t") != num_layers:
+        problems.append(f"it holds {flat.count('t')} transformer layers t, not --num-layers "
+                        f"({num_layers})")
+    if flat.count("m") != (mtp_num_layers or 0):
+        problems.append(f"it holds {flat.count('m')} MTP layers m, not --mtp-num-layers "
+                        f"({mtp_num_layers or 0})")
+    if "m" in flat and "t" in flat[flat.index("m"):]:
+        problems.append("transformer layers must come before the MTP layers")
+    if "m" in flat and "m" in expanded[:expanded.rindex("|") + 1 if "|" in expanded else 0]:
+        problems.append("the MTP layers must be in the last stage, with the loss (an MTP "
+                        "stage of its own is not supported yet)")
+    if problems:
+        raise ConfigError(f"{flag} {text!r}: {'; '.join(problems)}")
+    virtual = len(stages) // pipeline_size
+    layout: List[List[tuple]] = [[] for _ in range(pipeline_size)]
+    offset = 0
+    for index, stage in enumerate(stages):
+        count = stage.count("t")
+        layout[index % pipeline_size].append((offset, count))
+        offset += count
+    assert all(len(chunks) == virtual for chunks in layout)
+    return layout
+
+
 def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
     parallel = configs.parallel
+    if parallel.pipeline_model_parallel_layout is not None:
+        given = [flag for flag, value in (
+            ("--virtual-pipeline-model-parallel-size",
+             parallel.virtual_pipeline_model_parallel_size),
+            ("--num-layers-per-virtual-pipeline-stage",
+             parallel.num_layers_per_virtual_pipeline_stage),
+            ("--decoder-first-pipeline-num-layers", parallel.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", parallel.decoder_last_pipeline_num_layers),
+            ("--account-for-embedding-in-pipeline-split",
+             parallel.account_for_embedding_in_pipeline_split or None),
+            ("--account-for-loss-in-pipeline-split",
+             parallel.account_for_loss_in_pipeline_split or None),
+            ("--hybrid-layer-pattern", configs.model.hybrid_stage_layer_counts()),
+        ) if value is not None]
+        if given:
+            raise ConfigError(f"--pipeline-model-parallel-layout gives the whole split: drop "
+                              f"{', '.join(given)} (as in Megatron-LM)")
+        return megatron_pipeline_layout(parallel.pipeline_model_parallel_layout, pipeline_size,
+                                        configs.model.num_layers, configs.model.mtp_num_layers)
     segments = configs.model.hybrid_stage_layer_counts()
     if segments is not None and pipeline_size > 1:
         return hybrid_pattern_layout(segments, pipeline_size, parallel)
@@ -168,6 +259,8 @@ def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
         layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
         first_stage_layers=parallel.decoder_first_pipeline_num_layers,
         last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+        account_for_embedding=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss=parallel.account_for_loss_in_pipeline_split,
     )
 
 

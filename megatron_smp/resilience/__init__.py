@@ -3,6 +3,7 @@ from. One object, `Resilience`, is what a training loop calls around its steps:
 
     watchdog.py        --enable-ft-package: heartbeats and section timeouts, the hang report,
                        exit with HANG_EXIT_CODE for torchrun / SLURM to restart the job
+    inprocess.py       --inprocess-restart: a failed run restarts inside the same processes
     fault_injector.py  --fault-injector-*: hang / crash / slow faults at a chosen time
     straggler.py       --log-straggler: per-rank step times, the slowest and fastest named
     replicas.py        --fault-tolerance: replica groups over torchft that leave and rejoin
@@ -14,11 +15,13 @@ Each part is off unless its flags are given; `build_resilience` returns None whe
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Optional
 
 from megatron_smp.config import ResilienceConfig
 from megatron_smp.resilience.fault_injector import FaultInjector
+from megatron_smp.resilience.inprocess import InProcessRestart, RunController, active_controller
 from megatron_smp.resilience.straggler import STRAGGLER_THRESHOLD, StragglerDetector
 from megatron_smp.resilience.watchdog import (
     HANG_EXIT_CODE, ProgressIterator, ProgressWatchdog, format_thread_stack,
@@ -50,9 +53,12 @@ class Resilience:
         self.config = config
         self.watchdog: Optional[ProgressWatchdog] = None
         if config.enable_ft_package:
+            controller = active_controller() if config.inprocess_restart else None
+            interrupt = (None if controller is None else
+                         functools.partial(controller.interrupt, attempt=controller.attempt))
             self.watchdog = ProgressWatchdog(
                 config, state.rank, state.world_size, job_store(config.ft_rank_heartbeat_timeout),
-                save_dir=save_dir, log=log)
+                save_dir=save_dir, log=log, interrupt=interrupt)
             if state.rank == 0:
                 (log or print)(f"FT: progress watchdog on, timeouts "
                                f"{self.watchdog.describe_timeouts()}, heartbeat timeout "
@@ -110,9 +116,10 @@ class Resilience:
             return iterator
         return ProgressIterator(iterator, self.watchdog)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """The run ended (`failed`: with an exception; the watchdog learns no timeouts)."""
         if self.watchdog is not None:
-            self.watchdog.close()
+            self.watchdog.close(failed=failed)
         if self.faults is not None:
             self.faults.close()
         if self.stragglers is not None:
@@ -128,5 +135,6 @@ def build_resilience(config: ResilienceConfig, state, save_dir: Optional[str] = 
     return Resilience(config, state, save_dir, log)
 
 
-__all__ = ["HANG_EXIT_CODE", "STRAGGLER_THRESHOLD", "Resilience", "ResilienceConfig", "build_resilience",
+__all__ = ["HANG_EXIT_CODE", "STRAGGLER_THRESHOLD", "InProcessRestart", "Resilience",
+           "RunController", "ResilienceConfig", "build_resilience",
            "format_thread_stack", "job_store"]

@@ -13,9 +13,11 @@ which ranks fail (--fault-injector-ranks, or --fault-injector-num-ranks drawn fr
     crash  the process SIGKILLs itself (what torchrun's restart handles)
     slow   every later step of the rank takes --fault-injector-slow-factor times as long
            (it sleeps the difference after its forward and backward: a straggler)
+    exception  the rank's next step raises RuntimeError (what --inprocess-restart recovers
+           from; without it the process ends with the error)
 
-Only the first restart attempt injects (TORCHELASTIC_RESTART_COUNT 0, or no torchrun): the
-restarted job must be able to finish.
+Only the first restart attempt injects (TORCHELASTIC_RESTART_COUNT 0, or no torchrun, and no
+in-process restart yet): the restarted job must be able to finish.
 """
 from __future__ import annotations
 
@@ -64,7 +66,11 @@ class FaultInjector:
                  log: Optional[Callable[[str], None]] = None) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.active = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+        from megatron_smp.parallel_state import inprocess_attempt
+
+        self.active = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+                       and inprocess_attempt() == 0)
+        self.raise_pending = False
         self.planned = False
         self.fault: Optional[str] = None
         self.slow_factor = 1.0
@@ -76,6 +82,10 @@ class FaultInjector:
         return (iteration == 1) if start is None else (iteration == start + 1)
 
     def arm(self, iteration: int) -> None:
+        if self.raise_pending:
+            self.raise_pending = False
+            raise RuntimeError(f"FAULT INJECTION: rank {self.rank} raises in iteration "
+                               f"{iteration}")
         if self.planned or not self._due(iteration):
             return
         import torch
@@ -106,6 +116,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.fault == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault == "exception":
+            self.raise_pending = True  # raised by the main thread, before its next step
         else:
             self.slow_factor = self.config.fault_injector_slow_factor
 

@@ -24,6 +24,12 @@ behind the others' (the rest wait for them in a collective); else every rank. Th
 that sees it exits with HANG_EXIT_CODE, and a frozen culprit on the same host is SIGKILLed
 (it could not exit by itself).
 
+With --inprocess-restart (`interrupt` given) a hang whose culprits are all alive -- each one
+still sends heartbeats: blocked in its data loader, stuck in a step -- is recovered without a
+relaunch: every rank that sees the report calls `interrupt(report)` instead of exiting, which
+aborts its collectives and restarts its run in process (inprocess.py). A silent culprit
+(frozen, dead, cut off) still ends the job with HANG_EXIT_CODE.
+
 --calc-ft-timeouts learns the section timeouts from the run: after each save and at the
 end, each timeout becomes SAFETY_FACTOR x the longest such section seen (steps after the
 warm-up iterations only), at least MIN_LEARNED_TIMEOUT_S; rank 0 keeps them in
@@ -56,6 +62,8 @@ FT_STATE_FILE = "ft_state.json"
 KILL_DELAY_S = 1.0
 _STACK_FRAMES = 14
 _FAULT_KEY = "fault"
+# The last line of a report all of whose culprits are alive, with --inprocess-restart.
+_INPROCESS_ACTION = "[watchdog] every rank restarts in process (--inprocess-restart)"
 
 
 def _heartbeat_key(rank: int) -> str:
@@ -95,13 +103,17 @@ class ProgressWatchdog:
 
     `store`: a torch.distributed Store every rank of this job (and attempt) reaches, used by
     the monitor thread only; `save_dir`: where --calc-ft-timeouts keeps ft_state.json;
-    `log`: prints one line (to stderr by default); `exit`: ends the process (os._exit)."""
+    `log`: prints one line (to stderr by default); `exit`: ends the process (os._exit);
+    `interrupt(report)`: with --inprocess-restart, fails this rank's run for a restart in
+    process (called from the monitor thread)."""
 
     def __init__(self, config: ResilienceConfig, rank: int, world_size: int, store,
                  save_dir: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit,
+                 interrupt: Optional[Callable[[str], None]] = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
+        self._interrupt = interrupt
         self.store, self.save_dir = store, save_dir
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._exit = exit
@@ -252,10 +264,11 @@ class ProgressWatchdog:
 
     # -- the monitor thread ---------------------------------------------------------------
 
-    def close(self) -> None:
-        """The run ended normally: learn the timeouts a last time, tell the watchers this
+    def close(self, failed: bool = False) -> None:
+        """The run ended (normally: learn the timeouts a last time), tell the watchers this
         rank is done (its heartbeats stop), stop the thread."""
-        self.maybe_update_timeouts(closing=True)
+        if not failed:
+            self.maybe_update_timeouts(closing=True)
         with self._lock:
             self._closed = True
         self._stop.set()
@@ -398,6 +411,8 @@ class ProgressWatchdog:
     def _raise_alarm(self, trigger: str) -> None:
         self._silent = []
         report = self.diagnose(trigger)
+        if self._interrupt is not None and not self._silent:
+            report += "\n" + _INPROCESS_ACTION
         winner = self.store.compare_set(_FAULT_KEY, "", report).decode()
         if winner != report:
             self._join_fault(winner)
@@ -408,7 +423,8 @@ class ProgressWatchdog:
         time.sleep(2.5 * self.config.ft_heartbeat_interval)
         for rank, beat in self._silent:
             self._kill_if_local(rank, beat)
-        self._stop_job(None)
+        self._stop_job(None, in_process=report.endswith(_INPROCESS_ACTION),
+                       reason=report.splitlines()[0])
 
     def _kill_if_local(self, rank: int, beat: Optional[Dict[str, Any]]) -> None:
         """A frozen rank cannot exit by itself: SIGKILL it when it is this host's process,
@@ -431,15 +447,20 @@ class ProgressWatchdog:
         first_line = report.splitlines()[0] if report else "a hang"
         self._stop_job(f"[watchdog] rank {self.rank} stops: {first_line.removeprefix('[watchdog] ')}"
                        f"; this rank was at:\n"
-                       + "\n".join(_indent(format_thread_stack(self._main_thread)[-6:], 4)))
+                       + "\n".join(_indent(format_thread_stack(self._main_thread)[-6:], 4)),
+                       in_process=report.endswith(_INPROCESS_ACTION), reason=first_line)
 
-    def _stop_job(self, message: Optional[str]) -> None:
+    def _stop_job(self, message: Optional[str], in_process: bool = False,
+                  reason: Optional[str] = None) -> None:
         if message:
             self._log(message)
         self.fault_report = message
         sys.stdout.flush()
         sys.stderr.flush()
         self._stop.set()
+        if in_process and self._interrupt is not None:
+            self._interrupt((reason or message.splitlines()[0]).removeprefix("[watchdog] "))
+            return
         self._exit(HANG_EXIT_CODE)
 
 

@@ -27,6 +27,13 @@ WSD_FIELDS = (
     ("wsd_decay_steps", "--lr-wsd-decay-iters/--lr-wsd-decay-samples, in samples"),
     ("lr_wsd_decay_style", "--lr-wsd-decay-style"),
 )
+# The weight-decay schedule (Megatron-LM's keys): checked when the checkpoint has them.
+WD_FIELDS = (
+    ("start_wd", "--start-weight-decay (constant: --weight-decay)"),
+    ("end_wd", "--end-weight-decay (constant: --weight-decay)"),
+    ("wd_incr_steps", "--train-iters x global batch size or --train-samples, in samples"),
+    ("wd_incr_style", "--weight-decay-incr-style"),
+)
 
 
 def schedule_lengths(config: OptimizerConfig, train_iters: Optional[int],
@@ -74,7 +81,12 @@ class OptimizerParamScheduler:
         self.wsd_decay_steps = lengths["wsd_decay_steps"]
         self.lr_decay_style = config.lr_decay_style
         self.lr_wsd_decay_style = config.lr_wsd_decay_style
-        self.weight_decay = config.weight_decay
+        # Megatron's weight-decay schedule (constant: --weight-decay at both ends).
+        self.wd_incr_style = config.weight_decay_incr_style
+        constant = self.wd_incr_style == "constant"
+        self.start_wd = config.weight_decay if constant else config.start_weight_decay
+        self.end_wd = config.weight_decay if constant else config.end_weight_decay
+        self.wd_incr_steps = train_samples or (train_iters or 0) * global_batch_size
         if self.min_lr > self.max_lr:
             raise ConfigError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.max_lr})")
         if self.init_lr > self.max_lr:
@@ -144,12 +156,23 @@ class OptimizerParamScheduler:
                     coeff = 1.0 - math.sqrt(ratio)
         return min_lr + coeff * (max_lr - min_lr)
 
+    def get_wd(self) -> float:
+        """The weight decay after `num_steps` samples: Megatron's get_wd (from --start-weight-
+        decay to --end-weight-decay, linear or cosine, over the run)."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        coeff = ratio if self.wd_incr_style == "linear" else (
+            0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0))
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     def step(self, increment: int = 1) -> None:
         """Advance by `increment` samples (the iteration's global batch size)."""
         self.num_steps += increment
+        weight_decay = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -160,6 +183,7 @@ class OptimizerParamScheduler:
             "lr_decay_style": self.lr_decay_style,
             "wsd_decay_steps": self.wsd_decay_steps,
             "lr_wsd_decay_style": self.lr_wsd_decay_style,
+            **{key: getattr(self, key) for key, _ in WD_FIELDS},
             "num_steps": self.num_steps,
         }
 
@@ -187,7 +211,11 @@ class OptimizerParamScheduler:
                 "and schedule from its weights"
             )
         resolved, conflicts = [], []
-        fields = SCHEDULE_FIELDS + tuple(f for f in WSD_FIELDS if f[0] in state)
+        fields = SCHEDULE_FIELDS + tuple(f for f in WSD_FIELDS + WD_FIELDS if f[0] in state)
+        if self.wd_incr_style == state.get("wd_incr_style") == "constant":
+            # The length of a constant schedule changes nothing (Megatron-LM checks it too,
+            # so a longer --train-iters there needs --override-opt_param-scheduler).
+            fields = tuple(f for f in fields if f[0] != "wd_incr_steps")
         for key, flags in fields:
             saved, current = state[key], getattr(self, key)
             if saved == current:

@@ -169,18 +169,33 @@ def pretrain(
     before the datasets are built (a post-training mode's setup, e.g. DPO's reference)."""
     start_time = time.time()  # the origin of --exit-duration-in-mins
     configs, tokenizer = build_configs(argv, extra_args_provider, args_defaults, model_provider)
-    trainer = Trainer.build(configs, model_provider, start_time)
-    if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
-        trainer.load()
-    if trainer.replicas is not None:
-        trainer.replicas.join()  # a late group takes the live groups' iteration first
-    if run_hook is not None:
-        run_hook(trainer)
-    data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)
-    logger = training_logger(trainer)
-    _report_packing(data.datasets, logger)
-    return trainer.train(data, logger, start_time, forward_step=forward_step_func,
-                         loss_fn=loss_fn)
+
+    def run() -> TrainingResult:
+        trainer = Trainer.build(configs, model_provider, start_time)
+        try:
+            if configs.checkpoint.load or configs.checkpoint.pretrained_checkpoint:
+                trainer.load()
+            if trainer.replicas is not None:
+                trainer.replicas.join()  # a late group takes the live groups' iteration first
+            if run_hook is not None:
+                run_hook(trainer)
+            data = _build_data(trainer, train_valid_test_datasets_provider, tokenizer)
+            logger = training_logger(trainer)
+            _report_packing(data.datasets, logger)
+            return trainer.train(data, logger, start_time, forward_step=forward_step_func,
+                                 loss_fn=loss_fn)
+        except BaseException:
+            if trainer.resilience is not None:  # its monitor thread ends with the run
+                trainer.resilience.close(failed=True)
+            raise
+
+    resilience = configs.resilience
+    if not resilience.inprocess_restart:
+        return run()
+    from megatron_smp.resilience import RunController
+
+    return RunController(resilience.inprocess_max_iterations,
+                         resilience.inprocess_empty_cuda_cache).run(run)
 
 
 def main(entry: Callable[[], Any]) -> None:

@@ -239,6 +239,50 @@ def test_injected_fault_is_recovered(tmp_path, uninterrupted, fault):
           "fault")
 
 
+def test_inprocess_restart_recovers_an_exception_and_a_stuck_rank(tmp_path, uninterrupted):
+    """--inprocess-restart, two faults in one job, neither relaunching a process: rank 1's
+    step raises (the injected "exception" fault, after iteration 5); both ranks abort their
+    collectives, form new process groups in the same processes and resume from iteration 4's
+    checkpoint. In that restarted run rank 1's dataset stops answering (its 30th sample read):
+    the watchdog names it past the 6 s step timeout and every rank restarts in process again.
+    torchrun never restarts anything, and the losses are the uninterrupted run's."""
+    save = str(tmp_path / "ckpt")
+    flags = WATCHDOG + ["--ft-rank-section-timeouts", "setup:240,step:6,checkpointing:120",
+                        "--save", save, "--load", save, "--save-interval", "4",
+                        "--inprocess-restart", "--inprocess-max-iterations", "2",
+                        "--fault-injector-ranks", "1", "--fault-injector-fault-types",
+                        "exception", "--fault-injector-delay-start-iteration", "5",
+                        "--fault-injector-fault-delay", "0"]
+    job = Job(tmp_path, flags, env={"TEST_BLOCK_DATA_AT": "1,30"}, max_restarts=0)
+    try:
+        injected, offset = job.wait_for(r"FAULT INJECTION: rank 1 raises", timeout=180)
+        resumed, offset = job.wait_for(r"resuming at iteration \d+\n iteration +\d+/",
+                                       timeout=120, start=offset)
+        detected, offset = job.wait_for(r"\[watchdog\] hang detected", timeout=120,
+                                        start=offset)
+        resumed2, _ = job.wait_for(r"resuming at iteration \d+\n iteration +\d+/",
+                                   timeout=120, start=offset)
+    finally:
+        code, output = job.finish()
+    assert code == 0, output[-6000:]
+    assert sorted(os.listdir(job.pids)) == [f"attempt0.rank{r}" for r in range(WORLD)]
+    for rank in range(WORLD):
+        for restart in (1, 2):
+            assert re.search(rf"\[inprocess\] rank {rank}: .*restarting in process "
+                             rf"\(restart {restart}\)", output), output[-5000:]
+    report = output[output.index("[watchdog] hang detected"):]
+    assert re.search(r"stuck: rank\(s\) 1 -- waits for its data", report), report[:3000]
+    assert "every rank restarts in process" in report
+    assert output.count("FAULT INJECTION: rank 1 will inject") == 1
+    assert _losses(output) == uninterrupted
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as tracker:
+        assert int(tracker.read()) == ITERS
+    print(f"\nin-process restart: exception -> first resumed iteration "
+          f"{resumed - injected:.1f} s; stuck data loader detected "
+          f"{detected - injected:.1f} s after the first fault, first resumed iteration "
+          f"{resumed2 - detected:.1f} s after the detection")
+
+
 class TwoNodes:
     """Two network namespaces joined by a veth pair (198.18.41.1 and .2, RFC 2544's range,
     which exists only inside this machine), each with its own host name and /etc/hosts: the

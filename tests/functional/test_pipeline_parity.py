@@ -22,6 +22,9 @@ LAYOUTS = {
     "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 "
                         "--num-layers-per-virtual-pipeline-stage 1"),
     "pp2_uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
+    # Megatron's layout string: 2 chunks a rank of 1 + 1 and 2 + 0 layers (the last: the loss).
+    "pp2_layout": (2, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                      "Et|tt|t|L"),
     "tp2_sp_pp2_dp2_distopt": (8, "--tensor-model-parallel-size 2 --sequence-parallel "
                                   "--pipeline-model-parallel-size 2 --use-distributed-optimizer"),
 }
@@ -64,6 +67,21 @@ def test_pipeline_layout_matches_single_process(layout, tmp_path):
             compute = [e for e in events if e.get("cat") == "compute"]
             assert len(compute) == 10 * 4 * 2 + 2 * 4
             assert sum(e["name"].startswith("B") for e in compute) == 10 * 4
+
+
+def test_split_counting_the_embedding_and_loss_matches_single_process():
+    """Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-
+    split at PP=2 x 2 virtual stages with 2 layers: 4 slots, one a chunk, so rank 0's first
+    chunk holds only the embedding and rank 1's last only the final norm, output layer and
+    loss; the losses are the single-process ones."""
+    from tests.functional.test_training_parity import baseline
+
+    flags = ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
+             "--account-for-embedding-in-pipeline-split "
+             "--account-for-loss-in-pipeline-split").split()
+    reference = baseline("gpt")
+    for losses in run_distributed(_train, 2, args=(COMMON + flags,), timeout=300):
+        assert losses == pytest.approx(reference, rel=1e-4)
 
 
 BAD_LAYOUTS = {

@@ -1,6 +1,6 @@
 """Generation speed and KV-cache memory: our engine against Hugging Face's `generate` (and,
-with --vllm-python, vLLM) on the same Llama-style model and weights (converted with
-`smp.transform`), in one run.
+with --vllm-python, vLLM) on the same Llama-style model (with --experts, Mixtral-style) and
+weights (converted with `smp.transform`), in one run.
 
     python tools/bench/bench_inference.py [--layers 4 --hidden 256 --prompt 128 --new 64]
         [--threads 1] [--clock process] [--vllm-python /path/to/venv/bin/python]
@@ -246,7 +246,7 @@ def _memory_worker(spec_path: str, result_path: str) -> None:
         prompts, news = spec["stream"], spec["news"]
     ids, mask = _left_pad(prompts)  # the inputs, before the baseline, as vLLM's are
     result = {"imports_kib": reset_peak_rss_kib()}
-    hf = tf.LlamaForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
     if spec["system"] == "ours":
         smp.init({"random_seed": 1})
         module = smp.transform(hf).module
@@ -277,6 +277,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8003)
+    parser.add_argument("--experts", type=int, default=0,
+                        help="a Mixtral-style MoE model with this many experts per layer "
+                             "(0: dense Llama)")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (--experts)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--requests", type=int, default=16)
@@ -320,11 +324,20 @@ def main() -> None:
 
     smp.init({"random_seed": 1})
     torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096)
-    hf = tf.LlamaForCausalLM(config).eval()
+    shape = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                 intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
+                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 max_position_embeddings=4096)
+    if args.experts:
+        # (HF's grouped GEMM on CPU wants 16-byte strides: a multiple of 4 fp32 channels)
+        shape["intermediate_size"] -= shape["intermediate_size"] % 4
+        config = tf.MixtralConfig(num_local_experts=args.experts,
+                                  num_experts_per_tok=args.topk, **shape)
+        hf = tf.MixtralForCausalLM(config).eval()
+    else:
+        hf = tf.LlamaForCausalLM(tf.LlamaConfig(**shape)).eval()
+    family = (f"Mixtral ({args.experts} experts, top-{args.topk})" if args.experts
+              else "Llama")
     module = smp.transform(hf).module
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=generator)
@@ -334,9 +347,9 @@ def main() -> None:
     if args.breakdown:
         news = [args.new // 2 + (i * args.new // 2) // max(args.requests - 1, 1)
                 for i in range(args.requests)]
-        print(f"model: Llama {args.layers} x {args.hidden}, heads {args.heads}/{args.kv_heads}, "
-              f"vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; prompt "
-              f"{args.prompt}, {args.new} new tokens")
+        print(f"model: {family} {args.layers} x {args.hidden}, heads {args.heads}/"
+              f"{args.kv_heads}, vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; "
+              f"prompt {args.prompt}, {args.new} new tokens")
         return _breakdown(module, prompt.tolist(), stream, news, args.new)
 
     # batch 1 ----------------------------------------------------------------------------------
@@ -464,9 +477,10 @@ def main() -> None:
     names = ["hf", "ours"] + (["vllm"] if vllm else [])
     heads = {"hf": "HF generate", "ours": "ours", "vllm": "vLLM"}
 
-    print(f"model: Llama {args.layers} x {args.hidden}, heads {args.heads}/{args.kv_heads}, "
-          f"vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; {args.clock} "
-          f"time, median of {args.repeats}" + (f"; vLLM {vllm['version']} (CPU, eager)" if vllm else ""))
+    print(f"model: {family} {args.layers} x {args.hidden}, heads {args.heads}/"
+          f"{args.kv_heads}, vocab {args.vocab}, fp32, {torch.get_num_threads()} threads; "
+          f"{args.clock} time, median of {args.repeats}"
+          + (f"; vLLM {vllm['version']} (CPU, eager)" if vllm else ""))
     header = f"{'':40}" + "".join(f"{heads[n]:>13}" for n in names) + f"{'ours / HF':>11}"
     print(header + (f"{'ours / vLLM':>13}" if vllm else ""))
 

@@ -17,13 +17,13 @@
         --load-dir ckpt/lora --save-dir hf/merged --peft-dir hf/adapter  # a --lora-rank run:
                                         # the merged HF model, and the PEFT adapter directory
 
-HF safetensors -> megatron_smp, megatron_smp -> HF, and Megatron-LM (torch_dist, or legacy
-per-rank files, memory-mapped) or SMP v1 (its file memory-mapped) -> HF / megatron_smp convert
-one layer at a time (see `streaming`: peak memory about a layer plus the embedding, whatever
-the model's size); the HF output is sharded as save_pretrained shards it (--max-shard-size).
-Otherwise (--saver megatron, LoRA exports, pytorch_model.bin, MXFP4) a loader gives
-(TransformerConfig, full model tensors in checkpoint form) and the saver writes them a tensor
-at a time.
+Every loader -- HF safetensors, megatron_smp, Megatron-LM (torch_dist, or legacy per-rank
+files, memory-mapped) and SMP v1 (its file memory-mapped) -- feeds every saver (hf,
+megatron_smp, megatron) one layer at a time (see `streaming`: peak memory about a layer plus
+the embedding, whatever the model's size; a vocabulary table and its tied head held once);
+the HF output is sharded as save_pretrained shards it (--max-shard-size). Read whole, then
+written a tensor at a time: LoRA exports, pytorch_model.bin, MXFP4 experts, multimodal
+Gemma 3, megatron_smp's "torch" format.
 A Megatron-LM checkpoint saved without `args` takes its model shape from the tensors and from
 Megatron's flags given here (--num-attention-heads, --num-query-groups, --swiglu, ...).
 Framework checkpoints hold global tensors and reshard when loaded, so the target sizes are
@@ -43,7 +43,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_smp.config import ConfigError, TransformerConfig  # noqa: E402
-from tools.checkpoint.common import MODEL_TYPES, compare_state_dicts, family_for  # noqa: E402
+from tools.checkpoint.common import (  # noqa: E402
+    MODEL_TYPES,
+    compare_state_dicts,
+    family_for,
+    listing,
+)
 from tools.checkpoint.hf_format import (  # noqa: E402
     HFStream,
     framework_from_hf_state_dict,
@@ -58,6 +63,7 @@ from tools.checkpoint.megatron_format import (  # noqa: E402
     open_megatron_checkpoint,
     read_megatron_checkpoint,
     write_megatron_checkpoint,
+    write_megatron_checkpoint_streaming,
 )
 from tools.checkpoint.smp_format import (  # noqa: E402
     open_smp_checkpoint,
@@ -181,16 +187,9 @@ def convert(args: argparse.Namespace) -> None:
     if args.max_shard_size != "50GB" and args.saver != "hf":
         raise ConfigError("--max-shard-size sizes the safetensors files of --saver hf")
     max_shard_size = parse_size(args.max_shard_size)
-    if args.loader == "hf" and args.saver == "megatron_smp" and _stream_hf(args, targets):
-        return
-    if args.loader == "megatron_smp" and args.saver == "hf" and _stream_to_hf(args,
-                                                                               max_shard_size):
-        return
-    if args.loader == "smp_v1" and args.saver in ("hf", "megatron_smp") and _stream_smp_v1(
-            args, targets, max_shard_size):
-        return
-    if args.loader == "megatron" and args.saver in ("hf", "megatron_smp"):
-        _stream_megatron(args, targets, max_shard_size)
+    stream = _open_stream(args)
+    if stream is not None:
+        _write_stream(args, stream, targets, max_shard_size)
         return
     source_hf_config: Optional[Dict] = None
     iteration = None
@@ -251,82 +250,76 @@ def _report(args: argparse.Namespace, model: Dict[str, torch.Tensor]) -> None:
           f"{sum(t.numel() for t in model.values()):,} parameters, verified")
 
 
-def _stream_hf(args: argparse.Namespace, targets) -> bool:
-    """HF safetensors -> megatron_smp one layer at a time (HFStream); False when the
-    checkpoint is one the whole-model path reads (HFStream.of)."""
-    stream = HFStream.of(args.load_dir, family_for(args.model_type), args.model_type)
-    if stream is None:
-        return False
-    tp, pp = (t or 1 for t in targets)
-    validate_target_layout(stream.config, tp, pp)
-    write_smp_checkpoint_streaming(
-        args.save_dir, stream.config, stream.meta, Producer(stream.groups()),
-        _conversion(args, stream.hf_config.to_diff_dict(), tp, pp))
-    _report(args, stream.meta)
-    return True
+class _Stream:
+    """A checkpoint read a group (a layer, or a tensor outside the layers) at a time: its
+    TransformerConfig, its framework tensors as meta tensors (checkpoint form), a `Producer`
+    of them, the source's HF config (or None) and its iteration (or None)."""
+
+    def __init__(self, config, meta, producer, source_hf_config=None, iteration=None) -> None:
+        self.config, self.meta, self.producer = config, meta, producer
+        self.source_hf_config, self.iteration = source_hf_config, iteration
+
+    def read(self, names: List[str]) -> Dict[str, torch.Tensor]:
+        return {name: self.producer(name) for name in names}
 
 
-def _stream_to_hf(args: argparse.Namespace, max_shard_size: int) -> bool:
-    """megatron_smp -> HF one layer at a time (`write_hf_checkpoint_streaming`); False for a
-    checkpoint read whole (`open_smp_checkpoint`)."""
+def _open_stream(args: argparse.Namespace) -> Optional[_Stream]:
+    """The --load-dir checkpoint as a `_Stream`, or None for what is read whole: HF's
+    pytorch_model.bin, MXFP4 or multimodal checkpoints (`HFStream.of`), a LoRA run's or a
+    "torch"-format megatron_smp checkpoint (`open_smp_checkpoint`), an SMP v1 file whose
+    translation needs the values (`open_smp_v1_stream`)."""
     family = family_for(args.model_type)
+    if args.loader == "hf":
+        hf = HFStream.of(args.load_dir, family, args.model_type)
+        if hf is None:
+            return None
+        return _Stream(hf.config, hf.meta, Producer(hf.groups()), hf.hf_config.to_diff_dict())
+    if args.loader == "smp_v1":
+        v1 = open_smp_v1_stream(args.load_dir, family, args.model_type, args.hf_config)
+        if v1 is None:
+            return None
+        return _Stream(v1.config, v1.meta, Producer(v1.groups()), v1.hf_config.to_diff_dict())
+    if args.loader == "megatron":
+        config, meta, read, iteration = open_megatron_checkpoint(args.load_dir, family,
+                                                                 args.model_type, args)
+        return _Stream(config, meta, Producer(read(names) for names in groups(meta)),
+                       None, iteration)
     if args.peft_dir is not None or args.pretrained_checkpoint is not None:
-        return False
+        return None
     opened = open_smp_checkpoint(args.load_dir, family, args.model_type)
     if opened is None:
-        return False
+        return None
     config, common, meta, read = opened
-    source_hf_config = (common["config"].get("conversion") or {}).get("hf_config")
-    write_hf_checkpoint_streaming(args.save_dir, family, config, meta, read, source_hf_config,
-                                  max_shard_size)
-    if args.mxfp4_experts:
-        quantize_hf_experts(args.save_dir)
-    _report(args, meta)
-    return True
+    return _Stream(config, meta, Producer(read(names) for names in groups(meta)),
+                   (common["config"].get("conversion") or {}).get("hf_config"),
+                   common.get("iteration"))
 
 
-def _stream_smp_v1(args: argparse.Namespace, targets, max_shard_size: int) -> bool:
-    """SMP v1's full-model file (memory-mapped) -> HF or megatron_smp one layer at a time
-    (`open_smp_v1_stream`); False for a file read whole."""
+def _write_stream(args: argparse.Namespace, stream: _Stream, targets,
+                  max_shard_size: int) -> None:
+    """Write `stream` with the --saver's streaming writer: each group's tensors are asked for
+    when the writer comes to them, so only about a group is in memory."""
     family = family_for(args.model_type)
-    stream = open_smp_v1_stream(args.load_dir, family, args.model_type, args.hf_config)
-    if stream is None:
-        return False
-    source_hf_config = stream.hf_config.to_diff_dict()
     if args.saver == "hf":
-        producer = Producer(stream.groups())
         write_hf_checkpoint_streaming(args.save_dir, family, stream.config, stream.meta,
-                                      lambda names: {name: producer(name) for name in names},
-                                      source_hf_config, max_shard_size)
-    else:
-        tp, pp = (t or 1 for t in targets)
-        validate_target_layout(stream.config, tp, pp)
-        write_smp_checkpoint_streaming(args.save_dir, stream.config, stream.meta,
-                                       Producer(stream.groups()),
-                                       _conversion(args, source_hf_config, tp, pp))
-    _report(args, stream.meta)
-    return True
-
-
-def _stream_megatron(args: argparse.Namespace, targets, max_shard_size: int) -> None:
-    """A Megatron-LM checkpoint -> HF or megatron_smp one layer at a time: the model's shape
-    from its metadata, each group's tensors read when the writer comes to it
-    (`open_megatron_checkpoint`)."""
-    family = family_for(args.model_type)
-    config, meta, read, iteration = open_megatron_checkpoint(args.load_dir, family,
-                                                             args.model_type, args)
-    if args.saver == "hf":
-        write_hf_checkpoint_streaming(args.save_dir, family, config, meta, read, None,
-                                      max_shard_size)
+                                      stream.read, stream.source_hf_config, max_shard_size)
         if args.mxfp4_experts:
             quantize_hf_experts(args.save_dir)
     else:
         tp, pp = (t or 1 for t in targets)
-        validate_target_layout(config, tp, pp)
-        write_smp_checkpoint_streaming(
-            args.save_dir, config, meta, Producer(read(names) for names in groups(meta)),
-            _conversion(args, None, tp, pp), iteration)
-    _report(args, meta)
+        validate_target_layout(stream.config, tp, pp)
+        if args.saver == "megatron":
+            write_megatron_checkpoint_streaming(args.save_dir, stream.config, stream.meta,
+                                                stream.read, tp, pp, stream.iteration)
+        else:
+            write_smp_checkpoint_streaming(
+                args.save_dir, stream.config, stream.meta, stream.producer,
+                _conversion(args, stream.source_hf_config, tp, pp), stream.iteration)
+    stream.producer.drain()
+    if stream.producer.held:
+        raise ConfigError(f"the conversion produced tensors the model does not have: "
+                          f"{listing(sorted(stream.producer.held))}")
+    _report(args, stream.meta)
 
 
 def _export_lora(args: argparse.Namespace, config: TransformerConfig,

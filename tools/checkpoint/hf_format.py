@@ -29,6 +29,7 @@ import torch
 
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import config_to_hf, family_of, get_adapter
+from megatron_smp.models.hf.common import vocab_tables_in_place
 from megatron_smp.models.hf.mxfp4 import (
     BLOCKS_SUFFIX,
     SCALES_SUFFIX,
@@ -38,7 +39,6 @@ from megatron_smp.models.hf.mxfp4 import (
     quantize_mxfp4,
 )
 from tools.checkpoint.common import (
-    _is_vocab_table,
     architecture,
     compare_state_dicts,
     listing,
@@ -57,6 +57,7 @@ from tools.checkpoint.streaming import (  # noqa: E402
     reread_safetensors,
     to_file_names,
     to_module_names,
+    unpadded,
 )
 
 # save_pretrained's default --max-shard-size.
@@ -142,8 +143,8 @@ class HFStream:
         self.config, self.source, self.meta_model, self.meta_hf = config, source, meta_model, \
             meta_hf
         self.adapter = get_adapter(family)
-        self.meta_padded = self.adapter.from_hf(dict(meta_hf), config)
-        self.meta = trim_vocab(self.meta_padded, config)  # the framework tensors, on meta
+        # The adapter maps with tables of their own vocab_size rows (`unpadded`), in place.
+        self.meta = self.adapter.from_hf(dict(meta_hf), unpadded(config))  # on meta
 
     @classmethod
     def of(cls, load_dir: str, family: str, model_type: str) -> Optional["HFStream"]:
@@ -179,25 +180,23 @@ class HFStream:
 
     def groups(self) -> Iterator[Dict[str, torch.Tensor]]:
         """Each group's framework tensors (vocabulary tables of vocab_size rows), after the
-        group was mapped back to HF and compared with what was read, bit for bit."""
-        config, tied = self.config, not self.config.untie_embeddings_and_output_weights
+        group was mapped back to HF and compared with what was read, bit for bit. A
+        vocabulary table is the tensor read (not copied), its tied head the same tensor."""
+        config, tied = unpadded(self.config), not self.config.untie_embeddings_and_output_weights
         for names in groups(self.source.file_of):
             hf_sd, _ = to_module_names(self.meta_model, self.source.read(names))
             if tied:
                 hf_sd.pop(HEAD, None)
             read = {k: digest(v) for k, v in hf_sd.items()}
-            padded = partial(lambda sd: self.adapter.from_hf(sd, config), self.meta_hf, hf_sd)
-            del hf_sd
-            back = partial(lambda sd: self.adapter.to_hf(sd, config), self.meta_padded, padded)
+            with vocab_tables_in_place():
+                out = partial(lambda sd: self.adapter.from_hf(sd, config), self.meta_hf, hf_sd)
+                del hf_sd
+                back = partial(lambda sd: self.adapter.to_hf(sd, config), self.meta, out)
             if tied:
                 back.pop(HEAD, None)
             check_digests(read, back, f"mapping {names[0]}... of {self.load_dir} to the "
                           "framework and back")
             del back
-            # Tables of their own vocab_size rows, so that the padded ones are freed now.
-            out = {k: v[:config.vocab_size].clone() if _is_vocab_table(k) else v
-                   for k, v in padded.items()}
-            del padded
             yield out
 
 
@@ -288,8 +287,10 @@ def write_hf_checkpoint_streaming(save_dir: str, family: str, config: Transforme
     adapter = get_adapter(family)
     tied = not config.untie_embeddings_and_output_weights
     hf_config = _hf_config_for(config, family, source_hf_config)
-    meta_padded = pad_vocab_tables(dict(meta), config)
-    meta_hf = adapter.to_hf(meta_padded, config)
+    # The adapter maps with tables of their own vocab_size rows (`unpadded`), in place: a
+    # vocabulary table (and a tied head) is the tensor read, not a copy.
+    table_config = unpadded(config)
+    meta_hf = adapter.to_hf(dict(meta), table_config)
     if tied:
         meta_hf.pop(HEAD, None)
     dtypes = {t.dtype for t in meta_hf.values()}
@@ -309,10 +310,9 @@ def write_hf_checkpoint_streaming(save_dir: str, family: str, config: Transforme
     for names in groups(meta):
         ours = read(names)
         read_digests = {k: digest(v) for k, v in ours.items()}
-        padded = pad_vocab_tables(ours, config)
+        with vocab_tables_in_place():
+            hf_sd = partial(lambda sd: adapter.to_hf(sd, table_config), meta, ours)
         del ours
-        hf_sd = partial(lambda sd: adapter.to_hf(sd, config), meta_padded, padded)
-        del padded
         if tied:
             hf_sd.pop(HEAD, None)
         files = to_file_names(meta_model, hf_sd)
@@ -321,10 +321,10 @@ def write_hf_checkpoint_streaming(save_dir: str, family: str, config: Transforme
         if unmatched:
             raise ConfigError(f"verification failed: transformers does not read back "
                               f"{listing(unmatched)} of {save_dir}")
-        back = partial(lambda sd: adapter.from_hf(sd, config), meta_hf, module)
+        with vocab_tables_in_place():
+            back = partial(lambda sd: adapter.from_hf(sd, table_config), meta_hf, module)
         del module
-        check_digests(read_digests, {k: v[:config.vocab_size] if _is_vocab_table(k) else v
-                                     for k, v in back.items()},
+        check_digests(read_digests, back,
                       f"mapping {names[0]}... to {save_dir} and back to the framework")
         del back
         for name in list(files):

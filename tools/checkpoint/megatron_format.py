@@ -19,17 +19,16 @@ from megatron_smp.checkpointing.megatron_lm import (
     find_megatron_checkpoint,
     read_args,
     open_model,
-    read_model,
-    save_legacy_checkpoint,
+    save_legacy_checkpoint_streaming,
     trim_vocab_rows,
 )
 from megatron_smp.config import ConfigError, TransformerConfig
 from tools.checkpoint.common import (
     check_family,
-    compare_state_dicts,
     framework_shapes,
     listing,
 )
+from tools.checkpoint.streaming import check_digests, digest, groups, meta_like
 
 # Megatron shape flags convert.py accepts for checkpoints saved without args: flag -> type.
 SHAPE_FLAGS = {
@@ -165,14 +164,9 @@ def open_megatron_checkpoint(load_dir: str, family: str, model_type: str,
     if problems:
         raise ConfigError(f"{where} does not hold the {model_type} its args / flags describe: "
                           f"{listing(problems)}")
-    vocab_tables = [name for name in model if stored[name].shape != model[name].shape]
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:
-        tensors = source.read(names)
-        for name in vocab_tables:
-            if name in tensors:  # Megatron's padding rows dropped
-                tensors[name] = tensors[name][:config.vocab_size].clone()
-        return tensors
+        return source.read(names, rows=config.vocab_size)  # Megatron's padding rows dropped
 
     return config, model, read, checkpoint.iteration
 
@@ -186,7 +180,20 @@ _NO_MEGATRON_FLAG = {"parallel_residual_shared_norm": False, "add_attention_bias
 def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
                               model: Mapping[str, torch.Tensor], tp: int, pp: int,
                               iteration: Optional[int]) -> None:
-    """Write the legacy format at TP=`tp`, PP=`pp`, read it back and compare bit for bit."""
+    """`write_megatron_checkpoint_streaming` of tensors held in memory."""
+    write_megatron_checkpoint_streaming(save_dir, config, meta_like(model),
+                                        lambda names: {k: model[k] for k in names}, tp, pp,
+                                        iteration)
+
+
+def write_megatron_checkpoint_streaming(save_dir: str, config: TransformerConfig,
+                                        meta: Mapping[str, torch.Tensor],
+                                        read: Callable[[List[str]], Dict[str, torch.Tensor]],
+                                        tp: int, pp: int, iteration: Optional[int]) -> None:
+    """Write the tensors `read(names)` gives (those of `meta`, checkpoint form) as Megatron-LM's
+    legacy format at TP=`tp`, PP=`pp`, one group (a layer, or a tensor outside the layers) at
+    a time (`save_legacy_checkpoint_streaming`); then read it back through the Megatron-LM
+    loader a group at a time and compare each tensor with the digest of what was written."""
     unexpressible = [f"{name}={getattr(config, name)!r}" for name, megatron in
                      _NO_MEGATRON_FLAG.items() if getattr(config, name) != megatron]
     if unexpressible:
@@ -197,11 +204,28 @@ def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
         )
     # Megatron's tracker reads 0 as no checkpoint; a converted model is "iteration 1".
     iteration = iteration or 1
-    save_legacy_checkpoint(save_dir, iteration, config, {k: v.contiguous()
-                                                         for k, v in model.items()}, tp, pp)
+    name_groups = groups(meta)
+    written: Dict[str, str] = {}
+
+    def read_and_digest(names: List[str]) -> Dict[str, torch.Tensor]:
+        tensors = read(names)
+        written.update({name: digest(tensor) for name, tensor in tensors.items()})
+        return tensors
+
+    save_legacy_checkpoint_streaming(save_dir, iteration, config, meta, read_and_digest,
+                                     name_groups, tp, pp)
     checkpoint = find_megatron_checkpoint(save_dir)
-    reread = trim_vocab_rows(read_model(checkpoint, config), config.vocab_size, save_dir)
-    compare_state_dicts(dict(model), reread, f"re-reading {describe(checkpoint)}")
+    where = f"re-reading {describe(checkpoint)}"
+    source = open_model(checkpoint, config)
+    stored = trim_vocab_rows(source.meta, config.vocab_size, save_dir)
+    problems = [f"{k}: missing" for k in sorted(set(meta) - set(stored))]
+    problems += [f"{k}: unexpected" for k in sorted(set(stored) - set(meta))]
+    if problems:
+        raise ConfigError(f"verification failed, {where}: {listing(problems)}")
+    for names in name_groups:
+        tensors = source.read(names, rows=config.vocab_size)
+        check_digests({name: written[name] for name in names}, tensors, where)
+        del tensors
     saved = config_fields_from_args(read_args(checkpoint))
     differing = [k for k, v in saved.items() if getattr(config, k) != v]
     if differing:
@@ -209,5 +233,6 @@ def write_megatron_checkpoint(save_dir: str, config: TransformerConfig,
                           f"{listing(differing)}")
 
 
-__all__ = ["add_shape_arguments", "read_megatron_checkpoint", "open_megatron_checkpoint", "write_megatron_checkpoint",
-           "SHAPE_FLAGS", "SWITCHES"]
+__all__ = ["add_shape_arguments", "read_megatron_checkpoint", "open_megatron_checkpoint",
+           "write_megatron_checkpoint", "write_megatron_checkpoint_streaming", "SHAPE_FLAGS",
+           "SWITCHES"]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from megatron_smp.checkpointing.megatron_lm import load_mapped, release_pages
+from megatron_smp.checkpointing.megatron_lm import copy_into, load_mapped, release_pages
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import family_of, get_adapter
 from megatron_smp.models.hf.smp_v1 import (
@@ -250,7 +250,10 @@ class _V1Source:
                 else:
                     continue
                 if tensor.untyped_storage().data_ptr() in inputs:
-                    tensor = tensor.clone()  # its own memory: the mapped pages are released
+                    # Its own memory, copied a piece at a time with the pages read released.
+                    copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    copy_into(copy, tensor)
+                    tensor = copy
                 keep[name] = tensor
             release_pages(real.values())
         missing = [name for name in names if name not in out]

@@ -58,6 +58,14 @@ def meta_like(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
 
 
+def unpadded(config):
+    """`config` with its vocabulary tables padded to their own vocab_size rows: what the
+    converters map with, inside `models.hf.common.vocab_tables_in_place`, so that an adapter
+    gives a table (and a tied output head) as the very tensor it was given, not a copy. The
+    framework checkpoint holds tables of vocab_size rows either way."""
+    return config.replace(make_vocab_size_divisible_by=1)
+
+
 def partial(fn: Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]],
             meta: Mapping[str, torch.Tensor], real: Mapping[str, torch.Tensor]
             ) -> Dict[str, torch.Tensor]:
@@ -390,6 +398,6 @@ class Producer:
                 self.held[key] = value
 
 
-__all__ = ["group_of", "groups", "meta_like", "partial", "digest", "check_digests",
+__all__ = ["group_of", "groups", "meta_like", "unpadded", "partial", "digest", "check_digests",
            "SafetensorsSource", "to_module_names", "to_file_names", "parse_size",
            "ShardedSafetensorsWriter", "reread_safetensors", "Producer"]

@@ -411,7 +411,10 @@ class SafeFileSystemReader(FileSystemReader):
                 if record is not None and "items" in record:
                     self._read_verified(path, items, record["items"], planner)
                 else:
-                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                    rest = self._read_direct(path, items, planner)
+                    if rest:
+                        super().read_data(dataclasses.replace(plan, items=rest),
+                                          planner).wait()
             except CheckpointError:
                 raise
             except Exception as error:
@@ -423,6 +426,30 @@ class SafeFileSystemReader(FileSystemReader):
         future: Future = Future()  # DCP's readers return torch futures
         future.set_result(None)
         return future
+
+    def _read_direct(self, path: str, items, planner) -> list:
+        """The tensor items of a file without checksums (written before them, or by
+        Megatron-LM) that load whole into a contiguous piece of a tensor of their dtype, read
+        from the disk straight into it (`_read_into`), not decoded into memory of their own
+        and copied; returns the other items."""
+        rest = []
+        layouts: Dict[Any, Tuple[int, bytes]] = {}
+        with open(path, "rb") as file:
+            for request in items:
+                info = self.storage_data[request.storage_index]
+                if request.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                    rest.append(request)
+                    continue
+                target = planner.resolve_tensor(request).detach()
+                # The item's place in the target: a tensor-parallel shard of rows is one
+                # contiguous piece of it.
+                place = narrow_tensor_by_index(target, request.dest_offsets, request.lengths)
+                if place.is_contiguous() and _read_into(file, info, None, path, request, place,
+                                                        layouts):
+                    planner.commit_tensor(request, target)
+                else:
+                    rest.append(request)
+        return rest
 
     def _read_verified(self, path: str, items, checksums: Dict[int, Tuple[int, int]],
                        planner) -> None:
@@ -601,11 +628,12 @@ def _write_and_checksum(file, data: memoryview, crc: int) -> Tuple[int, int]:
     return written, crc
 
 
-def _read_into(file, info, expected_crc: int, path: str, request, target,
+def _read_into(file, info, expected_crc: Optional[int], path: str, request, target,
                layouts: Dict[Any, Tuple[int, bytes]]) -> bool:
     """Read a tensor item (torch.save's zip of one tensor) from the disk straight into
-    `target`, verifying the CRC-32 of all its bytes in file order; False (nothing read into
-    `target`) when the item is not one whole contiguous chunk of `target`'s dtype and shape.
+    `target`, verifying the CRC-32 of all its bytes in file order (unless `expected_crc` is
+    None: no checksum was taken); False (nothing read into `target`) when the item is not one
+    whole contiguous chunk of `target`'s dtype and shape.
 
     torch.load on the meta device gives the tensor's layout and its data's offset in the
     item without reading the data. `layouts` remembers, per dtype, shape and item length,
@@ -647,7 +675,7 @@ def _read_into(file, info, expected_crc: int, path: str, request, target,
         raise CheckpointError(f"{path} is truncated at the item of {info.length} bytes at "
                               f"{info.offset} -- load an earlier iteration")
     actual = crc32(tail, crc)
-    if actual != expected_crc:
+    if expected_crc is not None and actual != expected_crc:
         raise _corrupted(path, info, actual, expected_crc)
     return True
 

@@ -15,7 +15,8 @@ the framework side for every family.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -36,6 +37,25 @@ def layer_prefix(index: int) -> str:
     return f"decoder.layers.{index}."
 
 
+# Whether `pad_vocab` / `unpad_vocab` may give the table itself (see `vocab_tables_in_place`).
+_IN_PLACE = [False]
+
+
+@contextlib.contextmanager
+def vocab_tables_in_place() -> Iterator[None]:
+    """Within it, `pad_vocab` and `unpad_vocab` give the table itself (no copy) when no row is
+    added or cut: a converter that maps a vocabulary table with a config padding it to its own
+    size (make_vocab_size_divisible_by=1) then holds one copy of it, not two or three (the
+    tied output head is the same table). Outside it they always copy, so that a converted
+    state dict owns its tables and a tied head is a tensor of its own."""
+    previous = _IN_PLACE[0]
+    _IN_PLACE[0] = True
+    try:
+        yield
+    finally:
+        _IN_PLACE[0] = previous
+
+
 def pad_vocab(table: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     """[vocab, h] -> [padded_vocab_size(1), h] with zero rows (the TP=1 model's table)."""
     if table.shape[0] != config.vocab_size:
@@ -44,12 +64,17 @@ def pad_vocab(table: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
             f"{config.vocab_size}"
         )
     padded = config.padded_vocab_size(1)
+    if padded == config.vocab_size and _IN_PLACE[0]:
+        return table
     out = table.new_zeros((padded,) + tuple(table.shape[1:]))
     out[: config.vocab_size] = table
     return out
 
 
 def unpad_vocab(table: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """Inverse of `pad_vocab`: the first vocab_size rows, a copy."""
+    if table.shape[0] == config.vocab_size and _IN_PLACE[0]:
+        return table
     return table[: config.vocab_size].clone()
 
 
@@ -249,6 +274,7 @@ __all__ = [
     "layer_prefix",
     "pad_vocab",
     "unpad_vocab",
+    "vocab_tables_in_place",
     "pack_qkv",
     "unpack_qkv",
     "shape_fields_from_hf",

@@ -293,6 +293,16 @@ _FLAGS: List[_Flag] = [
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--pipeline-model-parallel-layout", "parallel",
+       help="Megatron's layout string: |-separated virtual stages (stage k on rank k mod pp) of "
+            "E (embedding), t (transformer layer), m (MTP), L (loss), with (..)*n and x*n "
+            "repeats, e.g. \"Et*3|(tt|)*6tmL\""),
+    _f("--account-for-embedding-in-pipeline-split", "parallel", action="store_true",
+       help="the layer split over pipeline stages counts the embedding as a layer: the first "
+            "stage's first chunk holds one transformer layer fewer"),
+    _f("--account-for-loss-in-pipeline-split", "parallel", action="store_true",
+       help="the layer split counts the loss as a layer: the last stage's last chunk holds "
+            "one transformer layer fewer"),
     _f("--microbatch-group-size-per-virtual-pipeline-stage", "training",
        "microbatch_group_size_per_vp_stage", type=int,
        help="the interleaved schedule runs each model chunk on this many microbatches in turn "
@@ -548,10 +558,10 @@ _FLAGS: List[_Flag] = [
        help="the ranks that get the injected fault"),
     _f("--fault-injector-num-ranks", "resilience", type=int,
        help="instead of --fault-injector-ranks: this many ranks drawn from 1..world-1"),
-    _f("--fault-injector-fault-types", "resilience", metavar="hang|crash|slow[,...]",
+    _f("--fault-injector-fault-types", "resilience", metavar="hang|crash|slow|exception[,...]",
        help="the fault, drawn from these: hang (the process SIGSTOPs itself), crash (SIGKILL), "
-       "slow (each later step --fault-injector-slow-factor times as long); only the first "
-       "restart attempt injects"),
+       "slow (each later step --fault-injector-slow-factor times as long), exception (the "
+       "rank's next step raises); only the first restart attempt injects"),
     _f("--fault-injector-fault-probabilities", "resilience", metavar="P[,P...]",
        help="weights of --fault-injector-fault-types (default: equal)"),
     _f("--fault-injector-fault-delay", "resilience", type=float,
@@ -567,6 +577,17 @@ _FLAGS: List[_Flag] = [
        help="seed of the plan (ranks, fault, delay), drawn on rank 0"),
     _f("--fault-injector-slow-factor", "resilience", type=float, default=2.0,
        help="a 'slow' fault makes each later step of the rank take this many times as long"),
+    _f("--inprocess-restart", "resilience", action="store_true",
+       help="a failed training run (an exception on a rank; with --enable-ft-package a rank "
+       "stuck without its process freezing) is restarted inside the same processes: every "
+       "rank aborts its collectives, forms new process groups and resumes from the last "
+       "checkpoint (--save = --load; under torchrun). A frozen or dead rank still ends the "
+       "job with code 75 for torchrun / SLURM to relaunch"),
+    _f("--inprocess-max-iterations", "resilience", type=int,
+       help="the most in-process restarts; the next failure ends the process (default: no "
+       "limit)"),
+    _f("--inprocess-empty-cuda-cache", "resilience", action="store_true",
+       help="return the CUDA caching allocator's unused memory at each in-process restart"),
     _f("--log-straggler", "resilience", action="store_true",
        help="every log interval, the slowest and fastest ranks by their fastest "
        "forward-backward in the interval, "
@@ -834,17 +855,18 @@ _IGNORED_NARGS = {flag: nargs for flag, nargs in megatron_lm.IGNORED_NARGS.items
 # Megatron-LM flags of capabilities megatron_smp does not have yet: giving one is an error, never
 # a silent no-op. Every other --moe-* flag is treated the same way.
 NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
-    # Megatron-LM main's in-process restart (nvidia-resiliency-ext's Wrapper). A hang is handled
-    # by --enable-ft-package: exit code 75, and torchrun --max-restarts restarts the job.
-    **{f"--inprocess-{name}": "in-process restart (re-forming the process groups without a "
-       "relaunch); use --enable-ft-package with torchrun --max-restarts, which restarts the "
-       "processes and resumes from the last checkpoint"
-       for name in ("restart", "max-iterations", "monitor-thread-interval",
-                    "monitor-process-interval", "progress-watchdog-interval",
-                    "heartbeat-interval", "soft-timeout", "hard-timeout", "heartbeat-timeout",
-                    "barrier-timeout", "completion-timeout", "last-call-wait",
-                    "termination-grace-time", "granularity", "active-world-size",
-                    "empty-cuda-cache")},
+    # Megatron-LM main's in-process restart runs nvidia-resiliency-ext's Wrapper: a monitor
+    # process per rank, its own heartbeats and soft/hard progress timeouts, warm spare ranks.
+    # --inprocess-restart here restarts on the --enable-ft-package watchdog's timeouts.
+    **{f"--inprocess-{name}": f"--inprocess-{name} (nvidia-resiliency-ext's in-process "
+       "monitor process, spare ranks and timeouts); --inprocess-restart takes its timeouts "
+       "from --enable-ft-package (--ft-rank-section-timeouts, --ft-rank-heartbeat-timeout, "
+       "--ft-heartbeat-interval)"
+       for name in ("monitor-thread-interval", "monitor-process-interval",
+                    "progress-watchdog-interval", "heartbeat-interval", "soft-timeout",
+                    "hard-timeout", "heartbeat-timeout", "barrier-timeout",
+                    "completion-timeout", "last-call-wait", "termination-grace-time",
+                    "granularity", "active-world-size")},
     "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism",
     # Megatron-LM 0.19 / main.
     "--multiple-validation-sets": "separate validation losses per validation dataset",
@@ -864,12 +886,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
-    "--account-for-embedding-in-pipeline-split": "counting the embedding as a layer when "
-                                                 "splitting layers over pipeline stages",
-    "--account-for-loss-in-pipeline-split": "counting the loss as a layer when splitting "
-                                            "layers over pipeline stages",
-    "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
-                                        "--decoder-first/last-pipeline-num-layers)",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
         "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
         "--dsa-indexer-topk")},

@@ -65,6 +65,15 @@ IMPLEMENTED: List[Tuple[str, Any, str, Dict[str, Any]]] = [
           help="with --load or --pretrained-checkpoint: the weights the checkpoint gives "
           "overwrite the drawn ones (Megatron leaves them uninitialised for it); without "
           "either an error")),
+    ("--weight-decay-incr-style", "optimizer", "weight_decay_incr_style",
+     dict(choices=["constant", "linear", "cosine"], default="constant",
+          help="constant: --weight-decay throughout; linear or cosine: from "
+          "--start-weight-decay to --end-weight-decay over the run (Megatron's schedule)")),
+    ("--start-weight-decay", "optimizer", "start_weight_decay", dict(type=float)),
+    ("--end-weight-decay", "optimizer", "end_weight_decay", dict(type=float)),
+    ("--embedding-init-method-std", "model", "embedding_init_method_std",
+     dict(type=float, help="the word and position embeddings (and, with --use-mup, an untied "
+          "output layer) start at N(0, this); default --init-method-std")),
     ("--check-for-spiky-loss", "training", "check_for_spiky_loss",
      dict(action="store_true",
           help="a loss at least 10x the largest of the first 100 is rejected: rerun in place "
@@ -333,9 +342,8 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("numerics option of this kind (fp32 residual stream, fp16 cross entropy, a Mamba SSM "
      "state dtype)", "--fp32-residual-connection --fp16-lm-cross-entropy "
      "--mamba-training-ssm-states-dtype"),
-    ("initialisation of this kind (Xavier-uniform weights, a separate embedding std, a "
-     "different draw on each data-parallel replica)",
-     "--init-method-xavier-uniform --embedding-init-method-std --data-parallel-random-init"),
+    ("initialisation of this kind (Xavier-uniform weights, a different draw on each "
+     "data-parallel replica)", "--init-method-xavier-uniform --data-parallel-random-init"),
     ("Llama 4 layer option (q/k L2 norm, RoPE-free layers)",
      "--qk-l2-norm --no-rope-freq"),
     ("multi-token-prediction variant of this kind (detached, hidden-state-mixed, repeated "
@@ -354,8 +362,6 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--tokenizer-metadata --use-gigatoken --sft-tokenizer-prompt-format"),
     ("keeping pad tokens that share their id with another special token in the loss (the "
      "datasets here mask no pad tokens)", "--allow-ambiguous-pad-tokens"),
-    ("a weight-decay schedule (--weight-decay is constant)",
-     "--weight-decay-incr-style --start-weight-decay --end-weight-decay"),
     ("schedule or data option of this kind (phase transitions, skipped iterations, shrinking "
      "the batch to fit, full-validation passes)",
      "--phase-transition-iterations --iterations-to-skip --decrease-batch-size-if-needed "

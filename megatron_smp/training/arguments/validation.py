@@ -91,8 +91,10 @@ def validate_configs(configs: Configs, world_size: Optional[int] = None) -> None
     _validate_feature_combinations(configs)
     _validate_data_flags(configs)
     _validate_checkpoint_flags(configs)
-    configs.resilience.validate(configs.checkpoint.save, world_size)
+    configs.resilience.validate(configs.checkpoint.save, world_size,
+                                load=configs.checkpoint.load)
     _validate_replica_groups(configs)
+    _validate_inprocess_restart(configs)
     _validate_modes(configs)
 
 
@@ -130,6 +132,20 @@ def _validate_replica_groups(configs: Configs) -> None:
             raise ConfigError(f"--fault-tolerance does not apply to {flag}: replica groups run "
                               "the pretraining / SFT scripts over our DDP (with tensor, "
                               "pipeline and data parallelism inside each group)")
+
+
+def _validate_inprocess_restart(configs: Configs) -> None:
+    """--inprocess-restart restarts pretrain()'s run (pretraining, SFT, DPO)."""
+    if not configs.resilience.inprocess_restart:
+        return
+    if configs.rl is not None:
+        raise ConfigError("--inprocess-restart restarts the pretraining, SFT and DPO runs; "
+                          "train_rl.py is not restarted in process: use --enable-ft-package "
+                          "with torchrun --max-restarts")
+    if configs.resilience.fault_tolerance:
+        raise ConfigError("--inprocess-restart and --fault-tolerance recover the same faults "
+                          "two ways (a restart of every rank / the other replica groups going "
+                          "on): give one")
 
 
 def _validate_logging_flags(configs: Configs) -> None:

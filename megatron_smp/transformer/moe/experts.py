@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from megatron_smp.config import TransformerConfig, recompute_modules
+from megatron_smp.tensor_parallel.layers import linear
 from megatron_smp.tensor_parallel.mappings import group_rank
 from megatron_smp.tensor_parallel.random import CheckpointWithoutOutput
 from megatron_smp.tensor_parallel.utils import mark_expert_param
@@ -136,9 +136,9 @@ class MoEExperts(torch.nn.Module):
     def _expert_forward(self, expert: MLP, tokens: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
         return self._activated(
-            _with_adapter(fc1, tokens, F.linear(tokens, fc1.weight, fc1.bias)),
+            _with_adapter(fc1, tokens, linear(tokens, fc1.weight, fc1.bias)),
             lambda activated: _with_adapter(
-                fc2, activated, F.linear(activated, fc2.weight, self._output_bias(fc2.bias))))
+                fc2, activated, linear(activated, fc2.weight, self._output_bias(fc2.bias))))
 
     def _adapter_terms(self, projection: str, inputs: torch.Tensor,
                        counts: Sequence[int]) -> Optional[torch.Tensor]:

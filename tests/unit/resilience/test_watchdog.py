@@ -70,8 +70,13 @@ def test_silent_neighbour_is_named_and_killed_on_this_host(monkeypatch):
         monkeypatch.undo()
         time.sleep(0.5)  # a few heartbeats
         frozen._stop.set()
-        watcher, lines, exit = _watchdog(config, rank=0, world_size=2, store=store)
+        lines, exit, interrupts = [], _Exit(), []
+        # A frozen rank cannot restart in process: even with --inprocess-restart's interrupt
+        # the job exits for the launcher to replace the process.
+        watcher = ProgressWatchdog(config, 0, 2, store, log=lines.append, exit=exit,
+                                   interrupt=interrupts.append)
         assert exit.event.wait(10)
+        assert interrupts == []
         assert stand_in.wait(timeout=10) == -9
     finally:
         stand_in.kill()
@@ -129,14 +134,63 @@ def test_bad_flags_name_themselves(kwargs, flag):
         ResilienceConfig(**kwargs).validate(save=None, world_size=2)
 
 
-def test_inprocess_flags_are_clear_errors():
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"inprocess_max_iterations": 2}, "--inprocess-max-iterations applies to --inprocess-restart"),
+    ({"inprocess_empty_cuda_cache": True}, "--inprocess-empty-cuda-cache applies to"),
+    ({"inprocess_restart": True, "inprocess_max_iterations": 0}, "--inprocess-max-iterations"),
+    ({"inprocess_restart": True}, "--inprocess-restart .*--save DIR and --load DIR"),
+    ({"inprocess_restart": True, "save": "a", "load": "b"}, "--inprocess-restart .*same DIR"),
+    ({"inprocess_restart": True, "save": "a", "load": "a"}, "--inprocess-restart .*torchrun"),
+])
+def test_inprocess_flags_that_cannot_work_name_themselves(monkeypatch, kwargs, flag):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    save, load = kwargs.pop("save", None), kwargs.pop("load", None)
+    with pytest.raises(ConfigError, match=flag):
+        ResilienceConfig(**kwargs).validate(save=save, world_size=2, load=load)
+
+
+def test_inprocess_flags_of_nvidia_resiliency_ext_are_clear_errors():
     from megatron_smp.training.arguments import parse_args
 
     argv = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
             "--max-position-embeddings 8 --micro-batch-size 1 --train-iters 1 "
             "--inprocess-restart --inprocess-soft-timeout 30").split()
-    with pytest.raises(ConfigError, match="--inprocess-restart.*--enable-ft-package"):
+    with pytest.raises(ConfigError, match="--inprocess-soft-timeout.*--inprocess-restart takes "
+                       "its timeouts from --enable-ft-package"):
         parse_args(argv)
+
+
+def test_inprocess_restart_with_rl_or_replica_groups_is_a_clear_error(tmp_path):
+    from megatron_smp.post_training.rl_training import add_rl_training_args
+    from megatron_smp.training.arguments import parse_args, validate_configs
+
+    argv = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --train-iters 1 --vocab-size 64 "
+            f"--tokenizer-type NullTokenizer --mock-data --save {tmp_path} --load {tmp_path} "
+            "--inprocess-restart").split()
+    validate_configs(parse_args(argv), world_size=1)
+    with pytest.raises(ConfigError, match="--inprocess-restart and --fault-tolerance"):
+        validate_configs(parse_args(argv + ["--fault-tolerance", "--fault-tolerance-group-size",
+                                            "2", "--fault-tolerance-lighthouse", "http://h:1"]),
+                         world_size=1)
+    with pytest.raises(ConfigError, match="--inprocess-restart .*train_rl.py"):
+        validate_configs(parse_args(argv, add_rl_training_args), world_size=1)
+
+
+def test_stuck_live_rank_interrupts_for_an_inprocess_restart():
+    """With --inprocess-restart a rank stuck past its step timeout but alive (its heartbeats
+    go on) is recovered in process: the watchdog calls `interrupt` and does not exit."""
+    config = ResilienceConfig(enable_ft_package=True, ft_num_warmup_iters=0,
+                              ft_rank_section_timeouts="step:0.5", ft_heartbeat_interval=0.1,
+                              ft_rank_heartbeat_timeout=5)
+    lines, exit, reasons, called = [], _Exit(), [], threading.Event()
+    watchdog = ProgressWatchdog(config, 0, 1, dist.HashStore(), log=lines.append, exit=exit,
+                                interrupt=lambda reason: (reasons.append(reason), called.set()))
+    watchdog.step_started(1)
+    assert called.wait(10)
+    assert exit.codes == []
+    assert reasons[0].startswith("hang detected by rank 0: rank 0 made no progress")
+    assert lines[-1].endswith("every rank restarts in process (--inprocess-restart)")
 
 
 class _CutOffStore:

@@ -232,3 +232,28 @@ def test_single_process_layers_and_meta_init():
     with pytest.raises(ValueError, match="weight="):
         ColumnParallelLinear(4, 4, config=config, tp_group=None, skip_weight_param_allocation=True,
                              init_method=init_method_normal(1.0))(torch.ones(1, 4))
+
+
+def test_inference_linear_takes_onednn_and_equals_f_linear():
+    """`linear` under inference mode on the CPU in fp32 with >= ONEDNN_MIN_ROWS rows calls
+    oneDNN's GEMM (the same product to rounding); fewer rows, autograd or no_grad (training,
+    evaluation) keep F.linear bit for bit."""
+    from torch.profiler import profile
+
+    from megatron_smp.tensor_parallel.layers import linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=generator), torch.randn(24, generator=generator)
+    onednn = []
+    for shape in ((1, 16), (3, 16), (4, 16), (9, 1, 16)):
+        x = torch.randn(*shape, generator=generator)
+        expected = F.linear(x, weight, bias)
+        assert torch.equal(linear(x, weight, bias), expected)
+        with torch.no_grad():
+            assert torch.equal(linear(x, weight, bias), expected)
+        with torch.inference_mode(), profile() as prof:
+            out = linear(x, weight, bias)
+        if any("_linear_pointwise" in event.name for event in prof.events()):
+            onednn.append(shape)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert onednn == [(4, 16), (9, 1, 16)] or not torch.backends.mkldnn.is_available()

@@ -58,30 +58,39 @@ def test_sharded_hf_output_loads_with_from_pretrained(tmp_path):
     assert status == 2 and "--max-shard-size 'lots': give a positive size" in stderr
 
 
-# A Llama of 12 layers (6.3 MB each, bf16) and 8.2 MB vocabulary tables: 92 MB of weights.
-SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
-             num_attention_heads=8, num_key_value_heads=4, vocab_size=8000)
-# Each direction holds about 2 x the embedding at its peak (a vocabulary table read and its
-# padded form, or the padded form and its trimmed copy): 16.4 MB = 1.13 x (largest layer +
-# embedding) here; measured 17 MB above the baseline in both directions, against the 23.3 MB
-# HF -> ours held while each tensor was copied again for the DCP writer.
-# ALLOWANCE: the 1 MiB read buffer, the per-group objects of transformers' weight conversions
-# and of DCP's writer, the allocator's slack.
+# A GPT-2 with a tied head: 4 layers of 6.3 MB (bf16), a 32.8 MB vocabulary table: 58.5 MB.
+SHAPE = dict(n_embd=512, n_layer=4, n_head=8, vocab_size=32000, n_positions=512)
+# The table is held once on every path (the tied head is the same tensor, Megatron-LM's
+# padding rows are neither copied nor read, memory-mapped pages are released as they are
+# copied); a layer is held with its converted copy. Measured 34-36 MB above the RSS before
+# (45.8 MB SMP v1 -> HF), against 2 x the table (66 MB) before.
+# ALLOWANCE: the 1 MiB read and copy pieces, the per-group objects of transformers' weight
+# conversions and of the DCP and zip writers, the allocator's slack.
 RATIO, ALLOWANCE = 1.25, 4e6
 
 
 def test_peak_memory_is_bounded_by_a_layer_and_the_embedding(tmp_path):
-    """Peak RSS of each direction in a fresh process, above that of the same conversion of a
-    tiny Llama (the imports, the meta-device HF model): under RATIO x (largest layer +
-    embedding) + ALLOWANCE (22.1 MB), i.e. under a quarter of the model (the whole-model
-    conversion held 3.5x-4.6x the model)."""
-    from tools.bench.bench_convert import SIZES, model_bytes, round_trip
+    """Peak RSS of every streaming path of a tied GPT-2 -- HF <-> megatron_smp, megatron_smp
+    -> Megatron-LM (legacy, TP=2) -> HF / megatron_smp, SMP v1 -> HF / megatron_smp -- each
+    above the RSS before it, in one fresh process that ran the same paths on a tiny GPT-2
+    first: under RATIO x (largest layer + embedding) + ALLOWANCE (52.8 MB), i.e. under the
+    model (the whole-model conversion held 3.5x-4.6x the model) and under 2 x the table."""
+    import subprocess
+    import sys
 
-    baseline = round_trip(str(tmp_path), "tiny", SIZES["tiny"])
-    figures = round_trip(str(tmp_path), "model", SHAPE)
-    total, layer, embedding = model_bytes(SHAPE)
-    assert 90e6 < total < 95e6
+    from tools.bench.bench_convert import PATHS, ROOT, model_bytes
+
+    total, layer, embedding = model_bytes("gpt2", SHAPE)
+    assert 58e6 < total < 59e6 and embedding == 32000 * 512 * 2
+    script = ("import json, sys; from tools.bench.bench_convert import peaks_in_one_process; "
+              f"print('PEAKS', json.dumps(peaks_in_one_process({str(tmp_path)!r}, 'gpt2', "
+              f"{SHAPE!r}, {[p[0] for p in PATHS]!r})))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = json.loads(result.stdout.split("PEAKS", 1)[1])
+    assert sorted(peaks) == sorted(p[0] for p in PATHS)
     bound = RATIO * (layer + embedding) + ALLOWANCE
-    for direction, (peak, _) in figures.items():
-        above = peak - baseline[direction][0]
-        assert above < bound, (direction, above / 1e6, bound / 1e6)
+    assert bound < min(total, 2 * embedding)
+    for path, (peak, _) in peaks.items():
+        assert peak < bound, (path, peak / 1e6, bound / 1e6)

@@ -119,7 +119,26 @@ def _ckpt_runs(rank, world_size, runs):
     from megatron_smp.training import pretrain
     from pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
 
-    out = []
+    import torch
+
+    from megatron_smp.models import GPTModel
+    from megatron_smp.parallel_state import build_parallel_state
+    from megatron_smp.training.arguments import parse_args
+
+    # --embedding-init-method-std: the same draws scaled, every other weight unchanged.
+    from megatron_smp.tensor_parallel.random import model_parallel_seed
+
+    state = build_parallel_state()
+    weights = []
+    for extra in ([], ["--embedding-init-method-std", "0.5"]):
+        model_parallel_seed(1234, state)
+        model = GPTModel(parse_args(BASE + ["--untie-embeddings-and-output-weights"] + extra)
+                         .model.replace(vocab_size=100), state)
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()
+                        if torch.is_tensor(v)})
+    out = [{name: (weights[1][name][:10] / weights[0][name][:10]).mean().item()
+            if "embedding" in name else bool(torch.equal(weights[0][name], weights[1][name]))
+            for name in weights[0]}]
     for argv in runs:
         try:
             result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
@@ -132,7 +151,7 @@ def _ckpt_runs(rank, world_size, runs):
 
 
 def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
-    """Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
+    """--embedding-init-method-std scales the embeddings' draws, nothing else. Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
     tracker's 4): iterations 3 and 4 again, with the first run's losses. An empty --load with
     --exit-on-missing-checkpoint is an error, not a run from scratch."""
     from megatron_smp.testing import run_distributed
@@ -143,7 +162,12 @@ def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
     first = argv + ["--save", save, "--save-interval", "2"]
     again = argv + ["--load", save, "--ckpt-step", "2"]
     missing = argv + ["--load", str(tmp_path / "empty"), "--exit-on-missing-checkpoint"]
-    (whole, resumed, error), = run_distributed(_ckpt_runs, 1, args=([first, again, missing],))
+    (scaled, whole, resumed, error), = run_distributed(_ckpt_runs, 1,
+                                                       args=([first, again, missing],))
+    embeddings = {name: ratio for name, ratio in scaled.items() if "embedding" in name}
+    assert len(embeddings) == 2  # word and position tables: 0.5 / 0.02 = 25 x the draws
+    assert all(ratio == pytest.approx(25.0, rel=1e-5) for ratio in embeddings.values()), scaled
+    assert all(same for name, same in scaled.items() if name not in embeddings), scaled
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004",
                                         "latest_checkpointed_iteration.txt"]
     assert sorted(resumed) == [3, 4]
@@ -219,3 +243,49 @@ def test_spiky_loss_and_large_grads_checks():
     assert (built.nan, built.spiky_loss, built.large_grads) == (False, True, True)
     assert _build_validator(parse_args(BASE + ["--no-check-for-nan-in-loss-and-grad"]), state,
                             []) is None
+
+
+def test_weight_decay_schedule():
+    """--weight-decay-incr-style linear / cosine: Megatron's get_wd from --start-weight-decay
+    to --end-weight-decay over train_iters x global batch samples, on every decayed group
+    (no-decay groups stay at 0); checked against a checkpoint's schedule on resume."""
+    import math
+
+    import torch
+
+    from megatron_smp.training.optimizer_param_scheduler import OptimizerParamScheduler
+
+    flags = ["--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3"]
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    for style, coeff in (("linear", lambda r: r),
+                         ("cosine", lambda r: 0.5 * (math.cos(math.pi * (1 - r)) + 1))):
+        config = parse_args(BASE + flags + ["--weight-decay-incr-style", style,
+                                            "--start-weight-decay", "0.02",
+                                            "--end-weight-decay", "0.1"]).optimizer
+        config.validate()
+        optimizer = torch.optim.AdamW([{"params": params[:1]},
+                                       {"params": params[1:], "wd_mult": 0.0}])
+        scheduler = OptimizerParamScheduler(optimizer, config, 10, global_batch_size=4)
+        done = 0
+        for samples in (0, 4, 20, 36, 40, 44):
+            scheduler.step(samples - done)
+            done = samples
+            expected = 0.02 + coeff(min(samples, 40) / 40) * 0.08
+            assert scheduler.get_wd() == pytest.approx(expected, rel=1e-12)
+            assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(expected)
+            assert optimizer.param_groups[1]["weight_decay"] == 0.0
+        saved = scheduler.state_dict()
+        assert (saved["start_wd"], saved["end_wd"], saved["wd_incr_steps"],
+                saved["wd_incr_style"]) == (0.02, 0.1, 40, style)
+    constant = OptimizerParamScheduler(torch.optim.AdamW(params), parse_args(
+        BASE + flags + ["--weight-decay", "0.05"]).optimizer, 10, global_batch_size=4)
+    assert constant.get_wd() == 0.05
+    with pytest.raises(ConfigError, match="--weight-decay-incr-style: checkpoint 'cosine', "
+                                          "command line 'constant'"):
+        constant.load_state_dict(dict(saved, max_lr=1e-3, start_wd=0.05, end_wd=0.05))
+    for extra, match in ((["--weight-decay-incr-style", "linear"], "needs --start-weight-decay"),
+                         (["--start-weight-decay", "0.1"], "need --weight-decay-incr-style"),
+                         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.2",
+                           "--end-weight-decay", "0.1"], "at most --end-weight-decay")):
+        with pytest.raises(ConfigError, match=match):
+            parse_args(BASE + extra).optimizer.validate()
