@@ -239,9 +239,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     CPU in fp32 with at least ONEDNN_MIN_ROWS rows, through oneDNN's GEMM instead of the BLAS
     one (the same product, rounded in another order: training and evaluation never take it;
     nor does torch.compile, whose lowering of it takes only static shapes)."""
+    if torch.compiler.is_compiling():  # (first: the checks below would break the graph)
+        return F.linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and torch.is_inference_mode_enabled() and torch.backends.mkldnn.is_available()
-            and not torch.compiler.is_compiling()
             and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
