@@ -41,6 +41,9 @@ class ParallelConfig:
     # stage of the first rank (the last of the last) holds one transformer layer fewer.
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Megatron's --pipeline-model-parallel-layout: every virtual stage's layers spelled out,
+    # e.g. "Et*3|(tt|)*6tmL" (pipeline_parallel.stages.megatron_pipeline_layout).
+    pipeline_model_parallel_layout: Optional[str] = None
     # Chrome trace of the pipeline schedule, one file per rank (PATH.rank<r>.json).
     pipeline_timeline: Optional[str] = None
     # SMP v2 sharded data parallelism (FSDP2, `distributed.fsdp`): parameters, grads and
@@ -164,6 +167,7 @@ class ParallelConfig:
                     self.num_layers_per_virtual_pipeline_stage,
                 "--decoder-first-pipeline-num-layers": self.decoder_first_pipeline_num_layers,
                 "--decoder-last-pipeline-num-layers": self.decoder_last_pipeline_num_layers,
+                "--pipeline-model-parallel-layout": self.pipeline_model_parallel_layout,
                 "--pipeline-timeline": self.pipeline_timeline,
             }
             given = [flag for flag, value in pipeline_only.items() if value is not None]

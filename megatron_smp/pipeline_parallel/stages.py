@@ -176,8 +176,79 @@ def hybrid_pattern_layout(segments: List[int], pipeline_size: int, parallel) -> 
     return [[(offsets[rank], segments[rank])] for rank in range(pipeline_size)]
 
 
+def megatron_pipeline_layout(text: str, pipeline_size: int, num_layers: int,
+                             mtp_num_layers: Optional[int]) -> List[List[tuple]]:
+    """The layout of Megatron's --pipeline-model-parallel-layout string (its
+    PipelineParallelLayerLayout): `|` separates virtual stages, stage k going to rank
+    k mod pp as chunk k // pp; "E" the embedding, "t" a transformer layer, "m" an MTP layer,
+    "L" the loss; "(...)*n" and "x*n" repeat, commas are cosmetic. Checked as Megatron
+    checks it (E first, L last, once each, the t count is --num-layers, MTP after every t);
+    the MTP layers must sit with the loss (on the last stage), where they are built here."""
+    import re
+
+    flag = "--pipeline-model-parallel-layout"
+    expanded = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        expanded = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), expanded)
+    stages = expanded.split("|")
+    unknown = sorted(set(expanded) - set("|EtmL"))
+    if unknown:
+        raise ConfigError(f"{flag} {text!r}: unknown layer character(s) {unknown}; the layer "
+                          "characters are E (embedding), t (transformer), m (MTP), L (loss)")
+    if len(stages) % pipeline_size:
+        raise ConfigError(f"{flag} {text!r} has {len(stages)} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size ({pipeline_size})")
+    flat = "".join(stages)
+    problems = []
+    if not flat.startswith("E") or flat.count("E") != 1:
+        problems.append("the embedding E must come first, once")
+    if not flat.endswith("L") or flat.count("L") != 1:
+        problems.append("the loss L must come last, once")
+    if flat.count("t") != num_layers:
+        problems.append(f"it holds {flat.count('t')} transformer layers t, not --num-layers "
+                        f"({num_layers})")
+    if flat.count("m") != (mtp_num_layers or 0):
+        problems.append(f"it holds {flat.count('m')} MTP layers m, not --mtp-num-layers "
+                        f"({mtp_num_layers or 0})")
+    if "m" in flat and "t" in flat[flat.index("m"):]:
+        problems.append("transformer layers must come before the MTP layers")
+    if "m" in flat and "m" in expanded[:expanded.rindex("|") + 1 if "|" in expanded else 0]:
+        problems.append("the MTP layers must be in the last stage, with the loss (an MTP "
+                        "stage of its own is not supported yet)")
+    if problems:
+        raise ConfigError(f"{flag} {text!r}: {'; '.join(problems)}")
+    virtual = len(stages) // pipeline_size
+    layout: List[List[tuple]] = [[] for _ in range(pipeline_size)]
+    offset = 0
+    for index, stage in enumerate(stages):
+        count = stage.count("t")
+        layout[index % pipeline_size].append((offset, count))
+        offset += count
+    assert all(len(chunks) == virtual for chunks in layout)
+    return layout
+
+
 def layout_from_configs(configs, pipeline_size: int) -> List[List[tuple]]:
     parallel = configs.parallel
+    if parallel.pipeline_model_parallel_layout is not None:
+        given = [flag for flag, value in (
+            ("--virtual-pipeline-model-parallel-size",
+             parallel.virtual_pipeline_model_parallel_size),
+            ("--num-layers-per-virtual-pipeline-stage",
+             parallel.num_layers_per_virtual_pipeline_stage),
+            ("--decoder-first-pipeline-num-layers", parallel.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", parallel.decoder_last_pipeline_num_layers),
+            ("--account-for-embedding-in-pipeline-split",
+             parallel.account_for_embedding_in_pipeline_split or None),
+            ("--account-for-loss-in-pipeline-split",
+             parallel.account_for_loss_in_pipeline_split or None),
+            ("--hybrid-layer-pattern", configs.model.hybrid_stage_layer_counts()),
+        ) if value is not None]
+        if given:
+            raise ConfigError(f"--pipeline-model-parallel-layout gives the whole split: drop "
+                              f"{', '.join(given)} (as in Megatron-LM)")
+        return megatron_pipeline_layout(parallel.pipeline_model_parallel_layout, pipeline_size,
+                                        configs.model.num_layers, configs.model.mtp_num_layers)
     segments = configs.model.hybrid_stage_layer_counts()
     if segments is not None and pipeline_size > 1:
         return hybrid_pattern_layout(segments, pipeline_size, parallel)

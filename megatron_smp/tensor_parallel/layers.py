@@ -237,7 +237,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
            ) -> torch.Tensor:
     """F.linear(x [..., k], weight [n, k], bias [n]) -> [..., n]; under inference mode on the
     CPU in fp32 with at least ONEDNN_MIN_ROWS rows, through oneDNN's GEMM instead of the BLAS
-    one (the same product, rounded in another order: training and evaluation never take it)."""
+    one (the same product, rounded in another order: training and evaluation never take it;
+    nor does torch.compile, whose lowering of it takes only static shapes)."""
+    if torch.compiler.is_compiling():  # (first: the checks below would break the graph)
+        return F.linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and torch.is_inference_mode_enabled() and torch.backends.mkldnn.is_available()
             and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]):

@@ -25,8 +25,15 @@ echo "job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST
 # --exit-duration-in-mins), requeue the job: it resumes from the checkpoint that exit saved
 # (REQUEUE=0: don't). --exit-interval is a deliberate stop and is not requeued. `scontrol requeue` by hand needs nothing here: SLURM sends
 # SIGTERM, waits KillWait seconds while the run saves, and requeues the job itself.
+# A hang (--enable-ft-package's watchdog ends every rank with exit code 75) is requeued too,
+# once torchrun's own restarts (MAX_RESTARTS, within the allocation) are spent: the run failed
+# with 75 -- srun's status under LAUNCHER=srun, the first failure of torchrun's summary under
+# torchrun -- and the job resumes from the last checkpoint. At most MAX_HANG_REQUEUES (default
+# 3) times per job (SLURM_RESTART_COUNT counts every requeue), so a hang that recurs at once
+# does not hold the allocation for ever.
+HANG_EXIT_CODE=75
 run_step() {
-  local attempt_log rc
+  local attempt_log rc last_exit
   attempt_log=$(mktemp)
   set +e
   # tee ignores SIGTERM: on a requeue or cancel SLURM signals this shell too, and the run's
@@ -39,6 +46,21 @@ run_step() {
     rm -f "$attempt_log"
     scontrol requeue "$SLURM_JOB_ID"
     return 0
+  fi
+  if [ "$rc" != 0 ]; then
+    # torchrun's summary ends with its first observed failure ("exitcode  : 75 (pid: ...)").
+    last_exit=$(grep -oE 'exitcode *: *-?[0-9]+' "$attempt_log" | tail -n 1 | grep -oE -- '-?[0-9]+$' || true)
+    if [ "${REQUEUE:-1}" = 1 ] && { [ "$rc" = "$HANG_EXIT_CODE" ] || [ "$last_exit" = "$HANG_EXIT_CODE" ]; }; then
+      if [ "${SLURM_RESTART_COUNT:-0}" -lt "${MAX_HANG_REQUEUES:-3}" ]; then
+        echo "a rank hung (exit code $HANG_EXIT_CODE, the progress watchdog's): requeueing job" \
+          "$SLURM_JOB_ID (requeue $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most ${MAX_HANG_REQUEUES:-3})"
+        rm -f "$attempt_log"
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+      fi
+      echo "a rank hung (exit code $HANG_EXIT_CODE) after ${SLURM_RESTART_COUNT:-0} requeues" \
+        "(MAX_HANG_REQUEUES=${MAX_HANG_REQUEUES:-3}): not requeueing job $SLURM_JOB_ID again"
+    fi
   fi
   if grep -q 'RendezvousTimeoutError' "$attempt_log"; then
     echo "rendezvous timed out: not all $NNODES nodes joined $MASTER_ADDR:$MASTER_PORT within" \

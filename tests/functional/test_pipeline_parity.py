@@ -22,6 +22,9 @@ LAYOUTS = {
     "pp4_virtual2": (4, "--pipeline-model-parallel-size 4 "
                         "--num-layers-per-virtual-pipeline-stage 1"),
     "pp2_uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
+    # Megatron's layout string: 2 chunks a rank of 1 + 1 and 2 + 0 layers (the last: the loss).
+    "pp2_layout": (2, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                      "Et|tt|t|L"),
     "tp2_sp_pp2_dp2_distopt": (8, "--tensor-model-parallel-size 2 --sequence-parallel "
                                   "--pipeline-model-parallel-size 2 --use-distributed-optimizer"),
 }

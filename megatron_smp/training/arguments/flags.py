@@ -293,6 +293,10 @@ _FLAGS: List[_Flag] = [
     _f("--expert-model-parallel-size", "parallel", type=int, default=1),
     _f("--virtual-pipeline-model-parallel-size", "parallel", type=int),
     _f("--num-layers-per-virtual-pipeline-stage", "parallel", type=int),
+    _f("--pipeline-model-parallel-layout", "parallel",
+       help="Megatron's layout string: |-separated virtual stages (stage k on rank k mod pp) of "
+            "E (embedding), t (transformer layer), m (MTP), L (loss), with (..)*n and x*n "
+            "repeats, e.g. \"Et*3|(tt|)*6tmL\""),
     _f("--account-for-embedding-in-pipeline-split", "parallel", action="store_true",
        help="the layer split over pipeline stages counts the embedding as a layer: the first "
             "stage's first chunk holds one transformer layer fewer"),
@@ -882,8 +886,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--fim-data": "fill-in-the-middle training data",
     "--fim-rate": "fill-in-the-middle training data (--fim-data)",
     "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
-    "--pipeline-model-parallel-layout": "a per-stage layer layout string (give "
-                                        "--decoder-first/last-pipeline-num-layers)",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
         "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
         "--dsa-indexer-topk")},

@@ -3,6 +3,7 @@ engine's greedy tokens equal its eager ones over a batch whose size changes as r
 finish (padded to the buckets); the buckets; what it refuses, naming the flag."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import megatron_smp as smp
 from megatron_smp.config import ConfigError
@@ -36,11 +37,14 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     eager = InferenceEngine(module, max_tokens=64, block_size=16, max_requests=3)
     expected = [r.output for r in eager.generate(prompts, params)]
     # One bucket (one compile): batch sizes 3, 2, 1 padded to 3; keys to 16 positions.
+    counters.clear()
     engine = InferenceEngine(module, max_tokens=64, block_size=16, max_requests=3,
                              decode_step="compile", num_decode_graphs=1)
     assert engine.decode_runner.batch_sizes == [3]
     assert [r.output for r in engine.generate(prompts, params)] == expected
     assert engine.decode_runner.steps == max(news) - 1
+    # one graph, no breaks (a break would run the step's pieces eagerly between graphs)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
 def test_decode_step_refusals():

@@ -58,3 +58,24 @@ def test_split_counting_the_embedding_and_the_loss_follows_megatron():
         pipeline_layer_layout(4, 4, account_for_loss=True)
     with pytest.raises(ConfigError, match="do not combine with --account-for-embedding"):
         pipeline_layer_layout(4, 2, first_stage_layers=1, account_for_embedding=True)
+
+
+def test_megatron_layout_strings():
+    """--pipeline-model-parallel-layout as Megatron's PipelineParallelLayerLayout reads it:
+    stage k of the string on rank k mod pp, repeats unrolled, E / L / t / m counted."""
+    from megatron_smp.config import ConfigError
+    import re
+
+    from megatron_smp.pipeline_parallel.stages import megatron_pipeline_layout
+
+    # Megatron-LM's functional-test layout: 16 layers and one MTP layer over PP=2 x 4.
+    assert megatron_pipeline_layout("Et*3|(tt|)*6tmL", 2, 16, 1) == [
+        [(0, 3), (5, 2), (9, 2), (13, 2)], [(3, 2), (7, 2), (11, 2), (15, 1)]]
+    assert megatron_pipeline_layout("Et,t|tL", 2, 3, None) == [[(0, 2)], [(2, 1)]]
+    for text, message in (("Ett|tL", "holds 3 transformer layers t, not --num-layers (2)"),
+                          ("tE|tL", "the embedding E must come first"),
+                          ("Et|t|L", "not a multiple of --pipeline-model-parallel-size"),
+                          ("Etx|tL", "unknown layer character"),
+                          ("Etm|tL", "transformer layers must come before the MTP layers")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            megatron_pipeline_layout(text, 2, 2, 1 if "m" in text else None)
