@@ -15,31 +15,34 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "16", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
 
 
-def test_audit_of_megatron_main_parser_finds_no_missing_flag():
-    """tests/fixtures/megatron_main_parser_flags.json: the flags Megatron-LM main's parser
-    declares (as tools/megatron_flag_audit.py --arguments reads them); each is accepted or a
-    ConfigError naming it, none rejected by argparse."""
+def test_audit_of_megatron_parsers_finds_no_missing_flag():
+    """tests/fixtures/megatron_parser_flags.json: the flags the parsers of Megatron-LM main,
+    megatron-core 0.19.2 and core_v0.16.1 declare (as tools/megatron_flag_audit.py --arguments
+    reads them); each is accepted or a ConfigError naming it, none rejected by argparse."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tools"))
     from megatron_flag_audit import audit_parser
 
-    with open(ROOT / "tests" / "fixtures" / "megatron_main_parser_flags.json") as handle:
-        specs = json.load(handle)["flags"]
-    result = audit_parser(specs)
-    assert result["missing"] == []
-    assert len(specs) == 876
-    # The tables of megatron_lm.py name flags of that parser only, each in one table.
-    declared = {spec["flag"] for spec in specs}
+    with open(ROOT / "tests" / "fixtures" / "megatron_parser_flags.json") as handle:
+        parsers = json.load(handle)["parsers"]
+    declared = set()
+    for name, rows in parsers.items():
+        specs = [dict(zip(("flag", "nargs", "type", "choices"), row)) for row in rows]
+        result = audit_parser(specs)
+        assert result["missing"] == [], name
+        for flag in megatron_lm.MEGATRON_ERRORS:
+            assert flag in result["error"], (name, flag)
+        declared |= {spec["flag"] for spec in specs}
+    assert {name: len(rows) for name, rows in parsers.items()} == {
+        "main d98e8a64dd": 876, "megatron-core 0.19.2": 845, "core_v0.16.1": 680}
+    # The tables of megatron_lm.py name flags of those parsers only, each in one table.
     tables = [set(megatron_lm.ALIASES), set(megatron_lm.NEGATED_ALIASES),
               {flag for flag, *_ in megatron_lm.IMPLEMENTED}, set(megatron_lm.IGNORED),
               set(megatron_lm.MEGATRON_ERRORS), set(megatron_lm.NEEDS_NVIDIA),
               set(megatron_lm.NOT_BUILT)]
     assert sum(len(table) for table in tables) == len(set().union(*tables))
-    assert set().union(*tables) - declared == {"--no-stream-ckpt-dequant",
-                                               "--disable-stream-ckpt-dequant"}  # 0.19.2's
-    for flag in megatron_lm.MEGATRON_ERRORS:
-        assert flag in result["error"]
+    assert set().union(*tables) <= declared
 
 
 def _fields(configs):
