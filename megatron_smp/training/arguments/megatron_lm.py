@@ -322,9 +322,6 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--dsa-kernel-backend --disable-dsa-indexer-rotate-activation "
      "--no-dsa-indexer-rotate-activation --disable-dsa-indexer-scoring-relu "
      "--no-dsa-indexer-scoring-relu"),
-    ("fill-in-the-middle training data (--fim-data)",
-     "--fim-eod-token --fim-fragment-rate --fim-middle-token --fim-no-prefix --fim-pad-token "
-     "--fim-prefix-token --fim-split-sample --fim-suffix-token"),
     ("manifold-constrained hyper-connections (mHC residual streams)",
      "--enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams "
      "--mhc-recompute-layer-num --mhc-sinkhorn-iterations"),
