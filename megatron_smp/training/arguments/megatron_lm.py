@@ -343,7 +343,7 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
      "--non-persistent-save-interval --persistent-save-interval --replication "
      "--replication-factor --replication-jump"),
-    ("converting a checkpoint's format at load (use tools/checkpoint/convert.py)",
+    ("conversion of a checkpoint's format at load (use tools/checkpoint/convert.py)",
      "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format"),
     ("Megatron-FSDP's HSDP full sharding and its non-strict fsdp_dtensor loading "
      "(--dist-ckpt-strictness sets how mismatched keys are handled)",
@@ -370,7 +370,7 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("memory saving of this kind (recomputed activations distributed over the "
      "tensor-parallel group, the MLP chunked along the sequence)",
      "--distribute-saved-activations --mlp-chunks-for-training"),
-    ("an unpadded or explicitly padded vocabulary (--make-vocab-size-divisible-by sets the "
+    ("unpadded or explicitly padded vocabulary (--make-vocab-size-divisible-by sets the "
      "padding)", "--no-pad-vocab-size --disable-pad-vocab-size --padded-vocab-size"),
     ("tokenizer option of this kind (SentencePiece whitespace and legacy modes, slow HF "
      "tokenizers, remote code, tokenizer metadata files, gigatoken, SFT prompt formats)",
@@ -378,15 +378,15 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--tokenizer-sentencepiece-legacy --tokenizer-hf-no-use-fast --trust-remote-code "
      "--tokenizer-metadata --use-gigatoken --sft-tokenizer-prompt-format"),
-    ("keeping pad tokens that share their id with another special token in the loss (the "
-     "datasets here mask no pad tokens)", "--allow-ambiguous-pad-tokens"),
+    ("loss over pad tokens that share their id with another special token (the datasets "
+     "here mask no pad tokens)", "--allow-ambiguous-pad-tokens"),
     ("schedule or data option of this kind (phase transitions, skipped iterations, shrinking "
      "the batch to fit, full-validation passes)",
      "--phase-transition-iterations --iterations-to-skip --decrease-batch-size-if-needed "
      "--full-validation"),
-    ("loading fp32 main params from a checkpoint whose optimizer is not loaded",
+    ("load of fp32 main params from a checkpoint whose optimizer is not loaded",
      "--load-main-params-from-ckpt"),
-    ("taking the parallel sizes from the --load checkpoint (give them as flags)",
+    ("parallel sizes taken from the --load checkpoint (give them as flags)",
      "--use-mp-args-from-checkpoint-args"),
     ("diagnostics of this kind (dumps of params, activations, grads or routing every N "
      "iterations, GPU sniff tests, energy, device memory and attention-logit logging, a "
