@@ -148,8 +148,9 @@ def test_fsdp2_fp16_scales_the_loss_like_ddp():
     """--use-torch-fsdp2 --fp16: the layers compute in fp16 on the fp32 shards and the
     dynamic loss scaler unscales the grad shards (any rank's overflow skips the step on all):
     the same skipped steps, loss scales and losses as DDP's fp16 run at DP=2."""
-    fp16 = COMMON + ["--fp16", "--initial-loss-scale", str(2 ** 24), "--hysteresis", "1",
-                     "--log-interval", "1"]
+    six_iterations = [a if a != "10" else "6" for a in COMMON]  # --train-iters 6
+    fp16 = six_iterations + ["--fp16", "--initial-loss-scale", str(2 ** 24), "--hysteresis",
+                             "1", "--log-interval", "1"]
     ddp, fsdp = run_distributed(_runs, 2, args=([fp16, fp16 + FSDP2],), timeout=300)[0]
     scales = [[line.split("loss scale:")[1].split("|")[0].strip() for line in run["log_lines"]
                if "loss scale:" in line] for run in (ddp, fsdp)]
