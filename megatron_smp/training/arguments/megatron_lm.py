@@ -77,6 +77,11 @@ IMPLEMENTED: List[Tuple[str, Any, str, Dict[str, Any]]] = [
     ("--embedding-init-method-std", "model", "embedding_init_method_std",
      dict(type=float, help="the word and position embeddings (and, with --use-mup, an untied "
           "output layer) start at N(0, this); default --init-method-std")),
+    ("--init-method-xavier-uniform", "model", "init_method_xavier_uniform",
+     dict(action="store_true",
+          help="weight matrices (and the embeddings, unless --embedding-init-method-std "
+          "differs) start Xavier-uniform over their full shape (the vocabulary's tables over "
+          "its unpadded rows) instead of N(0, --init-method-std)")),
     ("--check-for-spiky-loss", "training", "check_for_spiky_loss",
      dict(action="store_true",
           help="a loss at least 10x the largest of the first 100 is rejected: rerun in place "
@@ -355,8 +360,8 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("numerics option of this kind (fp32 residual stream, fp16 cross entropy, a Mamba SSM "
      "state dtype)", "--fp32-residual-connection --fp16-lm-cross-entropy "
      "--mamba-training-ssm-states-dtype"),
-    ("initialisation of this kind (Xavier-uniform weights, a different draw on each "
-     "data-parallel replica)", "--init-method-xavier-uniform --data-parallel-random-init"),
+    ("different initial weights on each data-parallel replica",
+     "--data-parallel-random-init"),
     ("Llama 4 layer option (q/k L2 norm, RoPE-free layers)",
      "--qk-l2-norm --no-rope-freq"),
     ("multi-token-prediction variant of this kind (detached, hidden-state-mixed, repeated "
