@@ -239,7 +239,10 @@ class RLRun:
         config, training, state = self.config, self.configs.training, self.state
         prompts = self.sampler.sample(config.prompts_per_step)
         start = time.perf_counter()
-        rollouts = self._generate(prompts, config, number)
+        resilience = self.trainer.resilience  # --log-straggler times the rollout phase
+        with (resilience.phase("rollout") if resilience is not None
+              else contextlib.nullcontext()):
+            rollouts = self._generate(prompts, config, number)
         generation_time = time.perf_counter() - start
         self._check_same_over_context_parallel(rollouts, number)
         score_rollouts(self.environments, rollouts)

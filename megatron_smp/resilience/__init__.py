@@ -44,9 +44,10 @@ def job_store(timeout_s: float):
 class Resilience:
     """What a Trainer's loop calls: `before_step(iteration)` / `after_step(iteration)`
     around each training step, `compute_finished()` when its forward and backward are done
-    (the gradient reduction starts), `checkpointing()` around each save, `data(iterator)` on
-    the training data, `log_interval(iteration, print, add_scalar)` at each log line
-    (collective with --log-straggler), `close()` at the end of the run."""
+    (the gradient reduction starts), `checkpointing()` around each save, `phase(name)`
+    around a phase outside the step (RL's rollouts), `data(iterator)` on the training data,
+    `log_interval(iteration, print, add_scalar)` at each log line (collective with
+    --log-straggler), `close()` at the end of the run."""
 
     def __init__(self, config: ResilienceConfig, state, save_dir: Optional[str] = None,
                  log=None) -> None:
@@ -99,6 +100,23 @@ class Resilience:
         if self.stragglers is not None:
             for line in self.stragglers.report(iteration, add_scalar):
                 print_line(line)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """A phase of the loop outside the training step (one of straggler.PHASES, e.g.
+        train_rl.py's "rollout"): timed for the straggler report, marked for the watchdog,
+        and stretched by an injected "slow" fault like the step's forward and backward."""
+        if self.watchdog is not None:
+            self.watchdog.mark(name)
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        if self.faults is not None:
+            self.faults.after_compute(seconds)
+        if self.stragglers is not None:
+            self.stragglers.phase_finished(name, time.perf_counter() - start)
+        if self.watchdog is not None:
+            self.watchdog.mark(f"{name} done")
 
     @contextlib.contextmanager
     def checkpointing(self):

@@ -15,6 +15,12 @@ STRAGGLER_THRESHOLD of it in this report and the one before (a rank slowed for a
 another process took its core -- is no straggler), and
 writes the figures as TensorBoard scalars (straggler/...).
 
+Phases outside the training step are timed on their own (`phase_finished`): train_rl.py's
+"rollout" phase (generating the completions, with no collective in it at data parallelism) is
+reported beside the forward-backward ("train") phase in each interval that had one, each
+rank's fastest rollout relative to the median, with the same straggler rule and
+straggler/rollout/... scalars.
+
 --disable-straggler-on-startup starts with the report off; rank 0 then serves a toggle on
 127.0.0.1:--straggler-ctrlr-port (`curl 127.0.0.1:PORT` turns the report on or off; the
 times are gathered either way, rank 0's switch decides for everyone).
@@ -30,6 +36,8 @@ from typing import Callable, List, Optional
 # slow as the others is at 0.5x; an even run on a loaded host stays above 0.8x in all but
 # single intervals (hence: in two reports running).
 STRAGGLER_THRESHOLD = 0.7
+# The phases timed outside the training step (`phase_finished`), in the gathered order.
+PHASES = ("rollout",)
 
 
 class _Toggle:
@@ -88,6 +96,8 @@ class StragglerDetector:
         self._compute: Optional[float] = None
         self._hosts: Optional[List[str]] = None
         self._below: set = set()  # ranks under the threshold in the previous report
+        self.phase_times = {name: [] for name in PHASES}
+        self._phase_below = {name: set() for name in PHASES}
 
     def step_started(self, iteration: int) -> None:
         if self.first_iteration is None:
@@ -107,6 +117,10 @@ class StragglerDetector:
         self.step_times.append(total)
         self._start = None
 
+    def phase_finished(self, name: str, seconds: float) -> None:
+        """One of PHASES took `seconds` on this rank (outside the training step)."""
+        self.phase_times[name].append(seconds)
+
     def report(self, iteration: int, add_scalar: Optional[Callable] = None) -> List[str]:
         """The interval's report lines (the same on every rank; empty while off). Collective
         over the world: every rank calls it at the same log interval."""
@@ -116,23 +130,40 @@ class StragglerDetector:
         import torch.distributed as dist
 
         enabled = self.toggle.enabled if self.toggle is not None else False
+        width = 3 + len(PHASES)
         local = torch.tensor([min(self.compute_times or [0.0]),
-                              statistics.median(self.step_times or [0.0]), float(enabled)],
+                              statistics.median(self.step_times or [0.0]), float(enabled)]
+                             + [min(self.phase_times[name] or [0.0]) for name in PHASES],
                              dtype=torch.float64, device=self.device)
         first = self.first_iteration
         self.compute_times, self.step_times, self.first_iteration = [], [], None
+        self.phase_times = {name: [] for name in PHASES}
         if dist.is_initialized() and self.world_size > 1:
-            gathered = torch.empty(self.world_size * 3, dtype=torch.float64, device=self.device)
+            gathered = torch.empty(self.world_size * width, dtype=torch.float64,
+                                   device=self.device)
             dist.all_gather_into_tensor(gathered, local)
             if self._hosts is None:
                 self._hosts = [None] * self.world_size
                 dist.all_gather_object(self._hosts, socket.gethostname())
         else:
             gathered, self._hosts = local, [socket.gethostname()]
-        rows = gathered.view(self.world_size, 3).tolist()
+        rows = gathered.view(self.world_size, width).tolist()
         if not rows[0][2]:  # rank 0's switch
             return []
-        compute = [row[0] for row in rows]
+        lines = self._phase_report(f"iterations {first}-{iteration}", "forward-backward",
+                                   [row[0] for row in rows], "", iteration, add_scalar)
+        for index, name in enumerate(PHASES):
+            times = [row[3 + index] for row in rows]
+            if min(times) > 0:  # every rank had the phase in this interval
+                lines += self._phase_report(
+                    f"{name} phase, iterations {first}-{iteration}", name, times,
+                    f"{name}/", iteration, add_scalar, below_key=name)
+        return lines
+
+    def _phase_report(self, title: str, what: str, compute: List[float], prefix: str,
+                      iteration: int, add_scalar: Optional[Callable],
+                      below_key: Optional[str] = None) -> List[str]:
+        """The lines (and scalars) of one phase: `compute` is each rank's fastest time."""
         # The low median: with an even number of ranks the faster of the middle two, so that
         # at two ranks the slow one is measured against the other (not against their mean).
         median = statistics.median_low(compute)
@@ -143,25 +174,34 @@ class StragglerDetector:
         def name(r):
             return f"rank {r} ({self._hosts[r]}) {compute[r] * 1000:.1f} ms {relative[r]:.2f}x"
 
-        lines = [f" straggler report, iterations {first}-{iteration} (each rank's fastest "
-                 f"forward-backward, throughput relative to the median {median * 1000:.1f} ms): "
+        lines = [f" straggler report, {title} (each rank's fastest "
+                 f"{what}, throughput relative to the median {median * 1000:.1f} ms): "
                  "slowest "
                  + ", ".join(name(r) for r in order[:count]) + " | fastest "
                  + ", ".join(name(r) for r in reversed(order[-count:]))]
         below = {r for r in order if relative[r] < STRAGGLER_THRESHOLD}
-        persistent, self._below = below & self._below, below
+        if below_key is None:
+            persistent, self._below = below & self._below, below
+        else:
+            persistent = below & self._phase_below[below_key]
+            self._phase_below[below_key] = below
+        phase = "" if below_key is None else f" in its {below_key} phase"
         for r in order:
             if r in persistent:
                 lines.append(f" STRAGGLER: rank {r} ({self._hosts[r]}) at {relative[r]:.2f}x "
-                             f"the median throughput (forward-backward {compute[r] * 1000:.1f} "
-                             f"ms per iteration, median {median * 1000:.1f} ms; also in the "
+                             f"the median throughput{phase} ({what} {compute[r] * 1000:.1f} "
+                             f"ms{' per iteration' if below_key is None else ''}, median "
+                             f"{median * 1000:.1f} ms; also in the "
                              "previous report)")
         if add_scalar is not None:
-            add_scalar("straggler/min_relative_throughput", relative[order[0]], iteration)
-            add_scalar("straggler/max_relative_throughput", relative[order[-1]], iteration)
-            add_scalar("straggler/slowest_rank", float(order[0]), iteration)
-            add_scalar("straggler/fastest_rank", float(order[-1]), iteration)
-            add_scalar("straggler/median_forward_backward_ms", median * 1000, iteration)
+            add_scalar(f"straggler/{prefix}min_relative_throughput", relative[order[0]],
+                       iteration)
+            add_scalar(f"straggler/{prefix}max_relative_throughput", relative[order[-1]],
+                       iteration)
+            add_scalar(f"straggler/{prefix}slowest_rank", float(order[0]), iteration)
+            add_scalar(f"straggler/{prefix}fastest_rank", float(order[-1]), iteration)
+            add_scalar(f"straggler/{prefix}median_{what.replace('-', '_')}_ms", median * 1000,
+                       iteration)
         return lines
 
     def close(self) -> None:
@@ -169,4 +209,4 @@ class StragglerDetector:
             self.toggle.close()
 
 
-__all__ = ["STRAGGLER_THRESHOLD", "StragglerDetector"]
+__all__ = ["PHASES", "STRAGGLER_THRESHOLD", "StragglerDetector"]

@@ -1168,5 +1168,5 @@ __all__ = [
     "GPUSpec", "GPUS", "Efficiency", "GPU_EFFICIENCY", "Cluster", "PlanOptions", "Layout",
     "StepPrediction", "layout_of", "configs_for", "predict", "search", "candidate_layouts",
     "model_flops", "format_prediction", "format_table", "load_efficiency",
-    "cpu_spec",
+    "cpu_spec", "eager_passes", "mixer_gemms", "mixer_scan_flops",
 ]

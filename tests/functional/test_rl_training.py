@@ -112,8 +112,14 @@ def test_train_rl_log_tensorboard_and_resume(setup):
 
     directory, flags = setup
     board = directory / "tensorboard"
+    # --log-straggler with rank 1 slowed 4x from iteration 1 on (the injected "slow" fault
+    # stretches its rollouts and its forward-backward; the values do not change).
     stdout = _train_rl(flags + ["--tensorboard-dir", str(board), "--save",
-                                str(directory / "ckpt"), "--save-interval", "3"])
+                                str(directory / "ckpt"), "--save-interval", "3",
+                                "--log-straggler", "--straggler-ctrlr-port", "0",
+                                "--fault-injector-ranks", "1", "--fault-injector-fault-types",
+                                "slow", "--fault-injector-fault-delay", "0",
+                                "--fault-injector-slow-factor", "4"])
     whole, valid = _lines(stdout), _validation(stdout)
     assert sorted(whole) == [1, 2, 3, 4]
     scalars = EventAccumulator(str(board)).Reload()
@@ -138,6 +144,15 @@ def test_train_rl_log_tensorboard_and_resume(setup):
         assert whole[first]["reward"] == whole[first + 1]["reward"]
     assert whole[2]["ratio_mean"] != whole[1]["ratio_mean"]  # the policy moved
     assert whole[1]["kl"] == pytest.approx(0.0, abs=1e-7) and whole[3]["kl"] > 0
+    # The straggler report covers both phases of the RL loop: the forward-backward every
+    # iteration, the rollouts where a rollout batch was generated (iterations 1 and 3); the
+    # slowed rank 1 is the slowest of the rollouts generated after the fault.
+    reports = re.findall(r" straggler report, (rollout phase, )?iterations (\d+)-\d+ .*?: "
+                         r"slowest rank (\d) \(.*?\) [\d.]+ ms ([\d.]+)x", stdout)
+    assert sorted(int(it) for phase, it, _, _ in reports if not phase) == [1, 2, 3, 4], stdout
+    rollouts = {int(it): (int(rank), float(rel)) for phase, it, rank, rel in reports if phase}
+    assert sorted(rollouts) == [1, 3] and rollouts[3][0] == 1 and rollouts[3][1] < 0.7, rollouts
+    assert {e.step: e.value for e in scalars.Scalars("straggler/rollout/slowest_rank")}[3] == 1
 
     # Resume from iteration 3, inside the second rollout batch (its checkpoint holds the
     # batch's rollouts, old and reference log-probs, and the prompt sampler's position).

@@ -198,6 +198,7 @@ class HFStream:
                           "framework and back")
             del back
             yield out
+            del out  # the writer has taken the tensors: they go before the next group comes
 
 
 def _read_mxfp4(load_dir: str, hf_config):

@@ -62,18 +62,19 @@ def test_sharded_hf_output_loads_with_from_pretrained(tmp_path):
 SHAPE = dict(n_embd=512, n_layer=4, n_head=8, vocab_size=32000, n_positions=512)
 # The table is held once on every path (the tied head is the same tensor, Megatron-LM's
 # padding rows are neither copied nor read, memory-mapped pages are released as they are
-# copied); a layer is held with its converted copy. Measured 34-36 MB above the RSS before
-# (45.8 MB SMP v1 -> HF), against 2 x the table (66 MB) before.
+# copied, a group's tensors dropped once written); a layer is held with its converted copy.
+# Measured 34-39 MB above the RSS before on every path, against 2 x the table (66 MB) and more
+# before.
 # ALLOWANCE: the 1 MiB read and copy pieces, the per-group objects of transformers' weight
 # conversions and of the DCP and zip writers, the allocator's slack.
-RATIO, ALLOWANCE = 1.25, 4e6
+RATIO, ALLOWANCE = 1.1, 4e6
 
 
 def test_peak_memory_is_bounded_by_a_layer_and_the_embedding(tmp_path):
     """Peak RSS of every streaming path of a tied GPT-2 -- HF <-> megatron_smp, megatron_smp
     -> Megatron-LM (legacy, TP=2) -> HF / megatron_smp, SMP v1 -> HF / megatron_smp -- each
     above the RSS before it, in one fresh process that ran the same paths on a tiny GPT-2
-    first: under RATIO x (largest layer + embedding) + ALLOWANCE (52.8 MB), i.e. under the
+    first: under RATIO x (largest layer + embedding) + ALLOWANCE (47.0 MB), i.e. under the
     model (the whole-model conversion held 3.5x-4.6x the model) and under 2 x the table."""
     import subprocess
     import sys

@@ -187,7 +187,6 @@ FSDP_CONFLICTS = [
     ("--use-distributed-optimizer", "--use-distributed-optimizer"),
     ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size > 1"),
     ("--overlap-grad-reduce", "--overlap-grad-reduce"),
-    ("--fp16", "--fp16"),
     ("--ckpt-format torch", "--ckpt-format torch"),
 ]
 

@@ -4,8 +4,9 @@ bandwidth, gloo's bandwidth and latency, host overheads, on an idle core's terms
 the measured step time of pretrain_gpt.py layouts (TP+SP, PP with virtual stages, EP) at
 world 2: their median ratio within 15%, each within [0.6, 1.6]. Other sessions load this
 machine, so the prediction is made at the share of a core the ranks got over the timed
-iterations (their CPU time / wall time); that share moves within a run (a full-table run at
-load 13-17 gave ratios 0.68-1.44; tools/bench/planner_cpu.py prints the table).""" 
+iterations while not in the pipeline bubble (their CPU time / wall time, `busy_share`); that
+share moves within a run (runs of the full table at load 4-34 gave per-layout medians
+0.88-1.12, single runs 0.81-1.37; tools/bench/planner_cpu.py prints the table).""" 
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
