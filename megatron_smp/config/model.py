@@ -102,6 +102,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # Megatron's --qk-layernorm: `normalization` over each head's query and key (head dim),
     # after the QKV projection and before RoPE.
     qk_layernorm: bool = False
+    # Megatron-LM main's --qk-l2-norm (Llama 4): each head's query and key divided by their
+    # RMS (no weight, eps layernorm_epsilon) where --qk-layernorm's norms sit; over them if
+    # both are given, as there.
+    qk_l2_norm: bool = False
     # Megatron's --test-mode: every attention forward checks that the data- and
     # tensor-parallel replicas of its q/k norm parameters are equal (its real-time test of
     # silent corruption), raising on every rank of a group that disagrees.
@@ -373,6 +377,9 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
         hand is checked by calling this before `GPTModel`, which does not."""
         parallel.check_supported(names)
         tp = parallel.tensor_model_parallel_size
+        _require(not (self.qk_l2_norm and self.multi_latent_attention),
+                 "--qk-l2-norm is not supported with --multi-latent-attention (as in "
+                 "Megatron-LM)")
         _require(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
         _require(
             self.num_attention_heads >= 1,

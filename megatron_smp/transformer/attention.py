@@ -46,6 +46,20 @@ from megatron_smp.transformer.utils import device_capability as _capability
 RotaryEmbeddings = Tuple[torch.Tensor, torch.Tensor]
 
 
+class L2Norm(torch.nn.Module):
+    """Megatron-LM main's L2Norm (--qk-l2-norm, Llama 4): x / sqrt(mean(x^2) + eps) over the
+    last dimension, in fp32, no weight."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        return (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+                ).type_as(x)
+
+
 @dataclass(frozen=True)
 class LayerTypeRotaryEmbeddings:
     """The cos/sin tables of a model whose sliding-window layers rotate with their own base
@@ -487,7 +501,12 @@ class SelfAttention(torch.nn.Module):
         self.selective_recompute = "core_attn" in recompute_modules(config)
         self.rotary_interleaved = config.rotary_interleaved
         self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
+        if config.qk_l2_norm:  # Megatron-LM main: L2Norm replaces the q/k norms
+            if config.multi_latent_attention:
+                raise ValueError("qk_l2_norm is not supported with MLA.")
+            self.q_layernorm = L2Norm(config.layernorm_epsilon)
+            self.k_layernorm = L2Norm(config.layernorm_epsilon)
+        elif config.qk_layernorm:
             # One weight shared by all heads, and each TP rank holds other heads: its grad is
             # partial and is summed over TP like a sequence-parallel norm's (hence the mark).
             partial = tp_size > 1

@@ -82,6 +82,9 @@ IMPLEMENTED: List[Tuple[str, Any, str, Dict[str, Any]]] = [
           help="weight matrices (and the embeddings, unless --embedding-init-method-std "
           "differs) start Xavier-uniform over their full shape (the vocabulary's tables over "
           "its unpadded rows) instead of N(0, --init-method-std)")),
+    ("--qk-l2-norm", "model", "qk_l2_norm",
+     dict(action="store_true", help="Llama 4's query and key L2 norm: each head's q and k "
+          "divided by their RMS (no weight) before RoPE; not with --multi-latent-attention")),
     ("--check-for-spiky-loss", "training", "check_for_spiky_loss",
      dict(action="store_true",
           help="a loss at least 10x the largest of the first 100 is rejected: rerun in place "
@@ -362,8 +365,7 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--mamba-training-ssm-states-dtype"),
     ("different initial weights on each data-parallel replica",
      "--data-parallel-random-init"),
-    ("Llama 4 layer option (q/k L2 norm, RoPE-free layers)",
-     "--qk-l2-norm --no-rope-freq"),
+    ("Llama 4 layer option (RoPE-free layers)", "--no-rope-freq"),
     ("multi-token-prediction variant of this kind (detached, hidden-state-mixed, repeated "
      "or standalone-stage MTP layers)",
      "--mtp-detach-heads --mtp-hsm --mtp-use-repeated-layer --mtp-standalone"),

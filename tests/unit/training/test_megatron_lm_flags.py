@@ -157,6 +157,21 @@ def _ckpt_runs(rank, world_size, runs):
             xavier[name] = (weight.abs().max().item() / bound,
                             weight.std().item() / (bound / 3 ** 0.5))
     out.append(xavier)
+    # --qk-l2-norm: each head's q and k at unit RMS before RoPE (no weights added).
+    model_parallel_seed(1234, state)
+    model = GPTModel(parse_args(BASE + ["--qk-l2-norm", "--position-embedding-type", "rope"])
+                     .model.replace(vocab_size=100), state)
+    seen = []
+    for layer in model.decoder.layers:
+        for norm in (layer.self_attention.q_layernorm, layer.self_attention.k_layernorm):
+            # mean(out^2) = ms / (ms + eps), ms = mean(in^2), eps = --norm-epsilon (1e-5)
+            norm.register_forward_hook(lambda module, args, output: seen.append(
+                (output.float().pow(2).mean(-1) - args[0].float().pow(2).mean(-1) / (
+                    args[0].float().pow(2).mean(-1) + 1e-5)).abs().max().item()))
+    model(torch.randint(0, 100, (2, 16)))
+    out.append({"rms_error": max(seen), "norms": len(seen),
+                "weights": sum(1 for name, _ in model.named_parameters() if "layernorm." in name
+                               and ("q_" in name or "k_" in name))})
     for argv in runs:
         try:
             result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
@@ -170,7 +185,8 @@ def _ckpt_runs(rank, world_size, runs):
 
 def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
     """--embedding-init-method-std scales the embeddings' draws, nothing else;
-    --init-method-xavier-uniform draws every matrix (embeddings included) Xavier-uniform. Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
+    --init-method-xavier-uniform draws every matrix (embeddings included) Xavier-uniform;
+    --qk-l2-norm brings each head's q and k to unit RMS. Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
     tracker's 4): iterations 3 and 4 again, with the first run's losses. An empty --load with
     --exit-on-missing-checkpoint is an error, not a run from scratch."""
     from megatron_smp.testing import run_distributed
@@ -181,8 +197,9 @@ def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
     first = argv + ["--save", save, "--save-interval", "2"]
     again = argv + ["--load", save, "--ckpt-step", "2"]
     missing = argv + ["--load", str(tmp_path / "empty"), "--exit-on-missing-checkpoint"]
-    (scaled, xavier, whole, resumed, error), = run_distributed(_ckpt_runs, 1,
-                                                               args=([first, again, missing],))
+    (scaled, xavier, l2, whole, resumed, error), = run_distributed(
+        _ckpt_runs, 1, args=([first, again, missing],))
+    assert l2["norms"] == 4 and l2["weights"] == 0 and l2["rms_error"] < 1e-4
     assert len(xavier) == 11  # word and position tables, 2 x (qkv, proj, fc1, fc2), output
     for name, (largest, std) in xavier.items():
         assert 0.9 < largest <= 1.0 and std == pytest.approx(1.0, abs=0.15), name
