@@ -94,7 +94,8 @@ STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "rais
 # every other field from the checkpoint (a field added later is architecture unless listed).
 RUN_FIELDS = frozenset((
     "fp16", "bf16", "params_dtype", "hidden_dropout", "attention_dropout",
-    "init_method_std", "use_scaled_init_method", "gradient_accumulation_fusion",
+    "init_method_std", "use_scaled_init_method", "embedding_init_method_std",
+    "init_method_xavier_uniform", "gradient_accumulation_fusion",
     "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "recompute_modules", "cp_comm_type", "packed_attention", "moe_router_bias_update_rate",
     "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",

@@ -18,6 +18,18 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # Megatron's --fim-data and its flags: fill-in-the-middle samples (data/fim.py).
+    fim_data: bool = False
+    fim_rate: float = 0.5
+    fim_spm_rate: float = 0.5
+    fim_split_sample: Optional[str] = None
+    fim_fragment_rate: Optional[float] = None
+    fim_no_prefix: Optional[str] = None
+    fim_prefix_token: str = "<fim_prefix>"
+    fim_middle_token: str = "<fim_middle>"
+    fim_suffix_token: str = "<fim_suffix>"
+    fim_pad_token: str = "<fim_pad>"
+    fim_eod_token: str = "<|endoftext|>"
     # Megatron's --sft: --data-path is conversations with a loss mask
     # (tools/preprocess_sft_data.py), packed several per sequence with a document mask.
     sft: bool = False

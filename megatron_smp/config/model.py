@@ -185,6 +185,10 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
     # Megatron's --embedding-init-method-std: the word and position embeddings (and, under muP,
     # an untied output layer) start at N(0, this) instead of init_method_std.
     embedding_init_method_std: Optional[float] = None
+    # Megatron's --init-method-xavier-uniform: every weight matrix drawn by init_method (the
+    # layers' matrices, the output layer, and the embeddings unless embedding_init_method_std
+    # differs from init_method_std) is Xavier-uniform over its full (unsplit) shape instead.
+    init_method_xavier_uniform: bool = False
     # Megatron scales the init of output projections by 1/sqrt(2 * num_layers).
     use_scaled_init_method: bool = True
 
@@ -509,6 +513,12 @@ class TransformerConfig(AttentionChecks, MoEChecks, MLAChecks, MTPChecks, Hybrid
                  or self.moe_shared_expert_intermediate_size is not None,
                  "--recompute-modules shared_experts recomputes the MoE layers' shared "
                  "experts: add --moe-shared-expert-intermediate-size, or drop it")
+
+    def embedding_init_is_xavier(self) -> bool:
+        """Megatron-LM main: with --init-method-xavier-uniform the embeddings take the layers'
+        init method unless --embedding-init-method-std gives them another std."""
+        return self.init_method_xavier_uniform and self.embedding_init_method_std in (
+            None, self.init_method_std)
 
     def embedding_init_std(self) -> float:
         """The embeddings' init std: --embedding-init-method-std, else --init-method-std."""

@@ -165,7 +165,16 @@ class _Builder:
             reset_attention_mask=data_config.reset_attention_mask,
             eod_mask_loss=data_config.eod_mask_loss,
         )
+        self.data_config = data_config
         self.cache_dir = None
+
+    def _sample_transform(self):
+        """--fim-data: each dataset's FIM transform (its own RandomState, as Megatron's)."""
+        if not getattr(self.data_config, "fim_data", False):
+            return None
+        from megatron_smp.data.fim import FIMTransform
+
+        return FIMTransform(self.tokenizer, self.data_config, self.seed)
 
     def mid_level_splits(self, prefix, matrix, sizes):
         """One GPTDataset per split of `prefix` (None where `matrix` has no split)."""
@@ -204,7 +213,7 @@ class _Builder:
                     indexed, np.arange(begin, end, dtype=np.int32), sizes[i], self.seq_length,
                     self.seed, self.tokenizer.eod, SPLIT_NAMES[i], cache_dir=self.cache_dir,
                     description=dataset_description(prefix), group=self.group, **self.masks,
-                    **self.cache_flags,
+                    **self.cache_flags, sample_transform=self._sample_transform(),
                 )
             )
         return datasets
@@ -360,6 +369,9 @@ def build_train_valid_test_datasets(
         reset_attention_mask=data_config.reset_attention_mask,
         eod_mask_loss=data_config.eod_mask_loss,
     )
+    if getattr(data_config, "fim_data", False) and data_config.mock_data:
+        raise ConfigError("--fim-data rearranges real text: it does not take --mock-data (as "
+                          "in Megatron-LM); give --data-path")
 
     if data_config.mock_data and getattr(data_config, "sft", False):
         raise ConfigError("--sft trains on conversations from --data-path "

@@ -97,7 +97,11 @@ class GPTDataset(torch.utils.data.Dataset):
         group=None,
         fast_load: bool = False,
         defer_mmap: bool = False,
+        sample_transform=None,
     ) -> None:
+        # Called on each sample's seq_length + 1 ids before the split into tokens and labels
+        # (--fim-data: data.fim.FIMTransform).
+        self.sample_transform = sample_transform
         self.indexed_dataset = indexed_dataset
         self.sequence_ids = np.asarray(sequence_ids)
         self.num_samples = num_samples
@@ -219,7 +223,10 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[index])))
+        text = self.sample_tokens(int(self.shuffle_index[index]))
+        if self.sample_transform is not None:
+            text = self.sample_transform(text)
+        text = torch.from_numpy(text)
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         loss_mask, position_ids, document_ids = get_ltor_masks_and_position_ids(
             tokens, self.eod, self.reset_position_ids, self.reset_attention_mask,

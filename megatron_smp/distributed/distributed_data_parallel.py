@@ -126,6 +126,15 @@ class DistributedDataParallel(torch.nn.Module):
 
         return hook
 
+    def remove_hooks(self) -> None:
+        """Drop every hook this wrapper put on its parameters and submodules (a failed run
+        that restarts in process: the hooks' closures hold this wrapper, and through it the
+        grad buffers and process groups, in a cycle through the parameters that the garbage
+        collector does not free)."""
+        for handle in self._grad_hook_handles + self._forward_pre_hook_handles:
+            handle.remove()
+        self._grad_hook_handles, self._forward_pre_hook_handles = [], []
+
     def enable_forward_pre_hook(self) -> None:
         """Wait, just before each submodule runs, for the all-gather of its params."""
         if self._forward_pre_hook_handles:

@@ -32,6 +32,7 @@ from megatron_smp.tensor_parallel import (
     init_method_normal,
 )
 from megatron_smp.tensor_parallel.mappings import group_rank
+from megatron_smp.tensor_parallel.utils import xavier_uniform
 from megatron_smp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_smp.tensor_parallel.random import dropout, get_rng_tracker
 from megatron_smp.transformer.attention import LayerTypeRotaryEmbeddings, RotaryEmbedding
@@ -88,7 +89,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.scale = math.sqrt(config.hidden_size) if config.apply_embedding_scaling else None
         # --use-mup --mup-embedding-mult: the summed embeddings times this (Megatron-LM main).
         self.mup_embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
-        init_method = init_method_normal(config.embedding_init_std())
+        init_method = (xavier_uniform if config.embedding_init_is_xavier()
+                       else init_method_normal(config.embedding_init_std()))
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
@@ -272,8 +274,11 @@ class GPTModel(torch.nn.Module):
                     tp_group=state.tp_group,
                     # Megatron-LM main: under muP an untied output layer starts as the
                     # embeddings do.
-                    init_method=init_method_normal(config.embedding_init_std() if config.use_mup
-                                                   else config.init_method_std),
+                    init_method=(
+                        xavier_uniform if config.init_method_xavier_uniform and (
+                            not config.use_mup or config.embedding_init_is_xavier())
+                        else init_method_normal(config.embedding_init_std() if config.use_mup
+                                                else config.init_method_std)),
                     bias=config.add_output_layer_bias,
                     gather_output=False,
                     skip_weight_param_allocation=tied_here,

@@ -16,8 +16,8 @@ which ranks fail (--fault-injector-ranks, or --fault-injector-num-ranks drawn fr
     exception  the rank's next step raises RuntimeError (what --inprocess-restart recovers
            from; without it the process ends with the error)
 
-Only the first restart attempt injects (TORCHELASTIC_RESTART_COUNT 0, or no torchrun, and no
-in-process restart yet): the restarted job must be able to finish.
+Only the first restart attempt injects (TORCHELASTIC_RESTART_COUNT 0 or no torchrun, a SLURM job
+not requeued, no in-process restart yet): the restarted job must be able to finish.
 """
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ class FaultInjector:
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         from megatron_smp.parallel_state import inprocess_attempt
 
+        # Not after a restart: torchrun's, SLURM's requeue, or an in-process one.
         self.active = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+                       and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0")
                        and inprocess_attempt() == 0)
         self.raise_pending = False
         self.planned = False

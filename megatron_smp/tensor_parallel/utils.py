@@ -38,10 +38,18 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+def xavier_uniform(tensor: torch.Tensor) -> torch.Tensor:
+    """Megatron's --init-method-xavier-uniform: torch's Xavier-uniform (over the full master's
+    shape here, drawn on the CPU)."""
+    return torch.nn.init.xavier_uniform_(tensor)
+
+
 def hidden_init_method(config) -> InitMethod:
     """The init of a hidden matrix (`config`: a TransformerConfig): N(0, init_method_std),
     divided by sqrt(width multiplier) with --use-mup (Megatron-LM main's muP); embeddings and
-    an untied output layer keep N(0, init_method_std)."""
+    an untied output layer keep N(0, init_method_std). --init-method-xavier-uniform: Xavier."""
+    if getattr(config, "init_method_xavier_uniform", False):
+        return xavier_uniform
     return init_method_normal(config.init_method_std / math.sqrt(config.mup_width_mult))
 
 
@@ -49,6 +57,8 @@ def output_init_method(config) -> InitMethod:
     """The init of a layer's output projection (`config`: a TransformerConfig): scaled by
     depth with use_scaled_init_method (Megatron's default), else the plain normal; with
     --use-mup also divided by sqrt(width multiplier)."""
+    if getattr(config, "init_method_xavier_uniform", False):
+        return xavier_uniform
     std = config.init_method_std / math.sqrt(config.mup_width_mult)
     if config.use_scaled_init_method:
         return scaled_init_method_normal(std, config.num_layers)

@@ -187,6 +187,8 @@ def pretrain(
         except BaseException:
             if trainer.resilience is not None:  # its monitor thread ends with the run
                 trainer.resilience.close(failed=True)
+            for chunk in trainer.model:  # the failed run's memory can be freed (in process)
+                getattr(chunk, "remove_hooks", lambda: None)()
             raise
 
     resilience = configs.resilience

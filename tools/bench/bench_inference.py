@@ -128,7 +128,8 @@ _RANGES = {"inference::schedule": "scheduling & drafts", "inference::step_plan":
            "inference::logits_sampling": "logits & sampling",
            "inference::mtp_drafts": "MTP drafts", "inference::model": "model Python",
            "inference::step": "engine Python"}
-_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+          "mkldnn::_linear_pointwise"}  # (oneDNN's GEMM: `tensor_parallel.layers.linear`)
 
 
 def step_breakdown(events) -> dict:

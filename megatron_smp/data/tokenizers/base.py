@@ -41,3 +41,7 @@ class MegatronTokenizer(ABC):
     @property
     def eos(self) -> int:
         return self.eod
+
+    def token_to_id(self, token: str):
+        """The id of a (special) token of the vocabulary, or None (--fim-data's tokens)."""
+        return None

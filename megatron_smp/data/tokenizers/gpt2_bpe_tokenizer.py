@@ -36,6 +36,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
         self.tokenizer.decoder = decoders.ByteLevel()
         self._eod = self.encoder[END_OF_TEXT]
 
+    def token_to_id(self, token: str):
+        return self.encoder.get(token)
+
     def tokenize(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -37,6 +37,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
             return self.tokenizer(text).input_ids
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
+    def token_to_id(self, token: str):
+        return self.tokenizer.get_vocab().get(token)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(token) for token in ids])
 

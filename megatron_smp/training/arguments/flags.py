@@ -658,6 +658,26 @@ _FLAGS: List[_Flag] = [
     _f("--reset-position-ids", "data", action="store_true"),
     _f("--reset-attention-mask", "data", action="store_true"),
     _f("--eod-mask-loss", "data", action="store_true"),
+    # Fill-in-the-middle samples (Megatron-LM's GPTFIMDataset: data/fim.py).
+    _f("--fim-data", "data", action="store_true",
+       help="turn samples into fill-in-the-middle ones (prefix / suffix / middle by characters, "
+            "PSM or SPM), as Megatron-LM's GPT FIM dataset"),
+    _f("--fim-rate", "data", type=float, default=0.5,
+       help="--fim-data: probability that a piece (between EODs) is made FIM"),
+    _f("--fim-spm-rate", "data", type=float, default=0.5,
+       help="--fim-data: probability that a FIM piece uses SPM order rather than PSM"),
+    _f("--fim-split-sample", "data",
+       help="--fim-data: a token at which pieces are split into fragments, each made FIM "
+            "with --fim-fragment-rate"),
+    _f("--fim-fragment-rate", "data", type=float,
+       help="--fim-data --fim-split-sample: probability that a fragment is made FIM"),
+    _f("--fim-no-prefix", "data",
+       help="--fim-data: pieces whose text starts with this are left as they are"),
+    *[_f(f"--fim-{name}-token", "data", default=default,
+         help=f"--fim-data: the vocabulary's {name} token")
+      for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
+                            ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>"),
+                            ("eod", "<|endoftext|>"))],
     _f("--sft", "data", action="store_true"),
     _f("--num-workers", "data", type=int, default=0),
     _f("--data-cache-path", "data"),
@@ -883,9 +903,6 @@ NOT_SUPPORTED_YET_FLAGS: Dict[str, str] = {
     "--qk-clip-alpha": "Kimi's QK-clip (--qk-clip)",
     "--qk-clip-threshold": "Kimi's QK-clip (--qk-clip)",
     # Megatron-LM main's functional-test configs.
-    "--fim-data": "fill-in-the-middle training data",
-    "--fim-rate": "fill-in-the-middle training data (--fim-data)",
-    "--fim-spm-rate": "fill-in-the-middle training data (--fim-data)",
     **{flag: "DeepSeek sparse attention (--experimental-attention-variant dsa)" for flag in (
         "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff", "--dsa-indexer-n-heads",
         "--dsa-indexer-topk")},

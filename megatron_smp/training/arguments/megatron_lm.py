@@ -1,5 +1,5 @@
-"""The rest of Megatron-LM main's parser (and megatron-core 0.19.2's): every flag it declares
-that the flag table (flags.py) does not, sorted into
+"""The rest of Megatron-LM main's parser (and megatron-core 0.19.2's and core_v0.16.1's):
+every flag it declares that the flag table (flags.py) does not, sorted into
 
 * `ALIASES`: Megatron-LM's other spellings of flags in the table (the same action);
 * `IMPLEMENTED`: flags with their own meaning here (post-processed by `apply`);
@@ -35,6 +35,9 @@ ALIASES: Dict[str, str] = {
     "--use-checkpoint-opt-param-scheduler": "--use-checkpoint-opt_param-scheduler",
     "--torch-fsdp2-no-reshard-after-forward": "--no-torch-fsdp2-reshard-after-forward",
     "--tokenizer-special-tokens": "--tiktoken-special-tokens",
+    # core_v0.16.1's spellings.
+    "--disable-ckpt-fully-parallel-save": "--no-ckpt-fully-parallel-save",
+    "--muon-use-nesterov": "--muon-nesterov",
 }
 # Aliases whose flag is the negation of the table's (store_false on the same field).
 NEGATED_ALIASES: Dict[str, str] = {
@@ -74,6 +77,11 @@ IMPLEMENTED: List[Tuple[str, Any, str, Dict[str, Any]]] = [
     ("--embedding-init-method-std", "model", "embedding_init_method_std",
      dict(type=float, help="the word and position embeddings (and, with --use-mup, an untied "
           "output layer) start at N(0, this); default --init-method-std")),
+    ("--init-method-xavier-uniform", "model", "init_method_xavier_uniform",
+     dict(action="store_true",
+          help="weight matrices (and the embeddings, unless --embedding-init-method-std "
+          "differs) start Xavier-uniform over their full shape (the vocabulary's tables over "
+          "its unpadded rows) instead of N(0, --init-method-std)")),
     ("--check-for-spiky-loss", "training", "check_for_spiky_loss",
      dict(action="store_true",
           help="a loss at least 10x the largest of the first 100 is rejected: rerun in place "
@@ -178,6 +186,12 @@ _IGNORED_GROUPS: List[Tuple[str, str]] = [
      "--use-same-sampling-seed-across-dp-ranks"),
     ("read only by Megatron's --dataloader-type cyclic sampler (refused here)",
      "--no-data-sharding"),
+    ("core_v0.16.1's other spelling of --no-async-tensor-model-parallel-allreduce (deprecated "
+     "and ignored there too)", "--disable-async-tensor-model-parallel-allreduce"),
+    ("core_v0.16.1: the HF tokenizer here is always the fast one (what this flag asks); the "
+     "same ids", "--tokenizer-hf-use-fast"),
+    ("core_v0.16.1: whether pipeline sends are split over the tensor-parallel ranks and "
+     "gathered; the same activations arrive", "--no-scatter-gather-tensors-in-pipeline"),
     ("megatron-core 0.19: how Transformer Engine's FP8 params are dequantised while a "
      "checkpoint loads; there are no quantised params here (FP8 is refused)",
      "--no-stream-ckpt-dequant --disable-stream-ckpt-dequant"),
@@ -204,7 +218,9 @@ MEGATRON_ERRORS: Dict[str, str] = {
 NEEDS_NVIDIA: Dict[str, str] = _expand([
     ("CUDA graphs (a CUDA device; Megatron-LM maps it to --cuda-graph-impl)",
      "--enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph "
-     "--decode-only-cuda-graphs --rl-persist-cuda-graphs"),
+     "--decode-only-cuda-graphs --rl-persist-cuda-graphs "
+     "--inference-dynamic-batching-cuda-graph-max-tokens --rl-reset-cuda-graphs "
+     "--no-rl-reset-cuda-graphs"),
     ("CUDA streams and pinned host memory (Megatron-LM's activation offloading)",
      "--cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
      "--activation-offload-fraction --delay-offload-until-cuda-graph "
@@ -247,7 +263,8 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("option of Megatron-LM's inference engine in its training scripts (static and dynamic "
      "batching, speculative decoding, its text-generation server); the inference tools here "
      "(tools/run_text_generation_server.py, tools/generate.py) take their own flags",
-     "--enable-chunked-prefill --flash-decode --cache-mla-latents --num-speculative-tokens "
+     "--enable-chunked-prefill --disable-chunked-prefill --inference-max-batch-size "
+     "--flash-decode --cache-mla-latents --num-speculative-tokens "
      "--mlp-chunks-for-prefill --nccl-all-reduce-for-prefill --symmetric-ar-type "
      "--use-legacy-static-engine --inference-batch-times-seqlen-threshold "
      "--inference-coordinator-port --inference-cuda-graph-all-prefills "
@@ -289,7 +306,11 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--rl-sequence-packing-max-sequences-per-bin --rl-skip-bos-token --no-rl-skip-bos-token "
      "--rl-use-sequence-packing --no-rl-use-sequence-packing --rl-verify-model-weights-swap "
      "--no-rl-verify-model-weights-swap --no-rl-offload-inference-model-weights-when-idle "
-     "--no-rl-partial-rollouts"),
+     "--no-rl-partial-rollouts --langrl-external-server --no-langrl-external-server "
+     "--langrl-inference-server-conversation-template --langrl-inference-server-type "
+     "--rl-offload-kv-cache-during-training --no-rl-offload-kv-cache-during-training "
+     "--rl-remove-kv-cache-during-training --no-rl-remove-kv-cache-during-training "
+     "--rl-parallel-generation-tasks"),
     ("knowledge distillation from saved teacher logits",
      "--logits-load-dir --logits-load-decode-threads --logits-load-ignore-errors "
      "--logits-load-kd-loss-alpha --logits-load-msc-prefetch-depth "
@@ -301,9 +322,6 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--dsa-kernel-backend --disable-dsa-indexer-rotate-activation "
      "--no-dsa-indexer-rotate-activation --disable-dsa-indexer-scoring-relu "
      "--no-dsa-indexer-scoring-relu"),
-    ("fill-in-the-middle training data (--fim-data)",
-     "--fim-eod-token --fim-fragment-rate --fim-middle-token --fim-no-prefix --fim-pad-token "
-     "--fim-prefix-token --fim-split-sample --fim-suffix-token"),
     ("manifold-constrained hyper-connections (mHC residual streams)",
      "--enable-mhc-connections --mhc-init-gating-factor --mhc-num-residual-streams "
      "--mhc-recompute-layer-num --mhc-sinkhorn-iterations"),
@@ -325,7 +343,7 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
      "--non-persistent-save-interval --persistent-save-interval --replication "
      "--replication-factor --replication-jump"),
-    ("converting a checkpoint's format at load (use tools/checkpoint/convert.py)",
+    ("conversion of a checkpoint's format at load (use tools/checkpoint/convert.py)",
      "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format"),
     ("Megatron-FSDP's HSDP full sharding and its non-strict fsdp_dtensor loading "
      "(--dist-ckpt-strictness sets how mismatched keys are handled)",
@@ -342,8 +360,8 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("numerics option of this kind (fp32 residual stream, fp16 cross entropy, a Mamba SSM "
      "state dtype)", "--fp32-residual-connection --fp16-lm-cross-entropy "
      "--mamba-training-ssm-states-dtype"),
-    ("initialisation of this kind (Xavier-uniform weights, a different draw on each "
-     "data-parallel replica)", "--init-method-xavier-uniform --data-parallel-random-init"),
+    ("different initial weights on each data-parallel replica",
+     "--data-parallel-random-init"),
     ("Llama 4 layer option (q/k L2 norm, RoPE-free layers)",
      "--qk-l2-norm --no-rope-freq"),
     ("multi-token-prediction variant of this kind (detached, hidden-state-mixed, repeated "
@@ -352,7 +370,7 @@ NOT_BUILT: Dict[str, str] = _expand([
     ("memory saving of this kind (recomputed activations distributed over the "
      "tensor-parallel group, the MLP chunked along the sequence)",
      "--distribute-saved-activations --mlp-chunks-for-training"),
-    ("an unpadded or explicitly padded vocabulary (--make-vocab-size-divisible-by sets the "
+    ("unpadded or explicitly padded vocabulary (--make-vocab-size-divisible-by sets the "
      "padding)", "--no-pad-vocab-size --disable-pad-vocab-size --padded-vocab-size"),
     ("tokenizer option of this kind (SentencePiece whitespace and legacy modes, slow HF "
      "tokenizers, remote code, tokenizer metadata files, gigatoken, SFT prompt formats)",
@@ -360,15 +378,15 @@ NOT_BUILT: Dict[str, str] = _expand([
      "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
      "--tokenizer-sentencepiece-legacy --tokenizer-hf-no-use-fast --trust-remote-code "
      "--tokenizer-metadata --use-gigatoken --sft-tokenizer-prompt-format"),
-    ("keeping pad tokens that share their id with another special token in the loss (the "
-     "datasets here mask no pad tokens)", "--allow-ambiguous-pad-tokens"),
+    ("loss over pad tokens that share their id with another special token (the datasets "
+     "here mask no pad tokens)", "--allow-ambiguous-pad-tokens"),
     ("schedule or data option of this kind (phase transitions, skipped iterations, shrinking "
      "the batch to fit, full-validation passes)",
      "--phase-transition-iterations --iterations-to-skip --decrease-batch-size-if-needed "
      "--full-validation"),
-    ("loading fp32 main params from a checkpoint whose optimizer is not loaded",
+    ("load of fp32 main params from a checkpoint whose optimizer is not loaded",
      "--load-main-params-from-ckpt"),
-    ("taking the parallel sizes from the --load checkpoint (give them as flags)",
+    ("parallel sizes taken from the --load checkpoint (give them as flags)",
      "--use-mp-args-from-checkpoint-args"),
     ("diagnostics of this kind (dumps of params, activations, grads or routing every N "
      "iterations, GPU sniff tests, energy, device memory and attention-logit logging, a "
@@ -391,6 +409,8 @@ NOT_BUILT: Dict[str, str] = _expand([
      "process-group timeout after the first iteration, YAML argument files)",
      "--fake-process-group --lazy-mpu-init --distributed-timeout-seconds-after-init "
      "--yaml-cfg"),
+    ("hybrid layer allocation by ratios (core_v0.16.1; give --hybrid-layer-pattern)",
+     "--hybrid-attention-ratio --hybrid-mlp-ratio"),
     ("switch for the hybrid model (--hybrid-layer-pattern builds it here: give that and "
      "drop this)", "--is-hybrid-model"),
 ])

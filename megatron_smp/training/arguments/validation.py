@@ -221,6 +221,16 @@ def _validate_feature_combinations(configs: Configs) -> None:
 def _validate_data_flags(configs: Configs) -> None:
     """SFT packing, packed documents under context parallelism, the dataset paths."""
     data, parallel = configs.data, configs.parallel
+    if data.fim_data:
+        if data.mock_data:
+            raise ConfigError("--fim-data rearranges real text: it does not take --mock-data "
+                              "(as in Megatron-LM); give --data-path")
+        for flag, rate in (("--fim-rate", data.fim_rate), ("--fim-spm-rate", data.fim_spm_rate),
+                           ("--fim-fragment-rate", data.fim_fragment_rate)):
+            if rate is not None and not 0.0 <= rate <= 1.0:
+                raise ConfigError(f"{flag} is a probability: between 0 and 1, got {rate}")
+        if (data.fim_split_sample is None) != (data.fim_fragment_rate is None):
+            raise ConfigError("--fim-split-sample and --fim-fragment-rate go together")
     if data.sft:
         # Packing is computed in memory from the conversation lengths; these flags shape
         # pretraining samples only, and the loss mask comes from the data.

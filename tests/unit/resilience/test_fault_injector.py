@@ -68,3 +68,30 @@ def test_faults_happen_to_the_process(fault, returncode):
             assert proc.wait(timeout=60) == returncode
     finally:
         proc.kill()
+
+
+def test_only_the_first_attempt_injects(monkeypatch):
+    """No fault after a restart: torchrun's, a SLURM requeue's, or an in-process one."""
+    import torch
+
+    from megatron_smp.parallel_state import set_inprocess_attempt
+    from megatron_smp.resilience.fault_injector import FaultInjector
+
+    config = ResilienceConfig(fault_injector_ranks="0", fault_injector_fault_types="crash",
+                              fault_injector_fault_delay=0.2)
+
+    def active():
+        return FaultInjector(config, 0, 1, torch.device("cpu"), log=lambda line: None).active
+
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert active()
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.setenv(name, "1")
+        assert not active()
+        monkeypatch.setenv(name, "0")
+    set_inprocess_attempt(1)
+    try:
+        assert not active()
+    finally:
+        set_inprocess_attempt(0)

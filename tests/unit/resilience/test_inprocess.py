@@ -94,3 +94,31 @@ def test_abort_shuts_down_new_connections_but_not_the_stores():
     assert store_accepted.recv(1) == b"x"  # the store's connection is untouched
     for sock in (store_server, store_client, store_accepted, server, client, accepted):
         sock.close()
+
+
+def _ddp_freed_after_remove_hooks(rank, world_size):
+    import gc
+    import weakref
+
+    import torch
+
+    from megatron_smp.config import OptimizerConfig, ParallelConfig
+    from megatron_smp.distributed import DistributedDataParallel
+    from megatron_smp.parallel_state import build_parallel_state
+
+    state = build_parallel_state(ParallelConfig())
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4), OptimizerConfig(), state)
+    ddp.module(torch.ones(2, 4)).sum().backward()  # the hooks ran once
+    alive = weakref.ref(ddp)
+    ddp.remove_hooks()  # what a failed run does before it restarts in process
+    del ddp
+    gc.collect()
+    return alive() is None
+
+
+def test_a_failed_runs_data_parallel_wrapper_is_freed():
+    """The failed run's DistributedDataParallel (its grad buffers, its process groups) is
+    freed once its hooks are removed: a restart in process does not keep the old model."""
+    from megatron_smp.testing import run_distributed
+
+    assert run_distributed(_ddp_freed_after_remove_hooks, 1, timeout=120) == [True]

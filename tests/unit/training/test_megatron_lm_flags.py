@@ -15,31 +15,34 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "16", "--train-iters", "2", "--mock-data", "--vocab-size", "100"]
 
 
-def test_audit_of_megatron_main_parser_finds_no_missing_flag():
-    """tests/fixtures/megatron_main_parser_flags.json: the flags Megatron-LM main's parser
-    declares (as tools/megatron_flag_audit.py --arguments reads them); each is accepted or a
-    ConfigError naming it, none rejected by argparse."""
+def test_audit_of_megatron_parsers_finds_no_missing_flag():
+    """tests/fixtures/megatron_parser_flags.json: the flags the parsers of Megatron-LM main,
+    megatron-core 0.19.2 and core_v0.16.1 declare (as tools/megatron_flag_audit.py --arguments
+    reads them); each is accepted or a ConfigError naming it, none rejected by argparse."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tools"))
     from megatron_flag_audit import audit_parser
 
-    with open(ROOT / "tests" / "fixtures" / "megatron_main_parser_flags.json") as handle:
-        specs = json.load(handle)["flags"]
-    result = audit_parser(specs)
-    assert result["missing"] == []
-    assert len(specs) == 876
-    # The tables of megatron_lm.py name flags of that parser only, each in one table.
-    declared = {spec["flag"] for spec in specs}
+    with open(ROOT / "tests" / "fixtures" / "megatron_parser_flags.json") as handle:
+        parsers = json.load(handle)["parsers"]
+    declared = set()
+    for name, rows in parsers.items():
+        specs = [dict(zip(("flag", "nargs", "type", "choices"), row)) for row in rows]
+        result = audit_parser(specs)
+        assert result["missing"] == [], name
+        for flag in megatron_lm.MEGATRON_ERRORS:
+            assert flag in result["error"], (name, flag)
+        declared |= {spec["flag"] for spec in specs}
+    assert {name: len(rows) for name, rows in parsers.items()} == {
+        "main d98e8a64dd": 876, "megatron-core 0.19.2": 845, "core_v0.16.1": 680}
+    # The tables of megatron_lm.py name flags of those parsers only, each in one table.
     tables = [set(megatron_lm.ALIASES), set(megatron_lm.NEGATED_ALIASES),
               {flag for flag, *_ in megatron_lm.IMPLEMENTED}, set(megatron_lm.IGNORED),
               set(megatron_lm.MEGATRON_ERRORS), set(megatron_lm.NEEDS_NVIDIA),
               set(megatron_lm.NOT_BUILT)]
     assert sum(len(table) for table in tables) == len(set().union(*tables))
-    assert set().union(*tables) - declared == {"--no-stream-ckpt-dequant",
-                                               "--disable-stream-ckpt-dequant"}  # 0.19.2's
-    for flag in megatron_lm.MEGATRON_ERRORS:
-        assert flag in result["error"]
+    assert set().union(*tables) <= declared
 
 
 def _fields(configs):
@@ -139,6 +142,21 @@ def _ckpt_runs(rank, world_size, runs):
     out = [{name: (weights[1][name][:10] / weights[0][name][:10]).mean().item()
             if "embedding" in name else bool(torch.equal(weights[0][name], weights[1][name]))
             for name in weights[0]}]
+    # --init-method-xavier-uniform: each matrix uniform within sqrt(6 / (fan in + fan out)).
+    model_parallel_seed(1234, state)
+    model = GPTModel(parse_args(BASE + ["--untie-embeddings-and-output-weights",
+                                       "--init-method-xavier-uniform"])
+                     .model.replace(vocab_size=100), state)
+    xavier = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 2:
+            # The vocabulary's tables are drawn over its 100 rows (the padding stays zero).
+            vocabulary = "word_embeddings" in name or "output_layer" in name
+            weight = param.detach()[:100] if vocabulary else param.detach()
+            bound = (6 / (weight.shape[0] + weight.shape[1])) ** 0.5
+            xavier[name] = (weight.abs().max().item() / bound,
+                            weight.std().item() / (bound / 3 ** 0.5))
+    out.append(xavier)
     for argv in runs:
         try:
             result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
@@ -151,7 +169,8 @@ def _ckpt_runs(rank, world_size, runs):
 
 
 def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
-    """--embedding-init-method-std scales the embeddings' draws, nothing else. Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
+    """--embedding-init-method-std scales the embeddings' draws, nothing else;
+    --init-method-xavier-uniform draws every matrix (embeddings included) Xavier-uniform. Saves at 2 and 4 of a 4-iteration run; --ckpt-step 2 resumes from iteration 2 (not the
     tracker's 4): iterations 3 and 4 again, with the first run's losses. An empty --load with
     --exit-on-missing-checkpoint is an error, not a run from scratch."""
     from megatron_smp.testing import run_distributed
@@ -162,8 +181,11 @@ def test_ckpt_step_and_exit_on_missing_checkpoint(tmp_path):
     first = argv + ["--save", save, "--save-interval", "2"]
     again = argv + ["--load", save, "--ckpt-step", "2"]
     missing = argv + ["--load", str(tmp_path / "empty"), "--exit-on-missing-checkpoint"]
-    (scaled, whole, resumed, error), = run_distributed(_ckpt_runs, 1,
-                                                       args=([first, again, missing],))
+    (scaled, xavier, whole, resumed, error), = run_distributed(_ckpt_runs, 1,
+                                                               args=([first, again, missing],))
+    assert len(xavier) == 11  # word and position tables, 2 x (qkv, proj, fc1, fc2), output
+    for name, (largest, std) in xavier.items():
+        assert 0.9 < largest <= 1.0 and std == pytest.approx(1.0, abs=0.15), name
     embeddings = {name: ratio for name, ratio in scaled.items() if "embedding" in name}
     assert len(embeddings) == 2  # word and position tables: 0.5 / 0.02 = 25 x the draws
     assert all(ratio == pytest.approx(25.0, rel=1e-5) for ratio in embeddings.values()), scaled

@@ -6,7 +6,7 @@ world 2: their median ratio within 15%, each within [0.6, 1.6]. Other sessions l
 machine, so the prediction is made at the share of a core the ranks got over the timed
 iterations while not in the pipeline bubble (their CPU time / wall time, `busy_share`); that
 share moves within a run (runs of the full table at load 4-34 gave per-layout medians
-0.87-1.12, single runs 0.81-1.32; tools/bench/planner_cpu.py prints the table).""" 
+0.88-1.12, single runs 0.81-1.37; tools/bench/planner_cpu.py prints the table).""" 
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
