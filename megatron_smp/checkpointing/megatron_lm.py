@@ -934,17 +934,11 @@ def save_legacy_checkpoint_streaming(
                 for stage, local in placements[name]:
                     for rank in range(tp):
                         offset, nbytes = offsets[(stage, rank)][_megatron_name(local)]
-                        crc = 0
-                        handle = handles[(stage, rank)]
-                        handle.seek(offset)
-                        for piece in _shard_pieces(local, tensor, config, tp, rank, layout):
-                            crc = _write_bytes(handle, piece, crc)
-                            nbytes -= piece.numel() * piece.element_size()
-                        if nbytes:
-                            raise CheckpointError(f"{local}: its shard does not fill the "
-                                                  "bytes laid out for it")
-                        crcs[(stage, rank)][offset] = crc
-                del tensor
+                        crcs[(stage, rank)][offset] = _write_shard(
+                            handles[(stage, rank)], offset, nbytes,
+                            _shard_pieces(local, tensor, config, tp, rank, layout), local)
+                del tensor  # (nothing else refers to it: it is freed now)
+            del tensors
     finally:
         for handle in handles.values():
             handle.close()
@@ -980,6 +974,21 @@ def _shard_pieces(name: str, tensor: torch.Tensor, config: TransformerConfig, tp
         if end > max(begin, rows):
             pieces.append(tensor.new_zeros((end - max(begin, rows),) + tuple(tensor.shape[1:])))
     return pieces
+
+
+def _write_shard(handle, offset: int, nbytes: int, pieces: List[torch.Tensor],
+                 name: str) -> int:
+    """Write `pieces` one after the other at `offset`, filling the `nbytes` laid out for
+    them; their CRC-32."""
+    crc = 0
+    handle.seek(offset)
+    while pieces:
+        piece = pieces.pop(0)
+        crc = _write_bytes(handle, piece, crc)
+        nbytes -= piece.numel() * piece.element_size()
+    if nbytes:
+        raise CheckpointError(f"{name}: its shard does not fill the bytes laid out for it")
+    return crc
 
 
 def _write_bytes(handle, tensor: torch.Tensor, crc: int) -> int:
