@@ -254,6 +254,19 @@ def release_pages(tensors) -> None:
             _release(storage.data_ptr(), storage.data_ptr() + storage.nbytes(), mapped)
 
 
+def release_mapped_files() -> None:
+    """Give back every page of the files `load_mapped` mapped that is still in this process
+    (madvise MADV_DONTNEED of their whole mappings). Released ranges do not stay released:
+    the kernel maps a faulting page's neighbours that are in the page cache too (fault-around,
+    readahead), so reading one piece maps pages of the piece before it, already released, and
+    of the tensors around it. Called once a reader is done with a group of tensors, so what
+    stays mapped cannot grow with the number of groups read. The mapped tensors are only read
+    from, never written: their pages are the file's, read again if touched again."""
+    mapped = _mapped_ranges() if _MAPPED_FILES else None
+    for low, high in mapped or ():
+        _release(low, high, [(low, high)])
+
+
 # The piece `copy_into` copies before releasing the pages it read.
 _PIECE = 1 << 20
 
@@ -731,6 +744,7 @@ class LegacySource:
                     if rows is not None and local.endswith(VOCAB_PARALLEL_SUFFIXES):
                         tensor = tensor[:rows].clone()
                     out[wanted[local]] = tensor
+        release_mapped_files()
         return out
 
     def _join_rows(self, name: str, pieces: List[torch.Tensor],
@@ -1068,6 +1082,7 @@ __all__ = [
     "save_legacy_checkpoint_streaming",
     "copy_into",
     "release_pages",
+    "release_mapped_files",
     "extra_state_names",
     "describe",
 ]

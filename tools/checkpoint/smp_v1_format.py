@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from megatron_smp.checkpointing.megatron_lm import copy_into, load_mapped, release_pages
+from megatron_smp.checkpointing.megatron_lm import (copy_into, load_mapped, release_mapped_files,
+                                                     release_pages)
 from megatron_smp.config import ConfigError, TransformerConfig
 from megatron_smp.models.hf import family_of, get_adapter
 from megatron_smp.models.hf.smp_v1 import (
@@ -256,6 +257,7 @@ class _V1Source:
                     tensor = copy
                 keep[name] = tensor
             release_pages(real.values())
+            release_mapped_files()
         missing = [name for name in names if name not in out]
         if missing:
             raise ConfigError(f"SMP v1's translator computes {listing(missing)} from tensors of "
