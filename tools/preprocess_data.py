@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import queue
 import sys
+import threading
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -172,6 +173,14 @@ def output_prefix(args: argparse.Namespace, key: str) -> str:
     return f"{args.output_prefix}_{key}_document"
 
 
+def _worker_context():
+    """fork when this process has no other thread (it shares the imported modules for free);
+    forkserver otherwise: a fork taken while another thread (a test runner's, a notebook's,
+    a server's) holds a lock leaves the child waiting on that lock forever."""
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    return multiprocessing.get_context(method)
+
+
 def preprocess(args: argparse.Namespace, log=None) -> Dict[str, float]:
     """Run the conversion; returns counts and throughput. Raises BadInputError on bad input."""
     log = log or sys.stderr
@@ -186,8 +195,8 @@ def preprocess(args: argparse.Namespace, log=None) -> Dict[str, float]:
 
     pool = None
     if args.workers > 1:
-        # Workers only tokenise; fork shares the already-imported modules.
-        context = multiprocessing.get_context("fork")
+        # Workers only tokenise.
+        context = _worker_context()
         pool = context.Pool(args.workers, initializer=encoder.initializer)
         encoded = pool.imap(encoder.encode, read_lines(args.input), chunksize=64)
     else:
@@ -298,7 +307,7 @@ def preprocess_partitioned(args: argparse.Namespace, log=None) -> Dict[str, floa
             part.output_prefix = os.path.join(scratch, f"part_{index}")
             part.workers = args.workers // args.partitions
             parts.append(part)
-        context = multiprocessing.get_context("fork")
+        context = _worker_context()
         results = context.Queue()
         processes = [context.Process(target=_preprocess_partition, args=(part, results))
                      for part in parts]

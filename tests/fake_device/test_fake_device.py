@@ -128,7 +128,7 @@ def test_alltoall_dispatch_reads_its_counts_once(monkeypatch):
     with FakeDevice() as device:
         monkeypatch.setattr(token_dispatcher, "group_size", lambda g: 2 if g == "ep" else 1)
         dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher(
-            4, [0, 1], SimpleNamespace(tp_group="tp", ep_group="ep"))
+            4, [0, 1], SimpleNamespace(tp_group="tp", etp_group="tp", ep_group="ep"))
         probs, routing_map = topk_routing(logits.to(device.device), 2)
         rows, tokens_per_expert = dispatcher.dispatch(tokens.to(device.device), probs,
                                                       routing_map)

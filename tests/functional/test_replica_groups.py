@@ -33,6 +33,7 @@ _ITER = re.compile(r" iteration +(\d+)/ *\d+ \| consumed samples: +(\d+) \|.*"
                    r"number of skipped iterations: +(\d+)")
 _GRAD_NORM = re.compile(r" iteration +(\d+)/.*\| lm loss: ([-+\dEe.]+) \|.*grad norm: ([\d.]+) \|")
 _QUORUM = re.compile(r"replica group (\d): iteration (\d+): (\d) of 2 replica groups")
+_NOT_COMMITTED = re.compile(r"replica group 0: iteration (\d+) not committed")
 _SENT = re.compile(r"replica group (\d): sent iteration (\d+)'s state .* weights sha1 (\w+)")
 _RECOVERED = re.compile(r"replica group (\d): recovered iteration (\d+)'s .* weights sha1 (\w+)")
 _FINISHED = re.compile(r"replica group (\d): finished at iteration (\d+), weights sha1 (\w+)")
@@ -128,12 +129,15 @@ def test_a_killed_replica_group_rejoins_without_stopping_the_other(tmp_path):
     joined = _RECOVERED.search(text0)
     first = int(joined.group(2)) + 1 if joined else 1
     assert iterations0 == list(range(first, ITERS + 1)), text0[-3000:]
-    # Its quorum: both groups, then itself alone after the kill, then both again.
+    # The kill reached group 0 in the step it had in flight (not committed, no update); its
+    # quorum then held itself alone until group 1 was back, or -- when the restarted group 1
+    # was already waiting at group 0's next quorum (a loaded machine) -- both groups at once.
+    failed = [int(i) for i in _NOT_COMMITTED.findall(text0)]
+    assert [i for i in failed if killed_at <= i <= killed_at + 2], (killed_at, failed)
     quorums0 = [(int(i), int(n)) for g, i, n in _QUORUM.findall(text0)]
     counts = [n for _, n in quorums0]
     alone = [i for i, n in quorums0 if n == 1 and i > killed_at]
-    assert alone and counts[-1] == 2, quorums0
-    rejoined = [i for i, n in quorums0 if n == 2 and i > alone[0]][0]
+    assert counts[-1] == 2, quorums0
     # Group 1 restarted: it took group 0's state (the same weights, bit for bit) and went on
     # from group 0's iteration.
     sent = list(_SENT.finditer(text0))[-1] if _SENT.search(text0) else None
@@ -142,7 +146,9 @@ def test_a_killed_replica_group_rejoins_without_stopping_the_other(tmp_path):
     assert sent.group(1) == "0" and recovered.group(1) == "1"
     assert sent.group(2) == recovered.group(2) and sent.group(3) == recovered.group(3)
     step = int(recovered.group(2))
-    assert step + 1 == rejoined, (step, quorums0)
+    rejoined = step + 1
+    if alone:
+        assert [i for i, n in quorums0 if n == 2 and i > alone[0]][0] == rejoined, quorums0
     iterations1b = [int(m.group(1)) for m in _ITER.finditer(text1b)]
     assert iterations1b == list(range(step + 1, ITERS + 1))
     consumed0 = {int(m.group(1)): int(m.group(2)) for m in _ITER.finditer(text0)}
@@ -161,6 +167,7 @@ def test_a_killed_replica_group_rejoins_without_stopping_the_other(tmp_path):
     finished = {m.group(1): (int(m.group(2)), m.group(3)) for m in _FINISHED.finditer(
         text0 + text1b)}
     assert finished["0"] == finished["1"] and finished["0"][0] == ITERS, finished
-    print(f"\nkilled at iteration {killed_at}; group 0 alone from iteration {alone[0]}; group 1 "
+    print(f"\nkilled at iteration {killed_at}; group 0 alone from iteration "
+          f"{alone[0] if alone else '-'}; group 1 "
           f"recovered iteration {step} (weights sha1 {sent.group(3)[:12]}) and rejoined at "
           f"{rejoined}; both finished with sha1 {finished['0'][1][:12]}")
