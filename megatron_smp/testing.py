@@ -60,6 +60,9 @@ def _child(
 ) -> None:
     # A crash in native code (exit code -11) then prints each thread's Python stack.
     faulthandler.enable(all_threads=True)
+    # The forkserver's environment is the parent's when the forkserver started (an earlier
+    # test's monkeypatched variables included): a child takes the parent's environment of now.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         {
@@ -139,7 +142,7 @@ def run_distributed(
                 collective_timeout,
                 tuple(args),
                 dict(kwargs or {}),
-                dict(env or {}),
+                {**os.environ, **(env or {})},
                 results,
             ),
             daemon=True,

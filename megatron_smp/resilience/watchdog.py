@@ -117,6 +117,7 @@ class ProgressWatchdog:
         self.store, self.save_dir = store, save_dir
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._exit = exit
+        self._hang_reported = False  # this rank is stopping the job for a hang (exit 75)
         self.section_timeouts = parse_section_timeouts(config.ft_rank_section_timeouts)
         self.out_of_section_timeout = config.ft_rank_out_of_section_timeout
         self._load_state()
@@ -267,6 +268,14 @@ class ProgressWatchdog:
     def close(self, failed: bool = False) -> None:
         """The run ended (normally: learn the timeouts a last time), tell the watchers this
         rank is done (its heartbeats stop), stop the thread."""
+        if failed and self._hang_reported:
+            # The main thread failed (a peer's exit closed its connections) while the watchdog
+            # was stopping the job for a hang: the process ends with the hang's status all the
+            # same, so that the launcher sees the distinct code and restarts the job.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._exit(HANG_EXIT_CODE)
+            return
         if not failed:
             self.maybe_update_timeouts(closing=True)
         with self._lock:
@@ -417,6 +426,8 @@ class ProgressWatchdog:
         if winner != report:
             self._join_fault(winner)
             return
+        self._hang_reported = not (report.endswith(_INPROCESS_ACTION)
+                                   and self._interrupt is not None)
         self._log(report)
         # The others read the report at their next heartbeat and stop themselves (with their
         # stacks in the log), rather than die of closed connections; then the frozen ranks go.
@@ -452,6 +463,7 @@ class ProgressWatchdog:
 
     def _stop_job(self, message: Optional[str], in_process: bool = False,
                   reason: Optional[str] = None) -> None:
+        self._hang_reported = not (in_process and self._interrupt is not None)
         if message:
             self._log(message)
         self.fault_report = message

@@ -53,6 +53,22 @@ def test_step_timeout_names_the_rank_with_its_stack():
     assert "in _blocked_on_storage" in report and "event.wait(seconds)" in report
 
 
+def test_a_run_failing_while_its_watchdog_reports_a_hang_exits_with_the_hang_code():
+    """A peer's exit can break this rank's collective while its watchdog, having named the
+    hang, waits for the others to read the report: the process still ends with status 75."""
+    config = ResilienceConfig(enable_ft_package=True, ft_num_warmup_iters=0,
+                              ft_rank_section_timeouts="step:0.5", ft_heartbeat_interval=2,
+                              ft_rank_heartbeat_timeout=30)
+    watchdog, lines, exit = _watchdog(config)
+    watchdog.step_started(1)
+    deadline = time.monotonic() + 20
+    while not any("hang detected" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exit.codes == []  # still waiting 2.5 heartbeat intervals for the others
+    watchdog.close(failed=True)  # the main thread's collective failed meanwhile
+    assert exit.codes == [HANG_EXIT_CODE]
+
+
 def test_silent_neighbour_is_named_and_killed_on_this_host(monkeypatch):
     """Rank 1's monitor stops (a frozen process): rank 0 names it after the heartbeat timeout
     and SIGKILLs its process (here a stand-in `sleep`, the pid rank 1's heartbeats give)."""
